@@ -1,1 +1,27 @@
-//! tandem-dist
+//! tandem-dist: what Tandem's data-parallel training needs from the network.
+//!
+//! - [`StoreServer`] / [`StoreClient`]: the rendezvous store (the role of c10d's TCPStore),
+//!   authenticated by a shared [`JobToken`].
+//! - [`ProcessGroup`]: ranks found through the store, linked in a TCP ring, with pipelined ring
+//!   collectives (all-reduce, broadcast, all-gather, reduce-scatter, barrier). Every operation
+//!   has a deadline and a failed peer is named in the error of every rank.
+//! - [`CommThread`]: a thread that owns the group and runs submitted collectives in order,
+//!   so communication overlaps computation.
+//! - [`cluster`]: the launch environments of torchrun, ModelArts, Slurm, Open MPI and Kubeflow.
+
+mod auth;
+pub mod cluster;
+mod comm_thread;
+mod element;
+mod error;
+mod group;
+mod link;
+mod ring;
+mod store;
+
+pub use auth::{JobToken, JOB_TOKEN_ENV};
+pub use comm_thread::{CommThread, Pending};
+pub use element::{chunk_range, Element, ReduceOp};
+pub use error::{DistError, Result};
+pub use group::{ProcessGroup, ProcessGroupOptions, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT, HOST_ENV, MAX_BROADCAST_BYTES};
+pub use store::{StoreClient, StoreServer, MAX_KEY_BYTES, MAX_VALUE_BYTES};

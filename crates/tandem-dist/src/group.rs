@@ -1,0 +1,416 @@
+//! The process group: rendezvous through the store, a ring of authenticated TCP links, and
+//! the collectives on top of it.
+//!
+//! Rendezvous: every rank listens on a free port, publishes `host:port` under
+//! `{prefix}/addr/{rank}`, waits for all ranks' addresses, then connects to its right
+//! neighbour while accepting its left one. A failed collective closes both links (so the
+//! neighbours fail at once and the failure travels around the ring) after publishing its
+//! cause under `{prefix}/abort`, so that every rank reports the rank that actually failed.
+
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::time::{Duration, Instant};
+
+use crate::auth::JobToken;
+use crate::element::{chunk_range, Element, ReduceOp};
+use crate::error::{DistError, Result};
+use crate::link::{collective, collective_name, kind, resolve, PeerLink};
+use crate::ring::{all_gather_plan, all_reduce_plan, broadcast_plan, reduce_scatter_plan, run_plan, Ring};
+use crate::store::{StoreClient, StoreServer};
+
+/// The default timeout of every operation: 5 minutes.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+/// The default size of one ring message.
+pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
+/// The environment variable that overrides the address this rank advertises to its peers.
+pub const HOST_ENV: &str = "TANDEM_HOST";
+/// The largest buffer [`ProcessGroup::broadcast_bytes`] accepts from the root.
+pub const MAX_BROADCAST_BYTES: u64 = 1 << 32;
+/// How long a failing rank spends publishing its failure in the store.
+const ABORT_PUBLISH_LIMIT: Duration = Duration::from_secs(2);
+
+/// How to join a process group.
+#[derive(Debug, Clone)]
+pub struct ProcessGroupOptions {
+    /// This process's rank, `0..world_size`.
+    pub rank: usize,
+    /// The number of ranks.
+    pub world_size: usize,
+    /// Host of the store.
+    pub master_addr: String,
+    /// Port of the store.
+    pub master_port: u16,
+    /// The job's shared secret.
+    pub token: JobToken,
+    /// Bound on the rendezvous and on every collective.
+    pub timeout: Duration,
+    /// Whether rank 0 serves the store itself (at `master_addr:master_port`).
+    pub host_store: bool,
+    /// Namespace of this group's keys in the store, e.g. one per restart round.
+    pub prefix: String,
+    /// The address peers should use to reach this rank; by default the interface that
+    /// reaches the store.
+    pub advertise_host: Option<String>,
+    /// Size of one ring message; smaller pipelines better, larger costs fewer system calls.
+    pub segment_bytes: usize,
+}
+
+impl ProcessGroupOptions {
+    /// Options with the defaults: 5-minute timeout, rank 0 hosts the store, prefix "pg", the
+    /// advertised host from `TANDEM_HOST` when set, 1 MiB segments.
+    pub fn new(rank: usize, world_size: usize, master_addr: &str, master_port: u16, token: JobToken) -> Self {
+        ProcessGroupOptions {
+            rank,
+            world_size,
+            master_addr: master_addr.to_string(),
+            master_port,
+            token,
+            timeout: DEFAULT_TIMEOUT,
+            host_store: true,
+            prefix: "pg".into(),
+            advertise_host: std::env::var(HOST_ENV).ok().filter(|host| !host.is_empty()),
+            segment_bytes: DEFAULT_SEGMENT_BYTES,
+        }
+    }
+}
+
+/// One rank's membership of a group: its links to the ring neighbours and the store.
+pub struct ProcessGroup {
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    segment_bytes: usize,
+    prefix: String,
+    store: StoreClient,
+    links: Option<Links>,
+    sequence: u64,
+    failure: Option<DistError>,
+    // Declared last: dropped after the client and links, so rank 0 serves until it leaves.
+    _server: Option<StoreServer>,
+}
+
+/// The two ring links; for two ranks both lead to the same peer over separate connections.
+struct Links {
+    left: PeerLink,
+    right: PeerLink,
+}
+
+impl ProcessGroup {
+    /// Joins the group: serves the store on rank 0 if asked, then finds every rank through the
+    /// store and connects the ring. Fails within `opts.timeout` naming the ranks that never came.
+    pub fn connect(opts: ProcessGroupOptions) -> Result<ProcessGroup> {
+        if opts.world_size == 0 || opts.rank >= opts.world_size {
+            return Err(DistError::InvalidArgument(format!(
+                "rank {} is not within a world of size {}",
+                opts.rank, opts.world_size
+            )));
+        }
+        let deadline = Instant::now() + opts.timeout;
+        let master = format!("{}:{}", opts.master_addr, opts.master_port);
+        let store_addr = resolve(&master).map_err(|message| DistError::StoreUnreachable {
+            addr: master.clone(),
+            timeout: opts.timeout,
+            message: format!("the store address {message}"),
+        })?;
+        let server = match opts.host_store && opts.rank == 0 {
+            true => Some(StoreServer::bind(store_addr, opts.token.clone())?),
+            false => None,
+        };
+        let store = StoreClient::connect(store_addr, &opts.token, opts.timeout)?;
+        let mut group = ProcessGroup {
+            rank: opts.rank,
+            world_size: opts.world_size,
+            timeout: opts.timeout,
+            segment_bytes: opts.segment_bytes.max(8),
+            prefix: opts.prefix.clone(),
+            store,
+            links: None,
+            sequence: 0,
+            failure: None,
+            _server: server,
+        };
+        group.check_world_size()?;
+        if opts.world_size > 1 {
+            group.links = Some(group.connect_ring(&opts, deadline)?);
+        }
+        Ok(group)
+    }
+
+    /// Records the world size under a shared key; a rank that disagrees fails at once.
+    fn check_world_size(&self) -> Result<()> {
+        let key = format!("{}/world_size", self.prefix);
+        let mine = self.world_size.to_string();
+        let stored = self.store.compare_set(&key, None, mine.as_bytes())?;
+        if stored != mine.as_bytes() {
+            return Err(DistError::InvalidArgument(format!(
+                "rank {} has world size {} but the group was started with world size {}",
+                self.rank,
+                self.world_size,
+                String::from_utf8_lossy(&stored)
+            )));
+        }
+        Ok(())
+    }
+
+    fn connect_ring(&self, opts: &ProcessGroupOptions, deadline: Instant) -> Result<Links> {
+        let host = match &opts.advertise_host {
+            Some(host) => host.clone(),
+            None => self.store.local_addr()?.ip().to_string(),
+        };
+        let listener = bind_listener(&host)?;
+        let port = listener.local_addr().map_err(|error| DistError::io("read the peer listener's address", &error))?.port();
+        let my_addr = join_host_port(&host, port);
+        self.store.set(&self.addr_key(self.rank), my_addr.as_bytes())?;
+
+        let addresses = self.wait_for_addresses(deadline)?;
+        let right_rank = (self.rank + 1) % self.world_size;
+        let left_rank = (self.rank + self.world_size - 1) % self.world_size;
+        let right_addr = addresses.get(right_rank).cloned().unwrap_or_default();
+        let left_addr = addresses.get(left_rank).cloned().unwrap_or_default();
+        std::thread::scope(|scope| {
+            let left = scope.spawn(|| PeerLink::accept(&listener, left_rank, &left_addr, self.world_size, &opts.token, deadline));
+            let right = PeerLink::connect(self.rank, self.world_size, right_rank, &right_addr, &opts.token, deadline);
+            let left = left.join().unwrap_or_else(|_| Err(DistError::InvalidArgument("the accept thread panicked".into())));
+            Ok(Links { left: left?, right: right? })
+        })
+    }
+
+    /// Waits until every rank has published its address; returns them in rank order.
+    fn wait_for_addresses(&self, deadline: Instant) -> Result<Vec<String>> {
+        let keys: Vec<String> = (0..self.world_size).map(|rank| self.addr_key(rank)).collect();
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let left = crate::store::remaining(deadline).unwrap_or_default();
+        match self.store.wait(&key_refs, left) {
+            Ok(()) => {}
+            Err(DistError::StoreTimeout { missing, .. }) => {
+                let missing_ranks = (0..self.world_size).filter(|rank| missing.contains(&self.addr_key(*rank))).collect();
+                return Err(DistError::RendezvousTimeout {
+                    missing: missing_ranks,
+                    world_size: self.world_size,
+                    timeout: self.timeout,
+                });
+            }
+            Err(other) => return Err(other),
+        }
+        keys.iter()
+            .map(|key| {
+                let value = self.store.get(key)?.unwrap_or_default();
+                Ok(String::from_utf8_lossy(&value).into_owned())
+            })
+            .collect()
+    }
+
+    fn addr_key(&self, rank: usize) -> String {
+        format!("{}/addr/{rank}", self.prefix)
+    }
+
+    fn abort_key(&self) -> String {
+        format!("{}/abort", self.prefix)
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The bound on each collective.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Changes the bound on each later collective.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// The connection to the job's store, for the caller's own keys.
+    pub fn store(&self) -> &StoreClient {
+        &self.store
+    }
+
+    /// Reduces `buffer` over all ranks in place; every rank ends with the same bytes.
+    pub fn all_reduce<T: Element>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<()> {
+        let plan = all_reduce_plan(self.rank, self.world_size, buffer.len(), self.segment_elements::<T>());
+        self.run(collective::ALL_REDUCE, T::CODE, buffer, &plan, op)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) on `f32`.
+    pub fn all_reduce_f32(&mut self, buffer: &mut [f32], op: ReduceOp) -> Result<()> {
+        self.all_reduce(buffer, op)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) on `f64`.
+    pub fn all_reduce_f64(&mut self, buffer: &mut [f64], op: ReduceOp) -> Result<()> {
+        self.all_reduce(buffer, op)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) on `i64`.
+    pub fn all_reduce_i64(&mut self, buffer: &mut [i64], op: ReduceOp) -> Result<()> {
+        self.all_reduce(buffer, op)
+    }
+
+    /// Copies `root`'s `buffer` into every rank's `buffer` (all ranks pass the same length).
+    pub fn broadcast<T: Element>(&mut self, buffer: &mut [T], root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let plan = broadcast_plan(self.rank, self.world_size, root, buffer.len(), self.segment_elements::<T>());
+        self.run(collective::BROADCAST, T::CODE, buffer, &plan, ReduceOp::Sum)
+    }
+
+    /// [`broadcast`](Self::broadcast) on `f32`.
+    pub fn broadcast_f32(&mut self, buffer: &mut [f32], root: usize) -> Result<()> {
+        self.broadcast(buffer, root)
+    }
+
+    /// Copies `root`'s bytes to every rank; other ranks' vectors are resized to match.
+    pub fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<()> {
+        let mut length = [bytes.len() as i64];
+        self.broadcast(&mut length, root)?;
+        let length = u64::try_from(length[0]).unwrap_or(u64::MAX);
+        if length > MAX_BROADCAST_BYTES {
+            return Err(DistError::InvalidArgument(format!(
+                "rank {root} broadcasts {length} bytes, above the limit of {MAX_BROADCAST_BYTES}"
+            )));
+        }
+        bytes.resize(length as usize, 0);
+        // Carry the bytes in whole i64 words, padding the tail.
+        let mut words = vec![0i64; bytes.len().div_ceil(8)];
+        let length = bytes.len();
+        bytemuck::cast_slice_mut::<i64, u8>(&mut words)[..length].copy_from_slice(bytes);
+        self.broadcast(&mut words, root)?;
+        bytes.copy_from_slice(&bytemuck::cast_slice::<i64, u8>(&words)[..length]);
+        Ok(())
+    }
+
+    /// Concatenates every rank's `part` in rank order; all parts must have the same length.
+    pub fn all_gather<T: Element>(&mut self, part: &[T]) -> Result<Vec<T>> {
+        let mut gathered = vec![T::zeroed(); part.len() * self.world_size];
+        let own = self.rank * part.len()..(self.rank + 1) * part.len();
+        if let Some(slot) = gathered.get_mut(own) {
+            slot.copy_from_slice(part);
+        }
+        let plan = all_gather_plan(self.rank, self.world_size, part.len(), self.segment_elements::<T>());
+        self.run(collective::ALL_GATHER, T::CODE, &mut gathered, &plan, ReduceOp::Sum)?;
+        Ok(gathered)
+    }
+
+    /// [`all_gather`](Self::all_gather) on `f32`.
+    pub fn all_gather_f32(&mut self, part: &[f32]) -> Result<Vec<f32>> {
+        self.all_gather(part)
+    }
+
+    /// Reduces `input` over all ranks and returns this rank's chunk of the result: the elements
+    /// [`chunk_range`]`(input.len(), world_size, rank)`.
+    pub fn reduce_scatter<T: Element>(&mut self, input: &[T], op: ReduceOp) -> Result<Vec<T>> {
+        let mut buffer = input.to_vec();
+        let plan = reduce_scatter_plan(self.rank, self.world_size, buffer.len(), self.segment_elements::<T>());
+        self.run(collective::REDUCE_SCATTER, T::CODE, &mut buffer, &plan, op)?;
+        let mine = chunk_range(buffer.len(), self.world_size, self.rank);
+        let mut chunk = buffer.get(mine).unwrap_or_default().to_vec();
+        if self.world_size == 1 && op == ReduceOp::Mean {
+            chunk.iter_mut().for_each(|value| *value = value.divide(1));
+        }
+        Ok(chunk)
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) on `f32`.
+    pub fn reduce_scatter_f32(&mut self, input: &[f32], op: ReduceOp) -> Result<Vec<f32>> {
+        self.reduce_scatter(input, op)
+    }
+
+    /// Returns once every rank has called `barrier`.
+    pub fn barrier(&mut self) -> Result<()> {
+        let mut count = [1i64];
+        let plan = all_reduce_plan(self.rank, self.world_size, 1, 1);
+        self.run(collective::BARRIER, i64::CODE, &mut count, &plan, ReduceOp::Sum)?;
+        match count[0] == self.world_size as i64 {
+            true => Ok(()),
+            false => Err(DistError::InvalidArgument(format!(
+                "barrier counted {} ranks in a world of {}",
+                count[0], self.world_size
+            ))),
+        }
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        match root < self.world_size {
+            true => Ok(()),
+            false => Err(DistError::InvalidArgument(format!("root {root} is not within a world of size {}", self.world_size))),
+        }
+    }
+
+    fn segment_elements<T>(&self) -> usize {
+        (self.segment_bytes / std::mem::size_of::<T>()).max(1)
+    }
+
+    /// Runs one collective's plan; the first failure poisons the group.
+    fn run<T: Element>(
+        &mut self,
+        collective: u32,
+        element_code: u32,
+        buffer: &mut [T],
+        plan: &crate::ring::Plan,
+        op: ReduceOp,
+    ) -> Result<()> {
+        if let Some(failure) = &self.failure {
+            return Err(DistError::GroupFailed(Box::new(failure.clone())));
+        }
+        self.sequence += 1;
+        let Some(links) = &self.links else {
+            return Ok(());
+        };
+        let op_name = format!("{} #{}", collective_name(collective), self.sequence);
+        let on_failure = |error: DistError| self.publish_failure(error, &op_name);
+        let ring = Ring {
+            left: &links.left,
+            right: &links.right,
+            world_size: self.world_size,
+            deadline: Instant::now() + self.timeout,
+            op: &op_name,
+            on_failure: &on_failure,
+        };
+        let result = run_plan(&ring, buffer, plan, op, kind(collective, element_code), self.sequence);
+        if let Err(error) = &result {
+            self.failure = Some(error.clone());
+        }
+        result
+    }
+
+    /// Publishes this rank's failure under the abort key unless another rank was first; then
+    /// the earlier report is the root cause to return.
+    fn publish_failure(&self, error: DistError, op: &str) -> DistError {
+        let report = format!("rank {} reported: {error}", self.rank);
+        let timeout = ABORT_PUBLISH_LIMIT.min(self.timeout);
+        match self.store.compare_set_within(&self.abort_key(), None, report.as_bytes(), timeout) {
+            Ok(stored) if stored != report.as_bytes() => {
+                DistError::Aborted { op: op.to_string(), report: String::from_utf8_lossy(&stored).into_owned() }
+            }
+            // Published, or the store is gone (it may have lived in the failed rank): our own view stands.
+            _ => error,
+        }
+    }
+}
+
+/// Binds the peer listener on the advertised address when it is a local IP, else on all interfaces.
+fn bind_listener(host: &str) -> Result<TcpListener> {
+    let ip = match host.parse::<IpAddr>() {
+        Ok(ip) => ip,
+        Err(_) => IpAddr::from([0, 0, 0, 0]),
+    };
+    let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+        .or_else(|_| TcpListener::bind(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 0)))
+        .map_err(|error| DistError::io(format!("bind the peer listener for {host}"), &error))?;
+    listener.set_nonblocking(true).map_err(|error| DistError::io("make the peer listener non-blocking", &error))?;
+    Ok(listener)
+}
+
+/// `host:port`, with brackets around IPv6 addresses.
+fn join_host_port(host: &str, port: u16) -> String {
+    match host.parse::<IpAddr>() {
+        Ok(IpAddr::V6(_)) => format!("[{host}]:{port}"),
+        _ => format!("{host}:{port}"),
+    }
+}

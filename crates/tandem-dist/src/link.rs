@@ -1,0 +1,285 @@
+//! A ring link: an authenticated TCP connection to one neighbouring rank, carrying
+//! messages that each start with a header the receiver checks against what it expects.
+//!
+//! ```text
+//! hello   (connector -> acceptor, once, after the token handshake) = u64 rank, u64 world size
+//! message = u64 collective number, u32 kind, u32 zero, u64 byte length, then the bytes
+//! ```
+//! The receiver always knows how many bytes to expect, so it never allocates from a length it
+//! reads; a header that disagrees fails the collective with an error naming the sender.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::auth::{accept_handshake, connect_handshake, is_closed, ConnectError, JobToken, Purpose};
+use crate::error::{DistError, Result};
+use crate::store::remaining;
+
+const HEADER_BYTES: usize = 24;
+const HELLO_BYTES: usize = 16;
+/// The longest a stranger may hold the accept loop with an unfinished handshake.
+const HANDSHAKE_LIMIT: Duration = Duration::from_secs(5);
+const RETRY_PAUSE: Duration = Duration::from_millis(20);
+const ACCEPT_POLL: Duration = Duration::from_millis(2);
+
+/// The header of one message: which collective, which kind, how many bytes follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    /// The collective's number in this group, counted the same on every rank.
+    pub sequence: u64,
+    /// The collective and element type, see [`kind_name`].
+    pub kind: u32,
+    /// The payload's length.
+    pub bytes: u64,
+}
+
+impl Header {
+    fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut out = [0u8; HEADER_BYTES];
+        out[..8].copy_from_slice(&self.sequence.to_le_bytes());
+        out[8..12].copy_from_slice(&self.kind.to_le_bytes());
+        out[16..].copy_from_slice(&self.bytes.to_le_bytes());
+        out
+    }
+
+    fn decode(bytes: &[u8; HEADER_BYTES]) -> Header {
+        let mut sequence = [0u8; 8];
+        let mut kind = [0u8; 4];
+        let mut length = [0u8; 8];
+        sequence.copy_from_slice(&bytes[..8]);
+        kind.copy_from_slice(&bytes[8..12]);
+        length.copy_from_slice(&bytes[16..]);
+        Header { sequence: u64::from_le_bytes(sequence), kind: u32::from_le_bytes(kind), bytes: u64::from_le_bytes(length) }
+    }
+}
+
+/// The collectives, as the high byte of a header's kind.
+pub(crate) mod collective {
+    pub const ALL_REDUCE: u32 = 1;
+    pub const BROADCAST: u32 = 2;
+    pub const ALL_GATHER: u32 = 3;
+    pub const REDUCE_SCATTER: u32 = 4;
+    pub const BARRIER: u32 = 5;
+}
+
+/// The name of a collective as used in errors, e.g. "all_reduce".
+pub(crate) fn collective_name(collective: u32) -> &'static str {
+    match collective {
+        collective::ALL_REDUCE => "all_reduce",
+        collective::BROADCAST => "broadcast",
+        collective::ALL_GATHER => "all_gather",
+        collective::REDUCE_SCATTER => "reduce_scatter",
+        collective::BARRIER => "barrier",
+        _ => "unknown collective",
+    }
+}
+
+fn kind_name(kind: u32) -> String {
+    let element = match kind & 0xff {
+        1 => "f32",
+        2 => "f64",
+        3 => "i64",
+        _ => "bytes",
+    };
+    format!("{} of {element}", collective_name(kind >> 8))
+}
+
+/// A connection to a neighbour, named by its rank and advertised address in every error.
+pub(crate) struct PeerLink {
+    rank: usize,
+    addr: String,
+    stream: TcpStream,
+}
+
+impl PeerLink {
+    /// Connects to rank `peer_rank` at `addr` (`host:port`), retrying until `deadline` while it
+    /// is not listening yet, proves the token and introduces this rank.
+    pub(crate) fn connect(
+        my_rank: usize,
+        world_size: usize,
+        peer_rank: usize,
+        addr: &str,
+        token: &JobToken,
+        deadline: Instant,
+    ) -> Result<PeerLink> {
+        let failure = |what: String| DistError::Peer {
+            rank: peer_rank,
+            addr: addr.to_string(),
+            what,
+            op: "rendezvous".into(),
+        };
+        let target = resolve(addr).map_err(&failure)?;
+        loop {
+            let left = remaining(deadline).ok_or_else(|| failure("could not be reached before the rendezvous deadline".into()))?;
+            match TcpStream::connect_timeout(&target, left) {
+                Ok(mut stream) => {
+                    configure(&stream, Some(left)).map_err(|error| failure(error.to_string()))?;
+                    match connect_handshake(&mut stream, token, Purpose::Peer) {
+                        Ok(()) => {}
+                        Err(ConnectError::Refused) => return Err(failure("refused this rank's job token".into())),
+                        Err(ConnectError::NotTrusted(message)) => return Err(failure(format!("is not trusted: {message}"))),
+                        Err(ConnectError::Io(error)) => return Err(failure(format!("failed the handshake: {error}"))),
+                    }
+                    let mut hello = [0u8; HELLO_BYTES];
+                    hello[..8].copy_from_slice(&(my_rank as u64).to_le_bytes());
+                    hello[8..].copy_from_slice(&(world_size as u64).to_le_bytes());
+                    stream.write_all(&hello).map_err(|error| failure(format!("failed the handshake: {error}")))?;
+                    return Ok(PeerLink { rank: peer_rank, addr: addr.to_string(), stream });
+                }
+                Err(_) => thread::sleep(RETRY_PAUSE.min(left)),
+            }
+        }
+    }
+
+    /// Accepts connections on `listener` until one proves the token and introduces itself as
+    /// rank `peer_rank` of a group of `world_size`; strangers are dropped.
+    pub(crate) fn accept(
+        listener: &TcpListener,
+        peer_rank: usize,
+        peer_addr: &str,
+        world_size: usize,
+        token: &JobToken,
+        deadline: Instant,
+    ) -> Result<PeerLink> {
+        loop {
+            let Some(left) = remaining(deadline) else {
+                return Err(DistError::Peer {
+                    rank: peer_rank,
+                    addr: peer_addr.to_string(),
+                    what: "did not connect before the rendezvous deadline".into(),
+                    op: "rendezvous".into(),
+                });
+            };
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    if let Some(link) = Self::admit(stream, peer_rank, peer_addr, world_size, token, left.min(HANDSHAKE_LIMIT)) {
+                        return Ok(link);
+                    }
+                }
+                Err(_) => thread::sleep(ACCEPT_POLL),
+            }
+        }
+    }
+
+    /// Checks one incoming connection; `None` if it is not the expected rank of this job.
+    fn admit(
+        mut stream: TcpStream,
+        peer_rank: usize,
+        peer_addr: &str,
+        world_size: usize,
+        token: &JobToken,
+        limit: Duration,
+    ) -> Option<PeerLink> {
+        stream.set_nonblocking(false).ok()?;
+        configure(&stream, Some(limit)).ok()?;
+        accept_handshake(&mut stream, token, Purpose::Peer).ok()?;
+        let mut hello = [0u8; HELLO_BYTES];
+        stream.read_exact(&mut hello).ok()?;
+        let (rank, size) = hello.split_at(8);
+        let claimed_rank = u64::from_le_bytes(rank.try_into().ok()?);
+        let claimed_size = u64::from_le_bytes(size.try_into().ok()?);
+        (claimed_rank == peer_rank as u64 && claimed_size == world_size as u64)
+            .then(|| PeerLink { rank: peer_rank, addr: peer_addr.to_string(), stream })
+    }
+
+    /// Sends one message, failing if the neighbour does not take it before `deadline`.
+    pub(crate) fn send(&self, header: Header, payload: &[u8], deadline: Instant, op: &str) -> Result<()> {
+        let timeout = remaining(deadline).ok_or_else(|| self.error("did not take data before the deadline", op))?;
+        let mut stream = &self.stream;
+        let result = stream
+            .set_write_timeout(Some(timeout))
+            .and_then(|()| stream.write_all(&header.encode()))
+            .and_then(|()| stream.write_all(payload));
+        result.map_err(|error| self.io_error(&error, "did not take data before the deadline", op))
+    }
+
+    /// Receives one message into `payload`, whose length is the number of bytes expected.
+    pub(crate) fn receive(&self, expected: Header, payload: &mut [u8], deadline: Instant, op: &str) -> Result<()> {
+        const LATE: &str = "sent nothing before the deadline";
+        let mut header = [0u8; HEADER_BYTES];
+        self.read_exact(&mut header, deadline, op, LATE)?;
+        let header = Header::decode(&header);
+        if header.sequence != expected.sequence || header.kind != expected.kind {
+            return Err(self.error(
+                &format!(
+                    "is at collective #{} ({}) while this rank is at #{} ({}): the ranks called different collectives",
+                    header.sequence,
+                    kind_name(header.kind),
+                    expected.sequence,
+                    kind_name(expected.kind)
+                ),
+                op,
+            ));
+        }
+        if header.bytes != expected.bytes {
+            return Err(self.error(
+                &format!(
+                    "sent a message of {} bytes where {} were expected (the ranks disagree on the buffer's length)",
+                    header.bytes, expected.bytes
+                ),
+                op,
+            ));
+        }
+        self.read_exact(payload, deadline, op, LATE)
+    }
+
+    fn read_exact(&self, bytes: &mut [u8], deadline: Instant, op: &str, late: &str) -> Result<()> {
+        let timeout = remaining(deadline).ok_or_else(|| self.error(late, op))?;
+        let mut stream = &self.stream;
+        let result = stream.set_read_timeout(Some(timeout)).and_then(|()| stream.read_exact(bytes));
+        result.map_err(|error| self.io_error(&error, late, op))
+    }
+
+    /// Closes both directions, so that blocked threads here and the neighbour fail at once.
+    pub(crate) fn shut_down(&self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+
+    fn io_error(&self, error: &std::io::Error, late: &str, op: &str) -> DistError {
+        use std::io::ErrorKind::{TimedOut, WouldBlock};
+        if is_closed(error) {
+            self.error("closed the connection", op)
+        } else if matches!(error.kind(), WouldBlock | TimedOut) {
+            self.error(late, op)
+        } else {
+            self.error(&format!("failed: {error}"), op)
+        }
+    }
+
+    pub(crate) fn error(&self, what: &str, op: &str) -> DistError {
+        DistError::Peer { rank: self.rank, addr: self.addr.clone(), what: what.to_string(), op: op.to_string() }
+    }
+
+    /// Test access to the raw stream, to play a misbehaving peer.
+    #[cfg(test)]
+    pub(crate) fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+}
+
+/// Sets the options every ring socket gets.
+fn configure(stream: &TcpStream, timeout: Option<Duration>) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(timeout)?;
+    stream.set_write_timeout(timeout)
+}
+
+/// Resolves `host:port` to its first address.
+pub(crate) fn resolve(addr: &str) -> std::result::Result<SocketAddr, String> {
+    let mut addresses = addr.to_socket_addrs().map_err(|error| format!("has an address that does not resolve: {error}"))?;
+    addresses.next().ok_or_else(|| "has an address that resolves to nothing".to_string())
+}
+
+/// The kind code of a collective on an element type.
+pub(crate) fn kind(collective: u32, element_code: u32) -> u32 {
+    (collective << 8) | element_code
+}
+
+/// Writes raw bytes to a link, bypassing the protocol (tests of misbehaving peers).
+#[cfg(test)]
+pub(crate) fn write_raw(link: &PeerLink, bytes: &[u8]) -> std::io::Result<()> {
+    let mut stream = link.stream();
+    stream.write_all(bytes)
+}

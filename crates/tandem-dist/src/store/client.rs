@@ -1,0 +1,252 @@
+//! The store client: one authenticated connection, one request at a time.
+
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Mutex;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::protocol::{read_frame, write_frame, FrameError, Request, Response, MAX_KEY_BYTES, MAX_VALUE_BYTES};
+use crate::auth::{connect_handshake, ConnectError, JobToken, Purpose};
+use crate::error::{DistError, Result};
+
+/// How long to wait between attempts while the store is not up yet.
+const RETRY_PAUSE: Duration = Duration::from_millis(50);
+/// Extra time a client allows a `wait` answer beyond the wait's own timeout.
+const WAIT_SLACK: Duration = Duration::from_secs(5);
+
+/// A connection to a [`StoreServer`](crate::StoreServer). Methods take `&self`; requests from
+/// several threads are serialized.
+pub struct StoreClient {
+    addr: SocketAddr,
+    timeout: Duration,
+    stream: Mutex<Connection>,
+}
+
+/// The stream, and whether an earlier failure left it out of step.
+struct Connection {
+    stream: TcpStream,
+    broken: Option<String>,
+}
+
+impl StoreClient {
+    /// Connects to the store at `addr` and proves the job token. Refused or unreachable
+    /// connections are retried until `timeout` (the store may not be up yet); a refused token
+    /// is final. `timeout` also bounds every later request.
+    pub fn connect(addr: SocketAddr, token: &JobToken, timeout: Duration) -> Result<StoreClient> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let attempt = Self::connect_once(addr, token, deadline);
+            match attempt {
+                Ok(stream) => {
+                    return Ok(StoreClient {
+                        addr,
+                        timeout,
+                        stream: Mutex::new(Connection { stream, broken: None }),
+                    })
+                }
+                Err(Attempt::Final(error)) => return Err(error),
+                Err(Attempt::Retry(message)) => {
+                    if Instant::now() + RETRY_PAUSE >= deadline {
+                        return Err(DistError::StoreUnreachable { addr: addr.to_string(), timeout, message });
+                    }
+                    thread::sleep(RETRY_PAUSE);
+                }
+            }
+        }
+    }
+
+    fn connect_once(addr: SocketAddr, token: &JobToken, deadline: Instant) -> std::result::Result<TcpStream, Attempt> {
+        let remaining = remaining(deadline).ok_or_else(|| Attempt::Retry("deadline passed".into()))?;
+        let mut stream = TcpStream::connect_timeout(&addr, remaining).map_err(|error| Attempt::Retry(error.to_string()))?;
+        let setup = stream
+            .set_nodelay(true)
+            .and_then(|()| stream.set_read_timeout(Some(remaining)))
+            .and_then(|()| stream.set_write_timeout(Some(remaining)));
+        setup.map_err(|error| Attempt::Retry(error.to_string()))?;
+        match connect_handshake(&mut stream, token, Purpose::Store) {
+            Ok(()) => Ok(stream),
+            Err(ConnectError::Refused) => Err(Attempt::Final(DistError::TokenRefused { addr: addr.to_string() })),
+            Err(ConnectError::NotTrusted(message)) => {
+                Err(Attempt::Final(DistError::NotTrusted { addr: addr.to_string(), message }))
+            }
+            Err(ConnectError::Io(error)) => Err(Attempt::Retry(format!("handshake: {error}"))),
+        }
+    }
+
+    /// The store's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// This end's address on the connection: the local interface that reaches the store.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        let connection = self.connection();
+        connection.stream.local_addr().map_err(|error| DistError::io("read the store client's local address", &error))
+    }
+
+    /// Stores `value` under `key`, replacing any earlier value.
+    pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        check_key(key)?;
+        check_value(key, value)?;
+        match self.request(key, &Request::Set { key: key.into(), value: value.to_vec() }, self.timeout)? {
+            Response::Done => Ok(()),
+            other => Err(self.unexpected(key, &other)),
+        }
+    }
+
+    /// The value under `key`, or `None` when it is not set. Does not block.
+    pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        check_key(key)?;
+        match self.request(key, &Request::Get { key: key.into() }, self.timeout)? {
+            Response::Value(value) => Ok(Some(value)),
+            Response::NotFound => Ok(None),
+            other => Err(self.unexpected(key, &other)),
+        }
+    }
+
+    /// Blocks until every key in `keys` is set, or fails with the missing keys after `timeout`.
+    pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        for key in keys {
+            check_key(key)?;
+        }
+        let request = Request::Wait { keys: keys.iter().map(|key| key.to_string()).collect(), timeout };
+        let first_key = keys.first().copied().unwrap_or_default();
+        match self.request(first_key, &request, timeout + WAIT_SLACK)? {
+            Response::Done => Ok(()),
+            Response::TimedOut { missing } => Err(DistError::StoreTimeout { missing, timeout }),
+            other => Err(self.unexpected(first_key, &other)),
+        }
+    }
+
+    /// Adds `delta` to the integer under `key` (missing counts as 0) and returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        check_key(key)?;
+        match self.request(key, &Request::Add { key: key.into(), delta }, self.timeout)? {
+            Response::Integer(value) => Ok(value),
+            other => Err(self.unexpected(key, &other)),
+        }
+    }
+
+    /// Sets `key` to `desired` if its value equals `expected` (`None`: the key is missing).
+    /// Returns the value stored afterwards: `desired` on success, the current value (empty when
+    /// missing) otherwise.
+    pub fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>> {
+        self.compare_set_within(key, expected, desired, self.timeout)
+    }
+
+    /// [`compare_set`](Self::compare_set) with its own bound on the round trip.
+    pub(crate) fn compare_set_within(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
+        check_key(key)?;
+        check_value(key, desired)?;
+        if let Some(expected) = expected {
+            check_value(key, expected)?;
+        }
+        let request =
+            Request::CompareSet { key: key.into(), expected: expected.map(<[u8]>::to_vec), desired: desired.to_vec() };
+        match self.request(key, &request, timeout)? {
+            Response::Value(value) => Ok(value),
+            other => Err(self.unexpected(key, &other)),
+        }
+    }
+
+    /// Deletes `key`; returns whether it existed.
+    pub fn delete(&self, key: &str) -> Result<bool> {
+        check_key(key)?;
+        match self.request(key, &Request::Delete { key: key.into() }, self.timeout)? {
+            Response::Deleted(existed) => Ok(existed),
+            other => Err(self.unexpected(key, &other)),
+        }
+    }
+
+    /// The number of keys in the store.
+    pub fn num_keys(&self) -> Result<u64> {
+        match self.request("", &Request::NumKeys, self.timeout)? {
+            Response::Count(count) => Ok(count),
+            other => Err(self.unexpected("", &other)),
+        }
+    }
+
+    fn connection(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.stream.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Sends one request and reads its response, both within `timeout`. Any I/O failure
+    /// breaks the connection for good: a half-read response would put it out of step.
+    fn request(&self, key: &str, request: &Request, timeout: Duration) -> Result<Response> {
+        let mut connection = self.connection();
+        if let Some(reason) = &connection.broken {
+            return Err(self.store_error(format!("the connection broke earlier: {reason}")));
+        }
+        let result = exchange(&mut connection.stream, request, timeout);
+        match result {
+            Ok(Response::Error(message)) => Err(DistError::StoreRequest { key: key.into(), message }),
+            Ok(response) => Ok(response),
+            Err(message) => {
+                connection.broken = Some(message.clone());
+                Err(self.store_error(message))
+            }
+        }
+    }
+
+    fn store_error(&self, message: String) -> DistError {
+        DistError::Store { addr: self.addr.to_string(), message }
+    }
+
+    fn unexpected(&self, key: &str, response: &Response) -> DistError {
+        DistError::StoreRequest { key: key.into(), message: format!("unexpected answer {response:?}") }
+    }
+}
+
+/// Why one connection attempt failed.
+enum Attempt {
+    Retry(String),
+    Final(DistError),
+}
+
+fn exchange(stream: &mut TcpStream, request: &Request, timeout: Duration) -> std::result::Result<Response, String> {
+    let timeout = timeout.max(Duration::from_millis(1));
+    stream.set_write_timeout(Some(timeout)).map_err(|error| error.to_string())?;
+    stream.set_read_timeout(Some(timeout)).map_err(|error| error.to_string())?;
+    write_frame(stream, &request.encode()).map_err(|error| describe_io("sending a request", &error, timeout))?;
+    let payload = read_frame(stream).map_err(|error| match error {
+        FrameError::Io(error) => describe_io("waiting for the answer", &error, timeout),
+        FrameError::Malformed(message) => format!("malformed answer: {message}"),
+    })?;
+    Response::decode(&payload).map_err(|message| format!("malformed answer: {message}"))
+}
+
+fn describe_io(during: &str, error: &std::io::Error, timeout: Duration) -> String {
+    use std::io::ErrorKind::*;
+    match error.kind() {
+        WouldBlock | TimedOut => format!("no answer within {timeout:?} while {during}"),
+        UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe => {
+            format!("the store closed the connection while {during}")
+        }
+        _ => format!("{error} while {during}"),
+    }
+}
+
+fn check_key(key: &str) -> Result<()> {
+    if key.len() > MAX_KEY_BYTES {
+        return Err(DistError::TooLarge { what: "key".into(), len: key.len(), max: MAX_KEY_BYTES });
+    }
+    Ok(())
+}
+
+fn check_value(key: &str, value: &[u8]) -> Result<()> {
+    if value.len() > MAX_VALUE_BYTES {
+        return Err(DistError::TooLarge { what: format!("value of key {key:?}"), len: value.len(), max: MAX_VALUE_BYTES });
+    }
+    Ok(())
+}
+
+/// Time left until `deadline`, or `None` when it has passed.
+pub(crate) fn remaining(deadline: Instant) -> Option<Duration> {
+    deadline.checked_duration_since(Instant::now()).filter(|left| !left.is_zero())
+}

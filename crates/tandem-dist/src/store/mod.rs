@@ -1,0 +1,11 @@
+//! The rendezvous store: a small authenticated key-value server (the role of c10d's TCPStore)
+//! and its client.
+
+mod client;
+pub(crate) mod protocol;
+mod server;
+
+pub use client::StoreClient;
+pub(crate) use client::remaining;
+pub use protocol::{MAX_KEY_BYTES, MAX_VALUE_BYTES};
+pub use server::StoreServer;

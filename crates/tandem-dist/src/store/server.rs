@@ -1,0 +1,222 @@
+//! The store server: a key-value map behind a TCP listener, one thread per client.
+//!
+//! Every connection must pass the job-token handshake before its first request; malformed
+//! frames, oversized lengths and unknown opcodes close the connection. Nothing a client sends
+//! can make the server panic or allocate more than one frame's limit.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::protocol::{read_frame, write_frame, FrameError, Request, Response};
+use crate::auth::{accept_handshake, JobToken, Purpose};
+use crate::error::{DistError, Result};
+
+/// How long a new connection may take to pass the handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the accept loop checks whether the server was dropped.
+const ACCEPT_POLL: Duration = Duration::from_millis(5);
+/// The longest `wait` the server honours, whatever the client asks.
+const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+/// The rendezvous store (the role of c10d's TCPStore). It serves on background threads until
+/// dropped; dropping it closes every client connection.
+pub struct StoreServer {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+/// State shared by the accept loop and the connection threads.
+struct Shared {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+    stopping: AtomicBool,
+    connections: Mutex<HashMap<u64, TcpStream>>,
+    next_connection: AtomicU64,
+    token: JobToken,
+}
+
+impl StoreServer {
+    /// Binds `addr` (port 0 picks a free port) and starts serving clients that know `token`.
+    pub fn bind(addr: SocketAddr, token: JobToken) -> Result<StoreServer> {
+        let listener =
+            TcpListener::bind(addr).map_err(|error| DistError::io(format!("bind the store on {addr}"), &error))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|error| DistError::io("read the store's local address", &error))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|error| DistError::io("make the store listener non-blocking", &error))?;
+        let shared = Arc::new(Shared {
+            map: Mutex::new(HashMap::new()),
+            changed: Condvar::new(),
+            stopping: AtomicBool::new(false),
+            connections: Mutex::new(HashMap::new()),
+            next_connection: AtomicU64::new(0),
+            token,
+        });
+        let accept_shared = Arc::clone(&shared);
+        thread::Builder::new()
+            .name(format!("store-accept-{}", local_addr.port()))
+            .spawn(move || accept_loop(listener, accept_shared))
+            .map_err(|error| DistError::io("spawn the store's accept thread", &error))?;
+        Ok(StoreServer { local_addr, shared })
+    }
+
+    /// The address the server listens on (with the real port when bound to port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        self.shared.changed.notify_all();
+        for stream in lock(&self.shared.connections).values() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A connection thread cannot panic while holding a lock, but recover the data if one did.
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    while !shared.stopping.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let connection_shared = Arc::clone(&shared);
+                // If the thread cannot be spawned the stream is dropped: the client sees a closed connection.
+                let _ = thread::Builder::new()
+                    .name("store-connection".into())
+                    .spawn(move || serve_connection(stream, connection_shared));
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => thread::sleep(ACCEPT_POLL),
+            Err(_) => thread::sleep(ACCEPT_POLL),
+        }
+    }
+}
+
+fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
+    let id = shared.next_connection.fetch_add(1, Ordering::SeqCst);
+    match stream.try_clone() {
+        Ok(clone) => {
+            lock(&shared.connections).insert(id, clone);
+        }
+        Err(_) => return,
+    }
+    // The server may have been dropped between accept and registration.
+    if !shared.stopping.load(Ordering::SeqCst) {
+        let _ = serve_requests(&mut stream, &shared);
+    }
+    let _ = stream.shutdown(Shutdown::Both);
+    lock(&shared.connections).remove(&id);
+}
+
+/// Runs the handshake, then answers requests until the client leaves or misbehaves.
+fn serve_requests(stream: &mut TcpStream, shared: &Shared) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    if accept_handshake(stream, &shared.token, Purpose::Store).is_err() {
+        return Ok(());
+    }
+    // Clients may stay idle for as long as the job runs.
+    stream.set_read_timeout(None)?;
+    loop {
+        let payload = match read_frame(stream) {
+            Ok(payload) => payload,
+            Err(FrameError::Io(_)) | Err(FrameError::Malformed(_)) => return Ok(()),
+        };
+        let request = match Request::decode(&payload) {
+            Ok(request) => request,
+            Err(message) => {
+                // Say why, then close: the stream may be out of step.
+                let _ = write_frame(stream, &Response::Error(format!("malformed request: {message}")).encode());
+                return Ok(());
+            }
+        };
+        let response = shared.answer(request);
+        write_frame(stream, &response.encode())?;
+        stream.flush()?;
+        if shared.stopping.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+    }
+}
+
+impl Shared {
+    fn answer(&self, request: Request) -> Response {
+        match request {
+            Request::Set { key, value } => {
+                lock(&self.map).insert(key, value);
+                self.changed.notify_all();
+                Response::Done
+            }
+            Request::Get { key } => match lock(&self.map).get(&key) {
+                Some(value) => Response::Value(value.clone()),
+                None => Response::NotFound,
+            },
+            Request::Wait { keys, timeout } => self.wait(&keys, timeout.min(MAX_WAIT)),
+            Request::Add { key, delta } => self.add(&key, delta),
+            Request::CompareSet { key, expected, desired } => {
+                let mut map = lock(&self.map);
+                let current = map.get(&key);
+                if current.map(Vec::as_slice) == expected.as_deref() {
+                    map.insert(key, desired.clone());
+                    self.changed.notify_all();
+                    Response::Value(desired)
+                } else {
+                    // c10d semantics: on a mismatch, answer what is stored (empty when missing).
+                    Response::Value(current.cloned().unwrap_or_default())
+                }
+            }
+            Request::Delete { key } => Response::Deleted(lock(&self.map).remove(&key).is_some()),
+            Request::NumKeys => Response::Count(lock(&self.map).len() as u64),
+        }
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Response {
+        let mut map = lock(&self.map);
+        let current = match map.get(key) {
+            None => 0,
+            Some(bytes) => match std::str::from_utf8(bytes).ok().and_then(|text| text.parse::<i64>().ok()) {
+                Some(number) => number,
+                None => return Response::Error(format!("value of key {key:?} is not a decimal integer")),
+            },
+        };
+        let Some(sum) = current.checked_add(delta) else {
+            return Response::Error(format!("adding {delta} to {current} (key {key:?}) overflows i64"));
+        };
+        map.insert(key.to_string(), sum.to_string().into_bytes());
+        self.changed.notify_all();
+        Response::Integer(sum)
+    }
+
+    fn wait(&self, keys: &[String], timeout: Duration) -> Response {
+        let deadline = Instant::now() + timeout;
+        let mut map = lock(&self.map);
+        loop {
+            let missing: Vec<String> = keys.iter().filter(|key| !map.contains_key(*key)).cloned().collect();
+            if missing.is_empty() {
+                return Response::Done;
+            }
+            let now = Instant::now();
+            if now >= deadline || self.stopping.load(Ordering::SeqCst) {
+                return Response::TimedOut { missing };
+            }
+            map = match self.changed.wait_timeout(map, deadline - now) {
+                Ok((guard, _)) => guard,
+                Err(poisoned) => poisoned.into_inner().0,
+            };
+        }
+    }
+}
