@@ -418,7 +418,7 @@ mod tests {
 
     #[test]
     fn simulated_all_reduce_plans_sum_every_element() {
-        for world_size in 1..=5 {
+        for world_size in 1..=5usize {
             for len in [0, 1, world_size.saturating_sub(1), 7, 31] {
                 for segment_elements in [1, 3, 1000] {
                     let buffers = simulate_all_reduce(world_size, len, segment_elements, ReduceOp::Sum);

@@ -1,0 +1,56 @@
+//! Helpers shared by the integration tests: a store on a free port and ranks run as threads.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tandem_dist::{JobToken, ProcessGroup, ProcessGroupOptions, StoreServer};
+
+/// A store on 127.0.0.1 with a free port, and the token it accepts.
+pub fn start_store() -> (StoreServer, JobToken) {
+    let token = JobToken::generate().expect("random token");
+    let server = StoreServer::bind("127.0.0.1:0".parse().expect("address"), token.clone()).expect("bind store");
+    (server, token)
+}
+
+/// Options for `rank` of a group whose store is already running at `store`.
+pub fn options(rank: usize, world_size: usize, store: SocketAddr, token: &JobToken, timeout: Duration) -> ProcessGroupOptions {
+    let mut options = ProcessGroupOptions::new(rank, world_size, "127.0.0.1", store.port(), token.clone());
+    options.host_store = false;
+    options.timeout = timeout;
+    options.advertise_host = Some("127.0.0.1".into());
+    options
+}
+
+/// Runs `body` on every rank of a fresh group of `world_size` threads and returns the results
+/// in rank order.
+pub fn run_ranks<T: Send>(
+    world_size: usize,
+    timeout: Duration,
+    segment_bytes: usize,
+    body: impl Fn(&mut ProcessGroup) -> T + Sync,
+) -> Vec<T> {
+    let (server, token) = start_store();
+    let store = server.local_addr();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..world_size)
+            .map(|rank| {
+                let mut options = options(rank, world_size, store, &token, timeout);
+                options.segment_bytes = segment_bytes;
+                let body = &body;
+                scope.spawn(move || {
+                    let mut group = ProcessGroup::connect(options).expect("join the group");
+                    body(&mut group)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|handle| handle.join().expect("rank thread panicked")).collect()
+    })
+}
+
+/// A deterministic, rank-dependent test value with a fractional part.
+pub fn value(rank: usize, index: usize) -> f64 {
+    let mixed = (rank as u64 * 7919 + index as u64 * 104_729 + 13) % 2003;
+    mixed as f64 / 8.0 - 120.0
+}
