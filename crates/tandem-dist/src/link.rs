@@ -283,3 +283,74 @@ pub(crate) fn write_raw(link: &PeerLink, bytes: &[u8]) -> std::io::Result<()> {
     let mut stream = link.stream();
     stream.write_all(bytes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two links between "rank 0" (this test) and "rank 1", as the ring would build them.
+    fn linked_pair(token: &JobToken) -> (PeerLink, PeerLink) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        std::thread::scope(|scope| {
+            let accepted = scope.spawn(|| PeerLink::accept(&listener, 0, "rank-0-addr", 2, token, deadline));
+            let connected = PeerLink::connect(0, 2, 1, &addr, token, deadline).expect("connect");
+            (connected, accepted.join().expect("thread").expect("accept"))
+        })
+    }
+
+    #[test]
+    fn length_of_2_pow_40_is_refused_naming_the_sender() {
+        let token = JobToken::new("t").expect("token");
+        let (sender, receiver) = linked_pair(&token);
+        let expected = Header { sequence: 3, kind: kind(collective::ALL_REDUCE, 1), bytes: 4096 };
+        let lying = Header { bytes: 1 << 40, ..expected };
+        write_raw(&sender, &lying.encode()).expect("write");
+        let mut payload = vec![0u8; 4096];
+        let error = receiver
+            .receive(expected, &mut payload, Instant::now() + Duration::from_secs(5), "all_reduce #3")
+            .expect_err("must refuse");
+        assert_eq!(
+            error.to_string(),
+            "rank 0 (rank-0-addr) sent a message of 1099511627776 bytes where 4096 were expected \
+             (the ranks disagree on the buffer's length) during all_reduce #3"
+        );
+    }
+
+    #[test]
+    fn mismatched_collectives_are_named() {
+        let token = JobToken::new("t").expect("token");
+        let (sender, receiver) = linked_pair(&token);
+        let theirs = Header { sequence: 5, kind: kind(collective::BROADCAST, 2), bytes: 8 };
+        sender.send(theirs, &[0; 8], Instant::now() + Duration::from_secs(5), "broadcast #5").expect("send");
+        let mine = Header { sequence: 5, kind: kind(collective::ALL_REDUCE, 1), bytes: 8 };
+        let error = receiver.receive(mine, &mut [0; 8], Instant::now() + Duration::from_secs(5), "all_reduce #5").expect_err("mismatch");
+        assert_eq!(
+            error.to_string(),
+            "rank 0 (rank-0-addr) is at collective #5 (broadcast of f64) while this rank is at #5 (all_reduce of f32): \
+             the ranks called different collectives during all_reduce #5"
+        );
+    }
+
+    #[test]
+    fn wrong_token_and_wrong_rank_are_not_admitted() {
+        let token = JobToken::new("right").expect("token");
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let deadline = Instant::now() + Duration::from_millis(1500);
+        std::thread::scope(|scope| {
+            let accepted = scope.spawn(|| PeerLink::accept(&listener, 0, "rank-0-addr", 2, &token, deadline));
+            let wrong = JobToken::new("wrong").expect("token");
+            let refused = PeerLink::connect(0, 2, 1, &addr, &wrong, deadline).err().expect("refused");
+            assert_eq!(refused.to_string(), format!("rank 1 ({addr}) refused this rank's job token during rendezvous"));
+            // Right token but claiming to be rank 1 where rank 0 is expected: dropped, so the
+            // acceptor times out waiting for the real rank 0.
+            let _impostor = PeerLink::connect(1, 2, 1, &addr, &token, deadline).expect("handshake passes");
+            let error = accepted.join().expect("thread").err().expect("no admission");
+            assert_eq!(error.to_string(), "rank 0 (rank-0-addr) did not connect before the rendezvous deadline during rendezvous");
+        });
+    }
+}

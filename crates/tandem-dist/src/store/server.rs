@@ -220,3 +220,70 @@ impl Shared {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+
+    use super::*;
+    use crate::auth::connect_handshake;
+    use crate::store::StoreClient;
+
+    fn authenticated_raw_client(server: &StoreServer, token: &JobToken) -> TcpStream {
+        let mut stream = TcpStream::connect(server.local_addr()).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        connect_handshake(&mut stream, token, Purpose::Store).expect("handshake");
+        stream
+    }
+
+    #[test]
+    fn length_prefix_of_2_pow_40_closes_the_connection_and_the_server_lives_on() {
+        let token = JobToken::new("token").expect("token");
+        let server = StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let mut raw = authenticated_raw_client(&server, &token);
+        raw.write_all(&(1u64 << 40).to_le_bytes()).expect("write prefix");
+        let mut answer = Vec::new();
+        let started = Instant::now();
+        let read = raw.read_to_end(&mut answer);
+        assert!(read.is_ok() && answer.is_empty(), "expected a plain close, got {read:?} {answer:?}");
+        assert!(started.elapsed() < Duration::from_secs(2));
+
+        let client = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5)).expect("connect");
+        client.set("still", b"here").expect("set");
+        assert_eq!(client.num_keys().expect("count"), 1);
+    }
+
+    #[test]
+    fn authenticated_garbage_frames_are_answered_or_closed_without_harm() {
+        let token = JobToken::new("token").expect("token");
+        let server = StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let mut seed = 12345u64;
+        for _ in 0..30 {
+            let mut raw = authenticated_raw_client(&server, &token);
+            let mut payload = Vec::new();
+            for _ in 0..(seed % 40) {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                payload.push((seed >> 33) as u8);
+            }
+            let _ = write_frame(&mut raw, &payload);
+            let _ = raw.shutdown(std::net::Shutdown::Write);
+            let mut answer = Vec::new();
+            let _ = raw.read_to_end(&mut answer);
+        }
+        let client = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5)).expect("connect");
+        client.set("ok", b"1").expect("set");
+        assert_eq!(client.get("ok").expect("get"), Some(b"1".to_vec()));
+    }
+
+    #[test]
+    fn malformed_request_gets_an_explanation_before_the_close() {
+        let token = JobToken::new("token").expect("token");
+        let server = StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let mut raw = authenticated_raw_client(&server, &token);
+        write_frame(&mut raw, &[99]).expect("write");
+        let answer = read_frame(&mut raw).unwrap_or_else(|_| panic!("no answer"));
+        assert_eq!(Response::decode(&answer), Ok(Response::Error("malformed request: unknown opcode 99".into())));
+        let mut rest = Vec::new();
+        assert_eq!(raw.read_to_end(&mut rest).expect("closed"), 0);
+    }
+}
