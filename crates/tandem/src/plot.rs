@@ -1006,22 +1006,4 @@ mod tests {
             2,
         );
     }
-
-    #[test]
-    #[ignore = "writes /tmp/curves.png for a visual check"]
-    fn write_sample_image() {
-        let points: Vec<CurvePoint> = (1..=12)
-            .map(|epoch| {
-                let t = epoch as f64;
-                point(
-                    epoch,
-                    2.3 / t.sqrt(),
-                    2.0 / t.powf(0.35) + 0.05 * (t * 1.7).sin(),
-                    0.9 - 0.6 / t,
-                )
-            })
-            .collect();
-        let bytes = render_training_curves(&points).expect("rendering succeeds");
-        std::fs::write("/tmp/curves.png", bytes).expect("writing /tmp/curves.png");
-    }
 }
