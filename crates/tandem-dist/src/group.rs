@@ -25,8 +25,12 @@ pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
 pub const HOST_ENV: &str = "TANDEM_HOST";
 /// The largest buffer [`ProcessGroup::broadcast_bytes`] accepts from the root.
 pub const MAX_BROADCAST_BYTES: u64 = 1 << 32;
-/// How long a failing rank spends publishing its failure in the store.
+/// How long a failing rank spends on each store request while reporting its failure.
 const ABORT_PUBLISH_LIMIT: Duration = Duration::from_secs(2);
+/// The longest a rank that timed out waits for the other ranks' timeout reports.
+const STALL_REPORT_GRACE: Duration = Duration::from_secs(1);
+/// The end of every timeout message of a peer link.
+const DEADLINE_SUFFIX: &str = "before the deadline";
 
 /// How to join a process group.
 #[derive(Debug, Clone)]
@@ -382,6 +386,12 @@ impl ProcessGroup {
     /// Publishes this rank's failure under the abort key unless another rank was first; then
     /// the earlier report is the root cause to return.
     fn publish_failure(&self, error: DistError, op: &str) -> DistError {
+        let error = match &error {
+            DistError::Peer { rank, what, .. } if what.ends_with(DEADLINE_SUFFIX) => {
+                self.find_stalled_rank(*rank, op).unwrap_or(error)
+            }
+            _ => error,
+        };
         let report = format!("rank {} reported: {error}", self.rank);
         let timeout = ABORT_PUBLISH_LIMIT.min(self.timeout);
         match self.store.compare_set_within(&self.abort_key(), None, report.as_bytes(), timeout) {
@@ -391,6 +401,42 @@ impl ProcessGroup {
             // Published, or the store is gone (it may have lived in the failed rank): our own view stands.
             _ => error,
         }
+    }
+}
+
+impl ProcessGroup {
+    /// When a rank stalls, every rank waiting on it (directly or around the ring) times out at
+    /// about the same moment. Each one that times out reports the neighbour it waited for;
+    /// the stalled rank is the one blamed that reported nothing itself.
+    fn find_stalled_rank(&self, blamed: usize, op: &str) -> Option<DistError> {
+        let base = format!("{}/stalled/{}", self.prefix, self.sequence);
+        let limit = ABORT_PUBLISH_LIMIT.min(self.timeout);
+        self.store.set_within(&format!("{base}/{}", self.rank), blamed.to_string().as_bytes(), limit).ok()?;
+        std::thread::sleep(STALL_REPORT_GRACE.min(self.timeout / 4));
+        let mut reports = Vec::with_capacity(self.world_size);
+        for rank in 0..self.world_size {
+            let report = self.store.get_within(&format!("{base}/{rank}"), limit).ok()?;
+            reports.push(report.and_then(|bytes| String::from_utf8_lossy(&bytes).parse::<usize>().ok()));
+        }
+        let mut silent: Vec<usize> = reports
+            .iter()
+            .flatten()
+            .copied()
+            .filter(|&rank| reports.get(rank).is_some_and(Option::is_none))
+            .collect();
+        silent.sort_unstable();
+        silent.dedup();
+        let [stalled] = silent[..] else { return None };
+        if stalled == blamed {
+            return None;
+        }
+        let addr = self.store.get_within(&self.addr_key(stalled), limit).ok().flatten().unwrap_or_default();
+        Some(DistError::Peer {
+            rank: stalled,
+            addr: String::from_utf8_lossy(&addr).into_owned(),
+            what: "stalled: the ranks waiting on it timed out".into(),
+            op: op.to_string(),
+        })
     }
 }
 

@@ -104,6 +104,26 @@ impl StoreClient {
         }
     }
 
+    /// [`get`](Self::get) with its own bound on the round trip.
+    pub(crate) fn get_within(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>> {
+        check_key(key)?;
+        match self.request(key, &Request::Get { key: key.into() }, timeout)? {
+            Response::Value(value) => Ok(Some(value)),
+            Response::NotFound => Ok(None),
+            other => Err(self.unexpected(key, &other)),
+        }
+    }
+
+    /// [`set`](Self::set) with its own bound on the round trip.
+    pub(crate) fn set_within(&self, key: &str, value: &[u8], timeout: Duration) -> Result<()> {
+        check_key(key)?;
+        check_value(key, value)?;
+        match self.request(key, &Request::Set { key: key.into(), value: value.to_vec() }, timeout)? {
+            Response::Done => Ok(()),
+            other => Err(self.unexpected(key, &other)),
+        }
+    }
+
     /// Blocks until every key in `keys` is set, or fails with the missing keys after `timeout`.
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         for key in keys {
