@@ -31,6 +31,16 @@ pub fn run_ranks<T: Send>(
     segment_bytes: usize,
     body: impl Fn(&mut ProcessGroup) -> T + Sync,
 ) -> Vec<T> {
+    run_groups(world_size, timeout, segment_bytes, |mut group| body(&mut group))
+}
+
+/// Like [`run_ranks`], but `body` owns its rank's group.
+pub fn run_groups<T: Send>(
+    world_size: usize,
+    timeout: Duration,
+    segment_bytes: usize,
+    body: impl Fn(ProcessGroup) -> T + Sync,
+) -> Vec<T> {
     let (server, token) = start_store();
     let store = server.local_addr();
     std::thread::scope(|scope| {
@@ -40,8 +50,8 @@ pub fn run_ranks<T: Send>(
                 options.segment_bytes = segment_bytes;
                 let body = &body;
                 scope.spawn(move || {
-                    let mut group = ProcessGroup::connect(options).expect("join the group");
-                    body(&mut group)
+                    let group = ProcessGroup::connect(options).expect("join the group");
+                    body(group)
                 })
             })
             .collect();
