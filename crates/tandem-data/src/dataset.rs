@@ -1,0 +1,177 @@
+//! A dataset held in memory, and where it comes from.
+
+use std::path::PathBuf;
+
+use crate::error::DataError;
+use crate::synthetic::SyntheticSpec;
+use crate::{cifar_bin, cifar_py, json_folder, synthetic};
+
+/// CIFAR-10's class names, in label order.
+pub const CIFAR10_CLASS_NAMES: [&str; 10] = [
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+];
+
+/// Where a dataset comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DataSource {
+    /// CIFAR-10's binary layout. `dir` is the `cifar-10-batches-bin` folder, a folder
+    /// holding it, a folder holding `cifar-10-binary.tar.gz` (or `cifar-10-batches-bin.tar.gz`),
+    /// or the archive itself.
+    Cifar10Bin {
+        /// See above.
+        dir: PathBuf,
+    },
+    /// CIFAR-10's python-pickle layout: the `cifar-10-batches-py` folder or a folder holding it.
+    Cifar10Py {
+        /// See above.
+        dir: PathBuf,
+    },
+    /// Seed 004's layout: `<root>/annotations/cifar10_{train,test}.json` and images in
+    /// `<root>/{train,test}_cifar10/`.
+    JsonFolder {
+        /// See above.
+        root: PathBuf,
+    },
+    /// Seed 000's "custom data": standard-normal noise with labels 0 and 1.
+    Synthetic(SyntheticSpec),
+}
+
+/// Which half of a dataset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Split {
+    /// The training images.
+    Train,
+    /// The test (validation) images.
+    Test,
+}
+
+impl Split {
+    /// `train` or `test`, as in file names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Train => "train",
+            Split::Test => "test",
+        }
+    }
+}
+
+/// Pixel values of all images, NHWC.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Pixels {
+    /// Bytes 0..=255, as stored by image files; the loader divides by 255.
+    U8(Vec<u8>),
+    /// Ready floats (synthetic data); the loader uses them as they are.
+    F32(Vec<f32>),
+}
+
+impl Pixels {
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            Pixels::U8(values) => values.len(),
+            Pixels::F32(values) => values.len(),
+        }
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Images and labels in memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dataset {
+    /// All images, NHWC, `len() * height * width * channels` values.
+    pub images: Pixels,
+    /// One label per image, below `num_classes`.
+    pub labels: Vec<u32>,
+    /// Image height in pixels.
+    pub height: usize,
+    /// Image width in pixels.
+    pub width: usize,
+    /// Channels per pixel (3: RGB).
+    pub channels: usize,
+    /// Number of classes the labels are drawn from.
+    pub num_classes: usize,
+    /// A name per class.
+    pub class_names: Vec<String>,
+}
+
+impl Dataset {
+    /// Number of images.
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    /// Whether there are no images.
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// Values per image: `height * width * channels`.
+    pub fn image_len(&self) -> usize {
+        self.height * self.width * self.channels
+    }
+
+    /// How many images carry each label.
+    pub fn class_counts(&self) -> Vec<usize> {
+        let mut counts = vec![0; self.num_classes];
+        for &label in &self.labels {
+            if let Some(count) = counts.get_mut(label as usize) {
+                *count += 1;
+            }
+        }
+        counts
+    }
+
+    /// A CIFAR-10 dataset from HWC bytes and labels.
+    pub(crate) fn cifar10(pixels: Vec<u8>, labels: Vec<u32>, class_names: Vec<String>) -> Dataset {
+        Dataset {
+            images: Pixels::U8(pixels),
+            labels,
+            height: 32,
+            width: 32,
+            channels: 3,
+            num_classes: 10,
+            class_names,
+        }
+    }
+}
+
+/// Reads one split of a data source into memory.
+pub fn load_dataset(source: &DataSource, split: Split) -> Result<Dataset, DataError> {
+    match source {
+        DataSource::Cifar10Bin { dir } => cifar_bin::load(dir, split),
+        DataSource::Cifar10Py { dir } => cifar_py::load(dir, split),
+        DataSource::JsonFolder { root } => json_folder::load(root, split),
+        DataSource::Synthetic(spec) => synthetic::generate(spec, split),
+    }
+}
+
+/// CIFAR-10's standard class names as owned strings.
+pub(crate) fn cifar10_class_names() -> Vec<String> {
+    CIFAR10_CLASS_NAMES
+        .iter()
+        .map(|name| name.to_string())
+        .collect()
+}
+
+/// Converts one CIFAR record's planes (all R, then all G, then all B) to HWC.
+pub(crate) fn planes_to_hwc(planes: &[u8], hwc: &mut [u8]) {
+    const PLANE: usize = 32 * 32;
+    for (pixel, rgb) in hwc.chunks_exact_mut(3).enumerate().take(PLANE) {
+        for (channel, value) in rgb.iter_mut().enumerate() {
+            *value = planes.get(channel * PLANE + pixel).copied().unwrap_or(0);
+        }
+    }
+}

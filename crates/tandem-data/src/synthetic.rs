@@ -1,0 +1,80 @@
+//! Seed 000's "custom data": images of standard-normal noise, half labelled 1 and half 0,
+//! shuffled; deterministic from a seed and needing no files.
+
+use crate::dataset::{Dataset, Pixels, Split};
+use crate::error::DataError;
+use crate::rng::{stream, SampleRng};
+
+/// The size and seed of synthetic data.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SyntheticSpec {
+    /// Training images (seed 000: 5,000).
+    pub train_samples: usize,
+    /// Test images (seed 000: 1,000).
+    pub test_samples: usize,
+    /// Height and width (seed 000: 32).
+    pub image_size: usize,
+    /// Seed of pixels and label order (seed 000 shuffles labels with 2021).
+    pub seed: u64,
+}
+
+impl Default for SyntheticSpec {
+    fn default() -> SyntheticSpec {
+        SyntheticSpec {
+            train_samples: 5000,
+            test_samples: 1000,
+            image_size: 32,
+            seed: 2021,
+        }
+    }
+}
+
+/// Makes one split. The two splits use different random streams.
+pub(crate) fn generate(spec: &SyntheticSpec, split: Split) -> Result<Dataset, DataError> {
+    let (samples, split_tag) = match split {
+        Split::Train => (spec.train_samples, 0),
+        Split::Test => (spec.test_samples, 1),
+    };
+    let image_len = spec
+        .image_size
+        .checked_mul(spec.image_size)
+        .and_then(|pixels| pixels.checked_mul(3))
+        .filter(|&len| len > 0 && len <= (1 << 24))
+        .ok_or_else(|| DataError::Invalid {
+            message: format!(
+                "synthetic image size {}, expected 1..=2364",
+                spec.image_size
+            ),
+        })?;
+    let total = samples
+        .checked_mul(image_len)
+        .filter(|&total| total <= (1 << 32))
+        .ok_or_else(|| DataError::Invalid {
+            message: format!(
+                "{samples} synthetic images of {image_len} values do not fit in memory"
+            ),
+        })?;
+    let mut labels: Vec<u32> = (0..samples)
+        .map(|index| u32::from(index < samples / 2))
+        .collect();
+    SampleRng::new(spec.seed, stream::SYNTHETIC_LABELS, split_tag, 0).shuffle(&mut labels);
+    let mut pixels = vec![0f32; total];
+    for (index, image) in pixels.chunks_exact_mut(image_len).enumerate() {
+        let mut rng = SampleRng::new(spec.seed, stream::SYNTHETIC_PIXELS, split_tag, index as u64);
+        for pair in image.chunks_mut(2) {
+            let (first, second) = rng.normal_pair();
+            for (value, normal) in pair.iter_mut().zip([first, second]) {
+                *value = normal as f32;
+            }
+        }
+    }
+    Ok(Dataset {
+        images: Pixels::F32(pixels),
+        labels,
+        height: spec.image_size,
+        width: spec.image_size,
+        channels: 3,
+        num_classes: 2,
+        class_names: vec!["0".to_string(), "1".to_string()],
+    })
+}
