@@ -149,7 +149,7 @@ struct Parsed {
 
 impl Parsed {
     fn add_records(&mut self, path: &Path, bytes: &[u8]) -> Result<(), DataError> {
-        if bytes.len() % RECORD_LEN != 0 {
+        if !bytes.len().is_multiple_of(RECORD_LEN) {
             return Err(DataError::format(
                 path,
                 format!(
