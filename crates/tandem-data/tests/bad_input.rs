@@ -28,7 +28,12 @@ fn binary_folder_with_test_batch(bytes: &[u8]) -> (tempfile::TempDir, String) {
 #[test]
 fn binary_batch_whose_size_is_not_a_multiple_of_the_record() {
     let (dir, path) = binary_folder_with_test_batch(&vec![0u8; 3073 * 2 + 100]);
-    let error = error_text(load_dataset(&DataSource::Cifar10Bin { dir: dir.path().into() }, Split::Test));
+    let error = error_text(load_dataset(
+        &DataSource::Cifar10Bin {
+            dir: dir.path().into(),
+        },
+        Split::Test,
+    ));
     assert_eq!(
         error,
         format!("{path}: size 6246 bytes is not a multiple of the 3073-byte record (1 label byte + 3,072 pixel bytes)")
@@ -44,7 +49,10 @@ fn binary_label_byte_above_nine() {
         dir: dir.path().join("cifar-10-batches-bin"),
     };
     let error = error_text(load_dataset(&source, Split::Test));
-    assert_eq!(error, format!("{path}: record 1: label byte 10, expected 0..=9"));
+    assert_eq!(
+        error,
+        format!("{path}: record 1: label byte 10, expected 0..=9")
+    );
 }
 
 #[test]
@@ -56,26 +64,49 @@ fn binary_folder_reads_any_record_count_and_finds_the_batches_folder() {
         let mut records = Vec::new();
         for record in 0..batch {
             let label = ((batch + record) % 10) as u8;
-            let hwc: Vec<u8> = (0..3072).map(|value| ((value * batch + record) % 256) as u8).collect();
+            let hwc: Vec<u8> = (0..3072)
+                .map(|value| ((value * batch + record) % 256) as u8)
+                .collect();
             records.push(label);
             records.extend_from_slice(&hwc_to_planes(&hwc));
             expected_labels.push(u32::from(label));
             expected_pixels.extend_from_slice(&hwc);
         }
-        write(&dir.path().join(format!("cifar-10-batches-bin/data_batch_{batch}.bin")), &records);
+        write(
+            &dir.path()
+                .join(format!("cifar-10-batches-bin/data_batch_{batch}.bin")),
+            &records,
+        );
     }
-    for dir in [dir.path().to_path_buf(), dir.path().join("cifar-10-batches-bin")] {
+    for dir in [
+        dir.path().to_path_buf(),
+        dir.path().join("cifar-10-batches-bin"),
+    ] {
         let train = load_dataset(&DataSource::Cifar10Bin { dir }, Split::Train).unwrap();
         assert_eq!(train.labels, expected_labels);
-        assert_eq!(train.images, tandem_data::Pixels::U8(expected_pixels.clone()));
+        assert_eq!(
+            train.images,
+            tandem_data::Pixels::U8(expected_pixels.clone())
+        );
     }
 }
 
 #[test]
 fn binary_data_that_is_nowhere() {
     let dir = tempfile::tempdir().unwrap();
-    let error = error_text(load_dataset(&DataSource::Cifar10Bin { dir: dir.path().into() }, Split::Train));
-    assert!(error.starts_with(&format!("{}: no CIFAR-10 binary data: expected data_batch_1.bin here", dir.path().display())), "{error}");
+    let error = error_text(load_dataset(
+        &DataSource::Cifar10Bin {
+            dir: dir.path().into(),
+        },
+        Split::Train,
+    ));
+    assert!(
+        error.starts_with(&format!(
+            "{}: no CIFAR-10 binary data: expected data_batch_1.bin here",
+            dir.path().display()
+        )),
+        "{error}"
+    );
 }
 
 #[test]
@@ -83,15 +114,29 @@ fn corrupt_and_truncated_archives() {
     let dir = tempfile::tempdir().unwrap();
     let garbage = dir.path().join("cifar-10-binary.tar.gz");
     write(&garbage, b"this is not gzip data at all");
-    let error = error_text(load_dataset(&DataSource::Cifar10Bin { dir: dir.path().into() }, Split::Test));
-    assert!(error.starts_with(&format!("{}: ", garbage.display())), "{error}");
+    let error = error_text(load_dataset(
+        &DataSource::Cifar10Bin {
+            dir: dir.path().into(),
+        },
+        Split::Test,
+    ));
+    assert!(
+        error.starts_with(&format!("{}: ", garbage.display())),
+        "{error}"
+    );
 
     // The first megabyte of the real archive: valid gzip, cut off inside the first member.
     let real = std::fs::read(shared_path("data/cifar10/cifar-10-batches-bin.tar.gz")).unwrap();
     let cut = dir.path().join("cut/cifar-10-batches-bin.tar.gz");
     write(&cut, &real[..1 << 20]);
-    let error = error_text(load_dataset(&DataSource::Cifar10Bin { dir: cut.clone() }, Split::Test));
-    assert!(error.starts_with(&format!("{}: damaged", cut.display())), "{error}");
+    let error = error_text(load_dataset(
+        &DataSource::Cifar10Bin { dir: cut.clone() },
+        Split::Test,
+    ));
+    assert!(
+        error.starts_with(&format!("{}: damaged", cut.display())),
+        "{error}"
+    );
 }
 
 #[test]
@@ -99,22 +144,39 @@ fn archive_lacking_a_member() {
     let dir = tempfile::tempdir().unwrap();
     let archive_path = dir.path().join("cifar-10-binary.tar.gz");
     let file = std::fs::File::create(&archive_path).unwrap();
-    let mut builder = tar::Builder::new(flate2::write::GzEncoder::new(file, flate2::Compression::fast()));
+    let mut builder = tar::Builder::new(flate2::write::GzEncoder::new(
+        file,
+        flate2::Compression::fast(),
+    ));
     let record = vec![3u8; 3073];
     let mut header = tar::Header::new_gnu();
     header.set_size(record.len() as u64);
     header.set_mode(0o644);
     header.set_cksum();
-    builder.append_data(&mut header, "cifar-10-batches-bin/data_batch_1.bin", &record[..]).unwrap();
+    builder
+        .append_data(
+            &mut header,
+            "cifar-10-batches-bin/data_batch_1.bin",
+            &record[..],
+        )
+        .unwrap();
     builder.into_inner().unwrap().finish().unwrap();
-    let source = DataSource::Cifar10Bin { dir: dir.path().into() };
+    let source = DataSource::Cifar10Bin {
+        dir: dir.path().into(),
+    };
     let error = error_text(load_dataset(&source, Split::Train));
     assert_eq!(
         error,
-        format!("{}: archive lacks the member cifar-10-batches-bin/data_batch_2.bin", archive_path.display())
+        format!(
+            "{}: archive lacks the member cifar-10-batches-bin/data_batch_2.bin",
+            archive_path.display()
+        )
     );
     let error = error_text(load_dataset(&source, Split::Test));
-    assert!(error.ends_with("archive lacks the member cifar-10-batches-bin/test_batch.bin"), "{error}");
+    assert!(
+        error.ends_with("archive lacks the member cifar-10-batches-bin/test_batch.bin"),
+        "{error}"
+    );
 }
 
 /// A python-layout folder with a test batch.
@@ -122,7 +184,9 @@ fn python_folder(batch: &[u8]) -> (tempfile::TempDir, String, DataSource) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cifar-10-batches-py/test_batch");
     write(&path, batch);
-    let source = DataSource::Cifar10Py { dir: dir.path().into() };
+    let source = DataSource::Cifar10Py {
+        dir: dir.path().into(),
+    };
     (dir, path.display().to_string(), source)
 }
 
@@ -133,7 +197,9 @@ fn python_batch_with_any_row_count_loads() {
     let test = load_dataset(&source, Split::Test).unwrap();
     assert_eq!(test.len(), 7);
     assert_eq!(test.labels, vec![0, 1, 2, 3, 4, 5, 6]);
-    let tandem_data::Pixels::U8(pixels) = &test.images else { panic!("bytes expected") };
+    let tandem_data::Pixels::U8(pixels) = &test.images else {
+        panic!("bytes expected")
+    };
     assert_eq!(hwc_to_planes(&pixels[3072..6144]), batch.pixels[3072..6144]);
 }
 
@@ -142,7 +208,13 @@ fn python_batch_truncated() {
     let pickle = PyBatch::valid(2).to_pickle();
     let (_dir, path, source) = python_folder(&pickle[..pickle.len() - 10]);
     let error = error_text(load_dataset(&source, Split::Test));
-    assert!(error.starts_with(&format!("{path}: pickle truncated at byte {}", pickle.len() - 10)), "{error}");
+    assert!(
+        error.starts_with(&format!(
+            "{path}: pickle truncated at byte {}",
+            pickle.len() - 10
+        )),
+        "{error}"
+    );
 }
 
 #[test]
@@ -168,7 +240,10 @@ fn python_batch_with_wrong_dtype() {
     };
     let (_dir, path, source) = python_folder(&batch.to_pickle());
     let error = error_text(load_dataset(&source, Split::Test));
-    assert_eq!(error, format!("{path}: field 'data' has dtype f4, expected u1 (uint8)"));
+    assert_eq!(
+        error,
+        format!("{path}: field 'data' has dtype f4, expected u1 (uint8)")
+    );
 }
 
 #[test]
@@ -180,7 +255,10 @@ fn python_batch_with_wrong_row_size() {
     };
     let (_dir, path, source) = python_folder(&batch.to_pickle());
     let error = error_text(load_dataset(&source, Split::Test));
-    assert_eq!(error, format!("{path}: field 'data' has rows of 3000 values, expected 3072 (3 x 32 x 32)"));
+    assert_eq!(
+        error,
+        format!("{path}: field 'data' has rows of 3000 values, expected 3072 (3 x 32 x 32)")
+    );
 }
 
 #[test]
@@ -191,7 +269,10 @@ fn python_batch_with_label_count_or_value_wrong() {
     };
     let (_dir, path, source) = python_folder(&batch.to_pickle());
     let error = error_text(load_dataset(&source, Split::Test));
-    assert_eq!(error, format!("{path}: field 'labels' has 3 entries, expected 2 (one per row of 'data')"));
+    assert_eq!(
+        error,
+        format!("{path}: field 'labels' has 3 entries, expected 2 (one per row of 'data')")
+    );
 
     let batch = PyBatch {
         labels: vec![1, 12],
@@ -199,18 +280,26 @@ fn python_batch_with_label_count_or_value_wrong() {
     };
     let (_dir, path, source) = python_folder(&batch.to_pickle());
     let error = error_text(load_dataset(&source, Split::Test));
-    assert_eq!(error, format!("{path}: field 'labels' entry 1 is int 12, expected an int in 0..=9"));
+    assert_eq!(
+        error,
+        format!("{path}: field 'labels' entry 1 is int 12, expected an int in 0..=9")
+    );
 }
 
 /// A JSON-layout folder with the given test annotations and images.
-fn json_folder(annotations: &str, images: &[(&str, Vec<u8>)]) -> (tempfile::TempDir, String, DataSource) {
+fn json_folder(
+    annotations: &str,
+    images: &[(&str, Vec<u8>)],
+) -> (tempfile::TempDir, String, DataSource) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("annotations/cifar10_test.json");
     write(&path, annotations.as_bytes());
     for (name, bytes) in images {
         write(&dir.path().join("test_cifar10").join(name), bytes);
     }
-    let source = DataSource::JsonFolder { root: dir.path().into() };
+    let source = DataSource::JsonFolder {
+        root: dir.path().into(),
+    };
     (dir, path.display().to_string(), source)
 }
 
@@ -222,7 +311,9 @@ fn png(image: image::DynamicImage) -> Vec<u8> {
 
 fn jpeg(image: image::DynamicImage) -> Vec<u8> {
     let mut bytes = std::io::Cursor::new(Vec::new());
-    image.write_to(&mut bytes, image::ImageFormat::Jpeg).unwrap();
+    image
+        .write_to(&mut bytes, image::ImageFormat::Jpeg)
+        .unwrap();
     bytes.into_inner()
 }
 
@@ -237,13 +328,21 @@ fn json_folder_reads_png_and_jpeg() {
     let annotations = r#"{"images": ["a.png", "b.jpg"], "categories": [4, 9]}"#;
     let (_dir, _, source) = json_folder(
         annotations,
-        &[("a.png", png(rgb_image(32, 32))), ("b.jpg", jpeg(rgb_image(32, 32)))],
+        &[
+            ("a.png", png(rgb_image(32, 32))),
+            ("b.jpg", jpeg(rgb_image(32, 32))),
+        ],
     );
     let test = load_dataset(&source, Split::Test).unwrap();
     assert_eq!(test.labels, vec![4, 9]);
-    let tandem_data::Pixels::U8(pixels) = &test.images else { panic!("bytes expected") };
+    let tandem_data::Pixels::U8(pixels) = &test.images else {
+        panic!("bytes expected")
+    };
     // PNG is lossless: pixel (x=3, y=2) of image 0 is (24, 16, 128).
-    assert_eq!(pixels[(2 * 32 + 3) * 3..(2 * 32 + 3) * 3 + 3], [24, 16, 128]);
+    assert_eq!(
+        pixels[(2 * 32 + 3) * 3..(2 * 32 + 3) * 3 + 3],
+        [24, 16, 128]
+    );
     // JPEG is lossy: close, not equal.
     let jpeg_pixel = &pixels[3072 + (2 * 32 + 3) * 3..3072 + (2 * 32 + 3) * 3 + 3];
     for (value, expected) in jpeg_pixel.iter().zip([24u8, 16, 128]) {
@@ -254,13 +353,31 @@ fn json_folder_reads_png_and_jpeg() {
 #[test]
 fn json_malformed_missing_key_and_count_mismatch() {
     let cases = [
-        (r#"{"images": ["a.png"], "categories": [1]"#, "malformed JSON: EOF while parsing an object at line 1 column 39"),
+        (
+            r#"{"images": ["a.png"], "categories": [1]"#,
+            "malformed JSON: EOF while parsing an object at line 1 column 39",
+        ),
         (r#"{"images": ["a.png"]}"#, "missing key \"categories\""),
-        (r#"{"images": ["a.png", "b.png"], "categories": [1]}"#, "2 images but 1 categories, expected one category per image"),
-        (r#"{"images": "a.png", "categories": [1]}"#, "key \"images\" is \"a.png\", expected an array"),
-        (r#"{"images": ["a.png"], "categories": [10]}"#, "categories[0] is 10, expected an integer in 0..=9"),
-        (r#"{"images": ["../a.png"], "categories": [1]}"#, "images[0] is \"../a.png\", expected a file name inside the image folder"),
-        (r#"[1, 2]"#, "top level is not a JSON object, expected {\"images\": [...], \"categories\": [...]}"),
+        (
+            r#"{"images": ["a.png", "b.png"], "categories": [1]}"#,
+            "2 images but 1 categories, expected one category per image",
+        ),
+        (
+            r#"{"images": "a.png", "categories": [1]}"#,
+            "key \"images\" is \"a.png\", expected an array",
+        ),
+        (
+            r#"{"images": ["a.png"], "categories": [10]}"#,
+            "categories[0] is 10, expected an integer in 0..=9",
+        ),
+        (
+            r#"{"images": ["../a.png"], "categories": [1]}"#,
+            "images[0] is \"../a.png\", expected a file name inside the image folder",
+        ),
+        (
+            r#"[1, 2]"#,
+            "top level is not a JSON object, expected {\"images\": [...], \"categories\": [...]}",
+        ),
     ];
     for (annotations, expected) in cases {
         let (_dir, path, source) = json_folder(annotations, &[]);
@@ -274,7 +391,10 @@ fn json_missing_image_file() {
     let (dir, _, source) = json_folder(r#"{"images": ["gone.png"], "categories": [1]}"#, &[]);
     let error = error_text(load_dataset(&source, Split::Test));
     let image_path = dir.path().join("test_cifar10/gone.png");
-    assert!(error.starts_with(&format!("{}: No such file", image_path.display())), "{error}");
+    assert!(
+        error.starts_with(&format!("{}: No such file", image_path.display())),
+        "{error}"
+    );
 }
 
 #[test]
@@ -283,13 +403,25 @@ fn json_images_of_the_wrong_size_or_colour() {
     let (dir, _, source) = json_folder(annotations, &[("small.png", png(rgb_image(16, 32)))]);
     let error = error_text(load_dataset(&source, Split::Test));
     let image_path = dir.path().join("test_cifar10/small.png");
-    assert_eq!(error, format!("{}: image is 16x32 (width x height), expected 32x32 RGB", image_path.display()));
+    assert_eq!(
+        error,
+        format!(
+            "{}: image is 16x32 (width x height), expected 32x32 RGB",
+            image_path.display()
+        )
+    );
 
     let gray = image::DynamicImage::ImageLuma8(image::GrayImage::new(32, 32));
     let (dir, _, source) = json_folder(annotations, &[("small.png", png(gray))]);
     let error = error_text(load_dataset(&source, Split::Test));
     let image_path = dir.path().join("test_cifar10/small.png");
-    assert_eq!(error, format!("{}: image has color type L8, expected 8-bit RGB", image_path.display()));
+    assert_eq!(
+        error,
+        format!(
+            "{}: image has color type L8, expected 8-bit RGB",
+            image_path.display()
+        )
+    );
 }
 
 #[test]
@@ -298,19 +430,37 @@ fn read_image_checks_size_and_resizes_on_request() {
     let exact = dir.path().join("exact.png");
     write(&exact, &png(rgb_image(32, 32)));
     let image = read_image(&exact, None).unwrap();
-    assert_eq!((image.height, image.width, image.pixels.len()), (32, 32, 3072));
+    assert_eq!(
+        (image.height, image.width, image.pixels.len()),
+        (32, 32, 3072)
+    );
     assert_eq!(image.pixels[(2 * 32 + 3) * 3], 24.0 / 255.0);
 
     let large = dir.path().join("large.png");
     write(&large, &png(rgb_image(64, 48)));
     let error = error_text(read_image(&large, None));
-    assert_eq!(error, format!("{}: image is 64x48 (width x height), expected 32x32 RGB", large.display()));
+    assert_eq!(
+        error,
+        format!(
+            "{}: image is 64x48 (width x height), expected 32x32 RGB",
+            large.display()
+        )
+    );
     let resized = read_image(&large, Some((32, 32))).unwrap();
     assert_eq!(resized.pixels.len(), 3072);
-    assert!(resized.pixels.iter().all(|value| (0.0..=1.0).contains(value)));
+    assert!(resized
+        .pixels
+        .iter()
+        .all(|value| (0.0..=1.0).contains(value)));
 
     let broken = dir.path().join("broken.png");
     write(&broken, b"\x89PNG\r\n\x1a\nnot really");
     let error = error_text(read_image(&broken, Some((32, 32))));
-    assert!(error.starts_with(&format!("{}: cannot decode as PNG or JPEG", broken.display())), "{error}");
+    assert!(
+        error.starts_with(&format!(
+            "{}: cannot decode as PNG or JPEG",
+            broken.display()
+        )),
+        "{error}"
+    );
 }

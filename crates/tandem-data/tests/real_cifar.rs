@@ -40,7 +40,10 @@ fn binary_train_split_counts_labels_and_channel_statistics() {
     assert_eq!(bytes(train).len(), 50_000 * 3072);
     assert_eq!(train.class_counts(), vec![5000; 10]);
     assert_eq!(train.labels[..5], [6, 9, 9, 4, 1]);
-    assert_eq!(train.class_names, CIFAR10_CLASS_NAMES.map(String::from).to_vec());
+    assert_eq!(
+        train.class_names,
+        CIFAR10_CLASS_NAMES.map(String::from).to_vec()
+    );
 
     let mut sums = [0f64; 3];
     let mut squares = [0f64; 3];
@@ -57,8 +60,14 @@ fn binary_train_split_counts_labels_and_channel_statistics() {
     for channel in 0..3 {
         let mean = sums[channel] / count;
         let std = (squares[channel] / count - mean * mean).sqrt();
-        assert!((mean - expected_mean[channel]).abs() < 1e-4, "channel {channel} mean {mean}");
-        assert!((std - expected_std[channel]).abs() < 1e-4, "channel {channel} std {std}");
+        assert!(
+            (mean - expected_mean[channel]).abs() < 1e-4,
+            "channel {channel} mean {mean}"
+        );
+        assert!(
+            (std - expected_std[channel]).abs() < 1e-4,
+            "channel {channel} std {std}"
+        );
     }
 }
 
@@ -77,13 +86,19 @@ fn python_pickle_layout_matches_the_first_500_rows_of_each_binary_batch() {
     };
     let python_train = load_dataset(&source, Split::Train).unwrap();
     assert_eq!(python_train.len(), 2500);
-    assert_eq!(python_train.class_names, CIFAR10_CLASS_NAMES.map(String::from).to_vec());
+    assert_eq!(
+        python_train.class_names,
+        CIFAR10_CLASS_NAMES.map(String::from).to_vec()
+    );
     let binary_train = binary(Split::Train);
     for batch in 0..5 {
         for row in 0..500 {
             let python_index = batch * 500 + row;
             let binary_index = batch * 10_000 + row;
-            assert_eq!(python_train.labels[python_index], binary_train.labels[binary_index]);
+            assert_eq!(
+                python_train.labels[python_index],
+                binary_train.labels[binary_index]
+            );
             assert_eq!(
                 bytes(&python_train)[python_index * 3072..(python_index + 1) * 3072],
                 bytes(binary_train)[binary_index * 3072..(binary_index + 1) * 3072],
@@ -121,12 +136,20 @@ fn check_json_subset(split: Split, per_class: usize) {
     let mut found_order = Vec::new();
     for (position, image) in bytes(&subset).chunks_exact(3072).enumerate() {
         let Some(&(index, label)) = expected.get(image) else {
-            panic!("{split:?} JSON image {position} matches none of the first {per_class} per class");
+            panic!(
+                "{split:?} JSON image {position} matches none of the first {per_class} per class"
+            );
         };
-        assert_eq!(subset.labels[position], label, "label of JSON image {position}");
+        assert_eq!(
+            subset.labels[position], label,
+            "label of JSON image {position}"
+        );
         found_order.push(index);
     }
-    assert_eq!(found_order, expected_order, "JSON images are in the original order");
+    assert_eq!(
+        found_order, expected_order,
+        "JSON images are in the original order"
+    );
 }
 
 #[test]

@@ -39,7 +39,9 @@ impl PyBatch<'_> {
             dtype: "u1",
             rows,
             row_len: 3072,
-            pixels: (0..rows * 3072).map(|index| (index * 7 % 251) as u8).collect(),
+            pixels: (0..rows * 3072)
+                .map(|index| (index * 7 % 251) as u8)
+                .collect(),
             labels: (0..rows).map(|row| (row % 10) as i64).collect(),
         }
     }
