@@ -1,0 +1,249 @@
+//! Downloads against a local HTTP server started by each test (no internet here): whole,
+//! cut short and resumed, resumed by a server that ignores `Range`, corrupted, redirected.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::thread::JoinHandle;
+
+use md5::{Digest, Md5};
+use tandem_data::{download_cifar10, download_file, DataError, CIFAR10_ARCHIVE_NAME, CIFAR10_MD5};
+
+/// What the server does with one connection.
+#[derive(Clone, Copy)]
+enum Reply {
+    /// Honour `Range` with 206, else 200 with the whole body.
+    Serve,
+    /// Announce the whole remaining length but close after `n` body bytes.
+    CutAfter(usize),
+    /// Always 200 with the whole body, whatever `Range` says.
+    IgnoreRange,
+    /// 200 with one byte of the body flipped.
+    Corrupt,
+    /// 302 to `/file`.
+    Redirect,
+    /// 404.
+    Missing,
+}
+
+/// Serves `body` to one connection per reply; returns the address and the request heads.
+fn serve(body: Vec<u8>, replies: Vec<Reply>) -> (String, JoinHandle<Vec<String>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/file", listener.local_addr().unwrap());
+    let handle = std::thread::spawn(move || {
+        let mut heads = Vec::new();
+        for reply in replies {
+            let (stream, _) = listener.accept().unwrap();
+            heads.push(answer(stream, &body, reply));
+        }
+        heads
+    });
+    (url, handle)
+}
+
+fn answer(mut stream: TcpStream, body: &[u8], reply: Reply) -> String {
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        if line == "\r\n" || line.is_empty() {
+            break;
+        }
+        head.push_str(&line);
+    }
+    let range_start = head
+        .lines()
+        .find_map(|line| line.strip_prefix("Range: bytes="))
+        .and_then(|range| range.trim_end_matches('-').parse::<usize>().ok());
+    let response = match (reply, range_start) {
+        (Reply::Serve | Reply::CutAfter(_), Some(start)) => {
+            let rest = &body[start..];
+            let mut out = format!(
+                "HTTP/1.1 206 Partial Content\r\nContent-Length: {}\r\nContent-Range: bytes {start}-{}/{}\r\n\r\n",
+                rest.len(),
+                body.len() - 1,
+                body.len()
+            )
+            .into_bytes();
+            out.extend_from_slice(rest);
+            cut(out, reply, rest.len())
+        }
+        (Reply::Serve | Reply::CutAfter(_) | Reply::IgnoreRange, _) => {
+            let mut out =
+                format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len()).into_bytes();
+            out.extend_from_slice(body);
+            cut(out, reply, body.len())
+        }
+        (Reply::Corrupt, _) => {
+            let mut out =
+                format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len()).into_bytes();
+            let flipped = out.len() + body.len() / 2;
+            out.extend_from_slice(body);
+            out[flipped] ^= 0xff;
+            out
+        }
+        (Reply::Redirect, _) => {
+            b"HTTP/1.1 302 Found\r\nLocation: /file\r\nContent-Length: 0\r\n\r\n".to_vec()
+        }
+        (Reply::Missing, _) => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n".to_vec(),
+    };
+    let _ = stream.write_all(&response);
+    head
+}
+
+/// Drops the end of a response so only `n` body bytes are sent.
+fn cut(mut out: Vec<u8>, reply: Reply, body_len: usize) -> Vec<u8> {
+    if let Reply::CutAfter(n) = reply {
+        out.truncate(out.len() - body_len + n);
+    }
+    out
+}
+
+fn body() -> Vec<u8> {
+    (0..300_000u32)
+        .map(|index| (index * 7 + index / 1000) as u8)
+        .collect()
+}
+
+fn md5_hex(bytes: &[u8]) -> String {
+    Md5::digest(bytes)
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
+}
+
+fn no_progress() -> impl FnMut(u64, Option<u64>) {
+    |_, _| {}
+}
+
+fn partial(destination: &Path) -> std::path::PathBuf {
+    destination.with_file_name("archive.tar.gz.part")
+}
+
+#[test]
+fn whole_download_lands_under_its_final_name() {
+    let body = body();
+    let (url, server) = serve(body.clone(), vec![Reply::Serve]);
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    let mut last = (0, None);
+    download_file(&url, &destination, &md5_hex(&body), &mut |done, total| {
+        last = (done, total)
+    })
+    .unwrap();
+    assert_eq!(std::fs::read(&destination).unwrap(), body);
+    assert!(!partial(&destination).exists());
+    assert_eq!(last, (body.len() as u64, Some(body.len() as u64)));
+    let heads = server.join().unwrap();
+    assert!(!heads[0].contains("Range:"), "{}", heads[0]);
+
+    // Already there with the right md5: nothing is fetched (no server is listening now).
+    download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap();
+}
+
+#[test]
+fn cut_short_download_keeps_its_part_and_resumes_with_range() {
+    let body = body();
+    let (url, server) = serve(body.clone(), vec![Reply::CutAfter(100_000), Reply::Serve]);
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    let error = download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "download of {url}: connection closed after 100000 of 300000 bytes; the partial file {} is kept, run again to resume",
+            partial(&destination).display()
+        )
+    );
+    assert!(!destination.exists(), "nothing under the final name");
+    assert_eq!(
+        std::fs::read(partial(&destination)).unwrap(),
+        body[..100_000]
+    );
+
+    download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap();
+    assert_eq!(std::fs::read(&destination).unwrap(), body);
+    let heads = server.join().unwrap();
+    assert!(heads[1].contains("Range: bytes=100000-"), "{}", heads[1]);
+}
+
+#[test]
+fn server_ignoring_range_restarts_the_file() {
+    let body = body();
+    let (url, server) = serve(body.clone(), vec![Reply::IgnoreRange]);
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    std::fs::write(partial(&destination), &body[..5000]).unwrap();
+    download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap();
+    assert_eq!(std::fs::read(&destination).unwrap(), body);
+    assert!(server.join().unwrap()[0].contains("Range: bytes=5000-"));
+}
+
+#[test]
+fn corrupted_download_is_refused_and_removed() {
+    let body = body();
+    let (url, server) = serve(body.clone(), vec![Reply::Corrupt]);
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    let error = download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap_err();
+    let mut corrupted = body.clone();
+    corrupted[body.len() / 2] ^= 0xff;
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "{}: md5 is {}, expected {} (the partial file was removed; run again to download afresh)",
+            destination.display(),
+            md5_hex(&corrupted),
+            md5_hex(&body)
+        )
+    );
+    assert!(!destination.exists() && !partial(&destination).exists());
+    server.join().unwrap();
+}
+
+#[test]
+fn redirects_are_followed_and_http_errors_reported() {
+    let body = body();
+    let (url, server) = serve(
+        body.clone(),
+        vec![Reply::Redirect, Reply::Serve, Reply::Missing],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap();
+    assert_eq!(std::fs::read(&destination).unwrap(), body);
+    let other = dir.path().join("other.tar.gz");
+    let error = download_file(&url, &other, &md5_hex(&body), &mut no_progress()).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        format!("download of {url}: server answered 404 Not Found")
+    );
+    server.join().unwrap();
+}
+
+#[test]
+fn cifar10_download_checks_the_official_md5() {
+    let (url, server) = serve(body(), vec![Reply::Serve]);
+    let dir = tempfile::tempdir().unwrap();
+    let error = download_cifar10(&dir.path().join("data"), &url, &mut no_progress()).unwrap_err();
+    let DataError::Checksum { path, expected, .. } = &error else {
+        panic!("{error}")
+    };
+    assert_eq!(expected, CIFAR10_MD5);
+    assert_eq!(path, &dir.path().join("data").join(CIFAR10_ARCHIVE_NAME));
+    server.join().unwrap();
+
+    let error = download_cifar10(
+        dir.path(),
+        "https://example.invalid/x.tar.gz",
+        &mut no_progress(),
+    )
+    .unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("https is not built into this client"),
+        "{error}"
+    );
+}
