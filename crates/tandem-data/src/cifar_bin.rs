@@ -43,6 +43,11 @@ pub(crate) fn load(dir: &Path, split: Split) -> Result<Dataset, DataError> {
     }
 }
 
+/// Whether `dir` holds the binary layout in any accepted form.
+pub(crate) fn is_present(dir: &Path) -> bool {
+    locate(dir).is_ok()
+}
+
 fn locate(dir: &Path) -> Result<Location, DataError> {
     if dir.is_file() {
         return Ok(Location::Archive(dir.to_path_buf()));

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use md5::{Digest, Md5};
 
+use crate::cifar_bin;
 use crate::error::DataError;
 
 /// The official address of the archive.
@@ -28,6 +29,31 @@ const MAX_REDIRECTS: usize = 5;
 const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// A stalled connection fails after this long.
 const IO_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Makes sure CIFAR-10's binary layout is in `dir`: if it is there in any form
+/// [`crate::DataSource::Cifar10Bin`] accepts, nothing happens; otherwise the archive is
+/// downloaded from `url` (progress every 10% on stderr). Returns `dir`.
+pub fn ensure_cifar10_downloaded(dir: &Path, url: &str) -> Result<PathBuf, DataError> {
+    if cifar_bin::is_present(dir) {
+        return Ok(dir.to_path_buf());
+    }
+    let mut reported_tenths = 0;
+    let mut report = |done: u64, total: Option<u64>| {
+        if let Some(total) = total.filter(|&total| total > 0) {
+            let tenths = done * 10 / total;
+            if tenths > reported_tenths {
+                reported_tenths = tenths;
+                eprintln!(
+                    "downloading {CIFAR10_ARCHIVE_NAME}: {}% of {} MB",
+                    tenths * 10,
+                    total >> 20
+                );
+            }
+        }
+    };
+    download_cifar10(dir, url, &mut report)?;
+    Ok(dir.to_path_buf())
+}
 
 /// Downloads `cifar-10-binary.tar.gz` from `url` into `dir` (created if needed) and returns
 /// its path. An archive already there with the right md5 is kept; a partial download is

@@ -17,10 +17,19 @@ pub struct Image {
     pub pixels: Vec<f32>,
 }
 
-/// Decodes a PNG or JPEG file to `[H, W, 3]` floats in [0, 1]. Without `resize` the file
-/// must be a 32x32 RGB image; with `resize = Some((height, width))` any decodable image is
-/// converted to RGB and resized (bilinear).
-pub fn read_image(path: &Path, resize: Option<(usize, usize)>) -> Result<Image, DataError> {
+/// Decodes a PNG or JPEG file that must be a 32x32 RGB image to `[32, 32, 3]` floats in
+/// [0, 1] (for `predict`).
+pub fn read_image(path: &Path) -> Result<Image, DataError> {
+    decode_to_floats(path, None)
+}
+
+/// Decodes any PNG or JPEG file, converts it to RGB and resizes it (bilinear) to
+/// `height` x `width`; floats in [0, 1].
+pub fn read_image_resized(path: &Path, height: usize, width: usize) -> Result<Image, DataError> {
+    decode_to_floats(path, Some((height, width)))
+}
+
+fn decode_to_floats(path: &Path, resize: Option<(usize, usize)>) -> Result<Image, DataError> {
     let rgb = match resize {
         None => decode_rgb_exact(path, 32, 32)?,
         Some((height, width)) => {

@@ -24,10 +24,11 @@ mod transform;
 
 pub use dataset::{load_dataset, DataSource, Dataset, Pixels, Split, CIFAR10_CLASS_NAMES};
 pub use download::{
-    download_cifar10, download_file, CIFAR10_ARCHIVE_NAME, CIFAR10_MD5, CIFAR10_URL,
+    download_cifar10, download_file, ensure_cifar10_downloaded, CIFAR10_ARCHIVE_NAME, CIFAR10_MD5,
+    CIFAR10_URL,
 };
 pub use error::DataError;
-pub use image_file::{read_image, Image};
+pub use image_file::{read_image, read_image_resized, Image};
 pub use loader::{Batch, Loader, LoaderOptions};
 pub use rng::SampleRng;
 pub use sampler::{eval_shard, DistributedSampler};

@@ -28,8 +28,8 @@ pub struct LoaderOptions {
     pub batch_size: usize,
     /// Drop the last batch if it is smaller than `batch_size` (else keep it).
     pub drop_last: bool,
-    /// Random augmentation.
-    pub augment: Augment,
+    /// Random augmentation (`None` for evaluation).
+    pub augment: Option<Augment>,
     /// Normalization after augmentation.
     pub normalize: Option<Normalize>,
     /// Seed of the augmentation draws.
@@ -49,7 +49,7 @@ impl Default for LoaderOptions {
         LoaderOptions {
             batch_size: 128,
             drop_last: false,
-            augment: Augment::default(),
+            augment: None,
             normalize: None,
             seed: 0,
             epoch: 0,
@@ -141,6 +141,8 @@ struct Recipe {
     dataset: Arc<Dataset>,
     indices: Vec<usize>,
     options: LoaderOptions,
+    /// `options.augment`, or no augmentation.
+    augment: Augment,
     num_batches: usize,
 }
 
@@ -174,7 +176,7 @@ impl Recipe {
                 &self.dataset.images,
                 geometry,
                 index,
-                &self.options.augment,
+                &self.augment,
                 map,
                 (self.options.seed, self.options.epoch),
                 output,
@@ -192,7 +194,8 @@ struct Shared {
     pool: Arc<BufferPool>,
 }
 
-/// Iterates over the batches of one epoch, in order. See the module documentation.
+/// Iterates over the batches of one epoch, in order, as `Result<Batch, DataError>`. See
+/// the module documentation.
 pub struct Loader {
     shared: Arc<Shared>,
     next_batch: usize,
@@ -224,6 +227,7 @@ impl Loader {
             recipe: Recipe {
                 dataset,
                 indices,
+                augment: options.augment.unwrap_or_default(),
                 options,
                 num_batches,
             },
@@ -308,9 +312,11 @@ impl Loader {
 }
 
 impl Iterator for Loader {
-    type Item = Batch;
+    type Item = Result<Batch, DataError>;
 
-    fn next(&mut self) -> Option<Batch> {
+    /// The next batch in order; `None` at the end of the epoch. An error only if a worker
+    /// thread died (a bug, not bad input); the iterator then ends.
+    fn next(&mut self) -> Option<Result<Batch, DataError>> {
         let batch_index = self.next_batch;
         if batch_index >= self.shared.recipe.num_batches {
             return None;
@@ -320,20 +326,21 @@ impl Iterator for Loader {
                 .shared
                 .recipe
                 .build(batch_index, map, self.shared.pool.take()),
-            None => {
-                // Workers only stop early if one of them panicked: a bug, not bad input.
-                let buffers = self.receive(batch_index);
-                let Some(buffers) = buffers else {
-                    panic!(
-                        "tandem-data loader: a worker thread stopped before batch {batch_index}"
-                    );
-                };
-                buffers
-            }
+            None => match self.receive(batch_index) {
+                Some(buffers) => buffers,
+                None => {
+                    self.next_batch = self.shared.recipe.num_batches;
+                    return Some(Err(DataError::Invalid {
+                        message: format!(
+                            "loader worker threads stopped before batch {batch_index}"
+                        ),
+                    }));
+                }
+            },
         };
         self.next_batch += 1;
         self.advance_claim_limit(batch_index);
-        Some(self.wrap(batch_index, buffers))
+        Some(Ok(self.wrap(batch_index, buffers)))
     }
 }
 

@@ -219,7 +219,7 @@ fn options(threads: usize) -> LoaderOptions {
     LoaderOptions {
         batch_size: 32,
         drop_last: false,
-        augment: Augment::crop_and_flip(),
+        augment: Some(Augment::crop_and_flip()),
         normalize: Some(IMAGENET_NORMALIZE),
         seed: 3,
         epoch: 2,
@@ -231,7 +231,8 @@ fn options(threads: usize) -> LoaderOptions {
 
 type Contents = (usize, Vec<usize>, Vec<u32>, Vec<f32>);
 
-fn contents(batch: Batch) -> Contents {
+fn contents(batch: Result<Batch, tandem_data::DataError>) -> Contents {
+    let batch = batch.unwrap();
     (
         batch.batch_index,
         batch.indices.clone(),
@@ -326,7 +327,7 @@ fn drop_last_and_end_of_epoch() {
     )
     .unwrap();
     assert_eq!(loader.num_batches(), 1);
-    let first = loader.next().unwrap();
+    let first = loader.next().unwrap().unwrap();
     assert_eq!(first.len, 32);
     loader.recycle(first);
     assert!(loader.next().is_none());
@@ -346,7 +347,7 @@ fn holding_every_batch_does_not_stall_the_workers() {
         },
     )
     .unwrap();
-    let held: Vec<Batch> = loader.collect();
+    let held: Vec<Batch> = loader.map(Result::unwrap).collect();
     assert_eq!(held.len(), 64);
 }
 
@@ -360,13 +361,14 @@ fn floats_pass_through_and_bad_settings_are_errors() {
     };
     let dataset = Arc::new(load_dataset(&DataSource::Synthetic(spec), Split::Train).unwrap());
     let plain = LoaderOptions {
-        augment: Augment::default(),
+        augment: None,
         normalize: None,
         ..options(1)
     };
     let batch = Loader::new(dataset.clone(), vec![2], plain.clone())
         .unwrap()
         .next()
+        .unwrap()
         .unwrap();
     let Pixels::F32(values) = &dataset.images else {
         unreachable!()

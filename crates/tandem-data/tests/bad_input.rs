@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 
 use common::{hwc_to_planes, shared_path, PyBatch};
-use tandem_data::{load_dataset, read_image, DataError, DataSource, Split};
+use tandem_data::{load_dataset, read_image, read_image_resized, DataError, DataSource, Split};
 
 fn write(path: &Path, bytes: &[u8]) {
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -429,7 +429,7 @@ fn read_image_checks_size_and_resizes_on_request() {
     let dir = tempfile::tempdir().unwrap();
     let exact = dir.path().join("exact.png");
     write(&exact, &png(rgb_image(32, 32)));
-    let image = read_image(&exact, None).unwrap();
+    let image = read_image(&exact).unwrap();
     assert_eq!(
         (image.height, image.width, image.pixels.len()),
         (32, 32, 3072)
@@ -438,7 +438,7 @@ fn read_image_checks_size_and_resizes_on_request() {
 
     let large = dir.path().join("large.png");
     write(&large, &png(rgb_image(64, 48)));
-    let error = error_text(read_image(&large, None));
+    let error = error_text(read_image(&large));
     assert_eq!(
         error,
         format!(
@@ -446,7 +446,7 @@ fn read_image_checks_size_and_resizes_on_request() {
             large.display()
         )
     );
-    let resized = read_image(&large, Some((32, 32))).unwrap();
+    let resized = read_image_resized(&large, 32, 32).unwrap();
     assert_eq!(resized.pixels.len(), 3072);
     assert!(resized
         .pixels
@@ -455,7 +455,7 @@ fn read_image_checks_size_and_resizes_on_request() {
 
     let broken = dir.path().join("broken.png");
     write(&broken, b"\x89PNG\r\n\x1a\nnot really");
-    let error = error_text(read_image(&broken, Some((32, 32))));
+    let error = error_text(read_image_resized(&broken, 32, 32));
     assert!(
         error.starts_with(&format!(
             "{}: cannot decode as PNG or JPEG",

@@ -247,3 +247,18 @@ fn cifar10_download_checks_the_official_md5() {
         "{error}"
     );
 }
+
+#[test]
+fn ensure_downloaded_keeps_data_already_there_and_fetches_otherwise() {
+    // A batches folder is enough: no connection is attempted (nothing listens on port 9).
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("cifar-10-batches-bin")).unwrap();
+    let kept = tandem_data::ensure_cifar10_downloaded(dir.path(), "http://127.0.0.1:9/x").unwrap();
+    assert_eq!(kept, dir.path());
+
+    let empty = tempfile::tempdir().unwrap();
+    let (url, server) = serve(body(), vec![Reply::Serve]);
+    let error = tandem_data::ensure_cifar10_downloaded(empty.path(), &url).unwrap_err();
+    assert!(matches!(error, DataError::Checksum { .. }), "{error}");
+    server.join().unwrap();
+}
