@@ -71,7 +71,13 @@ impl JobToken {
         String::from_utf8_lossy(&self.0).into_owned()
     }
 
-    fn mac(&self, role: &[u8], purpose: Purpose, acceptor_nonce: &[u8], connector_nonce: &[u8]) -> [u8; MAC_LEN] {
+    fn mac(
+        &self,
+        role: &[u8],
+        purpose: Purpose,
+        acceptor_nonce: &[u8],
+        connector_nonce: &[u8],
+    ) -> [u8; MAC_LEN] {
         let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.0)
             .unwrap_or_else(|_| unreachable!("HMAC accepts keys of any length"));
         mac.update(role);
@@ -121,7 +127,9 @@ pub(crate) fn accept_handshake(
     stream.write_all(&hello).map_err(|_| AcceptError::Broken)?;
 
     let mut reply = [0u8; 8 + NONCE_LEN + MAC_LEN];
-    stream.read_exact(&mut reply).map_err(|_| AcceptError::Broken)?;
+    stream
+        .read_exact(&mut reply)
+        .map_err(|_| AcceptError::Broken)?;
     let (magic, rest) = reply.split_at(MAGIC.len());
     let (connector_nonce, proof) = rest.split_at(NONCE_LEN);
     let expected = token.mac(b"connector", purpose, &acceptor_nonce, connector_nonce);
@@ -159,7 +167,9 @@ pub(crate) fn connect_handshake(
     let (magic, rest) = hello.split_at(MAGIC.len());
     let (their_purpose, acceptor_nonce) = rest.split_at(1);
     if magic != MAGIC {
-        return Err(ConnectError::NotTrusted("it does not speak the Tandem protocol".into()));
+        return Err(ConnectError::NotTrusted(
+            "it does not speak the Tandem protocol".into(),
+        ));
     }
     if their_purpose != [purpose as u8] {
         return Err(ConnectError::NotTrusted(format!(
@@ -168,7 +178,8 @@ pub(crate) fn connect_handshake(
         )));
     }
     let mut connector_nonce = [0u8; NONCE_LEN];
-    fill_random(&mut connector_nonce).map_err(|error| ConnectError::NotTrusted(error.to_string()))?;
+    fill_random(&mut connector_nonce)
+        .map_err(|error| ConnectError::NotTrusted(error.to_string()))?;
     let mut reply = Vec::with_capacity(8 + NONCE_LEN + MAC_LEN);
     reply.extend_from_slice(MAGIC);
     reply.extend_from_slice(&connector_nonce);
@@ -189,7 +200,9 @@ pub(crate) fn connect_handshake(
     stream.read_exact(&mut proof).map_err(ConnectError::Io)?;
     let expected = token.mac(b"acceptor", purpose, acceptor_nonce, &connector_nonce);
     if !constant_time_eq(&proof, &expected) {
-        return Err(ConnectError::NotTrusted("its proof of the job token is wrong".into()));
+        return Err(ConnectError::NotTrusted(
+            "its proof of the job token is wrong".into(),
+        ));
     }
     Ok(())
 }
@@ -197,9 +210,17 @@ pub(crate) fn connect_handshake(
 /// True for the errors a connection closed by the other end produces.
 pub(crate) fn is_closed(error: &std::io::Error) -> bool {
     use std::io::ErrorKind::*;
-    matches!(error.kind(), UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe)
+    matches!(
+        error.kind(),
+        UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe
+    )
 }
 
 fn constant_time_eq(left: &[u8], right: &[u8]) -> bool {
-    left.len() == right.len() && left.iter().zip(right).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    left.len() == right.len()
+        && left
+            .iter()
+            .zip(right)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
 }

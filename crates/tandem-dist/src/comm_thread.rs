@@ -33,7 +33,9 @@ pub struct Pending<T> {
 impl<T> Pending<T> {
     /// Blocks until the operation has run and returns its result.
     pub fn wait(self) -> Result<T> {
-        self.result.recv().unwrap_or(Err(DistError::CommThreadStopped))
+        self.result
+            .recv()
+            .unwrap_or(Err(DistError::CommThreadStopped))
     }
 }
 
@@ -52,7 +54,12 @@ impl CommThread {
                 group
             })
             .map_err(|error| DistError::io("spawn the comm thread", &error))?;
-        Ok(CommThread { jobs: Some(jobs), thread: Some(thread), rank, world_size })
+        Ok(CommThread {
+            jobs: Some(jobs),
+            thread: Some(thread),
+            rank,
+            world_size,
+        })
     }
 
     /// The group's rank.
@@ -126,7 +133,11 @@ impl CommThread {
     }
 }
 
-fn all_reduce_owned<T: crate::Element>(group: &mut ProcessGroup, mut buffer: Vec<T>, op: ReduceOp) -> Result<Vec<T>> {
+fn all_reduce_owned<T: crate::Element>(
+    group: &mut ProcessGroup,
+    mut buffer: Vec<T>,
+    op: ReduceOp,
+) -> Result<Vec<T>> {
     group.all_reduce(&mut buffer, op).map(|()| buffer)
 }
 

@@ -22,7 +22,9 @@ mod sealed {
 }
 
 /// A type collectives can carry: `f32`, `f64` or `i64`, sent in the machine's byte order.
-pub trait Element: bytemuck::Pod + Send + Sync + PartialEq + std::fmt::Debug + sealed::Sealed {
+pub trait Element:
+    bytemuck::Pod + Send + Sync + PartialEq + std::fmt::Debug + sealed::Sealed
+{
     /// The type's name in error messages.
     const NAME: &'static str;
     /// A code that peers compare, so that mismatched types are caught.
@@ -75,6 +77,23 @@ impl Element for i64 {
     fn divide(self, count: usize) -> Self {
         // count is a world size >= 1, so the division cannot fail.
         self.wrapping_div(count.max(1) as i64)
+    }
+}
+
+/// Combines `arrived` into `local` element by element. The operator is chosen once, outside
+/// the loop, so each loop is a plain vectorizable pass.
+pub(crate) fn combine_slices<T: Element>(op: ReduceOp, local: &mut [T], arrived: &[T]) {
+    fn apply<T: Element>(local: &mut [T], arrived: &[T], combine: impl Fn(T, T) -> T) {
+        for (local, arrived) in local.iter_mut().zip(arrived) {
+            *local = combine(*arrived, *local);
+        }
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => {
+            apply(local, arrived, |a, b| T::combine(ReduceOp::Sum, a, b))
+        }
+        ReduceOp::Max => apply(local, arrived, |a, b| T::combine(ReduceOp::Max, a, b)),
+        ReduceOp::Min => apply(local, arrived, |a, b| T::combine(ReduceOp::Min, a, b)),
     }
 }
 

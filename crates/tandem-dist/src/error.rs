@@ -78,7 +78,9 @@ pub enum DistError {
         max: usize,
     },
     /// Some ranks did not join the process group before the deadline.
-    #[error("rendezvous failed: rank(s) {missing:?} of {world_size} did not join within {timeout:?}")]
+    #[error(
+        "rendezvous failed: rank(s) {missing:?} of {world_size} did not join within {timeout:?}"
+    )]
     RendezvousTimeout {
         /// The ranks that never published their address.
         missing: Vec<usize>,
@@ -133,7 +135,10 @@ pub enum DistError {
 impl DistError {
     /// Wraps an I/O error with what was being done.
     pub fn io(context: impl Into<String>, error: &std::io::Error) -> DistError {
-        DistError::Io { context: context.into(), message: error.to_string() }
+        DistError::Io {
+            context: context.into(),
+            message: error.to_string(),
+        }
     }
 }
 

@@ -14,7 +14,9 @@ use crate::auth::JobToken;
 use crate::element::{chunk_range, Element, ReduceOp};
 use crate::error::{DistError, Result};
 use crate::link::{collective, collective_name, kind, resolve, PeerLink};
-use crate::ring::{all_gather_plan, all_reduce_plan, broadcast_plan, reduce_scatter_plan, run_plan, Ring};
+use crate::ring::{
+    all_gather_plan, all_reduce_plan, broadcast_plan, reduce_scatter_plan, run_plan, Ring,
+};
 use crate::store::{StoreClient, StoreServer};
 
 /// The default timeout of every operation: 5 minutes.
@@ -61,7 +63,13 @@ pub struct ProcessGroupOptions {
 impl ProcessGroupOptions {
     /// Options with the defaults: 5-minute timeout, rank 0 hosts the store, prefix "pg", the
     /// advertised host from `TANDEM_HOST` when set, 1 MiB segments.
-    pub fn new(rank: usize, world_size: usize, master_addr: &str, master_port: u16, token: JobToken) -> Self {
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        master_addr: &str,
+        master_port: u16,
+        token: JobToken,
+    ) -> Self {
         ProcessGroupOptions {
             rank,
             world_size,
@@ -161,9 +169,13 @@ impl ProcessGroup {
             None => self.store.local_addr()?.ip().to_string(),
         };
         let listener = bind_listener(&host)?;
-        let port = listener.local_addr().map_err(|error| DistError::io("read the peer listener's address", &error))?.port();
+        let port = listener
+            .local_addr()
+            .map_err(|error| DistError::io("read the peer listener's address", &error))?
+            .port();
         let my_addr = join_host_port(&host, port);
-        self.store.set(&self.addr_key(self.rank), my_addr.as_bytes())?;
+        self.store
+            .set(&self.addr_key(self.rank), my_addr.as_bytes())?;
 
         let addresses = self.wait_for_addresses(deadline)?;
         let right_rank = (self.rank + 1) % self.world_size;
@@ -171,22 +183,49 @@ impl ProcessGroup {
         let right_addr = addresses.get(right_rank).cloned().unwrap_or_default();
         let left_addr = addresses.get(left_rank).cloned().unwrap_or_default();
         std::thread::scope(|scope| {
-            let left = scope.spawn(|| PeerLink::accept(&listener, left_rank, &left_addr, self.world_size, &opts.token, deadline));
-            let right = PeerLink::connect(self.rank, self.world_size, right_rank, &right_addr, &opts.token, deadline);
-            let left = left.join().unwrap_or_else(|_| Err(DistError::InvalidArgument("the accept thread panicked".into())));
-            Ok(Links { left: left?, right: right? })
+            let left = scope.spawn(|| {
+                PeerLink::accept(
+                    &listener,
+                    left_rank,
+                    &left_addr,
+                    self.world_size,
+                    &opts.token,
+                    deadline,
+                )
+            });
+            let right = PeerLink::connect(
+                self.rank,
+                self.world_size,
+                right_rank,
+                &right_addr,
+                &opts.token,
+                deadline,
+            );
+            let left = left.join().unwrap_or_else(|_| {
+                Err(DistError::InvalidArgument(
+                    "the accept thread panicked".into(),
+                ))
+            });
+            Ok(Links {
+                left: left?,
+                right: right?,
+            })
         })
     }
 
     /// Waits until every rank has published its address; returns them in rank order.
     fn wait_for_addresses(&self, deadline: Instant) -> Result<Vec<String>> {
-        let keys: Vec<String> = (0..self.world_size).map(|rank| self.addr_key(rank)).collect();
+        let keys: Vec<String> = (0..self.world_size)
+            .map(|rank| self.addr_key(rank))
+            .collect();
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let left = crate::store::remaining(deadline).unwrap_or_default();
         match self.store.wait(&key_refs, left) {
             Ok(()) => {}
             Err(DistError::StoreTimeout { missing, .. }) => {
-                let missing_ranks = (0..self.world_size).filter(|rank| missing.contains(&self.addr_key(*rank))).collect();
+                let missing_ranks = (0..self.world_size)
+                    .filter(|rank| missing.contains(&self.addr_key(*rank)))
+                    .collect();
                 return Err(DistError::RendezvousTimeout {
                     missing: missing_ranks,
                     world_size: self.world_size,
@@ -238,7 +277,12 @@ impl ProcessGroup {
 
     /// Reduces `buffer` over all ranks in place; every rank ends with the same bytes.
     pub fn all_reduce<T: Element>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<()> {
-        let plan = all_reduce_plan(self.rank, self.world_size, buffer.len(), self.segment_elements::<T>());
+        let plan = all_reduce_plan(
+            self.rank,
+            self.world_size,
+            buffer.len(),
+            self.segment_elements::<T>(),
+        );
         self.run(collective::ALL_REDUCE, T::CODE, buffer, &plan, op)
     }
 
@@ -260,7 +304,13 @@ impl ProcessGroup {
     /// Copies `root`'s `buffer` into every rank's `buffer` (all ranks pass the same length).
     pub fn broadcast<T: Element>(&mut self, buffer: &mut [T], root: usize) -> Result<()> {
         self.check_root(root)?;
-        let plan = broadcast_plan(self.rank, self.world_size, root, buffer.len(), self.segment_elements::<T>());
+        let plan = broadcast_plan(
+            self.rank,
+            self.world_size,
+            root,
+            buffer.len(),
+            self.segment_elements::<T>(),
+        );
         self.run(collective::BROADCAST, T::CODE, buffer, &plan, ReduceOp::Sum)
     }
 
@@ -296,8 +346,19 @@ impl ProcessGroup {
         if let Some(slot) = gathered.get_mut(own) {
             slot.copy_from_slice(part);
         }
-        let plan = all_gather_plan(self.rank, self.world_size, part.len(), self.segment_elements::<T>());
-        self.run(collective::ALL_GATHER, T::CODE, &mut gathered, &plan, ReduceOp::Sum)?;
+        let plan = all_gather_plan(
+            self.rank,
+            self.world_size,
+            part.len(),
+            self.segment_elements::<T>(),
+        );
+        self.run(
+            collective::ALL_GATHER,
+            T::CODE,
+            &mut gathered,
+            &plan,
+            ReduceOp::Sum,
+        )?;
         Ok(gathered)
     }
 
@@ -310,7 +371,12 @@ impl ProcessGroup {
     /// [`chunk_range`]`(input.len(), world_size, rank)`.
     pub fn reduce_scatter<T: Element>(&mut self, input: &[T], op: ReduceOp) -> Result<Vec<T>> {
         let mut buffer = input.to_vec();
-        let plan = reduce_scatter_plan(self.rank, self.world_size, buffer.len(), self.segment_elements::<T>());
+        let plan = reduce_scatter_plan(
+            self.rank,
+            self.world_size,
+            buffer.len(),
+            self.segment_elements::<T>(),
+        );
         self.run(collective::REDUCE_SCATTER, T::CODE, &mut buffer, &plan, op)?;
         let mine = chunk_range(buffer.len(), self.world_size, self.rank);
         let mut chunk = buffer.get(mine).unwrap_or_default().to_vec();
@@ -329,7 +395,13 @@ impl ProcessGroup {
     pub fn barrier(&mut self) -> Result<()> {
         let mut count = [1i64];
         let plan = all_reduce_plan(self.rank, self.world_size, 1, 1);
-        self.run(collective::BARRIER, i64::CODE, &mut count, &plan, ReduceOp::Sum)?;
+        self.run(
+            collective::BARRIER,
+            i64::CODE,
+            &mut count,
+            &plan,
+            ReduceOp::Sum,
+        )?;
         match count[0] == self.world_size as i64 {
             true => Ok(()),
             false => Err(DistError::InvalidArgument(format!(
@@ -342,7 +414,10 @@ impl ProcessGroup {
     fn check_root(&self, root: usize) -> Result<()> {
         match root < self.world_size {
             true => Ok(()),
-            false => Err(DistError::InvalidArgument(format!("root {root} is not within a world of size {}", self.world_size))),
+            false => Err(DistError::InvalidArgument(format!(
+                "root {root} is not within a world of size {}",
+                self.world_size
+            ))),
         }
     }
 
@@ -376,7 +451,14 @@ impl ProcessGroup {
             op: &op_name,
             on_failure: &on_failure,
         };
-        let result = run_plan(&ring, buffer, plan, op, kind(collective, element_code), self.sequence);
+        let result = run_plan(
+            &ring,
+            buffer,
+            plan,
+            op,
+            kind(collective, element_code),
+            self.sequence,
+        );
         if let Err(error) = &result {
             self.failure = Some(error.clone());
         }
@@ -394,10 +476,14 @@ impl ProcessGroup {
         };
         let report = format!("rank {} reported: {error}", self.rank);
         let timeout = ABORT_PUBLISH_LIMIT.min(self.timeout);
-        match self.store.compare_set_within(&self.abort_key(), None, report.as_bytes(), timeout) {
-            Ok(stored) if stored != report.as_bytes() => {
-                DistError::Aborted { op: op.to_string(), report: String::from_utf8_lossy(&stored).into_owned() }
-            }
+        match self
+            .store
+            .compare_set_within(&self.abort_key(), None, report.as_bytes(), timeout)
+        {
+            Ok(stored) if stored != report.as_bytes() => DistError::Aborted {
+                op: op.to_string(),
+                report: String::from_utf8_lossy(&stored).into_owned(),
+            },
             // Published, or the store is gone (it may have lived in the failed rank): our own view stands.
             _ => error,
         }
@@ -411,12 +497,23 @@ impl ProcessGroup {
     fn find_stalled_rank(&self, blamed: usize, op: &str) -> Option<DistError> {
         let base = format!("{}/stalled/{}", self.prefix, self.sequence);
         let limit = ABORT_PUBLISH_LIMIT.min(self.timeout);
-        self.store.set_within(&format!("{base}/{}", self.rank), blamed.to_string().as_bytes(), limit).ok()?;
+        self.store
+            .set_within(
+                &format!("{base}/{}", self.rank),
+                blamed.to_string().as_bytes(),
+                limit,
+            )
+            .ok()?;
         std::thread::sleep(STALL_REPORT_GRACE.min(self.timeout / 4));
         let mut reports = Vec::with_capacity(self.world_size);
         for rank in 0..self.world_size {
-            let report = self.store.get_within(&format!("{base}/{rank}"), limit).ok()?;
-            reports.push(report.and_then(|bytes| String::from_utf8_lossy(&bytes).parse::<usize>().ok()));
+            let report = self
+                .store
+                .get_within(&format!("{base}/{rank}"), limit)
+                .ok()?;
+            reports.push(
+                report.and_then(|bytes| String::from_utf8_lossy(&bytes).parse::<usize>().ok()),
+            );
         }
         let mut silent: Vec<usize> = reports
             .iter()
@@ -430,7 +527,12 @@ impl ProcessGroup {
         if stalled == blamed {
             return None;
         }
-        let addr = self.store.get_within(&self.addr_key(stalled), limit).ok().flatten().unwrap_or_default();
+        let addr = self
+            .store
+            .get_within(&self.addr_key(stalled), limit)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         Some(DistError::Peer {
             rank: stalled,
             addr: String::from_utf8_lossy(&addr).into_owned(),
@@ -449,7 +551,9 @@ fn bind_listener(host: &str) -> Result<TcpListener> {
     let listener = TcpListener::bind(SocketAddr::new(ip, 0))
         .or_else(|_| TcpListener::bind(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 0)))
         .map_err(|error| DistError::io(format!("bind the peer listener for {host}"), &error))?;
-    listener.set_nonblocking(true).map_err(|error| DistError::io("make the peer listener non-blocking", &error))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|error| DistError::io("make the peer listener non-blocking", &error))?;
     Ok(listener)
 }
 

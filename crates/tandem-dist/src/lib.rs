@@ -23,5 +23,8 @@ pub use auth::{JobToken, JOB_TOKEN_ENV};
 pub use comm_thread::{CommThread, Pending};
 pub use element::{chunk_range, Element, ReduceOp};
 pub use error::{DistError, Result};
-pub use group::{ProcessGroup, ProcessGroupOptions, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT, HOST_ENV, MAX_BROADCAST_BYTES};
+pub use group::{
+    ProcessGroup, ProcessGroupOptions, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT, HOST_ENV,
+    MAX_BROADCAST_BYTES,
+};
 pub use store::{StoreClient, StoreServer, MAX_KEY_BYTES, MAX_VALUE_BYTES};

@@ -13,7 +13,9 @@ use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::auth::{accept_handshake, connect_handshake, is_closed, ConnectError, JobToken, Purpose};
+use crate::auth::{
+    accept_handshake, connect_handshake, is_closed, ConnectError, JobToken, Purpose,
+};
 use crate::error::{DistError, Result};
 use crate::store::remaining;
 
@@ -51,7 +53,11 @@ impl Header {
         sequence.copy_from_slice(&bytes[..8]);
         kind.copy_from_slice(&bytes[8..12]);
         length.copy_from_slice(&bytes[16..]);
-        Header { sequence: u64::from_le_bytes(sequence), kind: u32::from_le_bytes(kind), bytes: u64::from_le_bytes(length) }
+        Header {
+            sequence: u64::from_le_bytes(sequence),
+            kind: u32::from_le_bytes(kind),
+            bytes: u64::from_le_bytes(length),
+        }
     }
 }
 
@@ -112,21 +118,35 @@ impl PeerLink {
         };
         let target = resolve(addr).map_err(&failure)?;
         loop {
-            let left = remaining(deadline).ok_or_else(|| failure("could not be reached before the rendezvous deadline".into()))?;
+            let left = remaining(deadline).ok_or_else(|| {
+                failure("could not be reached before the rendezvous deadline".into())
+            })?;
             match TcpStream::connect_timeout(&target, left) {
                 Ok(mut stream) => {
                     configure(&stream, Some(left)).map_err(|error| failure(error.to_string()))?;
                     match connect_handshake(&mut stream, token, Purpose::Peer) {
                         Ok(()) => {}
-                        Err(ConnectError::Refused) => return Err(failure("refused this rank's job token".into())),
-                        Err(ConnectError::NotTrusted(message)) => return Err(failure(format!("is not trusted: {message}"))),
-                        Err(ConnectError::Io(error)) => return Err(failure(format!("failed the handshake: {error}"))),
+                        Err(ConnectError::Refused) => {
+                            return Err(failure("refused this rank's job token".into()))
+                        }
+                        Err(ConnectError::NotTrusted(message)) => {
+                            return Err(failure(format!("is not trusted: {message}")))
+                        }
+                        Err(ConnectError::Io(error)) => {
+                            return Err(failure(format!("failed the handshake: {error}")))
+                        }
                     }
                     let mut hello = [0u8; HELLO_BYTES];
                     hello[..8].copy_from_slice(&(my_rank as u64).to_le_bytes());
                     hello[8..].copy_from_slice(&(world_size as u64).to_le_bytes());
-                    stream.write_all(&hello).map_err(|error| failure(format!("failed the handshake: {error}")))?;
-                    return Ok(PeerLink { rank: peer_rank, addr: addr.to_string(), stream });
+                    stream
+                        .write_all(&hello)
+                        .map_err(|error| failure(format!("failed the handshake: {error}")))?;
+                    return Ok(PeerLink {
+                        rank: peer_rank,
+                        addr: addr.to_string(),
+                        stream,
+                    });
                 }
                 Err(_) => thread::sleep(RETRY_PAUSE.min(left)),
             }
@@ -154,7 +174,14 @@ impl PeerLink {
             };
             match listener.accept() {
                 Ok((stream, _)) => {
-                    if let Some(link) = Self::admit(stream, peer_rank, peer_addr, world_size, token, left.min(HANDSHAKE_LIMIT)) {
+                    if let Some(link) = Self::admit(
+                        stream,
+                        peer_rank,
+                        peer_addr,
+                        world_size,
+                        token,
+                        left.min(HANDSHAKE_LIMIT),
+                    ) {
                         return Ok(link);
                     }
                 }
@@ -180,13 +207,23 @@ impl PeerLink {
         let (rank, size) = hello.split_at(8);
         let claimed_rank = u64::from_le_bytes(rank.try_into().ok()?);
         let claimed_size = u64::from_le_bytes(size.try_into().ok()?);
-        (claimed_rank == peer_rank as u64 && claimed_size == world_size as u64)
-            .then(|| PeerLink { rank: peer_rank, addr: peer_addr.to_string(), stream })
+        (claimed_rank == peer_rank as u64 && claimed_size == world_size as u64).then(|| PeerLink {
+            rank: peer_rank,
+            addr: peer_addr.to_string(),
+            stream,
+        })
     }
 
     /// Sends one message, failing if the neighbour does not take it before `deadline`.
-    pub(crate) fn send(&self, header: Header, payload: &[u8], deadline: Instant, op: &str) -> Result<()> {
-        let timeout = remaining(deadline).ok_or_else(|| self.error("did not take data before the deadline", op))?;
+    pub(crate) fn send(
+        &self,
+        header: Header,
+        payload: &[u8],
+        deadline: Instant,
+        op: &str,
+    ) -> Result<()> {
+        let timeout = remaining(deadline)
+            .ok_or_else(|| self.error("did not take data before the deadline", op))?;
         let mut stream = &self.stream;
         let result = stream
             .set_write_timeout(Some(timeout))
@@ -196,7 +233,13 @@ impl PeerLink {
     }
 
     /// Receives one message into `payload`, whose length is the number of bytes expected.
-    pub(crate) fn receive(&self, expected: Header, payload: &mut [u8], deadline: Instant, op: &str) -> Result<()> {
+    pub(crate) fn receive(
+        &self,
+        expected: Header,
+        payload: &mut [u8],
+        deadline: Instant,
+        op: &str,
+    ) -> Result<()> {
         const LATE: &str = "sent nothing before the deadline";
         let mut header = [0u8; HEADER_BYTES];
         self.read_exact(&mut header, deadline, op, LATE)?;
@@ -228,7 +271,9 @@ impl PeerLink {
     fn read_exact(&self, bytes: &mut [u8], deadline: Instant, op: &str, late: &str) -> Result<()> {
         let timeout = remaining(deadline).ok_or_else(|| self.error(late, op))?;
         let mut stream = &self.stream;
-        let result = stream.set_read_timeout(Some(timeout)).and_then(|()| stream.read_exact(bytes));
+        let result = stream
+            .set_read_timeout(Some(timeout))
+            .and_then(|()| stream.read_exact(bytes));
         result.map_err(|error| self.io_error(&error, late, op))
     }
 
@@ -249,7 +294,12 @@ impl PeerLink {
     }
 
     pub(crate) fn error(&self, what: &str, op: &str) -> DistError {
-        DistError::Peer { rank: self.rank, addr: self.addr.clone(), what: what.to_string(), op: op.to_string() }
+        DistError::Peer {
+            rank: self.rank,
+            addr: self.addr.clone(),
+            what: what.to_string(),
+            op: op.to_string(),
+        }
     }
 
     /// Test access to the raw stream, to play a misbehaving peer.
@@ -268,8 +318,12 @@ fn configure(stream: &TcpStream, timeout: Option<Duration>) -> std::io::Result<(
 
 /// Resolves `host:port` to its first address.
 pub(crate) fn resolve(addr: &str) -> std::result::Result<SocketAddr, String> {
-    let mut addresses = addr.to_socket_addrs().map_err(|error| format!("has an address that does not resolve: {error}"))?;
-    addresses.next().ok_or_else(|| "has an address that resolves to nothing".to_string())
+    let mut addresses = addr
+        .to_socket_addrs()
+        .map_err(|error| format!("has an address that does not resolve: {error}"))?;
+    addresses
+        .next()
+        .ok_or_else(|| "has an address that resolves to nothing".to_string())
 }
 
 /// The kind code of a collective on an element type.
@@ -295,7 +349,8 @@ mod tests {
         let addr = listener.local_addr().expect("addr").to_string();
         let deadline = Instant::now() + Duration::from_secs(5);
         std::thread::scope(|scope| {
-            let accepted = scope.spawn(|| PeerLink::accept(&listener, 0, "rank-0-addr", 2, token, deadline));
+            let accepted =
+                scope.spawn(|| PeerLink::accept(&listener, 0, "rank-0-addr", 2, token, deadline));
             let connected = PeerLink::connect(0, 2, 1, &addr, token, deadline).expect("connect");
             (connected, accepted.join().expect("thread").expect("accept"))
         })
@@ -305,12 +360,24 @@ mod tests {
     fn length_of_2_pow_40_is_refused_naming_the_sender() {
         let token = JobToken::new("t").expect("token");
         let (sender, receiver) = linked_pair(&token);
-        let expected = Header { sequence: 3, kind: kind(collective::ALL_REDUCE, 1), bytes: 4096 };
-        let lying = Header { bytes: 1 << 40, ..expected };
+        let expected = Header {
+            sequence: 3,
+            kind: kind(collective::ALL_REDUCE, 1),
+            bytes: 4096,
+        };
+        let lying = Header {
+            bytes: 1 << 40,
+            ..expected
+        };
         write_raw(&sender, &lying.encode()).expect("write");
         let mut payload = vec![0u8; 4096];
         let error = receiver
-            .receive(expected, &mut payload, Instant::now() + Duration::from_secs(5), "all_reduce #3")
+            .receive(
+                expected,
+                &mut payload,
+                Instant::now() + Duration::from_secs(5),
+                "all_reduce #3",
+            )
             .expect_err("must refuse");
         assert_eq!(
             error.to_string(),
@@ -323,10 +390,32 @@ mod tests {
     fn mismatched_collectives_are_named() {
         let token = JobToken::new("t").expect("token");
         let (sender, receiver) = linked_pair(&token);
-        let theirs = Header { sequence: 5, kind: kind(collective::BROADCAST, 2), bytes: 8 };
-        sender.send(theirs, &[0; 8], Instant::now() + Duration::from_secs(5), "broadcast #5").expect("send");
-        let mine = Header { sequence: 5, kind: kind(collective::ALL_REDUCE, 1), bytes: 8 };
-        let error = receiver.receive(mine, &mut [0; 8], Instant::now() + Duration::from_secs(5), "all_reduce #5").expect_err("mismatch");
+        let theirs = Header {
+            sequence: 5,
+            kind: kind(collective::BROADCAST, 2),
+            bytes: 8,
+        };
+        sender
+            .send(
+                theirs,
+                &[0; 8],
+                Instant::now() + Duration::from_secs(5),
+                "broadcast #5",
+            )
+            .expect("send");
+        let mine = Header {
+            sequence: 5,
+            kind: kind(collective::ALL_REDUCE, 1),
+            bytes: 8,
+        };
+        let error = receiver
+            .receive(
+                mine,
+                &mut [0; 8],
+                Instant::now() + Duration::from_secs(5),
+                "all_reduce #5",
+            )
+            .expect_err("mismatch");
         assert_eq!(
             error.to_string(),
             "rank 0 (rank-0-addr) is at collective #5 (broadcast of f64) while this rank is at #5 (all_reduce of f32): \
@@ -342,14 +431,25 @@ mod tests {
         let addr = listener.local_addr().expect("addr").to_string();
         let deadline = Instant::now() + Duration::from_millis(1500);
         std::thread::scope(|scope| {
-            let accepted = scope.spawn(|| PeerLink::accept(&listener, 0, "rank-0-addr", 2, &token, deadline));
+            let accepted =
+                scope.spawn(|| PeerLink::accept(&listener, 0, "rank-0-addr", 2, &token, deadline));
             let wrong = JobToken::new("wrong").expect("token");
-            let refused = PeerLink::connect(0, 2, 1, &addr, &wrong, deadline).err().expect("refused");
-            assert_eq!(refused.to_string(), format!("rank 1 ({addr}) refused this rank's job token during rendezvous"));
+            let refused = PeerLink::connect(0, 2, 1, &addr, &wrong, deadline)
+                .err()
+                .expect("refused");
+            assert_eq!(
+                refused.to_string(),
+                format!("rank 1 ({addr}) refused this rank's job token during rendezvous")
+            );
             // Right token but claiming to be rank 1 where rank 0 is expected: dropped, so the
             // acceptor times out waiting for the real rank 0.
-            let _impostor = PeerLink::connect(1, 2, 1, &addr, &token, deadline).expect("handshake passes");
-            let error = accepted.join().expect("thread").err().expect("no admission");
+            let _impostor =
+                PeerLink::connect(1, 2, 1, &addr, &token, deadline).expect("handshake passes");
+            let error = accepted
+                .join()
+                .expect("thread")
+                .err()
+                .expect("no admission");
             assert_eq!(error.to_string(), "rank 0 (rank-0-addr) did not connect before the rendezvous deadline during rendezvous");
         });
     }

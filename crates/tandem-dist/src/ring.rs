@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Instant;
 
-use crate::element::{chunk_range, Element, ReduceOp};
+use crate::element::{chunk_range, combine_slices, Element, ReduceOp};
 use crate::error::{DistError, Result};
 use crate::link::{Header, PeerLink};
 
@@ -75,7 +75,15 @@ impl PlanBuilder {
         }
         let last_receive = vec![None; segments.len()];
         let last_send = vec![None; segments.len()];
-        PlanBuilder { plan: Plan { segments, ..Plan::default() }, chunk_segments, last_receive, last_send }
+        PlanBuilder {
+            plan: Plan {
+                segments,
+                ..Plan::default()
+            },
+            chunk_segments,
+            last_receive,
+            last_send,
+        }
     }
 
     fn send_chunk(&mut self, chunk: usize) {
@@ -84,7 +92,10 @@ impl PlanBuilder {
             if let Some(last) = self.last_send.get_mut(segment) {
                 *last = Some(self.plan.sends.len());
             }
-            self.plan.sends.push(Send { segment, after_receive });
+            self.plan.sends.push(Send {
+                segment,
+                after_receive,
+            });
         }
     }
 
@@ -94,7 +105,11 @@ impl PlanBuilder {
             if let Some(last) = self.last_receive.get_mut(segment) {
                 *last = Some(self.plan.receives.len());
             }
-            self.plan.receives.push(Receive { segment, arrival, after_send });
+            self.plan.receives.push(Receive {
+                segment,
+                arrival,
+                after_send,
+            });
         }
     }
 
@@ -104,7 +119,11 @@ impl PlanBuilder {
     fn reduce_scatter_steps(&mut self, rank: usize, world_size: usize) {
         for step in 0..world_size.saturating_sub(1) {
             self.send_chunk(ring_index(rank, world_size, -1 - step as isize));
-            let arrival = if step + 2 == world_size { Arrival::ReduceAndFinish } else { Arrival::Reduce };
+            let arrival = if step + 2 == world_size {
+                Arrival::ReduceAndFinish
+            } else {
+                Arrival::Reduce
+            };
             self.receive_chunk(ring_index(rank, world_size, -2 - step as isize), arrival);
         }
     }
@@ -113,7 +132,10 @@ impl PlanBuilder {
     fn all_gather_steps(&mut self, rank: usize, world_size: usize) {
         for step in 0..world_size.saturating_sub(1) {
             self.send_chunk(ring_index(rank, world_size, -(step as isize)));
-            self.receive_chunk(ring_index(rank, world_size, -1 - step as isize), Arrival::Overwrite);
+            self.receive_chunk(
+                ring_index(rank, world_size, -1 - step as isize),
+                Arrival::Overwrite,
+            );
         }
     }
 }
@@ -125,22 +147,43 @@ fn ring_index(rank: usize, world_size: usize, offset: isize) -> usize {
 }
 
 /// The all-reduce plan: reduce-scatter then all-gather over `len` elements.
-pub(crate) fn all_reduce_plan(rank: usize, world_size: usize, len: usize, segment_elements: usize) -> Plan {
-    let mut builder = PlanBuilder::new((0..world_size).map(|chunk| chunk_range(len, world_size, chunk)), segment_elements);
+pub(crate) fn all_reduce_plan(
+    rank: usize,
+    world_size: usize,
+    len: usize,
+    segment_elements: usize,
+) -> Plan {
+    let mut builder = PlanBuilder::new(
+        (0..world_size).map(|chunk| chunk_range(len, world_size, chunk)),
+        segment_elements,
+    );
     builder.reduce_scatter_steps(rank, world_size);
     builder.all_gather_steps(rank, world_size);
     builder.plan
 }
 
 /// The reduce-scatter plan: afterwards chunk `rank` of the buffer is complete on rank `rank`.
-pub(crate) fn reduce_scatter_plan(rank: usize, world_size: usize, len: usize, segment_elements: usize) -> Plan {
-    let mut builder = PlanBuilder::new((0..world_size).map(|chunk| chunk_range(len, world_size, chunk)), segment_elements);
+pub(crate) fn reduce_scatter_plan(
+    rank: usize,
+    world_size: usize,
+    len: usize,
+    segment_elements: usize,
+) -> Plan {
+    let mut builder = PlanBuilder::new(
+        (0..world_size).map(|chunk| chunk_range(len, world_size, chunk)),
+        segment_elements,
+    );
     builder.reduce_scatter_steps(rank, world_size);
     builder.plan
 }
 
 /// The all-gather plan over a buffer of `world_size` chunks of `part_len` elements each.
-pub(crate) fn all_gather_plan(rank: usize, world_size: usize, part_len: usize, segment_elements: usize) -> Plan {
+pub(crate) fn all_gather_plan(
+    rank: usize,
+    world_size: usize,
+    part_len: usize,
+    segment_elements: usize,
+) -> Plan {
     let chunks = (0..world_size).map(|chunk| chunk * part_len..(chunk + 1) * part_len);
     let mut builder = PlanBuilder::new(chunks, segment_elements);
     builder.all_gather_steps(rank, world_size);
@@ -149,7 +192,13 @@ pub(crate) fn all_gather_plan(rank: usize, world_size: usize, part_len: usize, s
 
 /// The broadcast plan: the buffer travels from `root` around the ring, stopping before it
 /// gets back to `root`.
-pub(crate) fn broadcast_plan(rank: usize, world_size: usize, root: usize, len: usize, segment_elements: usize) -> Plan {
+pub(crate) fn broadcast_plan(
+    rank: usize,
+    world_size: usize,
+    root: usize,
+    len: usize,
+    segment_elements: usize,
+) -> Plan {
     let mut builder = PlanBuilder::new(std::iter::once(0..len), segment_elements);
     let distance = ring_index(rank, world_size, -(root as isize));
     if world_size > 1 {
@@ -193,11 +242,21 @@ struct Counts {
 
 impl Progress {
     /// Blocks until `done(counts)` holds; `late` is the error when the deadline passes first.
-    fn wait_until(&self, deadline: Instant, done: impl Fn(&Counts) -> bool, late: impl Fn() -> DistError) -> Result<()> {
-        let mut counts = self.counts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        done: impl Fn(&Counts) -> bool,
+        late: impl Fn() -> DistError,
+    ) -> Result<()> {
+        let mut counts = self
+            .counts
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         while !done(&counts) {
             if self.failed.load(Ordering::SeqCst) {
-                return Err(DistError::InvalidArgument("cancelled by the other ring thread".into()));
+                return Err(DistError::InvalidArgument(
+                    "cancelled by the other ring thread".into(),
+                ));
             }
             let Some(left) = crate::store::remaining(deadline) else {
                 return Err(late());
@@ -211,7 +270,10 @@ impl Progress {
     }
 
     fn count(&self, update: impl Fn(&mut Counts)) {
-        let mut counts = self.counts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut counts = self
+            .counts
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         update(&mut counts);
         self.changed.notify_all();
     }
@@ -226,7 +288,10 @@ struct FirstFailure<'a> {
 
 impl FirstFailure<'_> {
     fn record(&self, error: DistError) {
-        let mut first = self.error.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut first = self
+            .error
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         if first.is_some() {
             return;
         }
@@ -252,8 +317,16 @@ pub(crate) fn run_plan<T: Element>(
         return Ok(());
     }
     let segments = split_segments(buffer, &plan.segments)?;
-    let progress = Progress { counts: Mutex::new(Counts::default()), changed: Condvar::new(), failed: AtomicBool::new(false) };
-    let failure = FirstFailure { error: Mutex::new(None), ring, progress: &progress };
+    let progress = Progress {
+        counts: Mutex::new(Counts::default()),
+        changed: Condvar::new(),
+        failed: AtomicBool::new(false),
+    };
+    let failure = FirstFailure {
+        error: Mutex::new(None),
+        ring,
+        progress: &progress,
+    };
     let header = |segment: usize| Header {
         sequence,
         kind,
@@ -269,19 +342,29 @@ pub(crate) fn run_plan<T: Element>(
             failure.record(error);
         }
     });
-    match failure.error.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner()) {
+    match failure
+        .error
+        .into_inner()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    {
         Some(error) => Err(error),
         None => Ok(()),
     }
 }
 
 /// Cuts the buffer into the plan's segments, each behind a lock shared by the two threads.
-fn split_segments<'b, T>(buffer: &'b mut [T], ranges: &[Range<usize>]) -> Result<Vec<Mutex<&'b mut [T]>>> {
+fn split_segments<'b, T>(
+    buffer: &'b mut [T],
+    ranges: &[Range<usize>],
+) -> Result<Vec<Mutex<&'b mut [T]>>> {
     let mut rest = buffer;
     let mut segments = Vec::with_capacity(ranges.len());
     for range in ranges {
-        let Some((segment, tail)) = std::mem::take(&mut rest).split_at_mut_checked(range.len()) else {
-            return Err(DistError::InvalidArgument(format!("segment {range:?} lies outside the buffer")));
+        let Some((segment, tail)) = std::mem::take(&mut rest).split_at_mut_checked(range.len())
+        else {
+            return Err(DistError::InvalidArgument(format!(
+                "segment {range:?} lies outside the buffer"
+            )));
         };
         segments.push(Mutex::new(segment));
         rest = tail;
@@ -298,10 +381,19 @@ fn send_all<T: Element>(
 ) -> Result<()> {
     for send in &plan.sends {
         if let Some(receive) = send.after_receive {
-            progress.wait_until(ring.deadline, |counts| counts.received > receive, || late_error(ring.left, ring.op))?;
+            progress.wait_until(
+                ring.deadline,
+                |counts| counts.received > receive,
+                || late_error(ring.left, ring.op),
+            )?;
         }
         let segment = lock_segment(segments, send.segment)?;
-        ring.right.send(header(send.segment), bytemuck::cast_slice(&segment[..]), ring.deadline, ring.op)?;
+        ring.right.send(
+            header(send.segment),
+            bytemuck::cast_slice(&segment[..]),
+            ring.deadline,
+            ring.op,
+        )?;
         drop(segment);
         progress.count(|counts| counts.sent += 1);
     }
@@ -320,23 +412,39 @@ fn receive_all<T: Element>(
     header: &(dyn Fn(usize) -> Header + Sync),
     op: ReduceOp,
 ) -> Result<()> {
-    let longest = plan.receives.iter().filter_map(|receive| plan.segments.get(receive.segment)).map(Range::len).max();
+    let longest = plan
+        .receives
+        .iter()
+        .filter_map(|receive| plan.segments.get(receive.segment))
+        .map(Range::len)
+        .max();
     let mut incoming = vec![T::zeroed(); longest.unwrap_or(0)];
     for receive in &plan.receives {
         let expected = header(receive.segment);
         if let Some(send) = receive.after_send {
-            let late = || ring.right.error("did not take data before the deadline", ring.op);
+            let late = || {
+                ring.right
+                    .error("did not take data before the deadline", ring.op)
+            };
             progress.wait_until(ring.deadline, |counts| counts.sent > send, late)?;
         }
         let mut segment = lock_segment(segments, receive.segment)?;
         if receive.arrival == Arrival::Overwrite {
-            ring.left.receive(expected, bytemuck::cast_slice_mut(&mut segment[..]), ring.deadline, ring.op)?;
+            ring.left.receive(
+                expected,
+                bytemuck::cast_slice_mut(&mut segment[..]),
+                ring.deadline,
+                ring.op,
+            )?;
         } else {
             let incoming = incoming.get_mut(..segment.len()).unwrap_or_default();
-            ring.left.receive(expected, bytemuck::cast_slice_mut(incoming), ring.deadline, ring.op)?;
-            for (local, arrived) in segment.iter_mut().zip(incoming.iter()) {
-                *local = T::combine(op, *arrived, *local);
-            }
+            ring.left.receive(
+                expected,
+                bytemuck::cast_slice_mut(incoming),
+                ring.deadline,
+                ring.op,
+            )?;
+            combine_slices(op, &mut segment[..], incoming);
             if receive.arrival == Arrival::ReduceAndFinish && op == ReduceOp::Mean {
                 for value in segment.iter_mut() {
                     *value = value.divide(ring.world_size);
@@ -353,10 +461,12 @@ fn lock_segment<'s, 'b, T>(
     segments: &'s [Mutex<&'b mut [T]>],
     index: usize,
 ) -> Result<std::sync::MutexGuard<'s, &'b mut [T]>> {
-    let segment = segments
-        .get(index)
-        .ok_or_else(|| DistError::InvalidArgument(format!("plan refers to missing segment {index}")))?;
-    Ok(segment.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    let segment = segments.get(index).ok_or_else(|| {
+        DistError::InvalidArgument(format!("plan refers to missing segment {index}"))
+    })?;
+    Ok(segment
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner()))
 }
 
 #[cfg(test)]
@@ -365,11 +475,20 @@ mod tests {
 
     /// Simulates every rank's plan step by step with in-memory queues, to check the plans
     /// without sockets.
-    fn simulate_all_reduce(world_size: usize, len: usize, segment_elements: usize, op: ReduceOp) -> Vec<Vec<f64>> {
-        let mut buffers: Vec<Vec<f64>> =
-            (0..world_size).map(|rank| (0..len).map(|i| (rank * 1000 + i) as f64).collect()).collect();
-        let plans: Vec<Plan> = (0..world_size).map(|rank| all_reduce_plan(rank, world_size, len, segment_elements)).collect();
-        let mut queues: Vec<std::collections::VecDeque<Vec<f64>>> = vec![Default::default(); world_size];
+    fn simulate_all_reduce(
+        world_size: usize,
+        len: usize,
+        segment_elements: usize,
+        op: ReduceOp,
+    ) -> Vec<Vec<f64>> {
+        let mut buffers: Vec<Vec<f64>> = (0..world_size)
+            .map(|rank| (0..len).map(|i| (rank * 1000 + i) as f64).collect())
+            .collect();
+        let plans: Vec<Plan> = (0..world_size)
+            .map(|rank| all_reduce_plan(rank, world_size, len, segment_elements))
+            .collect();
+        let mut queues: Vec<std::collections::VecDeque<Vec<f64>>> =
+            vec![Default::default(); world_size];
         let mut next_send = vec![0usize; world_size];
         let mut next_receive = vec![0usize; world_size];
         loop {
@@ -377,7 +496,10 @@ mod tests {
             for rank in 0..world_size {
                 let plan = &plans[rank];
                 while let Some(send) = plan.sends.get(next_send[rank]) {
-                    if send.after_receive.is_some_and(|needed| next_receive[rank] <= needed) {
+                    if send
+                        .after_receive
+                        .is_some_and(|needed| next_receive[rank] <= needed)
+                    {
                         break;
                     }
                     let data = buffers[rank][plan.segments[send.segment].clone()].to_vec();
@@ -386,10 +508,15 @@ mod tests {
                     moved = true;
                 }
                 while let Some(receive) = plan.receives.get(next_receive[rank]) {
-                    if receive.after_send.is_some_and(|needed| next_send[rank] <= needed) {
+                    if receive
+                        .after_send
+                        .is_some_and(|needed| next_send[rank] <= needed)
+                    {
                         break;
                     }
-                    let Some(data) = queues[rank].pop_front() else { break };
+                    let Some(data) = queues[rank].pop_front() else {
+                        break;
+                    };
                     let segment = &mut buffers[rank][plan.segments[receive.segment].clone()];
                     assert_eq!(segment.len(), data.len());
                     for (local, arrived) in segment.iter_mut().zip(&data) {
@@ -399,7 +526,9 @@ mod tests {
                         };
                     }
                     if receive.arrival == Arrival::ReduceAndFinish && op == ReduceOp::Mean {
-                        segment.iter_mut().for_each(|value| *value = value.divide(world_size));
+                        segment
+                            .iter_mut()
+                            .for_each(|value| *value = value.divide(world_size));
                     }
                     next_receive[rank] += 1;
                     moved = true;
@@ -410,8 +539,16 @@ mod tests {
             }
         }
         for rank in 0..world_size {
-            assert_eq!(next_send[rank], plans[rank].sends.len(), "rank {rank} did not finish sending");
-            assert_eq!(next_receive[rank], plans[rank].receives.len(), "rank {rank} did not finish receiving");
+            assert_eq!(
+                next_send[rank],
+                plans[rank].sends.len(),
+                "rank {rank} did not finish sending"
+            );
+            assert_eq!(
+                next_receive[rank],
+                plans[rank].receives.len(),
+                "rank {rank} did not finish receiving"
+            );
         }
         buffers
     }
@@ -421,12 +558,16 @@ mod tests {
         for world_size in 1..=5usize {
             for len in [0, 1, world_size.saturating_sub(1), 7, 31] {
                 for segment_elements in [1, 3, 1000] {
-                    let buffers = simulate_all_reduce(world_size, len, segment_elements, ReduceOp::Sum);
+                    let buffers =
+                        simulate_all_reduce(world_size, len, segment_elements, ReduceOp::Sum);
                     let expected: Vec<f64> = (0..len)
                         .map(|i| (0..world_size).map(|rank| (rank * 1000 + i) as f64).sum())
                         .collect();
                     for buffer in &buffers {
-                        assert_eq!(buffer, &expected, "world {world_size} len {len} segment {segment_elements}");
+                        assert_eq!(
+                            buffer, &expected,
+                            "world {world_size} len {len} segment {segment_elements}"
+                        );
                     }
                 }
             }
@@ -437,7 +578,11 @@ mod tests {
     fn each_rank_sends_two_world_minus_one_over_world_of_the_data() {
         let (world_size, len) = (4, 1000);
         let plan = all_reduce_plan(1, world_size, len, 64);
-        let sent: usize = plan.sends.iter().map(|send| plan.segments[send.segment].len()).sum();
+        let sent: usize = plan
+            .sends
+            .iter()
+            .map(|send| plan.segments[send.segment].len())
+            .sum();
         assert_eq!(sent, 2 * (world_size - 1) * len / world_size);
     }
 
@@ -448,8 +593,21 @@ mod tests {
         assert_eq!(last.receives.len(), 3);
         let root = broadcast_plan(2, 3, 2, 10, 4);
         assert!(root.receives.is_empty());
-        assert_eq!(root.sends.iter().map(|send| send.after_receive).collect::<Vec<_>>(), vec![None; 3]);
+        assert_eq!(
+            root.sends
+                .iter()
+                .map(|send| send.after_receive)
+                .collect::<Vec<_>>(),
+            vec![None; 3]
+        );
         let middle = broadcast_plan(0, 3, 2, 10, 4);
-        assert_eq!(middle.sends.iter().map(|send| send.after_receive).collect::<Vec<_>>(), vec![Some(0), Some(1), Some(2)]);
+        assert_eq!(
+            middle
+                .sends
+                .iter()
+                .map(|send| send.after_receive)
+                .collect::<Vec<_>>(),
+            vec![Some(0), Some(1), Some(2)]
+        );
     }
 }

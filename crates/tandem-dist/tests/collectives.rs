@@ -28,7 +28,11 @@ fn reference(op: ReduceOp, values: impl Iterator<Item = f64>) -> f64 {
 
 fn assert_same_bytes<T: bytemuck::Pod>(results: &[Vec<T>], what: &str) {
     for (rank, result) in results.iter().enumerate() {
-        assert_eq!(bytemuck::cast_slice::<T, u8>(result), bytemuck::cast_slice::<T, u8>(&results[0]), "{what}: rank {rank} differs from rank 0");
+        assert_eq!(
+            bytemuck::cast_slice::<T, u8>(result),
+            bytemuck::cast_slice::<T, u8>(&results[0]),
+            "{what}: rank {rank} differs from rank 0"
+        );
     }
 }
 
@@ -39,23 +43,41 @@ fn all_reduce_everything(group: &mut ProcessGroup) -> Vec<(String, Vec<u8>)> {
     for len in lengths(world_size) {
         for op in OPS {
             let mut floats: Vec<f32> = (0..len).map(|i| value(rank, i) as f32).collect();
-            group.all_reduce_f32(&mut floats, op).expect("all_reduce f32");
+            group
+                .all_reduce_f32(&mut floats, op)
+                .expect("all_reduce f32");
             for (i, got) in floats.iter().enumerate() {
                 let expected = reference(op, (0..world_size).map(|r| value(r, i) as f32 as f64));
-                assert!((*got as f64 - expected).abs() <= 1e-5 * expected.abs().max(1.0), "f32 {op:?} len {len} [{i}]: {got} vs {expected}");
+                assert!(
+                    (*got as f64 - expected).abs() <= 1e-5 * expected.abs().max(1.0),
+                    "f32 {op:?} len {len} [{i}]: {got} vs {expected}"
+                );
             }
-            outputs.push((format!("f32 {op:?} {len}"), bytemuck::cast_slice(&floats).to_vec()));
+            outputs.push((
+                format!("f32 {op:?} {len}"),
+                bytemuck::cast_slice(&floats).to_vec(),
+            ));
 
             let mut doubles: Vec<f64> = (0..len).map(|i| value(rank, i)).collect();
-            group.all_reduce_f64(&mut doubles, op).expect("all_reduce f64");
+            group
+                .all_reduce_f64(&mut doubles, op)
+                .expect("all_reduce f64");
             for (i, got) in doubles.iter().enumerate() {
                 let expected = reference(op, (0..world_size).map(|r| value(r, i)));
-                assert!((got - expected).abs() <= 1e-12 * expected.abs().max(1.0), "f64 {op:?} len {len} [{i}]");
+                assert!(
+                    (got - expected).abs() <= 1e-12 * expected.abs().max(1.0),
+                    "f64 {op:?} len {len} [{i}]"
+                );
             }
-            outputs.push((format!("f64 {op:?} {len}"), bytemuck::cast_slice(&doubles).to_vec()));
+            outputs.push((
+                format!("f64 {op:?} {len}"),
+                bytemuck::cast_slice(&doubles).to_vec(),
+            ));
 
             let mut integers: Vec<i64> = (0..len).map(|i| (value(rank, i) * 8.0) as i64).collect();
-            group.all_reduce_i64(&mut integers, op).expect("all_reduce i64");
+            group
+                .all_reduce_i64(&mut integers, op)
+                .expect("all_reduce i64");
             for (i, got) in integers.iter().enumerate() {
                 let column = (0..world_size).map(|r| (value(r, i) * 8.0) as i64);
                 let expected = match op {
@@ -66,7 +88,10 @@ fn all_reduce_everything(group: &mut ProcessGroup) -> Vec<(String, Vec<u8>)> {
                 };
                 assert_eq!(*got, expected, "i64 {op:?} len {len} [{i}]");
             }
-            outputs.push((format!("i64 {op:?} {len}"), bytemuck::cast_slice(&integers).to_vec()));
+            outputs.push((
+                format!("i64 {op:?} {len}"),
+                bytemuck::cast_slice(&integers).to_vec(),
+            ));
         }
     }
     outputs
@@ -75,7 +100,10 @@ fn all_reduce_everything(group: &mut ProcessGroup) -> Vec<(String, Vec<u8>)> {
 fn check_all_reduce(world_size: usize, segment_bytes: usize) {
     let outputs = run_ranks(world_size, TIMEOUT, segment_bytes, all_reduce_everything);
     for rank_outputs in &outputs {
-        assert_eq!(rank_outputs, &outputs[0], "world {world_size}: ranks ended with different bytes");
+        assert_eq!(
+            rank_outputs, &outputs[0],
+            "world {world_size}: ranks ended with different bytes"
+        );
     }
 }
 
@@ -106,13 +134,20 @@ fn large_f32_sum_matches_f64_reference_and_is_identical_on_every_rank() {
     for world_size in [2, 3] {
         let results = run_ranks(world_size, TIMEOUT, 256 << 10, |group| {
             let mut buffer: Vec<f32> = (0..len).map(|i| value(group.rank(), i) as f32).collect();
-            group.all_reduce_f32(&mut buffer, ReduceOp::Sum).expect("all_reduce");
+            group
+                .all_reduce_f32(&mut buffer, ReduceOp::Sum)
+                .expect("all_reduce");
             buffer
         });
         assert_same_bytes(&results, "large f32 sum");
         for (i, got) in results[0].iter().enumerate().step_by(997) {
-            let expected: f64 = (0..world_size).map(|rank| value(rank, i) as f32 as f64).sum();
-            assert!((*got as f64 - expected).abs() <= 1e-4, "[{i}] {got} vs {expected}");
+            let expected: f64 = (0..world_size)
+                .map(|rank| value(rank, i) as f32 as f64)
+                .sum();
+            assert!(
+                (*got as f64 - expected).abs() <= 1e-4,
+                "[{i}] {got} vs {expected}"
+            );
         }
     }
 }
@@ -124,14 +159,26 @@ fn broadcast_from_every_root() {
             let mut received = Vec::new();
             for root in 0..group.world_size() {
                 for len in [0, 1, 3, 101] {
-                    let mut buffer: Vec<f32> = (0..len).map(|i| value(group.rank(), i) as f32).collect();
+                    let mut buffer: Vec<f32> =
+                        (0..len).map(|i| value(group.rank(), i) as f32).collect();
                     group.broadcast_f32(&mut buffer, root).expect("broadcast");
                     let expected: Vec<f32> = (0..len).map(|i| value(root, i) as f32).collect();
-                    assert_eq!(buffer, expected, "world {} root {root} len {len}", group.world_size());
+                    assert_eq!(
+                        buffer,
+                        expected,
+                        "world {} root {root} len {len}",
+                        group.world_size()
+                    );
                     received.push(buffer);
                 }
-                let mut bytes = if group.rank() == root { format!("hello from {root}").into_bytes() } else { vec![7; 50] };
-                group.broadcast_bytes(&mut bytes, root).expect("broadcast_bytes");
+                let mut bytes = if group.rank() == root {
+                    format!("hello from {root}").into_bytes()
+                } else {
+                    vec![7; 50]
+                };
+                group
+                    .broadcast_bytes(&mut bytes, root)
+                    .expect("broadcast_bytes");
                 assert_eq!(bytes, format!("hello from {root}").into_bytes());
             }
             received
@@ -145,11 +192,14 @@ fn all_gather_concatenates_in_rank_order() {
     for world_size in 1..=4 {
         for part_len in [0, 1, 5, 300] {
             let results = run_ranks(world_size, TIMEOUT, 64, |group| {
-                let part: Vec<f32> = (0..part_len).map(|i| value(group.rank(), i) as f32).collect();
+                let part: Vec<f32> = (0..part_len)
+                    .map(|i| value(group.rank(), i) as f32)
+                    .collect();
                 group.all_gather_f32(&part).expect("all_gather")
             });
-            let expected: Vec<f32> =
-                (0..world_size).flat_map(|rank| (0..part_len).map(move |i| value(rank, i) as f32)).collect();
+            let expected: Vec<f32> = (0..world_size)
+                .flat_map(|rank| (0..part_len).map(move |i| value(rank, i) as f32))
+                .collect();
             for result in &results {
                 assert_eq!(result, &expected, "world {world_size} part {part_len}");
             }
@@ -163,14 +213,23 @@ fn reduce_scatter_returns_each_rank_its_chunk() {
         for len in [0, 1, world_size - 1, 7, 333] {
             let results = run_ranks(world_size, TIMEOUT, 64, |group| {
                 let input: Vec<f32> = (0..len).map(|i| value(group.rank(), i) as f32).collect();
-                (group.reduce_scatter_f32(&input, ReduceOp::Sum).expect("sum"), group.reduce_scatter_f32(&input, ReduceOp::Max).expect("max"))
+                (
+                    group
+                        .reduce_scatter_f32(&input, ReduceOp::Sum)
+                        .expect("sum"),
+                    group
+                        .reduce_scatter_f32(&input, ReduceOp::Max)
+                        .expect("max"),
+                )
             });
             for (rank, (sums, maxima)) in results.iter().enumerate() {
                 let range = chunk_range(len, world_size, rank);
                 assert_eq!(sums.len(), range.len());
                 for (offset, i) in range.enumerate() {
                     let column = || (0..world_size).map(|r| value(r, i) as f32 as f64);
-                    assert!((sums[offset] as f64 - reference(ReduceOp::Sum, column())).abs() < 1e-3);
+                    assert!(
+                        (sums[offset] as f64 - reference(ReduceOp::Sum, column())).abs() < 1e-3
+                    );
                     assert_eq!(maxima[offset] as f64, reference(ReduceOp::Max, column()));
                 }
             }
@@ -197,13 +256,20 @@ fn barrier_holds_every_rank_until_the_last_arrives() {
 fn mean_divides_once_and_identically() {
     // Values whose sum is not exactly representable after division: every rank must still agree.
     let results = run_ranks(3, TIMEOUT, 16, |group| {
-        let mut buffer: Vec<f32> = (0..100).map(|i| 0.1 * (i as f32 + group.rank() as f32)).collect();
-        group.all_reduce_f32(&mut buffer, ReduceOp::Mean).expect("mean");
+        let mut buffer: Vec<f32> = (0..100)
+            .map(|i| 0.1 * (i as f32 + group.rank() as f32))
+            .collect();
+        group
+            .all_reduce_f32(&mut buffer, ReduceOp::Mean)
+            .expect("mean");
         buffer
     });
     assert_same_bytes(&results, "mean");
     for (i, got) in results[0].iter().enumerate() {
-        let expected = (0..3).map(|rank| (0.1 * (i as f32 + rank as f32)) as f64).sum::<f64>() / 3.0;
+        let expected = (0..3)
+            .map(|rank| (0.1 * (i as f32 + rank as f32)) as f64)
+            .sum::<f64>()
+            / 3.0;
         assert!((*got as f64 - expected).abs() < 1e-5);
     }
 }

@@ -16,8 +16,17 @@ fn queued_operations_run_in_order_and_hand_buffers_back() {
         let rank = group.rank();
         let comm = CommThread::spawn(group).expect("spawn");
         // Several buckets in flight at once, as DDP submits them during backward.
-        let buckets: Vec<Vec<f32>> = (0..5).map(|bucket| (0..1000 + bucket).map(|i| value(rank, i + bucket) as f32).collect()).collect();
-        let pending: Vec<_> = buckets.into_iter().map(|bucket| comm.all_reduce_f32(bucket, ReduceOp::Sum)).collect();
+        let buckets: Vec<Vec<f32>> = (0..5)
+            .map(|bucket| {
+                (0..1000 + bucket)
+                    .map(|i| value(rank, i + bucket) as f32)
+                    .collect()
+            })
+            .collect();
+        let pending: Vec<_> = buckets
+            .into_iter()
+            .map(|bucket| comm.all_reduce_f32(bucket, ReduceOp::Sum))
+            .collect();
         let counts = comm.all_reduce_i64(vec![rank as i64, 1], ReduceOp::Sum);
         let root_bytes = comm.broadcast_bytes(format!("from rank {rank}").into_bytes(), 1);
         let weights = comm.broadcast_f32(vec![rank as f32; 3], 2);
@@ -26,7 +35,10 @@ fn queued_operations_run_in_order_and_hand_buffers_back() {
             group.all_reduce_f64(&mut statistics, ReduceOp::Mean)?;
             Ok(statistics)
         });
-        let reduced: Vec<Vec<f32>> = pending.into_iter().map(|pending| pending.wait().expect("bucket")).collect();
+        let reduced: Vec<Vec<f32>> = pending
+            .into_iter()
+            .map(|pending| pending.wait().expect("bucket"))
+            .collect();
         let outcome = (
             reduced,
             counts.wait().expect("counts"),
@@ -43,7 +55,10 @@ fn queued_operations_run_in_order_and_hand_buffers_back() {
             assert_eq!(values.len(), 1000 + bucket);
             for (i, got) in values.iter().enumerate().step_by(37) {
                 let expected: f64 = (0..3).map(|r| value(r, i + bucket) as f32 as f64).sum();
-                assert!((*got as f64 - expected).abs() < 1e-3, "rank {rank} bucket {bucket} [{i}]");
+                assert!(
+                    (*got as f64 - expected).abs() < 1e-3,
+                    "rank {rank} bucket {bucket} [{i}]"
+                );
             }
         }
         assert_eq!(reduced, &results[0].0, "rank {rank}: different bytes");
@@ -62,10 +77,18 @@ fn a_failed_collective_fails_every_later_pending_operation() {
         // Different lengths: the first all-reduce fails on both ranks, the next is refused.
         let first = comm.all_reduce_f32(vec![1.0; 4 + rank], ReduceOp::Sum);
         let second = comm.all_reduce_f32(vec![1.0; 4], ReduceOp::Sum);
-        (first.wait().expect_err("mismatch"), second.wait().expect_err("poisoned"))
+        (
+            first.wait().expect_err("mismatch"),
+            second.wait().expect_err("poisoned"),
+        )
     });
     for (first, second) in results {
-        assert!(first.to_string().contains("the ranks disagree on the buffer's length"), "{first}");
+        assert!(
+            first
+                .to_string()
+                .contains("the ranks disagree on the buffer's length"),
+            "{first}"
+        );
         assert!(matches!(second, DistError::GroupFailed(_)), "{second}");
     }
 }

@@ -17,13 +17,17 @@ const MARGIN: Duration = Duration::from_millis(1500);
 const CHILD_NUMEL: usize = 1 << 20;
 
 fn child_values(rank: usize) -> Vec<f32> {
-    (0..CHILD_NUMEL).map(|i| ((i * 31 + rank * 7) % 1000) as f32 * 0.25).collect()
+    (0..CHILD_NUMEL)
+        .map(|i| ((i * 31 + rank * 7) % 1000) as f32 * 0.25)
+        .collect()
 }
 
 fn checksum(values: &[f32]) -> String {
     let hash = bytemuck::cast_slice::<f32, u8>(values)
         .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| (hash ^ *byte as u64).wrapping_mul(0x100_0000_01b3));
+        .fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
+            (hash ^ *byte as u64).wrapping_mul(0x100_0000_01b3)
+        });
     format!("{hash:016x}")
 }
 
@@ -31,10 +35,18 @@ fn checksum(values: &[f32]) -> String {
 /// fails. Returns the failure and when it happened.
 fn ready_then_loop(group: &mut ProcessGroup) -> (DistError, Instant) {
     let mut values = child_values(group.rank());
-    group.all_reduce_f32(&mut values, ReduceOp::Sum).expect("first all_reduce");
+    group
+        .all_reduce_f32(&mut values, ReduceOp::Sum)
+        .expect("first all_reduce");
     let rank = group.rank();
-    group.store().set(&format!("checksum/{rank}"), checksum(&values).as_bytes()).expect("publish checksum");
-    group.store().set(&format!("ready/{rank}"), b"1").expect("publish ready");
+    group
+        .store()
+        .set(&format!("checksum/{rank}"), checksum(&values).as_bytes())
+        .expect("publish checksum");
+    group
+        .store()
+        .set(&format!("ready/{rank}"), b"1")
+        .expect("publish ready");
     for _ in 0..100_000 {
         if let Err(error) = group.all_reduce_f32(&mut values, ReduceOp::Max) {
             return (error, Instant::now());
@@ -46,9 +58,13 @@ fn ready_then_loop(group: &mut ProcessGroup) -> (DistError, Instant) {
 #[test]
 #[ignore = "entry point of the child process that killed_process_during_all_reduce_is_named_on_every_rank spawns"]
 fn child_rank_entry() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
     let fields: Vec<&str> = spec.split(',').collect();
-    let [rank, world_size, port, token] = fields[..] else { panic!("bad {CHILD_ENV}: {spec}") };
+    let [rank, world_size, port, token] = fields[..] else {
+        panic!("bad {CHILD_ENV}: {spec}")
+    };
     let token = JobToken::new(token).expect("token");
     let store = format!("127.0.0.1:{port}").parse().expect("store address");
     let mut group = ProcessGroup::connect(options(
@@ -78,8 +94,17 @@ fn killed_process_during_all_reduce_is_named_on_every_rank() {
     let store = server.local_addr();
     let world_size = 3;
     let child = Command::new(std::env::current_exe().expect("test binary"))
-        .args(["--exact", "child_rank_entry", "--ignored", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, format!("2,{world_size},{},{}", store.port(), token.expose_secret()))
+        .args([
+            "--exact",
+            "child_rank_entry",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(
+            CHILD_ENV,
+            format!("2,{world_size},{},{}", store.port(), token.expose_secret()),
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -91,29 +116,52 @@ fn killed_process_during_all_reduce_is_named_on_every_rank() {
         let ranks: Vec<_> = (0..2)
             .map(|rank| {
                 let options = options(rank, world_size, store, &token, TIMEOUT);
-                scope.spawn(move || ready_then_loop(&mut ProcessGroup::connect(options).expect("join")))
+                scope.spawn(move || {
+                    ready_then_loop(&mut ProcessGroup::connect(options).expect("join"))
+                })
             })
             .collect();
-        observer.wait(&["ready/0", "ready/1", "ready/2"], Duration::from_secs(30)).expect("all ranks ready");
+        observer
+            .wait(&["ready/0", "ready/1", "ready/2"], Duration::from_secs(30))
+            .expect("all ranks ready");
         std::thread::sleep(Duration::from_millis(200));
         child.0.kill().expect("kill child");
         let killed_at = Instant::now();
-        let outcomes: Vec<_> = ranks.into_iter().map(|rank| rank.join().expect("rank thread")).collect();
+        let outcomes: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| rank.join().expect("rank thread"))
+            .collect();
         (outcomes, killed_at)
     });
 
     // The first all-reduce crossed processes and gave the same bytes on every rank.
-    let checksums: Vec<Vec<u8>> =
-        (0..3).map(|rank| observer.get(&format!("checksum/{rank}")).expect("get").expect("checksum set")).collect();
+    let checksums: Vec<Vec<u8>> = (0..3)
+        .map(|rank| {
+            observer
+                .get(&format!("checksum/{rank}"))
+                .expect("get")
+                .expect("checksum set")
+        })
+        .collect();
     assert_eq!(checksums[0], checksums[1]);
     assert_eq!(checksums[0], checksums[2]);
 
     for (rank, (error, failed_at)) in outcomes.iter().enumerate() {
         let message = error.to_string();
-        eprintln!("rank {rank} after {:?}: {message}", failed_at.saturating_duration_since(killed_at));
-        assert!(message.contains("rank 2 (127.0.0.1:") && message.contains("closed the connection during all_reduce #"), "rank {rank}: {message}");
+        eprintln!(
+            "rank {rank} after {:?}: {message}",
+            failed_at.saturating_duration_since(killed_at)
+        );
+        assert!(
+            message.contains("rank 2 (127.0.0.1:")
+                && message.contains("closed the connection during all_reduce #"),
+            "rank {rank}: {message}"
+        );
         let after_kill = failed_at.saturating_duration_since(killed_at);
-        assert!(after_kill < TIMEOUT + MARGIN, "rank {rank} took {after_kill:?} to fail");
+        assert!(
+            after_kill < TIMEOUT + MARGIN,
+            "rank {rank} took {after_kill:?} to fail"
+        );
     }
 }
 
@@ -136,19 +184,32 @@ fn stalled_rank_is_named_by_every_waiting_rank() {
                     }
                     let started = Instant::now();
                     let mut values = vec![1.0f32; 1000];
-                    let error = group.all_reduce_f32(&mut values, ReduceOp::Sum).expect_err("must fail");
+                    let error = group
+                        .all_reduce_f32(&mut values, ReduceOp::Sum)
+                        .expect_err("must fail");
                     Some((error, started.elapsed()))
                 })
             })
             .collect();
-        handles.into_iter().map(|handle| handle.join().expect("rank thread")).collect::<Vec<_>>()
+        handles
+            .into_iter()
+            .map(|handle| handle.join().expect("rank thread"))
+            .collect::<Vec<_>>()
     });
     for (rank, outcome) in outcomes.iter().enumerate().take(2) {
-        let Some((error, elapsed)) = outcome else { panic!("rank {rank} did not fail") };
+        let Some((error, elapsed)) = outcome else {
+            panic!("rank {rank} did not fail")
+        };
         let message = error.to_string();
         eprintln!("rank {rank} after {elapsed:?}: {message}");
-        assert!(message.contains("rank 2 (127.0.0.1:") && message.contains("during all_reduce #1"), "rank {rank}: {message}");
-        assert!(*elapsed < timeout + MARGIN + Duration::from_secs(1), "rank {rank} took {elapsed:?}");
+        assert!(
+            message.contains("rank 2 (127.0.0.1:") && message.contains("during all_reduce #1"),
+            "rank {rank}: {message}"
+        );
+        assert!(
+            *elapsed < timeout + MARGIN + Duration::from_secs(1),
+            "rank {rank} took {elapsed:?}"
+        );
     }
 }
 
@@ -163,15 +224,23 @@ fn rank_that_never_arrives_fails_the_rendezvous_naming_it() {
                 let options = options(rank, 3, store, &token, timeout);
                 scope.spawn(move || {
                     let started = Instant::now();
-                    let error = ProcessGroup::connect(options).err().expect("rendezvous must fail");
+                    let error = ProcessGroup::connect(options)
+                        .err()
+                        .expect("rendezvous must fail");
                     (error, started.elapsed())
                 })
             })
             .collect();
-        handles.into_iter().map(|handle| handle.join().expect("rank thread")).collect::<Vec<_>>()
+        handles
+            .into_iter()
+            .map(|handle| handle.join().expect("rank thread"))
+            .collect::<Vec<_>>()
     });
     for (error, elapsed) in outcomes {
-        assert_eq!(error.to_string(), "rendezvous failed: rank(s) [2] of 3 did not join within 800ms");
+        assert_eq!(
+            error.to_string(),
+            "rendezvous failed: rank(s) [2] of 3 did not join within 800ms"
+        );
         assert!(elapsed < timeout + MARGIN, "took {elapsed:?}");
     }
 }
@@ -187,17 +256,30 @@ fn mismatched_lengths_fail_on_every_rank_and_poison_the_group() {
                 scope.spawn(move || {
                     let mut group = ProcessGroup::connect(options).expect("join");
                     let mut values = vec![1.0f32; 10 + rank * 2];
-                    let first = group.all_reduce_f32(&mut values, ReduceOp::Sum).expect_err("lengths differ");
+                    let first = group
+                        .all_reduce_f32(&mut values, ReduceOp::Sum)
+                        .expect_err("lengths differ");
                     let second = group.barrier().expect_err("group is poisoned");
                     (first.to_string(), second)
                 })
             })
             .collect();
-        handles.into_iter().map(|handle| handle.join().expect("rank thread")).collect::<Vec<_>>()
+        handles
+            .into_iter()
+            .map(|handle| handle.join().expect("rank thread"))
+            .collect::<Vec<_>>()
     });
     for (rank, (first, second)) in outcomes.iter().enumerate() {
-        assert!(first.contains("where") && first.contains("bytes") && first.contains("the ranks disagree on the buffer's length"), "rank {rank}: {first}");
-        assert!(matches!(second, DistError::GroupFailed(_)), "rank {rank}: {second}");
+        assert!(
+            first.contains("where")
+                && first.contains("bytes")
+                && first.contains("the ranks disagree on the buffer's length"),
+            "rank {rank}: {first}"
+        );
+        assert!(
+            matches!(second, DistError::GroupFailed(_)),
+            "rank {rank}: {second}"
+        );
     }
 }
 
@@ -206,7 +288,12 @@ fn wrong_world_size_is_refused_at_rendezvous() {
     let (server, token) = start_store();
     let store = server.local_addr();
     let first = ProcessGroup::connect(options(0, 1, store, &token, TIMEOUT)).expect("world of one");
-    let error = ProcessGroup::connect(options(1, 2, store, &token, TIMEOUT)).err().expect("must refuse");
-    assert_eq!(error.to_string(), "invalid argument: rank 1 has world size 2 but the group was started with world size 1");
+    let error = ProcessGroup::connect(options(1, 2, store, &token, TIMEOUT))
+        .err()
+        .expect("must refuse");
+    assert_eq!(
+        error.to_string(),
+        "invalid argument: rank 1 has world size 2 but the group was started with world size 1"
+    );
     drop(first);
 }

@@ -33,11 +33,30 @@ fn set_get_add_compare_set_delete_and_count() {
         other => panic!("expected a refused add, got {other:?}"),
     }
 
-    assert_eq!(client.compare_set("cas", None, b"first").expect("cas"), b"first".to_vec());
-    assert_eq!(client.compare_set("cas", None, b"second").expect("cas"), b"first".to_vec());
-    assert_eq!(client.compare_set("cas", Some(b"wrong"), b"second").expect("cas"), b"first".to_vec());
-    assert_eq!(client.compare_set("cas", Some(b"first"), b"second").expect("cas"), b"second".to_vec());
-    assert_eq!(client.compare_set("absent", Some(b"x"), b"y").expect("cas"), Vec::<u8>::new());
+    assert_eq!(
+        client.compare_set("cas", None, b"first").expect("cas"),
+        b"first".to_vec()
+    );
+    assert_eq!(
+        client.compare_set("cas", None, b"second").expect("cas"),
+        b"first".to_vec()
+    );
+    assert_eq!(
+        client
+            .compare_set("cas", Some(b"wrong"), b"second")
+            .expect("cas"),
+        b"first".to_vec()
+    );
+    assert_eq!(
+        client
+            .compare_set("cas", Some(b"first"), b"second")
+            .expect("cas"),
+        b"second".to_vec()
+    );
+    assert_eq!(
+        client.compare_set("absent", Some(b"x"), b"y").expect("cas"),
+        Vec::<u8>::new()
+    );
     assert_eq!(client.get("absent").expect("get"), None);
 
     assert_eq!(client.num_keys().expect("count"), 3);
@@ -61,7 +80,10 @@ fn wait_blocks_until_another_client_sets_the_keys() {
         waiter.wait(&["x", "y"], TIMEOUT).expect("wait");
     });
     let waited = started.elapsed();
-    assert!(waited >= Duration::from_millis(200) && waited < TIMEOUT, "waited {waited:?}");
+    assert!(
+        waited >= Duration::from_millis(200) && waited < TIMEOUT,
+        "waited {waited:?}"
+    );
 }
 
 #[test]
@@ -70,8 +92,13 @@ fn wait_times_out_naming_the_missing_keys() {
     let client = StoreClient::connect(server.local_addr(), &token, TIMEOUT).expect("connect");
     client.set("here", b"1").expect("set");
     let started = Instant::now();
-    let error = client.wait(&["here", "gone"], Duration::from_millis(300)).expect_err("must time out");
-    assert_eq!(error.to_string(), "timed out after 300ms waiting for store keys [\"gone\"]");
+    let error = client
+        .wait(&["here", "gone"], Duration::from_millis(300))
+        .expect_err("must time out");
+    assert_eq!(
+        error.to_string(),
+        "timed out after 300ms waiting for store keys [\"gone\"]"
+    );
     assert!(started.elapsed() < Duration::from_secs(2));
     // The connection is still usable after a timed-out wait.
     assert_eq!(client.get("here").expect("get"), Some(b"1".to_vec()));
@@ -88,8 +115,17 @@ fn wrong_token_is_refused_and_cannot_read_or_write() {
         Err(error) => error,
         Ok(_) => panic!("a client with the wrong token was let in"),
     };
-    assert!(started.elapsed() < Duration::from_secs(2), "refusal must not wait for the timeout");
-    assert_eq!(error.to_string(), format!("the job token was refused by the store at {} (check TANDEM_JOB_TOKEN)", server.local_addr()));
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refusal must not wait for the timeout"
+    );
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "the job token was refused by the store at {} (check TANDEM_JOB_TOKEN)",
+            server.local_addr()
+        )
+    );
 
     // A client that skips the handshake and sends a request gets nothing and changes nothing.
     let mut raw = TcpStream::connect(server.local_addr()).expect("connect raw");
@@ -118,8 +154,14 @@ fn oversized_keys_and_values_are_refused_by_the_client() {
     let client = StoreClient::connect(server.local_addr(), &token, TIMEOUT).expect("connect");
     let long_key = "k".repeat(MAX_KEY_BYTES + 1);
     assert_eq!(
-        client.set(&long_key, b"v").expect_err("too long").to_string(),
-        format!("key is {} bytes, above the limit of {MAX_KEY_BYTES} bytes", MAX_KEY_BYTES + 1)
+        client
+            .set(&long_key, b"v")
+            .expect_err("too long")
+            .to_string(),
+        format!(
+            "key is {} bytes, above the limit of {MAX_KEY_BYTES} bytes",
+            MAX_KEY_BYTES + 1
+        )
     );
 }
 
@@ -135,7 +177,8 @@ fn server_survives_garbage_and_early_closes() {
     };
     for round in 0..40 {
         let mut raw = TcpStream::connect(server.local_addr()).expect("connect raw");
-        raw.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
+        raw.set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
         let length = (next() % 200) as usize;
         let garbage: Vec<u8> = (0..length).map(|_| next() as u8).collect();
         let _ = raw.write_all(&garbage);
@@ -145,7 +188,8 @@ fn server_survives_garbage_and_early_closes() {
             let _ = raw.read_exact(&mut greeting);
         }
     }
-    let client = StoreClient::connect(server.local_addr(), &token, TIMEOUT).expect("connect after garbage");
+    let client =
+        StoreClient::connect(server.local_addr(), &token, TIMEOUT).expect("connect after garbage");
     client.set("alive", b"yes").expect("set");
     assert_eq!(client.get("alive").expect("get"), Some(b"yes".to_vec()));
 }
@@ -163,8 +207,16 @@ fn connect_retries_until_the_store_is_up_and_gives_up_at_the_timeout() {
         Err(error) => error,
         Ok(_) => panic!("connected to nothing"),
     };
-    assert!(matches!(error, DistError::StoreUnreachable { .. }), "{error}");
-    assert!(error.to_string().starts_with(&format!("could not reach the store at {addr} within 400ms")), "{error}");
+    assert!(
+        matches!(error, DistError::StoreUnreachable { .. }),
+        "{error}"
+    );
+    assert!(
+        error
+            .to_string()
+            .starts_with(&format!("could not reach the store at {addr} within 400ms")),
+        "{error}"
+    );
     assert!(started.elapsed() < Duration::from_secs(2));
 
     let late_token = token.clone();

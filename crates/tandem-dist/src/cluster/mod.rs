@@ -114,12 +114,16 @@ pub fn detect_source(vars: &EnvMap) -> Option<ClusterSource> {
 
 /// The node environment of whichever cluster `vars` come from; `None` outside any cluster.
 pub fn node_env(vars: &EnvMap) -> Result<Option<NodeEnv>> {
-    detect_source(vars).map(|source| node_env_from(source, vars)).transpose()
+    detect_source(vars)
+        .map(|source| node_env_from(source, vars))
+        .transpose()
 }
 
 /// The worker environment of whichever cluster `vars` come from; `None` outside any cluster.
 pub fn worker_env(vars: &EnvMap) -> Result<Option<WorkerEnv>> {
-    detect_source(vars).map(|source| worker_env_from(source, vars)).transpose()
+    detect_source(vars)
+        .map(|source| worker_env_from(source, vars))
+        .transpose()
 }
 
 /// Reads the node environment of `source` from `vars`.
@@ -130,7 +134,10 @@ pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
             let world_size = env.count("WORLD_SIZE")?;
             let local_world_size = env.count("LOCAL_WORLD_SIZE")?;
             if world_size % local_world_size != 0 {
-                return Err(env.invalid("WORLD_SIZE", &format!("is not a multiple of LOCAL_WORLD_SIZE={local_world_size}")));
+                return Err(env.invalid(
+                    "WORLD_SIZE",
+                    &format!("is not a multiple of LOCAL_WORLD_SIZE={local_world_size}"),
+                ));
             }
             NodeEnv {
                 source,
@@ -152,7 +159,10 @@ pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
         ClusterSource::OpenMpi => {
             let local_size = env.count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
             if local_size != 1 {
-                return Err(env.invalid("OMPI_COMM_WORLD_LOCAL_SIZE", "must be 1: start one launcher per node (mpirun --npernode 1)"));
+                return Err(env.invalid(
+                    "OMPI_COMM_WORLD_LOCAL_SIZE",
+                    "must be 1: start one launcher per node (mpirun --npernode 1)",
+                ));
             }
             NodeEnv {
                 source,
@@ -173,7 +183,12 @@ pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
         },
         ClusterSource::ModelArts => {
             let hosts = env.text("VC_WORKER_HOSTS")?;
-            let master_addr = hosts.split(',').next().unwrap_or_default().trim().to_string();
+            let master_addr = hosts
+                .split(',')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_string();
             if master_addr.is_empty() {
                 return Err(env.invalid("VC_WORKER_HOSTS", "does not start with a host name"));
             }
@@ -196,7 +211,10 @@ pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
             ClusterSource::Slurm => "SLURM_NODEID",
             ClusterSource::ModelArts => "VC_TASK_INDEX",
         };
-        return Err(env.invalid(variable, &format!("is not below the number of nodes, {}", node.nnodes)));
+        return Err(env.invalid(
+            variable,
+            &format!("is not below the number of nodes, {}", node.nnodes),
+        ));
     }
     Ok(node)
 }
@@ -238,7 +256,12 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
                 Some(_) => env.slurm_task_count("SLURM_NTASKS_PER_NODE")?,
                 None => match env.optional_text("SLURM_TASKS_PER_NODE") {
                     Some(_) => env.slurm_task_count("SLURM_TASKS_PER_NODE")?,
-                    None => world_size / env.count_either("SLURM_NNODES", "SLURM_JOB_NUM_NODES")?.max(1),
+                    None => {
+                        world_size
+                            / env
+                                .count_either("SLURM_NNODES", "SLURM_JOB_NUM_NODES")?
+                                .max(1)
+                    }
                 },
             };
             WorkerEnv {
@@ -272,10 +295,19 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
         ClusterSource::ModelArts => ("VC_TASK_INDEX", "VC_TASK_INDEX"),
     };
     if worker.rank >= worker.world_size {
-        return Err(env.invalid(rank_variable, &format!("is not below the world size, {}", worker.world_size)));
+        return Err(env.invalid(
+            rank_variable,
+            &format!("is not below the world size, {}", worker.world_size),
+        ));
     }
     if worker.local_rank >= worker.local_world_size {
-        return Err(env.invalid(local_variable, &format!("is not below the local world size, {}", worker.local_world_size)));
+        return Err(env.invalid(
+            local_variable,
+            &format!(
+                "is not below the local world size, {}",
+                worker.local_world_size
+            ),
+        ));
     }
     Ok(worker)
 }
@@ -301,11 +333,15 @@ impl Reader<'_> {
     }
 
     fn optional_text(&self, name: &str) -> Option<String> {
-        self.vars.get(name).map(|value| value.trim().to_string()).filter(|value| !value.is_empty())
+        self.vars
+            .get(name)
+            .map(|value| value.trim().to_string())
+            .filter(|value| !value.is_empty())
     }
 
     fn text(&self, name: &str) -> Result<String> {
-        self.optional_text(name).ok_or_else(|| self.invalid(name, "is not set"))
+        self.optional_text(name)
+            .ok_or_else(|| self.invalid(name, "is not set"))
     }
 
     /// The first of two variables that is set (the second otherwise).
@@ -322,7 +358,9 @@ impl Reader<'_> {
     }
 
     fn number(&self, name: &str) -> Result<usize> {
-        self.text(name)?.parse::<usize>().map_err(|_| self.invalid(name, "is not a non-negative integer"))
+        self.text(name)?
+            .parse::<usize>()
+            .map_err(|_| self.invalid(name, "is not a non-negative integer"))
     }
 
     /// A rank or index: any non-negative integer.
@@ -348,7 +386,9 @@ impl Reader<'_> {
 
     /// A count that may be unset, or 0 / a word like "auto" or "gpu" meaning "not given".
     fn optional_count(&self, name: &str) -> Result<Option<usize>> {
-        let Some(text) = self.optional_text(name) else { return Ok(None) };
+        let Some(text) = self.optional_text(name) else {
+            return Ok(None);
+        };
         if text.bytes().all(|byte| byte.is_ascii_alphabetic()) {
             return Ok(None);
         }
@@ -381,7 +421,10 @@ impl Reader<'_> {
         let name = self.first_present("SLURM_JOB_NODELIST", "SLURM_NODELIST");
         let list = self.text(name)?;
         let hosts = expand_slurm_nodelist(&list).map_err(|message| self.invalid(name, &message))?;
-        hosts.into_iter().next().ok_or_else(|| self.invalid(name, "names no host"))
+        hosts
+            .into_iter()
+            .next()
+            .ok_or_else(|| self.invalid(name, "names no host"))
     }
 
     /// This node's entry in Slurm's per-node task counts, which look like "4", "4,4" or
@@ -391,21 +434,31 @@ impl Reader<'_> {
         let mut counts = Vec::new();
         for group in text.split(',') {
             let (count, repeat) = match group.split_once('(') {
-                Some((count, repeat)) => (count, repeat.strip_prefix('x').and_then(|rest| rest.strip_suffix(')'))),
+                Some((count, repeat)) => (
+                    count,
+                    repeat
+                        .strip_prefix('x')
+                        .and_then(|rest| rest.strip_suffix(')')),
+                ),
                 None => (group, Some("1")),
             };
             let count = count.parse::<usize>().ok().filter(|count| *count > 0);
-            let repeat = repeat.and_then(|repeat| repeat.parse::<usize>().ok()).filter(|repeat| *repeat <= MAX_HOSTS);
+            let repeat = repeat
+                .and_then(|repeat| repeat.parse::<usize>().ok())
+                .filter(|repeat| *repeat <= MAX_HOSTS);
             let (Some(count), Some(repeat)) = (count, repeat) else {
                 return Err(self.invalid(name, "is not a list of task counts like \"2(x3),1\""));
             };
-            counts.extend(std::iter::repeat(count).take(repeat));
+            counts.resize(counts.len() + repeat, count);
         }
         let node = match self.optional_text("SLURM_NODEID") {
             Some(_) => self.index("SLURM_NODEID")?,
             None => 0,
         };
-        counts.get(node).copied().ok_or_else(|| self.invalid(name, &format!("has no entry for node {node}")))
+        counts
+            .get(node)
+            .copied()
+            .ok_or_else(|| self.invalid(name, &format!("has no entry for node {node}")))
     }
 }
 

@@ -49,12 +49,17 @@ fn split_top_level(list: &str) -> Result<Vec<&str>, String> {
 fn expand_item(item: &str, hosts: &mut Vec<String>) -> Result<(), String> {
     let Some(open) = item.find('[') else {
         if hosts.len() >= MAX_HOSTS {
-            return Err(format!("the host list expands to more than {MAX_HOSTS} hosts"));
+            return Err(format!(
+                "the host list expands to more than {MAX_HOSTS} hosts"
+            ));
         }
         hosts.push(item.to_string());
         return Ok(());
     };
-    let close = item[open..].find(']').map(|offset| open + offset).ok_or_else(|| format!("unclosed '[' in {item:?}"))?;
+    let close = item[open..]
+        .find(']')
+        .map(|offset| open + offset)
+        .ok_or_else(|| format!("unclosed '[' in {item:?}"))?;
     let prefix = &item[..open];
     let inside = &item[open + 1..close];
     let suffix = &item[close + 1..];
@@ -71,16 +76,22 @@ fn expand_ranges(inside: &str, item: &str) -> Result<Vec<String>, String> {
         let (low, high) = part.split_once('-').unwrap_or((part, part));
         let parse = |text: &str| {
             if text.is_empty() || !text.bytes().all(|byte| byte.is_ascii_digit()) {
-                return Err(format!("{part:?} in {item:?} is not a number or a range of numbers"));
+                return Err(format!(
+                    "{part:?} in {item:?} is not a number or a range of numbers"
+                ));
             }
-            text.parse::<u64>().map_err(|_| format!("{text:?} in {item:?} is too large"))
+            text.parse::<u64>()
+                .map_err(|_| format!("{text:?} in {item:?} is too large"))
         };
         let (first, last) = (parse(low)?, parse(high)?);
         if first > last {
             return Err(format!("range {part:?} in {item:?} runs backwards"));
         }
-        if last - first >= MAX_HOSTS as u64 || numbers.len() + (last - first) as usize >= MAX_HOSTS {
-            return Err(format!("the host list expands to more than {MAX_HOSTS} hosts"));
+        if last - first >= MAX_HOSTS as u64 || numbers.len() + (last - first) as usize >= MAX_HOSTS
+        {
+            return Err(format!(
+                "the host list expands to more than {MAX_HOSTS} hosts"
+            ));
         }
         let width = low.len();
         numbers.extend((first..=last).map(|number| format!("{number:0width$}")));
@@ -99,8 +110,14 @@ mod tests {
             vec!["node01", "node02", "node03", "node7", "gpu5"]
         );
         assert_eq!(expand_slurm_nodelist("a").expect("valid"), vec!["a"]);
-        assert_eq!(expand_slurm_nodelist("n[8-11]").expect("valid"), vec!["n8", "n9", "n10", "n11"]);
-        assert_eq!(expand_slurm_nodelist("n[098-100]").expect("valid"), vec!["n098", "n099", "n100"]);
+        assert_eq!(
+            expand_slurm_nodelist("n[8-11]").expect("valid"),
+            vec!["n8", "n9", "n10", "n11"]
+        );
+        assert_eq!(
+            expand_slurm_nodelist("n[098-100]").expect("valid"),
+            vec!["n098", "n099", "n100"]
+        );
         assert_eq!(
             expand_slurm_nodelist("rack[1-2]-n[1,3].ib").expect("valid"),
             vec!["rack1-n1.ib", "rack1-n3.ib", "rack2-n1.ib", "rack2-n3.ib"]
@@ -109,15 +126,35 @@ mod tests {
 
     #[test]
     fn malformed_lists_are_explained() {
-        assert_eq!(expand_slurm_nodelist("node[1-3"), Err("unclosed '[' in \"node[1-3\"".into()));
-        assert_eq!(expand_slurm_nodelist("node1-3]"), Err("unmatched ']' at byte 7 of \"node1-3]\"".into()));
-        assert_eq!(expand_slurm_nodelist("n[3-1]"), Err("range \"3-1\" in \"n[3-1]\" runs backwards".into()));
-        assert_eq!(expand_slurm_nodelist("n[a-b]"), Err("\"a-b\" in \"n[a-b]\" is not a number or a range of numbers".into()));
-        assert_eq!(expand_slurm_nodelist("a,,b"), Err("empty host name in \"a,,b\"".into()));
-        assert_eq!(expand_slurm_nodelist(""), Err("empty host name in \"\"".into()));
+        assert_eq!(
+            expand_slurm_nodelist("node[1-3"),
+            Err("unclosed '[' in \"node[1-3\"".into())
+        );
+        assert_eq!(
+            expand_slurm_nodelist("node1-3]"),
+            Err("unmatched ']' at byte 7 of \"node1-3]\"".into())
+        );
+        assert_eq!(
+            expand_slurm_nodelist("n[3-1]"),
+            Err("range \"3-1\" in \"n[3-1]\" runs backwards".into())
+        );
+        assert_eq!(
+            expand_slurm_nodelist("n[a-b]"),
+            Err("\"a-b\" in \"n[a-b]\" is not a number or a range of numbers".into())
+        );
+        assert_eq!(
+            expand_slurm_nodelist("a,,b"),
+            Err("empty host name in \"a,,b\"".into())
+        );
+        assert_eq!(
+            expand_slurm_nodelist(""),
+            Err("empty host name in \"\"".into())
+        );
         assert_eq!(
             expand_slurm_nodelist("n[0-999999999]"),
-            Err(format!("the host list expands to more than {MAX_HOSTS} hosts"))
+            Err(format!(
+                "the host list expands to more than {MAX_HOSTS} hosts"
+            ))
         );
     }
 }

@@ -3,7 +3,10 @@
 use super::*;
 
 fn vars(pairs: &[(&str, &str)]) -> EnvMap {
-    pairs.iter().map(|(name, value)| (name.to_string(), value.to_string())).collect()
+    pairs
+        .iter()
+        .map(|(name, value)| (name.to_string(), value.to_string()))
+        .collect()
 }
 
 #[test]
@@ -48,7 +51,10 @@ fn torchrun_worker_and_node() {
 #[test]
 fn modelarts_as_in_the_tutorial_launch_script() {
     let env = vars(&[
-        ("VC_WORKER_HOSTS", "job-worker-0.svc,job-worker-1.svc,job-worker-2.svc"),
+        (
+            "VC_WORKER_HOSTS",
+            "job-worker-0.svc,job-worker-1.svc,job-worker-2.svc",
+        ),
         ("MA_NUM_HOSTS", "3"),
         ("VC_TASK_INDEX", "2"),
         ("MA_NUM_GPUS", "8"),
@@ -67,14 +73,39 @@ fn modelarts_as_in_the_tutorial_launch_script() {
         }
     );
     let worker = worker_env(&env).expect("valid").expect("detected");
-    assert_eq!((worker.rank, worker.world_size, worker.local_rank, worker.local_world_size), (2, 3, 0, 1));
-
-    let cpu = vars(&[("VC_WORKER_HOSTS", "a"), ("MA_NUM_HOSTS", "1"), ("VC_TASK_INDEX", "0"), ("MA_NUM_GPUS", "0")]);
-    assert_eq!(node_env(&cpu).expect("valid").expect("detected").nproc_per_node, None);
-
-    let bad_index = vars(&[("VC_WORKER_HOSTS", "a,b"), ("MA_NUM_HOSTS", "2"), ("VC_TASK_INDEX", "2")]);
     assert_eq!(
-        node_env(&bad_index).expect_err("index out of range").to_string(),
+        (
+            worker.rank,
+            worker.world_size,
+            worker.local_rank,
+            worker.local_world_size
+        ),
+        (2, 3, 0, 1)
+    );
+
+    let cpu = vars(&[
+        ("VC_WORKER_HOSTS", "a"),
+        ("MA_NUM_HOSTS", "1"),
+        ("VC_TASK_INDEX", "0"),
+        ("MA_NUM_GPUS", "0"),
+    ]);
+    assert_eq!(
+        node_env(&cpu)
+            .expect("valid")
+            .expect("detected")
+            .nproc_per_node,
+        None
+    );
+
+    let bad_index = vars(&[
+        ("VC_WORKER_HOSTS", "a,b"),
+        ("MA_NUM_HOSTS", "2"),
+        ("VC_TASK_INDEX", "2"),
+    ]);
+    assert_eq!(
+        node_env(&bad_index)
+            .expect_err("index out of range")
+            .to_string(),
         "modelarts environment: VC_TASK_INDEX=\"2\": is not below the number of nodes, 2"
     );
     let missing = vars(&[("VC_WORKER_HOSTS", "a,b"), ("VC_TASK_INDEX", "0")]);
@@ -134,7 +165,10 @@ fn slurm_uneven_tasks_per_node_and_errors() {
         ("SLURM_TASKS_PER_NODE", "3(x2),1"),
     ]);
     let worker = worker_env(&env).expect("valid").expect("detected");
-    assert_eq!((worker.local_world_size, worker.master_addr.as_deref()), (1, Some("n1")));
+    assert_eq!(
+        (worker.local_world_size, worker.master_addr.as_deref()),
+        (1, Some("n1"))
+    );
 
     let mut bad_list = env.clone();
     bad_list.insert("SLURM_NODELIST".into(), "n[1-3".into());
@@ -190,12 +224,25 @@ fn open_mpi_worker_and_one_launcher_per_node() {
         ("MASTER_ADDR", "head"),
     ]);
     let node = node_env(&per_node).expect("valid").expect("detected");
-    assert_eq!((node.nnodes, node.node_rank, node.master_addr.as_str(), node.master_port), (2, 1, "head", None));
+    assert_eq!(
+        (
+            node.nnodes,
+            node.node_rank,
+            node.master_addr.as_str(),
+            node.master_port
+        ),
+        (2, 1, "head", None)
+    );
 }
 
 #[test]
 fn kubeflow_counts_pods_and_prefers_pet_variables() {
-    let env = vars(&[("MASTER_ADDR", "job-master-0"), ("MASTER_PORT", "23456"), ("WORLD_SIZE", "3"), ("RANK", "2")]);
+    let env = vars(&[
+        ("MASTER_ADDR", "job-master-0"),
+        ("MASTER_PORT", "23456"),
+        ("WORLD_SIZE", "3"),
+        ("RANK", "2"),
+    ]);
     assert_eq!(detect_source(&env), Some(ClusterSource::Kubeflow));
     assert_eq!(
         node_env(&env).expect("valid"),
@@ -209,7 +256,15 @@ fn kubeflow_counts_pods_and_prefers_pet_variables() {
         })
     );
     let worker = worker_env(&env).expect("valid").expect("detected");
-    assert_eq!((worker.rank, worker.world_size, worker.local_rank, worker.local_world_size), (2, 3, 0, 1));
+    assert_eq!(
+        (
+            worker.rank,
+            worker.world_size,
+            worker.local_rank,
+            worker.local_world_size
+        ),
+        (2, 3, 0, 1)
+    );
 
     let elastic = vars(&[
         ("MASTER_ADDR", "job-master-0"),
@@ -221,10 +276,19 @@ fn kubeflow_counts_pods_and_prefers_pet_variables() {
         ("PET_NPROC_PER_NODE", "4"),
     ]);
     let node = node_env(&elastic).expect("valid").expect("detected");
-    assert_eq!((node.nnodes, node.node_rank, node.nproc_per_node), (2, 1, Some(4)));
+    assert_eq!(
+        (node.nnodes, node.node_rank, node.nproc_per_node),
+        (2, 1, Some(4))
+    );
     let mut auto = elastic.clone();
     auto.insert("PET_NPROC_PER_NODE".into(), "auto".into());
-    assert_eq!(node_env(&auto).expect("valid").expect("detected").nproc_per_node, None);
+    assert_eq!(
+        node_env(&auto)
+            .expect("valid")
+            .expect("detected")
+            .nproc_per_node,
+        None
+    );
 
     let mut bad_port = env;
     bad_port.insert("MASTER_PORT".into(), "70000".into());
@@ -254,7 +318,9 @@ fn no_cluster_is_none_and_inconsistent_ranks_are_errors() {
     let mut zero_world = env;
     zero_world.insert("WORLD_SIZE".into(), "0".into());
     assert_eq!(
-        worker_env(&zero_world).expect_err("empty world").to_string(),
+        worker_env(&zero_world)
+            .expect_err("empty world")
+            .to_string(),
         "torchrun environment: WORLD_SIZE=\"0\": must be at least 1"
     );
 }

@@ -5,7 +5,9 @@ use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::protocol::{read_frame, write_frame, FrameError, Request, Response, MAX_KEY_BYTES, MAX_VALUE_BYTES};
+use super::protocol::{
+    read_frame, write_frame, FrameError, Request, Response, MAX_KEY_BYTES, MAX_VALUE_BYTES,
+};
 use crate::auth::{connect_handshake, ConnectError, JobToken, Purpose};
 use crate::error::{DistError, Result};
 
@@ -41,13 +43,20 @@ impl StoreClient {
                     return Ok(StoreClient {
                         addr,
                         timeout,
-                        stream: Mutex::new(Connection { stream, broken: None }),
+                        stream: Mutex::new(Connection {
+                            stream,
+                            broken: None,
+                        }),
                     })
                 }
                 Err(Attempt::Final(error)) => return Err(error),
                 Err(Attempt::Retry(message)) => {
                     if Instant::now() + RETRY_PAUSE >= deadline {
-                        return Err(DistError::StoreUnreachable { addr: addr.to_string(), timeout, message });
+                        return Err(DistError::StoreUnreachable {
+                            addr: addr.to_string(),
+                            timeout,
+                            message,
+                        });
                     }
                     thread::sleep(RETRY_PAUSE);
                 }
@@ -55,9 +64,15 @@ impl StoreClient {
         }
     }
 
-    fn connect_once(addr: SocketAddr, token: &JobToken, deadline: Instant) -> std::result::Result<TcpStream, Attempt> {
-        let remaining = remaining(deadline).ok_or_else(|| Attempt::Retry("deadline passed".into()))?;
-        let mut stream = TcpStream::connect_timeout(&addr, remaining).map_err(|error| Attempt::Retry(error.to_string()))?;
+    fn connect_once(
+        addr: SocketAddr,
+        token: &JobToken,
+        deadline: Instant,
+    ) -> std::result::Result<TcpStream, Attempt> {
+        let remaining =
+            remaining(deadline).ok_or_else(|| Attempt::Retry("deadline passed".into()))?;
+        let mut stream = TcpStream::connect_timeout(&addr, remaining)
+            .map_err(|error| Attempt::Retry(error.to_string()))?;
         let setup = stream
             .set_nodelay(true)
             .and_then(|()| stream.set_read_timeout(Some(remaining)))
@@ -65,10 +80,13 @@ impl StoreClient {
         setup.map_err(|error| Attempt::Retry(error.to_string()))?;
         match connect_handshake(&mut stream, token, Purpose::Store) {
             Ok(()) => Ok(stream),
-            Err(ConnectError::Refused) => Err(Attempt::Final(DistError::TokenRefused { addr: addr.to_string() })),
-            Err(ConnectError::NotTrusted(message)) => {
-                Err(Attempt::Final(DistError::NotTrusted { addr: addr.to_string(), message }))
-            }
+            Err(ConnectError::Refused) => Err(Attempt::Final(DistError::TokenRefused {
+                addr: addr.to_string(),
+            })),
+            Err(ConnectError::NotTrusted(message)) => Err(Attempt::Final(DistError::NotTrusted {
+                addr: addr.to_string(),
+                message,
+            })),
             Err(ConnectError::Io(error)) => Err(Attempt::Retry(format!("handshake: {error}"))),
         }
     }
@@ -81,14 +99,24 @@ impl StoreClient {
     /// This end's address on the connection: the local interface that reaches the store.
     pub fn local_addr(&self) -> Result<SocketAddr> {
         let connection = self.connection();
-        connection.stream.local_addr().map_err(|error| DistError::io("read the store client's local address", &error))
+        connection
+            .stream
+            .local_addr()
+            .map_err(|error| DistError::io("read the store client's local address", &error))
     }
 
     /// Stores `value` under `key`, replacing any earlier value.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         check_key(key)?;
         check_value(key, value)?;
-        match self.request(key, &Request::Set { key: key.into(), value: value.to_vec() }, self.timeout)? {
+        match self.request(
+            key,
+            &Request::Set {
+                key: key.into(),
+                value: value.to_vec(),
+            },
+            self.timeout,
+        )? {
             Response::Done => Ok(()),
             other => Err(self.unexpected(key, &other)),
         }
@@ -118,7 +146,14 @@ impl StoreClient {
     pub(crate) fn set_within(&self, key: &str, value: &[u8], timeout: Duration) -> Result<()> {
         check_key(key)?;
         check_value(key, value)?;
-        match self.request(key, &Request::Set { key: key.into(), value: value.to_vec() }, timeout)? {
+        match self.request(
+            key,
+            &Request::Set {
+                key: key.into(),
+                value: value.to_vec(),
+            },
+            timeout,
+        )? {
             Response::Done => Ok(()),
             other => Err(self.unexpected(key, &other)),
         }
@@ -129,7 +164,10 @@ impl StoreClient {
         for key in keys {
             check_key(key)?;
         }
-        let request = Request::Wait { keys: keys.iter().map(|key| key.to_string()).collect(), timeout };
+        let request = Request::Wait {
+            keys: keys.iter().map(|key| key.to_string()).collect(),
+            timeout,
+        };
         let first_key = keys.first().copied().unwrap_or_default();
         match self.request(first_key, &request, timeout + WAIT_SLACK)? {
             Response::Done => Ok(()),
@@ -141,7 +179,14 @@ impl StoreClient {
     /// Adds `delta` to the integer under `key` (missing counts as 0) and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
         check_key(key)?;
-        match self.request(key, &Request::Add { key: key.into(), delta }, self.timeout)? {
+        match self.request(
+            key,
+            &Request::Add {
+                key: key.into(),
+                delta,
+            },
+            self.timeout,
+        )? {
             Response::Integer(value) => Ok(value),
             other => Err(self.unexpected(key, &other)),
         }
@@ -150,7 +195,12 @@ impl StoreClient {
     /// Sets `key` to `desired` if its value equals `expected` (`None`: the key is missing).
     /// Returns the value stored afterwards: `desired` on success, the current value (empty when
     /// missing) otherwise.
-    pub fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>> {
+    pub fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> Result<Vec<u8>> {
         self.compare_set_within(key, expected, desired, self.timeout)
     }
 
@@ -167,8 +217,11 @@ impl StoreClient {
         if let Some(expected) = expected {
             check_value(key, expected)?;
         }
-        let request =
-            Request::CompareSet { key: key.into(), expected: expected.map(<[u8]>::to_vec), desired: desired.to_vec() };
+        let request = Request::CompareSet {
+            key: key.into(),
+            expected: expected.map(<[u8]>::to_vec),
+            desired: desired.to_vec(),
+        };
         match self.request(key, &request, timeout)? {
             Response::Value(value) => Ok(value),
             other => Err(self.unexpected(key, &other)),
@@ -193,7 +246,9 @@ impl StoreClient {
     }
 
     fn connection(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.stream.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.stream
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Sends one request and reads its response, both within `timeout`. Any I/O failure
@@ -205,7 +260,10 @@ impl StoreClient {
         }
         let result = exchange(&mut connection.stream, request, timeout);
         match result {
-            Ok(Response::Error(message)) => Err(DistError::StoreRequest { key: key.into(), message }),
+            Ok(Response::Error(message)) => Err(DistError::StoreRequest {
+                key: key.into(),
+                message,
+            }),
             Ok(response) => Ok(response),
             Err(message) => {
                 connection.broken = Some(message.clone());
@@ -215,11 +273,17 @@ impl StoreClient {
     }
 
     fn store_error(&self, message: String) -> DistError {
-        DistError::Store { addr: self.addr.to_string(), message }
+        DistError::Store {
+            addr: self.addr.to_string(),
+            message,
+        }
     }
 
     fn unexpected(&self, key: &str, response: &Response) -> DistError {
-        DistError::StoreRequest { key: key.into(), message: format!("unexpected answer {response:?}") }
+        DistError::StoreRequest {
+            key: key.into(),
+            message: format!("unexpected answer {response:?}"),
+        }
     }
 }
 
@@ -229,11 +293,20 @@ enum Attempt {
     Final(DistError),
 }
 
-fn exchange(stream: &mut TcpStream, request: &Request, timeout: Duration) -> std::result::Result<Response, String> {
+fn exchange(
+    stream: &mut TcpStream,
+    request: &Request,
+    timeout: Duration,
+) -> std::result::Result<Response, String> {
     let timeout = timeout.max(Duration::from_millis(1));
-    stream.set_write_timeout(Some(timeout)).map_err(|error| error.to_string())?;
-    stream.set_read_timeout(Some(timeout)).map_err(|error| error.to_string())?;
-    write_frame(stream, &request.encode()).map_err(|error| describe_io("sending a request", &error, timeout))?;
+    stream
+        .set_write_timeout(Some(timeout))
+        .map_err(|error| error.to_string())?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|error| error.to_string())?;
+    write_frame(stream, &request.encode())
+        .map_err(|error| describe_io("sending a request", &error, timeout))?;
     let payload = read_frame(stream).map_err(|error| match error {
         FrameError::Io(error) => describe_io("waiting for the answer", &error, timeout),
         FrameError::Malformed(message) => format!("malformed answer: {message}"),
@@ -254,19 +327,29 @@ fn describe_io(during: &str, error: &std::io::Error, timeout: Duration) -> Strin
 
 fn check_key(key: &str) -> Result<()> {
     if key.len() > MAX_KEY_BYTES {
-        return Err(DistError::TooLarge { what: "key".into(), len: key.len(), max: MAX_KEY_BYTES });
+        return Err(DistError::TooLarge {
+            what: "key".into(),
+            len: key.len(),
+            max: MAX_KEY_BYTES,
+        });
     }
     Ok(())
 }
 
 fn check_value(key: &str, value: &[u8]) -> Result<()> {
     if value.len() > MAX_VALUE_BYTES {
-        return Err(DistError::TooLarge { what: format!("value of key {key:?}"), len: value.len(), max: MAX_VALUE_BYTES });
+        return Err(DistError::TooLarge {
+            what: format!("value of key {key:?}"),
+            len: value.len(),
+            max: MAX_VALUE_BYTES,
+        });
     }
     Ok(())
 }
 
 /// Time left until `deadline`, or `None` when it has passed.
 pub(crate) fn remaining(deadline: Instant) -> Option<Duration> {
-    deadline.checked_duration_since(Instant::now()).filter(|left| !left.is_zero())
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|left| !left.is_zero())
 }

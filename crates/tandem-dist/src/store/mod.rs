@@ -5,7 +5,7 @@ mod client;
 pub(crate) mod protocol;
 mod server;
 
-pub use client::StoreClient;
 pub(crate) use client::remaining;
+pub use client::StoreClient;
 pub use protocol::{MAX_KEY_BYTES, MAX_VALUE_BYTES};
 pub use server::StoreServer;

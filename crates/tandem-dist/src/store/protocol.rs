@@ -22,12 +22,29 @@ pub(crate) const MAX_FRAME_BYTES: usize = 2 * MAX_VALUE_BYTES + MAX_KEY_BYTES + 
 /// One request from a client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Request {
-    Set { key: String, value: Vec<u8> },
-    Get { key: String },
-    Wait { keys: Vec<String>, timeout: Duration },
-    Add { key: String, delta: i64 },
-    CompareSet { key: String, expected: Option<Vec<u8>>, desired: Vec<u8> },
-    Delete { key: String },
+    Set {
+        key: String,
+        value: Vec<u8>,
+    },
+    Get {
+        key: String,
+    },
+    Wait {
+        keys: Vec<String>,
+        timeout: Duration,
+    },
+    Add {
+        key: String,
+        delta: i64,
+    },
+    CompareSet {
+        key: String,
+        expected: Option<Vec<u8>>,
+        desired: Vec<u8>,
+    },
+    Delete {
+        key: String,
+    },
     NumKeys,
 }
 
@@ -121,7 +138,11 @@ impl Request {
                 put_bytes(&mut out, key.as_bytes());
                 out.extend_from_slice(&delta.to_le_bytes());
             }
-            Request::CompareSet { key, expected, desired } => {
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => {
                 out.push(COMPARE_SET);
                 put_bytes(&mut out, key.as_bytes());
                 match expected {
@@ -146,25 +167,37 @@ impl Request {
     pub(crate) fn decode(payload: &[u8]) -> Result<Request, String> {
         let mut reader = Cursor { bytes: payload };
         let request = match reader.u8()? {
-            SET => Request::Set { key: reader.key()?, value: reader.value()? },
+            SET => Request::Set {
+                key: reader.key()?,
+                value: reader.value()?,
+            },
             GET => Request::Get { key: reader.key()? },
             WAIT => {
                 let timeout = Duration::from_millis(reader.u64()?);
                 let count = reader.u32()? as usize;
                 if count > MAX_WAIT_KEYS {
-                    return Err(format!("wait for {count} keys is above the limit of {MAX_WAIT_KEYS}"));
+                    return Err(format!(
+                        "wait for {count} keys is above the limit of {MAX_WAIT_KEYS}"
+                    ));
                 }
                 let keys = (0..count).map(|_| reader.key()).collect::<Result<_, _>>()?;
                 Request::Wait { keys, timeout }
             }
-            ADD => Request::Add { key: reader.key()?, delta: reader.u64()? as i64 },
+            ADD => Request::Add {
+                key: reader.key()?,
+                delta: reader.u64()? as i64,
+            },
             COMPARE_SET => {
                 let key = reader.key()?;
                 let expected = match reader.u8()? {
                     0 => None,
                     _ => Some(reader.value()?),
                 };
-                Request::CompareSet { key, expected, desired: reader.value()? }
+                Request::CompareSet {
+                    key,
+                    expected,
+                    desired: reader.value()?,
+                }
             }
             DELETE => Request::Delete { key: reader.key()? },
             NUM_KEYS => Request::NumKeys,
@@ -226,7 +259,9 @@ impl Response {
             TIMED_OUT => {
                 let count = reader.u32()? as usize;
                 if count > MAX_WAIT_KEYS {
-                    return Err(format!("{count} missing keys is above the limit of {MAX_WAIT_KEYS}"));
+                    return Err(format!(
+                        "{count} missing keys is above the limit of {MAX_WAIT_KEYS}"
+                    ));
                 }
                 let missing = (0..count).map(|_| reader.key()).collect::<Result<_, _>>()?;
                 Response::TimedOut { missing }
@@ -256,7 +291,10 @@ struct Cursor<'a> {
 impl Cursor<'_> {
     fn take(&mut self, count: usize) -> Result<&[u8], String> {
         if count > self.bytes.len() {
-            return Err(format!("truncated message: needed {count} more bytes, {} left", self.bytes.len()));
+            return Err(format!(
+                "truncated message: needed {count} more bytes, {} left",
+                self.bytes.len()
+            ));
         }
         let (head, tail) = self.bytes.split_at(count);
         self.bytes = tail;
@@ -282,7 +320,9 @@ impl Cursor<'_> {
     fn sized(&mut self, max: usize, what: &str) -> Result<&[u8], String> {
         let length = self.u32()? as usize;
         if length > max {
-            return Err(format!("{what} of {length} bytes is above the limit of {max} bytes"));
+            return Err(format!(
+                "{what} of {length} bytes is above the limit of {max} bytes"
+            ));
         }
         self.take(length)
     }
@@ -311,12 +351,31 @@ mod tests {
     #[test]
     fn every_request_round_trips() {
         let requests = [
-            Request::Set { key: "a".into(), value: vec![1, 2, 3] },
-            Request::Get { key: "ключ".into() },
-            Request::Wait { keys: vec!["x".into(), "y".into()], timeout: Duration::from_millis(1500) },
-            Request::Add { key: "n".into(), delta: -7 },
-            Request::CompareSet { key: "c".into(), expected: None, desired: vec![9] },
-            Request::CompareSet { key: "c".into(), expected: Some(vec![]), desired: vec![] },
+            Request::Set {
+                key: "a".into(),
+                value: vec![1, 2, 3],
+            },
+            Request::Get {
+                key: "ключ".into()
+            },
+            Request::Wait {
+                keys: vec!["x".into(), "y".into()],
+                timeout: Duration::from_millis(1500),
+            },
+            Request::Add {
+                key: "n".into(),
+                delta: -7,
+            },
+            Request::CompareSet {
+                key: "c".into(),
+                expected: None,
+                desired: vec![9],
+            },
+            Request::CompareSet {
+                key: "c".into(),
+                expected: Some(vec![]),
+                desired: vec![],
+            },
             Request::Delete { key: "d".into() },
             Request::NumKeys,
         ];
@@ -334,7 +393,9 @@ mod tests {
             Response::Integer(i64::MIN),
             Response::Deleted(true),
             Response::Count(42),
-            Response::TimedOut { missing: vec!["k".into()] },
+            Response::TimedOut {
+                missing: vec!["k".into()],
+            },
             Response::Error("bad".into()),
         ];
         for response in responses {
@@ -348,15 +409,27 @@ mod tests {
         oversized_key.extend_from_slice(&(MAX_KEY_BYTES as u32 + 1).to_le_bytes());
         assert_eq!(
             Request::decode(&oversized_key),
-            Err(format!("key of {} bytes is above the limit of {MAX_KEY_BYTES} bytes", MAX_KEY_BYTES + 1))
+            Err(format!(
+                "key of {} bytes is above the limit of {MAX_KEY_BYTES} bytes",
+                MAX_KEY_BYTES + 1
+            ))
         );
         let truncated = [SET, 5, 0, 0, 0, b'a'];
-        assert_eq!(Request::decode(&truncated), Err("truncated message: needed 5 more bytes, 1 left".into()));
+        assert_eq!(
+            Request::decode(&truncated),
+            Err("truncated message: needed 5 more bytes, 1 left".into())
+        );
         let mut trailing = Request::NumKeys.encode();
         trailing.push(0);
-        assert_eq!(Request::decode(&trailing), Err("1 unexpected bytes after the message".into()));
+        assert_eq!(
+            Request::decode(&trailing),
+            Err("1 unexpected bytes after the message".into())
+        );
         assert_eq!(Request::decode(&[200]), Err("unknown opcode 200".into()));
-        assert_eq!(Request::decode(&[]), Err("truncated message: needed 1 more bytes, 0 left".into()));
+        assert_eq!(
+            Request::decode(&[]),
+            Err("truncated message: needed 1 more bytes, 0 left".into())
+        );
     }
 
     #[test]
@@ -366,7 +439,9 @@ mod tests {
         match read_frame(&mut bytes.as_slice()) {
             Err(FrameError::Malformed(message)) => assert_eq!(
                 message,
-                format!("frame of 1099511627776 bytes is above the limit of {MAX_FRAME_BYTES} bytes")
+                format!(
+                    "frame of 1099511627776 bytes is above the limit of {MAX_FRAME_BYTES} bytes"
+                )
             ),
             other => panic!("expected a malformed-frame error, got {other:?}"),
         }

@@ -43,8 +43,8 @@ struct Shared {
 impl StoreServer {
     /// Binds `addr` (port 0 picks a free port) and starts serving clients that know `token`.
     pub fn bind(addr: SocketAddr, token: JobToken) -> Result<StoreServer> {
-        let listener =
-            TcpListener::bind(addr).map_err(|error| DistError::io(format!("bind the store on {addr}"), &error))?;
+        let listener = TcpListener::bind(addr)
+            .map_err(|error| DistError::io(format!("bind the store on {addr}"), &error))?;
         let local_addr = listener
             .local_addr()
             .map_err(|error| DistError::io("read the store's local address", &error))?;
@@ -85,7 +85,9 @@ impl Drop for StoreServer {
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // A connection thread cannot panic while holding a lock, but recover the data if one did.
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
@@ -98,7 +100,9 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                     .name("store-connection".into())
                     .spawn(move || serve_connection(stream, connection_shared));
             }
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => thread::sleep(ACCEPT_POLL),
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                thread::sleep(ACCEPT_POLL)
+            }
             Err(_) => thread::sleep(ACCEPT_POLL),
         }
     }
@@ -140,7 +144,10 @@ fn serve_requests(stream: &mut TcpStream, shared: &Shared) -> std::io::Result<()
             Ok(request) => request,
             Err(message) => {
                 // Say why, then close: the stream may be out of step.
-                let _ = write_frame(stream, &Response::Error(format!("malformed request: {message}")).encode());
+                let _ = write_frame(
+                    stream,
+                    &Response::Error(format!("malformed request: {message}")).encode(),
+                );
                 return Ok(());
             }
         };
@@ -167,7 +174,11 @@ impl Shared {
             },
             Request::Wait { keys, timeout } => self.wait(&keys, timeout.min(MAX_WAIT)),
             Request::Add { key, delta } => self.add(&key, delta),
-            Request::CompareSet { key, expected, desired } => {
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => {
                 let mut map = lock(&self.map);
                 let current = map.get(&key);
                 if current.map(Vec::as_slice) == expected.as_deref() {
@@ -188,13 +199,22 @@ impl Shared {
         let mut map = lock(&self.map);
         let current = match map.get(key) {
             None => 0,
-            Some(bytes) => match std::str::from_utf8(bytes).ok().and_then(|text| text.parse::<i64>().ok()) {
+            Some(bytes) => match std::str::from_utf8(bytes)
+                .ok()
+                .and_then(|text| text.parse::<i64>().ok())
+            {
                 Some(number) => number,
-                None => return Response::Error(format!("value of key {key:?} is not a decimal integer")),
+                None => {
+                    return Response::Error(format!(
+                        "value of key {key:?} is not a decimal integer"
+                    ))
+                }
             },
         };
         let Some(sum) = current.checked_add(delta) else {
-            return Response::Error(format!("adding {delta} to {current} (key {key:?}) overflows i64"));
+            return Response::Error(format!(
+                "adding {delta} to {current} (key {key:?}) overflows i64"
+            ));
         };
         map.insert(key.to_string(), sum.to_string().into_bytes());
         self.changed.notify_all();
@@ -205,7 +225,11 @@ impl Shared {
         let deadline = Instant::now() + timeout;
         let mut map = lock(&self.map);
         loop {
-            let missing: Vec<String> = keys.iter().filter(|key| !map.contains_key(*key)).cloned().collect();
+            let missing: Vec<String> = keys
+                .iter()
+                .filter(|key| !map.contains_key(*key))
+                .cloned()
+                .collect();
             if missing.is_empty() {
                 return Response::Done;
             }
@@ -231,7 +255,9 @@ mod tests {
 
     fn authenticated_raw_client(server: &StoreServer, token: &JobToken) -> TcpStream {
         let mut stream = TcpStream::connect(server.local_addr()).expect("connect");
-        stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
         connect_handshake(&mut stream, token, Purpose::Store).expect("handshake");
         stream
     }
@@ -239,16 +265,22 @@ mod tests {
     #[test]
     fn length_prefix_of_2_pow_40_closes_the_connection_and_the_server_lives_on() {
         let token = JobToken::new("token").expect("token");
-        let server = StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let server =
+            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
         let mut raw = authenticated_raw_client(&server, &token);
-        raw.write_all(&(1u64 << 40).to_le_bytes()).expect("write prefix");
+        raw.write_all(&(1u64 << 40).to_le_bytes())
+            .expect("write prefix");
         let mut answer = Vec::new();
         let started = Instant::now();
         let read = raw.read_to_end(&mut answer);
-        assert!(read.is_ok() && answer.is_empty(), "expected a plain close, got {read:?} {answer:?}");
+        assert!(
+            read.is_ok() && answer.is_empty(),
+            "expected a plain close, got {read:?} {answer:?}"
+        );
         assert!(started.elapsed() < Duration::from_secs(2));
 
-        let client = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5)).expect("connect");
+        let client = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5))
+            .expect("connect");
         client.set("still", b"here").expect("set");
         assert_eq!(client.num_keys().expect("count"), 1);
     }
@@ -256,13 +288,16 @@ mod tests {
     #[test]
     fn authenticated_garbage_frames_are_answered_or_closed_without_harm() {
         let token = JobToken::new("token").expect("token");
-        let server = StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let server =
+            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
         let mut seed = 12345u64;
         for _ in 0..30 {
             let mut raw = authenticated_raw_client(&server, &token);
             let mut payload = Vec::new();
             for _ in 0..(seed % 40) {
-                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 payload.push((seed >> 33) as u8);
             }
             let _ = write_frame(&mut raw, &payload);
@@ -270,7 +305,8 @@ mod tests {
             let mut answer = Vec::new();
             let _ = raw.read_to_end(&mut answer);
         }
-        let client = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5)).expect("connect");
+        let client = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5))
+            .expect("connect");
         client.set("ok", b"1").expect("set");
         assert_eq!(client.get("ok").expect("get"), Some(b"1".to_vec()));
     }
@@ -278,11 +314,17 @@ mod tests {
     #[test]
     fn malformed_request_gets_an_explanation_before_the_close() {
         let token = JobToken::new("token").expect("token");
-        let server = StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let server =
+            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
         let mut raw = authenticated_raw_client(&server, &token);
         write_frame(&mut raw, &[99]).expect("write");
         let answer = read_frame(&mut raw).unwrap_or_else(|_| panic!("no answer"));
-        assert_eq!(Response::decode(&answer), Ok(Response::Error("malformed request: unknown opcode 99".into())));
+        assert_eq!(
+            Response::decode(&answer),
+            Ok(Response::Error(
+                "malformed request: unknown opcode 99".into()
+            ))
+        );
         let mut rest = Vec::new();
         assert_eq!(raw.read_to_end(&mut rest).expect("closed"), 0);
     }

@@ -10,13 +10,21 @@ use tandem_dist::{JobToken, ProcessGroup, ProcessGroupOptions, StoreServer};
 /// A store on 127.0.0.1 with a free port, and the token it accepts.
 pub fn start_store() -> (StoreServer, JobToken) {
     let token = JobToken::generate().expect("random token");
-    let server = StoreServer::bind("127.0.0.1:0".parse().expect("address"), token.clone()).expect("bind store");
+    let server = StoreServer::bind("127.0.0.1:0".parse().expect("address"), token.clone())
+        .expect("bind store");
     (server, token)
 }
 
 /// Options for `rank` of a group whose store is already running at `store`.
-pub fn options(rank: usize, world_size: usize, store: SocketAddr, token: &JobToken, timeout: Duration) -> ProcessGroupOptions {
-    let mut options = ProcessGroupOptions::new(rank, world_size, "127.0.0.1", store.port(), token.clone());
+pub fn options(
+    rank: usize,
+    world_size: usize,
+    store: SocketAddr,
+    token: &JobToken,
+    timeout: Duration,
+) -> ProcessGroupOptions {
+    let mut options =
+        ProcessGroupOptions::new(rank, world_size, "127.0.0.1", store.port(), token.clone());
     options.host_store = false;
     options.timeout = timeout;
     options.advertise_host = Some("127.0.0.1".into());
@@ -31,7 +39,9 @@ pub fn run_ranks<T: Send>(
     segment_bytes: usize,
     body: impl Fn(&mut ProcessGroup) -> T + Sync,
 ) -> Vec<T> {
-    run_groups(world_size, timeout, segment_bytes, |mut group| body(&mut group))
+    run_groups(world_size, timeout, segment_bytes, |mut group| {
+        body(&mut group)
+    })
 }
 
 /// Like [`run_ranks`], but `body` owns its rank's group.
@@ -55,7 +65,10 @@ pub fn run_groups<T: Send>(
                 })
             })
             .collect();
-        handles.into_iter().map(|handle| handle.join().expect("rank thread panicked")).collect()
+        handles
+            .into_iter()
+            .map(|handle| handle.join().expect("rank thread panicked"))
+            .collect()
     })
 }
 
