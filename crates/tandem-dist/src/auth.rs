@@ -8,7 +8,6 @@
 //! ```
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -114,7 +113,7 @@ pub(crate) enum AcceptError {
 /// Runs the acceptor side; on success the connector has proved it knows `token`.
 /// The stream's read and write timeouts must already be set.
 pub(crate) fn accept_handshake(
-    stream: &mut TcpStream,
+    mut stream: impl Read + Write,
     token: &JobToken,
     purpose: Purpose,
 ) -> std::result::Result<(), AcceptError> {
@@ -158,7 +157,7 @@ pub(crate) enum ConnectError {
 /// Runs the connector side; on success both ends have proved they know `token`.
 /// The stream's read and write timeouts must already be set.
 pub(crate) fn connect_handshake(
-    stream: &mut TcpStream,
+    mut stream: impl Read + Write,
     token: &JobToken,
     purpose: Purpose,
 ) -> std::result::Result<(), ConnectError> {

@@ -7,7 +7,7 @@
 //! neighbours fail at once and the failure travels around the ring) after publishing its
 //! cause under `{prefix}/abort`, so that every rank reports the rank that actually failed.
 
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use crate::auth::JobToken;
@@ -18,6 +18,7 @@ use crate::ring::{
     all_gather_plan, all_reduce_plan, broadcast_plan, reduce_scatter_plan, run_plan, Ring,
 };
 use crate::store::{StoreClient, StoreServer};
+use crate::transport::PeerListeners;
 
 /// The default timeout of every operation: 5 minutes.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -58,11 +59,14 @@ pub struct ProcessGroupOptions {
     pub advertise_host: Option<String>,
     /// Size of one ring message; smaller pipelines better, larger costs fewer system calls.
     pub segment_bytes: usize,
+    /// Whether ranks on one host talk over Unix sockets instead of loopback TCP.
+    pub unix_sockets: bool,
 }
 
 impl ProcessGroupOptions {
     /// Options with the defaults: 5-minute timeout, rank 0 hosts the store, prefix "pg", the
-    /// advertised host from `TANDEM_HOST` when set, 1 MiB segments.
+    /// advertised host from `TANDEM_HOST` when set, 1 MiB segments, Unix sockets between
+    /// ranks of one host.
     pub fn new(
         rank: usize,
         world_size: usize,
@@ -81,6 +85,7 @@ impl ProcessGroupOptions {
             prefix: "pg".into(),
             advertise_host: std::env::var(HOST_ENV).ok().filter(|host| !host.is_empty()),
             segment_bytes: DEFAULT_SEGMENT_BYTES,
+            unix_sockets: true,
         }
     }
 }
@@ -168,12 +173,13 @@ impl ProcessGroup {
             Some(host) => host.clone(),
             None => self.store.local_addr()?.ip().to_string(),
         };
-        let listener = bind_listener(&host)?;
-        let port = listener
-            .local_addr()
-            .map_err(|error| DistError::io("read the peer listener's address", &error))?
-            .port();
-        let my_addr = join_host_port(&host, port);
+        let listeners = PeerListeners::bind(&host, opts.unix_sockets)?;
+        let my_addr = join_host_port(&host, listeners.port()?);
+        // Published before the address: a peer that sees the address also sees this.
+        if let Some(endpoint) = listeners.local_endpoint() {
+            self.store
+                .set(&self.local_key(self.rank), endpoint.as_bytes())?;
+        }
         self.store
             .set(&self.addr_key(self.rank), my_addr.as_bytes())?;
 
@@ -182,10 +188,15 @@ impl ProcessGroup {
         let left_rank = (self.rank + self.world_size - 1) % self.world_size;
         let right_addr = addresses.get(right_rank).cloned().unwrap_or_default();
         let left_addr = addresses.get(left_rank).cloned().unwrap_or_default();
+        let right_local = match opts.unix_sockets {
+            true => self.store.get(&self.local_key(right_rank))?,
+            false => None,
+        };
+        let right_local = right_local.map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
         std::thread::scope(|scope| {
             let left = scope.spawn(|| {
                 PeerLink::accept(
-                    &listener,
+                    &listeners,
                     left_rank,
                     &left_addr,
                     self.world_size,
@@ -194,10 +205,10 @@ impl ProcessGroup {
                 )
             });
             let right = PeerLink::connect(
-                self.rank,
-                self.world_size,
+                (self.rank, self.world_size),
                 right_rank,
                 &right_addr,
+                right_local.as_deref(),
                 &opts.token,
                 deadline,
             );
@@ -246,6 +257,10 @@ impl ProcessGroup {
         format!("{}/addr/{rank}", self.prefix)
     }
 
+    fn local_key(&self, rank: usize) -> String {
+        format!("{}/local/{rank}", self.prefix)
+    }
+
     fn abort_key(&self) -> String {
         format!("{}/abort", self.prefix)
     }
@@ -268,6 +283,18 @@ impl ProcessGroup {
     /// Changes the bound on each later collective.
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+    }
+
+    /// What carries the ring: "unix" (ranks on one host), "tcp", "mixed" (a left link of one
+    /// kind and a right link of the other), or "none" in a world of one.
+    pub fn ring_transport(&self) -> &'static str {
+        match &self.links {
+            None => "none",
+            Some(links) if links.left.transport() == links.right.transport() => {
+                links.right.transport()
+            }
+            Some(_) => "mixed",
+        }
     }
 
     /// The connection to the job's store, for the caller's own keys.
@@ -540,21 +567,6 @@ impl ProcessGroup {
             op: op.to_string(),
         })
     }
-}
-
-/// Binds the peer listener on the advertised address when it is a local IP, else on all interfaces.
-fn bind_listener(host: &str) -> Result<TcpListener> {
-    let ip = match host.parse::<IpAddr>() {
-        Ok(ip) => ip,
-        Err(_) => IpAddr::from([0, 0, 0, 0]),
-    };
-    let listener = TcpListener::bind(SocketAddr::new(ip, 0))
-        .or_else(|_| TcpListener::bind(SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 0)))
-        .map_err(|error| DistError::io(format!("bind the peer listener for {host}"), &error))?;
-    listener
-        .set_nonblocking(true)
-        .map_err(|error| DistError::io("make the peer listener non-blocking", &error))?;
-    Ok(listener)
 }
 
 /// `host:port`, with brackets around IPv6 addresses.

@@ -18,6 +18,7 @@ mod group;
 mod link;
 mod ring;
 mod store;
+mod transport;
 
 pub use auth::{JobToken, JOB_TOKEN_ENV};
 pub use comm_thread::{CommThread, Pending};

@@ -9,7 +9,7 @@
 //! reads; a header that disagrees fails the collective with an error naming the sender.
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -18,6 +18,7 @@ use crate::auth::{
 };
 use crate::error::{DistError, Result};
 use crate::store::remaining;
+use crate::transport::{connect_local, PeerListeners, PeerStream};
 
 const HEADER_BYTES: usize = 24;
 const HELLO_BYTES: usize = 16;
@@ -96,17 +97,18 @@ fn kind_name(kind: u32) -> String {
 pub(crate) struct PeerLink {
     rank: usize,
     addr: String,
-    stream: TcpStream,
+    stream: PeerStream,
 }
 
 impl PeerLink {
-    /// Connects to rank `peer_rank` at `addr` (`host:port`), retrying until `deadline` while it
-    /// is not listening yet, proves the token and introduces this rank.
+    /// Connects to rank `peer_rank`: over its Unix socket when `local_endpoint` is reachable,
+    /// else over TCP at `addr` (`host:port`), retrying until `deadline` while it is not
+    /// listening yet; then proves the token and introduces this rank.
     pub(crate) fn connect(
-        my_rank: usize,
-        world_size: usize,
+        me: (usize, usize),
         peer_rank: usize,
         addr: &str,
+        local_endpoint: Option<&str>,
         token: &JobToken,
         deadline: Instant,
     ) -> Result<PeerLink> {
@@ -116,47 +118,45 @@ impl PeerLink {
             what,
             op: "rendezvous".into(),
         };
-        let target = resolve(addr).map_err(&failure)?;
-        loop {
-            let left = remaining(deadline).ok_or_else(|| {
-                failure("could not be reached before the rendezvous deadline".into())
-            })?;
-            match TcpStream::connect_timeout(&target, left) {
-                Ok(mut stream) => {
-                    configure(&stream, Some(left)).map_err(|error| failure(error.to_string()))?;
-                    match connect_handshake(&mut stream, token, Purpose::Peer) {
-                        Ok(()) => {}
-                        Err(ConnectError::Refused) => {
-                            return Err(failure("refused this rank's job token".into()))
-                        }
-                        Err(ConnectError::NotTrusted(message)) => {
-                            return Err(failure(format!("is not trusted: {message}")))
-                        }
-                        Err(ConnectError::Io(error)) => {
-                            return Err(failure(format!("failed the handshake: {error}")))
-                        }
-                    }
-                    let mut hello = [0u8; HELLO_BYTES];
-                    hello[..8].copy_from_slice(&(my_rank as u64).to_le_bytes());
-                    hello[8..].copy_from_slice(&(world_size as u64).to_le_bytes());
-                    stream
-                        .write_all(&hello)
-                        .map_err(|error| failure(format!("failed the handshake: {error}")))?;
-                    return Ok(PeerLink {
-                        rank: peer_rank,
-                        addr: addr.to_string(),
-                        stream,
-                    });
-                }
-                Err(_) => thread::sleep(RETRY_PAUSE.min(left)),
+        let stream = match local_endpoint.and_then(connect_local) {
+            Some(stream) => stream,
+            None => connect_tcp(addr, deadline).map_err(&failure)?,
+        };
+        let left = remaining(deadline)
+            .ok_or_else(|| failure("could not be reached before the rendezvous deadline".into()))?;
+        stream
+            .configure(Some(left))
+            .map_err(|error| failure(error.to_string()))?;
+        match connect_handshake(&stream, token, Purpose::Peer) {
+            Ok(()) => {}
+            Err(ConnectError::Refused) => {
+                return Err(failure("refused this rank's job token".into()))
+            }
+            Err(ConnectError::NotTrusted(message)) => {
+                return Err(failure(format!("is not trusted: {message}")))
+            }
+            Err(ConnectError::Io(error)) => {
+                return Err(failure(format!("failed the handshake: {error}")))
             }
         }
+        let (my_rank, world_size) = me;
+        let mut hello = [0u8; HELLO_BYTES];
+        hello[..8].copy_from_slice(&(my_rank as u64).to_le_bytes());
+        hello[8..].copy_from_slice(&(world_size as u64).to_le_bytes());
+        (&stream)
+            .write_all(&hello)
+            .map_err(|error| failure(format!("failed the handshake: {error}")))?;
+        Ok(PeerLink {
+            rank: peer_rank,
+            addr: addr.to_string(),
+            stream,
+        })
     }
 
-    /// Accepts connections on `listener` until one proves the token and introduces itself as
-    /// rank `peer_rank` of a group of `world_size`; strangers are dropped.
+    /// Accepts connections until one proves the token and introduces itself as rank
+    /// `peer_rank` of a group of `world_size`; strangers are dropped.
     pub(crate) fn accept(
-        listener: &TcpListener,
+        listeners: &PeerListeners,
         peer_rank: usize,
         peer_addr: &str,
         world_size: usize,
@@ -172,38 +172,32 @@ impl PeerLink {
                     op: "rendezvous".into(),
                 });
             };
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    if let Some(link) = Self::admit(
-                        stream,
-                        peer_rank,
-                        peer_addr,
-                        world_size,
-                        token,
-                        left.min(HANDSHAKE_LIMIT),
-                    ) {
+            match listeners.try_accept() {
+                Some(stream) => {
+                    let limit = left.min(HANDSHAKE_LIMIT);
+                    let link = Self::admit(stream, peer_rank, peer_addr, world_size, token, limit);
+                    if let Some(link) = link {
                         return Ok(link);
                     }
                 }
-                Err(_) => thread::sleep(ACCEPT_POLL),
+                None => thread::sleep(ACCEPT_POLL),
             }
         }
     }
 
     /// Checks one incoming connection; `None` if it is not the expected rank of this job.
     fn admit(
-        mut stream: TcpStream,
+        stream: PeerStream,
         peer_rank: usize,
         peer_addr: &str,
         world_size: usize,
         token: &JobToken,
         limit: Duration,
     ) -> Option<PeerLink> {
-        stream.set_nonblocking(false).ok()?;
-        configure(&stream, Some(limit)).ok()?;
-        accept_handshake(&mut stream, token, Purpose::Peer).ok()?;
+        stream.configure(Some(limit)).ok()?;
+        accept_handshake(&stream, token, Purpose::Peer).ok()?;
         let mut hello = [0u8; HELLO_BYTES];
-        stream.read_exact(&mut hello).ok()?;
+        (&stream).read_exact(&mut hello).ok()?;
         let (rank, size) = hello.split_at(8);
         let claimed_rank = u64::from_le_bytes(rank.try_into().ok()?);
         let claimed_size = u64::from_le_bytes(size.try_into().ok()?);
@@ -212,6 +206,11 @@ impl PeerLink {
             addr: peer_addr.to_string(),
             stream,
         })
+    }
+
+    /// "tcp" or "unix".
+    pub(crate) fn transport(&self) -> &'static str {
+        self.stream.kind()
     }
 
     /// Sends one message, failing if the neighbour does not take it before `deadline`.
@@ -225,7 +224,8 @@ impl PeerLink {
         let timeout = remaining(deadline)
             .ok_or_else(|| self.error("did not take data before the deadline", op))?;
         let mut stream = &self.stream;
-        let result = stream
+        let result = self
+            .stream
             .set_write_timeout(Some(timeout))
             .and_then(|()| stream.write_all(&header.encode()))
             .and_then(|()| stream.write_all(payload));
@@ -271,7 +271,8 @@ impl PeerLink {
     fn read_exact(&self, bytes: &mut [u8], deadline: Instant, op: &str, late: &str) -> Result<()> {
         let timeout = remaining(deadline).ok_or_else(|| self.error(late, op))?;
         let mut stream = &self.stream;
-        let result = stream
+        let result = self
+            .stream
             .set_read_timeout(Some(timeout))
             .and_then(|()| stream.read_exact(bytes));
         result.map_err(|error| self.io_error(&error, late, op))
@@ -279,7 +280,7 @@ impl PeerLink {
 
     /// Closes both directions, so that blocked threads here and the neighbour fail at once.
     pub(crate) fn shut_down(&self) {
-        let _ = self.stream.shutdown(Shutdown::Both);
+        self.stream.shutdown();
     }
 
     fn io_error(&self, error: &std::io::Error, late: &str, op: &str) -> DistError {
@@ -304,16 +305,22 @@ impl PeerLink {
 
     /// Test access to the raw stream, to play a misbehaving peer.
     #[cfg(test)]
-    pub(crate) fn stream(&self) -> &TcpStream {
+    pub(crate) fn stream(&self) -> &PeerStream {
         &self.stream
     }
 }
 
-/// Sets the options every ring socket gets.
-fn configure(stream: &TcpStream, timeout: Option<Duration>) -> std::io::Result<()> {
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(timeout)?;
-    stream.set_write_timeout(timeout)
+/// Connects over TCP, retrying until `deadline` while the peer is not listening yet.
+fn connect_tcp(addr: &str, deadline: Instant) -> std::result::Result<PeerStream, String> {
+    let target = resolve(addr)?;
+    loop {
+        let left = remaining(deadline)
+            .ok_or_else(|| "could not be reached before the rendezvous deadline".to_string())?;
+        match TcpStream::connect_timeout(&target, left) {
+            Ok(stream) => return Ok(PeerStream::Tcp(stream)),
+            Err(_) => thread::sleep(RETRY_PAUSE.min(left)),
+        }
+    }
 }
 
 /// Resolves `host:port` to its first address.
@@ -342,24 +349,35 @@ pub(crate) fn write_raw(link: &PeerLink, bytes: &[u8]) -> std::io::Result<()> {
 mod tests {
     use super::*;
 
-    /// Two links between "rank 0" (this test) and "rank 1", as the ring would build them.
-    fn linked_pair(token: &JobToken) -> (PeerLink, PeerLink) {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let addr = listener.local_addr().expect("addr").to_string();
+    /// Two links between "rank 0" (this test) and "rank 1", as the ring would build them,
+    /// over a Unix socket or over TCP.
+    fn linked_pair(token: &JobToken, unix: bool) -> (PeerLink, PeerLink) {
+        let listeners = PeerListeners::bind("127.0.0.1", unix).expect("bind");
+        let addr = format!("127.0.0.1:{}", listeners.port().expect("port"));
+        let endpoint = listeners.local_endpoint();
+        assert_eq!(endpoint.is_some(), unix, "a Unix socket exactly when asked");
         let deadline = Instant::now() + Duration::from_secs(5);
         std::thread::scope(|scope| {
             let accepted =
-                scope.spawn(|| PeerLink::accept(&listener, 0, "rank-0-addr", 2, token, deadline));
-            let connected = PeerLink::connect(0, 2, 1, &addr, token, deadline).expect("connect");
+                scope.spawn(|| PeerLink::accept(&listeners, 0, "rank-0-addr", 2, token, deadline));
+            let connected =
+                PeerLink::connect((0, 2), 1, &addr, endpoint.as_deref(), token, deadline)
+                    .expect("connect");
+            assert_eq!(connected.transport(), if unix { "unix" } else { "tcp" });
             (connected, accepted.join().expect("thread").expect("accept"))
         })
     }
 
     #[test]
     fn length_of_2_pow_40_is_refused_naming_the_sender() {
+        for unix in [false, true] {
+            length_of_2_pow_40_is_refused_over(unix);
+        }
+    }
+
+    fn length_of_2_pow_40_is_refused_over(unix: bool) {
         let token = JobToken::new("t").expect("token");
-        let (sender, receiver) = linked_pair(&token);
+        let (sender, receiver) = linked_pair(&token, unix);
         let expected = Header {
             sequence: 3,
             kind: kind(collective::ALL_REDUCE, 1),
@@ -389,7 +407,7 @@ mod tests {
     #[test]
     fn mismatched_collectives_are_named() {
         let token = JobToken::new("t").expect("token");
-        let (sender, receiver) = linked_pair(&token);
+        let (sender, receiver) = linked_pair(&token, true);
         let theirs = Header {
             sequence: 5,
             kind: kind(collective::BROADCAST, 2),
@@ -426,15 +444,14 @@ mod tests {
     #[test]
     fn wrong_token_and_wrong_rank_are_not_admitted() {
         let token = JobToken::new("right").expect("token");
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let addr = listener.local_addr().expect("addr").to_string();
+        let listeners = PeerListeners::bind("127.0.0.1", false).expect("bind");
+        let addr = format!("127.0.0.1:{}", listeners.port().expect("port"));
         let deadline = Instant::now() + Duration::from_millis(1500);
         std::thread::scope(|scope| {
             let accepted =
-                scope.spawn(|| PeerLink::accept(&listener, 0, "rank-0-addr", 2, &token, deadline));
+                scope.spawn(|| PeerLink::accept(&listeners, 0, "rank-0-addr", 2, &token, deadline));
             let wrong = JobToken::new("wrong").expect("token");
-            let refused = PeerLink::connect(0, 2, 1, &addr, &wrong, deadline)
+            let refused = PeerLink::connect((0, 2), 1, &addr, None, &wrong, deadline)
                 .err()
                 .expect("refused");
             assert_eq!(
@@ -443,8 +460,8 @@ mod tests {
             );
             // Right token but claiming to be rank 1 where rank 0 is expected: dropped, so the
             // acceptor times out waiting for the real rank 0.
-            let _impostor =
-                PeerLink::connect(1, 2, 1, &addr, &token, deadline).expect("handshake passes");
+            let _impostor = PeerLink::connect((1, 2), 1, &addr, None, &token, deadline)
+                .expect("handshake passes");
             let error = accepted
                 .join()
                 .expect("thread")

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{run_ranks, value};
+use common::{run_ranks, run_ranks_tcp, value};
 use tandem_dist::{chunk_range, ProcessGroup, ReduceOp, DEFAULT_SEGMENT_BYTES};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -97,8 +97,11 @@ fn all_reduce_everything(group: &mut ProcessGroup) -> Vec<(String, Vec<u8>)> {
     outputs
 }
 
-fn check_all_reduce(world_size: usize, segment_bytes: usize) {
-    let outputs = run_ranks(world_size, TIMEOUT, segment_bytes, all_reduce_everything);
+fn check_all_reduce(world_size: usize, segment_bytes: usize, unix_sockets: bool) {
+    let outputs = match unix_sockets {
+        true => run_ranks(world_size, TIMEOUT, segment_bytes, all_reduce_everything),
+        false => run_ranks_tcp(world_size, TIMEOUT, segment_bytes, all_reduce_everything),
+    };
     for rank_outputs in &outputs {
         assert_eq!(
             rank_outputs, &outputs[0],
@@ -109,23 +112,24 @@ fn check_all_reduce(world_size: usize, segment_bytes: usize) {
 
 #[test]
 fn all_reduce_world_1_is_the_identity() {
-    check_all_reduce(1, DEFAULT_SEGMENT_BYTES);
+    check_all_reduce(1, DEFAULT_SEGMENT_BYTES, true);
 }
 
 #[test]
-fn all_reduce_world_2() {
-    check_all_reduce(2, DEFAULT_SEGMENT_BYTES);
+fn all_reduce_world_2_over_unix_sockets_and_tcp() {
+    check_all_reduce(2, DEFAULT_SEGMENT_BYTES, true);
+    check_all_reduce(2, 100, false);
 }
 
 #[test]
 fn all_reduce_world_3_with_tiny_segments() {
     // 12-byte segments: many pipelined messages per chunk, and segments that straddle nothing.
-    check_all_reduce(3, 12);
+    check_all_reduce(3, 12, true);
 }
 
 #[test]
-fn all_reduce_world_4() {
-    check_all_reduce(4, 64);
+fn all_reduce_world_4_over_tcp() {
+    check_all_reduce(4, 64, false);
 }
 
 #[test]
@@ -272,4 +276,47 @@ fn mean_divides_once_and_identically() {
             / 3.0;
         assert!((*got as f64 - expected).abs() < 1e-5);
     }
+}
+
+#[test]
+fn rank_zero_can_host_the_store_itself() {
+    // The store's port must be known before rank 0 binds it: probe a free one.
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe");
+        probe.local_addr().expect("address").port()
+    };
+    let token = tandem_dist::JobToken::generate().expect("token");
+    let results = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                let mut options = tandem_dist::ProcessGroupOptions::new(
+                    rank,
+                    3,
+                    "127.0.0.1",
+                    port,
+                    token.clone(),
+                );
+                options.timeout = TIMEOUT;
+                assert!(
+                    options.host_store,
+                    "hosting the store on rank 0 is the default"
+                );
+                scope.spawn(move || {
+                    let mut group = ProcessGroup::connect(options).expect("join");
+                    let mut values = vec![group.rank() as i64 + 1; 5];
+                    group
+                        .all_reduce_i64(&mut values, ReduceOp::Sum)
+                        .expect("all_reduce");
+                    // Rank 0 must outlive the others' last use of the store.
+                    group.barrier().expect("barrier");
+                    values
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().expect("rank thread"))
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(results, vec![vec![6i64; 5]; 3]);
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::{options, start_store};
 use tandem_dist::{DistError, JobToken, ProcessGroup, ReduceOp, StoreClient};
 
-/// Set in child processes: "rank,world_size,store_port,token".
+/// Set in child processes: "rank,world_size,store_port,token,unix_sockets".
 const CHILD_ENV: &str = "TANDEM_DIST_TEST_CHILD";
 const TIMEOUT: Duration = Duration::from_secs(5);
 /// Allowance for thread scheduling on a loaded two-core machine.
@@ -62,19 +62,20 @@ fn child_rank_entry() {
         return;
     };
     let fields: Vec<&str> = spec.split(',').collect();
-    let [rank, world_size, port, token] = fields[..] else {
+    let [rank, world_size, port, token, unix_sockets] = fields[..] else {
         panic!("bad {CHILD_ENV}: {spec}")
     };
     let token = JobToken::new(token).expect("token");
     let store = format!("127.0.0.1:{port}").parse().expect("store address");
-    let mut group = ProcessGroup::connect(options(
+    let mut options = options(
         rank.parse().expect("rank"),
         world_size.parse().expect("world size"),
         store,
         &token,
         TIMEOUT,
-    ))
-    .expect("child joins");
+    );
+    options.unix_sockets = unix_sockets == "true";
+    let mut group = ProcessGroup::connect(options).expect("child joins");
     ready_then_loop(&mut group);
 }
 
@@ -90,6 +91,11 @@ impl Drop for KillOnDrop {
 
 #[test]
 fn killed_process_during_all_reduce_is_named_on_every_rank() {
+    killed_process_is_named(true);
+    killed_process_is_named(false);
+}
+
+fn killed_process_is_named(unix_sockets: bool) {
     let (server, token) = start_store();
     let store = server.local_addr();
     let world_size = 3;
@@ -103,7 +109,11 @@ fn killed_process_during_all_reduce_is_named_on_every_rank() {
         ])
         .env(
             CHILD_ENV,
-            format!("2,{world_size},{},{}", store.port(), token.expose_secret()),
+            format!(
+                "2,{world_size},{},{},{unix_sockets}",
+                store.port(),
+                token.expose_secret()
+            ),
         )
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -115,9 +125,13 @@ fn killed_process_during_all_reduce_is_named_on_every_rank() {
     let (outcomes, killed_at) = std::thread::scope(|scope| {
         let ranks: Vec<_> = (0..2)
             .map(|rank| {
-                let options = options(rank, world_size, store, &token, TIMEOUT);
+                let mut options = options(rank, world_size, store, &token, TIMEOUT);
+                options.unix_sockets = unix_sockets;
                 scope.spawn(move || {
-                    ready_then_loop(&mut ProcessGroup::connect(options).expect("join"))
+                    let mut group = ProcessGroup::connect(options).expect("join");
+                    let expected = if unix_sockets { "unix" } else { "tcp" };
+                    assert_eq!(group.ring_transport(), expected);
+                    ready_then_loop(&mut group)
                 })
             })
             .collect();
@@ -174,7 +188,8 @@ fn stalled_rank_is_named_by_every_waiting_rank() {
     let outcomes = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..world_size)
             .map(|rank| {
-                let options = options(rank, world_size, store, &token, timeout);
+                let mut options = options(rank, world_size, store, &token, timeout);
+                options.unix_sockets = false;
                 scope.spawn(move || {
                     let mut group = ProcessGroup::connect(options).expect("join");
                     if rank == 2 {

@@ -130,7 +130,7 @@ fn serve_requests(stream: &mut TcpStream, shared: &Shared) -> std::io::Result<()
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    if accept_handshake(stream, &shared.token, Purpose::Store).is_err() {
+    if accept_handshake(&mut *stream, &shared.token, Purpose::Store).is_err() {
         return Ok(());
     }
     // Clients may stay idle for as long as the job runs.

@@ -31,8 +31,8 @@ pub fn options(
     options
 }
 
-/// Runs `body` on every rank of a fresh group of `world_size` threads and returns the results
-/// in rank order.
+/// Runs `body` on every rank of a fresh group of `world_size` threads (linked by Unix
+/// sockets, as ranks of one host are) and returns the results in rank order.
 pub fn run_ranks<T: Send>(
     world_size: usize,
     timeout: Duration,
@@ -44,8 +44,31 @@ pub fn run_ranks<T: Send>(
     })
 }
 
+/// Like [`run_ranks`], over loopback TCP as ranks on different hosts would be.
+pub fn run_ranks_tcp<T: Send>(
+    world_size: usize,
+    timeout: Duration,
+    segment_bytes: usize,
+    body: impl Fn(&mut ProcessGroup) -> T + Sync,
+) -> Vec<T> {
+    run_groups_over(false, world_size, timeout, segment_bytes, |mut group| {
+        body(&mut group)
+    })
+}
+
 /// Like [`run_ranks`], but `body` owns its rank's group.
 pub fn run_groups<T: Send>(
+    world_size: usize,
+    timeout: Duration,
+    segment_bytes: usize,
+    body: impl Fn(ProcessGroup) -> T + Sync,
+) -> Vec<T> {
+    run_groups_over(true, world_size, timeout, segment_bytes, body)
+}
+
+/// Runs `body` on owned groups, with or without Unix sockets, and checks the transport used.
+pub fn run_groups_over<T: Send>(
+    unix_sockets: bool,
     world_size: usize,
     timeout: Duration,
     segment_bytes: usize,
@@ -58,9 +81,16 @@ pub fn run_groups<T: Send>(
             .map(|rank| {
                 let mut options = options(rank, world_size, store, &token, timeout);
                 options.segment_bytes = segment_bytes;
+                options.unix_sockets = unix_sockets;
                 let body = &body;
                 scope.spawn(move || {
                     let group = ProcessGroup::connect(options).expect("join the group");
+                    let expected = match (world_size, unix_sockets) {
+                        (1, _) => "none",
+                        (_, true) => "unix",
+                        (_, false) => "tcp",
+                    };
+                    assert_eq!(group.ring_transport(), expected);
                     body(group)
                 })
             })
