@@ -5,6 +5,7 @@
 //! and reports errors.
 
 mod bench;
+mod launch;
 
 use clap::{Parser, Subcommand};
 
@@ -22,12 +23,15 @@ enum Command {
     /// Measure the speed of a part of Tandem.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Start workers on this node, restart them on failure (like torchrun).
+    Launch(launch::LaunchArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(command) => bench::run(command),
+        Command::Launch(args) => launch::run(args),
     };
     if let Err(error) = result {
         eprintln!("error: {error:#}");

@@ -1,0 +1,54 @@
+//! `tandem launch`: torchrun's job. One agent per node starts the workers with their ranks in
+//! the environment, hosts (node 0) or joins the job's store, restarts every node's workers
+//! together when one fails, passes a stop signal on to the workers, and names the root cause
+//! when the job fails.
+//!
+//! - [`options`]: the command line and its resolution into a plan.
+//! - [`cluster`]: the cluster environments read when the flags are absent.
+//! - [`agent`]: the rounds of the job on this node.
+//! - [`rendezvous`]: how the agents meet and agree through the store.
+//! - [`worker`]: one worker process and its environment.
+//! - [`logs`]: per-rank log files and the console.
+//! - [`report`]: root cause and summary of a failed round.
+//! - [`signals`]: catching and sending signals.
+
+mod agent;
+mod cluster;
+mod logs;
+mod options;
+mod rendezvous;
+mod report;
+mod signals;
+mod worker;
+
+use std::collections::HashMap;
+
+use anyhow::Context;
+
+pub use options::LaunchArgs;
+
+use agent::JobEnd;
+
+/// Runs `tandem launch`: returns when the job succeeded; exits the process with 128 + the
+/// signal (143 for SIGTERM) when a stop signal ended it; fails with the summary of the root
+/// cause when the workers failed past `--max-restarts`.
+pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
+    let env: HashMap<String, String> = std::env::vars().collect();
+    let plan = options::LaunchPlan::resolve(&args, &env)?;
+    signals::catch_stop_signals().context("install the SIGTERM/SIGINT handlers")?;
+    match agent::run_job(&plan)? {
+        JobEnd::Succeeded => {
+            agent::say("every worker finished successfully");
+            Ok(())
+        }
+        JobEnd::Failed { summary } => Err(anyhow::anyhow!(summary)),
+        JobEnd::Stopped { reason, signal } => {
+            agent::say(&format!(
+                "stopped: {reason}; the workers were stopped (SIGTERM, then SIGKILL after {:?}). \
+                 Run the same command again to continue from the last snapshot.",
+                plan.stop_grace
+            ));
+            std::process::exit(128 + signal.unwrap_or(signals::SIGTERM));
+        }
+    }
+}

@@ -1,0 +1,525 @@
+//! The command line of `tandem launch`, and how it resolves into a [`LaunchPlan`]: the node's
+//! place in the job, the worker command, the log folder and the job token.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use tandem_dist::JobToken;
+
+use super::cluster::{self, ClusterNode};
+
+/// The store port of a multi-node job when neither the flags nor the cluster name one
+/// (torchrun's default).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// The `tandem` subcommands that `tandem launch -- <command>` runs with this very binary.
+pub const TANDEM_SUBCOMMANDS: &[&str] = &["train", "eval", "predict", "bench"];
+
+/// Settings of `tandem launch [options] -- <command>`.
+#[derive(Args, Debug, Clone)]
+pub struct LaunchArgs {
+    /// Workers to start on this node: a number, or `auto` for the number of cores available.
+    /// Default: the cluster's value, else 1.
+    #[arg(long, value_name = "N|auto")]
+    pub nproc_per_node: Option<NprocPerNode>,
+    /// A single-node job on this machine: the store listens on a free port of 127.0.0.1.
+    #[arg(long, conflicts_with_all = ["nnodes", "node_rank", "master_addr", "master_port"])]
+    pub standalone: bool,
+    /// Number of nodes (one agent per node). Default: the cluster's value, else 1.
+    #[arg(long, value_name = "N")]
+    pub nnodes: Option<usize>,
+    /// This node's rank, 0..nnodes; node 0's agent hosts the store. Default: the cluster's value, else 0.
+    #[arg(long, value_name = "R")]
+    pub node_rank: Option<usize>,
+    /// Host name or address of node 0, where the store listens.
+    #[arg(long, value_name = "HOST")]
+    pub master_addr: Option<String>,
+    /// Port of the store on node 0 (default 29500 for multi-node jobs).
+    #[arg(long, value_name = "PORT")]
+    pub master_port: Option<u16>,
+    /// How many times the job is restarted after a worker fails before the launcher gives up.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub max_restarts: u32,
+    /// How long stopped workers get between SIGTERM and SIGKILL.
+    #[arg(long, default_value = "30", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub stop_grace_seconds: Duration,
+    /// How long the agents wait for each other to reach the store and start a round.
+    #[arg(long, default_value = "600", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub join_timeout_seconds: Duration,
+    /// Folder for `logs/rank_R.log` and `errors/rank_R.json`. Default: the worker command's
+    /// `--output-dir`, else `runs/latest`.
+    #[arg(long, value_name = "DIR")]
+    pub log_dir: Option<PathBuf>,
+    /// Show every local rank's output on the console, not only rank 0's.
+    #[arg(long)]
+    pub tee: bool,
+    /// The worker command: a `tandem` subcommand (`train ...`) or any program with its arguments.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+/// How many workers one node starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NprocPerNode {
+    /// Exactly this many.
+    Count(usize),
+    /// As many as the cores available to this process.
+    Auto,
+}
+
+impl FromStr for NprocPerNode {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<NprocPerNode, String> {
+        if text == "auto" {
+            return Ok(NprocPerNode::Auto);
+        }
+        match text.parse::<usize>() {
+            Ok(0) => Err("expected a positive number of workers or \"auto\", got 0".into()),
+            Ok(count) => Ok(NprocPerNode::Count(count)),
+            Err(_) => Err(format!(
+                "expected a positive number of workers or \"auto\", got {text:?}"
+            )),
+        }
+    }
+}
+
+impl NprocPerNode {
+    /// The number of workers, resolving `auto` to the cores available.
+    pub fn resolve(self) -> anyhow::Result<usize> {
+        match self {
+            NprocPerNode::Count(count) => Ok(count),
+            NprocPerNode::Auto => Ok(std::thread::available_parallelism()
+                .context("--nproc-per-node auto: could not count the cores available")?
+                .get()),
+        }
+    }
+}
+
+/// Parses a non-negative number of seconds, fractions allowed (`0.5`).
+fn parse_seconds(text: &str) -> Result<Duration, String> {
+    let seconds: f64 = text
+        .parse()
+        .map_err(|_| format!("expected a number of seconds, got {text:?}"))?;
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| format!("expected a non-negative number of seconds, got {text:?}"))
+}
+
+/// Where the store of the job is, seen from this node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    /// This agent hosts the store on a free port of 127.0.0.1 (single-node jobs).
+    Loopback,
+    /// Node 0's agent hosts the store on `port`, on every interface; the others reach it at `addr`.
+    Master {
+        /// Host name or address of node 0, as the workers receive it in `MASTER_ADDR`.
+        addr: String,
+        /// The store's port.
+        port: u16,
+    },
+}
+
+/// This node's place in the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    /// Number of nodes.
+    pub nnodes: usize,
+    /// This node's rank.
+    pub node_rank: usize,
+    /// Workers on this node.
+    pub nproc_per_node: usize,
+    /// Where the store is.
+    pub store: StoreLocation,
+    /// Where the values came from: "flags", or a cluster environment's name.
+    pub source: String,
+}
+
+/// Everything the agent needs, resolved and checked.
+#[derive(Debug, Clone)]
+pub struct LaunchPlan {
+    /// This node's place in the job.
+    pub topology: Topology,
+    /// The program to run and its arguments.
+    pub program: PathBuf,
+    /// The arguments after the program.
+    pub program_args: Vec<String>,
+    /// Folder of the logs and error files (absolute).
+    pub log_dir: PathBuf,
+    /// The secret every agent and worker of the job shares.
+    pub token: JobToken,
+    /// Restarts allowed after failures.
+    pub max_restarts: u32,
+    /// Time between SIGTERM and SIGKILL.
+    pub stop_grace: Duration,
+    /// Bound on waiting for the other agents.
+    pub join_timeout: Duration,
+    /// Show every local rank's output, not only rank 0's.
+    pub tee: bool,
+}
+
+impl LaunchPlan {
+    /// Resolves the arguments against the environment `env` (the cluster's variables and
+    /// `TANDEM_JOB_TOKEN`) and the current directory.
+    pub fn resolve(args: &LaunchArgs, env: &HashMap<String, String>) -> anyhow::Result<LaunchPlan> {
+        let cluster = if args.standalone {
+            None
+        } else {
+            cluster::detect(env)?
+        };
+        let topology = resolve_topology(args, cluster.as_ref())?;
+        let (program, program_args) = resolve_command(&args.command)?;
+        let current_dir = std::env::current_dir().context("read the current directory")?;
+        let log_dir = current_dir.join(default_log_dir(args.log_dir.as_deref(), &args.command));
+        let token = resolve_token(env, topology.nnodes)?;
+        Ok(LaunchPlan {
+            topology,
+            program,
+            program_args,
+            log_dir,
+            token,
+            max_restarts: args.max_restarts,
+            stop_grace: args.stop_grace_seconds,
+            join_timeout: args.join_timeout_seconds,
+            tee: args.tee,
+        })
+    }
+}
+
+/// Flags first, then the cluster's values, then the single-node defaults.
+pub fn resolve_topology(
+    args: &LaunchArgs,
+    cluster: Option<&ClusterNode>,
+) -> anyhow::Result<Topology> {
+    let from_cluster = |field: fn(&ClusterNode) -> Option<usize>| cluster.and_then(field);
+    let nproc_per_node = match args.nproc_per_node {
+        Some(nproc) => nproc.resolve()?,
+        None => from_cluster(|node| node.nproc_per_node).unwrap_or(1),
+    };
+    let nnodes = args
+        .nnodes
+        .or(from_cluster(|node| Some(node.nnodes)))
+        .unwrap_or(1);
+    let node_rank = args
+        .node_rank
+        .or(from_cluster(|node| Some(node.node_rank)))
+        .unwrap_or(0);
+    let master_addr = args
+        .master_addr
+        .clone()
+        .or_else(|| cluster.and_then(|node| node.master_addr.clone()));
+    let master_port = args
+        .master_port
+        .or(cluster.and_then(|node| node.master_port));
+    if nnodes == 0 {
+        bail!("--nnodes must be at least 1");
+    }
+    if node_rank >= nnodes {
+        bail!("--node-rank {node_rank} is out of range: a job of {nnodes} node(s) has node ranks 0..{}", nnodes - 1);
+    }
+    let store = match (master_addr, nnodes) {
+        (None, 1) if master_port.is_none() => StoreLocation::Loopback,
+        (None, 1) => StoreLocation::Master { addr: "127.0.0.1".into(), port: master_port.unwrap_or(DEFAULT_MASTER_PORT) },
+        (None, _) => bail!("a job of {nnodes} nodes needs --master-addr (the host of node 0, where the store listens)"),
+        (Some(addr), _) if addr.is_empty() => bail!("--master-addr is empty"),
+        (Some(addr), _) => StoreLocation::Master { addr, port: master_port.unwrap_or(DEFAULT_MASTER_PORT) },
+    };
+    let flags_given =
+        args.nnodes.is_some() || args.node_rank.is_some() || args.master_addr.is_some();
+    let source = match cluster {
+        Some(node) if !flags_given => node.source.clone(),
+        Some(node) => format!("flags and {}", node.source),
+        None => "flags".into(),
+    };
+    Ok(Topology {
+        nnodes,
+        node_rank,
+        nproc_per_node,
+        store,
+        source,
+    })
+}
+
+/// The program and its arguments: a `tandem` subcommand runs with this binary.
+pub fn resolve_command(command: &[String]) -> anyhow::Result<(PathBuf, Vec<String>)> {
+    let Some((first, rest)) = command.split_first() else {
+        bail!("no worker command: give it after `--`, e.g. `tandem launch -- train --config run.toml`");
+    };
+    if TANDEM_SUBCOMMANDS.contains(&first.as_str()) {
+        let this_binary = std::env::current_exe().context("find the path of the tandem binary")?;
+        return Ok((this_binary, command.to_vec()));
+    }
+    if first.is_empty() {
+        bail!("the worker command starts with an empty program name");
+    }
+    Ok((PathBuf::from(first), rest.to_vec()))
+}
+
+/// `--log-dir`, else the worker command's `--output-dir`, else `runs/latest`.
+pub fn default_log_dir(log_dir: Option<&Path>, command: &[String]) -> PathBuf {
+    if let Some(log_dir) = log_dir {
+        return log_dir.to_path_buf();
+    }
+    let mut words = command.iter();
+    while let Some(word) = words.next() {
+        if word == "--output-dir" {
+            if let Some(value) = words.next() {
+                return PathBuf::from(value);
+            }
+        } else if let Some(value) = word.strip_prefix("--output-dir=") {
+            return PathBuf::from(value);
+        }
+    }
+    PathBuf::from("runs/latest")
+}
+
+/// `TANDEM_JOB_TOKEN` when set; a fresh token for a single-node job; an error otherwise,
+/// since the agents of a multi-node job must share one secret.
+pub fn resolve_token(env: &HashMap<String, String>, nnodes: usize) -> anyhow::Result<JobToken> {
+    match env.get(tandem_dist::JOB_TOKEN_ENV) {
+        Some(token) => JobToken::new(token)
+            .with_context(|| format!("{} is not a usable job token", tandem_dist::JOB_TOKEN_ENV)),
+        None if nnodes == 1 => JobToken::generate().context("generate a job token"),
+        None => bail!(
+            "a job of {nnodes} nodes needs a shared secret: set {} to the same value on every node",
+            tandem_dist::JOB_TOKEN_ENV
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// `tandem launch` alone, to parse its flags in tests.
+    #[derive(Parser)]
+    struct Launch {
+        #[command(flatten)]
+        args: LaunchArgs,
+    }
+
+    fn parse(words: &[&str]) -> Result<LaunchArgs, String> {
+        let all = std::iter::once("launch").chain(words.iter().copied());
+        Launch::try_parse_from(all)
+            .map(|launch| launch.args)
+            .map_err(|error| error.to_string())
+    }
+
+    fn topology_of(words: &[&str]) -> anyhow::Result<Topology> {
+        resolve_topology(&parse(words).map_err(anyhow::Error::msg)?, None)
+    }
+
+    #[test]
+    fn nproc_per_node_is_a_positive_number_or_auto() {
+        assert_eq!("4".parse(), Ok(NprocPerNode::Count(4)));
+        assert_eq!("auto".parse(), Ok(NprocPerNode::Auto));
+        let cores = std::thread::available_parallelism().unwrap().get();
+        assert_eq!(NprocPerNode::Auto.resolve().unwrap(), cores);
+        assert_eq!(
+            "0".parse::<NprocPerNode>(),
+            Err("expected a positive number of workers or \"auto\", got 0".to_string())
+        );
+        let error = parse(&["--nproc-per-node", "many", "--", "true"]).unwrap_err();
+        assert!(
+            error.contains("invalid value 'many' for '--nproc-per-node <N|auto>': expected a positive number of workers or \"auto\", got \"many\""),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn seconds_accept_fractions_and_refuse_negatives() {
+        assert_eq!(parse_seconds("0.5"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_seconds("30"), Ok(Duration::from_secs(30)));
+        assert_eq!(
+            parse_seconds("-1"),
+            Err("expected a non-negative number of seconds, got \"-1\"".to_string())
+        );
+        assert_eq!(
+            parse_seconds("soon"),
+            Err("expected a number of seconds, got \"soon\"".to_string())
+        );
+    }
+
+    #[test]
+    fn defaults_give_a_single_node_on_loopback() {
+        let args = parse(&["--", "train", "--epochs", "2"]).unwrap();
+        assert_eq!(args.max_restarts, 3);
+        assert_eq!(args.stop_grace_seconds, Duration::from_secs(30));
+        let topology = resolve_topology(&args, None).unwrap();
+        assert_eq!(
+            topology,
+            Topology {
+                nnodes: 1,
+                node_rank: 0,
+                nproc_per_node: 1,
+                store: StoreLocation::Loopback,
+                source: "flags".into()
+            }
+        );
+    }
+
+    #[test]
+    fn multi_node_flags_are_checked() {
+        let topology = topology_of(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "node0",
+            "--nproc-per-node",
+            "3",
+            "--",
+            "x",
+        ])
+        .unwrap();
+        assert_eq!(
+            topology.store,
+            StoreLocation::Master {
+                addr: "node0".into(),
+                port: DEFAULT_MASTER_PORT
+            }
+        );
+        assert_eq!(
+            (topology.nnodes, topology.node_rank, topology.nproc_per_node),
+            (2, 1, 3)
+        );
+        assert_eq!(
+            topology_of(&[
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "2",
+                "--master-addr",
+                "h",
+                "--",
+                "x"
+            ])
+            .unwrap_err()
+            .to_string(),
+            "--node-rank 2 is out of range: a job of 2 node(s) has node ranks 0..1"
+        );
+        assert_eq!(
+            topology_of(&["--nnodes", "2", "--", "x"])
+                .unwrap_err()
+                .to_string(),
+            "a job of 2 nodes needs --master-addr (the host of node 0, where the store listens)"
+        );
+        assert_eq!(
+            topology_of(&["--nnodes", "0", "--", "x"])
+                .unwrap_err()
+                .to_string(),
+            "--nnodes must be at least 1"
+        );
+        let conflict = parse(&["--standalone", "--nnodes", "2", "--", "x"]).unwrap_err();
+        assert!(
+            conflict.contains("the argument '--standalone' cannot be used with '--nnodes <N>'"),
+            "{conflict}"
+        );
+        let missing_command = parse(&["--standalone"]).unwrap_err();
+        assert!(
+            missing_command.contains("the following required arguments were not provided"),
+            "{missing_command}"
+        );
+    }
+
+    #[test]
+    fn flags_override_the_cluster() {
+        let cluster = ClusterNode {
+            nnodes: 4,
+            node_rank: 2,
+            nproc_per_node: Some(8),
+            master_addr: Some("10.0.0.1".into()),
+            master_port: Some(6000),
+            source: "modelarts".into(),
+        };
+        let from_cluster = resolve_topology(&parse(&["--", "x"]).unwrap(), Some(&cluster)).unwrap();
+        assert_eq!(
+            from_cluster,
+            Topology {
+                nnodes: 4,
+                node_rank: 2,
+                nproc_per_node: 8,
+                store: StoreLocation::Master {
+                    addr: "10.0.0.1".into(),
+                    port: 6000
+                },
+                source: "modelarts".into(),
+            }
+        );
+        let mixed = resolve_topology(
+            &parse(&["--nproc-per-node", "2", "--master-port", "7000", "--", "x"]).unwrap(),
+            Some(&cluster),
+        )
+        .unwrap();
+        assert_eq!(mixed.nproc_per_node, 2);
+        assert_eq!(
+            mixed.store,
+            StoreLocation::Master {
+                addr: "10.0.0.1".into(),
+                port: 7000
+            }
+        );
+        let standalone = parse(&["--standalone", "--", "x"]).unwrap();
+        assert_eq!(
+            resolve_topology(&standalone, None).unwrap().store,
+            StoreLocation::Loopback
+        );
+    }
+
+    #[test]
+    fn tandem_subcommands_run_this_binary() {
+        let command: Vec<String> = ["train", "--epochs", "1"]
+            .iter()
+            .map(|word| word.to_string())
+            .collect();
+        let (program, args) = resolve_command(&command).unwrap();
+        assert_eq!(program, std::env::current_exe().unwrap());
+        assert_eq!(args, command);
+        let other: Vec<String> = ["python3", "train.py"]
+            .iter()
+            .map(|word| word.to_string())
+            .collect();
+        assert_eq!(
+            resolve_command(&other).unwrap(),
+            (PathBuf::from("python3"), vec!["train.py".to_string()])
+        );
+    }
+
+    #[test]
+    fn log_dir_follows_output_dir() {
+        let words = |text: &str| text.split(' ').map(str::to_string).collect::<Vec<_>>();
+        assert_eq!(
+            default_log_dir(None, &words("train --output-dir out/run1 --epochs 2")),
+            PathBuf::from("out/run1")
+        );
+        assert_eq!(
+            default_log_dir(None, &words("train --output-dir=out/run2")),
+            PathBuf::from("out/run2")
+        );
+        assert_eq!(
+            default_log_dir(None, &words("train --epochs 2")),
+            PathBuf::from("runs/latest")
+        );
+        assert_eq!(
+            default_log_dir(Some(Path::new("logs")), &words("train --output-dir x")),
+            PathBuf::from("logs")
+        );
+    }
+
+    #[test]
+    fn a_multi_node_job_needs_the_token_from_the_environment() {
+        let mut env = HashMap::new();
+        assert_eq!(resolve_token(&env, 1).unwrap().expose_secret().len(), 64);
+        assert_eq!(
+            resolve_token(&env, 2).unwrap_err().to_string(),
+            "a job of 2 nodes needs a shared secret: set TANDEM_JOB_TOKEN to the same value on every node"
+        );
+        env.insert("TANDEM_JOB_TOKEN".to_string(), "shared".to_string());
+        assert_eq!(resolve_token(&env, 2).unwrap().expose_secret(), "shared");
+    }
+}

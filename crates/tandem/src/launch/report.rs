@@ -1,0 +1,317 @@
+//! What each node reports at the end of a round, how the agents pick the root cause of a
+//! failed round, and the one summary the launcher prints.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::worker::WorkerEnd;
+
+/// How many log lines the summary shows when a worker left no error file.
+pub const LOG_TAIL_LINES: usize = 10;
+
+/// A worker's last fatal error, as it wrote it in its error file
+/// (`{"rank":R,"message":"...","timestamp":...}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorRecord {
+    /// The error message.
+    pub message: String,
+    /// The timestamp the worker wrote, as text (any JSON value is accepted).
+    pub timestamp: Option<String>,
+    /// The file it came from.
+    pub file: String,
+}
+
+/// Reads an error file: `Ok(None)` when the worker wrote none.
+pub fn read_error_file(path: &Path) -> Result<Option<ErrorRecord>, String> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => {
+            return Err(format!(
+                "could not read the error file {}: {error}",
+                path.display()
+            ))
+        }
+    };
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|error| {
+        format!(
+            "the error file {} is not valid JSON: {error}",
+            path.display()
+        )
+    })?;
+    let message = match value.get("message") {
+        Some(serde_json::Value::String(message)) => message.clone(),
+        Some(other) => other.to_string(),
+        None => {
+            return Err(format!(
+                "the error file {} has no \"message\" field",
+                path.display()
+            ))
+        }
+    };
+    let timestamp = value.get("timestamp").map(|timestamp| match timestamp {
+        serde_json::Value::String(text) => text.clone(),
+        other => other.to_string(),
+    });
+    Ok(Some(ErrorRecord {
+        message,
+        timestamp,
+        file: path.display().to_string(),
+    }))
+}
+
+/// The end of one worker in one round, with what it left behind.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerReport {
+    /// Its node.
+    pub node_rank: usize,
+    /// Its global rank.
+    pub rank: usize,
+    /// Its rank on the node.
+    pub local_rank: usize,
+    /// How it ended.
+    pub end: WorkerEnd,
+    /// When it ended, in microseconds since the Unix epoch (the node's clock).
+    pub ended_at_micros: u64,
+    /// Its error file's content, when it failed and wrote one.
+    pub error: Option<ErrorRecord>,
+    /// Why its error file could not be used, if it could not.
+    pub error_file_problem: Option<String>,
+    /// The last lines of its log, when it failed without an error file.
+    pub log_tail: Vec<String>,
+    /// Its log file.
+    pub log_file: String,
+}
+
+/// What one node's agent reports at the end of a round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeReport {
+    /// The node.
+    pub node_rank: usize,
+    /// Its workers, in local-rank order.
+    pub workers: Vec<WorkerReport>,
+}
+
+/// The first failure of a round: the worker that failed earliest, or a node whose agent
+/// went silent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RootCause {
+    /// A worker failed on its own.
+    Worker(WorkerReport),
+    /// A node sent no report in time.
+    NodeSilent {
+        /// The node.
+        node_rank: usize,
+    },
+}
+
+/// The earliest worker failure among `reports` (ties go to the lower rank); when no worker
+/// failed, the first node that did not report (`None` entries).
+pub fn root_cause(reports: &[Option<NodeReport>]) -> Option<RootCause> {
+    let earliest = reports
+        .iter()
+        .flatten()
+        .flat_map(|report| &report.workers)
+        .filter(|worker| worker.end.is_failure())
+        .min_by_key(|worker| (worker.ended_at_micros, worker.rank));
+    if let Some(worker) = earliest {
+        return Some(RootCause::Worker(worker.clone()));
+    }
+    reports
+        .iter()
+        .position(Option::is_none)
+        .map(|node_rank| RootCause::NodeSilent { node_rank })
+}
+
+/// One line naming the root cause, e.g. "rank 1 (node 0, local rank 1) exited with code 3".
+pub fn headline(cause: &RootCause) -> String {
+    match cause {
+        RootCause::Worker(worker) => format!(
+            "rank {} (node {}, local rank {}) {}",
+            worker.rank,
+            worker.node_rank,
+            worker.local_rank,
+            worker.end.describe()
+        ),
+        RootCause::NodeSilent { node_rank } => {
+            format!(
+                "node {node_rank}'s agent sent no report (it may have died or lost the network)"
+            )
+        }
+    }
+}
+
+/// The full summary of a failed round: the root cause with its error (or log tail), then
+/// every other rank's state in brief.
+pub fn summary(title: &str, cause: &RootCause, reports: &[Option<NodeReport>]) -> String {
+    let mut text = format!("{title}\nroot cause: {}\n", headline(cause));
+    if let RootCause::Worker(worker) = cause {
+        describe_evidence(&mut text, worker);
+    }
+    let cause_rank = match cause {
+        RootCause::Worker(worker) => Some(worker.rank),
+        RootCause::NodeSilent { .. } => None,
+    };
+    let mut others = String::new();
+    for (node_rank, report) in reports.iter().enumerate() {
+        match report {
+            Some(report) => {
+                for worker in report
+                    .workers
+                    .iter()
+                    .filter(|worker| Some(worker.rank) != cause_rank)
+                {
+                    let _ = writeln!(others, "  rank {}: {}", worker.rank, worker.end.describe());
+                }
+            }
+            None => {
+                let _ = writeln!(others, "  node {node_rank}: no report");
+            }
+        }
+    }
+    if !others.is_empty() {
+        text.push_str("other ranks:\n");
+        text.push_str(&others);
+    }
+    text.trim_end().to_string()
+}
+
+fn describe_evidence(text: &mut String, worker: &WorkerReport) {
+    if let Some(error) = &worker.error {
+        let when = error
+            .timestamp
+            .as_deref()
+            .map(|timestamp| format!(", at {timestamp}"))
+            .unwrap_or_default();
+        let _ = writeln!(text, "error (from {}{when}): {}", error.file, error.message);
+        return;
+    }
+    if let Some(problem) = &worker.error_file_problem {
+        let _ = writeln!(text, "({problem})");
+    }
+    if worker.log_tail.is_empty() {
+        let _ = writeln!(
+            text,
+            "it wrote no error file and no output (log: {})",
+            worker.log_file
+        );
+        return;
+    }
+    let _ = writeln!(
+        text,
+        "it wrote no error file; the last lines of {}:",
+        worker.log_file
+    );
+    for line in &worker.log_tail {
+        let _ = writeln!(text, "  | {line}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(rank: usize, end: WorkerEnd, ended_at_micros: u64) -> WorkerReport {
+        WorkerReport {
+            node_rank: rank / 2,
+            rank,
+            local_rank: rank % 2,
+            end,
+            ended_at_micros,
+            error: None,
+            error_file_problem: None,
+            log_tail: vec![],
+            log_file: format!("logs/rank_{rank}.log"),
+        }
+    }
+
+    #[test]
+    fn root_cause_is_the_earliest_failure_not_the_launchers_stops() {
+        let reports = vec![
+            Some(NodeReport {
+                node_rank: 0,
+                workers: vec![
+                    worker(0, WorkerEnd::StoppedByLauncher { signal: 15 }, 100),
+                    worker(1, WorkerEnd::ExitCode(1), 900),
+                ],
+            }),
+            Some(NodeReport {
+                node_rank: 1,
+                workers: vec![
+                    worker(2, WorkerEnd::Signal(9), 500),
+                    worker(3, WorkerEnd::Succeeded, 50),
+                ],
+            }),
+        ];
+        let cause = root_cause(&reports).unwrap();
+        assert_eq!(
+            headline(&cause),
+            "rank 2 (node 1, local rank 0) killed by SIGKILL"
+        );
+        let text = summary("job failed", &cause, &reports);
+        assert_eq!(
+            text,
+            "job failed\nroot cause: rank 2 (node 1, local rank 0) killed by SIGKILL\n\
+             it wrote no error file and no output (log: logs/rank_2.log)\n\
+             other ranks:\n  rank 0: stopped by the launcher (SIGTERM)\n  rank 1: exited with code 1\n  \
+             rank 3: finished successfully"
+        );
+    }
+
+    #[test]
+    fn a_silent_node_is_the_cause_only_when_no_worker_failed() {
+        let reports = vec![
+            Some(NodeReport {
+                node_rank: 0,
+                workers: vec![worker(0, WorkerEnd::Succeeded, 1)],
+            }),
+            None,
+        ];
+        assert_eq!(
+            root_cause(&reports),
+            Some(RootCause::NodeSilent { node_rank: 1 })
+        );
+        let all_fine = vec![Some(NodeReport {
+            node_rank: 0,
+            workers: vec![worker(0, WorkerEnd::Succeeded, 1)],
+        })];
+        assert_eq!(root_cause(&all_fine), None);
+    }
+
+    #[test]
+    fn error_files_are_read_leniently_and_problems_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("rank_1.json");
+        std::fs::write(
+            &good,
+            r#"{"rank":1,"message":"loss is NaN at step 7","timestamp":1700000000.5}"#,
+        )
+        .unwrap();
+        let record = read_error_file(&good).unwrap().unwrap();
+        assert_eq!(record.message, "loss is NaN at step 7");
+        assert_eq!(record.timestamp.as_deref(), Some("1700000000.5"));
+
+        assert_eq!(read_error_file(&dir.path().join("missing.json")), Ok(None));
+        let broken = dir.path().join("broken.json");
+        std::fs::write(&broken, "{not json").unwrap();
+        let problem = read_error_file(&broken).unwrap_err();
+        assert!(
+            problem.starts_with(&format!(
+                "the error file {} is not valid JSON",
+                broken.display()
+            )),
+            "{problem}"
+        );
+        let no_message = dir.path().join("no_message.json");
+        std::fs::write(&no_message, r#"{"rank":1}"#).unwrap();
+        assert_eq!(
+            read_error_file(&no_message),
+            Err(format!(
+                "the error file {} has no \"message\" field",
+                no_message.display()
+            ))
+        );
+    }
+}

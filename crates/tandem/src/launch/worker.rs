@@ -1,0 +1,363 @@
+//! One worker process: started with its rank's environment, watched by a thread that notes
+//! the exact moment it exits, stopped by pid with a signal.
+
+use std::fs::File;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::logs::RankLog;
+use super::signals::{self, signal_name};
+
+/// What a worker needs to know about its place in the job (it receives it as environment).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerPlace {
+    /// Global rank.
+    pub rank: usize,
+    /// Rank on this node.
+    pub local_rank: usize,
+    /// This node's rank.
+    pub node_rank: usize,
+    /// Workers in the whole job.
+    pub world_size: usize,
+    /// Workers on this node.
+    pub local_world_size: usize,
+}
+
+/// The job-wide part of a worker's environment.
+#[derive(Debug, Clone)]
+pub struct JobEnv {
+    /// Host of the store, as workers should reach it.
+    pub master_addr: String,
+    /// Port of the store.
+    pub master_port: u16,
+    /// The job token, as text.
+    pub token: String,
+    /// Which restart this round is (0 for the first round).
+    pub restart_count: u32,
+}
+
+/// The environment variables a worker receives, in a fixed order.
+pub fn worker_env(place: &WorkerPlace, job: &JobEnv, error_file: &Path) -> Vec<(String, String)> {
+    let pairs = [
+        ("RANK", place.rank.to_string()),
+        ("LOCAL_RANK", place.local_rank.to_string()),
+        ("GROUP_RANK", place.node_rank.to_string()),
+        ("WORLD_SIZE", place.world_size.to_string()),
+        ("LOCAL_WORLD_SIZE", place.local_world_size.to_string()),
+        ("MASTER_ADDR", job.master_addr.clone()),
+        ("MASTER_PORT", job.master_port.to_string()),
+        (tandem_dist::JOB_TOKEN_ENV, job.token.clone()),
+        ("TANDEM_RESTART_COUNT", job.restart_count.to_string()),
+        ("TANDEM_STORE_PREFIX", store_prefix(job.restart_count)),
+        ("TANDEM_STORE_HOSTED", "1".to_string()),
+        ("TANDEM_ERROR_FILE", error_file.display().to_string()),
+    ];
+    pairs
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value))
+        .collect()
+}
+
+/// The store key prefix of a round's process group, so that keys of an old round never
+/// collide with a new one's.
+pub fn store_prefix(restart_count: u32) -> String {
+    format!("round{restart_count}/pg")
+}
+
+/// The path of rank `rank`'s error file under `log_dir`.
+pub fn error_file_path(log_dir: &Path, rank: usize) -> PathBuf {
+    log_dir.join("errors").join(format!("rank_{rank}.json"))
+}
+
+/// How a worker ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WorkerEnd {
+    /// Exited with code 0.
+    Succeeded,
+    /// Exited with a non-zero code on its own.
+    ExitCode(i32),
+    /// Killed by a signal the launcher did not send.
+    Signal(i32),
+    /// Ended after the launcher sent it `signal` (SIGTERM, or SIGKILL after the grace period).
+    StoppedByLauncher {
+        /// The last signal the launcher sent.
+        signal: i32,
+    },
+    /// The program could not be started.
+    NotStarted(String),
+    /// Still running after SIGKILL and the wait that follows it.
+    Unkillable,
+}
+
+impl WorkerEnd {
+    /// True when this end is a failure of the worker itself (not one the launcher caused).
+    pub fn is_failure(&self) -> bool {
+        matches!(
+            self,
+            WorkerEnd::ExitCode(_) | WorkerEnd::Signal(_) | WorkerEnd::NotStarted(_)
+        )
+    }
+
+    /// A short description, e.g. "exited with code 3" or "stopped by the launcher (SIGTERM)".
+    pub fn describe(&self) -> String {
+        match self {
+            WorkerEnd::Succeeded => "finished successfully".into(),
+            WorkerEnd::ExitCode(code) => format!("exited with code {code}"),
+            WorkerEnd::Signal(signal) => format!("killed by {}", signal_name(*signal)),
+            WorkerEnd::StoppedByLauncher { signal } => {
+                format!("stopped by the launcher ({})", signal_name(*signal))
+            }
+            WorkerEnd::NotStarted(reason) => format!("could not start: {reason}"),
+            WorkerEnd::Unkillable => "still running after SIGKILL".into(),
+        }
+    }
+}
+
+/// Where a running worker stands; shared with its exit-watching thread.
+#[derive(Debug)]
+struct ProcessState {
+    pid: u32,
+    exit: Option<(WorkerEnd, u64)>,
+    launcher_signal: Option<i32>,
+}
+
+/// A started (or failed-to-start) worker.
+pub struct Worker {
+    /// Its place in the job.
+    pub place: WorkerPlace,
+    /// Its error file.
+    pub error_file: PathBuf,
+    /// Its log for this round.
+    pub log: RankLog,
+    state: Arc<Mutex<ProcessState>>,
+}
+
+impl Worker {
+    /// Starts `program args` with the worker environment `env`; its output (stdout and stderr
+    /// together) goes to `log`, and to the console when `echo` is true. A program that cannot start gives a worker that
+    /// has already ended with [`WorkerEnd::NotStarted`].
+    pub fn start(
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        place: WorkerPlace,
+        error_file: PathBuf,
+        log: RankLog,
+        echo: bool,
+    ) -> Worker {
+        let state = spawn(program, args, env, &log, echo).unwrap_or_else(|reason| {
+            Arc::new(Mutex::new(ProcessState {
+                pid: 0,
+                exit: Some((WorkerEnd::NotStarted(reason), now_micros())),
+                launcher_signal: None,
+            }))
+        });
+        Worker {
+            place,
+            error_file,
+            log,
+            state,
+        }
+    }
+
+    /// How it ended and when (microseconds since the Unix epoch), or `None` while it runs.
+    pub fn end(&self) -> Option<(WorkerEnd, u64)> {
+        lock(&self.state).exit.clone()
+    }
+
+    /// Sends `signal` unless the worker has already ended; the launcher is then held
+    /// responsible for the end. Holding the state lock while signalling means the pid cannot
+    /// have been reaped (and reused) in between.
+    pub fn stop_with(&self, signal: i32) {
+        let mut state = lock(&self.state);
+        if state.exit.is_none() && !has_exited(state.pid) {
+            state.launcher_signal = Some(signal);
+            // ESRCH is impossible while unreaped; other errors leave the SIGKILL to come.
+            let _ = signals::send_signal(state.pid, signal);
+        }
+    }
+
+    /// Marks a worker that survived SIGKILL as [`WorkerEnd::Unkillable`] so the round can end.
+    pub fn give_up(&self) {
+        let mut state = lock(&self.state);
+        if state.exit.is_none() {
+            state.exit = Some((WorkerEnd::Unkillable, now_micros()));
+        }
+    }
+
+    /// Waits (bounded by `deadline`) for the output of the worker to reach its log.
+    pub fn flush_output(&mut self, deadline: Instant) -> bool {
+        self.log.wait_for_pumps(deadline)
+    }
+}
+
+/// Spawns the worker with stdout and stderr on one pipe (so its log keeps their order) and
+/// starts the threads that copy its output and watch for its exit.
+fn spawn(
+    program: &Path,
+    args: &[String],
+    env: &[(String, String)],
+    log: &RankLog,
+    echo: bool,
+) -> Result<Arc<Mutex<ProcessState>>, String> {
+    let (output, output_for_stdout) =
+        output_pipe().map_err(|error| format!("could not create its output pipe: {error}"))?;
+    let output_for_stderr = output_for_stdout
+        .try_clone()
+        .map_err(|error| format!("could not create its output pipe: {error}"))?;
+    let mut command = Command::new(program);
+    command
+        .args(args)
+        .envs(env.iter().map(|(name, value)| (name, value)));
+    command
+        .stdin(Stdio::null())
+        .stdout(output_for_stdout)
+        .stderr(output_for_stderr);
+    // SAFETY: the closure runs between fork and exec and only calls `prctl`, which is
+    // async-signal-safe.
+    unsafe {
+        command.pre_exec(die_with_the_launcher);
+    }
+    let child = command
+        .spawn()
+        .map_err(|error| format!("{}: {error}", program.display()))?;
+    // The command holds our copies of the pipe's write end: drop them, or the output would
+    // never reach end-of-file.
+    drop(command);
+    watch(child, File::from(output), log, echo)
+}
+
+/// A pipe whose ends close on exec (so no other worker inherits them): (read end, write end).
+fn output_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: `fds` has room for the two descriptors `pipe2` writes.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `pipe2` succeeded, so both descriptors are open and owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Makes the kernel kill the worker if the launcher dies (even by SIGKILL), so no worker
+/// outlives its agent and keeps a job half-alive.
+fn die_with_the_launcher() -> std::io::Result<()> {
+    // SAFETY: `prctl(PR_SET_PDEATHSIG, signal)` has no memory-safety preconditions.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+fn lock(state: &Mutex<ProcessState>) -> MutexGuard<'_, ProcessState> {
+    state
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Starts the output pump and the exit-watching thread of a spawned child.
+fn watch(
+    child: Child,
+    output: File,
+    log: &RankLog,
+    echo: bool,
+) -> Result<Arc<Mutex<ProcessState>>, String> {
+    let pid = child.id();
+    let pump = log.pump(output, echo);
+    let state = Arc::new(Mutex::new(ProcessState {
+        pid,
+        exit: None,
+        launcher_signal: None,
+    }));
+    let watcher_state = Arc::clone(&state);
+    let watcher = thread::Builder::new()
+        .name(format!("watch-{pid}"))
+        .spawn(move || watch_until_exit(child, &watcher_state));
+    if let Err(error) = watcher.and(pump) {
+        // Without a watcher nobody would reap it: end it now and report why.
+        let _ = signals::send_signal(pid, signals::SIGKILL);
+        return Err(format!(
+            "could not start the threads that watch it: {error}"
+        ));
+    }
+    Ok(state)
+}
+
+/// Blocks until the child exits, notes the time, then reaps it under the state lock.
+fn watch_until_exit(mut child: Child, state: &Mutex<ProcessState>) {
+    let exited = wait_without_reaping(child.id());
+    let ended_at = now_micros();
+    let mut state = lock(state);
+    let end = match (exited, child.wait()) {
+        (Ok(()), Ok(status)) => classify(status, state.launcher_signal),
+        (Err(error), _) | (_, Err(error)) => {
+            WorkerEnd::NotStarted(format!("lost track of the process: {error}"))
+        }
+    };
+    state.exit = Some((end, ended_at));
+}
+
+/// Waits until process `pid` has exited, leaving it a zombie so its pid stays reserved.
+fn wait_without_reaping(pid: u32) -> std::io::Result<()> {
+    loop {
+        // SAFETY: `info` is a plain C struct that `waitid` fills in.
+        let result = unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        if result == 0 {
+            return Ok(());
+        }
+        let error = std::io::Error::last_os_error();
+        if error.kind() != std::io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+}
+
+/// True when process `pid` has exited but the watcher has not reaped it yet: it ended on
+/// its own, before any signal the launcher would send now.
+fn has_exited(pid: u32) -> bool {
+    // SAFETY: `info` is a plain C struct that `waitid` fills in; WNOHANG makes it return at once.
+    unsafe {
+        let mut info: libc::siginfo_t = std::mem::zeroed();
+        let result = libc::waitid(
+            libc::P_PID,
+            pid as libc::id_t,
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        );
+        result == 0 && info.si_pid() != 0
+    }
+}
+
+fn classify(status: std::process::ExitStatus, launcher_signal: Option<i32>) -> WorkerEnd {
+    if let Some(signal) = launcher_signal {
+        return WorkerEnd::StoppedByLauncher { signal };
+    }
+    match (status.code(), status.signal()) {
+        (Some(0), _) => WorkerEnd::Succeeded,
+        (Some(code), _) => WorkerEnd::ExitCode(code),
+        (None, Some(signal)) => WorkerEnd::Signal(signal),
+        (None, None) => WorkerEnd::ExitCode(-1),
+    }
+}
+
+/// Microseconds since the Unix epoch (0 if the clock is before it).
+pub fn now_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_micros() as u64)
+}

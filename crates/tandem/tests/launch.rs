@@ -1,0 +1,719 @@
+//! `tandem launch` through the real binary, with small `sh` workers: the environment the
+//! workers get, restarts, the failure summary, stop signals, two agents as two nodes, and
+//! (as root) two network namespaces as two hosts. Every wait is bounded and every launcher
+//! is killed if a test fails.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use tandem_dist::{JobToken, StoreClient};
+
+const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
+/// Bound on any launcher in these tests.
+const LAUNCH_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A launcher started by a test; killed when dropped, so a failing test leaves nothing behind.
+struct Launcher {
+    child: Child,
+    stdout: PathBuf,
+    stderr: PathBuf,
+}
+
+impl Launcher {
+    /// Starts `tandem launch <args>` in `dir`, with extra environment `env`.
+    fn start(dir: &Path, name: &str, args: &[&str], env: &[(&str, &str)]) -> Launcher {
+        Launcher::start_with(Command::new(TANDEM), dir, name, args, env)
+    }
+
+    /// Like [`Launcher::start`] but with a prepared command (e.g. `ip netns exec ... tandem`).
+    fn start_with(
+        mut command: Command,
+        dir: &Path,
+        name: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Launcher {
+        let stdout = dir.join(format!("{name}.stdout"));
+        let stderr = dir.join(format!("{name}.stderr"));
+        command
+            .arg("launch")
+            .args(args)
+            .current_dir(dir)
+            .env_remove("TANDEM_JOB_TOKEN")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&stdout).unwrap())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        let child = command.spawn().expect("start the tandem binary");
+        Launcher {
+            child,
+            stdout,
+            stderr,
+        }
+    }
+
+    /// Waits for the launcher to exit, at most `timeout`; panics (killing it) otherwise.
+    fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "the launcher did not exit within {timeout:?}; stderr:\n{}",
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn stdout(&self) -> String {
+        std::fs::read_to_string(&self.stdout).unwrap_or_default()
+    }
+
+    fn signal(&self, signal: i32) {
+        // SAFETY: `kill` has no memory-safety preconditions; the child is not reaped yet.
+        assert_eq!(
+            unsafe { libc::kill(self.child.id() as libc::pid_t, signal) },
+            0
+        );
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Waits until `path` exists, at most `timeout`.
+fn wait_for_file(path: &Path, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} did not appear within {timeout:?}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Parses `NAME=value` lines.
+fn read_env_file(path: &Path) -> HashMap<String, String> {
+    let text = std::fs::read_to_string(path).unwrap();
+    text.lines()
+        .filter_map(|line| line.split_once('='))
+        .map(|(name, value)| (name.to_string(), value.to_string()))
+        .collect()
+}
+
+/// A port that was free a moment ago.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|error| panic!("read {}: {error}", path.display()))
+}
+
+const PRINT_ENV: &str = "for name in RANK LOCAL_RANK GROUP_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT \
+     TANDEM_JOB_TOKEN TANDEM_RESTART_COUNT TANDEM_STORE_PREFIX TANDEM_STORE_HOSTED TANDEM_ERROR_FILE; do \
+     eval \"echo $name=\\$$name\"; done";
+
+#[test]
+fn workers_get_their_ranks_and_the_store_the_agent_hosts() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!(
+        "{PRINT_ENV} > env_$RANK.tmp && mv env_$RANK.tmp env_$RANK; echo hello from $RANK; \
+         i=0; while [ ! -e release ] && [ $i -lt 300 ]; do sleep 0.05; i=$((i+1)); done"
+    );
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &[
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+        &[],
+    );
+    wait_for_file(&dir.path().join("env_0"), Duration::from_secs(20));
+    wait_for_file(&dir.path().join("env_1"), Duration::from_secs(20));
+    let envs = [
+        read_env_file(&dir.path().join("env_0")),
+        read_env_file(&dir.path().join("env_1")),
+    ];
+    let log_dir = dir.path().canonicalize().unwrap().join("runs/latest");
+    for (rank, env) in envs.iter().enumerate() {
+        assert_eq!(env["RANK"], rank.to_string());
+        assert_eq!(env["LOCAL_RANK"], rank.to_string());
+        assert_eq!(env["GROUP_RANK"], "0");
+        assert_eq!(env["WORLD_SIZE"], "2");
+        assert_eq!(env["LOCAL_WORLD_SIZE"], "2");
+        assert_eq!(env["MASTER_ADDR"], "127.0.0.1");
+        assert_eq!(env["TANDEM_RESTART_COUNT"], "0");
+        assert_eq!(env["TANDEM_STORE_PREFIX"], "round0/pg");
+        assert_eq!(env["TANDEM_STORE_HOSTED"], "1");
+        assert_eq!(
+            env["TANDEM_ERROR_FILE"],
+            log_dir
+                .join(format!("errors/rank_{rank}.json"))
+                .display()
+                .to_string()
+        );
+        assert_eq!(
+            env["TANDEM_JOB_TOKEN"].len(),
+            64,
+            "a generated token is 64 hex digits"
+        );
+    }
+    assert_eq!(envs[0]["MASTER_PORT"], envs[1]["MASTER_PORT"]);
+    assert_eq!(envs[0]["TANDEM_JOB_TOKEN"], envs[1]["TANDEM_JOB_TOKEN"]);
+
+    // The store is up while the workers run, and it knows the job token the workers got.
+    let port: u16 = envs[0]["MASTER_PORT"].parse().unwrap();
+    let token = JobToken::new(&envs[0]["TANDEM_JOB_TOKEN"]).unwrap();
+    let store_addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let client = StoreClient::connect(store_addr, &token, Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        client.get("launch/round0/member/0").unwrap(),
+        Some(br#"{"nproc":2}"#.to_vec())
+    );
+    let wrong = JobToken::new("not the job token").unwrap();
+    let refused = StoreClient::connect(store_addr, &wrong, Duration::from_secs(5))
+        .err()
+        .unwrap();
+    assert!(
+        refused.to_string().contains("the job token was refused"),
+        "{refused}"
+    );
+
+    std::fs::write(dir.path().join("release"), "").unwrap();
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    assert!(status.success(), "launcher failed: {}", launcher.stderr());
+    // Rank 0's output is on the console, prefixed; rank 1's only in its log.
+    let console = launcher.stdout();
+    assert!(console.contains("[rank 0] hello from 0\n"), "{console}");
+    assert!(!console.contains("hello from 1"), "{console}");
+    let rank_1_log = read(&log_dir.join("logs/rank_1.log"));
+    assert!(rank_1_log.starts_with(
+        "===== tandem launch: round 0 (restart 0 of at most 3), rank 1, node 0, local rank 1,"
+    ));
+    assert!(rank_1_log.ends_with("hello from 1\n"), "{rank_1_log}");
+}
+
+#[test]
+fn tee_shows_every_rank_and_log_dir_follows_output_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &[
+            "--nproc-per-node",
+            "2",
+            "--tee",
+            "--",
+            "sh",
+            "-c",
+            "echo out $RANK; echo err $RANK >&2",
+            "sh",
+            "--output-dir",
+            "my_run",
+        ],
+        &[],
+    );
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    assert!(status.success(), "launcher failed: {}", launcher.stderr());
+    // A worker's stdout and stderr share one pipe, so the console and the log keep their order.
+    let stdout = launcher.stdout();
+    for rank in 0..2 {
+        assert!(
+            stdout.contains(&format!(
+                "[rank {rank}] out {rank}\n[rank {rank}] err {rank}\n"
+            )),
+            "{stdout}"
+        );
+        let log = read(&dir.path().join(format!("my_run/logs/rank_{rank}.log")));
+        assert!(
+            log.ends_with(&format!("\nout {rank}\nerr {rank}\n")),
+            "{log}"
+        );
+    }
+}
+
+#[test]
+fn a_worker_that_fails_once_is_restarted_with_every_other_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "echo rank $RANK round $TANDEM_RESTART_COUNT; \
+                  if [ $TANDEM_RESTART_COUNT = 0 ]; then \
+                    if [ $RANK = 1 ]; then sleep 0.3; exit 3; fi; exec sleep 30; \
+                  fi";
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &[
+            "--nproc-per-node",
+            "2",
+            "--stop-grace-seconds",
+            "5",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        &[],
+    );
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let stderr = launcher.stderr();
+    assert!(status.success(), "launcher failed: {stderr}");
+    assert!(
+        stderr.contains(
+            "round 0 failed: rank 1 (node 0, local rank 1) exited with code 3; restarting every node (restart 1 of 3)"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("restarting every node").count(),
+        1,
+        "{stderr}"
+    );
+    for rank in 0..2 {
+        let log = read(&dir.path().join(format!("runs/latest/logs/rank_{rank}.log")));
+        let lines: Vec<&str> = log.lines().collect();
+        assert_eq!(lines.len(), 4, "{log}");
+        assert!(lines[0].starts_with(&format!(
+            "===== tandem launch: round 0 (restart 0 of at most 3), rank {rank},"
+        )));
+        assert_eq!(lines[1], format!("rank {rank} round 0"));
+        assert!(lines[2].starts_with(&format!(
+            "===== tandem launch: round 1 (restart 1 of at most 3), rank {rank},"
+        )));
+        assert_eq!(lines[3], format!("rank {rank} round 1"));
+    }
+}
+
+#[test]
+fn a_worker_that_always_fails_ends_the_job_with_one_summary_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"if [ $RANK = 1 ]; then
+          sleep 0.2
+          printf '{"rank":1,"message":"disk full while writing the snapshot","timestamp":12.5}' > "$TANDEM_ERROR_FILE"
+          exit 7
+        fi
+        exec sleep 30"#;
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &[
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "2",
+            "--stop-grace-seconds",
+            "5",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        &[],
+    );
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let stderr = launcher.stderr();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    let error_file = dir
+        .path()
+        .canonicalize()
+        .unwrap()
+        .join("runs/latest/errors/rank_1.json");
+    let expected_summary = format!(
+        "error: the job failed in round 2 and no restart is left (--max-restarts 2)\n\
+         root cause: rank 1 (node 0, local rank 1) exited with code 7\n\
+         error (from {}, at 12.5): disk full while writing the snapshot\n\
+         other ranks:\n  rank 0: stopped by the launcher (SIGTERM)\n  rank 2: stopped by the launcher (SIGTERM)\n",
+        error_file.display()
+    );
+    assert!(stderr.ends_with(&expected_summary), "{stderr}");
+    assert_eq!(stderr.matches("root cause").count(), 1, "{stderr}");
+    for round in 0..2 {
+        let line = format!(
+            "round {round} failed: rank 1 (node 0, local rank 1) exited with code 7; restarting"
+        );
+        assert!(stderr.contains(&line), "{stderr}");
+    }
+}
+
+#[test]
+fn without_an_error_file_the_summary_shows_the_end_of_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "for step in 1 2 3 4 5 6 7 8 9 10 11 12; do echo step $step; done; echo 'loss is nan' >&2; exit 2";
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &["--max-restarts", "0", "--", "sh", "-c", script],
+        &[],
+    );
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let stderr = launcher.stderr();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    let log = dir
+        .path()
+        .canonicalize()
+        .unwrap()
+        .join("runs/latest/logs/rank_0.log");
+    let tail: String = (4..=12).map(|step| format!("  | step {step}\n")).collect();
+    let expected = format!(
+        "error: the job failed in round 0 and no restart is left (--max-restarts 0)\n\
+         root cause: rank 0 (node 0, local rank 0) exited with code 2\n\
+         it wrote no error file; the last lines of {}:\n{tail}  | loss is nan\n",
+        log.display()
+    );
+    assert!(stderr.ends_with(&expected), "{stderr}");
+}
+
+#[test]
+fn a_program_that_cannot_start_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &["--max-restarts", "1", "--", "./no-such-program", "--flag"],
+        &[],
+    );
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let stderr = launcher.stderr();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("root cause: rank 0 (node 0, local rank 0) could not start: ./no-such-program: No such file or directory"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn sigterm_to_the_launcher_is_passed_to_the_workers_and_not_restarted() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "trap 'echo stopped > marker_$RANK; exit 0' TERM; echo ready > ready_$RANK; \
+                  while :; do sleep 0.05; done";
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &[
+            "--nproc-per-node",
+            "2",
+            "--stop-grace-seconds",
+            "10",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ],
+        &[],
+    );
+    wait_for_file(&dir.path().join("ready_0"), Duration::from_secs(20));
+    wait_for_file(&dir.path().join("ready_1"), Duration::from_secs(20));
+    let signalled = Instant::now();
+    launcher.signal(libc::SIGTERM);
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    assert!(
+        signalled.elapsed() < Duration::from_secs(5),
+        "stopping took {:?}",
+        signalled.elapsed()
+    );
+    let stderr = launcher.stderr();
+    assert_eq!(status.code(), Some(143), "{stderr}");
+    for rank in 0..2 {
+        assert_eq!(
+            read(&dir.path().join(format!("marker_{rank}"))),
+            "stopped\n"
+        );
+    }
+    assert!(
+        stderr.contains("tandem launch: stopped: node 0's launcher received SIGTERM;"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("restarting"), "{stderr}");
+    let log = read(&dir.path().join("runs/latest/logs/rank_0.log"));
+    assert_eq!(
+        log.matches("===== tandem launch: round").count(),
+        1,
+        "{log}"
+    );
+}
+
+#[test]
+fn a_worker_that_ignores_sigterm_is_killed_after_the_grace_period() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "trap '' TERM; echo $$ > pid.tmp; mv pid.tmp pid; exec sleep 30";
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &["--stop-grace-seconds", "1", "--", "sh", "-c", script],
+        &[],
+    );
+    wait_for_file(&dir.path().join("pid"), Duration::from_secs(20));
+    let worker_pid: libc::pid_t = read(&dir.path().join("pid")).trim().parse().unwrap();
+    let signalled = Instant::now();
+    launcher.signal(libc::SIGINT);
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let elapsed = signalled.elapsed();
+    assert!(
+        elapsed >= Duration::from_secs(1) && elapsed < Duration::from_secs(4),
+        "stopping took {elapsed:?}"
+    );
+    assert_eq!(status.code(), Some(130), "{}", launcher.stderr());
+    // SAFETY: signal 0 only checks whether the process exists.
+    let alive = unsafe { libc::kill(worker_pid, 0) } == 0;
+    assert!(!alive, "worker {worker_pid} survived the launcher");
+}
+
+#[test]
+fn two_agents_on_one_machine_restart_both_nodes_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let token = [("TANDEM_JOB_TOKEN", "two-node-test-secret")];
+    let script = "echo $RANK $TANDEM_RESTART_COUNT $WORLD_SIZE $GROUP_RANK >> seen_$RANK; \
+                  if [ $TANDEM_RESTART_COUNT = 0 ]; then \
+                    if [ $GROUP_RANK = 1 ]; then sleep 0.3; exit 5; fi; exec sleep 30; \
+                  fi";
+    let node = |rank: &str| {
+        let log_dir = format!("node{rank}");
+        let args: Vec<String> = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--stop-grace-seconds",
+            "5",
+            "--join-timeout-seconds",
+            "20",
+            "--log-dir",
+            &log_dir,
+            "--",
+            "sh",
+            "-c",
+            script,
+        ]
+        .iter()
+        .map(|word| word.to_string())
+        .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Launcher::start(dir.path(), &log_dir, &args, &token)
+    };
+    let mut node_1 = node("1");
+    std::thread::sleep(Duration::from_millis(300));
+    let mut node_0 = node("0");
+    let status_0 = node_0.wait(LAUNCH_TIMEOUT);
+    let status_1 = node_1.wait(LAUNCH_TIMEOUT);
+    let both = format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr());
+    assert!(
+        status_0.success() && status_1.success(),
+        "{status_0:?} {status_1:?}\n{both}"
+    );
+    assert_eq!(read(&dir.path().join("seen_0")), "0 0 2 0\n0 1 2 0\n");
+    assert_eq!(read(&dir.path().join("seen_1")), "1 0 2 1\n1 1 2 1\n");
+    for launcher in [&node_0, &node_1] {
+        let stderr = launcher.stderr();
+        assert!(
+            stderr.contains("round 0 failed: rank 1 (node 1, local rank 0) exited with code 5; restarting every node"),
+            "{stderr}"
+        );
+    }
+    assert!(read(&dir.path().join("node1/logs/rank_1.log"))
+        .contains("round 1 (restart 1 of at most 3), rank 1, node 1"));
+}
+
+#[test]
+fn a_multi_node_job_needs_a_shared_token_and_a_master() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut no_token = Launcher::start(
+        dir.path(),
+        "no_token",
+        &[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--",
+            "true",
+        ],
+        &[],
+    );
+    assert_eq!(no_token.wait(LAUNCH_TIMEOUT).code(), Some(1));
+    assert_eq!(
+        no_token.stderr(),
+        "error: a job of 2 nodes needs a shared secret: set TANDEM_JOB_TOKEN to the same value on every node\n"
+    );
+    let mut no_master = Launcher::start(
+        dir.path(),
+        "no_master",
+        &["--nnodes", "2", "--node-rank", "1", "--", "true"],
+        &[],
+    );
+    assert_eq!(no_master.wait(LAUNCH_TIMEOUT).code(), Some(1));
+    assert_eq!(
+        no_master.stderr(),
+        "error: a job of 2 nodes needs --master-addr (the host of node 0, where the store listens)\n"
+    );
+}
+
+/// Two network namespaces joined by a veth pair, removed when dropped.
+struct NetworkPair {
+    names: [String; 2],
+}
+
+impl NetworkPair {
+    fn create(tag: &str) -> Result<NetworkPair, String> {
+        let names = [format!("tdm{tag}a"), format!("tdm{tag}b")];
+        let pair = NetworkPair {
+            names: names.clone(),
+        };
+        let [a, b] = &names;
+        let (veth_a, veth_b) = (format!("tv{tag}a"), format!("tv{tag}b"));
+        let steps: Vec<Vec<&str>> = vec![
+            vec!["netns", "add", a],
+            vec!["netns", "add", b],
+            vec![
+                "link", "add", &veth_a, "type", "veth", "peer", "name", &veth_b,
+            ],
+            vec!["link", "set", &veth_a, "netns", a],
+            vec!["link", "set", &veth_b, "netns", b],
+            vec!["-n", a, "addr", "add", "10.201.0.1/24", "dev", &veth_a],
+            vec!["-n", b, "addr", "add", "10.201.0.2/24", "dev", &veth_b],
+            vec!["-n", a, "link", "set", &veth_a, "up"],
+            vec!["-n", b, "link", "set", &veth_b, "up"],
+            vec!["-n", a, "link", "set", "lo", "up"],
+            vec!["-n", b, "link", "set", "lo", "up"],
+        ];
+        for step in steps {
+            let output = Command::new("ip")
+                .args(&step)
+                .output()
+                .map_err(|error| format!("ip: {error}"))?;
+            if !output.status.success() {
+                return Err(format!(
+                    "ip {}: {}",
+                    step.join(" "),
+                    String::from_utf8_lossy(&output.stderr)
+                ));
+            }
+        }
+        Ok(pair)
+    }
+
+    fn exec(&self, index: usize) -> Command {
+        let mut command = Command::new("ip");
+        command.args(["netns", "exec", &self.names[index], TANDEM]);
+        command
+    }
+}
+
+impl Drop for NetworkPair {
+    fn drop(&mut self) {
+        // Deleting a namespace also deletes the veth end inside it, and with it the peer.
+        for name in &self.names {
+            let _ = Command::new("ip").args(["netns", "delete", name]).output();
+        }
+    }
+}
+
+/// Why the two-host test cannot run here, if it cannot.
+fn network_namespaces_unavailable() -> Option<String> {
+    // SAFETY: `geteuid` has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not running as root".into());
+    }
+    match Command::new("ip").args(["netns", "list"]).output() {
+        Ok(output) if output.status.success() => None,
+        Ok(output) => Some(format!(
+            "`ip netns list` failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        )),
+        Err(error) => Some(format!("no `ip` command: {error}")),
+    }
+}
+
+#[test]
+fn two_network_namespaces_act_as_two_hosts() {
+    if let Some(reason) = network_namespaces_unavailable() {
+        eprintln!(
+            "skipped: two_network_namespaces_act_as_two_hosts needs root and `ip netns`: {reason}"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let pair = NetworkPair::create(&std::process::id().to_string())
+        .expect("create the network namespaces");
+    let token = [("TANDEM_JOB_TOKEN", "netns-test-secret")];
+    let script = "echo $RANK $WORLD_SIZE $MASTER_ADDR $TANDEM_RESTART_COUNT > seen_$RANK; \
+                  if [ $GROUP_RANK = 1 ] && [ $TANDEM_RESTART_COUNT = 0 ]; then exit 4; fi; \
+                  if [ $TANDEM_RESTART_COUNT = 0 ]; then exec sleep 30; fi";
+    let node = |index: usize| {
+        let rank = index.to_string();
+        let log_dir = format!("host{index}");
+        let args = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            &rank,
+            "--master-addr",
+            "10.201.0.1",
+            "--master-port",
+            "29555",
+            "--stop-grace-seconds",
+            "5",
+            "--join-timeout-seconds",
+            "20",
+            "--log-dir",
+            &log_dir,
+            "--",
+            "sh",
+            "-c",
+            script,
+        ];
+        Launcher::start_with(pair.exec(index), dir.path(), &log_dir, &args, &token)
+    };
+    let mut host_1 = node(1);
+    let mut host_0 = node(0);
+    let status_0 = host_0.wait(LAUNCH_TIMEOUT);
+    let status_1 = host_1.wait(LAUNCH_TIMEOUT);
+    let both = format!("host 0:\n{}\nhost 1:\n{}", host_0.stderr(), host_1.stderr());
+    assert!(
+        status_0.success() && status_1.success(),
+        "{status_0:?} {status_1:?}\n{both}"
+    );
+    assert_eq!(read(&dir.path().join("seen_0")), "0 2 10.201.0.1 1\n");
+    assert_eq!(read(&dir.path().join("seen_1")), "1 2 10.201.0.1 1\n");
+    assert!(host_1
+        .stderr()
+        .contains("round 0 failed: rank 1 (node 1, local rank 0) exited with code 4"));
+    drop(pair);
+}
