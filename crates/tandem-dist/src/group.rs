@@ -90,6 +90,38 @@ impl ProcessGroupOptions {
     }
 }
 
+impl ProcessGroupOptions {
+    /// Options for a worker started by a cluster (Slurm, Open MPI, torchrun, ...), which must
+    /// say where the store is (or `default_port` fills in a missing port).
+    pub fn from_worker_env(
+        worker: &crate::cluster::WorkerEnv,
+        default_port: Option<u16>,
+        token: JobToken,
+    ) -> Result<ProcessGroupOptions> {
+        let missing = |variable: &str| DistError::Env {
+            source_name: worker.source.name().into(),
+            variable: variable.into(),
+            value: String::new(),
+            message: "is not set, and the workers need the store's address".into(),
+        };
+        let master_addr = worker
+            .master_addr
+            .as_deref()
+            .ok_or_else(|| missing("MASTER_ADDR"))?;
+        let master_port = worker
+            .master_port
+            .or(default_port)
+            .ok_or_else(|| missing("MASTER_PORT"))?;
+        Ok(ProcessGroupOptions::new(
+            worker.rank,
+            worker.world_size,
+            master_addr,
+            master_port,
+            token,
+        ))
+    }
+}
+
 /// One rank's membership of a group: its links to the ring neighbours and the store.
 pub struct ProcessGroup {
     rank: usize,
@@ -574,5 +606,51 @@ fn join_host_port(host: &str, port: u16) -> String {
     match host.parse::<IpAddr>() {
         Ok(IpAddr::V6(_)) => format!("[{host}]:{port}"),
         _ => format!("{host}:{port}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::{ClusterSource, WorkerEnv};
+
+    #[test]
+    fn options_from_a_worker_environment() {
+        let token = JobToken::new("t").expect("token");
+        let mut worker = WorkerEnv {
+            source: ClusterSource::OpenMpi,
+            rank: 3,
+            world_size: 4,
+            local_rank: 1,
+            local_world_size: 2,
+            master_addr: Some("head".into()),
+            master_port: None,
+        };
+        let options = ProcessGroupOptions::from_worker_env(&worker, Some(29500), token.clone())
+            .expect("port from the default");
+        assert_eq!(
+            (options.rank, options.world_size, options.master_port),
+            (3, 4, 29500)
+        );
+        assert_eq!(options.master_addr, "head");
+        let error = ProcessGroupOptions::from_worker_env(&worker, None, token.clone())
+            .expect_err("no port");
+        assert_eq!(
+            error.to_string(),
+            "openmpi environment: MASTER_PORT=\"\": is not set, and the workers need the store's address"
+        );
+        worker.master_addr = None;
+        let error =
+            ProcessGroupOptions::from_worker_env(&worker, Some(1), token).expect_err("no host");
+        assert!(error
+            .to_string()
+            .starts_with("openmpi environment: MASTER_ADDR=\"\""));
+    }
+
+    #[test]
+    fn ipv6_hosts_get_brackets() {
+        assert_eq!(join_host_port("::1", 80), "[::1]:80");
+        assert_eq!(join_host_port("10.0.0.2", 80), "10.0.0.2:80");
+        assert_eq!(join_host_port("node01", 80), "node01:80");
     }
 }

@@ -48,6 +48,9 @@ pub struct AllreduceArgs {
     /// Bytes per ring message.
     #[arg(long, default_value_t = DEFAULT_SEGMENT_BYTES)]
     segment_bytes: usize,
+    /// Link the workers over loopback TCP instead of Unix sockets.
+    #[arg(long)]
+    tcp: bool,
 }
 
 /// Runs the benchmark: as the parent, or as a worker when started by the parent.
@@ -129,6 +132,7 @@ fn run_worker(args: &AllreduceArgs, spec: &str) -> anyhow::Result<()> {
     options.timeout = TIMEOUT;
     options.advertise_host = Some("127.0.0.1".into());
     options.segment_bytes = args.segment_bytes;
+    options.unix_sockets = !args.tcp;
     let mut group = ProcessGroup::connect(options)?;
 
     let template: Vec<f32> = (0..args.numel)
@@ -153,7 +157,7 @@ fn run_worker(args: &AllreduceArgs, spec: &str) -> anyhow::Result<()> {
     // An iteration lasts as long as its slowest rank.
     group.all_reduce_f64(&mut seconds, ReduceOp::Max)?;
     if rank == 0 {
-        report(args, &mut seconds);
+        report(args, group.ring_transport(), &mut seconds);
     }
     Ok(())
 }
@@ -170,7 +174,7 @@ fn check_sum(buffer: &[f32], nproc: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn report(args: &AllreduceArgs, seconds: &mut [f64]) {
+fn report(args: &AllreduceArgs, transport: &str, seconds: &mut [f64]) {
     seconds.sort_by(f64::total_cmp);
     let median = match seconds.len() % 2 {
         1 => seconds[seconds.len() / 2],
@@ -180,7 +184,7 @@ fn report(args: &AllreduceArgs, seconds: &mut [f64]) {
     let algbw = bytes / median / 1e9;
     let busbw = algbw * 2.0 * (args.nproc - 1) as f64 / args.nproc as f64;
     println!(
-        "allreduce: {} processes, {} f32 ({:.1} MB), {} iterations, {} B segments",
+        "allreduce: {} processes over {transport}, {} f32 ({:.1} MB), {} iterations, {} B segments",
         args.nproc,
         args.numel,
         bytes / 1e6,
