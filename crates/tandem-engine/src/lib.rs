@@ -1,1 +1,26 @@
-//! tandem-engine
+//! `tandem-engine`: the numeric core of Tandem.
+//!
+//! Tensors are plain `f32` slices in NHWC layout (`[batch, height, width, channels]`).
+//! Each layer is a pair of free functions, a forward and an explicit backward; there is
+//! no autograd. Kernels split their work into fixed chunks per worker (see [`threads`]),
+//! so the same inputs and thread count give bit-identical results run after run.
+//!
+//! - [`conv`]: 2-D convolution (im2col + GEMM), any square kernel, stride and padding.
+//! - [`batchnorm`]: batch normalization with fused residual add and ReLU.
+//! - [`head`]: global average pooling, linear layer and cross-entropy loss.
+//! - [`optim`]: SGD and Adam/AdamW with PyTorch's update rules on flat slices.
+
+pub mod batchnorm;
+pub mod conv;
+mod error;
+pub mod head;
+pub mod matmul;
+pub mod optim;
+mod parallel;
+pub mod rng;
+mod threads;
+
+pub use batchnorm::BatchNormReducer;
+pub use error::EngineError;
+pub use optim::{Adam, AdamConfig, Optimizer, OptimizerState, Sgd, SgdConfig};
+pub use threads::{set_threads, threads};

@@ -1,0 +1,483 @@
+//! 2-D convolution over NHWC tensors, PyTorch `Conv2d` semantics (square kernel, equal
+//! stride and zero padding on both axes, no dilation, no groups).
+//!
+//! Weights are stored `[out_channels, kernel, kernel, in_channels]` (OHWI): one row of
+//! `kernel * kernel * in_channels` values per output channel, matching the im2col patch
+//! order, so the layer is `output[rows, out] = patches[rows, patch] × weightᵀ`. A 1x1
+//! stride-1 unpadded convolution skips im2col: an NHWC tensor already is the
+//! `[pixels, channels]` matrix.
+//!
+//! Work is split by images into one fixed part per worker; each worker walks its part in
+//! chunks of a few images so the patch matrix stays small and in cache.
+
+use rayon::prelude::*;
+
+use crate::matmul::{matmul, MatRef};
+use crate::threads::threads;
+
+/// Rows of the patch matrix one chunk aims for: big enough for efficient GEMM, small
+/// enough that the patches stay in cache.
+const TARGET_CHUNK_ROWS: usize = 512;
+
+/// The sizes of one convolution applied to one batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dShape {
+    /// Images in the batch.
+    pub batch: usize,
+    /// Input height.
+    pub in_height: usize,
+    /// Input width.
+    pub in_width: usize,
+    /// Input channels.
+    pub in_channels: usize,
+    /// Output channels.
+    pub out_channels: usize,
+    /// Kernel height and width.
+    pub kernel: usize,
+    /// Stride on both axes.
+    pub stride: usize,
+    /// Zero padding on each of the four sides.
+    pub padding: usize,
+}
+
+impl Conv2dShape {
+    /// Output `(height, width)`, or `None` when the kernel does not fit the padded input
+    /// or the stride is zero.
+    pub fn output_size(&self) -> Option<(usize, usize)> {
+        if self.stride == 0 || self.kernel == 0 {
+            return None;
+        }
+        let padded_height = self.in_height + 2 * self.padding;
+        let padded_width = self.in_width + 2 * self.padding;
+        if padded_height < self.kernel || padded_width < self.kernel {
+            return None;
+        }
+        Some((
+            (padded_height - self.kernel) / self.stride + 1,
+            (padded_width - self.kernel) / self.stride + 1,
+        ))
+    }
+
+    /// Output height (0 when the kernel does not fit).
+    pub fn out_height(&self) -> usize {
+        self.output_size().map_or(0, |size| size.0)
+    }
+
+    /// Output width (0 when the kernel does not fit).
+    pub fn out_width(&self) -> usize {
+        self.output_size().map_or(0, |size| size.1)
+    }
+
+    /// Values in one patch: `kernel * kernel * in_channels`.
+    pub fn patch_len(&self) -> usize {
+        self.kernel * self.kernel * self.in_channels
+    }
+
+    /// Values in the weight tensor.
+    pub fn weight_len(&self) -> usize {
+        self.out_channels * self.patch_len()
+    }
+
+    /// Values in the input tensor.
+    pub fn input_len(&self) -> usize {
+        self.batch * self.input_image_len()
+    }
+
+    /// Values in the output tensor.
+    pub fn output_len(&self) -> usize {
+        self.batch * self.output_image_len()
+    }
+
+    fn input_image_len(&self) -> usize {
+        self.in_height * self.in_width * self.in_channels
+    }
+
+    fn output_image_len(&self) -> usize {
+        self.out_height() * self.out_width() * self.out_channels
+    }
+
+    fn output_pixels(&self) -> usize {
+        self.out_height() * self.out_width()
+    }
+
+    /// A 1x1, stride-1, unpadded convolution needs no im2col.
+    fn is_pointwise(&self) -> bool {
+        self.kernel == 1 && self.stride == 1 && self.padding == 0
+    }
+
+    fn images_per_chunk(&self) -> usize {
+        (TARGET_CHUNK_ROWS / self.output_pixels().max(1)).clamp(1, self.batch.max(1))
+    }
+
+    /// Images each worker handles: equal parts, whole chunks, one part per worker.
+    fn images_per_worker(&self) -> usize {
+        let per_chunk = self.images_per_chunk();
+        let chunks = self.batch.div_ceil(per_chunk);
+        chunks.div_ceil(threads().max(1)).max(1) * per_chunk
+    }
+
+    fn columns_len(&self) -> usize {
+        if self.is_pointwise() {
+            0
+        } else {
+            self.images_per_chunk() * self.output_pixels() * self.patch_len()
+        }
+    }
+
+    fn check_lengths(&self, input: &[f32], weight: &[f32], output: &[f32]) {
+        assert!(
+            self.output_size().is_some(),
+            "conv2d: kernel does not fit {self:?}"
+        );
+        assert_eq!(
+            input.len(),
+            self.input_len(),
+            "conv2d: input length for {self:?}"
+        );
+        assert_eq!(
+            weight.len(),
+            self.weight_len(),
+            "conv2d: weight length for {self:?}"
+        );
+        assert_eq!(
+            output.len(),
+            self.output_len(),
+            "conv2d: output length for {self:?}"
+        );
+    }
+}
+
+/// Per-worker buffers of the convolution kernels, grown on first use and then reused.
+#[derive(Default)]
+pub struct ConvScratch {
+    workers: Vec<WorkerScratch>,
+}
+
+#[derive(Default)]
+struct WorkerScratch {
+    columns: Vec<f32>,
+    weight_grad: Vec<f32>,
+    bias_grad: Vec<f64>,
+}
+
+impl ConvScratch {
+    fn prepare(&mut self, workers: usize, columns: usize, weight_grad: usize, bias_grad: usize) {
+        if self.workers.len() < workers {
+            self.workers.resize_with(workers, WorkerScratch::default);
+        }
+        for worker in &mut self.workers[..workers] {
+            grow(&mut worker.columns, columns);
+            grow(&mut worker.weight_grad, weight_grad);
+            worker
+                .bias_grad
+                .resize(worker.bias_grad.len().max(bias_grad), 0.0);
+        }
+    }
+}
+
+fn grow(buffer: &mut Vec<f32>, len: usize) {
+    if buffer.len() < len {
+        buffer.resize(len, 0.0);
+    }
+}
+
+/// Where the backward pass puts the input gradient.
+pub enum InputGrad<'a> {
+    /// The input gradient is not needed (e.g. the first layer).
+    Skip,
+    /// Write the input gradient, replacing what the slice holds.
+    Overwrite(&'a mut [f32]),
+    /// Add the input gradient to what the slice holds.
+    Accumulate(&'a mut [f32]),
+}
+
+/// Forward: `output = conv(input, weight) + bias`.
+///
+/// `input` is `[batch, in_height, in_width, in_channels]`, `weight` OHWI, `bias`
+/// `[out_channels]`, `output` `[batch, out_height, out_width, out_channels]`.
+pub fn conv2d_forward(
+    shape: &Conv2dShape,
+    input: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    output: &mut [f32],
+    scratch: &mut ConvScratch,
+) {
+    shape.check_lengths(input, weight, output);
+    if shape.batch == 0 {
+        return;
+    }
+    let images_per_worker = shape.images_per_worker();
+    let workers = shape.batch.div_ceil(images_per_worker);
+    scratch.prepare(workers, shape.columns_len(), 0, 0);
+    let weight_t = MatRef::row_major(weight, shape.out_channels, shape.patch_len()).transposed();
+    scratch.workers[..workers]
+        .par_iter_mut()
+        .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
+        .zip(output.par_chunks_mut(images_per_worker * shape.output_image_len()))
+        .for_each(|((worker, input_part), output_part)| {
+            let chunk_images = shape.images_per_chunk();
+            let input_chunks = input_part.chunks(chunk_images * shape.input_image_len());
+            let output_chunks = output_part.chunks_mut(chunk_images * shape.output_image_len());
+            for (input_chunk, output_chunk) in input_chunks.zip(output_chunks) {
+                let rows = output_chunk.len() / shape.out_channels;
+                let patches = patch_matrix(shape, input_chunk, rows, &mut worker.columns);
+                matmul(output_chunk, shape.out_channels, patches, weight_t, false);
+                if let Some(bias) = bias {
+                    for row in output_chunk.chunks_exact_mut(shape.out_channels) {
+                        for (value, b) in row.iter_mut().zip(bias) {
+                            *value += b;
+                        }
+                    }
+                }
+            }
+        });
+}
+
+/// Backward: adds the weight (and bias) gradients to `grad_weight` (`grad_bias`) and
+/// writes or adds the input gradient as `grad_input` says.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_backward(
+    shape: &Conv2dShape,
+    input: &[f32],
+    weight: &[f32],
+    grad_output: &[f32],
+    grad_weight: &mut [f32],
+    grad_bias: Option<&mut [f32]>,
+    grad_input: InputGrad,
+    scratch: &mut ConvScratch,
+) {
+    shape.check_lengths(input, weight, grad_output);
+    assert_eq!(
+        grad_weight.len(),
+        shape.weight_len(),
+        "conv2d: weight gradient length"
+    );
+    if shape.batch == 0 {
+        return;
+    }
+    let images_per_worker = shape.images_per_worker();
+    let workers = shape.batch.div_ceil(images_per_worker);
+    scratch.prepare(
+        workers,
+        shape.columns_len(),
+        shape.weight_len(),
+        shape.out_channels,
+    );
+    let accumulate_input = matches!(grad_input, InputGrad::Accumulate(_));
+    let input_grad_parts: Vec<Option<&mut [f32]>> = match grad_input {
+        InputGrad::Skip => (0..workers).map(|_| None).collect(),
+        InputGrad::Overwrite(grad) | InputGrad::Accumulate(grad) => {
+            assert_eq!(
+                grad.len(),
+                shape.input_len(),
+                "conv2d: input gradient length"
+            );
+            grad.chunks_mut(images_per_worker * shape.input_image_len())
+                .map(Some)
+                .collect()
+        }
+    };
+    scratch.workers[..workers]
+        .par_iter_mut()
+        .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
+        .zip(grad_output.par_chunks(images_per_worker * shape.output_image_len()))
+        .zip(input_grad_parts.into_par_iter())
+        .for_each(
+            |(((worker, input_part), grad_output_part), grad_input_part)| {
+                backward_worker(
+                    shape,
+                    weight,
+                    input_part,
+                    grad_output_part,
+                    grad_input_part,
+                    accumulate_input,
+                    worker,
+                );
+            },
+        );
+    for worker in &scratch.workers[..workers] {
+        for (total, partial) in grad_weight.iter_mut().zip(&worker.weight_grad) {
+            *total += partial;
+        }
+    }
+    if let Some(grad_bias) = grad_bias {
+        for (channel, total) in grad_bias.iter_mut().enumerate() {
+            let sum: f64 = scratch.workers[..workers]
+                .iter()
+                .map(|worker| worker.bias_grad[channel])
+                .sum();
+            *total += sum as f32;
+        }
+    }
+}
+
+/// One worker's share of the backward pass: partial weight and bias gradients over its
+/// images, and the input gradient of those images.
+fn backward_worker(
+    shape: &Conv2dShape,
+    weight: &[f32],
+    input_part: &[f32],
+    grad_output_part: &[f32],
+    mut grad_input_part: Option<&mut [f32]>,
+    accumulate_input: bool,
+    worker: &mut WorkerScratch,
+) {
+    let (out_channels, patch_len) = (shape.out_channels, shape.patch_len());
+    worker.weight_grad[..shape.weight_len()].fill(0.0);
+    worker.bias_grad[..out_channels].fill(0.0);
+    let weight_matrix = MatRef::row_major(weight, out_channels, patch_len);
+    let chunk_images = shape.images_per_chunk();
+    let input_chunks = input_part.chunks(chunk_images * shape.input_image_len());
+    let grad_output_chunks = grad_output_part.chunks(chunk_images * shape.output_image_len());
+    for (chunk_index, (input_chunk, grad_output_chunk)) in
+        input_chunks.zip(grad_output_chunks).enumerate()
+    {
+        let rows = grad_output_chunk.len() / out_channels;
+        let grad_output_matrix = MatRef::row_major(grad_output_chunk, rows, out_channels);
+        let patches = patch_matrix(shape, input_chunk, rows, &mut worker.columns);
+        matmul(
+            &mut worker.weight_grad[..shape.weight_len()],
+            patch_len,
+            grad_output_matrix.transposed(),
+            patches,
+            true,
+        );
+        for row in grad_output_chunk.chunks_exact(out_channels) {
+            for (sum, value) in worker.bias_grad.iter_mut().zip(row) {
+                *sum += f64::from(*value);
+            }
+        }
+        let Some(grad_input_part) = grad_input_part.as_deref_mut() else {
+            continue;
+        };
+        let chunk_input_len = chunk_images * shape.input_image_len();
+        let start = chunk_index * chunk_input_len;
+        let grad_input_chunk = &mut grad_input_part[start..start + input_chunk.len()];
+        if shape.is_pointwise() {
+            matmul(
+                grad_input_chunk,
+                shape.in_channels,
+                grad_output_matrix,
+                weight_matrix,
+                accumulate_input,
+            );
+        } else {
+            let grad_columns = &mut worker.columns[..rows * patch_len];
+            matmul(
+                grad_columns,
+                patch_len,
+                grad_output_matrix,
+                weight_matrix,
+                false,
+            );
+            if !accumulate_input {
+                grad_input_chunk.fill(0.0);
+            }
+            col2im_add(shape, grad_columns, grad_input_chunk);
+        }
+    }
+}
+
+/// The `[rows, patch_len]` patch matrix of a chunk of images: the input itself for a
+/// pointwise convolution, else im2col into `columns`.
+fn patch_matrix<'a>(
+    shape: &Conv2dShape,
+    input_chunk: &'a [f32],
+    rows: usize,
+    columns: &'a mut [f32],
+) -> MatRef<'a> {
+    if shape.is_pointwise() {
+        MatRef::row_major(input_chunk, rows, shape.in_channels)
+    } else {
+        let columns = &mut columns[..rows * shape.patch_len()];
+        im2col(shape, input_chunk, columns);
+        MatRef::row_major(columns, rows, shape.patch_len())
+    }
+}
+
+/// For one output pixel and one kernel row `ky`, the input row `iy` it reads (if inside the
+/// image) and the range of kernel columns `kx` that fall inside the image, with the first
+/// input column they read.
+struct TapSpan {
+    input_row: usize,
+    first_input_col: usize,
+    kernel_cols: std::ops::Range<usize>,
+}
+
+fn tap_span(shape: &Conv2dShape, out_y: usize, out_x: usize, ky: usize) -> Option<TapSpan> {
+    let input_row = (out_y * shape.stride + ky).checked_sub(shape.padding)?;
+    if input_row >= shape.in_height {
+        return None;
+    }
+    let left = out_x * shape.stride;
+    // Kernel column kx reads input column left + kx - padding.
+    let first_kx = shape.padding.saturating_sub(left);
+    let end_kx = (shape.in_width + shape.padding)
+        .saturating_sub(left)
+        .min(shape.kernel);
+    if first_kx >= end_kx {
+        return None;
+    }
+    Some(TapSpan {
+        input_row,
+        first_input_col: left + first_kx - shape.padding,
+        kernel_cols: first_kx..end_kx,
+    })
+}
+
+/// Copies each output pixel's receptive field (zeros where it falls in the padding) into
+/// one row of `columns`, in `(ky, kx, channel)` order.
+fn im2col(shape: &Conv2dShape, images: &[f32], columns: &mut [f32]) {
+    let channels = shape.in_channels;
+    let row_span = shape.kernel * channels;
+    let (out_height, out_width) = (shape.out_height(), shape.out_width());
+    let mut rows = columns.chunks_exact_mut(shape.patch_len());
+    for image in images.chunks_exact(shape.input_image_len()) {
+        for out_y in 0..out_height {
+            for out_x in 0..out_width {
+                let Some(row) = rows.next() else { return };
+                for (ky, kernel_row) in row.chunks_exact_mut(row_span).enumerate() {
+                    let Some(span) = tap_span(shape, out_y, out_x, ky) else {
+                        kernel_row.fill(0.0);
+                        continue;
+                    };
+                    let start = (span.input_row * shape.in_width + span.first_input_col) * channels;
+                    let len = span.kernel_cols.len() * channels;
+                    kernel_row[..span.kernel_cols.start * channels].fill(0.0);
+                    kernel_row[span.kernel_cols.start * channels..span.kernel_cols.end * channels]
+                        .copy_from_slice(&image[start..start + len]);
+                    kernel_row[span.kernel_cols.end * channels..].fill(0.0);
+                }
+            }
+        }
+    }
+}
+
+/// The adjoint of [`im2col`]: adds each patch-row gradient back onto the input pixels it
+/// was read from.
+fn col2im_add(shape: &Conv2dShape, columns: &[f32], grad_images: &mut [f32]) {
+    let channels = shape.in_channels;
+    let row_span = shape.kernel * channels;
+    let (out_height, out_width) = (shape.out_height(), shape.out_width());
+    let mut rows = columns.chunks_exact(shape.patch_len());
+    for grad_image in grad_images.chunks_exact_mut(shape.input_image_len()) {
+        for out_y in 0..out_height {
+            for out_x in 0..out_width {
+                let Some(row) = rows.next() else { return };
+                for (ky, kernel_row) in row.chunks_exact(row_span).enumerate() {
+                    let Some(span) = tap_span(shape, out_y, out_x, ky) else {
+                        continue;
+                    };
+                    let start = (span.input_row * shape.in_width + span.first_input_col) * channels;
+                    let len = span.kernel_cols.len() * channels;
+                    let source = &kernel_row
+                        [span.kernel_cols.start * channels..span.kernel_cols.end * channels];
+                    for (target, value) in grad_image[start..start + len].iter_mut().zip(source) {
+                        *target += value;
+                    }
+                }
+            }
+        }
+    }
+}
