@@ -400,7 +400,14 @@ impl ProcessGroup {
 
     /// Concatenates every rank's `part` in rank order; all parts must have the same length.
     pub fn all_gather<T: Element>(&mut self, part: &[T]) -> Result<Vec<T>> {
-        let mut gathered = vec![T::zeroed(); part.len() * self.world_size];
+        let total = part.len().checked_mul(self.world_size).ok_or_else(|| {
+            DistError::InvalidArgument(format!(
+                "all_gather of {} elements from {} ranks does not fit in memory",
+                part.len(),
+                self.world_size
+            ))
+        })?;
+        let mut gathered = vec![T::zeroed(); total];
         let own = self.rank * part.len()..(self.rank + 1) * part.len();
         if let Some(slot) = gathered.get_mut(own) {
             slot.copy_from_slice(part);
