@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use tandem_dist::{JobToken, StoreClient};
+use tandem_dist::{JobToken, ProcessGroup, ProcessGroupOptions, ReduceOp, StoreClient};
 
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 /// Bound on any launcher in these tests.
@@ -129,6 +129,29 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Whether process `pid` is gone (or a zombie nobody reaped yet, which is dead too).
+fn process_is_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the parenthesised command name: "pid (comm) S ...".
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('Z')),
+    }
+}
+
+/// Waits until process `pid` is gone, at most `timeout`.
+fn wait_until_gone(pid: u32, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !process_is_gone(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "process {pid} still runs after {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn read(path: &Path) -> String {
@@ -474,7 +497,7 @@ fn a_worker_that_ignores_sigterm_is_killed_after_the_grace_period() {
         &[],
     );
     wait_for_file(&dir.path().join("pid"), Duration::from_secs(20));
-    let worker_pid: libc::pid_t = read(&dir.path().join("pid")).trim().parse().unwrap();
+    let worker_pid: u32 = read(&dir.path().join("pid")).trim().parse().unwrap();
     let signalled = Instant::now();
     launcher.signal(libc::SIGINT);
     let status = launcher.wait(LAUNCH_TIMEOUT);
@@ -484,9 +507,10 @@ fn a_worker_that_ignores_sigterm_is_killed_after_the_grace_period() {
         "stopping took {elapsed:?}"
     );
     assert_eq!(status.code(), Some(130), "{}", launcher.stderr());
-    // SAFETY: signal 0 only checks whether the process exists.
-    let alive = unsafe { libc::kill(worker_pid, 0) } == 0;
-    assert!(!alive, "worker {worker_pid} survived the launcher");
+    assert!(
+        process_is_gone(worker_pid as u32),
+        "worker {worker_pid} survived the launcher"
+    );
 }
 
 #[test]
@@ -547,6 +571,64 @@ fn two_agents_on_one_machine_restart_both_nodes_together() {
     }
     assert!(read(&dir.path().join("node1/logs/rank_1.log"))
         .contains("round 1 (restart 1 of at most 3), rank 1, node 1"));
+}
+
+#[test]
+fn when_an_agent_dies_its_workers_die_and_the_other_node_names_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let token = [("TANDEM_JOB_TOKEN", "agent-death-test-secret")];
+    let script = "echo $$ > pid_$RANK.tmp; mv pid_$RANK.tmp pid_$RANK; exec sleep 30";
+    let node = |rank: &str| {
+        let log_dir = format!("node{rank}");
+        let args = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port,
+            "--max-restarts",
+            "0",
+            "--stop-grace-seconds",
+            "1",
+            "--heartbeat-timeout-seconds",
+            "2",
+            "--log-dir",
+            &log_dir,
+            "--",
+            "sh",
+            "-c",
+            script,
+        ];
+        Launcher::start(dir.path(), &log_dir, &args, &token)
+    };
+    let mut node_0 = node("0");
+    let node_1 = node("1");
+    wait_for_file(&dir.path().join("pid_0"), Duration::from_secs(20));
+    wait_for_file(&dir.path().join("pid_1"), Duration::from_secs(20));
+    let worker_1: u32 = read(&dir.path().join("pid_1")).trim().parse().unwrap();
+
+    node_1.signal(libc::SIGKILL);
+    let killed = Instant::now();
+    wait_until_gone(worker_1, Duration::from_secs(5));
+    let status = node_0.wait(LAUNCH_TIMEOUT);
+    let elapsed = killed.elapsed();
+    let stderr = node_0.stderr();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        elapsed < Duration::from_secs(8),
+        "node 0 took {elapsed:?} to notice"
+    );
+    assert!(
+        stderr.ends_with(
+            "root cause: node 1's agent sent no report (it may have died or lost the network)\n\
+             other ranks:\n  rank 0: stopped by the launcher (SIGTERM)\n  node 1: no report\n"
+        ),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -715,5 +797,138 @@ fn two_network_namespaces_act_as_two_hosts() {
     assert!(host_1
         .stderr()
         .contains("round 0 failed: rank 1 (node 1, local rank 0) exited with code 4"));
+    drop(pair);
+}
+
+/// Set (to a folder) for the process-group workers that the link-cut test starts through
+/// `tandem launch` by running this test binary again.
+const PG_WORKER_ENV: &str = "TANDEM_LAUNCH_TEST_PG_WORKER";
+
+/// Not a test on its own: the body of those process-group workers. Each joins the group the
+/// launcher describes, says it is ready, then all-reduces until a collective fails; it then
+/// writes its error file, as `tandem train` does, and exits 1.
+#[test]
+fn process_group_worker_entry() {
+    let Ok(folder) = std::env::var(PG_WORKER_ENV) else {
+        return;
+    };
+    let var = |name: &str| std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set"));
+    let rank: usize = var("RANK").parse().unwrap();
+    let mut options = ProcessGroupOptions::new(
+        rank,
+        var("WORLD_SIZE").parse().unwrap(),
+        &var("MASTER_ADDR"),
+        var("MASTER_PORT").parse().unwrap(),
+        JobToken::new(&var("TANDEM_JOB_TOKEN")).unwrap(),
+    );
+    options.host_store = var("TANDEM_STORE_HOSTED") != "1";
+    options.prefix = var("TANDEM_STORE_PREFIX");
+    options.timeout = Duration::from_secs(3);
+    let failure = (|| -> Result<(), tandem_dist::DistError> {
+        let mut group = ProcessGroup::connect(options)?;
+        std::fs::write(Path::new(&folder).join(format!("ready_{rank}")), "").unwrap();
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(60) {
+            let mut values = vec![1.0f32; 4096];
+            group.all_reduce_f32(&mut values, ReduceOp::Sum)?;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
+    })();
+    if let Err(error) = failure {
+        let record = format!(
+            r#"{{"rank":{rank},"message":{:?},"timestamp":0}}"#,
+            error.to_string()
+        );
+        std::fs::write(var("TANDEM_ERROR_FILE"), record).unwrap();
+        eprintln!("rank {rank} failed: {error}");
+        std::process::exit(1);
+    }
+}
+
+#[test]
+fn cutting_the_link_between_two_hosts_fails_both_sides_naming_the_peer() {
+    if let Some(reason) = network_namespaces_unavailable() {
+        eprintln!("skipped: cutting_the_link_between_two_hosts_fails_both_sides_naming_the_peer needs root and `ip netns`: {reason}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let tag = format!("{}c", std::process::id());
+    let pair = NetworkPair::create(&tag).expect("create the network namespaces");
+    let this_test_binary = std::env::current_exe().unwrap();
+    let folder = dir.path().display().to_string();
+    let env = [
+        ("TANDEM_JOB_TOKEN", "link-cut-test-secret"),
+        (PG_WORKER_ENV, folder.as_str()),
+    ];
+    let node = |index: usize| {
+        let rank = index.to_string();
+        let log_dir = format!("host{index}");
+        let args = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            &rank,
+            "--master-addr",
+            "10.201.0.1",
+            "--master-port",
+            "29556",
+            "--max-restarts",
+            "0",
+            "--stop-grace-seconds",
+            "1",
+            "--heartbeat-timeout-seconds",
+            "8",
+            "--log-dir",
+            &log_dir,
+            "--",
+            this_test_binary.to_str().unwrap(),
+            "--exact",
+            "process_group_worker_entry",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ];
+        Launcher::start_with(pair.exec(index), dir.path(), &log_dir, &args, &env)
+    };
+    let mut host_0 = node(0);
+    let mut host_1 = node(1);
+    wait_for_file(&dir.path().join("ready_0"), Duration::from_secs(30));
+    wait_for_file(&dir.path().join("ready_1"), Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(300));
+
+    let cut = Command::new("ip")
+        .args([
+            "-n",
+            &pair.names[0],
+            "link",
+            "set",
+            &format!("tv{tag}a"),
+            "down",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        cut.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cut.stderr)
+    );
+    let status_0 = host_0.wait(LAUNCH_TIMEOUT);
+    let status_1 = host_1.wait(LAUNCH_TIMEOUT);
+    let (stderr_0, stderr_1) = (host_0.stderr(), host_1.stderr());
+    eprintln!("host 0 said:\n{stderr_0}\nhost 1 said:\n{stderr_1}");
+    assert_eq!(status_0.code(), Some(1), "{stderr_0}");
+    assert_eq!(status_1.code(), Some(1), "{stderr_1}");
+    // Each side's summary names its own worker and that worker's error names the other rank.
+    assert!(
+        stderr_0.contains("root cause: rank 0 (node 0, local rank 0) exited with code 1"),
+        "{stderr_0}"
+    );
+    assert!(stderr_0.contains("rank 1 (10.201.0.2:"), "{stderr_0}");
+    assert!(
+        stderr_1.contains("root cause: rank 1 (node 1, local rank 0) exited with code 1"),
+        "{stderr_1}"
+    );
+    assert!(stderr_1.contains("rank 0 (10.201.0.1:"), "{stderr_1}");
     drop(pair);
 }

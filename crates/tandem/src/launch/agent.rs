@@ -8,9 +8,9 @@ use anyhow::Context;
 
 use super::logs::RankLog;
 use super::options::LaunchPlan;
-use super::rendezvous::{AgentStore, Member, Waited};
+use super::rendezvous::{AgentStore, Heartbeats, Member, Waited};
 use super::report::{self, NodeReport, RootCause, WorkerReport, LOG_TAIL_LINES};
-use super::signals::{self, signal_name, SIGKILL, SIGTERM};
+use super::signals::{self, signal_name, StopRequest, SIGKILL, SIGTERM};
 use super::worker::{
     error_file_path, now_micros, worker_env, JobEnv, Worker, WorkerEnd, WorkerPlace,
 };
@@ -23,10 +23,10 @@ const STORE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 const AFTER_KILL_WAIT: Duration = Duration::from_secs(5);
 /// How long the agent waits for a dead worker's output to reach its log.
 const OUTPUT_FLUSH_WAIT: Duration = Duration::from_secs(2);
-/// A node whose heartbeat stops for this long is taken for dead.
-const HEARTBEAT_SILENCE: Duration = Duration::from_secs(60);
 /// Extra time, beyond the stop grace, that a decided round waits for the nodes' reports.
-const REPORT_SLACK: Duration = Duration::from_secs(30);
+const REPORT_SLACK: Duration = Duration::from_secs(10);
+/// How often the agent bumps its heartbeat and looks at the others'.
+const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
 /// How long node 0 keeps the store up for the other nodes to read the outcome.
 const LEAVE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -80,7 +80,8 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
         store.master_port,
         plan.log_dir.display()
     ));
-    for restart in 0..=plan.max_restarts {
+    let mut restart = 0;
+    loop {
         let join_deadline = Instant::now() + plan.join_timeout;
         let member = Member {
             nproc: topology.nproc_per_node,
@@ -90,11 +91,17 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
             Waited::Interrupted => return Ok(stop_before_round(&store, restart)),
         };
         let mut workers = start_workers(plan, &store, restart, &members)?;
-        watch_round(plan, &store, restart, &workers)?;
+        let mut heartbeats = Heartbeats::new(topology.nnodes, plan.heartbeat_timeout);
+        let watched = watch_round(plan, &store, restart, &workers, &mut heartbeats);
         let report = node_report(topology.node_rank, &mut workers);
-        store.publish_report(restart, &report)?;
-        let reports =
-            store.gather_reports(restart, HEARTBEAT_SILENCE, plan.stop_grace + REPORT_SLACK)?;
+        let shared = watched.and_then(|()| {
+            store.publish_report(restart, &report)?;
+            store.gather_reports(restart, &mut heartbeats, plan.stop_grace + REPORT_SLACK)
+        });
+        let reports = match shared {
+            Ok(reports) => reports,
+            Err(error) => return Ok(lost_the_store(&error, topology.nnodes, report)),
+        };
         let present: Vec<bool> = reports.iter().map(Option::is_some).collect();
 
         if every_worker_succeeded(&reports) {
@@ -116,6 +123,7 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
                 restart + 1,
                 plan.max_restarts
             ));
+            restart += 1;
             continue;
         }
         store.leave(restart, &present, LEAVE_TIMEOUT)?;
@@ -127,7 +135,22 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
             summary: report::summary(&title, &cause, &reports),
         });
     }
-    unreachable!("the last round always returns")
+}
+
+/// The end of a job whose store became unreachable mid-round: the workers here are stopped
+/// already, and only this node's side of the story can be told.
+fn lost_the_store(error: &anyhow::Error, nnodes: usize, report: NodeReport) -> JobEnd {
+    let node_rank = report.node_rank;
+    let mut reports: Vec<Option<NodeReport>> = vec![None; nnodes];
+    if let Some(slot) = reports.get_mut(node_rank) {
+        *slot = Some(report);
+    }
+    let cause = report::root_cause(&reports).unwrap_or(RootCause::NodeSilent { node_rank: 0 });
+    let title =
+        format!("the job failed: node {node_rank} lost the store ({error:#}); what this node saw:");
+    JobEnd::Failed {
+        summary: report::summary(&title, &cause, &reports),
+    }
 }
 
 /// The end of a job stopped by this launcher's signal before any worker ran in this round.
@@ -250,70 +273,30 @@ fn kill_and_reap(workers: &[Worker]) {
 }
 
 /// Watches the workers until they have all ended: on their own, or stopped because a worker
-/// failed here or elsewhere, or a stop signal came. Never returns while a worker runs, even
-/// when the store fails (the workers are stopped first, then the error is returned).
+/// failed here or elsewhere, a node went silent, or a stop signal came. Never returns while a
+/// worker runs, even when the store fails (the workers are stopped first, then the error is
+/// returned).
 fn watch_round(
     plan: &LaunchPlan,
     store: &AgentStore,
     restart: u32,
     workers: &[Worker],
+    heartbeats: &mut Heartbeats,
 ) -> anyhow::Result<()> {
+    let mut duties = StoreDuties::new(plan.topology.node_rank, restart);
     let mut stopping: Option<Stopping> = None;
-    let mut failure_marked = false;
-    let mut stop_published = false;
-    let mut store_error: Option<anyhow::Error> = None;
-    let mut last_store_check = Instant::now();
-    let mut last_heartbeat = Instant::now();
     loop {
         let ends: Vec<Option<WorkerEnd>> = workers
             .iter()
             .map(|worker| worker.end().map(|(end, _)| end))
             .collect();
         let local_failure = ends.iter().flatten().any(WorkerEnd::is_failure);
-        let all_ended = ends.iter().all(Option::is_some);
-
-        if local_failure && !failure_marked && store_error.is_none() {
-            failure_marked = true;
-            if let Err(error) = store.mark_failed(restart) {
-                store_error = Some(error);
-            }
-        }
         let signal = signals::stop_requested();
-        if let Some(request) = signal {
-            if !stop_published && store_error.is_none() {
-                stop_published = true;
-                let reason = format!(
-                    "node {}'s launcher received {}",
-                    plan.topology.node_rank,
-                    signal_name(request.signal)
-                );
-                if let Err(error) = store.request_stop(&reason) {
-                    store_error = Some(error);
-                }
-            }
-        }
-        let mut peer_asked = false;
-        if stopping.is_none()
-            && store_error.is_none()
-            && last_store_check.elapsed() >= STORE_CHECK_INTERVAL
-        {
-            last_store_check = Instant::now();
-            match check_store(store, restart) {
-                Ok(asked) => peer_asked = asked,
-                Err(error) => store_error = Some(error),
-            }
-        }
-        if store_error.is_none() && last_heartbeat.elapsed() >= Duration::from_secs(1) {
-            last_heartbeat = Instant::now();
-            if let Err(error) = store.heartbeat() {
-                store_error = Some(error);
-            }
-        }
-
-        if all_ended {
+        let others_stop = duties.update(store, heartbeats, local_failure, signal);
+        if ends.iter().all(Option::is_some) {
             break;
         }
-        let must_stop = local_failure || signal.is_some() || peer_asked || store_error.is_some();
+        let must_stop = local_failure || signal.is_some() || others_stop;
         if must_stop && stopping.is_none() {
             stopping = Some(Stopping {
                 sigterm_at: Instant::now(),
@@ -323,30 +306,112 @@ fn watch_round(
         }
         if let Some(phase) = stopping.as_mut() {
             let insists = signal.is_some_and(|request| request.count >= 2);
-            if phase.sigkill_at.is_none()
-                && (insists || phase.sigterm_at.elapsed() >= plan.stop_grace)
-            {
-                phase.sigkill_at = Some(Instant::now());
-                signal_running(workers, SIGKILL);
-            }
-            if phase
-                .sigkill_at
-                .is_some_and(|at| at.elapsed() >= AFTER_KILL_WAIT)
-            {
-                workers.iter().for_each(Worker::give_up);
-            }
+            escalate(phase, workers, plan.stop_grace, insists);
         }
         std::thread::sleep(WATCH_INTERVAL);
     }
-    match store_error {
-        Some(error) => Err(error.context("lost the store; this node's workers were stopped")),
+    match duties.store_error {
+        Some(error) => Err(error),
         None => Ok(()),
     }
 }
 
-/// Whether another node failed in this round or asked the job to stop.
-fn check_store(store: &AgentStore, restart: u32) -> anyhow::Result<bool> {
-    Ok(store.round_failed(restart)? || store.stop_request()?.is_some())
+/// SIGKILL once the grace period is over (or at once when the user insists), then give up
+/// on workers that survive even that.
+fn escalate(phase: &mut Stopping, workers: &[Worker], grace: Duration, insists: bool) {
+    if phase.sigkill_at.is_none() && (insists || phase.sigterm_at.elapsed() >= grace) {
+        phase.sigkill_at = Some(Instant::now());
+        signal_running(workers, SIGKILL);
+    }
+    if phase
+        .sigkill_at
+        .is_some_and(|at| at.elapsed() >= AFTER_KILL_WAIT)
+    {
+        workers.iter().for_each(Worker::give_up);
+    }
+}
+
+/// What the agent tells the store, and learns from it, while it watches a round. The first
+/// store error is kept; after it the agent only stops its workers.
+struct StoreDuties {
+    node_rank: usize,
+    restart: u32,
+    failure_marked: bool,
+    stop_published: bool,
+    others_stop: bool,
+    last_check: Instant,
+    last_heartbeat: Instant,
+    store_error: Option<anyhow::Error>,
+}
+
+impl StoreDuties {
+    fn new(node_rank: usize, restart: u32) -> StoreDuties {
+        StoreDuties {
+            node_rank,
+            restart,
+            failure_marked: false,
+            stop_published: false,
+            others_stop: false,
+            last_check: Instant::now(),
+            last_heartbeat: Instant::now(),
+            store_error: None,
+        }
+    }
+
+    /// Publishes a local failure or stop signal, bumps the heartbeat, and returns whether the
+    /// workers must stop for a reason outside this node (a failure elsewhere, a stop request,
+    /// a silent node, or the store itself failing).
+    fn update(
+        &mut self,
+        store: &AgentStore,
+        heartbeats: &mut Heartbeats,
+        local_failure: bool,
+        signal: Option<StopRequest>,
+    ) -> bool {
+        if let Err(error) = self.try_update(store, heartbeats, local_failure, signal) {
+            self.store_error.get_or_insert(error);
+        }
+        self.others_stop || self.store_error.is_some()
+    }
+
+    fn try_update(
+        &mut self,
+        store: &AgentStore,
+        heartbeats: &mut Heartbeats,
+        local_failure: bool,
+        signal: Option<StopRequest>,
+    ) -> anyhow::Result<()> {
+        if self.store_error.is_some() {
+            return Ok(());
+        }
+        if local_failure && !self.failure_marked {
+            self.failure_marked = true;
+            store.mark_failed(self.restart)?;
+        }
+        if let (Some(request), false) = (signal, self.stop_published) {
+            self.stop_published = true;
+            let reason = format!(
+                "node {}'s launcher received {}",
+                self.node_rank,
+                signal_name(request.signal)
+            );
+            store.request_stop(&reason)?;
+        }
+        if !self.others_stop && self.last_check.elapsed() >= STORE_CHECK_INTERVAL {
+            self.last_check = Instant::now();
+            self.others_stop = store.round_failed(self.restart)? || store.stop_request()?.is_some();
+        }
+        if self.last_heartbeat.elapsed() >= HEARTBEAT_INTERVAL {
+            self.last_heartbeat = Instant::now();
+            store.heartbeat()?;
+            let silent = store.silent_nodes(heartbeats)?;
+            if !silent.is_empty() && !self.others_stop {
+                self.others_stop = true;
+                store.mark_failed(self.restart)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 fn signal_running(workers: &[Worker], signal: i32) {

@@ -50,6 +50,10 @@ pub struct LaunchArgs {
     /// How long the agents wait for each other to reach the store and start a round.
     #[arg(long, default_value = "600", value_name = "SECONDS", value_parser = parse_seconds)]
     pub join_timeout_seconds: Duration,
+    /// How long an agent may go without a heartbeat before the others take its node for dead
+    /// and stop the round.
+    #[arg(long, default_value = "60", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub heartbeat_timeout_seconds: Duration,
     /// Folder for `logs/rank_R.log` and `errors/rank_R.json`. Default: the worker command's
     /// `--output-dir`, else `runs/latest`.
     #[arg(long, value_name = "DIR")]
@@ -157,6 +161,8 @@ pub struct LaunchPlan {
     pub stop_grace: Duration,
     /// Bound on waiting for the other agents.
     pub join_timeout: Duration,
+    /// Silence after which a node is taken for dead.
+    pub heartbeat_timeout: Duration,
     /// Show every local rank's output, not only rank 0's.
     pub tee: bool,
 }
@@ -184,6 +190,7 @@ impl LaunchPlan {
             max_restarts: args.max_restarts,
             stop_grace: args.stop_grace_seconds,
             join_timeout: args.join_timeout_seconds,
+            heartbeat_timeout: args.heartbeat_timeout_seconds,
             tee: args.tee,
         })
     }

@@ -21,7 +21,7 @@ use super::options::{StoreLocation, Topology};
 use super::report::NodeReport;
 
 /// Bound on every single store request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long one blocking store wait lasts before the agent looks at its signals again.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
 /// How long a connection attempt lasts before the agent looks at its signals again.
@@ -41,6 +41,34 @@ pub enum Waited<T> {
     Done(T),
     /// The launcher received a stop signal first.
     Interrupted,
+}
+
+/// The last heartbeat seen from each node and when it last moved.
+pub struct Heartbeats {
+    last_seen: Vec<(i64, Instant)>,
+    silence: Duration,
+}
+
+impl Heartbeats {
+    /// Starts tracking `nnodes` nodes now; a node is silent once its heartbeat stays still
+    /// for `silence`.
+    pub fn new(nnodes: usize, silence: Duration) -> Heartbeats {
+        Heartbeats {
+            last_seen: vec![(i64::MIN, Instant::now()); nnodes],
+            silence,
+        }
+    }
+
+    /// Records `beat` for `node`; returns whether the node is silent.
+    fn observe(&mut self, node: usize, beat: i64) -> bool {
+        let Some(last) = self.last_seen.get_mut(node) else {
+            return false;
+        };
+        if last.0 != beat {
+            *last = (beat, Instant::now());
+        }
+        last.1.elapsed() >= self.silence
+    }
 }
 
 /// This agent's view of the store: the server when this is node 0, and a client.
@@ -195,6 +223,18 @@ impl AgentStore {
         Ok(())
     }
 
+    /// The other nodes whose heartbeat has not moved for the tracker's silence.
+    pub fn silent_nodes(&self, heartbeats: &mut Heartbeats) -> anyhow::Result<Vec<usize>> {
+        let mut silent = Vec::new();
+        for node in (0..self.nnodes).filter(|&node| node != self.node_rank) {
+            let beat = self.client.add(&heartbeat_key(node), 0)?;
+            if heartbeats.observe(node, beat) {
+                silent.push(node);
+            }
+        }
+        Ok(silent)
+    }
+
     /// Publishes this node's report of `round`.
     pub fn publish_report(&self, round: u32, report: &NodeReport) -> anyhow::Result<()> {
         let value = serde_json::to_vec(report).context("encode this node's report")?;
@@ -204,45 +244,32 @@ impl AgentStore {
     }
 
     /// Collects every node's report of `round`. A node counts as silent (`None`) when its
-    /// heartbeat stops for `silence`, or when the round was decided (failed or stopped) and
-    /// `decided_grace` passed without its report.
+    /// heartbeat stops for the tracker's silence, or when the round was decided (failed or
+    /// stopped) and `decided_grace` passed without its report.
     pub fn gather_reports(
         &self,
         round: u32,
-        silence: Duration,
+        heartbeats: &mut Heartbeats,
         decided_grace: Duration,
     ) -> anyhow::Result<Vec<Option<NodeReport>>> {
         let keys: Vec<String> = (0..self.nnodes)
             .map(|node| report_key(round, node))
             .collect();
-        let mut heartbeats: Vec<(i64, Instant)> = vec![(i64::MIN, Instant::now()); self.nnodes];
         let mut decided_at: Option<Instant> = None;
-        let mut silent = vec![false; self.nnodes];
         loop {
             self.heartbeat()?;
             let missing = self.missing(&keys)?;
-            if missing
-                .iter()
-                .all(|&node| silent.get(node).copied().unwrap_or(true))
-            {
+            if missing.is_empty() {
                 break;
             }
             if decided_at.is_none() && (self.round_failed(round)? || self.stop_request()?.is_some())
             {
                 decided_at = Some(Instant::now());
             }
-            for &node in &missing {
-                let beat = self.client.add(&heartbeat_key(node), 0)?;
-                if let (Some(last), Some(is_silent)) =
-                    (heartbeats.get_mut(node), silent.get_mut(node))
-                {
-                    if last.0 != beat {
-                        *last = (beat, Instant::now());
-                    }
-                    let decided_too_long =
-                        decided_at.is_some_and(|at| at.elapsed() >= decided_grace);
-                    *is_silent = last.1.elapsed() >= silence || decided_too_long;
-                }
+            let silent = self.silent_nodes(heartbeats)?;
+            let waited_enough = decided_at.is_some_and(|at| at.elapsed() >= decided_grace);
+            if waited_enough || missing.iter().all(|node| silent.contains(node)) {
+                break;
             }
             self.wait_slice(&keys)?;
         }
