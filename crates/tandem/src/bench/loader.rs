@@ -72,7 +72,10 @@ pub fn run(args: LoaderArgs) -> anyhow::Result<()> {
         checksum += batch.images.first().copied().unwrap_or(0.0);
     }
     let seconds = started.elapsed().as_secs_f64();
-    anyhow::ensure!(delivered == images, "the loader delivered {delivered} of {images} images");
+    anyhow::ensure!(
+        delivered == images,
+        "the loader delivered {delivered} of {images} images"
+    );
     anyhow::ensure!(checksum.is_finite(), "non-finite pixel values");
     let per_second = delivered as f64 / seconds;
     println!("loader: {per_second:.0} img/s");
@@ -100,6 +103,9 @@ fn random_dataset(count: usize) -> Dataset {
         width: 32,
         channels: 3,
         num_classes: 10,
-        class_names: CIFAR10_CLASS_NAMES.iter().map(|name| name.to_string()).collect(),
+        class_names: CIFAR10_CLASS_NAMES
+            .iter()
+            .map(|name| name.to_string())
+            .collect(),
     }
 }
