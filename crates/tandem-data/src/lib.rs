@@ -29,6 +29,7 @@ pub use download::{
 };
 pub use error::DataError;
 pub use image_file::{read_image, read_image_resized, Image};
+pub use json_folder::parse_annotations;
 pub use loader::{Batch, Loader, LoaderOptions};
 pub use rng::SampleRng;
 pub use sampler::{eval_shard, DistributedSampler};
