@@ -1,0 +1,136 @@
+//! The model flags shared by `train`, `eval`, `predict` and `bench step`, and in a
+//! `--config` file.
+
+use anyhow::bail;
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use tandem_models::{ModelSpec, ResNetBaseSpec};
+
+/// The model architectures `tandem` can build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModelKind {
+    /// Seed 000's ResNet-18 for 32x32 images.
+    Resnet18,
+    /// Seed 004's configurable (bottleneck) ResNet plus a linear classifier.
+    ResnetBase,
+}
+
+/// Which model to build; each flag is optional so that flags and a config file merge.
+#[derive(Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct ModelArgs {
+    /// Model architecture [default: resnet-base].
+    #[arg(long, value_enum)]
+    pub model: Option<ModelKind>,
+    /// resnet-base: residual blocks per stage [default: 6,6,6].
+    #[arg(long, value_delimiter = ',')]
+    pub n_blocks: Option<Vec<usize>>,
+    /// resnet-base: channels per stage [default: 16,32,64].
+    #[arg(long, value_delimiter = ',')]
+    pub n_channels: Option<Vec<usize>>,
+    /// resnet-base: bottleneck channels per stage, or `none` for plain residual blocks
+    /// [default: 8,16,16].
+    #[arg(long)]
+    pub bottlenecks: Option<String>,
+    /// resnet-base: kernel size of the first convolution [default: 3].
+    #[arg(long)]
+    pub first_kernel_size: Option<usize>,
+    /// Number of classes [default: 10].
+    #[arg(long)]
+    pub num_classes: Option<usize>,
+}
+
+impl ModelArgs {
+    /// The model the flags describe, with the tutorial's defaults for what is not given.
+    pub fn to_spec(&self) -> anyhow::Result<ModelSpec> {
+        let num_classes = self.num_classes.unwrap_or(10);
+        let spec = match self.model.unwrap_or(ModelKind::ResnetBase) {
+            ModelKind::Resnet18 => {
+                if self.n_blocks.is_some()
+                    || self.n_channels.is_some()
+                    || self.bottlenecks.is_some()
+                    || self.first_kernel_size.is_some()
+                {
+                    bail!("--n-blocks, --n-channels, --bottlenecks and --first-kernel-size apply to --model resnet-base only");
+                }
+                ModelSpec::ResNet18 { num_classes }
+            }
+            ModelKind::ResnetBase => {
+                let defaults = ResNetBaseSpec::tutorial_default();
+                ModelSpec::ResNetBase(ResNetBaseSpec {
+                    n_blocks: self.n_blocks.clone().unwrap_or(defaults.n_blocks),
+                    n_channels: self.n_channels.clone().unwrap_or(defaults.n_channels),
+                    bottlenecks: match &self.bottlenecks {
+                        None => defaults.bottlenecks,
+                        Some(text) => parse_bottlenecks(text)?,
+                    },
+                    first_kernel_size: self.first_kernel_size.unwrap_or(defaults.first_kernel_size),
+                    img_channels: defaults.img_channels,
+                    num_classes,
+                })
+            }
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
+/// `none` or a comma list of channel counts.
+fn parse_bottlenecks(text: &str) -> anyhow::Result<Option<Vec<usize>>> {
+    if text.trim().eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    let channels = text
+        .split(',')
+        .map(|part| part.trim().parse::<usize>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| {
+            anyhow::anyhow!("--bottlenecks must be 'none' or a list like 8,16,16, got '{text}'")
+        })?;
+    Ok(Some(channels))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_tutorials_config() {
+        let spec = ModelArgs::default().to_spec().unwrap();
+        assert_eq!(spec, ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default()));
+    }
+
+    #[test]
+    fn plain_blocks_and_errors() {
+        let args = ModelArgs {
+            bottlenecks: Some("none".into()),
+            n_blocks: Some(vec![1, 2]),
+            n_channels: Some(vec![8, 16]),
+            ..ModelArgs::default()
+        };
+        let ModelSpec::ResNetBase(spec) = args.to_spec().unwrap() else {
+            panic!("expected resnet-base");
+        };
+        assert_eq!(spec.bottlenecks, None);
+        assert_eq!(spec.n_blocks, vec![1, 2]);
+        let bad = ModelArgs {
+            bottlenecks: Some("8,x".into()),
+            ..ModelArgs::default()
+        };
+        let error = bad.to_spec().unwrap_err().to_string();
+        assert!(error.contains("--bottlenecks must be 'none'"), "{error}");
+        let mismatched = ModelArgs {
+            n_blocks: Some(vec![1, 1]),
+            ..ModelArgs::default()
+        };
+        let error = format!("{:#}", mismatched.to_spec().unwrap_err());
+        assert!(error.contains("n_channels"), "{error}");
+        let resnet18 = ModelArgs {
+            model: Some(ModelKind::Resnet18),
+            n_blocks: Some(vec![1]),
+            ..ModelArgs::default()
+        };
+        assert!(resnet18.to_spec().is_err());
+    }
+}
