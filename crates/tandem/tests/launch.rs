@@ -824,6 +824,9 @@ fn process_group_worker_entry() {
     options.host_store = var("TANDEM_STORE_HOSTED") != "1";
     options.prefix = var("TANDEM_STORE_PREFIX");
     options.timeout = Duration::from_secs(3);
+    // Namespaces on one kernel look like one host (same boot id, same /tmp) and would talk
+    // over Unix sockets, around the link this test cuts.
+    options.unix_sockets = false;
     let failure = (|| -> Result<(), tandem_dist::DistError> {
         let mut group = ProcessGroup::connect(options)?;
         std::fs::write(Path::new(&folder).join(format!("ready_{rank}")), "").unwrap();
