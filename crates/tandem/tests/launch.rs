@@ -249,6 +249,41 @@ fn workers_get_their_ranks_and_the_store_the_agent_hosts() {
 }
 
 #[test]
+fn without_flags_the_cluster_environment_places_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let modelarts = [
+        ("VC_WORKER_HOSTS", "127.0.0.1,127.0.0.2"),
+        ("MA_NUM_HOSTS", "1"),
+        ("VC_TASK_INDEX", "0"),
+        ("MA_NUM_GPUS", "2"),
+        ("MASTER_PORT", port.as_str()),
+    ];
+    let script = "echo $RANK $WORLD_SIZE $MASTER_ADDR $MASTER_PORT > seen_$RANK";
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &["--", "sh", "-c", script],
+        &modelarts,
+    );
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let stderr = launcher.stderr();
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stderr.starts_with(
+            "tandem launch: node 0 of 1 (modelarts), 2 worker(s), store at 127.0.0.1:"
+        ),
+        "{stderr}"
+    );
+    for rank in 0..2 {
+        assert_eq!(
+            read(&dir.path().join(format!("seen_{rank}"))),
+            format!("{rank} 2 127.0.0.1 {port}\n")
+        );
+    }
+}
+
+#[test]
 fn tee_shows_every_rank_and_log_dir_follows_output_dir() {
     let dir = tempfile::tempdir().unwrap();
     let mut launcher = Launcher::start(
@@ -514,6 +549,30 @@ fn a_worker_that_ignores_sigterm_is_killed_after_the_grace_period() {
 }
 
 #[test]
+fn a_second_stop_signal_kills_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "trap '' TERM; echo $$ > pid.tmp; mv pid.tmp pid; exec sleep 30";
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &["--stop-grace-seconds", "20", "--", "sh", "-c", script],
+        &[],
+    );
+    wait_for_file(&dir.path().join("pid"), Duration::from_secs(20));
+    let signalled = Instant::now();
+    launcher.signal(libc::SIGTERM);
+    std::thread::sleep(Duration::from_millis(300));
+    launcher.signal(libc::SIGTERM);
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let elapsed = signalled.elapsed();
+    assert!(
+        elapsed < Duration::from_secs(5),
+        "stopping took {elapsed:?} despite the second signal"
+    );
+    assert_eq!(status.code(), Some(143), "{}", launcher.stderr());
+}
+
+#[test]
 fn two_agents_on_one_machine_restart_both_nodes_together() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port().to_string();
@@ -727,17 +786,24 @@ impl Drop for NetworkPair {
     }
 }
 
-/// Why the two-host test cannot run here, if it cannot.
+/// Why the two-host tests cannot run here, if they cannot: they need root, `ip`, and the
+/// right to create network namespaces (a container may lack it).
 fn network_namespaces_unavailable() -> Option<String> {
     // SAFETY: `geteuid` has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Some("not running as root".into());
     }
-    match Command::new("ip").args(["netns", "list"]).output() {
-        Ok(output) if output.status.success() => None,
+    let probe = format!("tdmprobe{}", std::process::id());
+    match Command::new("ip").args(["netns", "add", &probe]).output() {
+        Ok(output) if output.status.success() => {
+            let _ = Command::new("ip")
+                .args(["netns", "delete", &probe])
+                .output();
+            None
+        }
         Ok(output) => Some(format!(
-            "`ip netns list` failed: {}",
-            String::from_utf8_lossy(&output.stderr)
+            "`ip netns add` failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
         )),
         Err(error) => Some(format!("no `ip` command: {error}")),
     }
