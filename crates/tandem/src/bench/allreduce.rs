@@ -176,10 +176,7 @@ fn check_sum(buffer: &[f32], nproc: usize) -> anyhow::Result<()> {
 
 fn report(args: &AllreduceArgs, transport: &str, seconds: &mut [f64]) {
     seconds.sort_by(f64::total_cmp);
-    let median = match seconds.len() % 2 {
-        1 => seconds[seconds.len() / 2],
-        _ => (seconds[seconds.len() / 2 - 1] + seconds[seconds.len() / 2]) / 2.0,
-    };
+    let median = median_of_sorted(seconds);
     let bytes = (args.numel * std::mem::size_of::<f32>()) as f64;
     let algbw = bytes / median / 1e9;
     let busbw = algbw * 2.0 * (args.nproc - 1) as f64 / args.nproc as f64;
@@ -198,4 +195,39 @@ fn report(args: &AllreduceArgs, transport: &str, seconds: &mut [f64]) {
     println!("median: {:.2} ms", median * 1e3);
     println!("algbw: {algbw:.2} GB/s");
     println!("busbw: {busbw:.2} GB/s");
+}
+
+/// The middle value of sorted numbers (the mean of the two middle ones for an even count).
+fn median_of_sorted(sorted: &[f64]) -> f64 {
+    let middle = sorted.len() / 2;
+    match (sorted.len() % 2, sorted.get(middle)) {
+        (_, None) => 0.0,
+        (1, Some(value)) => *value,
+        (_, Some(value)) => (sorted.get(middle - 1).copied().unwrap_or(*value) + value) / 2.0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_even_and_empty() {
+        assert_eq!(median_of_sorted(&[1.0, 2.0, 10.0]), 2.0);
+        assert_eq!(median_of_sorted(&[1.0, 2.0, 4.0, 10.0]), 3.0);
+        assert_eq!(median_of_sorted(&[]), 0.0);
+    }
+
+    #[test]
+    fn check_sum_accepts_the_exact_sum_and_names_the_first_wrong_element() {
+        let nproc = 3;
+        let mut buffer: Vec<f32> = (0..2048).map(|i| (i % 1024) as f32 * 6.0).collect();
+        assert!(check_sum(&buffer, nproc).is_ok());
+        buffer[1030] += 1.0;
+        let error = check_sum(&buffer, nproc).expect_err("wrong element");
+        assert_eq!(
+            error.to_string(),
+            "all-reduce gave 37 at element 1030, expected 36"
+        );
+    }
 }
