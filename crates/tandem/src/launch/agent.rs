@@ -49,7 +49,7 @@ pub enum JobEnd {
     },
 }
 
-/// Why this node is stopping its workers.
+/// When this node began stopping its workers, and when it escalated to SIGKILL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Stopping {
     sigterm_at: Instant,

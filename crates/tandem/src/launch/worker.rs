@@ -30,8 +30,8 @@ pub struct WorkerPlace {
     pub local_world_size: usize,
 }
 
-/// The job-wide part of a worker's environment.
-#[derive(Debug, Clone)]
+/// The job-wide part of a worker's environment. No `Debug`: it holds the job token.
+#[derive(Clone)]
 pub struct JobEnv {
     /// Host of the store, as workers should reach it.
     pub master_addr: String,
@@ -360,4 +360,69 @@ pub fn now_micros() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |elapsed| elapsed.as_micros() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workers_get_torchruns_variables_and_tandems_own() {
+        let place = WorkerPlace {
+            rank: 5,
+            local_rank: 1,
+            node_rank: 2,
+            world_size: 8,
+            local_world_size: 2,
+        };
+        let job = JobEnv {
+            master_addr: "node0".into(),
+            master_port: 29500,
+            token: "secret".into(),
+            restart_count: 3,
+        };
+        let env = worker_env(&place, &job, Path::new("/runs/a/errors/rank_5.json"));
+        let expected = [
+            ("RANK", "5"),
+            ("LOCAL_RANK", "1"),
+            ("GROUP_RANK", "2"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+            ("TANDEM_JOB_TOKEN", "secret"),
+            ("TANDEM_RESTART_COUNT", "3"),
+            ("TANDEM_STORE_PREFIX", "round3/pg"),
+            ("TANDEM_STORE_HOSTED", "1"),
+            ("TANDEM_ERROR_FILE", "/runs/a/errors/rank_5.json"),
+        ];
+        let expected: Vec<(String, String)> = expected
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .collect();
+        assert_eq!(env, expected);
+    }
+
+    #[test]
+    fn only_failures_of_the_worker_itself_count() {
+        assert!(WorkerEnd::ExitCode(1).is_failure());
+        assert!(WorkerEnd::Signal(libc::SIGSEGV).is_failure());
+        assert!(WorkerEnd::NotStarted("gone".into()).is_failure());
+        assert!(!WorkerEnd::Succeeded.is_failure());
+        assert!(!WorkerEnd::StoppedByLauncher {
+            signal: libc::SIGKILL
+        }
+        .is_failure());
+        assert_eq!(
+            WorkerEnd::Signal(libc::SIGSEGV).describe(),
+            "killed by SIGSEGV"
+        );
+        assert_eq!(
+            WorkerEnd::StoppedByLauncher {
+                signal: libc::SIGKILL
+            }
+            .describe(),
+            "stopped by the launcher (SIGKILL)"
+        );
+    }
 }
