@@ -277,13 +277,13 @@ impl Model {
     }
 
     /// Backward of the last [`Model::forward_train`]: adds the gradients of
-    /// `loss_scale · loss` to [`Model::grads`] and calls `grad_ready` with each range of
+    /// `loss_scale · loss` to [`Model::grads`] and calls `grad_ready` with each range (and the values) of
     /// the gradient buffer as soon as it is final, in increasing order.
     pub fn backward(
         &mut self,
         loss_scale: f32,
         bn_sync: Option<&mut dyn BatchNormReducer>,
-        grad_ready: &mut dyn FnMut(Range<usize>),
+        grad_ready: &mut dyn FnMut(Range<usize>, &[f32]),
     ) -> Result<(), ModelError> {
         if !self.backward_pending {
             return Err(ModelError::NoForward);
@@ -380,7 +380,7 @@ impl Model {
         with_output(&mut ws.slots, out, |slots, output| {
             batchnorm::apply(
                 &slots[z][..len],
-                &stem.bn.state,
+                stem.bn.state_for(mode == Mode::Train),
                 Residual::None,
                 relu,
                 &mut output[..len],
@@ -461,14 +461,14 @@ fn block_forward(
                 match (shortcut.as_ref(), &plan.shortcut) {
                     (Some(projection), Some(projection_plan)) => Residual::Normalized {
                         input: &slots[projection_plan.z][..len],
-                        state: &projection.bn.state,
+                        state: projection.bn.state_for(mode == Mode::Train),
                     },
                     _ => Residual::Identity(&slots[block_input][..len]),
                 }
             };
             batchnorm::apply(
                 &slots[z][..len],
-                &unit.bn.state,
+                unit.bn.state_for(mode == Mode::Train),
                 residual,
                 true,
                 &mut output[..len],
@@ -534,7 +534,7 @@ fn statistics(
                 &buffers[bn.running_mean.clone()],
                 &buffers[bn.running_var.clone()],
             );
-            batchnorm::eval_statistics(&affine, running_mean, running_var, &mut bn.state);
+            batchnorm::eval_statistics(&affine, running_mean, running_var, &mut bn.eval_state);
         }
     }
     Ok(())
@@ -551,13 +551,13 @@ fn reborrow<'s>(reducer: &'s mut Reducer<'_>) -> Option<&'s mut dyn BatchNormRed
 /// Calls `grad_ready` with the part of the gradient buffer finished since the last call.
 struct Reporter<'a> {
     done: usize,
-    grad_ready: &'a mut dyn FnMut(Range<usize>),
+    grad_ready: &'a mut dyn FnMut(Range<usize>, &[f32]),
 }
 
 impl Reporter<'_> {
-    fn finished_up_to(&mut self, end: usize) {
+    fn finished_up_to(&mut self, end: usize, grads: &[f32]) {
         if end > self.done {
-            (self.grad_ready)(self.done..end);
+            (self.grad_ready)(self.done..end, &grads[self.done..end]);
             self.done = end;
         }
     }
@@ -599,7 +599,7 @@ fn backward_pass(
         grad_bias,
         Some(&mut ws.grad_pooled),
     );
-    reporter.finished_up_to(head.bias.end);
+    reporter.finished_up_to(head.bias.end, grads);
 
     let [g0, g1, g2, g3] = &mut ws.grad_buffers;
     let mut buffers = GradBuffers {
@@ -655,7 +655,7 @@ fn backward_pass(
         reborrow(&mut reducer),
         &mut ws.bn_scratch,
     )?;
-    reporter.finished_up_to(stem.bn.param_range().end);
+    reporter.finished_up_to(stem.bn.param_range().end, grads);
     conv_backward(
         &stem.conv,
         &ws.stem,
@@ -666,7 +666,7 @@ fn backward_pass(
         InputGrad::Skip,
         &mut ws.conv_scratch,
     );
-    reporter.finished_up_to(stem.conv.param_range().end);
+    reporter.finished_up_to(stem.conv.param_range().end, grads);
     Ok(())
 }
 
@@ -708,7 +708,7 @@ fn block_backward(
                 reborrow(reducer),
                 bn_scratch,
             )?;
-            reporter.finished_up_to(unit.bn.param_range().end);
+            reporter.finished_up_to(unit.bn.param_range().end, grads);
             let input_len = unit_plan.shape.input_len();
             let grad_input = InputGrad::Overwrite(&mut buffers.other[..input_len]);
             conv_backward(
@@ -721,7 +721,7 @@ fn block_backward(
                 grad_input,
                 conv_scratch,
             );
-            reporter.finished_up_to(unit.conv.param_range().end);
+            reporter.finished_up_to(unit.conv.param_range().end, grads);
             true
         }
         _ => false,
@@ -744,7 +744,7 @@ fn block_backward(
             reborrow(reducer),
             bn_scratch,
         )?;
-        reporter.finished_up_to(unit.bn.param_range().end);
+        reporter.finished_up_to(unit.bn.param_range().end, grads);
         let input_len = unit_plan.shape.input_len();
         let grad_input = match (index, projected) {
             (0, true) => InputGrad::Accumulate(&mut buffers.other[..input_len]),
@@ -761,7 +761,7 @@ fn block_backward(
             grad_input,
             conv_scratch,
         );
-        reporter.finished_up_to(unit.conv.param_range().end);
+        reporter.finished_up_to(unit.conv.param_range().end, grads);
         if index > 0 {
             let previous = &plan.units[index - 1];
             batchnorm::relu_backward_in_place(

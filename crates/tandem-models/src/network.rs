@@ -62,7 +62,10 @@ pub(crate) struct BatchNormLayer {
     pub bias: Range<usize>,
     pub running_mean: Range<usize>,
     pub running_var: Range<usize>,
+    /// Batch statistics of the last train forward, kept for the backward.
     pub state: BatchNormState,
+    /// Scale and shift from the running statistics, for eval forwards.
+    pub eval_state: BatchNormState,
 }
 
 impl BatchNormLayer {
@@ -75,12 +78,22 @@ impl BatchNormLayer {
             running_mean: 0..0,
             running_var: 0..0,
             state: BatchNormState::new(channels),
+            eval_state: BatchNormState::new(channels),
         }
     }
 
     /// The parameter range of weight and bias together.
     pub fn param_range(&self) -> Range<usize> {
         self.weight.start..self.bias.end
+    }
+
+    /// The statistics a forward pass in `train` mode (or eval mode) normalizes with.
+    pub fn state_for(&self, train: bool) -> &BatchNormState {
+        if train {
+            &self.state
+        } else {
+            &self.eval_state
+        }
     }
 }
 
