@@ -124,6 +124,15 @@ fn crop_and_flip_match_the_direct_pipeline_and_cover_every_offset() {
         for top in 0..=8 {
             for left in 0..=8 {
                 for flip in [false, true] {
+                    // Check the centre pixel first; build the whole reference only if it fits.
+                    let row = 16 + top - 4;
+                    let column = if flip { 15 } else { 16 } + left - 4;
+                    let centre = (f32::from(image[(row * 32 + column) * 3]) / 255.0
+                        - IMAGENET_NORMALIZE.mean[0])
+                        / IMAGENET_NORMALIZE.std[0];
+                    if (output[(16 * 32 + 16) * 3] - centre).abs() > 1e-5 {
+                        continue;
+                    }
                     if close(
                         &output,
                         &reference(image, 4, top, left, flip, &IMAGENET_NORMALIZE),
