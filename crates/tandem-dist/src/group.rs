@@ -477,6 +477,28 @@ impl ProcessGroup {
         }
     }
 
+    /// Gives up on the group because of a failure outside it (e.g. a non-finite loss): records
+    /// `reason` as the root cause for the other ranks, closes the ring so their collectives
+    /// fail at once, and refuses further collectives here.
+    pub fn abort(&mut self, reason: &str) {
+        let report = format!("rank {} gave up: {reason}", self.rank);
+        let error = DistError::Aborted {
+            op: "the process group".into(),
+            report: report.clone(),
+        };
+        let timeout = ABORT_PUBLISH_LIMIT.min(self.timeout);
+        let _ = self
+            .store
+            .compare_set_within(&self.abort_key(), None, report.as_bytes(), timeout);
+        if let Some(links) = &self.links {
+            links.left.shut_down();
+            links.right.shut_down();
+        }
+        if self.failure.is_none() {
+            self.failure = Some(error);
+        }
+    }
+
     fn check_root(&self, root: usize) -> Result<()> {
         match root < self.world_size {
             true => Ok(()),

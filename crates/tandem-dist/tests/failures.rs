@@ -312,3 +312,44 @@ fn wrong_world_size_is_refused_at_rendezvous() {
     );
     drop(first);
 }
+
+#[test]
+fn abort_fails_the_other_ranks_at_once_with_the_reason() {
+    let (server, token) = start_store();
+    let store = server.local_addr();
+    let outcomes = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                let options = options(rank, 3, store, &token, TIMEOUT);
+                scope.spawn(move || {
+                    let mut group = ProcessGroup::connect(options).expect("join");
+                    if rank == 1 {
+                        std::thread::sleep(Duration::from_millis(100));
+                        group.abort("the loss is NaN");
+                        return None;
+                    }
+                    let started = Instant::now();
+                    let error = group.barrier().expect_err("must fail");
+                    Some((error.to_string(), started.elapsed()))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().expect("rank thread"))
+            .collect::<Vec<_>>()
+    });
+    for (rank, outcome) in outcomes.iter().enumerate() {
+        let Some((message, elapsed)) = outcome else {
+            continue;
+        };
+        assert!(
+            message == "barrier #1 aborted because rank 1 gave up: the loss is NaN",
+            "rank {rank}: {message}"
+        );
+        assert!(
+            *elapsed < Duration::from_secs(2),
+            "rank {rank} took {elapsed:?}"
+        );
+    }
+}
