@@ -9,6 +9,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::Instant;
 
+/// Longest line copied in one piece: longer ones (a progress bar redrawn with `\r` for hours)
+/// are cut, so a worker cannot make the launcher hold its whole output in memory.
+const MAX_LINE_BYTES: u64 = 64 * 1024;
 /// How many bytes at most the summary reads back from the end of a log.
 const TAIL_WINDOW_BYTES: u64 = 64 * 1024;
 
@@ -112,7 +115,10 @@ fn copy_lines(stream: impl Read, file: &Mutex<File>, echo_prefix: Option<&str>) 
     let mut line = Vec::new();
     loop {
         line.clear();
-        match reader.read_until(b'\n', &mut line) {
+        match (&mut reader)
+            .take(MAX_LINE_BYTES)
+            .read_until(b'\n', &mut line)
+        {
             Ok(0) | Err(_) => return,
             Ok(_) => {}
         }
@@ -160,5 +166,17 @@ mod tests {
             whole,
             "=== round 0 ===\nold line\n=== round 1 ===\na\nb\nc\nno newline at the end\n"
         );
+    }
+
+    #[test]
+    fn endless_lines_are_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = RankLog::open(dir.path(), 0, "=== round 0 ===").unwrap();
+        let long = vec![b'x'; MAX_LINE_BYTES as usize + 10];
+        log.pump(std::io::Cursor::new(long), false).unwrap();
+        assert!(log.wait_for_pumps(Instant::now() + Duration::from_secs(5)));
+        let whole = std::fs::read_to_string(log.path()).unwrap();
+        let lengths: Vec<usize> = whole.lines().map(str::len).collect();
+        assert_eq!(lengths, vec![15, MAX_LINE_BYTES as usize, 10]);
     }
 }
