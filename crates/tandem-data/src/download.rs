@@ -1,9 +1,10 @@
 //! Downloading CIFAR-10's binary archive: resumable (HTTP `Range`), checked against its md5,
 //! and never visible under its final name until complete and verified.
 //!
-//! The client is a minimal HTTP/1.1 `GET` over a plain TCP stream (redirects followed,
-//! `Content-Length` or read-to-close bodies). `https://` addresses are refused with a
-//! message saying how to fetch the file by hand, since a TLS stack is not built in.
+//! `http://` addresses go through a minimal HTTP/1.1 `GET` over a plain TCP stream
+//! (redirects followed, `Content-Length` or read-to-close bodies). `https://` addresses
+//! (the official one) need the `https` feature, which uses `ureq` with rustls; without it
+//! they are refused with a message saying how to fetch the file by hand.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -222,13 +223,16 @@ struct Response {
     start: Option<u64>,
     /// Body length, if announced.
     body_len: Option<u64>,
-    reader: BufReader<TcpStream>,
+    reader: Box<dyn Read + Send>,
 }
 
 /// Sends `GET url`, asking for bytes from `from` on if `from > 0`; follows redirects.
 fn get(url: &str, from: u64) -> Result<Response, DataError> {
     let mut current = url.to_string();
     for _ in 0..=MAX_REDIRECTS {
+        if current.starts_with("https://") {
+            return get_https(&current, from);
+        }
         match get_once(&current, from)? {
             Fetched::Response(response) => return Ok(response),
             Fetched::Redirect(location) => current = resolve_location(&current, &location),
@@ -253,12 +257,6 @@ struct Address {
 }
 
 fn parse_url(url: &str) -> Result<Address, DataError> {
-    if url.starts_with("https://") {
-        return Err(download_error(
-            url,
-            "https is not built into this client; download the file by hand into the data folder, or give an http:// mirror",
-        ));
-    }
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| download_error(url, "expected an http:// address"))?;
@@ -340,7 +338,7 @@ fn get_once(url: &str, from: u64) -> Result<Fetched, DataError> {
         200 => Ok(Fetched::Response(Response {
             start: None,
             body_len,
-            reader,
+            reader: Box::new(reader),
         })),
         206 => {
             let start = header("Content-Range")
@@ -353,7 +351,7 @@ fn get_once(url: &str, from: u64) -> Result<Fetched, DataError> {
             Ok(Fetched::Response(Response {
                 start: Some(start),
                 body_len,
-                reader,
+                reader: Box::new(reader),
             }))
         }
         // The partial file is already complete (or longer than the file): start afresh.
@@ -425,4 +423,62 @@ fn read_head(url: &str, reader: &mut BufReader<TcpStream>) -> Result<Head, DataE
         reason,
         headers,
     })
+}
+
+/// `GET` over TLS with `ureq` (feature `https`).
+#[cfg(feature = "https")]
+fn get_https(url: &str, from: u64) -> Result<Response, DataError> {
+    let agent = ureq::AgentBuilder::new()
+        .timeout_connect(IO_TIMEOUT)
+        .timeout_read(IO_TIMEOUT)
+        .redirects(MAX_REDIRECTS as u32)
+        .build();
+    let mut request = agent.get(url).set("Accept-Encoding", "identity");
+    if from > 0 {
+        request = request.set("Range", &format!("bytes={from}-"));
+    }
+    let response = match request.call() {
+        Ok(response) => response,
+        // The partial file is already complete (or longer than the file): start afresh.
+        Err(ureq::Error::Status(416, _)) if from > 0 => return get_https(url, 0),
+        Err(ureq::Error::Status(status, response)) => {
+            return Err(download_error(
+                url,
+                format!("server answered {status} {}", response.status_text()),
+            ))
+        }
+        Err(error) => return Err(download_error(url, error.to_string())),
+    };
+    let body_len = response
+        .header("Content-Length")
+        .and_then(|value| value.trim().parse::<u64>().ok());
+    let start = if response.status() == 206 {
+        let start = response
+            .header("Content-Range")
+            .and_then(|value| value.trim().strip_prefix("bytes "))
+            .and_then(|range| range.split('-').next())
+            .and_then(|start| start.trim().parse::<u64>().ok())
+            .ok_or_else(|| {
+                download_error(url, "206 Partial Content without a readable Content-Range")
+            })?;
+        Some(start)
+    } else {
+        None
+    };
+    Ok(Response {
+        start,
+        body_len,
+        reader: Box::new(response.into_reader()),
+    })
+}
+
+/// Without the `https` feature, TLS addresses are refused with what to do instead.
+#[cfg(not(feature = "https"))]
+fn get_https(url: &str, _from: u64) -> Result<Response, DataError> {
+    Err(download_error(
+        url,
+        format!(
+            "https is not built into this client (build with the `https` feature); download {CIFAR10_ARCHIVE_NAME} by hand into the data folder, or give an http:// mirror"
+        ),
+    ))
 }

@@ -233,7 +233,12 @@ fn cifar10_download_checks_the_official_md5() {
     assert_eq!(expected, CIFAR10_MD5);
     assert_eq!(path, &dir.path().join("data").join(CIFAR10_ARCHIVE_NAME));
     server.join().unwrap();
+}
 
+#[cfg(not(feature = "https"))]
+#[test]
+fn https_without_the_feature_says_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
     let error = download_cifar10(
         dir.path(),
         "https://example.invalid/x.tar.gz",
