@@ -1,9 +1,10 @@
-//! The process group: rendezvous through the store, a ring of authenticated TCP links, and
-//! the collectives on top of it.
+//! The process group: rendezvous through the store, a ring of authenticated links, and the
+//! collectives on top of it.
 //!
-//! Rendezvous: every rank listens on a free port, publishes `host:port` under
-//! `{prefix}/addr/{rank}`, waits for all ranks' addresses, then connects to its right
-//! neighbour while accepting its left one. A failed collective closes both links (so the
+//! Rendezvous: every rank listens on a free TCP port (and a Unix socket), publishes
+//! `host:port` under `{prefix}/addr/{rank}` (and the socket under `{prefix}/local/{rank}`),
+//! waits for all ranks' addresses, then connects to its right neighbour while accepting its
+//! left one. A failed collective closes both links (so the
 //! neighbours fail at once and the failure travels around the ring) after publishing its
 //! cause under `{prefix}/abort`, so that every rank reports the rank that actually failed.
 

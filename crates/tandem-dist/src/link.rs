@@ -1,5 +1,6 @@
-//! A ring link: an authenticated TCP connection to one neighbouring rank, carrying
-//! messages that each start with a header the receiver checks against what it expects.
+//! A ring link: an authenticated connection (TCP, or a Unix socket on one host) to one
+//! neighbouring rank, carrying messages that each start with a header the receiver checks
+//! against what it expects.
 //!
 //! ```text
 //! hello   (connector -> acceptor, once, after the token handshake) = u64 rank, u64 world size
