@@ -374,6 +374,30 @@ fn a_worker_that_fails_once_is_restarted_with_every_other_worker() {
 }
 
 #[test]
+fn a_worker_killed_by_a_signal_is_named_and_the_job_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "if [ $TANDEM_RESTART_COUNT = 0 ]; then \
+                    if [ $RANK = 1 ]; then sleep 0.2; kill -9 $$; fi; exec sleep 30; \
+                  fi; echo done $RANK";
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &["--nproc-per-node", "3", "--", "sh", "-c", script],
+        &[],
+    );
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let stderr = launcher.stderr();
+    assert!(status.success(), "{stderr}");
+    assert!(
+        stderr.contains(
+            "round 0 failed: rank 1 (node 0, local rank 1) killed by SIGKILL; restarting"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(launcher.stdout(), "[rank 0] done 0\n");
+}
+
+#[test]
 fn a_worker_that_always_fails_ends_the_job_with_one_summary_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let script = r#"if [ $RANK = 1 ]; then
