@@ -473,20 +473,26 @@ fn lock_segment<'s, 'b, T>(
 mod tests {
     use super::*;
 
-    /// Simulates every rank's plan step by step with in-memory queues, to check the plans
-    /// without sockets.
     fn simulate_all_reduce(
         world_size: usize,
         len: usize,
         segment_elements: usize,
         op: ReduceOp,
     ) -> Vec<Vec<f64>> {
-        let mut buffers: Vec<Vec<f64>> = (0..world_size)
+        let buffers: Vec<Vec<f64>> = (0..world_size)
             .map(|rank| (0..len).map(|i| (rank * 1000 + i) as f64).collect())
             .collect();
         let plans: Vec<Plan> = (0..world_size)
             .map(|rank| all_reduce_plan(rank, world_size, len, segment_elements))
             .collect();
+        simulate(buffers, &plans, op)
+    }
+
+    /// Runs every rank's plan step by step with in-memory queues (each thread of each rank
+    /// as far as its dependencies allow), to check plans without sockets. Panics if the
+    /// ranks deadlock or a message arrives with the wrong length.
+    fn simulate(mut buffers: Vec<Vec<f64>>, plans: &[Plan], op: ReduceOp) -> Vec<Vec<f64>> {
+        let world_size = plans.len();
         let mut queues: Vec<std::collections::VecDeque<Vec<f64>>> =
             vec![Default::default(); world_size];
         let mut next_send = vec![0usize; world_size];
@@ -570,6 +576,99 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// A small deterministic generator for the randomized plan checks.
+    fn next_random(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    #[test]
+    fn randomized_plans_of_every_collective_give_the_reference() {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        for _ in 0..300 {
+            let world_size = 1 + (next_random(&mut state) % 6) as usize;
+            let len = (next_random(&mut state) % 60) as usize;
+            let segment_elements = 1 + (next_random(&mut state) % 9) as usize;
+            let root = (next_random(&mut state) % world_size as u64) as usize;
+            let case = format!("world {world_size} len {len} segment {segment_elements}");
+            let input = |rank: usize| -> Vec<f64> {
+                (0..len)
+                    .map(|i| ((rank * 37 + i * 11) % 50) as f64)
+                    .collect()
+            };
+            let column =
+                |i: usize| (0..world_size).map(move |rank| ((rank * 37 + i * 11) % 50) as f64);
+
+            // Reduce-scatter with Max: rank r holds its chunk's maxima.
+            let plans: Vec<Plan> = (0..world_size)
+                .map(|rank| reduce_scatter_plan(rank, world_size, len, segment_elements))
+                .collect();
+            let outputs = simulate((0..world_size).map(input).collect(), &plans, ReduceOp::Max);
+            for (rank, output) in outputs.iter().enumerate() {
+                for i in chunk_range(len, world_size, rank) {
+                    let expected = column(i).fold(f64::MIN, f64::max);
+                    assert_eq!(
+                        output[i], expected,
+                        "reduce_scatter {case} rank {rank} [{i}]"
+                    );
+                }
+            }
+
+            // All-gather: every rank ends with all parts in rank order.
+            let part = len.min(7);
+            let plans: Vec<Plan> = (0..world_size)
+                .map(|rank| all_gather_plan(rank, world_size, part, segment_elements))
+                .collect();
+            let gathered = |rank: usize| -> Vec<f64> {
+                (0..world_size * part)
+                    .map(|i| {
+                        if i / part.max(1) == rank {
+                            (rank * 100 + i) as f64
+                        } else {
+                            -1.0
+                        }
+                    })
+                    .collect()
+            };
+            let outputs = simulate(
+                (0..world_size).map(gathered).collect(),
+                &plans,
+                ReduceOp::Sum,
+            );
+            let expected: Vec<f64> = (0..world_size * part)
+                .map(|i| ((i / part.max(1)) * 100 + i) as f64)
+                .collect();
+            for output in &outputs {
+                assert_eq!(output, &expected, "all_gather {case}");
+            }
+
+            // Broadcast from a random root.
+            let plans: Vec<Plan> = (0..world_size)
+                .map(|rank| broadcast_plan(rank, world_size, root, len, segment_elements))
+                .collect();
+            let outputs = simulate((0..world_size).map(input).collect(), &plans, ReduceOp::Sum);
+            for output in &outputs {
+                assert_eq!(output, &input(root), "broadcast {case} root {root}");
+            }
+
+            // All-reduce with Mean.
+            let outputs = simulate_all_reduce(world_size, len, segment_elements, ReduceOp::Mean);
+            let expected: Vec<f64> = (0..len)
+                .map(|i| {
+                    (0..world_size)
+                        .map(|rank| (rank * 1000 + i) as f64)
+                        .sum::<f64>()
+                        / world_size as f64
+                })
+                .collect();
+            for output in &outputs {
+                assert_eq!(output, &expected, "all_reduce {case}");
             }
         }
     }
