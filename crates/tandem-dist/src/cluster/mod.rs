@@ -93,6 +93,20 @@ pub struct WorkerEnv {
     pub master_port: Option<u16>,
 }
 
+impl NodeEnv {
+    /// The node environment of this process's variables; `None` outside any cluster.
+    pub fn from_env() -> Result<Option<NodeEnv>> {
+        node_env(&process_env())
+    }
+}
+
+impl WorkerEnv {
+    /// The worker environment of this process's variables; `None` outside any cluster.
+    pub fn from_env() -> Result<Option<WorkerEnv>> {
+        worker_env(&process_env())
+    }
+}
+
 /// Which environment `vars` come from, innermost launcher first: torchrun inside Slurm is
 /// torchrun, `mpirun` inside a Slurm allocation is Open MPI.
 pub fn detect_source(vars: &EnvMap) -> Option<ClusterSource> {
