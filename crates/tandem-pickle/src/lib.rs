@@ -16,7 +16,7 @@ pub mod torch;
 mod value;
 
 pub use error::PickleError;
-pub use machine::{loads, Limits};
+pub use machine::{loads, loads_with_limits, Limits};
 pub use numpy::{ndarray_from_value, DType, NdArray};
 pub use torch::{
     read_torch_state_dict, read_torch_state_dict_from_bytes, NamedTensor, Scalar, TensorData,
