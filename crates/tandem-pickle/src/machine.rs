@@ -22,13 +22,14 @@ pub struct Limits {
 }
 
 impl Limits {
-    /// Limits proportional to the size of the input: a few times its bytes, plus slack.
+    /// Limits proportional to the size of the input: shared references may repeat values,
+    /// but the result stays within a few times the input (plus a little slack).
     pub fn for_input_len(input_len: usize) -> Limits {
         let input_len = input_len as u64;
         Limits {
             max_depth: 200,
-            max_output_bytes: 4 * input_len + (64 << 20),
-            max_output_values: 4 * input_len + 1_000_000,
+            max_output_bytes: 8 * input_len + (1 << 20),
+            max_output_values: 8 * input_len + 10_000,
         }
     }
 }
