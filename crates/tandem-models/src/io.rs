@@ -12,25 +12,9 @@ use crate::error::ModelError;
 use crate::model::Model;
 use crate::tensors::TensorKind;
 
-/// Values of a [`NamedTensor`].
-#[derive(Clone, Debug, PartialEq)]
-pub enum TensorData {
-    /// 32-bit floats (parameters, running statistics).
-    F32(Vec<f32>),
-    /// 64-bit integers (`num_batches_tracked`).
-    I64(Vec<i64>),
-}
-
-/// A tensor by name, e.g. read from a `torch.save` file.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NamedTensor {
-    /// `state_dict` key.
-    pub name: String,
-    /// PyTorch shape.
-    pub shape: Vec<usize>,
-    /// Row-major values.
-    pub data: TensorData,
-}
+/// Tensors by name (e.g. read from a `torch.save` file) share the pickle reader's types,
+/// so a checkpoint read there loads here without conversion.
+pub use tandem_pickle::{NamedTensor, TensorData};
 
 /// Writes the model's `state_dict` to a safetensors file, atomically (temporary file in the
 /// same directory, fsync, rename), with `metadata` as the header's string metadata.

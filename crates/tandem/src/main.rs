@@ -5,13 +5,27 @@
 //! and reports errors.
 
 mod bench;
+mod data_source;
+mod eval;
+mod evaluation;
+mod files;
 mod launch;
+mod model_args;
+mod plot;
+mod predict;
+mod settings;
+mod train;
+mod weights;
 
 use clap::{Parser, Subcommand};
 
 /// The command line of `tandem`.
 #[derive(Parser)]
-#[command(name = "tandem", version, about = "Data-parallel training of image classifiers, in pure Rust")]
+#[command(
+    name = "tandem",
+    version,
+    about = "Data-parallel training of image classifiers, in pure Rust"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -20,6 +34,12 @@ struct Cli {
 /// The subcommands of `tandem`.
 #[derive(Subcommand)]
 enum Command {
+    /// Train a model (resumes from the snapshot in the output folder when there is one).
+    Train(Box<settings::TrainOptions>),
+    /// Evaluate a checkpoint on a data set's test split.
+    Eval(eval::EvalArgs),
+    /// Classify image files with a checkpoint.
+    Predict(predict::PredictArgs),
     /// Measure the speed of a part of Tandem.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -30,11 +50,43 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Train(options) => train::run(*options),
+        Command::Eval(args) => eval::run(args),
+        Command::Predict(args) => predict::run(args),
         Command::Bench(command) => bench::run(command),
         Command::Launch(args) => launch::run(args),
     };
     if let Err(error) = result {
-        eprintln!("error: {error:#}");
+        report_fatal_error(&error);
         std::process::exit(1);
+    }
+}
+
+/// Set by `tandem launch`: where this worker records its fatal error for the launcher's
+/// summary (torchrun's error files).
+const ERROR_FILE_ENV: &str = "TANDEM_ERROR_FILE";
+
+/// Prints the error on stderr (prefixed with the rank on ranks other than 0) and, under
+/// `tandem launch`, records it in this worker's error file.
+fn report_fatal_error(error: &anyhow::Error) {
+    let rank = std::env::var("RANK").ok().filter(|rank| !rank.is_empty() && rank != "0");
+    match &rank {
+        Some(rank) => eprintln!("[rank {rank}] error: {error:#}"),
+        None => eprintln!("error: {error:#}"),
+    }
+    if let Some(path) = std::env::var_os(ERROR_FILE_ENV) {
+        let timestamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |elapsed| elapsed.as_secs_f64());
+        let record = serde_json::json!({
+            "rank": std::env::var("RANK").ok().and_then(|rank| rank.parse::<u64>().ok()),
+            "message": format!("{error:#}"),
+            "timestamp": timestamp,
+        });
+        if let Err(write_error) =
+            files::write_atomically(std::path::Path::new(&path), record.to_string().as_bytes())
+        {
+            eprintln!("warning: cannot record the error in {}: {write_error:#}", path.to_string_lossy());
+        }
     }
 }

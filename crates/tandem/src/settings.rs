@@ -1,0 +1,447 @@
+//! The settings of a training run: command-line flags, an optional TOML file, and the
+//! resolved values the run uses.
+//!
+//! Every setting of `tandem train` is an `Option` in [`TrainOptions`], so that a flag given
+//! on the command line overrides the same key in `--config FILE`, which overrides the
+//! default. [`TrainOptions::resolve`] turns the merged options into [`TrainSettings`], the
+//! plain values the trainer reads and writes to `OUT/config.toml`.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+
+use crate::model_args::ModelArgs;
+use crate::train::schedule::ScheduleKind;
+
+/// Three per-channel values (R, G, B), written `0.485,0.456,0.406` on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Rgb(pub [f32; 3]);
+
+impl FromStr for Rgb {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let values: Vec<f32> = text
+            .split(',')
+            .map(|part| part.trim().parse::<f32>())
+            .collect::<Result<_, _>>()
+            .map_err(|_| format!("expected three numbers like 0.5,0.5,0.5, got '{text}'"))?;
+        match values.as_slice() {
+            [r, g, b] => Ok(Rgb([*r, *g, *b])),
+            _ => Err(format!("expected three numbers like 0.5,0.5,0.5, got '{text}'")),
+        }
+    }
+}
+
+/// Where the images come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum DataKind {
+    /// CIFAR-10 in its official binary layout (folder or `.tar.gz`).
+    Cifar10Bin,
+    /// CIFAR-10 in its python-pickle layout.
+    Cifar10Py,
+    /// Annotation JSON plus an image folder (the torchrun tutorial's `CIFAR10_IMG`).
+    JsonFolder,
+    /// Random standard-normal images with labels 0 and 1 (seed 000's "custom data").
+    Synthetic,
+}
+
+/// The optimizers `tandem train` offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// Stochastic gradient descent, optionally with (Nesterov) momentum.
+    Sgd,
+    /// Adam with L2 weight decay.
+    Adam,
+    /// Adam with decoupled weight decay.
+    Adamw,
+}
+
+/// The data flags shared by `train` and `eval`.
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct DataOptions {
+    /// Data source [default: synthetic].
+    #[arg(long, value_enum)]
+    pub data: Option<DataKind>,
+    /// Folder holding the data set [default: data].
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Download CIFAR-10 into --data-dir when it is missing (with --data cifar10-bin).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub download: Option<bool>,
+    /// Per-channel mean subtracted after scaling pixels to [0,1] [default: none].
+    #[arg(long)]
+    pub mean: Option<Rgb>,
+    /// Per-channel standard deviation divided by after the mean [default: none].
+    #[arg(long)]
+    pub std: Option<Rgb>,
+    /// Training images of the synthetic data set [default: 5000].
+    #[arg(long)]
+    pub synthetic_train: Option<usize>,
+    /// Test images of the synthetic data set [default: 1000].
+    #[arg(long)]
+    pub synthetic_test: Option<usize>,
+}
+
+/// The resolved data settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct DataSettings {
+    /// The data source.
+    pub data: DataKind,
+    /// The folder holding it.
+    pub data_dir: PathBuf,
+    /// Whether to download CIFAR-10 when it is missing.
+    pub download: bool,
+    /// Per-channel mean, if normalizing.
+    pub mean: Option<Rgb>,
+    /// Per-channel standard deviation, if normalizing.
+    pub std: Option<Rgb>,
+    /// Training images of the synthetic data set.
+    pub synthetic_train: usize,
+    /// Test images of the synthetic data set.
+    pub synthetic_test: usize,
+}
+
+impl DataOptions {
+    /// Fills in defaults and checks the values; errors name the flag.
+    pub fn resolve(&self) -> anyhow::Result<DataSettings> {
+        let settings = DataSettings {
+            data: self.data.unwrap_or(DataKind::Synthetic),
+            data_dir: self.data_dir.clone().unwrap_or_else(|| PathBuf::from("data")),
+            download: self.download.unwrap_or(false),
+            mean: self.mean,
+            std: self.std,
+            synthetic_train: self.synthetic_train.unwrap_or(5000),
+            synthetic_test: self.synthetic_test.unwrap_or(1000),
+        };
+        if settings.mean.is_some() != settings.std.is_some() {
+            bail!("--mean and --std must be given together");
+        }
+        if let Some(Rgb(std)) = settings.std {
+            if std.iter().any(|value| *value <= 0.0) {
+                bail!("--std values must be positive, got {std:?}");
+            }
+        }
+        Ok(settings)
+    }
+}
+
+/// Every setting of `tandem train`, each optional so that flags, file and defaults merge.
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct TrainOptions {
+    /// Read settings from this TOML file; flags given on the command line override it.
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    #[serde(default)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    #[serde(default)]
+    pub data: DataOptions,
+    /// Epochs to train [default: 10].
+    #[arg(long)]
+    pub epochs: Option<u64>,
+    /// Images per optimizer step on each process [default: 128].
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Base learning rate [default: 0.01].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Optimizer [default: adam].
+    #[arg(long, value_enum)]
+    pub optimizer: Option<OptimizerKind>,
+    /// SGD momentum [default: 0].
+    #[arg(long)]
+    pub momentum: Option<f64>,
+    /// Use Nesterov momentum with SGD.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub nesterov: Option<bool>,
+    /// Weight decay (L2 for sgd and adam, decoupled for adamw) [default: 0].
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Adam's beta1 [default: 0.9].
+    #[arg(long)]
+    pub beta1: Option<f64>,
+    /// Adam's beta2 [default: 0.999].
+    #[arg(long)]
+    pub beta2: Option<f64>,
+    /// Adam's epsilon [default: 1e-8].
+    #[arg(long)]
+    pub eps: Option<f64>,
+    /// Learning-rate schedule [default: constant].
+    #[arg(long, value_enum)]
+    pub lr_schedule: Option<ScheduleKind>,
+    /// Epochs of linear learning-rate warm-up [default: 0].
+    #[arg(long)]
+    pub warmup_epochs: Option<f64>,
+    /// With --lr-schedule step: epochs between decays [default: 30].
+    #[arg(long)]
+    pub step_epochs: Option<u64>,
+    /// With --lr-schedule step: the decay factor [default: 0.1].
+    #[arg(long)]
+    pub gamma: Option<f64>,
+    /// Multiply the learning rate by the number of processes (the tutorials' rule).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub scale_lr: Option<bool>,
+    /// Label smoothing of the cross-entropy loss [default: 0].
+    #[arg(long)]
+    pub label_smoothing: Option<f64>,
+    /// Turn off the pad-4 random crop and horizontal flip of training images.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub no_augment: Option<bool>,
+    /// Write `epoch_N.safetensors` every N epochs; 0 never [default: 1].
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// Keep only the last K epoch checkpoints; 0 keeps all [default: 0].
+    #[arg(long)]
+    pub keep_last: Option<usize>,
+    /// Folder for checkpoints, metrics, plots and logs [default: runs/latest].
+    #[arg(long)]
+    pub output_dir: Option<PathBuf>,
+    /// The snapshot to resume from and to write [default: OUTPUT_DIR/snapshot.safetensors].
+    #[arg(long)]
+    pub snapshot: Option<PathBuf>,
+    /// Also write a snapshot every N optimizer steps within an epoch; 0 only at epoch ends
+    /// and on a stop request [default: 0].
+    #[arg(long)]
+    pub snapshot_every_steps: Option<u64>,
+    /// Seed of initialization, data order and augmentation [default: 0].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Compute threads of this process [default: the cores available, shared among the
+    /// processes of this node].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Data-loader threads [default: 1].
+    #[arg(long)]
+    pub loader_threads: Option<usize>,
+    /// Load initial weights from a safetensors or PyTorch (`torch.save`) file.
+    #[arg(long)]
+    pub init_from: Option<PathBuf>,
+    /// Stop after this many optimizer steps in total (for tests and quick looks).
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Accumulate gradients over K batches per optimizer step [default: 1].
+    #[arg(long)]
+    pub grad_accum: Option<u64>,
+    /// Normalize with the statistics of the global batch over all processes (SyncBatchNorm).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub sync_bn: Option<bool>,
+    /// Size of a gradient bucket for the all-reduce, in MB [default: 25].
+    #[arg(long)]
+    pub bucket_mb: Option<f64>,
+    /// Timeout of each collective and of the rendezvous, in seconds [default: 300].
+    #[arg(long)]
+    pub collective_timeout: Option<f64>,
+    /// The tutorial's rendezvous address, `tcp://HOST:PORT` (else MASTER_ADDR/MASTER_PORT).
+    #[arg(long)]
+    #[serde(skip)]
+    pub init_method: Option<String>,
+    /// This process's rank (else RANK or the cluster's variables).
+    #[arg(long)]
+    #[serde(skip)]
+    pub rank: Option<usize>,
+    /// The number of processes (else WORLD_SIZE or the cluster's variables).
+    #[arg(long)]
+    #[serde(skip)]
+    pub world_size: Option<usize>,
+}
+
+impl TrainOptions {
+    /// Merges `self` (flags) over the options of a TOML file: a flag wins over the file.
+    pub fn merged_with_file(self) -> anyhow::Result<TrainOptions> {
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read config file {}", path.display()))?;
+        let file: TrainOptions = toml::from_str(&text)
+            .with_context(|| format!("config file {} is not valid", path.display()))?;
+        let config = self.config.clone();
+        let mut merged = toml::Table::try_from(&file).context("cannot merge the config file")?;
+        merge_tables(&mut merged, toml::Table::try_from(&self).context("cannot merge the flags")?);
+        let mut options: TrainOptions = merged.try_into().context("cannot merge the flags")?;
+        options.config = config;
+        Ok(options)
+    }
+}
+
+/// Sets every key of `overrides` in `base`, descending into tables (`[model]`, `[data]`)
+/// so that a flag replaces only its own key.
+fn merge_tables(base: &mut toml::Table, overrides: toml::Table) {
+    for (key, value) in overrides {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(base_table)), toml::Value::Table(override_table)) => {
+                merge_tables(base_table, override_table)
+            }
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
+/// The resolved settings of a training run, written to `OUT/config.toml`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct TrainSettings {
+    /// The model's description, as `--model` and its flags give it.
+    pub model: ModelArgs,
+    /// Where the images come from and how they are normalized.
+    pub data: DataSettings,
+    pub epochs: u64,
+    pub batch_size: usize,
+    pub lr: f64,
+    pub optimizer: OptimizerKind,
+    pub momentum: f64,
+    pub nesterov: bool,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub lr_schedule: ScheduleKind,
+    pub warmup_epochs: f64,
+    pub step_epochs: u64,
+    pub gamma: f64,
+    pub scale_lr: bool,
+    pub label_smoothing: f64,
+    pub augment: bool,
+    pub save_every: u64,
+    pub keep_last: usize,
+    pub output_dir: PathBuf,
+    pub snapshot: PathBuf,
+    pub snapshot_every_steps: u64,
+    pub seed: u64,
+    pub threads: usize,
+    pub loader_threads: usize,
+    pub init_from: Option<PathBuf>,
+    pub max_steps: Option<u64>,
+    pub grad_accum: u64,
+    pub sync_bn: bool,
+    pub bucket_mb: f64,
+    pub collective_timeout: f64,
+    /// `--init-method`, `--rank`, `--world-size` as given (the environment fills the rest).
+    #[serde(skip)]
+    pub placement_flags: PlacementFlags,
+}
+
+/// The tutorial's flags for joining a job by hand.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PlacementFlags {
+    /// `tcp://HOST:PORT`.
+    pub init_method: Option<String>,
+    /// This process's rank.
+    pub rank: Option<usize>,
+    /// The number of processes.
+    pub world_size: Option<usize>,
+}
+
+/// The cores this process may use.
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |cores| cores.get())
+}
+
+impl TrainOptions {
+    /// Fills in defaults and checks the values; errors name the setting.
+    pub fn resolve(self) -> anyhow::Result<TrainSettings> {
+        let output_dir = self.output_dir.unwrap_or_else(|| PathBuf::from("runs/latest"));
+        let snapshot = self
+            .snapshot
+            .unwrap_or_else(|| output_dir.join("snapshot.safetensors"));
+        let settings = TrainSettings {
+            model: self.model,
+            data: self.data.resolve()?,
+            epochs: self.epochs.unwrap_or(10),
+            batch_size: self.batch_size.unwrap_or(128),
+            lr: self.lr.unwrap_or(0.01),
+            optimizer: self.optimizer.unwrap_or(OptimizerKind::Adam),
+            momentum: self.momentum.unwrap_or(0.0),
+            nesterov: self.nesterov.unwrap_or(false),
+            weight_decay: self.weight_decay.unwrap_or(0.0),
+            beta1: self.beta1.unwrap_or(0.9),
+            beta2: self.beta2.unwrap_or(0.999),
+            eps: self.eps.unwrap_or(1e-8),
+            lr_schedule: self.lr_schedule.unwrap_or(ScheduleKind::Constant),
+            warmup_epochs: self.warmup_epochs.unwrap_or(0.0),
+            step_epochs: self.step_epochs.unwrap_or(30),
+            gamma: self.gamma.unwrap_or(0.1),
+            scale_lr: self.scale_lr.unwrap_or(false),
+            label_smoothing: self.label_smoothing.unwrap_or(0.0),
+            augment: !self.no_augment.unwrap_or(false),
+            save_every: self.save_every.unwrap_or(1),
+            keep_last: self.keep_last.unwrap_or(0),
+            output_dir,
+            snapshot,
+            snapshot_every_steps: self.snapshot_every_steps.unwrap_or(0),
+            seed: self.seed.unwrap_or(0),
+            threads: self.threads.unwrap_or(0),
+            loader_threads: self.loader_threads.unwrap_or(1),
+            init_from: self.init_from,
+            max_steps: self.max_steps,
+            grad_accum: self.grad_accum.unwrap_or(1),
+            sync_bn: self.sync_bn.unwrap_or(false),
+            bucket_mb: self.bucket_mb.unwrap_or(25.0),
+            collective_timeout: self.collective_timeout.unwrap_or(300.0),
+            placement_flags: PlacementFlags {
+                init_method: self.init_method,
+                rank: self.rank,
+                world_size: self.world_size,
+            },
+        };
+        settings.check()?;
+        Ok(settings)
+    }
+}
+
+impl TrainSettings {
+    /// Rejects values no run can use, naming the setting.
+    fn check(&self) -> anyhow::Result<()> {
+        if self.batch_size == 0 {
+            bail!("--batch-size must be at least 1");
+        }
+        if self.loader_threads == 0 {
+            bail!("--loader-threads must be at least 1");
+        }
+        if self.grad_accum == 0 {
+            bail!("--grad-accum must be at least 1");
+        }
+        if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
+            bail!("--bucket-mb must be a positive number, got {}", self.bucket_mb);
+        }
+        if !(self.collective_timeout.is_finite() && self.collective_timeout > 0.0) {
+            bail!(
+                "--collective-timeout must be a positive number of seconds, got {}",
+                self.collective_timeout
+            );
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            bail!("--lr must be a positive number, got {}", self.lr);
+        }
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            bail!("--label-smoothing must be in [0, 1), got {}", self.label_smoothing);
+        }
+        if self.optimizer != OptimizerKind::Sgd && (self.momentum != 0.0 || self.nesterov) {
+            bail!("--momentum and --nesterov apply to --optimizer sgd only");
+        }
+        if self.nesterov && self.momentum <= 0.0 {
+            bail!("--nesterov needs a positive --momentum");
+        }
+        Ok(())
+    }
+
+    /// Writes the settings as TOML to `path`, atomically.
+    pub fn write_toml(&self, path: &Path) -> anyhow::Result<()> {
+        let text = toml::to_string_pretty(self).context("cannot render the settings as TOML")?;
+        crate::files::write_atomically(path, text.as_bytes())
+    }
+}

@@ -1,0 +1,250 @@
+//! Data parallelism: the glue between one process's training step and its peers.
+//!
+//! Every rank runs the same steps on its own shard of the data. After the backward pass the
+//! gradients are averaged over the ranks, bucket by bucket, on a comm thread, while the
+//! backward pass goes on with the earlier layers: the model lays its gradients out in the
+//! order backward finishes them, so each bucket is a contiguous slice that is complete as
+//! soon as backward has passed its last layer. All collectives of a rank go through one
+//! FIFO queue, so ranks that issue the same sequence of operations stay in step.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use anyhow::Context;
+use tandem_dist::{CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp};
+use tandem_models::{BatchNormReducer, Model};
+
+/// How a worker joins its job, as its environment or flags describe it.
+#[derive(Clone, Debug)]
+pub struct WorkerPlacement {
+    /// This process's rank.
+    pub rank: usize,
+    /// The number of processes.
+    pub world_size: usize,
+    /// This process's index on its node.
+    pub local_rank: usize,
+    /// The number of processes on this node.
+    pub local_world_size: usize,
+    /// Host of the rendezvous store.
+    pub master_addr: String,
+    /// Port of the rendezvous store.
+    pub master_port: u16,
+    /// Whether the launcher hosts the store (else rank 0 does).
+    pub store_hosted: bool,
+    /// Namespace of this attempt's keys in the store (one per restart round).
+    pub key_prefix: String,
+}
+
+/// Gradient buckets: the first small, so communication starts early, then equal ones.
+pub fn plan_buckets(len: usize, first_bucket_floats: usize, bucket_floats: usize) -> Vec<Range<usize>> {
+    let mut buckets = Vec::new();
+    let mut start = 0;
+    let mut size = first_bucket_floats.max(1);
+    while start < len {
+        let end = (start + size).min(len);
+        buckets.push(start..end);
+        start = end;
+        size = bucket_floats.max(1);
+    }
+    buckets
+}
+
+/// One process's link to its peers during training.
+pub struct Ddp {
+    comm: CommThread,
+    buckets: Vec<Range<usize>>,
+    /// Per bucket: the gradients copied out of the model, or `None` while on the comm thread.
+    staging: Vec<Option<Vec<f32>>>,
+    in_flight: Vec<(usize, Pending<Vec<f32>>)>,
+    next_bucket: usize,
+}
+
+impl Ddp {
+    /// Joins the process group and sets up buckets over `grad_len` gradients.
+    pub fn join(
+        placement: &WorkerPlacement,
+        token: tandem_dist::JobToken,
+        timeout: Duration,
+        grad_len: usize,
+        bucket_bytes: usize,
+        first_bucket_bytes: usize,
+    ) -> anyhow::Result<Self> {
+        let mut options = ProcessGroupOptions::new(
+            placement.rank,
+            placement.world_size,
+            &placement.master_addr,
+            placement.master_port,
+            token,
+        );
+        options.timeout = timeout;
+        options.host_store = !placement.store_hosted;
+        options.prefix = placement.key_prefix.clone();
+        let group = ProcessGroup::connect(options).with_context(|| {
+            format!(
+                "rank {} cannot join the job at {}:{}",
+                placement.rank, placement.master_addr, placement.master_port
+            )
+        })?;
+        let comm = CommThread::spawn(group)?;
+        let float_bytes = std::mem::size_of::<f32>();
+        let buckets = plan_buckets(
+            grad_len,
+            first_bucket_bytes / float_bytes,
+            bucket_bytes / float_bytes,
+        );
+        let staging = buckets
+            .iter()
+            .map(|bucket| Some(vec![0.0; bucket.len()]))
+            .collect();
+        Ok(Ddp {
+            comm,
+            buckets,
+            staging,
+            in_flight: Vec::new(),
+            next_bucket: 0,
+        })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The number of processes.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// Makes every rank start from rank 0's parameters, BN buffers and batch count.
+    pub fn broadcast_model(&mut self, model: &mut Model) -> anyhow::Result<()> {
+        let params = self.comm.broadcast_f32(model.params().to_vec(), 0).wait()?;
+        model.params_mut().copy_from_slice(&params);
+        self.broadcast_buffers(model)?;
+        let count = self
+            .comm
+            .all_reduce_i64(vec![model.num_batches_tracked() as i64], ReduceOp::Max)
+            .wait()?;
+        model.set_num_batches_tracked(count.first().copied().unwrap_or(0).max(0) as u64);
+        Ok(())
+    }
+
+    /// Gives every rank rank 0's BN running statistics (PyTorch's `broadcast_buffers`).
+    pub fn broadcast_buffers(&mut self, model: &mut Model) -> anyhow::Result<()> {
+        if model.buffers().is_empty() {
+            return Ok(());
+        }
+        let buffers = self.comm.broadcast_f32(model.buffers().to_vec(), 0).wait()?;
+        model.buffers_mut().copy_from_slice(&buffers);
+        Ok(())
+    }
+
+    /// Gives every rank rank 0's bytes (a snapshot on resume).
+    pub fn broadcast_bytes(&mut self, bytes: Vec<u8>) -> anyhow::Result<Vec<u8>> {
+        Ok(self.comm.broadcast_bytes(bytes, 0).wait()?)
+    }
+
+    /// Sums `values` over the ranks.
+    pub fn sum_f64(&mut self, values: &mut [f64]) -> anyhow::Result<()> {
+        let summed = self.comm.all_reduce_f64(values.to_vec(), ReduceOp::Sum).wait()?;
+        values.copy_from_slice(&summed);
+        Ok(())
+    }
+
+    /// Called by backward with each range of gradients that is final: copies it out and
+    /// sends every bucket that is now complete.
+    pub fn gradients_ready(&mut self, range: Range<usize>, values: &[f32]) {
+        for (index, bucket) in self.buckets.iter().enumerate().skip(self.next_bucket) {
+            let start = bucket.start.max(range.start);
+            let end = bucket.end.min(range.end);
+            if start < end {
+                if let Some(staging) = self.staging[index].as_mut() {
+                    staging[start - bucket.start..end - bucket.start]
+                        .copy_from_slice(&values[start - range.start..end - range.start]);
+                }
+            }
+            if bucket.start >= range.end {
+                break;
+            }
+        }
+        while self.next_bucket < self.buckets.len()
+            && self.buckets[self.next_bucket].end <= range.end
+        {
+            self.send_bucket(self.next_bucket);
+            self.next_bucket += 1;
+        }
+    }
+
+    fn send_bucket(&mut self, index: usize) {
+        if let Some(values) = self.staging[index].take() {
+            let pending = self.comm.all_reduce_f32(values, ReduceOp::Mean);
+            self.in_flight.push((index, pending));
+        }
+    }
+
+    /// Sends what backward did not, waits for every bucket, and writes the averaged
+    /// gradients back into `grads`.
+    pub fn finish_gradients(&mut self, grads: &mut [f32]) -> anyhow::Result<()> {
+        while self.next_bucket < self.buckets.len() {
+            let bucket = self.buckets[self.next_bucket].clone();
+            if let Some(staging) = self.staging[self.next_bucket].as_mut() {
+                staging.copy_from_slice(&grads[bucket]);
+            }
+            self.send_bucket(self.next_bucket);
+            self.next_bucket += 1;
+        }
+        self.next_bucket = 0;
+        let mut first_error = None;
+        for (index, pending) in self.in_flight.drain(..) {
+            match pending.wait() {
+                Ok(values) => {
+                    grads[self.buckets[index].clone()].copy_from_slice(&values);
+                    self.staging[index] = Some(values);
+                }
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                    self.staging[index] = Some(vec![0.0; self.buckets[index].len()]);
+                }
+            }
+        }
+        match first_error {
+            Some(error) => Err(error.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// A [`BatchNormReducer`] that sums batch statistics over the ranks (SyncBatchNorm).
+    pub fn batch_norm_reducer(&self) -> DdpBatchNormReducer<'_> {
+        DdpBatchNormReducer { comm: &self.comm }
+    }
+}
+
+/// Sums batch-norm statistics over the ranks through the comm thread's queue.
+pub struct DdpBatchNormReducer<'a> {
+    comm: &'a CommThread,
+}
+
+impl BatchNormReducer for DdpBatchNormReducer<'_> {
+    fn all_reduce_sum(
+        &mut self,
+        values: &mut [f64],
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let summed = self
+            .comm
+            .all_reduce_f64(values.to_vec(), ReduceOp::Sum)
+            .wait()?;
+        values.copy_from_slice(&summed);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_cover_the_gradients_in_order() {
+        assert_eq!(plan_buckets(10, 3, 4), vec![0..3, 3..7, 7..10]);
+        assert_eq!(plan_buckets(2, 3, 4), vec![0..2]);
+        assert!(plan_buckets(0, 3, 4).is_empty());
+    }
+}

@@ -1,0 +1,645 @@
+//! `tandem train`: the training job of both tutorials, on one process or many.
+//!
+//! The run is a loop over epochs and, within an epoch, over optimizer steps. Everything that
+//! decides a step's numbers (the data order, the augmentation, the learning rate) is a
+//! function of the seed, the epoch and the step, so a run resumed from a snapshot taken at
+//! any step continues with exactly the numbers the uninterrupted run would have had.
+
+pub mod ddp;
+pub mod history;
+pub mod placement;
+pub mod schedule;
+pub mod snapshot;
+pub mod stop_signal;
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tandem_data::{
+    eval_shard, Augment, Batch, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
+};
+use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use tandem_models::{BatchNormReducer, LossOptions, Model};
+
+use crate::data_source::{load_split, normalization, Split};
+use crate::evaluation::{evaluate, Evaluation};
+use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
+use ddp::Ddp;
+use placement::find_placement;
+use history::{write_history, EpochRecord};
+use schedule::Schedule;
+use snapshot::{load_latest, Progress, Snapshot};
+
+/// Runs `tandem train`.
+pub fn run(options: TrainOptions) -> anyhow::Result<()> {
+    let settings = options.merged_with_file()?.resolve()?;
+    let stop_requested = stop_signal::install()?;
+    let mut trainer = Trainer::new(settings, stop_requested)?;
+    trainer.train()
+}
+
+/// A training run in progress.
+struct Trainer {
+    settings: TrainSettings,
+    model: Model,
+    optimizer: Box<dyn Optimizer>,
+    schedule: Schedule,
+    train_set: Arc<Dataset>,
+    test_set: Arc<Dataset>,
+    sampler: DistributedSampler,
+    normalize: Option<Normalize>,
+    progress: Progress,
+    history: Vec<EpochRecord>,
+    ddp: Option<Ddp>,
+    stop_requested: Arc<AtomicBool>,
+}
+
+impl Trainer {
+    /// Builds the model, data and optimizer, joins the job's other processes, and resumes
+    /// from the snapshot when one exists.
+    fn new(mut settings: TrainSettings, stop_requested: Arc<AtomicBool>) -> anyhow::Result<Self> {
+        let placement = find_placement(&settings.placement_flags)?;
+        let (rank, world_size, local_world_size) = placement
+            .as_ref()
+            .map_or((0, 1, 1), |place| (place.rank, place.world_size, place.local_world_size));
+        if settings.threads == 0 {
+            settings.threads = (available_cores() / local_world_size.max(1)).max(1);
+        }
+        tandem_engine::set_threads(settings.threads);
+        let spec = settings.model.to_spec()?;
+        let mut model = Model::new(&spec)?;
+        model.init_default(settings.seed);
+        if let Some(path) = &settings.init_from {
+            crate::weights::load_weights(&mut model, path)?;
+        }
+        let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
+        let test_set = Arc::new(load_split(&settings.data, settings.seed, Split::Test)?);
+        check_classes(&train_set, spec.num_classes())?;
+        let sampler =
+            DistributedSampler::new(train_set.len(), world_size, rank, true, settings.seed, false)?;
+        let batches_per_epoch = sampler.num_samples().div_ceil(settings.batch_size) as u64;
+        let steps_per_epoch = batches_per_epoch.div_ceil(settings.grad_accum);
+        let schedule = build_schedule(&settings, steps_per_epoch, world_size);
+        let optimizer = build_optimizer(&settings, model.params().len(), schedule.lr_at(0));
+        let normalize = normalization(&settings.data);
+        let ddp = match &placement {
+            Some(place) => {
+                let token = tandem_dist::JobToken::from_env()?.context(
+                    "a job of several processes needs TANDEM_JOB_TOKEN, the same secret on every rank (tandem launch sets it)",
+                )?;
+                let bucket_bytes = (settings.bucket_mb * 1e6) as usize;
+                Some(Ddp::join(
+                    place,
+                    token,
+                    Duration::from_secs_f64(settings.collective_timeout),
+                    model.params().len(),
+                    bucket_bytes,
+                    FIRST_BUCKET_BYTES.min(bucket_bytes),
+                )?)
+            }
+            None => None,
+        };
+        let mut trainer = Trainer {
+            settings,
+            model,
+            optimizer,
+            schedule,
+            train_set,
+            test_set,
+            sampler,
+            normalize,
+            progress: Progress::default(),
+            history: Vec::new(),
+            ddp,
+            stop_requested,
+        };
+        trainer.resume_if_possible()?;
+        if let Some(ddp) = trainer.ddp.as_mut() {
+            ddp.broadcast_model(&mut trainer.model)?;
+        }
+        Ok(trainer)
+    }
+
+    /// Whether this process speaks for the job: prints progress and writes files.
+    fn is_leader(&self) -> bool {
+        self.ddp.as_ref().is_none_or(|ddp| ddp.rank() == 0)
+    }
+
+    fn world_size(&self) -> usize {
+        self.ddp.as_ref().map_or(1, Ddp::world_size)
+    }
+
+    /// Continues from the latest good snapshot, if there is one. Rank 0 reads it and gives
+    /// it to the other ranks, so only rank 0 needs the file.
+    fn resume_if_possible(&mut self) -> anyhow::Result<()> {
+        let local = if self.is_leader() {
+            load_latest(&self.settings.snapshot)?
+        } else {
+            None
+        };
+        let snapshot = match self.ddp.as_mut() {
+            Some(ddp) => {
+                let bytes = match &local {
+                    Some(snapshot) => snapshot.to_bytes()?,
+                    None => Vec::new(),
+                };
+                let shared = ddp.broadcast_bytes(bytes)?;
+                if shared.is_empty() {
+                    None
+                } else {
+                    Some(Snapshot::from_bytes(&shared)?)
+                }
+            }
+            None => local,
+        };
+        let Some(snapshot) = snapshot else {
+            return Ok(());
+        };
+        check_resumable(&snapshot.settings, &fingerprint(&self.settings, self.world_size()))
+            .with_context(|| {
+                format!(
+                    "cannot resume from {}: use the settings it was written with, or another --output-dir",
+                    self.settings.snapshot.display()
+                )
+            })?;
+        snapshot.restore_model(&mut self.model)?;
+        self.optimizer.load_state(&snapshot.optimizer)?;
+        self.progress = snapshot.progress;
+        self.history = snapshot.history;
+        if self.is_leader() {
+            println!(
+                "Resuming training from snapshot at epoch {}, step {}",
+                self.progress.epoch + 1,
+                self.progress.step_in_epoch
+            );
+        }
+        Ok(())
+    }
+
+    /// Trains until the last epoch, `--max-steps` or a stop request, and writes the run's
+    /// files.
+    fn train(&mut self) -> anyhow::Result<()> {
+        if self.is_leader() {
+            std::fs::create_dir_all(&self.settings.output_dir).with_context(|| {
+                format!("cannot create output folder {}", self.settings.output_dir.display())
+            })?;
+            self.settings.write_toml(&self.settings.output_dir.join("config.toml"))?;
+        }
+        while self.progress.epoch < self.settings.epochs {
+            if self.run_epoch()? == EpochEnd::Stopped {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Trains the rest of the current epoch, evaluates, and writes the epoch's files.
+    fn run_epoch(&mut self) -> anyhow::Result<EpochEnd> {
+        let epoch = self.progress.epoch;
+        let accumulation = self.settings.grad_accum as usize;
+        let loader = Loader::new(
+            Arc::clone(&self.train_set),
+            self.sampler.indices(epoch),
+            LoaderOptions {
+                batch_size: self.settings.batch_size,
+                drop_last: false,
+                augment: self.settings.augment.then_some(Augment {
+                    random_crop_padding: Some(4),
+                    horizontal_flip: true,
+                }),
+                normalize: self.normalize,
+                seed: self.settings.seed,
+                epoch,
+                threads: self.settings.loader_threads,
+                prefetch: 2 * self.settings.loader_threads + accumulation,
+                start_batch: self.progress.step_in_epoch as usize * accumulation,
+            },
+        )?;
+        let steps_in_epoch = loader.num_batches().div_ceil(accumulation) as u64;
+        let mut bar = self.is_leader().then(|| {
+            ProgressLine::new(epoch + 1, steps_in_epoch, self.progress.step_in_epoch)
+        });
+        let started = Instant::now();
+        let seconds_before = self.progress.epoch_seconds;
+        let mut images_this_session = 0usize;
+        let mut lr = self.schedule.lr_at(self.progress.global_step);
+        let mut micro_batches = Vec::with_capacity(accumulation);
+        let mut loader = loader.peekable();
+        while loader.peek().is_some() {
+            micro_batches.clear();
+            while micro_batches.len() < accumulation {
+                match loader.next() {
+                    Some(batch) => micro_batches.push(batch?),
+                    None => break,
+                }
+            }
+            lr = self.schedule.lr_at(self.progress.global_step);
+            let outcome = self.train_step(&micro_batches, lr)?;
+            images_this_session += outcome.images * self.world_size();
+            self.progress.epoch_loss_sum += outcome.mean_loss;
+            self.progress.step_in_epoch += 1;
+            self.progress.global_step += 1;
+            self.progress.epoch_seconds = seconds_before + started.elapsed().as_secs_f64();
+            if let Some(bar) = bar.as_mut() {
+                bar.update(self.progress.step_in_epoch, outcome.mean_loss, images_this_session, started);
+            }
+            if outcome.stop || self.reached_max_steps() {
+                if let Some(bar) = &bar {
+                    bar.finish();
+                }
+                self.save_snapshot()?;
+                if outcome.stop && self.is_leader() {
+                    eprintln!(
+                        "Stopped on request at epoch {}, step {}; the snapshot is {}",
+                        epoch + 1,
+                        self.progress.step_in_epoch,
+                        self.settings.snapshot.display()
+                    );
+                }
+                return Ok(EpochEnd::Stopped);
+            }
+            let every = self.settings.snapshot_every_steps;
+            if every > 0 && self.progress.step_in_epoch % every == 0 {
+                self.save_snapshot()?;
+            }
+        }
+        if let Some(bar) = &bar {
+            bar.finish();
+        }
+        self.finish_epoch(steps_in_epoch, lr)?;
+        Ok(EpochEnd::Completed)
+    }
+
+    /// One optimizer step over `micro_batches` (one, or `--grad-accum` of them): forward,
+    /// backward, gradient averaging over the ranks, update.
+    fn train_step(&mut self, micro_batches: &[Batch], lr: f64) -> anyhow::Result<StepOutcome> {
+        let loss_options = LossOptions {
+            label_smoothing: self.settings.label_smoothing as f32,
+        };
+        let loss_scale = 1.0 / micro_batches.len().max(1) as f32;
+        let (height, width) = (self.train_set.height, self.train_set.width);
+        let sync_bn = self.settings.sync_bn;
+        self.model.zero_grads();
+        if let Some(ddp) = self.ddp.as_mut() {
+            ddp.broadcast_buffers(&mut self.model)?;
+        }
+        let mut loss_sum = 0.0f64;
+        let mut images = 0;
+        for (index, batch) in micro_batches.iter().enumerate() {
+            let last = index + 1 == micro_batches.len();
+            let mut reducer = self.ddp.as_ref().filter(|_| sync_bn).map(Ddp::batch_norm_reducer);
+            let loss = self.model.forward_train(
+                &batch.images,
+                batch.len,
+                height,
+                width,
+                &batch.labels,
+                &loss_options,
+                reducer.as_mut().map(|reducer| reducer as &mut dyn BatchNormReducer),
+            )?;
+            drop(reducer);
+            loss_sum += loss as f64;
+            images += batch.len;
+            match self.ddp.as_mut().filter(|_| last) {
+                Some(ddp) if !sync_bn => {
+                    self.model.backward(loss_scale, None, &mut |range, values| {
+                        ddp.gradients_ready(range, values)
+                    })?;
+                }
+                _ => {
+                    let mut reducer =
+                        self.ddp.as_ref().filter(|_| sync_bn).map(Ddp::batch_norm_reducer);
+                    self.model.backward(
+                        loss_scale,
+                        reducer.as_mut().map(|reducer| reducer as &mut dyn BatchNormReducer),
+                        &mut |_, _| {},
+                    )?;
+                }
+            }
+        }
+        let local_stop = self.stop_requested.load(Ordering::Relaxed);
+        let mut mean_loss = loss_sum / micro_batches.len().max(1) as f64;
+        let mut stop = local_stop;
+        if let Some(ddp) = self.ddp.as_mut() {
+            ddp.finish_gradients(self.model.grads_mut())?;
+            let mut sums = [mean_loss, if local_stop { 1.0 } else { 0.0 }];
+            ddp.sum_f64(&mut sums)?;
+            mean_loss = sums[0] / ddp.world_size() as f64;
+            stop = sums[1] > 0.0;
+        }
+        if !mean_loss.is_finite() {
+            bail!(
+                "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
+                self.progress.epoch + 1,
+                self.progress.step_in_epoch + 1
+            );
+        }
+        self.optimizer.set_lr(lr as f32);
+        let (params, grads) = self.model.params_and_grads_mut();
+        self.optimizer.step(params, grads);
+        Ok(StepOutcome {
+            mean_loss,
+            images,
+            stop,
+        })
+    }
+
+    /// Evaluates, records and prints the epoch, and writes checkpoint and snapshot.
+    fn finish_epoch(&mut self, steps_in_epoch: u64, lr: f64) -> anyhow::Result<()> {
+        let epoch_number = self.progress.epoch + 1;
+        let train_loss = self.progress.epoch_loss_sum / steps_in_epoch.max(1) as f64;
+        let (rank, world_size) = self
+            .ddp
+            .as_ref()
+            .map_or((0, 1), |ddp| (ddp.rank(), ddp.world_size()));
+        let test_indices: Vec<usize> = eval_shard(self.test_set.len(), world_size, rank).collect();
+        let mut evaluation = evaluate(
+            &mut self.model,
+            &self.test_set,
+            test_indices,
+            self.settings.batch_size,
+            self.normalize,
+            self.settings.loader_threads,
+        )?;
+        if let Some(ddp) = self.ddp.as_mut() {
+            let mut sums = evaluation.to_sums();
+            ddp.sum_f64(&mut sums)?;
+            evaluation = Evaluation::from_sums(evaluation.classes, &sums);
+        }
+        let epoch_seconds = self.progress.epoch_seconds;
+        let images = (self.sampler.num_samples() * world_size) as f64;
+        let record = EpochRecord {
+            epoch: epoch_number,
+            train_loss,
+            val_loss: evaluation.loss(),
+            val_accuracy: evaluation.accuracy(),
+            epoch_seconds,
+            images_per_second: images / epoch_seconds.max(1e-9),
+            lr,
+            steps: steps_in_epoch,
+        };
+        self.history.push(record.clone());
+        self.progress = Progress {
+            epoch: epoch_number,
+            global_step: self.progress.global_step,
+            ..Progress::default()
+        };
+        if !self.is_leader() {
+            return Ok(());
+        }
+        println!("train | epoch: {} | loss: {:.4}", record.epoch, record.train_loss);
+        println!(
+            "val | epoch: {} | loss: {:.4} | accuracy: {:.4} | time: {:.1} s | {:.1} img/s",
+            record.epoch,
+            record.val_loss,
+            record.val_accuracy,
+            record.epoch_seconds,
+            record.images_per_second
+        );
+        write_history(&self.settings.output_dir, &self.history)?;
+        self.write_epoch_checkpoint(epoch_number)?;
+        self.save_snapshot()
+    }
+
+    /// Writes `epoch_N.safetensors` when due, and drops the ones past `--keep-last`.
+    fn write_epoch_checkpoint(&self, epoch_number: u64) -> anyhow::Result<()> {
+        let every = self.settings.save_every;
+        if every == 0 || epoch_number % every != 0 {
+            return Ok(());
+        }
+        let path = self.settings.output_dir.join(format!("epoch_{epoch_number}.safetensors"));
+        let metadata = BTreeMap::from([("epoch".to_string(), epoch_number.to_string())]);
+        tandem_models::save_safetensors(&self.model, &path, &metadata)
+            .with_context(|| format!("cannot write checkpoint {}", path.display()))?;
+        if self.settings.keep_last > 0 {
+            prune_checkpoints(&self.settings.output_dir, self.settings.keep_last)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the snapshot of the run as it stands (rank 0 only).
+    fn save_snapshot(&self) -> anyhow::Result<()> {
+        if !self.is_leader() {
+            return Ok(());
+        }
+        let snapshot = Snapshot::capture(
+            &self.model,
+            self.optimizer.state(),
+            self.progress.clone(),
+            self.history.clone(),
+            fingerprint(&self.settings, self.world_size()),
+        );
+        snapshot.save(&self.settings.snapshot)
+    }
+
+    fn reached_max_steps(&self) -> bool {
+        self.settings
+            .max_steps
+            .is_some_and(|max_steps| self.progress.global_step >= max_steps)
+    }
+}
+
+/// What one optimizer step reports.
+struct StepOutcome {
+    /// The step's loss, averaged over micro-batches and ranks.
+    mean_loss: f64,
+    /// Images this process trained on.
+    images: usize,
+    /// Whether any rank was asked to stop.
+    stop: bool,
+}
+
+/// The first gradient bucket is small, so that communication starts early in backward.
+const FIRST_BUCKET_BYTES: usize = 1_000_000;
+
+/// How an epoch ended.
+#[derive(PartialEq, Eq)]
+enum EpochEnd {
+    Completed,
+    Stopped,
+}
+
+/// Fails when the labels do not fit the model's classes.
+fn check_classes(dataset: &Dataset, num_classes: usize) -> anyhow::Result<()> {
+    if let Some(&label) = dataset.labels.iter().max() {
+        if label as usize >= num_classes {
+            bail!(
+                "the data has label {label}, but the model has {num_classes} classes (--num-classes)"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The learning-rate schedule of the run.
+fn build_schedule(settings: &TrainSettings, steps_per_epoch: u64, world_size: usize) -> Schedule {
+    let scale = if settings.scale_lr { world_size as f64 } else { 1.0 };
+    Schedule {
+        kind: settings.lr_schedule,
+        base_lr: settings.lr * scale,
+        steps_per_epoch,
+        total_steps: steps_per_epoch * settings.epochs,
+        warmup_steps: (settings.warmup_epochs * steps_per_epoch as f64).round() as u64,
+        step_epochs: settings.step_epochs,
+        gamma: settings.gamma,
+    }
+}
+
+/// The optimizer the settings name, over `len` parameters.
+fn build_optimizer(settings: &TrainSettings, len: usize, lr: f64) -> Box<dyn Optimizer> {
+    match settings.optimizer {
+        OptimizerKind::Sgd => Box::new(Sgd::new(
+            len,
+            SgdConfig {
+                lr: lr as f32,
+                momentum: settings.momentum as f32,
+                dampening: 0.0,
+                nesterov: settings.nesterov,
+                weight_decay: settings.weight_decay as f32,
+            },
+        )),
+        OptimizerKind::Adam | OptimizerKind::Adamw => Box::new(Adam::new(
+            len,
+            AdamConfig {
+                lr: lr as f32,
+                beta1: settings.beta1 as f32,
+                beta2: settings.beta2 as f32,
+                eps: settings.eps as f32,
+                weight_decay: settings.weight_decay as f32,
+                decoupled: settings.optimizer == OptimizerKind::Adamw,
+            },
+        )),
+    }
+}
+
+/// The settings that decide a run's numbers, which a resumed run must share.
+fn fingerprint(settings: &TrainSettings, world_size: usize) -> BTreeMap<String, String> {
+    let mut values = BTreeMap::new();
+    let mut put = |key: &str, value: String| {
+        values.insert(key.to_string(), value);
+    };
+    put("model", format!("{:?}", settings.model.to_spec().ok()));
+    put("data", format!("{:?}", settings.data.data));
+    put("batch-size", settings.batch_size.to_string());
+    put("lr", settings.lr.to_string());
+    put("optimizer", format!("{:?}", settings.optimizer));
+    put("momentum", settings.momentum.to_string());
+    put("nesterov", settings.nesterov.to_string());
+    put("weight-decay", settings.weight_decay.to_string());
+    put("betas", format!("{},{}", settings.beta1, settings.beta2));
+    put("eps", settings.eps.to_string());
+    put("lr-schedule", format!("{:?}", settings.lr_schedule));
+    put("warmup-epochs", settings.warmup_epochs.to_string());
+    put("label-smoothing", settings.label_smoothing.to_string());
+    put("augment", settings.augment.to_string());
+    put("normalize", format!("{:?} {:?}", settings.data.mean, settings.data.std));
+    put("seed", settings.seed.to_string());
+    put("world-size", world_size.to_string());
+    put("grad-accum", settings.grad_accum.to_string());
+    put("sync-bn", settings.sync_bn.to_string());
+    if settings.lr_schedule != schedule::ScheduleKind::Constant {
+        put("epochs", settings.epochs.to_string());
+        put("step-epochs", settings.step_epochs.to_string());
+        put("gamma", settings.gamma.to_string());
+    }
+    values
+}
+
+/// Fails with every setting that differs between the snapshot and this run.
+fn check_resumable(
+    snapshot: &BTreeMap<String, String>,
+    current: &BTreeMap<String, String>,
+) -> anyhow::Result<()> {
+    let conflicts: Vec<String> = current
+        .iter()
+        .filter_map(|(key, value)| match snapshot.get(key) {
+            Some(saved) if saved != value => {
+                Some(format!("--{key} is {value}, the snapshot has {saved}"))
+            }
+            _ => None,
+        })
+        .collect();
+    if !conflicts.is_empty() {
+        bail!("settings conflict with the snapshot: {}", conflicts.join("; "));
+    }
+    Ok(())
+}
+
+/// Deletes `epoch_N.safetensors` files in `folder` except the `keep` with the largest N.
+fn prune_checkpoints(folder: &Path, keep: usize) -> anyhow::Result<()> {
+    let mut epochs: Vec<(u64, std::path::PathBuf)> = std::fs::read_dir(folder)
+        .with_context(|| format!("cannot list {}", folder.display()))?
+        .filter_map(|entry| entry.ok())
+        .filter_map(|entry| {
+            let name = entry.file_name().into_string().ok()?;
+            let epoch = name.strip_prefix("epoch_")?.strip_suffix(".safetensors")?.parse().ok()?;
+            Some((epoch, entry.path()))
+        })
+        .collect();
+    epochs.sort();
+    let excess = epochs.len().saturating_sub(keep);
+    for (_, path) in epochs.into_iter().take(excess) {
+        std::fs::remove_file(&path)
+            .with_context(|| format!("cannot remove old checkpoint {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The per-epoch progress display: a bar on a terminal, a few plain lines otherwise.
+struct ProgressLine {
+    bar: Option<indicatif::ProgressBar>,
+    epoch_number: u64,
+    total_steps: u64,
+}
+
+impl ProgressLine {
+    fn new(epoch_number: u64, total_steps: u64, done_steps: u64) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(total_steps);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "epoch {prefix} {bar:30} {pos}/{len} [{elapsed}<{eta}] {msg}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar.set_prefix(epoch_number.to_string());
+            bar.set_position(done_steps);
+            bar
+        });
+        ProgressLine {
+            bar,
+            epoch_number,
+            total_steps,
+        }
+    }
+
+    fn update(&mut self, step: u64, loss: f64, images: usize, started: Instant) {
+        let rate = images as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(step);
+                bar.set_message(format!("loss {loss:.4} | {rate:.0} img/s"));
+            }
+            None => {
+                let every = (self.total_steps / 10).max(1);
+                if step % every == 0 || step == self.total_steps {
+                    eprintln!(
+                        "epoch {} | step {step}/{} | loss {loss:.4} | {rate:.0} img/s",
+                        self.epoch_number, self.total_steps
+                    );
+                }
+            }
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,124 @@
+//! Helpers shared by the end-to-end tests: running the real `tandem` binary with bounded
+//! waits, and finding the shared data.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The `tandem` binary under test.
+pub fn tandem() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tandem"));
+    command.env_remove("RANK").env_remove("WORLD_SIZE").env_remove("MASTER_ADDR");
+    command
+}
+
+/// The shared folder beside the workspace (or `TANDEM_SHARED`), failing the test with a
+/// clear message when it is missing.
+pub fn shared_dir() -> PathBuf {
+    let dir = std::env::var_os("TANDEM_SHARED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
+    assert!(
+        dir.join("golden").is_dir(),
+        "the shared material is missing: expected {} (with golden/ and data/cifar10/); set TANDEM_SHARED",
+        dir.display()
+    );
+    dir
+}
+
+/// Runs a command to completion within `limit`, killing it if it takes longer.
+pub fn run_bounded(command: &mut Command, limit: Duration) -> Output {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("cannot start tandem");
+    wait_bounded(child, limit)
+}
+
+/// Waits for a child within `limit`, killing it and failing the test past that.
+pub fn wait_bounded(mut child: Child, limit: Duration) -> Output {
+    let deadline = Instant::now() + limit;
+    loop {
+        match child.try_wait().expect("cannot poll child") {
+            Some(_) => return child.wait_with_output().expect("cannot collect output"),
+            None if Instant::now() > deadline => {
+                let _ = child.kill();
+                let output = child.wait_with_output().expect("cannot collect output");
+                panic!(
+                    "command took longer than {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                    String::from_utf8_lossy(&output.stdout),
+                    String::from_utf8_lossy(&output.stderr)
+                );
+            }
+            None => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// Asserts success and returns stdout, showing both streams on failure.
+pub fn expect_success(output: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(
+        output.status.success(),
+        "tandem failed with {}\nstdout:\n{stdout}\nstderr:\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// A small residual network that trains in seconds: the seed-004 model with one plain
+/// block per stage.
+pub const SMALL_MODEL: &[&str] = &[
+    "--model",
+    "resnet-base",
+    "--n-blocks",
+    "1,1,1",
+    "--n-channels",
+    "8,16,32",
+    "--bottlenecks",
+    "none",
+];
+
+/// Training flags for a short synthetic run of the small model.
+pub fn small_synthetic_run(output_dir: &Path) -> Vec<String> {
+    synthetic_run(output_dir, 192)
+}
+
+/// Training flags for a synthetic run of the small model on `train_samples` images.
+pub fn synthetic_run(output_dir: &Path, train_samples: usize) -> Vec<String> {
+    let mut args: Vec<String> = vec!["train".into()];
+    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
+    args.extend(
+        [
+            "--data",
+            "synthetic",
+            "--synthetic-train",
+            &train_samples.to_string(),
+            "--synthetic-test",
+            "64",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "32",
+            "--optimizer",
+            "sgd",
+            "--momentum",
+            "0.9",
+            "--lr",
+            "0.05",
+            "--threads",
+            "1",
+            "--seed",
+            "7",
+            "--output-dir",
+        ]
+        .iter()
+        .map(|arg| arg.to_string()),
+    );
+    args.push(output_dir.display().to_string());
+    args
+}
