@@ -122,3 +122,12 @@ pub fn synthetic_run(output_dir: &Path, train_samples: usize) -> Vec<String> {
     args.push(output_dir.display().to_string());
     args
 }
+
+/// `args` with `flag` set to `value`: replaces the flag's value if present, else appends it.
+pub fn with_flag(mut args: Vec<String>, flag: &str, value: &str) -> Vec<String> {
+    match args.iter().position(|arg| arg == flag) {
+        Some(index) if index + 1 < args.len() => args[index + 1] = value.to_string(),
+        _ => args.extend([flag.to_string(), value.to_string()]),
+    }
+    args
+}

@@ -85,8 +85,7 @@ fn config_file_is_read_and_flags_override_it() {
 #[test]
 fn bad_settings_are_refused_with_their_name() {
     let dir = tempfile::tempdir().unwrap();
-    let mut args = small_synthetic_run(&dir.path().join("run"));
-    args.extend(["--batch-size".to_string(), "0".to_string()]);
+    let args = with_flag(small_synthetic_run(&dir.path().join("run")), "--batch-size", "0");
     let output = run_bounded(tandem().args(&args), LIMIT);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -149,8 +148,7 @@ fn conflicting_resume_setting_is_named() {
     let mut args = small_synthetic_run(&out);
     args.extend(["--max-steps".to_string(), "2".to_string()]);
     expect_success(&run_bounded(tandem().args(&args), LIMIT));
-    let mut changed = small_synthetic_run(&out);
-    changed.extend(["--lr".to_string(), "0.2".to_string()]);
+    let changed = with_flag(small_synthetic_run(&out), "--lr", "0.2");
     let output = run_bounded(tandem().args(&changed), LIMIT);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
