@@ -97,15 +97,17 @@ pub fn train_statistics(
         "batchnorm: input is not [rows, {channels}]"
     );
     let rows = input.len() / channels.max(1);
+    let tile = ChannelTile::new(&vec![0.0; channels], channels).len();
     column_sums(input, channels, scratch, |values, sums| {
-        let (sum, sum_sq) = sums.split_at_mut(channels);
-        for row in values.chunks_exact(channels) {
-            for ((s, q), &x) in sum.iter_mut().zip(sum_sq.iter_mut()).zip(row) {
+        let (mut tile_sum, mut tile_sum_sq) = (vec![0.0f64; tile], vec![0.0f64; tile]);
+        for part in values.chunks(tile) {
+            for ((s, q), &x) in tile_sum.iter_mut().zip(tile_sum_sq.iter_mut()).zip(part) {
                 let x = f64::from(x);
                 *s += x;
                 *q += x * x;
             }
         }
+        fold_tile_sums(&tile_sum, &tile_sum_sq, channels, sums);
     });
     let totals = &mut scratch.totals;
     totals.insert(0, rows as f64);
@@ -184,65 +186,113 @@ pub fn apply(
         output.len(),
         "batchnorm: input and output lengths differ"
     );
-    let chunk = elementwise_rows_per_chunk(channels) * channels;
-    let (scale, shift) = (&state.scale[..], &state.shift[..]);
-    let finish = |value: f32| if relu { value.max(0.0) } else { value };
+    let scale = ChannelTile::new(&state.scale, channels);
+    let shift = ChannelTile::new(&state.shift, channels);
     match residual {
         Residual::None => {
-            output
-                .par_chunks_mut(chunk)
-                .zip(input.par_chunks(chunk))
-                .for_each(|(out, x)| {
-                    for (out_row, x_row) in
-                        out.chunks_exact_mut(channels).zip(x.chunks_exact(channels))
-                    {
-                        for c in 0..channels {
-                            out_row[c] = finish(x_row[c] * scale[c] + shift[c]);
-                        }
-                    }
-                });
+            if relu {
+                apply_tiles::<true>(input, &scale, &shift, None, output)
+            } else {
+                apply_tiles::<false>(input, &scale, &shift, None, output)
+            }
         }
         Residual::Identity(shortcut) => {
             assert_eq!(shortcut.len(), input.len(), "batchnorm: shortcut length");
-            output
-                .par_chunks_mut(chunk)
-                .zip(input.par_chunks(chunk))
-                .zip(shortcut.par_chunks(chunk))
-                .for_each(|((out, x), s)| {
-                    let rows = out
-                        .chunks_exact_mut(channels)
-                        .zip(x.chunks_exact(channels))
-                        .zip(s.chunks_exact(channels));
-                    for ((out_row, x_row), s_row) in rows {
-                        for c in 0..channels {
-                            out_row[c] = finish(x_row[c] * scale[c] + shift[c] + s_row[c]);
-                        }
-                    }
-                });
+            let unit = ChannelTile::new(&vec![1.0; channels], channels);
+            let zero = ChannelTile::new(&vec![0.0; channels], channels);
+            let residual = Some((shortcut, &unit, &zero));
+            if relu {
+                apply_tiles::<true>(input, &scale, &shift, residual, output)
+            } else {
+                apply_tiles::<false>(input, &scale, &shift, residual, output)
+            }
         }
         Residual::Normalized {
             input: shortcut,
             state: shortcut_state,
         } => {
             assert_eq!(shortcut.len(), input.len(), "batchnorm: shortcut length");
-            let (scale2, shift2) = (&shortcut_state.scale[..], &shortcut_state.shift[..]);
-            output
-                .par_chunks_mut(chunk)
-                .zip(input.par_chunks(chunk))
-                .zip(shortcut.par_chunks(chunk))
-                .for_each(|((out, x), s)| {
-                    let rows = out
-                        .chunks_exact_mut(channels)
-                        .zip(x.chunks_exact(channels))
-                        .zip(s.chunks_exact(channels));
-                    for ((out_row, x_row), s_row) in rows {
-                        for c in 0..channels {
-                            let main = x_row[c] * scale[c] + shift[c];
-                            out_row[c] = finish(main + (s_row[c] * scale2[c] + shift2[c]));
-                        }
-                    }
-                });
+            let scale2 = ChannelTile::new(&shortcut_state.scale, channels);
+            let shift2 = ChannelTile::new(&shortcut_state.shift, channels);
+            let residual = Some((shortcut, &scale2, &shift2));
+            if relu {
+                apply_tiles::<true>(input, &scale, &shift, residual, output)
+            } else {
+                apply_tiles::<false>(input, &scale, &shift, residual, output)
+            }
         }
+    }
+}
+
+/// Per-channel values repeated over enough rows that per-element loops run over long
+/// contiguous slices (which vectorize) instead of one short row at a time.
+struct ChannelTile {
+    values: Vec<f32>,
+}
+
+impl ChannelTile {
+    /// Values per tile; a whole number of rows.
+    const TARGET_LEN: usize = 256;
+
+    fn new(per_channel: &[f32], channels: usize) -> Self {
+        let rows = (Self::TARGET_LEN / channels.max(1)).max(1);
+        let values = per_channel[..channels]
+            .iter()
+            .copied()
+            .cycle()
+            .take(rows * channels)
+            .collect();
+        ChannelTile { values }
+    }
+
+    fn len(&self) -> usize {
+        self.values.len()
+    }
+}
+
+/// The apply loop over tiles; `RELU` is a constant so the loop has no branch.
+fn apply_tiles<const RELU: bool>(
+    input: &[f32],
+    scale: &ChannelTile,
+    shift: &ChannelTile,
+    residual: Option<(&[f32], &ChannelTile, &ChannelTile)>,
+    output: &mut [f32],
+) {
+    let tile = scale.len();
+    let chunk = tile * elementwise_rows_per_chunk(tile);
+    let finish = |value: f32| if RELU { value.max(0.0) } else { value };
+    match residual {
+        None => output
+            .par_chunks_mut(chunk)
+            .zip(input.par_chunks(chunk))
+            .for_each(|(out, x)| {
+                for (out, x) in out.chunks_mut(tile).zip(x.chunks(tile)) {
+                    let values = out
+                        .iter_mut()
+                        .zip(x)
+                        .zip(scale.values.iter().zip(&shift.values));
+                    for ((out, &x), (&scale, &shift)) in values {
+                        *out = finish(x * scale + shift);
+                    }
+                }
+            }),
+        Some((shortcut, scale2, shift2)) => output
+            .par_chunks_mut(chunk)
+            .zip(input.par_chunks(chunk))
+            .zip(shortcut.par_chunks(chunk))
+            .for_each(|((out, x), s)| {
+                for ((out, x), s) in out.chunks_mut(tile).zip(x.chunks(tile)).zip(s.chunks(tile)) {
+                    let main = out
+                        .iter_mut()
+                        .zip(x)
+                        .zip(scale.values.iter().zip(&shift.values));
+                    let side = s.iter().zip(scale2.values.iter().zip(&shift2.values));
+                    for (((out, &x), (&scale, &shift)), (&s, (&scale2, &shift2))) in main.zip(side)
+                    {
+                        *out = finish(x * scale + shift + (s * scale2 + shift2));
+                    }
+                }
+            }),
     }
 }
 
@@ -253,10 +303,9 @@ pub fn relu_backward_in_place(grad: &mut [f32], output: &[f32]) {
     grad.par_chunks_mut(CHUNK)
         .zip(output.par_chunks(CHUNK))
         .for_each(|(g, y)| {
+            // A select rather than a conditional store, so the loop vectorizes.
             for (g, &y) in g.iter_mut().zip(y) {
-                if y <= 0.0 {
-                    *g = 0.0;
-                }
+                *g = if y > 0.0 { *g } else { 0.0 };
             }
         });
 }
@@ -287,28 +336,36 @@ pub fn backward(
         input.len(),
         "batchnorm backward: lengths differ"
     );
-    let (mean, invstd) = (&state.mean[..], &state.invstd[..]);
+    let (mean, invstd) = (&state.mean[..channels], &state.invstd[..channels]);
     let rows_per_worker = (input.len() / channels.max(1))
         .div_ceil(threads().max(1))
         .max(1);
     let part_len = rows_per_worker * channels;
     grow_f64(&mut scratch.partials, threads().max(1) * 2 * channels);
     let workers = input.len().div_ceil(part_len.max(1));
+    let mean_tile = ChannelTile::new(mean, channels);
+    let invstd_tile = ChannelTile::new(invstd, channels);
     scratch.partials[..workers * 2 * channels]
         .par_chunks_mut(2 * channels)
         .zip(grad_output.par_chunks(part_len))
         .zip(input.par_chunks(part_len))
         .for_each(|((sums, dy), x)| {
-            sums.fill(0.0);
-            let (sum_dy, sum_dy_xhat) = sums.split_at_mut(channels);
-            for (dy_row, x_row) in dy.chunks_exact(channels).zip(x.chunks_exact(channels)) {
-                for c in 0..channels {
-                    let dy = f64::from(dy_row[c]);
-                    let xhat = f64::from((x_row[c] - mean[c]) * invstd[c]);
-                    sum_dy[c] += dy;
-                    sum_dy_xhat[c] += dy * xhat;
+            let tile = mean_tile.len();
+            let (mut tile_dy, mut tile_dy_xhat) = (vec![0.0f64; tile], vec![0.0f64; tile]);
+            for (dy, x) in dy.chunks(tile).zip(x.chunks(tile)) {
+                let coefficients = mean_tile.values.iter().zip(&invstd_tile.values);
+                let values = dy
+                    .iter()
+                    .zip(x)
+                    .zip(coefficients)
+                    .zip(tile_dy.iter_mut().zip(tile_dy_xhat.iter_mut()));
+                for (((&dy, &x), (&mean, &invstd)), (sum_dy, sum_dy_xhat)) in values {
+                    let xhat = (x - mean) * invstd;
+                    *sum_dy += f64::from(dy);
+                    *sum_dy_xhat += f64::from(dy) * f64::from(xhat);
                 }
             }
+            fold_tile_sums(&tile_dy, &tile_dy_xhat, channels, sums);
         });
     let totals = &mut scratch.totals;
     totals.clear();
@@ -337,20 +394,33 @@ pub fn backward(
         .map(|s| (s / count) as f32)
         .collect();
     let gain: Vec<f32> = (0..channels).map(|c| weight[c] * invstd[c]).collect();
-    let chunk = elementwise_rows_per_chunk(channels) * channels;
+    let (mean_dy, mean_dy_xhat, gain) = (
+        &mean_dy[..channels],
+        &mean_dy_xhat[..channels],
+        &gain[..channels],
+    );
+    let gain_tile = ChannelTile::new(gain, channels);
+    let mean_dy_tile = ChannelTile::new(mean_dy, channels);
+    let mean_dy_xhat_tile = ChannelTile::new(mean_dy_xhat, channels);
+    let tile = gain_tile.len();
+    let chunk = tile * elementwise_rows_per_chunk(tile);
     grad_input
         .par_chunks_mut(chunk)
         .zip(grad_output.par_chunks(chunk))
         .zip(input.par_chunks(chunk))
         .for_each(|((dx, dy), x)| {
-            let rows = dx
-                .chunks_exact_mut(channels)
-                .zip(dy.chunks_exact(channels))
-                .zip(x.chunks_exact(channels));
-            for ((dx_row, dy_row), x_row) in rows {
-                for c in 0..channels {
-                    let xhat = (x_row[c] - mean[c]) * invstd[c];
-                    dx_row[c] = gain[c] * (dy_row[c] - mean_dy[c] - xhat * mean_dy_xhat[c]);
+            for ((dx, dy), x) in dx.chunks_mut(tile).zip(dy.chunks(tile)).zip(x.chunks(tile)) {
+                let data = dx.iter_mut().zip(dy).zip(x);
+                let normalize = mean_tile.values.iter().zip(&invstd_tile.values);
+                let correct = gain_tile
+                    .values
+                    .iter()
+                    .zip(mean_dy_tile.values.iter().zip(&mean_dy_xhat_tile.values));
+                for (((dx, &dy), &x), ((&mean, &invstd), (&gain, (&mean_dy, &mean_dy_xhat)))) in
+                    data.zip(normalize.zip(correct))
+                {
+                    let xhat = (x - mean) * invstd;
+                    *dx = gain * (dy - mean_dy - xhat * mean_dy_xhat);
                 }
             }
         });
@@ -383,6 +453,23 @@ fn column_sums(
     for sums in scratch.partials[..workers * 2 * channels].chunks_exact(2 * channels) {
         for (total, partial) in totals.iter_mut().zip(sums) {
             *total += partial;
+        }
+    }
+}
+
+/// Adds per-position tile sums into per-channel sums: `sums = [Σ first…, Σ second…]`.
+fn fold_tile_sums(first: &[f64], second: &[f64], channels: usize, sums: &mut [f64]) {
+    sums.fill(0.0);
+    let (first_sums, second_sums) = sums.split_at_mut(channels);
+    for (first_row, second_row) in first
+        .chunks_exact(channels)
+        .zip(second.chunks_exact(channels))
+    {
+        for (total, value) in first_sums.iter_mut().zip(first_row) {
+            *total += value;
+        }
+        for (total, value) in second_sums.iter_mut().zip(second_row) {
+            *total += value;
         }
     }
 }

@@ -56,7 +56,11 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
     let is_resnet18 = matches!(spec, ModelSpec::ResNet18 { .. });
     let batch = args.batch.unwrap_or(if is_resnet18 { 128 } else { 256 });
     anyhow::ensure!(batch > 0, "--batch must be at least 1");
-    let optimizer_kind = args.optimizer.unwrap_or(if is_resnet18 { OptimizerKind::Adam } else { OptimizerKind::Sgd });
+    let optimizer_kind = args.optimizer.unwrap_or(if is_resnet18 {
+        OptimizerKind::Adam
+    } else {
+        OptimizerKind::Sgd
+    });
 
     let mut model = Model::new(&spec)?;
     model.init_default(0);
@@ -86,7 +90,13 @@ fn build_optimizer(kind: OptimizerKind, len: usize) -> Box<dyn Optimizer> {
     match kind {
         OptimizerKind::Adam => Box::new(Adam::new(len, AdamConfig::with_lr(0.01))),
         OptimizerKind::Sgd => {
-            let config = SgdConfig { lr: 1e-3, momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0 };
+            let config = SgdConfig {
+                lr: 1e-3,
+                momentum: 0.0,
+                dampening: 0.0,
+                nesterov: false,
+                weight_decay: 0.0,
+            };
             Box::new(Sgd::new(len, config))
         }
     }
@@ -95,14 +105,22 @@ fn build_optimizer(kind: OptimizerKind, len: usize) -> Box<dyn Optimizer> {
 /// Uniform random NHWC images in [-1, 1) and random labels.
 fn random_batch(spec: &ModelSpec, batch: usize) -> (Vec<f32>, Vec<u32>) {
     let mut rng = Rng::new(2024);
-    let images = (0..batch * IMAGE_SIZE * IMAGE_SIZE * spec.img_channels()).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    let images = (0..batch * IMAGE_SIZE * IMAGE_SIZE * spec.img_channels())
+        .map(|_| rng.uniform(-1.0, 1.0))
+        .collect();
     let classes = spec.num_classes() as u64;
-    let labels = (0..batch).map(|_| (rng.next_u64() % classes) as u32).collect();
+    let labels = (0..batch)
+        .map(|_| (rng.next_u64() % classes) as u32)
+        .collect();
     (images, labels)
 }
 
 /// Runs `step` once to warm up (workspaces are allocated then), then `steps` times timed.
-fn images_per_second(batch: usize, steps: usize, mut step: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+fn images_per_second(
+    batch: usize,
+    steps: usize,
+    mut step: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
     step()?;
     let start = Instant::now();
     for _ in 0..steps {
@@ -114,8 +132,12 @@ fn images_per_second(batch: usize, steps: usize, mut step: impl FnMut() -> anyho
 
 /// The process's peak resident memory (`VmHWM` of /proc/self/status) in KiB.
 fn peak_memory_kib() -> anyhow::Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
-    let line = status.lines().find(|line| line.starts_with("VmHWM:")).context("/proc/self/status has no VmHWM line")?;
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let line = status
+        .lines()
+        .find(|line| line.starts_with("VmHWM:"))
+        .context("/proc/self/status has no VmHWM line")?;
     line.split_whitespace()
         .nth(1)
         .and_then(|kib| kib.parse().ok())
