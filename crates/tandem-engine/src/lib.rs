@@ -10,6 +10,8 @@
 //! - [`head`]: global average pooling, linear layer and cross-entropy loss.
 //! - [`optim`]: SGD and Adam/AdamW with PyTorch's update rules on flat slices.
 
+#![warn(missing_docs)]
+
 pub mod batchnorm;
 pub mod conv;
 mod error;

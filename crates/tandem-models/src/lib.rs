@@ -9,6 +9,8 @@
 //! are laid out in the order the backward pass finishes their gradients (classifier first,
 //! stem last), so the backward can report finished gradient ranges in increasing order.
 
+#![warn(missing_docs)]
+
 mod error;
 mod io;
 mod model;
