@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 /// The `tandem` binary under test.
 pub fn tandem() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_tandem"));
-    command.env_remove("RANK").env_remove("WORLD_SIZE").env_remove("MASTER_ADDR");
+    command
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("MASTER_ADDR");
     command
 }
 
@@ -130,4 +133,61 @@ pub fn with_flag(mut args: Vec<String>, flag: &str, value: &str) -> Vec<String> 
         _ => args.extend([flag.to_string(), value.to_string()]),
     }
     args
+}
+
+/// The tensors of a safetensors file as f64, by name.
+pub fn read_tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<f64>> {
+    let bytes = std::fs::read(path)
+        .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
+    let file = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = match view.dtype() {
+                safetensors::Dtype::F32 => view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+                    .collect(),
+                safetensors::Dtype::I64 => view
+                    .data()
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64)
+                    .collect(),
+                other => panic!("unexpected dtype {other:?} of {name}"),
+            };
+            (name, values)
+        })
+        .collect()
+}
+
+/// Worst error per tensor family (the name's last part: `weight`, `bias`, `running_mean`,
+/// ...), each relative to the largest magnitude of its tensor in `expected`.
+pub fn worst_error_per_family(
+    expected: &std::collections::BTreeMap<String, Vec<f64>>,
+    actual: &std::collections::BTreeMap<String, Vec<f64>>,
+    skip: impl Fn(&str) -> bool,
+) -> std::collections::BTreeMap<String, f64> {
+    assert_eq!(
+        expected.keys().collect::<Vec<_>>(),
+        actual.keys().collect::<Vec<_>>(),
+        "the files hold different tensors"
+    );
+    let mut worst = std::collections::BTreeMap::new();
+    for (name, values) in expected {
+        if skip(name) {
+            continue;
+        }
+        let scale = values.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-12);
+        let error = values
+            .iter()
+            .zip(&actual[name])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max)
+            / scale;
+        let family = name.rsplit('.').next().unwrap_or(name).to_string();
+        let entry = worst.entry(family).or_insert(0.0f64);
+        *entry = entry.max(error);
+    }
+    worst
 }

@@ -35,8 +35,17 @@ fn short_synthetic_run_writes_every_file() {
     assert_eq!(records.len(), 2);
     for (index, record) in records.iter().enumerate() {
         assert_eq!(record["epoch"], index as u64 + 1);
-        for key in ["train_loss", "val_loss", "val_accuracy", "epoch_seconds", "images_per_second"] {
-            assert!(record[key].as_f64().is_some_and(f64::is_finite), "{key} in {record}");
+        for key in [
+            "train_loss",
+            "val_loss",
+            "val_accuracy",
+            "epoch_seconds",
+            "images_per_second",
+        ] {
+            assert!(
+                record[key].as_f64().is_some_and(f64::is_finite),
+                "{key} in {record}"
+            );
         }
         let accuracy = record["val_accuracy"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&accuracy));
@@ -46,7 +55,10 @@ fn short_synthetic_run_writes_every_file() {
     // Rerunning the finished job resumes at its end and trains nothing more.
     let again = run_bounded(tandem().args(small_synthetic_run(&out)), LIMIT);
     let stdout = expect_success(&again);
-    assert!(stdout.contains("Resuming training from snapshot at epoch 3"), "{stdout}");
+    assert!(
+        stdout.contains("Resuming training from snapshot at epoch 3"),
+        "{stdout}"
+    );
     assert!(!stdout.contains("train | epoch"), "{stdout}");
 }
 
@@ -70,9 +82,17 @@ fn config_file_is_read_and_flags_override_it() {
     assert!(resolved.contains("lr = 0.05"), "{resolved}");
     assert!(resolved.contains("synthetic-train = 192"), "{resolved}");
 
-    let mut args: Vec<String> = vec!["train".into(), "--config".into(), config.display().to_string()];
+    let mut args: Vec<String> = vec![
+        "train".into(),
+        "--config".into(),
+        config.display().to_string(),
+    ];
     args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
-    args.extend(["--threads", "1", "--output-dir"].iter().map(|arg| arg.to_string()));
+    args.extend(
+        ["--threads", "1", "--output-dir"]
+            .iter()
+            .map(|arg| arg.to_string()),
+    );
     let out2 = dir.path().join("run2");
     args.push(out2.display().to_string());
     expect_success(&run_bounded(tandem().args(&args), LIMIT));
@@ -85,11 +105,18 @@ fn config_file_is_read_and_flags_override_it() {
 #[test]
 fn bad_settings_are_refused_with_their_name() {
     let dir = tempfile::tempdir().unwrap();
-    let args = with_flag(small_synthetic_run(&dir.path().join("run")), "--batch-size", "0");
+    let args = with_flag(
+        small_synthetic_run(&dir.path().join("run")),
+        "--batch-size",
+        "0",
+    );
     let output = run_bounded(tandem().args(&args), LIMIT);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("--batch-size must be at least 1"), "{stderr}");
+    assert!(
+        stderr.contains("--batch-size must be at least 1"),
+        "{stderr}"
+    );
 
     let config = dir.path().join("bad.toml");
     std::fs::write(&config, "epochz = 3\n").unwrap();
@@ -99,14 +126,20 @@ fn bad_settings_are_refused_with_their_name() {
     );
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("bad.toml") && stderr.contains("epochz"), "{stderr}");
+    assert!(
+        stderr.contains("bad.toml") && stderr.contains("epochz"),
+        "{stderr}"
+    );
 }
 
 #[test]
 fn resume_after_kill_mid_epoch_is_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
     let straight = dir.path().join("straight");
-    expect_success(&run_bounded(tandem().args(synthetic_run(&straight, 1024)), LIMIT));
+    expect_success(&run_bounded(
+        tandem().args(synthetic_run(&straight, 1024)),
+        LIMIT,
+    ));
 
     let interrupted = dir.path().join("interrupted");
     let mut args = synthetic_run(&interrupted, 1024);
@@ -120,7 +153,10 @@ fn resume_after_kill_mid_epoch_is_bit_identical() {
     // Kill as soon as a mid-epoch snapshot (step 2 of epoch 1) exists.
     let deadline = std::time::Instant::now() + LIMIT;
     let snapshot = interrupted.join("snapshot.safetensors");
-    while !snapshot.with_file_name("snapshot.safetensors.prev").exists() {
+    while !snapshot
+        .with_file_name("snapshot.safetensors.prev")
+        .exists()
+    {
         assert!(std::time::Instant::now() < deadline, "no snapshot appeared");
         if child.try_wait().unwrap().is_some() {
             break;
@@ -135,10 +171,16 @@ fn resume_after_kill_mid_epoch_is_bit_identical() {
     );
     let resumed = run_bounded(tandem().args(&args), LIMIT);
     let stdout = expect_success(&resumed);
-    assert!(stdout.contains("Resuming training from snapshot"), "{stdout}");
+    assert!(
+        stdout.contains("Resuming training from snapshot"),
+        "{stdout}"
+    );
     let expected = std::fs::read(straight.join("epoch_2.safetensors")).unwrap();
     let actual = std::fs::read(interrupted.join("epoch_2.safetensors")).unwrap();
-    assert!(expected == actual, "the resumed run's final weights differ from the uninterrupted run's");
+    assert!(
+        expected == actual,
+        "the resumed run's final weights differ from the uninterrupted run's"
+    );
 }
 
 #[test]
@@ -152,7 +194,10 @@ fn conflicting_resume_setting_is_named() {
     let output = run_bounded(tandem().args(&changed), LIMIT);
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("--lr is 0.2, the snapshot has 0.05"), "{stderr}");
+    assert!(
+        stderr.contains("--lr is 0.2, the snapshot has 0.05"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -174,7 +219,10 @@ fn corrupt_snapshot_is_reported_and_the_previous_one_used() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("checksum does not match"), "{stderr}");
     assert!(stderr.contains("snapshot.safetensors.prev"), "{stderr}");
-    assert!(stdout.contains("Resuming training from snapshot at epoch 1, step 2"), "{stdout}");
+    assert!(
+        stdout.contains("Resuming training from snapshot at epoch 1, step 2"),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -182,15 +230,29 @@ fn eval_and_predict_on_a_saved_checkpoint() {
     let shared = shared_dir();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
-    expect_success(&run_bounded(tandem().args(small_synthetic_run(&out)), LIMIT));
+    expect_success(&run_bounded(
+        tandem().args(small_synthetic_run(&out)),
+        LIMIT,
+    ));
     let checkpoint = out.join("epoch_2.safetensors").display().to_string();
 
     let mut eval_args: Vec<String> = vec!["eval".into(), "--checkpoint".into(), checkpoint.clone()];
     eval_args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
     eval_args.extend(
-        ["--data", "synthetic", "--synthetic-train", "192", "--synthetic-test", "64", "--seed", "7", "--threads", "1"]
-            .iter()
-            .map(|arg| arg.to_string()),
+        [
+            "--data",
+            "synthetic",
+            "--synthetic-train",
+            "192",
+            "--synthetic-test",
+            "64",
+            "--seed",
+            "7",
+            "--threads",
+            "1",
+        ]
+        .iter()
+        .map(|arg| arg.to_string()),
     );
     let text = expect_success(&run_bounded(tandem().args(&eval_args), LIMIT));
     assert!(text.contains("samples: 64"), "{text}");
@@ -202,10 +264,17 @@ fn eval_and_predict_on_a_saved_checkpoint() {
     assert_eq!(confusion.len(), 10);
     let total: u64 = confusion
         .iter()
-        .flat_map(|row| row.as_array().unwrap().iter().map(|cell| cell.as_u64().unwrap()))
+        .flat_map(|row| {
+            row.as_array()
+                .unwrap()
+                .iter()
+                .map(|cell| cell.as_u64().unwrap())
+        })
         .sum();
     assert_eq!(total, 64);
-    let correct: u64 = (0..10).map(|class| confusion[class][class].as_u64().unwrap()).sum();
+    let correct: u64 = (0..10)
+        .map(|class| confusion[class][class].as_u64().unwrap())
+        .sum();
     let accuracy = report["accuracy"].as_f64().unwrap();
     assert!((accuracy - correct as f64 / 64.0).abs() < 1e-12);
     assert_eq!(report["per_class_accuracy"].as_array().unwrap().len(), 10);
@@ -225,8 +294,10 @@ fn eval_and_predict_on_a_saved_checkpoint() {
     predict_args.push("--json".into());
     predict_args.extend(pngs.iter().take(2).map(|path| path.display().to_string()));
     let lines = expect_success(&run_bounded(tandem().args(&predict_args), LIMIT));
-    let predictions: Vec<serde_json::Value> =
-        lines.lines().map(|line| serde_json::from_str(line).unwrap()).collect();
+    let predictions: Vec<serde_json::Value> = lines
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
     assert_eq!(predictions.len(), 2);
     for prediction in &predictions {
         assert_eq!(prediction["logits"].as_array().unwrap().len(), 10);
@@ -244,7 +315,13 @@ fn eval_and_predict_on_a_saved_checkpoint() {
             .iter()
             .map(|value| value.as_f64().unwrap())
             .collect();
-        let best = (0..10).fold(0, |best, class| if logits[class] > logits[best] { class } else { best });
+        let best = (0..10).fold(0, |best, class| {
+            if logits[class] > logits[best] {
+                class
+            } else {
+                best
+            }
+        });
         assert_eq!(top["class"].as_u64().unwrap() as usize, best);
         assert!(prediction["file"].as_str().unwrap().ends_with(".png"));
     }
@@ -296,5 +373,8 @@ fn one_epoch_of_real_cifar10_beats_chance_by_far() {
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let record: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
     let accuracy = record["val_accuracy"].as_f64().unwrap();
-    assert!(accuracy >= 0.30, "1 epoch reached only {accuracy} test accuracy");
+    assert!(
+        accuracy >= 0.30,
+        "1 epoch reached only {accuracy} test accuracy"
+    );
 }
