@@ -44,6 +44,17 @@ pub struct BatchNormState {
     pub shift: Vec<f32>,
     /// Values per channel the statistics were taken over (global with SyncBatchNorm).
     pub count: f64,
+    /// `scale`, `shift`, `mean` and `invstd` repeated over a tile of rows, for the kernels.
+    tiles: StateTiles,
+}
+
+/// The per-channel values of a [`BatchNormState`] as tiles; refreshed with the statistics.
+#[derive(Clone, Debug, Default)]
+struct StateTiles {
+    scale: ChannelTile,
+    shift: ChannelTile,
+    mean: ChannelTile,
+    invstd: ChannelTile,
 }
 
 impl BatchNormState {
@@ -55,6 +66,7 @@ impl BatchNormState {
             scale: vec![0.0; channels],
             shift: vec![0.0; channels],
             count: 0.0,
+            tiles: StateTiles::default(),
         }
     }
 
@@ -67,7 +79,11 @@ impl BatchNormState {
 #[derive(Default)]
 pub struct BatchNormScratch {
     partials: Vec<f64>,
+    tile_partials: Vec<f64>,
     totals: Vec<f64>,
+    gain: ChannelTile,
+    mean_dy: ChannelTile,
+    mean_dy_xhat: ChannelTile,
 }
 
 /// The learned affine parameters and running statistics of one layer.
@@ -97,18 +113,7 @@ pub fn train_statistics(
         "batchnorm: input is not [rows, {channels}]"
     );
     let rows = input.len() / channels.max(1);
-    let tile = ChannelTile::new(&vec![0.0; channels], channels).len();
-    column_sums(input, channels, scratch, |values, sums| {
-        let (mut tile_sum, mut tile_sum_sq) = (vec![0.0f64; tile], vec![0.0f64; tile]);
-        for part in values.chunks(tile) {
-            for ((s, q), &x) in tile_sum.iter_mut().zip(tile_sum_sq.iter_mut()).zip(part) {
-                let x = f64::from(x);
-                *s += x;
-                *q += x * x;
-            }
-        }
-        fold_tile_sums(&tile_sum, &tile_sum_sq, channels, sums);
-    });
+    column_sums(input, channels, scratch);
     let totals = &mut scratch.totals;
     totals.insert(0, rows as f64);
     if let Some(reducer) = reducer {
@@ -137,6 +142,7 @@ pub fn train_statistics(
         state.scale[channel] = scale as f32;
         state.shift[channel] = (f64::from(params.bias[channel]) - mean * scale) as f32;
     }
+    state.refresh_tiles();
     Ok(())
 }
 
@@ -155,6 +161,7 @@ pub fn eval_statistics(
         state.shift[channel] =
             (f64::from(params.bias[channel]) - f64::from(running_mean[channel]) * scale) as f32;
     }
+    state.refresh_tiles();
 }
 
 /// What is added to the normalized values before the optional ReLU.
@@ -186,46 +193,47 @@ pub fn apply(
         output.len(),
         "batchnorm: input and output lengths differ"
     );
-    let scale = ChannelTile::new(&state.scale, channels);
-    let shift = ChannelTile::new(&state.shift, channels);
-    match residual {
-        Residual::None => {
-            if relu {
-                apply_tiles::<true>(input, &scale, &shift, None, output)
-            } else {
-                apply_tiles::<false>(input, &scale, &shift, None, output)
-            }
-        }
+    let (scale, shift) = (&state.tiles.scale, &state.tiles.shift);
+    let side = match residual {
+        Residual::None => Side::None,
         Residual::Identity(shortcut) => {
             assert_eq!(shortcut.len(), input.len(), "batchnorm: shortcut length");
-            let unit = ChannelTile::new(&vec![1.0; channels], channels);
-            let zero = ChannelTile::new(&vec![0.0; channels], channels);
-            let residual = Some((shortcut, &unit, &zero));
-            if relu {
-                apply_tiles::<true>(input, &scale, &shift, residual, output)
-            } else {
-                apply_tiles::<false>(input, &scale, &shift, residual, output)
-            }
+            Side::Identity(shortcut)
         }
         Residual::Normalized {
             input: shortcut,
             state: shortcut_state,
         } => {
             assert_eq!(shortcut.len(), input.len(), "batchnorm: shortcut length");
-            let scale2 = ChannelTile::new(&shortcut_state.scale, channels);
-            let shift2 = ChannelTile::new(&shortcut_state.shift, channels);
-            let residual = Some((shortcut, &scale2, &shift2));
-            if relu {
-                apply_tiles::<true>(input, &scale, &shift, residual, output)
-            } else {
-                apply_tiles::<false>(input, &scale, &shift, residual, output)
-            }
+            assert_eq!(
+                shortcut_state.channels(),
+                channels,
+                "batchnorm: shortcut channels"
+            );
+            Side::Normalized(
+                shortcut,
+                &shortcut_state.tiles.scale,
+                &shortcut_state.tiles.shift,
+            )
         }
+    };
+    if relu {
+        apply_tiles::<true>(input, scale, shift, side, output)
+    } else {
+        apply_tiles::<false>(input, scale, shift, side, output)
     }
+}
+
+/// The residual of [`apply`] in tile form.
+enum Side<'a> {
+    None,
+    Identity(&'a [f32]),
+    Normalized(&'a [f32], &'a ChannelTile, &'a ChannelTile),
 }
 
 /// Per-channel values repeated over enough rows that per-element loops run over long
 /// contiguous slices (which vectorize) instead of one short row at a time.
+#[derive(Clone, Debug, Default)]
 struct ChannelTile {
     values: Vec<f32>,
 }
@@ -234,19 +242,40 @@ impl ChannelTile {
     /// Values per tile; a whole number of rows.
     const TARGET_LEN: usize = 256;
 
-    fn new(per_channel: &[f32], channels: usize) -> Self {
-        let rows = (Self::TARGET_LEN / channels.max(1)).max(1);
-        let values = per_channel[..channels]
-            .iter()
-            .copied()
-            .cycle()
-            .take(rows * channels)
-            .collect();
-        ChannelTile { values }
+    /// The tile length for `channels` channels.
+    fn len_for(channels: usize) -> usize {
+        (Self::TARGET_LEN / channels.max(1)).max(1) * channels
+    }
+
+    /// Refills the tile with `value(channel)`, reusing its buffer.
+    fn refill(&mut self, channels: usize, value: impl Fn(usize) -> f32) {
+        self.values.clear();
+        let rows = Self::len_for(channels) / channels.max(1);
+        for _ in 0..rows {
+            self.values.extend((0..channels).map(&value));
+        }
     }
 
     fn len(&self) -> usize {
         self.values.len()
+    }
+}
+
+impl BatchNormState {
+    fn refresh_tiles(&mut self) {
+        let channels = self.channels();
+        let BatchNormState {
+            mean,
+            invstd,
+            scale,
+            shift,
+            tiles,
+            ..
+        } = self;
+        tiles.scale.refill(channels, |c| scale[c]);
+        tiles.shift.refill(channels, |c| shift[c]);
+        tiles.mean.refill(channels, |c| mean[c]);
+        tiles.invstd.refill(channels, |c| invstd[c]);
     }
 }
 
@@ -255,14 +284,14 @@ fn apply_tiles<const RELU: bool>(
     input: &[f32],
     scale: &ChannelTile,
     shift: &ChannelTile,
-    residual: Option<(&[f32], &ChannelTile, &ChannelTile)>,
+    side: Side,
     output: &mut [f32],
 ) {
     let tile = scale.len();
     let chunk = tile * elementwise_rows_per_chunk(tile);
     let finish = |value: f32| if RELU { value.max(0.0) } else { value };
-    match residual {
-        None => output
+    match side {
+        Side::None => output
             .par_chunks_mut(chunk)
             .zip(input.par_chunks(chunk))
             .for_each(|(out, x)| {
@@ -276,7 +305,23 @@ fn apply_tiles<const RELU: bool>(
                     }
                 }
             }),
-        Some((shortcut, scale2, shift2)) => output
+        Side::Identity(shortcut) => output
+            .par_chunks_mut(chunk)
+            .zip(input.par_chunks(chunk))
+            .zip(shortcut.par_chunks(chunk))
+            .for_each(|((out, x), s)| {
+                for ((out, x), s) in out.chunks_mut(tile).zip(x.chunks(tile)).zip(s.chunks(tile)) {
+                    let values = out
+                        .iter_mut()
+                        .zip(x)
+                        .zip(s)
+                        .zip(scale.values.iter().zip(&shift.values));
+                    for (((out, &x), &s), (&scale, &shift)) in values {
+                        *out = finish(x * scale + shift + s);
+                    }
+                }
+            }),
+        Side::Normalized(shortcut, scale2, shift2) => output
             .par_chunks_mut(chunk)
             .zip(input.par_chunks(chunk))
             .zip(shortcut.par_chunks(chunk))
@@ -336,22 +381,24 @@ pub fn backward(
         input.len(),
         "batchnorm backward: lengths differ"
     );
-    let (mean, invstd) = (&state.mean[..channels], &state.invstd[..channels]);
+    let invstd = &state.invstd[..channels];
     let rows_per_worker = (input.len() / channels.max(1))
         .div_ceil(threads().max(1))
         .max(1);
     let part_len = rows_per_worker * channels;
     grow_f64(&mut scratch.partials, threads().max(1) * 2 * channels);
     let workers = input.len().div_ceil(part_len.max(1));
-    let mean_tile = ChannelTile::new(mean, channels);
-    let invstd_tile = ChannelTile::new(invstd, channels);
+    let (mean_tile, invstd_tile) = (&state.tiles.mean, &state.tiles.invstd);
+    let tile = mean_tile.len();
+    grow_f64(&mut scratch.tile_partials, workers * 2 * tile);
     scratch.partials[..workers * 2 * channels]
         .par_chunks_mut(2 * channels)
+        .zip(scratch.tile_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
         .zip(grad_output.par_chunks(part_len))
         .zip(input.par_chunks(part_len))
-        .for_each(|((sums, dy), x)| {
-            let tile = mean_tile.len();
-            let (mut tile_dy, mut tile_dy_xhat) = (vec![0.0f64; tile], vec![0.0f64; tile]);
+        .for_each(|(((sums, tile_sums), dy), x)| {
+            tile_sums.fill(0.0);
+            let (tile_dy, tile_dy_xhat) = tile_sums.split_at_mut(tile);
             for (dy, x) in dy.chunks(tile).zip(x.chunks(tile)) {
                 let coefficients = mean_tile.values.iter().zip(&invstd_tile.values);
                 let values = dy
@@ -365,7 +412,7 @@ pub fn backward(
                     *sum_dy_xhat += f64::from(dy) * f64::from(xhat);
                 }
             }
-            fold_tile_sums(&tile_dy, &tile_dy_xhat, channels, sums);
+            fold_tile_sums(tile_dy, tile_dy_xhat, channels, sums);
         });
     let totals = &mut scratch.totals;
     totals.clear();
@@ -385,23 +432,16 @@ pub fn backward(
             .map_err(|error| EngineError::BatchNormSync(error.to_string()))?;
     }
     let count = state.count;
-    let mean_dy: Vec<f32> = totals[..channels]
-        .iter()
-        .map(|s| (s / count) as f32)
-        .collect();
-    let mean_dy_xhat: Vec<f32> = totals[channels..]
-        .iter()
-        .map(|s| (s / count) as f32)
-        .collect();
-    let gain: Vec<f32> = (0..channels).map(|c| weight[c] * invstd[c]).collect();
-    let (mean_dy, mean_dy_xhat, gain) = (
-        &mean_dy[..channels],
-        &mean_dy_xhat[..channels],
-        &gain[..channels],
-    );
-    let gain_tile = ChannelTile::new(gain, channels);
-    let mean_dy_tile = ChannelTile::new(mean_dy, channels);
-    let mean_dy_xhat_tile = ChannelTile::new(mean_dy_xhat, channels);
+    let BatchNormScratch {
+        totals,
+        gain: gain_tile,
+        mean_dy: mean_dy_tile,
+        mean_dy_xhat: mean_dy_xhat_tile,
+        ..
+    } = scratch;
+    gain_tile.refill(channels, |c| weight[c] * invstd[c]);
+    mean_dy_tile.refill(channels, |c| (totals[c] / count) as f32);
+    mean_dy_xhat_tile.refill(channels, |c| (totals[channels + c] / count) as f32);
     let tile = gain_tile.len();
     let chunk = tile * elementwise_rows_per_chunk(tile);
     grad_input
@@ -427,25 +467,31 @@ pub fn backward(
     Ok(())
 }
 
-/// Sums per channel over rows, split into one fixed part per worker; leaves
-/// `[sum per channel…, second sum per channel…]` in `scratch.totals` (before the count).
-fn column_sums(
-    input: &[f32],
-    channels: usize,
-    scratch: &mut BatchNormScratch,
-    accumulate: impl Fn(&[f32], &mut [f64]) + Sync,
-) {
+/// Sums and sums of squares per channel over rows, split into one fixed part per worker;
+/// leaves `[sum per channel…, sum of squares per channel…]` in `scratch.totals`.
+fn column_sums(input: &[f32], channels: usize, scratch: &mut BatchNormScratch) {
+    let tile = ChannelTile::len_for(channels);
     let rows = input.len() / channels.max(1);
     let rows_per_worker = rows.div_ceil(threads().max(1)).max(1);
     let part_len = rows_per_worker * channels;
     let workers = input.len().div_ceil(part_len.max(1));
     grow_f64(&mut scratch.partials, workers * 2 * channels);
+    grow_f64(&mut scratch.tile_partials, workers * 2 * tile);
     scratch.partials[..workers * 2 * channels]
         .par_chunks_mut(2 * channels)
+        .zip(scratch.tile_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
         .zip(input.par_chunks(part_len))
-        .for_each(|(sums, part)| {
-            sums.fill(0.0);
-            accumulate(part, sums);
+        .for_each(|((sums, tile_sums), part)| {
+            tile_sums.fill(0.0);
+            let (tile_sum, tile_sum_sq) = tile_sums.split_at_mut(tile);
+            for values in part.chunks(tile) {
+                for ((s, q), &x) in tile_sum.iter_mut().zip(tile_sum_sq.iter_mut()).zip(values) {
+                    let x = f64::from(x);
+                    *s += x;
+                    *q += x * x;
+                }
+            }
+            fold_tile_sums(tile_sum, tile_sum_sq, channels, sums);
         });
     let totals = &mut scratch.totals;
     totals.clear();

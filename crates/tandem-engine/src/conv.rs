@@ -116,6 +116,12 @@ impl Conv2dShape {
         chunks.div_ceil(threads().max(1)).max(1) * per_chunk
     }
 
+    /// Length of the per-worker bias-gradient accumulator: whole rows of output channels,
+    /// long enough that the accumulation loop vectorizes.
+    fn bias_tile_len(&self) -> usize {
+        (256 / self.out_channels.max(1)).max(1) * self.out_channels
+    }
+
     fn columns_len(&self) -> usize {
         if self.is_pointwise() {
             0
@@ -262,7 +268,7 @@ pub fn conv2d_backward(
         workers,
         shape.columns_len(),
         shape.weight_len(),
-        shape.out_channels,
+        shape.bias_tile_len(),
     );
     let accumulate_input = matches!(grad_input, InputGrad::Accumulate(_));
     let input_grad_parts: Vec<Option<&mut [f32]>> = match grad_input {
@@ -302,10 +308,16 @@ pub fn conv2d_backward(
         }
     }
     if let Some(grad_bias) = grad_bias {
+        let tile_len = shape.bias_tile_len();
         for (channel, total) in grad_bias.iter_mut().enumerate() {
             let sum: f64 = scratch.workers[..workers]
                 .iter()
-                .map(|worker| worker.bias_grad[channel])
+                .flat_map(|worker| {
+                    worker.bias_grad[..tile_len]
+                        .iter()
+                        .skip(channel)
+                        .step_by(shape.out_channels)
+                })
                 .sum();
             *total += sum as f32;
         }
@@ -325,7 +337,7 @@ fn backward_worker(
 ) {
     let (out_channels, patch_len) = (shape.out_channels, shape.patch_len());
     worker.weight_grad[..shape.weight_len()].fill(0.0);
-    worker.bias_grad[..out_channels].fill(0.0);
+    worker.bias_grad[..shape.bias_tile_len()].fill(0.0);
     let weight_matrix = MatRef::row_major(weight, out_channels, patch_len);
     let chunk_images = shape.images_per_chunk();
     let input_chunks = input_part.chunks(chunk_images * shape.input_image_len());
@@ -343,8 +355,9 @@ fn backward_worker(
             patches,
             true,
         );
-        for row in grad_output_chunk.chunks_exact(out_channels) {
-            for (sum, value) in worker.bias_grad.iter_mut().zip(row) {
+        let bias_tile = &mut worker.bias_grad[..shape.bias_tile_len()];
+        for values in grad_output_chunk.chunks(bias_tile.len()) {
+            for (sum, value) in bias_tile.iter_mut().zip(values) {
                 *sum += f64::from(*value);
             }
         }
