@@ -21,8 +21,6 @@ pub struct WorkerPlacement {
     pub rank: usize,
     /// The number of processes.
     pub world_size: usize,
-    /// This process's index on its node.
-    pub local_rank: usize,
     /// The number of processes on this node.
     pub local_world_size: usize,
     /// Host of the rendezvous store.

@@ -48,9 +48,7 @@ pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPla
             None => bail!("a job of {world_size} processes needs MASTER_ADDR and MASTER_PORT or --init-method tcp://HOST:PORT"),
         },
     };
-    let (local_rank, local_world_size) = cluster
-        .as_ref()
-        .map_or((0, 1), |worker| (worker.local_rank, worker.local_world_size));
+    let local_world_size = cluster.as_ref().map_or(1, |worker| worker.local_world_size);
     let key_prefix = env(STORE_PREFIX_ENV).unwrap_or_else(|| {
         let restart_round = env(RESTART_COUNT_ENV).unwrap_or_else(|| "0".to_string());
         format!("round{restart_round}/pg")
@@ -58,7 +56,6 @@ pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPla
     Ok(Some(WorkerPlacement {
         rank,
         world_size,
-        local_rank,
         local_world_size,
         master_addr,
         master_port,
