@@ -27,7 +27,12 @@ pub fn data_source(settings: &DataSettings, seed: u64) -> DataSource {
 pub fn load_split(settings: &DataSettings, seed: u64, split: Split) -> anyhow::Result<Dataset> {
     if settings.download && settings.data == DataKind::Cifar10Bin {
         tandem_data::ensure_cifar10_downloaded(&settings.data_dir, tandem_data::CIFAR10_URL)
-            .with_context(|| format!("cannot download CIFAR-10 into {}", settings.data_dir.display()))?;
+            .with_context(|| {
+                format!(
+                    "cannot download CIFAR-10 into {}",
+                    settings.data_dir.display()
+                )
+            })?;
     }
     let source = data_source(settings, seed);
     tandem_data::load_dataset(&source, split)

@@ -120,7 +120,9 @@ impl Evaluation {
 
 /// Cross-entropy of one row of logits against `label`, computed stably in f64.
 pub fn cross_entropy(logits: &[f32], label: usize) -> f64 {
-    let max = logits.iter().fold(f64::NEG_INFINITY, |max, &value| max.max(value as f64));
+    let max = logits
+        .iter()
+        .fold(f64::NEG_INFINITY, |max, &value| max.max(value as f64));
     let log_sum_exp = logits
         .iter()
         .map(|&value| (value as f64 - max).exp())
@@ -132,8 +134,13 @@ pub fn cross_entropy(logits: &[f32], label: usize) -> f64 {
 
 /// Softmax probabilities of one row of logits.
 pub fn softmax(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().fold(f64::NEG_INFINITY, |max, &value| max.max(value as f64));
-    let exps: Vec<f64> = logits.iter().map(|&value| (value as f64 - max).exp()).collect();
+    let max = logits
+        .iter()
+        .fold(f64::NEG_INFINITY, |max, &value| max.max(value as f64));
+    let exps: Vec<f64> = logits
+        .iter()
+        .map(|&value| (value as f64 - max).exp())
+        .collect();
     let total: f64 = exps.iter().sum();
     exps.into_iter().map(|value| value / total).collect()
 }
@@ -177,8 +184,7 @@ pub fn evaluate(
     )?;
     for batch in loader {
         let batch = batch?;
-        let logits =
-            model.forward_eval(&batch.images, batch.len, dataset.height, dataset.width)?;
+        let logits = model.forward_eval(&batch.images, batch.len, dataset.height, dataset.width)?;
         evaluation.add_batch(logits, &batch.labels);
     }
     Ok(evaluation)
@@ -196,7 +202,10 @@ mod tests {
         assert_eq!(evaluation.samples(), 3);
         assert!((evaluation.accuracy() - 2.0 / 3.0).abs() < 1e-12);
         let report = evaluation.report();
-        assert_eq!(report.confusion, vec![vec![1, 0, 0], vec![0, 0, 1], vec![0, 0, 1]]);
+        assert_eq!(
+            report.confusion,
+            vec![vec![1, 0, 0], vec![0, 0, 1], vec![0, 0, 1]]
+        );
         assert_eq!(report.per_class_accuracy, vec![1.0, 0.0, 1.0]);
         let expected_loss = (cross_entropy(&[2.0, 0.0, 0.0], 0)
             + cross_entropy(&[0.0, 1.0, 3.0], 1)

@@ -14,7 +14,10 @@ pub fn temporary_path(path: &Path) -> PathBuf {
 
 /// Writes `bytes` to a temporary name beside `path`, syncs it, and renames it to `path`.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    if let Some(parent) = path.parent().filter(|parent| !parent.as_os_str().is_empty()) {
+    if let Some(parent) = path
+        .parent()
+        .filter(|parent| !parent.as_os_str().is_empty())
+    {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("cannot create folder {}", parent.display()))?;
     }
@@ -36,7 +39,11 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 /// Syncs the folder holding `path`, so that a rename in it survives a power loss.
 fn sync_parent(path: &Path) {
     if let Some(parent) = path.parent() {
-        let folder = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
+        let folder = if parent.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            parent
+        };
         if let Ok(handle) = std::fs::File::open(folder) {
             let _ = handle.sync_all();
         }

@@ -69,7 +69,9 @@ const ERROR_FILE_ENV: &str = "TANDEM_ERROR_FILE";
 /// Prints the error on stderr (prefixed with the rank on ranks other than 0) and, under
 /// `tandem launch`, records it in this worker's error file.
 fn report_fatal_error(error: &anyhow::Error) {
-    let rank = std::env::var("RANK").ok().filter(|rank| !rank.is_empty() && rank != "0");
+    let rank = std::env::var("RANK")
+        .ok()
+        .filter(|rank| !rank.is_empty() && rank != "0");
     match &rank {
         Some(rank) => eprintln!("[rank {rank}] error: {error:#}"),
         None => eprintln!("error: {error:#}"),
@@ -86,7 +88,10 @@ fn report_fatal_error(error: &anyhow::Error) {
         if let Err(write_error) =
             files::write_atomically(std::path::Path::new(&path), record.to_string().as_bytes())
         {
-            eprintln!("warning: cannot record the error in {}: {write_error:#}", path.to_string_lossy());
+            eprintln!(
+                "warning: cannot record the error in {}: {write_error:#}",
+                path.to_string_lossy()
+            );
         }
     }
 }

@@ -98,7 +98,10 @@ mod tests {
     #[test]
     fn defaults_are_the_tutorials_config() {
         let spec = ModelArgs::default().to_spec().unwrap();
-        assert_eq!(spec, ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default()));
+        assert_eq!(
+            spec,
+            ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default())
+        );
     }
 
     #[test]

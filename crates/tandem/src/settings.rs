@@ -32,7 +32,9 @@ impl FromStr for Rgb {
             .map_err(|_| format!("expected three numbers like 0.5,0.5,0.5, got '{text}'"))?;
         match values.as_slice() {
             [r, g, b] => Ok(Rgb([*r, *g, *b])),
-            _ => Err(format!("expected three numbers like 0.5,0.5,0.5, got '{text}'")),
+            _ => Err(format!(
+                "expected three numbers like 0.5,0.5,0.5, got '{text}'"
+            )),
         }
     }
 }
@@ -115,7 +117,10 @@ impl DataOptions {
     pub fn resolve(&self) -> anyhow::Result<DataSettings> {
         let settings = DataSettings {
             data: self.data.unwrap_or(DataKind::Synthetic),
-            data_dir: self.data_dir.clone().unwrap_or_else(|| PathBuf::from("data")),
+            data_dir: self
+                .data_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from("data")),
             download: self.download.unwrap_or(false),
             mean: self.mean,
             std: self.std,
@@ -269,7 +274,10 @@ impl TrainOptions {
             .with_context(|| format!("config file {} is not valid", path.display()))?;
         let config = self.config.clone();
         let mut merged = toml::Table::try_from(&file).context("cannot merge the config file")?;
-        merge_tables(&mut merged, toml::Table::try_from(&self).context("cannot merge the flags")?);
+        merge_tables(
+            &mut merged,
+            toml::Table::try_from(&self).context("cannot merge the flags")?,
+        );
         let mut options: TrainOptions = merged.try_into().context("cannot merge the flags")?;
         options.config = config;
         Ok(options)
@@ -354,7 +362,9 @@ pub fn available_cores() -> usize {
 impl TrainOptions {
     /// Fills in defaults and checks the values; errors name the setting.
     pub fn resolve(self) -> anyhow::Result<TrainSettings> {
-        let output_dir = self.output_dir.unwrap_or_else(|| PathBuf::from("runs/latest"));
+        let output_dir = self
+            .output_dir
+            .unwrap_or_else(|| PathBuf::from("runs/latest"));
         let snapshot = self
             .snapshot
             .unwrap_or_else(|| output_dir.join("snapshot.safetensors"));
@@ -416,7 +426,10 @@ impl TrainSettings {
             bail!("--grad-accum must be at least 1");
         }
         if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
-            bail!("--bucket-mb must be a positive number, got {}", self.bucket_mb);
+            bail!(
+                "--bucket-mb must be a positive number, got {}",
+                self.bucket_mb
+            );
         }
         if !(self.collective_timeout.is_finite() && self.collective_timeout > 0.0) {
             bail!(
@@ -428,7 +441,10 @@ impl TrainSettings {
             bail!("--lr must be a positive number, got {}", self.lr);
         }
         if !(0.0..1.0).contains(&self.label_smoothing) {
-            bail!("--label-smoothing must be in [0, 1), got {}", self.label_smoothing);
+            bail!(
+                "--label-smoothing must be in [0, 1), got {}",
+                self.label_smoothing
+            );
         }
         if self.optimizer != OptimizerKind::Sgd && (self.momentum != 0.0 || self.nesterov) {
             bail!("--momentum and --nesterov apply to --optimizer sgd only");

@@ -168,7 +168,10 @@ fn sigterm_to_the_launcher_stops_with_a_snapshot_and_a_relaunch_finishes_the_job
     let deadline = Instant::now() + LIMIT;
     let log = stopped.join("logs/rank_0.log");
     while !std::fs::read_to_string(&log).is_ok_and(|text| text.contains("step 2")) {
-        assert!(Instant::now() < deadline, "the workers never started training");
+        assert!(
+            Instant::now() < deadline,
+            "the workers never started training"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     // SAFETY: plain kill(2) of our child's process id.
@@ -176,7 +179,10 @@ fn sigterm_to_the_launcher_stops_with_a_snapshot_and_a_relaunch_finishes_the_job
         libc::kill(launcher.id() as i32, libc::SIGTERM);
     }
     let output = wait_bounded(launcher, LIMIT);
-    assert!(!output.status.success(), "a stopped job must not report success");
+    assert!(
+        !output.status.success(),
+        "a stopped job must not report success"
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
@@ -188,11 +194,17 @@ fn sigterm_to_the_launcher_stops_with_a_snapshot_and_a_relaunch_finishes_the_job
 
     let resumed = run_bounded(tandem().args(&args), LIMIT);
     let stdout = expect_success(&resumed);
-    assert!(stdout.contains("Resuming training from snapshot at epoch 1"), "{stdout}");
+    assert!(
+        stdout.contains("Resuming training from snapshot at epoch 1"),
+        "{stdout}"
+    );
     for epoch in 1..=3 {
         let name = format!("epoch_{epoch}.safetensors");
         let expected = std::fs::read(straight.join(&name)).unwrap();
         let actual = std::fs::read(stopped.join(&name)).unwrap();
-        assert!(expected == actual, "{name} differs from the uninterrupted run's");
+        assert!(
+            expected == actual,
+            "{name} differs from the uninterrupted run's"
+        );
     }
 }

@@ -34,7 +34,11 @@ pub struct WorkerPlacement {
 }
 
 /// Gradient buckets: the first small, so communication starts early, then equal ones.
-pub fn plan_buckets(len: usize, first_bucket_floats: usize, bucket_floats: usize) -> Vec<Range<usize>> {
+pub fn plan_buckets(
+    len: usize,
+    first_bucket_floats: usize,
+    bucket_floats: usize,
+) -> Vec<Range<usize>> {
     let mut buckets = Vec::new();
     let mut start = 0;
     let mut size = first_bucket_floats.max(1);
@@ -131,7 +135,10 @@ impl Ddp {
         if model.buffers().is_empty() {
             return Ok(());
         }
-        let buffers = self.comm.broadcast_f32(model.buffers().to_vec(), 0).wait()?;
+        let buffers = self
+            .comm
+            .broadcast_f32(model.buffers().to_vec(), 0)
+            .wait()?;
         model.buffers_mut().copy_from_slice(&buffers);
         Ok(())
     }
@@ -143,7 +150,10 @@ impl Ddp {
 
     /// Sums `values` over the ranks.
     pub fn sum_f64(&mut self, values: &mut [f64]) -> anyhow::Result<()> {
-        let summed = self.comm.all_reduce_f64(values.to_vec(), ReduceOp::Sum).wait()?;
+        let summed = self
+            .comm
+            .all_reduce_f64(values.to_vec(), ReduceOp::Sum)
+            .wait()?;
         values.copy_from_slice(&summed);
         Ok(())
     }

@@ -46,5 +46,8 @@ pub fn write_history(output_dir: &Path, history: &[EpochRecord]) -> anyhow::Resu
             val_accuracy: record.val_accuracy,
         })
         .collect();
-    write_atomically(&output_dir.join("curves.png"), &render_training_curves(&points)?)
+    write_atomically(
+        &output_dir.join("curves.png"),
+        &render_training_curves(&points)?,
+    )
 }

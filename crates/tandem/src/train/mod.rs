@@ -30,8 +30,8 @@ use crate::data_source::{load_split, normalization, Split};
 use crate::evaluation::{evaluate, Evaluation};
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use ddp::Ddp;
-use placement::find_placement;
 use history::{write_history, EpochRecord};
+use placement::find_placement;
 use schedule::Schedule;
 use snapshot::{load_latest, Progress, Snapshot};
 
@@ -64,9 +64,9 @@ impl Trainer {
     /// from the snapshot when one exists.
     fn new(mut settings: TrainSettings, stop_requested: Arc<AtomicBool>) -> anyhow::Result<Self> {
         let placement = find_placement(&settings.placement_flags)?;
-        let (rank, world_size, local_world_size) = placement
-            .as_ref()
-            .map_or((0, 1, 1), |place| (place.rank, place.world_size, place.local_world_size));
+        let (rank, world_size, local_world_size) = placement.as_ref().map_or((0, 1, 1), |place| {
+            (place.rank, place.world_size, place.local_world_size)
+        });
         if settings.threads == 0 {
             settings.threads = (available_cores() / local_world_size.max(1)).max(1);
         }
@@ -80,8 +80,14 @@ impl Trainer {
         let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
         let test_set = Arc::new(load_split(&settings.data, settings.seed, Split::Test)?);
         check_classes(&train_set, spec.num_classes())?;
-        let sampler =
-            DistributedSampler::new(train_set.len(), world_size, rank, true, settings.seed, false)?;
+        let sampler = DistributedSampler::new(
+            train_set.len(),
+            world_size,
+            rank,
+            true,
+            settings.seed,
+            false,
+        )?;
         let batches_per_epoch = sampler.num_samples().div_ceil(settings.batch_size) as u64;
         let steps_per_epoch = batches_per_epoch.div_ceil(settings.grad_accum);
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
@@ -186,9 +192,13 @@ impl Trainer {
     fn train(&mut self) -> anyhow::Result<()> {
         if self.is_leader() {
             std::fs::create_dir_all(&self.settings.output_dir).with_context(|| {
-                format!("cannot create output folder {}", self.settings.output_dir.display())
+                format!(
+                    "cannot create output folder {}",
+                    self.settings.output_dir.display()
+                )
             })?;
-            self.settings.write_toml(&self.settings.output_dir.join("config.toml"))?;
+            self.settings
+                .write_toml(&self.settings.output_dir.join("config.toml"))?;
         }
         while self.progress.epoch < self.settings.epochs {
             if self.run_epoch()? == EpochEnd::Stopped {
@@ -221,9 +231,9 @@ impl Trainer {
             },
         )?;
         let steps_in_epoch = loader.num_batches().div_ceil(accumulation) as u64;
-        let mut bar = self.is_leader().then(|| {
-            ProgressLine::new(epoch + 1, steps_in_epoch, self.progress.step_in_epoch)
-        });
+        let mut bar = self
+            .is_leader()
+            .then(|| ProgressLine::new(epoch + 1, steps_in_epoch, self.progress.step_in_epoch));
         let started = Instant::now();
         let seconds_before = self.progress.epoch_seconds;
         let mut images_this_session = 0usize;
@@ -246,7 +256,12 @@ impl Trainer {
             self.progress.global_step += 1;
             self.progress.epoch_seconds = seconds_before + started.elapsed().as_secs_f64();
             if let Some(bar) = bar.as_mut() {
-                bar.update(self.progress.step_in_epoch, outcome.mean_loss, images_this_session, started);
+                bar.update(
+                    self.progress.step_in_epoch,
+                    outcome.mean_loss,
+                    images_this_session,
+                    started,
+                );
             }
             if outcome.stop || self.reached_max_steps() {
                 if let Some(bar) = &bar {
@@ -292,7 +307,11 @@ impl Trainer {
         let mut images = 0;
         for (index, batch) in micro_batches.iter().enumerate() {
             let last = index + 1 == micro_batches.len();
-            let mut reducer = self.ddp.as_ref().filter(|_| sync_bn).map(Ddp::batch_norm_reducer);
+            let mut reducer = self
+                .ddp
+                .as_ref()
+                .filter(|_| sync_bn)
+                .map(Ddp::batch_norm_reducer);
             let loss = self.model.forward_train(
                 &batch.images,
                 batch.len,
@@ -300,23 +319,31 @@ impl Trainer {
                 width,
                 &batch.labels,
                 &loss_options,
-                reducer.as_mut().map(|reducer| reducer as &mut dyn BatchNormReducer),
+                reducer
+                    .as_mut()
+                    .map(|reducer| reducer as &mut dyn BatchNormReducer),
             )?;
             drop(reducer);
             loss_sum += loss as f64;
             images += batch.len;
             match self.ddp.as_mut().filter(|_| last) {
                 Some(ddp) if !sync_bn => {
-                    self.model.backward(loss_scale, None, &mut |range, values| {
-                        ddp.gradients_ready(range, values)
-                    })?;
+                    self.model
+                        .backward(loss_scale, None, &mut |range, values| {
+                            ddp.gradients_ready(range, values)
+                        })?;
                 }
                 _ => {
-                    let mut reducer =
-                        self.ddp.as_ref().filter(|_| sync_bn).map(Ddp::batch_norm_reducer);
+                    let mut reducer = self
+                        .ddp
+                        .as_ref()
+                        .filter(|_| sync_bn)
+                        .map(Ddp::batch_norm_reducer);
                     self.model.backward(
                         loss_scale,
-                        reducer.as_mut().map(|reducer| reducer as &mut dyn BatchNormReducer),
+                        reducer
+                            .as_mut()
+                            .map(|reducer| reducer as &mut dyn BatchNormReducer),
                         &mut |_, _| {},
                     )?;
                 }
@@ -392,7 +419,10 @@ impl Trainer {
         if !self.is_leader() {
             return Ok(());
         }
-        println!("train | epoch: {} | loss: {:.4}", record.epoch, record.train_loss);
+        println!(
+            "train | epoch: {} | loss: {:.4}",
+            record.epoch, record.train_loss
+        );
         println!(
             "val | epoch: {} | loss: {:.4} | accuracy: {:.4} | time: {:.1} s | {:.1} img/s",
             record.epoch,
@@ -412,7 +442,10 @@ impl Trainer {
         if every == 0 || epoch_number % every != 0 {
             return Ok(());
         }
-        let path = self.settings.output_dir.join(format!("epoch_{epoch_number}.safetensors"));
+        let path = self
+            .settings
+            .output_dir
+            .join(format!("epoch_{epoch_number}.safetensors"));
         let metadata = BTreeMap::from([("epoch".to_string(), epoch_number.to_string())]);
         tandem_models::save_safetensors(&self.model, &path, &metadata)
             .with_context(|| format!("cannot write checkpoint {}", path.display()))?;
@@ -478,7 +511,11 @@ fn check_classes(dataset: &Dataset, num_classes: usize) -> anyhow::Result<()> {
 
 /// The learning-rate schedule of the run.
 fn build_schedule(settings: &TrainSettings, steps_per_epoch: u64, world_size: usize) -> Schedule {
-    let scale = if settings.scale_lr { world_size as f64 } else { 1.0 };
+    let scale = if settings.scale_lr {
+        world_size as f64
+    } else {
+        1.0
+    };
     Schedule {
         kind: settings.lr_schedule,
         base_lr: settings.lr * scale,
@@ -537,7 +574,10 @@ fn fingerprint(settings: &TrainSettings, world_size: usize) -> BTreeMap<String, 
     put("warmup-epochs", settings.warmup_epochs.to_string());
     put("label-smoothing", settings.label_smoothing.to_string());
     put("augment", settings.augment.to_string());
-    put("normalize", format!("{:?} {:?}", settings.data.mean, settings.data.std));
+    put(
+        "normalize",
+        format!("{:?} {:?}", settings.data.mean, settings.data.std),
+    );
     put("seed", settings.seed.to_string());
     put("world-size", world_size.to_string());
     put("grad-accum", settings.grad_accum.to_string());
@@ -565,7 +605,10 @@ fn check_resumable(
         })
         .collect();
     if !conflicts.is_empty() {
-        bail!("settings conflict with the snapshot: {}", conflicts.join("; "));
+        bail!(
+            "settings conflict with the snapshot: {}",
+            conflicts.join("; ")
+        );
     }
     Ok(())
 }
@@ -577,7 +620,11 @@ fn prune_checkpoints(folder: &Path, keep: usize) -> anyhow::Result<()> {
         .filter_map(|entry| entry.ok())
         .filter_map(|entry| {
             let name = entry.file_name().into_string().ok()?;
-            let epoch = name.strip_prefix("epoch_")?.strip_suffix(".safetensors")?.parse().ok()?;
+            let epoch = name
+                .strip_prefix("epoch_")?
+                .strip_suffix(".safetensors")?
+                .parse()
+                .ok()?;
             Some((epoch, entry.path()))
         })
         .collect();

@@ -30,7 +30,9 @@ pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPla
     let rank = match (flags.rank, &cluster) {
         (Some(rank), _) => rank,
         (None, Some(worker)) => worker.rank,
-        (None, None) => bail!("--world-size is {world_size} but no rank is given: pass --rank or set RANK"),
+        (None, None) => {
+            bail!("--world-size is {world_size} but no rank is given: pass --rank or set RANK")
+        }
     };
     if rank >= world_size {
         bail!("rank {rank} is not below the world size {world_size}");
@@ -92,10 +94,15 @@ mod tests {
             parse_init_method("tcp://10.0.0.1:6060").unwrap(),
             ("10.0.0.1".to_string(), 6060)
         );
-        assert_eq!(parse_init_method("tcp://[::1]:80").unwrap(), ("::1".to_string(), 80));
+        assert_eq!(
+            parse_init_method("tcp://[::1]:80").unwrap(),
+            ("::1".to_string(), 80)
+        );
         let error = parse_init_method("env://").unwrap_err().to_string();
         assert!(error.contains("tcp://HOST:PORT"), "{error}");
-        let error = parse_init_method("tcp://host:99999").unwrap_err().to_string();
+        let error = parse_init_method("tcp://host:99999")
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("bad port"), "{error}");
     }
 }

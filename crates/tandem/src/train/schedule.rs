@@ -78,7 +78,11 @@ impl Schedule {
             end + (start - end) / 2.0 * ((std::f64::consts::PI * fraction).cos() + 1.0)
         };
         if step <= warm_end {
-            cosine(initial_lr, self.base_lr, step / warm_end.max(f64::MIN_POSITIVE))
+            cosine(
+                initial_lr,
+                self.base_lr,
+                step / warm_end.max(f64::MIN_POSITIVE),
+            )
         } else {
             let span = (last_step - warm_end).max(f64::MIN_POSITIVE);
             cosine(self.base_lr, min_lr, ((step - warm_end) / span).min(1.0))

@@ -136,7 +136,12 @@ impl Snapshot {
             settings: self.settings.clone(),
             num_batches_tracked: self.num_batches_tracked,
             optimizer_step: self.optimizer.step,
-            optimizer_slots: self.optimizer.slots.iter().map(|(slot, _)| slot.clone()).collect(),
+            optimizer_slots: self
+                .optimizer
+                .slots
+                .iter()
+                .map(|(slot, _)| slot.clone())
+                .collect(),
             checksum: checksum(&named_bytes),
         };
         let views = named_bytes
@@ -146,15 +151,17 @@ impl Snapshot {
                 Ok((name.clone(), view))
             })
             .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-        let metadata =
-            HashMap::from([(METADATA_KEY.to_string(), serde_json::to_string(&description)?)]);
+        let metadata = HashMap::from([(
+            METADATA_KEY.to_string(),
+            serde_json::to_string(&description)?,
+        )]);
         Ok(safetensors::serialize(views, Some(metadata))?)
     }
 
     /// Reads and checks the snapshot at `path`.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
-        let bytes =
-            std::fs::read(path).with_context(|| format!("cannot read snapshot {}", path.display()))?;
+        let bytes = std::fs::read(path)
+            .with_context(|| format!("cannot read snapshot {}", path.display()))?;
         Self::from_bytes(&bytes).with_context(|| format!("snapshot {} is damaged", path.display()))
     }
 
@@ -176,7 +183,9 @@ impl Snapshot {
         }
         let tensors = safetensors::SafeTensors::deserialize(bytes)?;
         let tensor_bytes = |name: &str| -> anyhow::Result<Vec<u8>> {
-            let view = tensors.tensor(name).with_context(|| format!("it lacks tensor {name}"))?;
+            let view = tensors
+                .tensor(name)
+                .with_context(|| format!("it lacks tensor {name}"))?;
             if view.dtype() != Dtype::F32 {
                 bail!("tensor {name} is {:?}, expected F32", view.dtype());
             }
@@ -196,7 +205,12 @@ impl Snapshot {
         let mut values = named_bytes.into_iter().map(|(_, bytes)| f32_values(&bytes));
         let params = values.next().unwrap_or_default();
         let buffers = values.next().unwrap_or_default();
-        let slots = description.optimizer_slots.iter().cloned().zip(values).collect();
+        let slots = description
+            .optimizer_slots
+            .iter()
+            .cloned()
+            .zip(values)
+            .collect();
         Ok(Snapshot {
             progress: description.progress,
             history: description.history,
@@ -231,7 +245,10 @@ pub fn load_latest(path: &Path) -> anyhow::Result<Option<Snapshot>> {
         match Snapshot::load(candidate) {
             Ok(snapshot) => {
                 if let Some(error) = &first_error {
-                    eprintln!("warning: {error:#}; resuming from {} instead", candidate.display());
+                    eprintln!(
+                        "warning: {error:#}; resuming from {} instead",
+                        candidate.display()
+                    );
                 }
                 return Ok(Some(snapshot));
             }
@@ -250,7 +267,10 @@ pub fn load_latest(path: &Path) -> anyhow::Result<Option<Snapshot>> {
 
 /// Little-endian bytes of f32 values.
 fn f32_bytes(values: &[f32]) -> Vec<u8> {
-    values.iter().flat_map(|value| value.to_le_bytes()).collect()
+    values
+        .iter()
+        .flat_map(|value| value.to_le_bytes())
+        .collect()
 }
 
 /// f32 values from little-endian bytes.
