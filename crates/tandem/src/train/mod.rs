@@ -279,7 +279,7 @@ impl Trainer {
                 return Ok(EpochEnd::Stopped);
             }
             let every = self.settings.snapshot_every_steps;
-            if every > 0 && self.progress.step_in_epoch % every == 0 {
+            if every > 0 && self.progress.step_in_epoch.is_multiple_of(every) {
                 self.save_snapshot()?;
             }
         }
@@ -323,7 +323,6 @@ impl Trainer {
                     .as_mut()
                     .map(|reducer| reducer as &mut dyn BatchNormReducer),
             )?;
-            drop(reducer);
             loss_sum += loss as f64;
             images += batch.len;
             match self.ddp.as_mut().filter(|_| last) {
@@ -439,7 +438,7 @@ impl Trainer {
     /// Writes `epoch_N.safetensors` when due, and drops the ones past `--keep-last`.
     fn write_epoch_checkpoint(&self, epoch_number: u64) -> anyhow::Result<()> {
         let every = self.settings.save_every;
-        if every == 0 || epoch_number % every != 0 {
+        if every == 0 || !epoch_number.is_multiple_of(every) {
             return Ok(());
         }
         let path = self
@@ -674,7 +673,7 @@ impl ProgressLine {
             }
             None => {
                 let every = (self.total_steps / 10).max(1);
-                if step % every == 0 || step == self.total_steps {
+                if step.is_multiple_of(every) || step == self.total_steps {
                     eprintln!(
                         "epoch {} | step {step}/{} | loss {loss:.4} | {rate:.0} img/s",
                         self.epoch_number, self.total_steps
