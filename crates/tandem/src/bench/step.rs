@@ -2,6 +2,10 @@
 //!
 //! Prints exactly three lines, for scripts:
 //! `train: 1234.5 img/s`, `eval: 4321.0 img/s`, `peak memory: 812 MB`.
+//!
+//! Under `tandem launch` (or any environment with `WORLD_SIZE` > 1) every rank runs the
+//! data-parallel step of `tandem train` (gradients averaged in buckets during backward, BN
+//! buffers broadcast) and rank 0 prints the aggregate images per second of all ranks.
 
 use std::time::Instant;
 
@@ -12,6 +16,13 @@ use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tandem_models::{LossOptions, Model, ModelSpec};
 
 use crate::model_args::ModelArgs;
+use crate::settings::{available_cores, PlacementFlags};
+use crate::train::ddp::Ddp;
+use crate::train::placement::find_placement;
+
+/// Gradient buckets as `tandem train` uses them by default.
+const BUCKET_BYTES: usize = 25_000_000;
+const FIRST_BUCKET_BYTES: usize = 1_000_000;
 
 /// Side of the square random images, as CIFAR-10.
 const IMAGE_SIZE: usize = 32;
@@ -48,10 +59,13 @@ pub struct StepArgs {
 /// Runs the benchmark.
 pub fn run(args: StepArgs) -> anyhow::Result<()> {
     let spec = args.model.to_spec()?;
-    if let Some(threads) = args.threads {
-        anyhow::ensure!(threads > 0, "--threads must be at least 1");
-        tandem_engine::set_threads(threads);
-    }
+    let placement = find_placement(&PlacementFlags::default())?;
+    let local_world_size = placement.as_ref().map_or(1, |place| place.local_world_size);
+    let threads = args
+        .threads
+        .unwrap_or((available_cores() / local_world_size.max(1)).max(1));
+    anyhow::ensure!(threads > 0, "--threads must be at least 1");
+    tandem_engine::set_threads(threads);
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     let is_resnet18 = matches!(spec, ModelSpec::ResNet18 { .. });
     let batch = args.batch.unwrap_or(if is_resnet18 { 128 } else { 256 });
@@ -64,14 +78,43 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
 
     let mut model = Model::new(&spec)?;
     model.init_default(0);
+    let mut ddp = match &placement {
+        Some(place) => {
+            let token = tandem_dist::JobToken::from_env()?.context(
+                "a job of several processes needs TANDEM_JOB_TOKEN (tandem launch sets it)",
+            )?;
+            let mut ddp = Ddp::join(
+                place,
+                token,
+                tandem_dist::DEFAULT_TIMEOUT,
+                model.params().len(),
+                BUCKET_BYTES,
+                FIRST_BUCKET_BYTES,
+            )?;
+            ddp.broadcast_model(&mut model)?;
+            Some(ddp)
+        }
+        None => None,
+    };
     let mut optimizer = build_optimizer(optimizer_kind, model.params().len());
     let (images, labels) = random_batch(&spec, batch);
     let loss = LossOptions::default();
 
     let train_rate = images_per_second(batch, args.steps, || -> anyhow::Result<()> {
         model.zero_grads();
+        if let Some(ddp) = ddp.as_mut() {
+            ddp.broadcast_buffers(&mut model)?;
+        }
         model.forward_train(&images, batch, IMAGE_SIZE, IMAGE_SIZE, &labels, &loss, None)?;
-        model.backward(1.0, None, &mut |_, _| {})?;
+        match ddp.as_mut() {
+            Some(ddp) => {
+                model.backward(1.0, None, &mut |range, values| {
+                    ddp.gradients_ready(range, values)
+                })?;
+                ddp.finish_gradients(model.grads_mut())?;
+            }
+            None => model.backward(1.0, None, &mut |_, _| {})?,
+        }
         let (params, grads) = model.params_and_grads_mut();
         optimizer.step(params, grads);
         Ok(())
@@ -80,8 +123,15 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
         model.forward_eval(&images, batch, IMAGE_SIZE, IMAGE_SIZE)?;
         Ok(())
     })?;
-    println!("train: {train_rate:.1} img/s");
-    println!("eval: {eval_rate:.1} img/s");
+    let mut rates = [train_rate, eval_rate];
+    if let Some(ddp) = ddp.as_mut() {
+        ddp.sum_f64(&mut rates)?;
+        if ddp.rank() != 0 {
+            return Ok(());
+        }
+    }
+    println!("train: {:.1} img/s", rates[0]);
+    println!("eval: {:.1} img/s", rates[1]);
     println!("peak memory: {} MB", peak_memory_kib()? / 1024);
     Ok(())
 }
