@@ -248,6 +248,120 @@ impl BatchNormReducer for DdpBatchNormReducer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tandem_models::{LossOptions, ModelSpec, ResNetBaseSpec};
+
+    fn small_model() -> Model {
+        let spec = ModelSpec::ResNetBase(ResNetBaseSpec {
+            n_blocks: vec![1, 1],
+            n_channels: vec![8, 16],
+            bottlenecks: Some(vec![4, 8]),
+            first_kernel_size: 3,
+            img_channels: 3,
+            num_classes: 10,
+        });
+        let mut model = Model::new(&spec).unwrap();
+        model.init_default(11);
+        model
+    }
+
+    /// A batch of 6 images for `rank`, different on each rank.
+    fn batch_of(rank: usize) -> (Vec<f32>, Vec<u32>) {
+        let images = (0..6 * 32 * 32 * 3)
+            .map(|index| ((index * 7919 + rank * 104_729) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let labels = (0..6)
+            .map(|index| ((index * 3 + rank) % 10) as u32)
+            .collect();
+        (images, labels)
+    }
+
+    /// The local gradient of `rank`'s batch, without any communication.
+    fn local_gradient(rank: usize) -> Vec<f32> {
+        let mut model = small_model();
+        let (images, labels) = batch_of(rank);
+        model
+            .forward_train(&images, 6, 32, 32, &labels, &LossOptions::default(), None)
+            .unwrap();
+        model.backward(1.0, None, &mut |_, _| {}).unwrap();
+        model.grads().to_vec()
+    }
+
+    #[test]
+    fn without_sync_bn_each_rank_uses_its_batch_and_gradients_are_averaged() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .unwrap()
+            .port();
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let placement = WorkerPlacement {
+                        rank,
+                        world_size: 2,
+                        local_world_size: 2,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                        store_hosted: false,
+                        key_prefix: "ddp-test".into(),
+                    };
+                    let token = tandem_dist::JobToken::new("ddp-test-token").unwrap();
+                    let mut model = small_model();
+                    // Small buckets: many of them are sent while backward runs.
+                    let mut ddp = Ddp::join(
+                        &placement,
+                        token,
+                        Duration::from_secs(30),
+                        model.params().len(),
+                        4096,
+                        1024,
+                    )
+                    .unwrap();
+                    let (images, labels) = batch_of(rank);
+                    model
+                        .forward_train(&images, 6, 32, 32, &labels, &LossOptions::default(), None)
+                        .unwrap();
+                    let mut reported = 0;
+                    model
+                        .backward(1.0, None, &mut |range, values| {
+                            reported += values.len();
+                            ddp.gradients_ready(range, values)
+                        })
+                        .unwrap();
+                    ddp.finish_gradients(model.grads_mut()).unwrap();
+                    assert_eq!(reported, model.grads().len());
+                    let own_statistics = model.buffers().to_vec();
+                    ddp.broadcast_buffers(&mut model).unwrap();
+                    (
+                        model.grads().to_vec(),
+                        own_statistics,
+                        model.buffers().to_vec(),
+                    )
+                })
+            })
+            .collect();
+        let results: Vec<_> = ranks.into_iter().map(|rank| rank.join().unwrap()).collect();
+        let (first, second) = (local_gradient(0), local_gradient(1));
+        let scale = first
+            .iter()
+            .chain(&second)
+            .fold(0.0f32, |m, v| m.max(v.abs()));
+        for (index, (a, b)) in first.iter().zip(&second).enumerate() {
+            let expected = (a + b) / 2.0;
+            let got = results[0].0[index];
+            assert!(
+                (got - expected).abs() <= 1e-6 * scale,
+                "gradient {index}: {got} against the per-rank mean {expected}"
+            );
+        }
+        assert!(
+            results[0].0 == results[1].0,
+            "ranks hold different gradients"
+        );
+        // Each rank normalized with its own batch, so their BN statistics differed until
+        // rank 0's were broadcast.
+        assert!(results[0].1 != results[1].1);
+        assert!(results[1].2 == results[0].1);
+    }
 
     #[test]
     fn buckets_cover_the_gradients_in_order() {
