@@ -12,6 +12,7 @@
 
 use rayon::prelude::*;
 
+use crate::direct::{self, Start};
 use crate::matmul::{matmul, MatRef};
 use crate::threads::threads;
 
@@ -100,6 +101,22 @@ impl Conv2dShape {
         self.out_height() * self.out_width()
     }
 
+    /// One input image zero-padded for the direct kernels (in `buffer`, unless unpadded).
+    fn padded_input<'a>(
+        &self,
+        image: &'a [f32],
+        buffer: &'a mut Vec<f32>,
+    ) -> direct::PaddedImage<'a> {
+        direct::pad_image(
+            image,
+            self.in_height,
+            self.in_width,
+            self.in_channels,
+            self.padding,
+            buffer,
+        )
+    }
+
     /// A 1x1, stride-1, unpadded convolution needs no im2col.
     fn is_pointwise(&self) -> bool {
         self.kernel == 1 && self.stride == 1 && self.padding == 0
@@ -157,6 +174,8 @@ impl Conv2dShape {
 #[derive(Default)]
 pub struct ConvScratch {
     workers: Vec<WorkerScratch>,
+    /// The weights rearranged for the direct kernels.
+    taps: Vec<f32>,
 }
 
 #[derive(Default)]
@@ -216,6 +235,31 @@ pub fn conv2d_forward(
     let images_per_worker = shape.images_per_worker();
     let workers = shape.batch.div_ceil(images_per_worker);
     scratch.prepare(workers, shape.columns_len(), 0, 0);
+    if direct::forward_applies(shape) {
+        direct::forward_taps(shape, weight, &mut scratch.taps);
+        let taps = &scratch.taps;
+        let start = bias.map_or(Start::Zero, Start::Bias);
+        scratch.workers[..workers]
+            .par_iter_mut()
+            .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
+            .zip(output.par_chunks_mut(images_per_worker * shape.output_image_len()))
+            .for_each(|((worker, input_part), output_part)| {
+                let images = input_part.chunks(shape.input_image_len());
+                let outputs = output_part.chunks_mut(shape.output_image_len());
+                for (image, output_image) in images.zip(outputs) {
+                    let padded = shape.padded_input(image, &mut worker.columns);
+                    direct::correlate(
+                        &padded,
+                        shape.kernel,
+                        taps,
+                        shape.out_channels,
+                        start,
+                        output_image,
+                    );
+                }
+            });
+        return;
+    }
     let weight_t = MatRef::row_major(weight, shape.out_channels, shape.patch_len()).transposed();
     scratch.workers[..workers]
         .par_iter_mut()
@@ -284,6 +328,11 @@ pub fn conv2d_backward(
                 .collect()
         }
     };
+    let use_direct = direct::backward_applies(shape, input_grad_parts[0].is_some());
+    if use_direct {
+        direct::input_grad_taps(shape, weight, &mut scratch.taps);
+    }
+    let taps = &scratch.taps;
     scratch.workers[..workers]
         .par_iter_mut()
         .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
@@ -291,15 +340,17 @@ pub fn conv2d_backward(
         .zip(input_grad_parts.into_par_iter())
         .for_each(
             |(((worker, input_part), grad_output_part), grad_input_part)| {
-                backward_worker(
-                    shape,
-                    weight,
-                    input_part,
-                    grad_output_part,
-                    grad_input_part,
+                let parts = WorkerParts {
+                    input: input_part,
+                    grad_output: grad_output_part,
+                    grad_input: grad_input_part,
                     accumulate_input,
-                    worker,
-                );
+                };
+                if use_direct {
+                    backward_worker_direct(shape, taps, parts, worker);
+                } else {
+                    backward_worker(shape, weight, parts, worker);
+                }
             },
         );
     for worker in &scratch.workers[..workers] {
@@ -329,12 +380,15 @@ pub fn conv2d_backward(
 fn backward_worker(
     shape: &Conv2dShape,
     weight: &[f32],
-    input_part: &[f32],
-    grad_output_part: &[f32],
-    mut grad_input_part: Option<&mut [f32]>,
-    accumulate_input: bool,
+    parts: WorkerParts,
     worker: &mut WorkerScratch,
 ) {
+    let WorkerParts {
+        input: input_part,
+        grad_output: grad_output_part,
+        grad_input: mut grad_input_part,
+        accumulate_input,
+    } = parts;
     let (out_channels, patch_len) = (shape.out_channels, shape.patch_len());
     worker.weight_grad[..shape.weight_len()].fill(0.0);
     worker.bias_grad[..shape.bias_tile_len()].fill(0.0);
@@ -355,12 +409,10 @@ fn backward_worker(
             patches,
             true,
         );
-        let bias_tile = &mut worker.bias_grad[..shape.bias_tile_len()];
-        for values in grad_output_chunk.chunks(bias_tile.len()) {
-            for (sum, value) in bias_tile.iter_mut().zip(values) {
-                *sum += f64::from(*value);
-            }
-        }
+        add_bias_sums(
+            &mut worker.bias_grad[..shape.bias_tile_len()],
+            grad_output_chunk,
+        );
         let Some(grad_input_part) = grad_input_part.as_deref_mut() else {
             continue;
         };
@@ -388,6 +440,82 @@ fn backward_worker(
                 grad_input_chunk.fill(0.0);
             }
             col2im_add(shape, grad_columns, grad_input_chunk);
+        }
+    }
+}
+
+/// One worker's slices of a backward pass.
+struct WorkerParts<'a> {
+    input: &'a [f32],
+    grad_output: &'a [f32],
+    grad_input: Option<&'a mut [f32]>,
+    accumulate_input: bool,
+}
+
+/// [`backward_worker`] on the direct kernels, one image at a time; `taps` are the weights
+/// arranged for the input gradient.
+fn backward_worker_direct(
+    shape: &Conv2dShape,
+    taps: &[f32],
+    parts: WorkerParts,
+    worker: &mut WorkerScratch,
+) {
+    let WorkerParts {
+        input: input_part,
+        grad_output: grad_output_part,
+        grad_input: grad_input_part,
+        accumulate_input,
+    } = parts;
+    worker.weight_grad[..shape.weight_len()].fill(0.0);
+    worker.bias_grad[..shape.bias_tile_len()].fill(0.0);
+    let images = input_part.chunks(shape.input_image_len());
+    let grad_outputs = grad_output_part.chunks(shape.output_image_len());
+    let mut grad_inputs = grad_input_part.map(|part| part.chunks_mut(shape.input_image_len()));
+    for (image, grad_output_image) in images.zip(grad_outputs) {
+        let padded = shape.padded_input(image, &mut worker.columns);
+        direct::accumulate_weight_grad(
+            &padded,
+            shape.kernel,
+            grad_output_image,
+            shape.out_channels,
+            &mut worker.weight_grad[..shape.weight_len()],
+        );
+        add_bias_sums(
+            &mut worker.bias_grad[..shape.bias_tile_len()],
+            grad_output_image,
+        );
+        let Some(grad_input_image) = grad_inputs.as_mut().and_then(|parts| parts.next()) else {
+            continue;
+        };
+        let padded_grad = direct::pad_image(
+            grad_output_image,
+            shape.out_height(),
+            shape.out_width(),
+            shape.out_channels,
+            shape.kernel - 1 - shape.padding,
+            &mut worker.columns,
+        );
+        let start = if accumulate_input {
+            Start::Existing
+        } else {
+            Start::Zero
+        };
+        direct::correlate(
+            &padded_grad,
+            shape.kernel,
+            taps,
+            shape.in_channels,
+            start,
+            grad_input_image,
+        );
+    }
+}
+
+/// Adds the output gradient, tile by tile, into the bias-gradient accumulator.
+fn add_bias_sums(bias_tile: &mut [f64], grad_output: &[f32]) {
+    for values in grad_output.chunks(bias_tile.len()) {
+        for (sum, value) in bias_tile.iter_mut().zip(values) {
+            *sum += f64::from(*value);
         }
     }
 }
@@ -491,6 +619,163 @@ fn col2im_add(shape: &Conv2dShape, columns: &[f32], grad_images: &mut [f32]) {
                     }
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    fn random(len: usize, seed: u64) -> Vec<f32> {
+        let mut rng = Rng::new(seed);
+        (0..len).map(|_| rng.uniform(-1.0, 1.0)).collect()
+    }
+
+    /// `(output, grad_input, grad_weight, grad_bias)` computed by definition in f64.
+    fn reference(
+        shape: &Conv2dShape,
+        input: &[f32],
+        weight: &[f32],
+        bias: &[f32],
+        grad_output: &[f32],
+    ) -> [Vec<f64>; 4] {
+        let (out_h, out_w) = (shape.out_height(), shape.out_width());
+        let (cin, cout, k) = (shape.in_channels, shape.out_channels, shape.kernel);
+        let mut output = vec![0.0; shape.output_len()];
+        let mut grad_input = vec![0.0; shape.input_len()];
+        let mut grad_weight = vec![0.0; shape.weight_len()];
+        let mut grad_bias = vec![0.0; cout];
+        for n in 0..shape.batch {
+            for (y, x, o) in (0..out_h)
+                .flat_map(|y| (0..out_w).map(move |x| (y, x)))
+                .flat_map(|(y, x)| (0..cout).map(move |o| (y, x, o)))
+            {
+                let out_index = ((n * out_h + y) * out_w + x) * cout + o;
+                let g = f64::from(grad_output[out_index]);
+                let mut sum = f64::from(bias[o]);
+                grad_bias[o] += g;
+                for ky in 0..k {
+                    for kx in 0..k {
+                        let iy = (y * shape.stride + ky) as isize - shape.padding as isize;
+                        let ix = (x * shape.stride + kx) as isize - shape.padding as isize;
+                        if iy < 0 || ix < 0 {
+                            continue;
+                        }
+                        let (iy, ix) = (iy as usize, ix as usize);
+                        if iy >= shape.in_height || ix >= shape.in_width {
+                            continue;
+                        }
+                        for c in 0..cin {
+                            let in_index =
+                                ((n * shape.in_height + iy) * shape.in_width + ix) * cin + c;
+                            let w_index = ((o * k + ky) * k + kx) * cin + c;
+                            sum += f64::from(input[in_index]) * f64::from(weight[w_index]);
+                            grad_input[in_index] += g * f64::from(weight[w_index]);
+                            grad_weight[w_index] += g * f64::from(input[in_index]);
+                        }
+                    }
+                }
+                output[out_index] = sum;
+            }
+        }
+        [output, grad_input, grad_weight, grad_bias]
+    }
+
+    fn assert_close(what: &str, got: &[f32], expected: &[f64]) {
+        assert_eq!(got.len(), expected.len(), "{what}: length");
+        let scale = expected.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        for (index, (g, e)) in got.iter().zip(expected).enumerate() {
+            assert!(
+                (f64::from(*g) - e).abs() <= 1e-5 * scale,
+                "{what}: index {index}: {g} vs {e}"
+            );
+        }
+    }
+
+    /// Both code paths (direct kernels for 8..32 channels at stride 1, im2col + GEMM for the
+    /// rest) against the definition, forward and backward, overwriting and accumulating.
+    #[test]
+    fn convolution_matches_definition_on_direct_and_gemm_paths() {
+        let cases = [
+            // (batch, height, width, in, out, kernel, stride, padding)
+            (2, 7, 5, 8, 8, 3, 1, 1),
+            (3, 6, 6, 16, 8, 1, 1, 0),
+            (2, 5, 9, 8, 16, 3, 1, 1),
+            (1, 4, 4, 16, 24, 3, 1, 0),
+            (2, 9, 7, 32, 32, 3, 1, 1),
+            (2, 8, 8, 24, 16, 5, 1, 2),
+            (2, 4, 4, 64, 16, 1, 1, 0),
+            (2, 5, 5, 3, 8, 3, 1, 1),
+            (2, 8, 8, 8, 16, 3, 2, 1),
+            (1, 6, 6, 40, 40, 3, 1, 1),
+        ];
+        for (seed, &(batch, h, w, cin, cout, k, stride, padding)) in cases.iter().enumerate() {
+            let shape = Conv2dShape {
+                batch,
+                in_height: h,
+                in_width: w,
+                in_channels: cin,
+                out_channels: cout,
+                kernel: k,
+                stride,
+                padding,
+            };
+            let seed = 10 * seed as u64;
+            let input = random(shape.input_len(), seed);
+            let weight = random(shape.weight_len(), seed + 1);
+            let bias = random(cout, seed + 2);
+            let grad_output = random(shape.output_len(), seed + 3);
+            let [output, grad_input, grad_weight, grad_bias] =
+                reference(&shape, &input, &weight, &bias, &grad_output);
+            let label = format!("{shape:?}");
+            let mut scratch = ConvScratch::default();
+            let mut got = vec![0.0; shape.output_len()];
+            conv2d_forward(&shape, &input, &weight, Some(&bias), &mut got, &mut scratch);
+            assert_close(&format!("output {label}"), &got, &output);
+
+            let mut got_weight = vec![0.25; shape.weight_len()];
+            let mut got_bias = vec![0.25; cout];
+            let mut got_input = vec![0.5; shape.input_len()];
+            conv2d_backward(
+                &shape,
+                &input,
+                &weight,
+                &grad_output,
+                &mut got_weight,
+                Some(&mut got_bias),
+                InputGrad::Accumulate(&mut got_input),
+                &mut scratch,
+            );
+            let shifted =
+                |values: &[f64], by: f64| values.iter().map(|v| v + by).collect::<Vec<_>>();
+            assert_close(
+                &format!("grad weight {label}"),
+                &got_weight,
+                &shifted(&grad_weight, 0.25),
+            );
+            assert_close(
+                &format!("grad bias {label}"),
+                &got_bias,
+                &shifted(&grad_bias, 0.25),
+            );
+            assert_close(
+                &format!("accumulated grad input {label}"),
+                &got_input,
+                &shifted(&grad_input, 0.5),
+            );
+            conv2d_backward(
+                &shape,
+                &input,
+                &weight,
+                &grad_output,
+                &mut got_weight,
+                None,
+                InputGrad::Overwrite(&mut got_input),
+                &mut scratch,
+            );
+            assert_close(&format!("grad input {label}"), &got_input, &grad_input);
         }
     }
 }

@@ -1,0 +1,469 @@
+//! Direct convolution for stride-1 layers with few channels (the seed-004 model's 8, 16 and
+//! 32), where im2col + GEMM spends more time copying and packing than multiplying.
+//!
+//! Everything here works on one image at a time, zero-padded into a scratch buffer so the
+//! kernels never test for borders. A block of `R` neighbouring output pixels keeps its
+//! `R x V` accumulators (`V` vectors of 8 output channels each) in AVX registers while it
+//! walks the kernel taps and input channels: one broadcast input value per pixel times one
+//! weight vector. The input gradient is the same correlation, run on the padded output
+//! gradient with the kernel flipped and its channel axes swapped. The weight gradient adds,
+//! over every output pixel, the outer product of that pixel's output gradient and the input
+//! vector under each tap.
+//!
+//! The kernels need AVX2 and FMA, detected at run time; elsewhere [`is_available`] is false
+//! and the caller uses im2col + GEMM.
+
+use crate::conv::Conv2dShape;
+
+/// Widest output a correlation block holds in registers, in vectors of 8 channels.
+const MAX_VECTORS: usize = 4;
+
+/// Whether this CPU runs the direct kernels.
+pub(crate) fn is_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether the forward pass of `shape` runs on the direct kernels.
+pub(crate) fn forward_applies(shape: &Conv2dShape) -> bool {
+    is_available()
+        && shape.stride == 1
+        && shape.padding < shape.kernel
+        && is_vector_width(shape.out_channels)
+}
+
+/// Whether the backward pass of `shape` runs on the direct kernels (weight gradient, and the
+/// input gradient when `needs_input_grad`).
+pub(crate) fn backward_applies(shape: &Conv2dShape, needs_input_grad: bool) -> bool {
+    is_available()
+        && shape.stride == 1
+        && shape.padding < shape.kernel
+        && shape.in_channels.is_multiple_of(8)
+        && shape.in_channels > 0
+        && (!needs_input_grad || is_vector_width(shape.in_channels))
+}
+
+/// A channel count the correlation holds in whole registers.
+fn is_vector_width(channels: usize) -> bool {
+    channels.is_multiple_of(8) && (8..=8 * MAX_VECTORS).contains(&channels)
+}
+
+/// OHWI weights rearranged for the forward correlation: `[ky][kx][in][out]`.
+pub(crate) fn forward_taps(shape: &Conv2dShape, weight: &[f32], taps: &mut Vec<f32>) {
+    let (outputs, inputs, kernel) = (shape.out_channels, shape.in_channels, shape.kernel);
+    taps.clear();
+    taps.resize(weight.len(), 0.0);
+    for out in 0..outputs {
+        for tap in 0..kernel * kernel {
+            for input in 0..inputs {
+                taps[(tap * inputs + input) * outputs + out] =
+                    weight[(out * kernel * kernel + tap) * inputs + input];
+            }
+        }
+    }
+}
+
+/// OHWI weights rearranged for the input-gradient correlation: the kernel flipped on both
+/// axes, channels swapped, `[ky][kx][out][in]`.
+pub(crate) fn input_grad_taps(shape: &Conv2dShape, weight: &[f32], taps: &mut Vec<f32>) {
+    let (outputs, inputs, kernel) = (shape.out_channels, shape.in_channels, shape.kernel);
+    let taps_len = kernel * kernel;
+    taps.clear();
+    taps.resize(weight.len(), 0.0);
+    for out in 0..outputs {
+        for tap in 0..taps_len {
+            let flipped = taps_len - 1 - tap;
+            for input in 0..inputs {
+                taps[(flipped * outputs + out) * inputs + input] =
+                    weight[(out * taps_len + tap) * inputs + input];
+            }
+        }
+    }
+}
+
+/// An image zero-padded on every side, ready for a stride-1 correlation.
+pub(crate) struct PaddedImage<'a> {
+    data: &'a [f32],
+    height: usize,
+    width: usize,
+    channels: usize,
+}
+
+/// Pads one `[height, width, channels]` image with `padding` zeros on each side, copying
+/// into `buffer` unless `padding` is 0.
+pub(crate) fn pad_image<'a>(
+    image: &'a [f32],
+    height: usize,
+    width: usize,
+    channels: usize,
+    padding: usize,
+    buffer: &'a mut Vec<f32>,
+) -> PaddedImage<'a> {
+    assert_eq!(
+        image.len(),
+        height * width * channels,
+        "pad_image: image length"
+    );
+    if padding == 0 {
+        return PaddedImage {
+            data: image,
+            height,
+            width,
+            channels,
+        };
+    }
+    let (padded_height, padded_width) = (height + 2 * padding, width + 2 * padding);
+    let row_len = padded_width * channels;
+    buffer.clear();
+    buffer.resize(padded_height * row_len, 0.0);
+    for (row, source) in image.chunks_exact(width * channels).enumerate() {
+        let start = (row + padding) * row_len + padding * channels;
+        buffer[start..start + source.len()].copy_from_slice(source);
+    }
+    PaddedImage {
+        data: buffer,
+        height: padded_height,
+        width: padded_width,
+        channels,
+    }
+}
+
+/// What a correlation's output starts from.
+#[derive(Clone, Copy)]
+pub(crate) enum Start<'a> {
+    /// Zero.
+    Zero,
+    /// A per-channel bias.
+    Bias(&'a [f32]),
+    /// The values already in the output (the result is added to them).
+    Existing,
+}
+
+/// `output[y][x][o] = start + Σ_{ky,kx,c} image[y+ky][x+kx][c] · taps[ky][kx][c][o]`, for
+/// `o` below `out_channels` (8, 16, 24 or 32) and every `(y, x)` where the kernel fits.
+pub(crate) fn correlate(
+    image: &PaddedImage,
+    kernel: usize,
+    taps: &[f32],
+    out_channels: usize,
+    start: Start,
+    output: &mut [f32],
+) {
+    assert!(is_available() && is_vector_width(out_channels));
+    assert!(kernel >= 1 && kernel <= image.height && kernel <= image.width);
+    let (out_height, out_width) = (image.height - kernel + 1, image.width - kernel + 1);
+    assert_eq!(taps.len(), kernel * kernel * image.channels * out_channels);
+    assert_eq!(output.len(), out_height * out_width * out_channels);
+    assert_eq!(
+        image.data.len(),
+        image.height * image.width * image.channels
+    );
+    if let Start::Bias(bias) = start {
+        assert_eq!(bias.len(), out_channels);
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX2 and FMA are present (`is_available`), and the asserts above bound every
+    // pointer the kernel forms: each block reads `kernel` rows of `kernel + R - 1` pixels
+    // starting at its output position, which lie inside the padded image.
+    unsafe {
+        avx2::correlate(image, kernel, taps, out_channels, start, output);
+    }
+}
+
+/// Adds to `grad_weight` (OHWI, `out_channels` rows of `kernel² · channels`) the weight
+/// gradient of one image: `Σ_{y,x} grad_output[y][x][o] · image[y+ky][x+kx][c]`.
+pub(crate) fn accumulate_weight_grad(
+    image: &PaddedImage,
+    kernel: usize,
+    grad_output: &[f32],
+    out_channels: usize,
+    grad_weight: &mut [f32],
+) {
+    assert!(is_available() && image.channels.is_multiple_of(8) && image.channels > 0);
+    assert!(kernel >= 1 && kernel <= image.height && kernel <= image.width);
+    let (out_height, out_width) = (image.height - kernel + 1, image.width - kernel + 1);
+    assert_eq!(grad_output.len(), out_height * out_width * out_channels);
+    assert_eq!(
+        grad_weight.len(),
+        out_channels * kernel * kernel * image.channels
+    );
+    assert_eq!(
+        image.data.len(),
+        image.height * image.width * image.channels
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX2 and FMA are present, and the asserts above bound every access: for each
+    // tap the kernel reads the `out_height x out_width` window at that tap's offset.
+    unsafe {
+        avx2::accumulate_weight_grad(image, kernel, grad_output, out_channels, grad_weight);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{PaddedImage, Start};
+
+    /// Pixels per correlation block for `V` output vectors: as many accumulators as the
+    /// 16 registers allow next to the weights and the broadcast.
+    const fn block_pixels(vectors: usize) -> usize {
+        match vectors {
+            1 => 8,
+            2 => 6,
+            3 => 4,
+            _ => 3,
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn correlate(
+        image: &PaddedImage,
+        kernel: usize,
+        taps: &[f32],
+        out_channels: usize,
+        start: Start,
+        output: &mut [f32],
+    ) {
+        match out_channels / 8 {
+            1 => correlate_rows::<1>(image, kernel, taps, start, output),
+            2 => correlate_rows::<2>(image, kernel, taps, start, output),
+            3 => correlate_rows::<3>(image, kernel, taps, start, output),
+            _ => correlate_rows::<4>(image, kernel, taps, start, output),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn correlate_rows<const V: usize>(
+        image: &PaddedImage,
+        kernel: usize,
+        taps: &[f32],
+        start: Start,
+        output: &mut [f32],
+    ) {
+        let out_width = image.width - kernel + 1;
+        let out_height = image.height - kernel + 1;
+        let row_stride = image.width * image.channels;
+        let block = block_pixels(V);
+        let input = image.data.as_ptr();
+        let out = output.as_mut_ptr();
+        let bias = match start {
+            Start::Bias(bias) => bias.as_ptr(),
+            _ => std::ptr::null(),
+        };
+        let accumulate = matches!(start, Start::Existing);
+        let geometry = BlockGeometry {
+            row_stride,
+            channels: image.channels,
+            kernel,
+            taps: taps.as_ptr(),
+            bias,
+            accumulate,
+        };
+        for y in 0..out_height {
+            let mut x = 0;
+            while x < out_width {
+                let pixels = block.min(out_width - x);
+                let source = input.add(y * row_stride + x * image.channels);
+                let target = out.add((y * out_width + x) * 8 * V);
+                match pixels {
+                    8 => correlate_block::<8, V>(&geometry, source, target),
+                    7 => correlate_block::<7, V>(&geometry, source, target),
+                    6 => correlate_block::<6, V>(&geometry, source, target),
+                    5 => correlate_block::<5, V>(&geometry, source, target),
+                    4 => correlate_block::<4, V>(&geometry, source, target),
+                    3 => correlate_block::<3, V>(&geometry, source, target),
+                    2 => correlate_block::<2, V>(&geometry, source, target),
+                    _ => correlate_block::<1, V>(&geometry, source, target),
+                }
+                x += pixels;
+            }
+        }
+    }
+
+    /// What every block of one correlation shares.
+    struct BlockGeometry {
+        row_stride: usize,
+        channels: usize,
+        kernel: usize,
+        taps: *const f32,
+        bias: *const f32,
+        accumulate: bool,
+    }
+
+    /// `R` neighbouring output pixels of one row; `source` is the padded input at the
+    /// block's first pixel, `target` the output at that pixel.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn correlate_block<const R: usize, const V: usize>(
+        geometry: &BlockGeometry,
+        source: *const f32,
+        target: *mut f32,
+    ) {
+        let mut sums = [[_mm256_setzero_ps(); V]; R];
+        if geometry.accumulate {
+            for (pixel, sum) in sums.iter_mut().enumerate() {
+                for (vector, value) in sum.iter_mut().enumerate() {
+                    *value = _mm256_loadu_ps(target.add((pixel * V + vector) * 8));
+                }
+            }
+        } else if !geometry.bias.is_null() {
+            for sum in sums.iter_mut() {
+                for (vector, value) in sum.iter_mut().enumerate() {
+                    *value = _mm256_loadu_ps(geometry.bias.add(vector * 8));
+                }
+            }
+        }
+        let channels = geometry.channels;
+        // Within one kernel row the (kx, channel) pairs are contiguous in both the padded
+        // input row and the taps.
+        let row_span = geometry.kernel * channels;
+        let mut tap = geometry.taps;
+        for ky in 0..geometry.kernel {
+            let row = source.add(ky * geometry.row_stride);
+            for offset in 0..row_span {
+                let mut weights = [_mm256_setzero_ps(); V];
+                for (vector, weight) in weights.iter_mut().enumerate() {
+                    *weight = _mm256_loadu_ps(tap.add(vector * 8));
+                }
+                for (pixel, sum) in sums.iter_mut().enumerate() {
+                    let value = _mm256_broadcast_ss(&*row.add(pixel * channels + offset));
+                    for (acc, weight) in sum.iter_mut().zip(&weights) {
+                        *acc = _mm256_fmadd_ps(value, *weight, *acc);
+                    }
+                }
+                tap = tap.add(8 * V);
+            }
+        }
+        for (pixel, sum) in sums.iter().enumerate() {
+            for (vector, value) in sum.iter().enumerate() {
+                _mm256_storeu_ps(target.add((pixel * V + vector) * 8), *value);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn accumulate_weight_grad(
+        image: &PaddedImage,
+        kernel: usize,
+        grad_output: &[f32],
+        out_channels: usize,
+        grad_weight: &mut [f32],
+    ) {
+        let channels = image.channels;
+        let patch_len = kernel * kernel * channels;
+        let geometry = WindowGeometry {
+            row_stride: image.width * channels,
+            channels,
+            out_height: image.height - kernel + 1,
+            out_width: image.width - kernel + 1,
+            out_channels,
+            patch_len,
+        };
+        let mut channel = 0;
+        while channel < channels {
+            let vectors = if channels - channel >= 16 { 2 } else { 1 };
+            for ky in 0..kernel {
+                for kx in 0..kernel {
+                    let window = image
+                        .data
+                        .as_ptr()
+                        .add(ky * geometry.row_stride + kx * channels + channel);
+                    let target = grad_weight
+                        .as_mut_ptr()
+                        .add((ky * kernel + kx) * channels + channel);
+                    if vectors == 2 {
+                        weight_grad_rows::<2>(&geometry, window, grad_output.as_ptr(), target);
+                    } else {
+                        weight_grad_rows::<1>(&geometry, window, grad_output.as_ptr(), target);
+                    }
+                }
+            }
+            channel += 8 * vectors;
+        }
+    }
+
+    /// What every block of one weight-gradient pass shares.
+    struct WindowGeometry {
+        row_stride: usize,
+        channels: usize,
+        out_height: usize,
+        out_width: usize,
+        out_channels: usize,
+        patch_len: usize,
+    }
+
+    /// One tap and `8·V` input channels, all output channels in blocks of `O`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weight_grad_rows<const V: usize>(
+        geometry: &WindowGeometry,
+        window: *const f32,
+        grad_output: *const f32,
+        target: *mut f32,
+    ) {
+        let block = if V == 1 { 8 } else { 5 };
+        let mut out = 0;
+        while out < geometry.out_channels {
+            let rows = block.min(geometry.out_channels - out);
+            let grad = grad_output.add(out);
+            let dst = target.add(out * geometry.patch_len);
+            match rows {
+                8 => weight_grad_block::<8, V>(geometry, window, grad, dst),
+                7 => weight_grad_block::<7, V>(geometry, window, grad, dst),
+                6 => weight_grad_block::<6, V>(geometry, window, grad, dst),
+                5 => weight_grad_block::<5, V>(geometry, window, grad, dst),
+                4 => weight_grad_block::<4, V>(geometry, window, grad, dst),
+                3 => weight_grad_block::<3, V>(geometry, window, grad, dst),
+                2 => weight_grad_block::<2, V>(geometry, window, grad, dst),
+                _ => weight_grad_block::<1, V>(geometry, window, grad, dst),
+            }
+            out += rows;
+        }
+    }
+
+    /// `target[o][0..8V] += Σ_{y,x} grad[y][x][o] · window[y][x][0..8V]` for `O` output
+    /// channels, with the sums held in registers over the whole image.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weight_grad_block<const O: usize, const V: usize>(
+        geometry: &WindowGeometry,
+        window: *const f32,
+        grad: *const f32,
+        target: *mut f32,
+    ) {
+        let mut sums = [[_mm256_setzero_ps(); V]; O];
+        for y in 0..geometry.out_height {
+            let window_row = window.add(y * geometry.row_stride);
+            let grad_row = grad.add(y * geometry.out_width * geometry.out_channels);
+            for x in 0..geometry.out_width {
+                let mut inputs = [_mm256_setzero_ps(); V];
+                for (vector, input) in inputs.iter_mut().enumerate() {
+                    *input = _mm256_loadu_ps(window_row.add(x * geometry.channels + vector * 8));
+                }
+                let grad_pixel = grad_row.add(x * geometry.out_channels);
+                for (out, sum) in sums.iter_mut().enumerate() {
+                    let value = _mm256_broadcast_ss(&*grad_pixel.add(out));
+                    for (acc, input) in sum.iter_mut().zip(&inputs) {
+                        *acc = _mm256_fmadd_ps(value, *input, *acc);
+                    }
+                }
+            }
+        }
+        for (out, sum) in sums.iter().enumerate() {
+            for (vector, value) in sum.iter().enumerate() {
+                let place = target.add(out * geometry.patch_len + vector * 8);
+                _mm256_storeu_ps(place, _mm256_add_ps(_mm256_loadu_ps(place), *value));
+            }
+        }
+    }
+}
