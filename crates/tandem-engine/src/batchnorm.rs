@@ -12,6 +12,7 @@ use rayon::prelude::*;
 
 use crate::error::EngineError;
 use crate::parallel::elementwise_rows_per_chunk;
+use crate::simd::{with_avx2, zero_where_not_positive};
 use crate::threads::threads;
 
 /// PyTorch's default `eps`.
@@ -80,6 +81,7 @@ impl BatchNormState {
 pub struct BatchNormScratch {
     partials: Vec<f64>,
     tile_partials: Vec<f64>,
+    block_partials: Vec<f32>,
     totals: Vec<f64>,
     gain: ChannelTile,
     mean_dy: ChannelTile,
@@ -295,48 +297,59 @@ fn apply_tiles<const RELU: bool>(
             .par_chunks_mut(chunk)
             .zip(input.par_chunks(chunk))
             .for_each(|(out, x)| {
-                for (out, x) in out.chunks_mut(tile).zip(x.chunks(tile)) {
-                    let values = out
-                        .iter_mut()
-                        .zip(x)
-                        .zip(scale.values.iter().zip(&shift.values));
-                    for ((out, &x), (&scale, &shift)) in values {
-                        *out = finish(x * scale + shift);
+                with_avx2(|| {
+                    for (out, x) in out.chunks_mut(tile).zip(x.chunks(tile)) {
+                        let values = out
+                            .iter_mut()
+                            .zip(x)
+                            .zip(scale.values.iter().zip(&shift.values));
+                        for ((out, &x), (&scale, &shift)) in values {
+                            *out = finish(x * scale + shift);
+                        }
                     }
-                }
+                })
             }),
         Side::Identity(shortcut) => output
             .par_chunks_mut(chunk)
             .zip(input.par_chunks(chunk))
             .zip(shortcut.par_chunks(chunk))
             .for_each(|((out, x), s)| {
-                for ((out, x), s) in out.chunks_mut(tile).zip(x.chunks(tile)).zip(s.chunks(tile)) {
-                    let values = out
-                        .iter_mut()
-                        .zip(x)
-                        .zip(s)
-                        .zip(scale.values.iter().zip(&shift.values));
-                    for (((out, &x), &s), (&scale, &shift)) in values {
-                        *out = finish(x * scale + shift + s);
+                with_avx2(|| {
+                    for ((out, x), s) in
+                        out.chunks_mut(tile).zip(x.chunks(tile)).zip(s.chunks(tile))
+                    {
+                        let values = out
+                            .iter_mut()
+                            .zip(x)
+                            .zip(s)
+                            .zip(scale.values.iter().zip(&shift.values));
+                        for (((out, &x), &s), (&scale, &shift)) in values {
+                            *out = finish(x * scale + shift + s);
+                        }
                     }
-                }
+                })
             }),
         Side::Normalized(shortcut, scale2, shift2) => output
             .par_chunks_mut(chunk)
             .zip(input.par_chunks(chunk))
             .zip(shortcut.par_chunks(chunk))
             .for_each(|((out, x), s)| {
-                for ((out, x), s) in out.chunks_mut(tile).zip(x.chunks(tile)).zip(s.chunks(tile)) {
-                    let main = out
-                        .iter_mut()
-                        .zip(x)
-                        .zip(scale.values.iter().zip(&shift.values));
-                    let side = s.iter().zip(scale2.values.iter().zip(&shift2.values));
-                    for (((out, &x), (&scale, &shift)), (&s, (&scale2, &shift2))) in main.zip(side)
+                with_avx2(|| {
+                    for ((out, x), s) in
+                        out.chunks_mut(tile).zip(x.chunks(tile)).zip(s.chunks(tile))
                     {
-                        *out = finish(x * scale + shift + (s * scale2 + shift2));
+                        let main = out
+                            .iter_mut()
+                            .zip(x)
+                            .zip(scale.values.iter().zip(&shift.values));
+                        let side = s.iter().zip(scale2.values.iter().zip(&shift2.values));
+                        for (((out, &x), (&scale, &shift)), (&s, (&scale2, &shift2))) in
+                            main.zip(side)
+                        {
+                            *out = finish(x * scale + shift + (s * scale2 + shift2));
+                        }
                     }
-                }
+                })
             }),
     }
 }
@@ -347,20 +360,24 @@ pub fn relu_backward_in_place(grad: &mut [f32], output: &[f32]) {
     const CHUNK: usize = 1 << 14;
     grad.par_chunks_mut(CHUNK)
         .zip(output.par_chunks(CHUNK))
-        .for_each(|(g, y)| {
-            // A select rather than a conditional store, so the loop vectorizes.
-            for (g, &y) in g.iter_mut().zip(y) {
-                *g = if y > 0.0 { *g } else { 0.0 };
-            }
-        });
+        .for_each(|(g, y)| zero_where_not_positive(g, y));
 }
 
-/// Training-mode backward. `grad_output` is the gradient at this layer's output (after any
-/// ReLU mask); adds the local `Σ dy·x̂` and `Σ dy` to `grad_weight`/`grad_bias` and writes
-/// the input gradient into `grad_input`.
+/// The gradient arriving at a batch-norm layer's output.
+#[derive(Clone, Copy)]
+pub struct OutputGrad<'a> {
+    /// The gradient values, `[rows, channels]`.
+    pub values: &'a [f32],
+    /// The output of a ReLU that followed the layer, if any: the gradient counts only where
+    /// it is positive (the ReLU backward, fused into this pass).
+    pub relu_output: Option<&'a [f32]>,
+}
+
+/// Training-mode backward. Adds the local `Σ dy·x̂` and `Σ dy` to `grad_weight`/`grad_bias`
+/// and writes the input gradient into `grad_input`.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
-    grad_output: &[f32],
+    grad_output: OutputGrad,
     input: &[f32],
     weight: &[f32],
     state: &BatchNormState,
@@ -371,57 +388,22 @@ pub fn backward(
     scratch: &mut BatchNormScratch,
 ) -> Result<(), EngineError> {
     let channels = state.channels();
-    assert_eq!(
-        grad_output.len(),
-        input.len(),
-        "batchnorm backward: lengths differ"
-    );
-    assert_eq!(
-        grad_input.len(),
-        input.len(),
-        "batchnorm backward: lengths differ"
-    );
-    let invstd = &state.invstd[..channels];
-    let rows_per_worker = (input.len() / channels.max(1))
-        .div_ceil(threads().max(1))
-        .max(1);
-    let part_len = rows_per_worker * channels;
-    grow_f64(&mut scratch.partials, threads().max(1) * 2 * channels);
-    let workers = input.len().div_ceil(part_len.max(1));
-    let (mean_tile, invstd_tile) = (&state.tiles.mean, &state.tiles.invstd);
-    let tile = mean_tile.len();
-    grow_f64(&mut scratch.tile_partials, workers * 2 * tile);
-    scratch.partials[..workers * 2 * channels]
-        .par_chunks_mut(2 * channels)
-        .zip(scratch.tile_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
-        .zip(grad_output.par_chunks(part_len))
-        .zip(input.par_chunks(part_len))
-        .for_each(|(((sums, tile_sums), dy), x)| {
-            tile_sums.fill(0.0);
-            let (tile_dy, tile_dy_xhat) = tile_sums.split_at_mut(tile);
-            for (dy, x) in dy.chunks(tile).zip(x.chunks(tile)) {
-                let coefficients = mean_tile.values.iter().zip(&invstd_tile.values);
-                let values = dy
-                    .iter()
-                    .zip(x)
-                    .zip(coefficients)
-                    .zip(tile_dy.iter_mut().zip(tile_dy_xhat.iter_mut()));
-                for (((&dy, &x), (&mean, &invstd)), (sum_dy, sum_dy_xhat)) in values {
-                    let xhat = (x - mean) * invstd;
-                    *sum_dy += f64::from(dy);
-                    *sum_dy_xhat += f64::from(dy) * f64::from(xhat);
-                }
-            }
-            fold_tile_sums(tile_dy, tile_dy_xhat, channels, sums);
-        });
-    let totals = &mut scratch.totals;
-    totals.clear();
-    totals.resize(2 * channels, 0.0);
-    for sums in scratch.partials[..workers * 2 * channels].chunks_exact(2 * channels) {
-        for (total, partial) in totals.iter_mut().zip(sums) {
-            *total += partial;
-        }
+    let dy = grad_output.values;
+    // Without a ReLU the gradient serves as its own (never consulted) mask.
+    let relu_output = grad_output.relu_output.unwrap_or(dy);
+    for (what, len) in [
+        ("output gradient", dy.len()),
+        ("ReLU output", relu_output.len()),
+        ("input gradient", grad_input.len()),
+    ] {
+        assert_eq!(len, input.len(), "batchnorm backward: {what} length");
     }
+    if grad_output.relu_output.is_some() {
+        gradient_sums::<true>(dy, relu_output, input, state, scratch);
+    } else {
+        gradient_sums::<false>(dy, relu_output, input, state, scratch);
+    }
+    let totals = &mut scratch.totals;
     for c in 0..channels {
         grad_bias[c] += totals[c] as f32;
         grad_weight[c] += totals[channels + c] as f32;
@@ -432,75 +414,222 @@ pub fn backward(
             .map_err(|error| EngineError::BatchNormSync(error.to_string()))?;
     }
     let count = state.count;
+    let invstd = &state.invstd[..channels];
     let BatchNormScratch {
         totals,
-        gain: gain_tile,
-        mean_dy: mean_dy_tile,
-        mean_dy_xhat: mean_dy_xhat_tile,
+        gain,
+        mean_dy,
+        mean_dy_xhat,
         ..
     } = scratch;
-    gain_tile.refill(channels, |c| weight[c] * invstd[c]);
-    mean_dy_tile.refill(channels, |c| (totals[c] / count) as f32);
-    mean_dy_xhat_tile.refill(channels, |c| (totals[channels + c] / count) as f32);
-    let tile = gain_tile.len();
+    gain.refill(channels, |c| weight[c] * invstd[c]);
+    mean_dy.refill(channels, |c| (totals[c] / count) as f32);
+    mean_dy_xhat.refill(channels, |c| (totals[channels + c] / count) as f32);
+    let coefficients = InputGradCoefficients {
+        mean: &state.tiles.mean.values,
+        invstd: &state.tiles.invstd.values,
+        gain: &gain.values,
+        mean_dy: &mean_dy.values,
+        mean_dy_xhat: &mean_dy_xhat.values,
+    };
+    if grad_output.relu_output.is_some() {
+        input_gradient::<true>(dy, relu_output, input, &coefficients, grad_input);
+    } else {
+        input_gradient::<false>(dy, relu_output, input, &coefficients, grad_input);
+    }
+    Ok(())
+}
+
+/// Tiles summed in f32 before the partial sums are added into f64 ones: few enough that
+/// the f32 sums lose only a few ulps, enough to amortize the widening.
+const TILES_PER_BLOCK: usize = 16;
+
+/// The gradient where a following ReLU (when `RELU`) let it through.
+#[inline(always)]
+fn masked<const RELU: bool>(dy: f32, relu_output: f32) -> f32 {
+    if RELU && relu_output <= 0.0 {
+        0.0
+    } else {
+        dy
+    }
+}
+
+/// `Σ dy` and `Σ dy·x̂` per channel over a fixed split of the rows per worker, into
+/// `scratch.totals` as `[Σ dy…, Σ dy·x̂…]`.
+fn gradient_sums<const RELU: bool>(
+    dy: &[f32],
+    relu_output: &[f32],
+    input: &[f32],
+    state: &BatchNormState,
+    scratch: &mut BatchNormScratch,
+) {
+    let channels = state.channels();
+    let (mean_tile, invstd_tile) = (&state.tiles.mean.values, &state.tiles.invstd.values);
+    let tile = mean_tile.len();
+    let part_len = worker_part_len(input.len(), channels);
+    let workers = input.len().div_ceil(part_len);
+    grow_f64(&mut scratch.partials, workers * 2 * channels);
+    grow_f64(&mut scratch.tile_partials, workers * 2 * tile);
+    grow_f32(&mut scratch.block_partials, workers * 2 * tile);
+    scratch.partials[..workers * 2 * channels]
+        .par_chunks_mut(2 * channels)
+        .zip(scratch.tile_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
+        .zip(scratch.block_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
+        .zip(dy.par_chunks(part_len))
+        .zip(relu_output.par_chunks(part_len))
+        .zip(input.par_chunks(part_len))
+        .for_each(|(((((sums, tile_sums), block_sums), dy), relu), x)| {
+            with_avx2(|| {
+                tile_sums.fill(0.0);
+                let (tile_dy, tile_dy_xhat) = tile_sums.split_at_mut(tile);
+                let (block_dy, block_dy_xhat) = block_sums.split_at_mut(tile);
+                let block_len = tile * TILES_PER_BLOCK;
+                let blocks = dy
+                    .chunks(block_len)
+                    .zip(relu.chunks(block_len))
+                    .zip(x.chunks(block_len));
+                for ((dy, relu), x) in blocks {
+                    block_dy.fill(0.0);
+                    block_dy_xhat.fill(0.0);
+                    let rows = dy.chunks(tile).zip(relu.chunks(tile)).zip(x.chunks(tile));
+                    for ((dy, relu), x) in rows {
+                        let values = dy.iter().zip(relu).zip(x);
+                        let coefficients = mean_tile.iter().zip(invstd_tile);
+                        let targets = block_dy.iter_mut().zip(block_dy_xhat.iter_mut());
+                        for (((&dy, &relu), &x), ((&mean, &invstd), (sum_dy, sum_dy_xhat))) in
+                            values.zip(coefficients.zip(targets))
+                        {
+                            let dy = masked::<RELU>(dy, relu);
+                            *sum_dy += dy;
+                            *sum_dy_xhat += dy * ((x - mean) * invstd);
+                        }
+                    }
+                    widen_into(block_dy, tile_dy);
+                    widen_into(block_dy_xhat, tile_dy_xhat);
+                }
+                fold_tile_sums(tile_dy, tile_dy_xhat, channels, sums);
+            })
+        });
+    sum_worker_partials(
+        &scratch.partials[..workers * 2 * channels],
+        2 * channels,
+        &mut scratch.totals,
+    );
+}
+
+/// The per-channel values of the input-gradient pass, as tiles.
+struct InputGradCoefficients<'a> {
+    mean: &'a [f32],
+    invstd: &'a [f32],
+    gain: &'a [f32],
+    mean_dy: &'a [f32],
+    mean_dy_xhat: &'a [f32],
+}
+
+/// `dx = gain · (dy − mean(dy) − x̂ · mean(dy·x̂))`, per element.
+fn input_gradient<const RELU: bool>(
+    dy: &[f32],
+    relu_output: &[f32],
+    input: &[f32],
+    coefficients: &InputGradCoefficients,
+    grad_input: &mut [f32],
+) {
+    let tile = coefficients.gain.len();
     let chunk = tile * elementwise_rows_per_chunk(tile);
     grad_input
         .par_chunks_mut(chunk)
-        .zip(grad_output.par_chunks(chunk))
+        .zip(dy.par_chunks(chunk))
+        .zip(relu_output.par_chunks(chunk))
         .zip(input.par_chunks(chunk))
-        .for_each(|((dx, dy), x)| {
-            for ((dx, dy), x) in dx.chunks_mut(tile).zip(dy.chunks(tile)).zip(x.chunks(tile)) {
-                let data = dx.iter_mut().zip(dy).zip(x);
-                let normalize = mean_tile.values.iter().zip(&invstd_tile.values);
-                let correct = gain_tile
-                    .values
-                    .iter()
-                    .zip(mean_dy_tile.values.iter().zip(&mean_dy_xhat_tile.values));
-                for (((dx, &dy), &x), ((&mean, &invstd), (&gain, (&mean_dy, &mean_dy_xhat)))) in
-                    data.zip(normalize.zip(correct))
-                {
-                    let xhat = (x - mean) * invstd;
-                    *dx = gain * (dy - mean_dy - xhat * mean_dy_xhat);
+        .for_each(|(((dx, dy), relu), x)| {
+            with_avx2(|| {
+                let rows = dx
+                    .chunks_mut(tile)
+                    .zip(dy.chunks(tile))
+                    .zip(relu.chunks(tile))
+                    .zip(x.chunks(tile));
+                for (((dx, dy), relu), x) in rows {
+                    let data = dx.iter_mut().zip(dy).zip(relu).zip(x);
+                    let normalize = coefficients.mean.iter().zip(coefficients.invstd);
+                    let means = coefficients.mean_dy.iter().zip(coefficients.mean_dy_xhat);
+                    let correct = coefficients.gain.iter().zip(means);
+                    for (
+                        (((dx, &dy), &relu), &x),
+                        ((&mean, &invstd), (&gain, (&mean_dy, &mean_dy_xhat))),
+                    ) in data.zip(normalize.zip(correct))
+                    {
+                        let xhat = (x - mean) * invstd;
+                        *dx = gain * (masked::<RELU>(dy, relu) - mean_dy - xhat * mean_dy_xhat);
+                    }
                 }
-            }
+            })
         });
-    Ok(())
+}
+
+/// Values per worker part of a `[rows, channels]` tensor: whole rows, one part per worker.
+fn worker_part_len(len: usize, channels: usize) -> usize {
+    let rows = len / channels.max(1);
+    rows.div_ceil(threads().max(1)).max(1) * channels.max(1)
+}
+
+/// Adds each f32 block sum into its f64 total.
+fn widen_into(block: &[f32], totals: &mut [f64]) {
+    for (total, value) in totals.iter_mut().zip(block) {
+        *total += f64::from(*value);
+    }
+}
+
+/// Adds the workers' partial sums (`width` values each) in worker order into `totals`.
+fn sum_worker_partials(partials: &[f64], width: usize, totals: &mut Vec<f64>) {
+    totals.clear();
+    totals.resize(width, 0.0);
+    for sums in partials.chunks_exact(width.max(1)) {
+        for (total, partial) in totals.iter_mut().zip(sums) {
+            *total += partial;
+        }
+    }
 }
 
 /// Sums and sums of squares per channel over rows, split into one fixed part per worker;
 /// leaves `[sum per channel…, sum of squares per channel…]` in `scratch.totals`.
 fn column_sums(input: &[f32], channels: usize, scratch: &mut BatchNormScratch) {
     let tile = ChannelTile::len_for(channels);
-    let rows = input.len() / channels.max(1);
-    let rows_per_worker = rows.div_ceil(threads().max(1)).max(1);
-    let part_len = rows_per_worker * channels;
-    let workers = input.len().div_ceil(part_len.max(1));
+    let part_len = worker_part_len(input.len(), channels);
+    let workers = input.len().div_ceil(part_len);
     grow_f64(&mut scratch.partials, workers * 2 * channels);
     grow_f64(&mut scratch.tile_partials, workers * 2 * tile);
+    grow_f32(&mut scratch.block_partials, workers * 2 * tile);
     scratch.partials[..workers * 2 * channels]
         .par_chunks_mut(2 * channels)
         .zip(scratch.tile_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
+        .zip(scratch.block_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
         .zip(input.par_chunks(part_len))
-        .for_each(|((sums, tile_sums), part)| {
-            tile_sums.fill(0.0);
-            let (tile_sum, tile_sum_sq) = tile_sums.split_at_mut(tile);
-            for values in part.chunks(tile) {
-                for ((s, q), &x) in tile_sum.iter_mut().zip(tile_sum_sq.iter_mut()).zip(values) {
-                    let x = f64::from(x);
-                    *s += x;
-                    *q += x * x;
+        .for_each(|(((sums, tile_sums), block_sums), part)| {
+            with_avx2(|| {
+                tile_sums.fill(0.0);
+                let (tile_sum, tile_sum_sq) = tile_sums.split_at_mut(tile);
+                let (block_sum, block_sum_sq) = block_sums.split_at_mut(tile);
+                for block in part.chunks(tile * TILES_PER_BLOCK) {
+                    block_sum.fill(0.0);
+                    block_sum_sq.fill(0.0);
+                    for values in block.chunks(tile) {
+                        let targets = block_sum.iter_mut().zip(block_sum_sq.iter_mut());
+                        for ((sum, sum_sq), &x) in targets.zip(values) {
+                            *sum += x;
+                            *sum_sq += x * x;
+                        }
+                    }
+                    widen_into(block_sum, tile_sum);
+                    widen_into(block_sum_sq, tile_sum_sq);
                 }
-            }
-            fold_tile_sums(tile_sum, tile_sum_sq, channels, sums);
+                fold_tile_sums(tile_sum, tile_sum_sq, channels, sums);
+            })
         });
-    let totals = &mut scratch.totals;
-    totals.clear();
-    totals.resize(2 * channels, 0.0);
-    for sums in scratch.partials[..workers * 2 * channels].chunks_exact(2 * channels) {
-        for (total, partial) in totals.iter_mut().zip(sums) {
-            *total += partial;
-        }
-    }
+    sum_worker_partials(
+        &scratch.partials[..workers * 2 * channels],
+        2 * channels,
+        &mut scratch.totals,
+    );
 }
 
 /// Adds per-position tile sums into per-channel sums: `sums = [Σ first…, Σ second…]`.
@@ -521,6 +650,12 @@ fn fold_tile_sums(first: &[f64], second: &[f64], channels: usize, sums: &mut [f6
 }
 
 fn grow_f64(buffer: &mut Vec<f64>, len: usize) {
+    if buffer.len() < len {
+        buffer.resize(len, 0.0);
+    }
+}
+
+fn grow_f32(buffer: &mut Vec<f32>, len: usize) {
     if buffer.len() < len {
         buffer.resize(len, 0.0);
     }

@@ -14,24 +14,14 @@
 //! and the caller uses im2col + GEMM.
 
 use crate::conv::Conv2dShape;
+use crate::simd;
 
 /// Widest output a correlation block holds in registers, in vectors of 8 channels.
 const MAX_VECTORS: usize = 4;
 
 /// Whether this CPU runs the direct kernels.
 pub(crate) fn is_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AVAILABLE.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    simd::has_avx2_fma()
 }
 
 /// Whether the forward pass of `shape` runs on the direct kernels.
@@ -221,8 +211,8 @@ mod avx2 {
         match vectors {
             1 => 8,
             2 => 6,
-            3 => 4,
-            _ => 3,
+            3 => 3,
+            _ => 2,
         }
     }
 
@@ -236,15 +226,35 @@ mod avx2 {
         output: &mut [f32],
     ) {
         match out_channels / 8 {
-            1 => correlate_rows::<1>(image, kernel, taps, start, output),
-            2 => correlate_rows::<2>(image, kernel, taps, start, output),
-            3 => correlate_rows::<3>(image, kernel, taps, start, output),
-            _ => correlate_rows::<4>(image, kernel, taps, start, output),
+            1 => correlate_with_channels::<1>(image, kernel, taps, start, output),
+            2 => correlate_with_channels::<2>(image, kernel, taps, start, output),
+            3 => correlate_with_channels::<3>(image, kernel, taps, start, output),
+            _ => correlate_with_channels::<4>(image, kernel, taps, start, output),
         }
     }
 
+    /// Picks a block kernel with the input channel count built in for the common counts,
+    /// so that each pixel's input is a constant offset from the block's first one.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn correlate_rows<const V: usize>(
+    unsafe fn correlate_with_channels<const V: usize>(
+        image: &PaddedImage,
+        kernel: usize,
+        taps: &[f32],
+        start: Start,
+        output: &mut [f32],
+    ) {
+        match image.channels {
+            8 => correlate_rows::<V, 8>(image, kernel, taps, start, output),
+            16 => correlate_rows::<V, 16>(image, kernel, taps, start, output),
+            32 => correlate_rows::<V, 32>(image, kernel, taps, start, output),
+            64 => correlate_rows::<V, 64>(image, kernel, taps, start, output),
+            _ => correlate_rows::<V, 0>(image, kernel, taps, start, output),
+        }
+    }
+
+    /// `C` is the input channel count, or 0 when it is only known at run time.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn correlate_rows<const V: usize, const C: usize>(
         image: &PaddedImage,
         kernel: usize,
         taps: &[f32],
@@ -277,14 +287,14 @@ mod avx2 {
                 let source = input.add(y * row_stride + x * image.channels);
                 let target = out.add((y * out_width + x) * 8 * V);
                 match pixels {
-                    8 => correlate_block::<8, V>(&geometry, source, target),
-                    7 => correlate_block::<7, V>(&geometry, source, target),
-                    6 => correlate_block::<6, V>(&geometry, source, target),
-                    5 => correlate_block::<5, V>(&geometry, source, target),
-                    4 => correlate_block::<4, V>(&geometry, source, target),
-                    3 => correlate_block::<3, V>(&geometry, source, target),
-                    2 => correlate_block::<2, V>(&geometry, source, target),
-                    _ => correlate_block::<1, V>(&geometry, source, target),
+                    8 => correlate_block::<8, V, C>(&geometry, source, target),
+                    7 => correlate_block::<7, V, C>(&geometry, source, target),
+                    6 => correlate_block::<6, V, C>(&geometry, source, target),
+                    5 => correlate_block::<5, V, C>(&geometry, source, target),
+                    4 => correlate_block::<4, V, C>(&geometry, source, target),
+                    3 => correlate_block::<3, V, C>(&geometry, source, target),
+                    2 => correlate_block::<2, V, C>(&geometry, source, target),
+                    _ => correlate_block::<1, V, C>(&geometry, source, target),
                 }
                 x += pixels;
             }
@@ -305,7 +315,7 @@ mod avx2 {
     /// block's first pixel, `target` the output at that pixel.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn correlate_block<const R: usize, const V: usize>(
+    unsafe fn correlate_block<const R: usize, const V: usize, const C: usize>(
         geometry: &BlockGeometry,
         source: *const f32,
         target: *mut f32,
@@ -324,7 +334,7 @@ mod avx2 {
                 }
             }
         }
-        let channels = geometry.channels;
+        let channels = if C == 0 { geometry.channels } else { C };
         // Within one kernel row the (kx, channel) pairs are contiguous in both the padded
         // input row and the taps.
         let row_span = geometry.kernel * channels;
@@ -411,7 +421,8 @@ mod avx2 {
         grad_output: *const f32,
         target: *mut f32,
     ) {
-        let block = if V == 1 { 8 } else { 5 };
+        // Blocks that divide the usual channel counts (multiples of 8) evenly.
+        let block = if V == 1 { 8 } else { 4 };
         let mut out = 0;
         while out < geometry.out_channels {
             let rows = block.min(geometry.out_channels - out);

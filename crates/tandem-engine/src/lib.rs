@@ -22,6 +22,7 @@ pub mod matmul;
 pub mod optim;
 mod parallel;
 pub mod rng;
+mod simd;
 mod threads;
 
 pub use batchnorm::BatchNormReducer;

@@ -4,7 +4,9 @@
 //! output gradient. Convolution and linear layers are linear in each argument, so the
 //! differences are exact up to float32 rounding; batch norm and the loss are smooth.
 
-use tandem_engine::batchnorm::{self, BatchNormParams, BatchNormScratch, BatchNormState, Residual};
+use tandem_engine::batchnorm::{
+    self, BatchNormParams, BatchNormScratch, BatchNormState, OutputGrad, Residual,
+};
 use tandem_engine::conv::{conv2d_backward, conv2d_forward, Conv2dShape, ConvScratch, InputGrad};
 use tandem_engine::head;
 use tandem_engine::rng::Rng;
@@ -245,8 +247,15 @@ fn batchnorm_train(input: &[f32], weight: &[f32], bias: &[f32]) -> (Vec<f32>, Ba
     (output, state)
 }
 
+/// Batch norm alone, and followed by a ReLU whose backward is fused into the batch-norm pass.
 #[test]
 fn batchnorm_train_backward_matches_finite_differences() {
+    for relu in [false, true] {
+        batchnorm_backward_case(relu);
+    }
+}
+
+fn batchnorm_backward_case(relu: bool) {
     let (rows, channels) = (2 * 3 * 5, 3);
     let input: Vec<f32> = random(rows * channels, 70)
         .iter()
@@ -256,14 +265,31 @@ fn batchnorm_train_backward_matches_finite_differences() {
     let weight = vec![1.2, 0.7, -0.9];
     let bias = vec![0.1, -0.3, 0.2];
     let output_grad = random(rows * channels, 71);
-    let (_, state) = batchnorm_train(&input, &weight, &bias);
+    let layer = |x: &[f32], w: &[f32], b: &[f32]| {
+        let (output, state) = batchnorm_train(x, w, b);
+        let output = if relu {
+            output.iter().map(|v| v.max(0.0)).collect()
+        } else {
+            output
+        };
+        (output, state)
+    };
+    let (output, state) = layer(&input, &weight, &bias);
+    assert!(
+        !relu || output.iter().filter(|v| **v == 0.0).count() > rows * channels / 4,
+        "the ReLU case must cut a good part of the gradient"
+    );
     let (mut grad_weight, mut grad_bias, mut grad_input) = (
         vec![0.0; channels],
         vec![0.0; channels],
         vec![0.0; input.len()],
     );
+    let grad = OutputGrad {
+        values: &output_grad,
+        relu_output: relu.then_some(&output[..]),
+    };
     batchnorm::backward(
-        &output_grad,
+        grad,
         &input,
         &weight,
         &state,
@@ -274,16 +300,32 @@ fn batchnorm_train_backward_matches_finite_differences() {
         &mut BatchNormScratch::default(),
     )
     .expect("backward");
-    let loss = |x: &[f32], w: &[f32], b: &[f32]| dot(&batchnorm_train(x, w, b).0, &output_grad);
-    check("batchnorm input", &input, &grad_input, 1e-2, 2e-3, |x| {
-        loss(x, &weight, &bias)
-    });
-    check("batchnorm weight", &weight, &grad_weight, 1e-2, 1e-3, |w| {
-        loss(&input, w, &bias)
-    });
-    check("batchnorm bias", &bias, &grad_bias, 1e-2, 1e-3, |b| {
-        loss(&input, &weight, b)
-    });
+    let loss = |x: &[f32], w: &[f32], b: &[f32]| dot(&layer(x, w, b).0, &output_grad);
+    let what = if relu { "batchnorm+relu" } else { "batchnorm" };
+    check(
+        &format!("{what} input"),
+        &input,
+        &grad_input,
+        1e-3,
+        2e-3,
+        |x| loss(x, &weight, &bias),
+    );
+    check(
+        &format!("{what} weight"),
+        &weight,
+        &grad_weight,
+        1e-3,
+        1e-3,
+        |w| loss(&input, w, &bias),
+    );
+    check(
+        &format!("{what} bias"),
+        &bias,
+        &grad_bias,
+        1e-3,
+        1e-3,
+        |b| loss(&input, &weight, b),
+    );
 }
 
 #[test]

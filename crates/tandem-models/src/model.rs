@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use tandem_engine::batchnorm::{
-    self, BatchNormParams, BatchNormReducer, BatchNormScratch, Residual,
+    self, BatchNormParams, BatchNormReducer, BatchNormScratch, OutputGrad, Residual,
 };
 use tandem_engine::conv::{conv2d_backward, conv2d_forward, Conv2dShape, ConvScratch, InputGrad};
 use tandem_engine::head;
@@ -639,15 +639,13 @@ fn backward_pass(
     }
     let stem = &network.stem;
     let len = ws.stem.output_len();
-    if network.stem_relu {
-        batchnorm::relu_backward_in_place(
-            &mut buffers.current[..len],
-            &ws.slots[ws.stem.out][..len],
-        );
-    }
+    let stem_grad = OutputGrad {
+        values: &buffers.current[..len],
+        relu_output: network.stem_relu.then(|| &ws.slots[ws.stem.out][..len]),
+    };
     batchnorm_backward(
         &stem.bn,
-        &buffers.current[..len],
+        stem_grad,
         &ws.slots[ws.stem.z][..len],
         params,
         grads,
@@ -698,9 +696,13 @@ fn block_backward(
         (Some(unit), Some(unit_plan)) => {
             let len = unit_plan.output_len();
             let grad_z = &mut buffers.first[..len];
+            let grad_output = OutputGrad {
+                values: &buffers.current[..len],
+                relu_output: None,
+            };
             batchnorm_backward(
                 &unit.bn,
-                &buffers.current[..len],
+                grad_output,
                 &slots[unit_plan.z][..len],
                 params,
                 grads,
@@ -729,10 +731,17 @@ fn block_backward(
     let last = plan.units.len() - 1;
     for (index, (unit, unit_plan)) in block.units.iter().zip(&plan.units).enumerate().rev() {
         let len = unit_plan.output_len();
-        let grad_out: &[f32] = if index == last {
-            &buffers.current[..len]
+        // Inside the block, the ReLU after this unit is undone within the batch-norm pass.
+        let grad_out = if index == last {
+            OutputGrad {
+                values: &buffers.current[..len],
+                relu_output: None,
+            }
         } else {
-            &buffers.second[..len]
+            OutputGrad {
+                values: &buffers.second[..len],
+                relu_output: Some(&slots[unit_plan.out][..len]),
+            }
         };
         batchnorm_backward(
             &unit.bn,
@@ -762,13 +771,6 @@ fn block_backward(
             conv_scratch,
         );
         reporter.finished_up_to(unit.conv.param_range().end, grads);
-        if index > 0 {
-            let previous = &plan.units[index - 1];
-            batchnorm::relu_backward_in_place(
-                &mut buffers.second[..input_len],
-                &slots[previous.out][..input_len],
-            );
-        }
     }
     Ok(projected)
 }
@@ -776,7 +778,7 @@ fn block_backward(
 #[allow(clippy::too_many_arguments)]
 fn batchnorm_backward(
     bn: &BatchNormLayer,
-    grad_output: &[f32],
+    grad_output: OutputGrad,
     z: &[f32],
     params: &[f32],
     grads: &mut [f32],
