@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use crate::direct::{self, Start};
 use crate::matmul::{matmul, MatRef};
+use crate::simd::with_avx2;
 use crate::threads::threads;
 
 /// Rows of the patch matrix one chunk aims for: big enough for efficient GEMM, small
@@ -176,6 +177,8 @@ pub struct ConvScratch {
     workers: Vec<WorkerScratch>,
     /// The weights rearranged for the direct kernels.
     taps: Vec<f32>,
+    /// The epilogue's scale and shift tiles.
+    epilogue_tiles: Vec<f32>,
 }
 
 #[derive(Default)]
@@ -228,60 +231,185 @@ pub fn conv2d_forward(
     output: &mut [f32],
     scratch: &mut ConvScratch,
 ) {
+    conv2d_forward_fused(shape, input, weight, bias, None, output, scratch);
+}
+
+/// What [`conv2d_forward_fused`] applies to each part of the output while it is still in
+/// cache: `output = [relu](output · scale + shift [+ residual])`, per output channel. An
+/// inference-mode batch norm, residual add and ReLU, without a pass of their own.
+#[derive(Clone, Copy)]
+pub struct Epilogue<'a> {
+    /// Per-channel factor.
+    pub scale: &'a [f32],
+    /// Per-channel offset.
+    pub shift: &'a [f32],
+    /// A tensor shaped like the output, added after the affine map.
+    pub residual: Option<&'a [f32]>,
+    /// Whether negative results become zero.
+    pub relu: bool,
+}
+
+/// [`conv2d_forward`] followed by an optional [`Epilogue`], fused per image chunk.
+pub fn conv2d_forward_fused(
+    shape: &Conv2dShape,
+    input: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    epilogue: Option<&Epilogue>,
+    output: &mut [f32],
+    scratch: &mut ConvScratch,
+) {
     shape.check_lengths(input, weight, output);
+    if let Some(epilogue) = epilogue {
+        assert_eq!(
+            epilogue.scale.len(),
+            shape.out_channels,
+            "conv2d: epilogue scale"
+        );
+        assert_eq!(
+            epilogue.shift.len(),
+            shape.out_channels,
+            "conv2d: epilogue shift"
+        );
+        if let Some(residual) = epilogue.residual {
+            assert_eq!(residual.len(), output.len(), "conv2d: epilogue residual");
+        }
+    }
     if shape.batch == 0 {
         return;
     }
     let images_per_worker = shape.images_per_worker();
     let workers = shape.batch.div_ceil(images_per_worker);
     scratch.prepare(workers, shape.columns_len(), 0, 0);
-    if direct::forward_applies(shape) {
+    let use_direct = direct::forward_applies(shape);
+    if use_direct {
         direct::forward_taps(shape, weight, &mut scratch.taps);
-        let taps = &scratch.taps;
-        let start = bias.map_or(Start::Zero, Start::Bias);
-        scratch.workers[..workers]
-            .par_iter_mut()
-            .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
-            .zip(output.par_chunks_mut(images_per_worker * shape.output_image_len()))
-            .for_each(|((worker, input_part), output_part)| {
-                let images = input_part.chunks(shape.input_image_len());
-                let outputs = output_part.chunks_mut(shape.output_image_len());
-                for (image, output_image) in images.zip(outputs) {
-                    let padded = shape.padded_input(image, &mut worker.columns);
+    }
+    let taps = &scratch.taps;
+    let tiles = epilogue.map(|epilogue| {
+        let (scale, shift) = fill_epilogue_tiles(epilogue, &mut scratch.epilogue_tiles);
+        EpilogueTiles {
+            scale,
+            shift,
+            relu: epilogue.relu,
+        }
+    });
+    let weight_t = MatRef::row_major(weight, shape.out_channels, shape.patch_len()).transposed();
+    let part_len = images_per_worker * shape.output_image_len();
+    let residual_parts: Vec<Option<&[f32]>> = match epilogue.and_then(|e| e.residual) {
+        Some(residual) => residual.chunks(part_len).map(Some).collect(),
+        None => vec![None; workers],
+    };
+    scratch.workers[..workers]
+        .par_iter_mut()
+        .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
+        .zip(output.par_chunks_mut(part_len))
+        .zip(residual_parts.into_par_iter())
+        .for_each(|(((worker, input_part), output_part), residual_part)| {
+            // Direct kernels work image by image, im2col + GEMM chunk by chunk.
+            let images = if use_direct {
+                1
+            } else {
+                shape.images_per_chunk()
+            };
+            let input_chunks = input_part.chunks(images * shape.input_image_len());
+            let output_chunks = output_part.chunks_mut(images * shape.output_image_len());
+            for (index, (input_chunk, output_chunk)) in input_chunks.zip(output_chunks).enumerate()
+            {
+                if use_direct {
+                    let padded = shape.padded_input(input_chunk, &mut worker.columns);
+                    let start = bias.map_or(Start::Zero, Start::Bias);
                     direct::correlate(
                         &padded,
                         shape.kernel,
                         taps,
                         shape.out_channels,
                         start,
-                        output_image,
+                        output_chunk,
                     );
-                }
-            });
-        return;
-    }
-    let weight_t = MatRef::row_major(weight, shape.out_channels, shape.patch_len()).transposed();
-    scratch.workers[..workers]
-        .par_iter_mut()
-        .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
-        .zip(output.par_chunks_mut(images_per_worker * shape.output_image_len()))
-        .for_each(|((worker, input_part), output_part)| {
-            let chunk_images = shape.images_per_chunk();
-            let input_chunks = input_part.chunks(chunk_images * shape.input_image_len());
-            let output_chunks = output_part.chunks_mut(chunk_images * shape.output_image_len());
-            for (input_chunk, output_chunk) in input_chunks.zip(output_chunks) {
-                let rows = output_chunk.len() / shape.out_channels;
-                let patches = patch_matrix(shape, input_chunk, rows, &mut worker.columns);
-                matmul(output_chunk, shape.out_channels, patches, weight_t, false);
-                if let Some(bias) = bias {
-                    for row in output_chunk.chunks_exact_mut(shape.out_channels) {
-                        for (value, b) in row.iter_mut().zip(bias) {
-                            *value += b;
-                        }
+                } else {
+                    let rows = output_chunk.len() / shape.out_channels;
+                    let patches = patch_matrix(shape, input_chunk, rows, &mut worker.columns);
+                    matmul(output_chunk, shape.out_channels, patches, weight_t, false);
+                    if let Some(bias) = bias {
+                        add_per_channel(output_chunk, bias);
                     }
+                }
+                if let Some(tiles) = &tiles {
+                    let chunk_len = images * shape.output_image_len();
+                    let residual =
+                        residual_part.map(|part| &part[index * chunk_len..][..output_chunk.len()]);
+                    apply_epilogue(tiles, residual, output_chunk);
                 }
             }
         });
+}
+
+/// Adds `values[c]` to channel `c` of every row of `data` (`[rows, channels]`).
+fn add_per_channel(data: &mut [f32], values: &[f32]) {
+    for row in data.chunks_exact_mut(values.len()) {
+        for (value, add) in row.iter_mut().zip(values) {
+            *value += add;
+        }
+    }
+}
+
+/// An [`Epilogue`]'s scale and shift repeated over a tile of whole rows, so the per-element
+/// loop runs over long slices (which vectorize) rather than one short row at a time.
+struct EpilogueTiles<'a> {
+    scale: &'a [f32],
+    shift: &'a [f32],
+    relu: bool,
+}
+
+/// Fills `tiles` with `scale` and `shift` repeated over about 256 values of whole rows;
+/// returns `(scale tile, shift tile)`.
+fn fill_epilogue_tiles<'a>(epilogue: &Epilogue, tiles: &'a mut Vec<f32>) -> (&'a [f32], &'a [f32]) {
+    let rows = (256 / epilogue.scale.len().max(1)).max(1);
+    tiles.clear();
+    for values in [epilogue.scale, epilogue.shift] {
+        for _ in 0..rows {
+            tiles.extend_from_slice(values);
+        }
+    }
+    tiles.split_at(rows * epilogue.scale.len())
+}
+
+/// `output = [relu](output · scale + shift [+ residual])`, tile by tile.
+fn apply_epilogue(tiles: &EpilogueTiles, residual: Option<&[f32]>, output: &mut [f32]) {
+    if tiles.relu {
+        apply_epilogue_tiles::<true>(tiles, residual, output)
+    } else {
+        apply_epilogue_tiles::<false>(tiles, residual, output)
+    }
+}
+
+fn apply_epilogue_tiles<const RELU: bool>(
+    tiles: &EpilogueTiles,
+    residual: Option<&[f32]>,
+    output: &mut [f32],
+) {
+    let tile = tiles.scale.len();
+    let finish = |value: f32| if RELU { value.max(0.0) } else { value };
+    with_avx2(|| match residual {
+        None => {
+            for values in output.chunks_mut(tile) {
+                let coefficients = tiles.scale.iter().zip(tiles.shift);
+                for (value, (scale, shift)) in values.iter_mut().zip(coefficients) {
+                    *value = finish(*value * scale + shift);
+                }
+            }
+        }
+        Some(residual) => {
+            for (values, added) in output.chunks_mut(tile).zip(residual.chunks(tile)) {
+                let coefficients = tiles.scale.iter().zip(tiles.shift);
+                for ((value, (scale, shift)), add) in values.iter_mut().zip(coefficients).zip(added)
+                {
+                    *value = finish(*value * scale + shift + add);
+                }
+            }
+        }
+    })
 }
 
 /// Backward: adds the weight (and bias) gradients to `grad_weight` (`grad_bias`) and
@@ -776,6 +904,77 @@ mod tests {
                 &mut scratch,
             );
             assert_close(&format!("grad input {label}"), &got_input, &grad_input);
+        }
+    }
+
+    /// The fused epilogue equals the convolution followed by the separate affine map,
+    /// residual add and ReLU, on both code paths and with a partial last chunk.
+    #[test]
+    fn fused_epilogue_equals_separate_passes() {
+        for (seed, (in_channels, out_channels, stride)) in
+            [(8, 16, 1), (16, 8, 1), (3, 40, 1), (8, 16, 2)]
+                .into_iter()
+                .enumerate()
+        {
+            let shape = Conv2dShape {
+                batch: 37,
+                in_height: 6,
+                in_width: 5,
+                in_channels,
+                out_channels,
+                kernel: 3,
+                stride,
+                padding: 1,
+            };
+            let seed = 100 + 10 * seed as u64;
+            let input = random(shape.input_len(), seed);
+            let weight = random(shape.weight_len(), seed + 1);
+            let bias = random(out_channels, seed + 2);
+            let scale = random(out_channels, seed + 3);
+            let shift = random(out_channels, seed + 4);
+            let residual = random(shape.output_len(), seed + 5);
+            let mut scratch = ConvScratch::default();
+            let mut plain = vec![0.0; shape.output_len()];
+            conv2d_forward(
+                &shape,
+                &input,
+                &weight,
+                Some(&bias),
+                &mut plain,
+                &mut scratch,
+            );
+            for (relu, with_residual) in [(false, false), (true, false), (true, true)] {
+                let epilogue = Epilogue {
+                    scale: &scale,
+                    shift: &shift,
+                    residual: with_residual.then_some(&residual[..]),
+                    relu,
+                };
+                let mut fused = vec![0.0; shape.output_len()];
+                conv2d_forward_fused(
+                    &shape,
+                    &input,
+                    &weight,
+                    Some(&bias),
+                    Some(&epilogue),
+                    &mut fused,
+                    &mut scratch,
+                );
+                for (index, (got, z)) in fused.iter().zip(&plain).enumerate() {
+                    let channel = index % out_channels;
+                    let mut expected = z * scale[channel] + shift[channel];
+                    if with_residual {
+                        expected += residual[index];
+                    }
+                    if relu {
+                        expected = expected.max(0.0);
+                    }
+                    assert!(
+                        (got - expected).abs() <= 1e-6 * (1.0 + expected.abs()),
+                        "{shape:?} relu={relu} residual={with_residual} index {index}: {got} vs {expected}"
+                    );
+                }
+            }
         }
     }
 }

@@ -86,7 +86,11 @@ mod tests {
         let mut grad: Vec<f32> = (0..21).map(|i| i as f32 + 0.5).collect();
         zero_where_not_positive(&mut grad, &output);
         for (i, g) in grad.iter().enumerate() {
-            let expected = if i % 4 == 0 && i > 0 { i as f32 + 0.5 } else { 0.0 };
+            let expected = if i % 4 == 0 && i > 0 {
+                i as f32 + 0.5
+            } else {
+                0.0
+            };
             assert_eq!(*g, expected, "index {i}");
         }
     }

@@ -5,7 +5,10 @@ use std::ops::Range;
 use tandem_engine::batchnorm::{
     self, BatchNormParams, BatchNormReducer, BatchNormScratch, OutputGrad, Residual,
 };
-use tandem_engine::conv::{conv2d_backward, conv2d_forward, Conv2dShape, ConvScratch, InputGrad};
+use tandem_engine::conv::{
+    conv2d_backward, conv2d_forward, conv2d_forward_fused, Conv2dShape, ConvScratch, Epilogue,
+    InputGrad,
+};
 use tandem_engine::head;
 use tandem_engine::rng::Rng;
 
@@ -358,6 +361,10 @@ impl Model {
         } = self;
         let mode = workspace.mode;
         let ws = workspace;
+        if mode == Mode::Eval {
+            forward_eval_layers(network, params, buffers, ws)?;
+            return Ok(());
+        }
         let stem = &mut network.stem;
         run_conv(
             &stem.conv,
@@ -410,6 +417,122 @@ impl Model {
             &mut ws.logits,
         );
         Ok(())
+    }
+}
+
+/// The eval-mode network up to the logits: each convolution with its batch norm (running
+/// statistics), residual add and ReLU in one pass.
+fn forward_eval_layers(
+    network: &mut Network,
+    params: &[f32],
+    buffers: &[f32],
+    ws: &mut Workspace,
+) -> Result<(), ModelError> {
+    let mut layers = EvalLayers {
+        params,
+        buffers,
+        slots: &mut ws.slots,
+        scratch: &mut ws.conv_scratch,
+    };
+    let stem = &mut network.stem;
+    layers.run(
+        &stem.conv,
+        &mut stem.bn,
+        &ws.stem,
+        None,
+        network.stem_relu,
+        ws.stem.out,
+    );
+    for (block, plan) in network.blocks.iter_mut().zip(&ws.blocks) {
+        let Block { units, shortcut } = block;
+        let mut residual = plan.units.first().map(|unit_plan| unit_plan.input);
+        if let (Some(unit), Some(unit_plan)) = (shortcut.as_mut(), &plan.shortcut) {
+            layers.run(
+                &unit.conv,
+                &mut unit.bn,
+                unit_plan,
+                None,
+                false,
+                unit_plan.z,
+            );
+            residual = Some(unit_plan.z);
+        }
+        let last = units.len().saturating_sub(1);
+        for (index, (unit, unit_plan)) in units.iter_mut().zip(&plan.units).enumerate() {
+            let residual = if index == last { residual } else { None };
+            layers.run(
+                &unit.conv,
+                &mut unit.bn,
+                unit_plan,
+                residual,
+                true,
+                unit_plan.out,
+            );
+        }
+    }
+    let last = ws.final_output();
+    let features = &ws.slots[last.out][..last.output_len()];
+    head::average_pool_forward(features, ws.final_pixels, ws.final_channels, &mut ws.pooled);
+    let head = &network.head;
+    head::linear_forward(
+        &ws.pooled,
+        &params[head.weight.clone()],
+        &params[head.bias.clone()],
+        &mut ws.logits,
+    );
+    Ok(())
+}
+
+/// What every eval-mode layer reads and writes.
+struct EvalLayers<'a> {
+    params: &'a [f32],
+    buffers: &'a [f32],
+    slots: &'a mut [Vec<f32>],
+    scratch: &'a mut ConvScratch,
+}
+
+impl EvalLayers<'_> {
+    /// `slots[output] = [relu](bn(conv(slots[plan.input])) [+ slots[residual]])`.
+    fn run(
+        &mut self,
+        conv: &ConvLayer,
+        bn: &mut BatchNormLayer,
+        plan: &UnitPlan,
+        residual: Option<usize>,
+        relu: bool,
+        output: usize,
+    ) {
+        let affine = BatchNormParams {
+            weight: &self.params[bn.weight.clone()],
+            bias: &self.params[bn.bias.clone()],
+        };
+        batchnorm::eval_statistics(
+            &affine,
+            &self.buffers[bn.running_mean.clone()],
+            &self.buffers[bn.running_var.clone()],
+            &mut bn.eval_state,
+        );
+        let shape = &plan.shape;
+        let weight = &self.params[conv.weight.clone()];
+        let bias = conv.bias.as_ref().map(|range| &self.params[range.clone()]);
+        let scratch = &mut *self.scratch;
+        with_output(self.slots, output, |slots, output| {
+            let epilogue = Epilogue {
+                scale: &bn.eval_state.scale,
+                shift: &bn.eval_state.shift,
+                residual: residual.map(|slot| &slots[slot][..shape.output_len()]),
+                relu,
+            };
+            conv2d_forward_fused(
+                shape,
+                &slots[plan.input][..shape.input_len()],
+                weight,
+                bias,
+                Some(&epilogue),
+                &mut output[..shape.output_len()],
+                scratch,
+            );
+        });
     }
 }
 

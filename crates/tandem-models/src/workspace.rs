@@ -136,7 +136,8 @@ impl Workspace {
                 let mut live = vec![block_input, current];
                 live.extend(&shortcut_slots);
                 let z = planner.take(shape.output_len(), &live);
-                live = vec![block_input, z];
+                // `current` stays live: in eval mode the fused layer reads it while writing `out`.
+                live = vec![block_input, current, z];
                 live.extend(&shortcut_slots);
                 let out = planner.take(shape.output_len(), &live);
                 units.push(UnitPlan {
