@@ -82,7 +82,9 @@ pub struct BatchNormScratch {
     partials: Vec<f64>,
     tile_partials: Vec<f64>,
     block_partials: Vec<f32>,
+    column_sums: Vec<ColumnSums>,
     totals: Vec<f64>,
+    reduced: Vec<f64>,
     gain: ChannelTile,
     mean_dy: ChannelTile,
     mean_dy_xhat: ChannelTile,
@@ -116,8 +118,40 @@ pub fn train_statistics(
     );
     let rows = input.len() / channels.max(1);
     column_sums(input, channels, scratch);
-    let totals = &mut scratch.totals;
-    totals.insert(0, rows as f64);
+    let totals = std::mem::take(&mut scratch.totals);
+    let result = train_statistics_from_sums(
+        rows,
+        &totals,
+        params,
+        running_mean,
+        running_var,
+        state,
+        reducer,
+        scratch,
+    );
+    scratch.totals = totals;
+    result
+}
+
+/// [`train_statistics`] from sums gathered elsewhere (e.g. by the convolution that produced
+/// the tensor): `sums` is `[Σx per channel…, Σx² per channel…]` over `rows` rows.
+#[allow(clippy::too_many_arguments)]
+pub fn train_statistics_from_sums(
+    rows: usize,
+    sums: &[f64],
+    params: &BatchNormParams,
+    running_mean: &mut [f32],
+    running_var: &mut [f32],
+    state: &mut BatchNormState,
+    reducer: Option<&mut dyn BatchNormReducer>,
+    scratch: &mut BatchNormScratch,
+) -> Result<(), EngineError> {
+    let channels = state.channels();
+    assert_eq!(sums.len(), 2 * channels, "batchnorm: sums length");
+    let totals = &mut scratch.reduced;
+    totals.clear();
+    totals.push(rows as f64);
+    totals.extend_from_slice(sums);
     if let Some(reducer) = reducer {
         reducer
             .all_reduce_sum(totals)
@@ -590,46 +624,98 @@ fn sum_worker_partials(partials: &[f64], width: usize, totals: &mut Vec<f64>) {
     }
 }
 
+/// Per-channel sums and sums of squares of a `[rows, channels]` tensor, gathered part by
+/// part in a fixed order: by [`train_statistics`] over the rows of each worker, or by a
+/// convolution over each chunk of its output while the chunk is still in cache. Values are
+/// added in f32 over blocks of [`TILES_PER_BLOCK`] tiles, then in f64.
+#[derive(Default)]
+pub struct ColumnSums {
+    channels: usize,
+    /// `[Σx per tile position…, Σx² per tile position…]`.
+    tile_sums: Vec<f64>,
+    /// The same over the current block, in f32.
+    block_sums: Vec<f32>,
+}
+
+impl ColumnSums {
+    /// Starts over for a tensor of `channels` channels.
+    pub fn reset(&mut self, channels: usize) {
+        let tile = ChannelTile::len_for(channels);
+        self.channels = channels;
+        self.tile_sums.clear();
+        self.tile_sums.resize(2 * tile, 0.0);
+        self.block_sums.clear();
+        self.block_sums.resize(2 * tile, 0.0);
+    }
+
+    /// Adds the values of `rows` (whole rows of `channels` values).
+    pub fn add(&mut self, rows: &[f32]) {
+        let tile = self.tile_sums.len() / 2;
+        let (tile_sum, tile_sum_sq) = self.tile_sums.split_at_mut(tile);
+        let (block_sum, block_sum_sq) = self.block_sums.split_at_mut(tile);
+        with_avx2(|| {
+            for block in rows.chunks(tile * TILES_PER_BLOCK) {
+                block_sum.fill(0.0);
+                block_sum_sq.fill(0.0);
+                for values in block.chunks(tile) {
+                    let targets = block_sum.iter_mut().zip(block_sum_sq.iter_mut());
+                    for ((sum, sum_sq), &x) in targets.zip(values) {
+                        *sum += x;
+                        *sum_sq += x * x;
+                    }
+                }
+                widen_into(block_sum, tile_sum);
+                widen_into(block_sum_sq, tile_sum_sq);
+            }
+        })
+    }
+
+    /// Adds this part's `[Σx per channel…, Σx² per channel…]` into `totals`.
+    pub fn add_to(&self, totals: &mut [f64]) {
+        let channels = self.channels;
+        assert_eq!(totals.len(), 2 * channels, "column sums: totals length");
+        let tile = self.tile_sums.len() / 2;
+        let (tile_sum, tile_sum_sq) = self.tile_sums.split_at(tile);
+        let (sums, sums_sq) = totals.split_at_mut(channels);
+        for (row, row_sq) in tile_sum
+            .chunks_exact(channels)
+            .zip(tile_sum_sq.chunks_exact(channels))
+        {
+            widen_f64_into(row, sums);
+            widen_f64_into(row_sq, sums_sq);
+        }
+    }
+}
+
+fn widen_f64_into(values: &[f64], totals: &mut [f64]) {
+    for (total, value) in totals.iter_mut().zip(values) {
+        *total += value;
+    }
+}
+
 /// Sums and sums of squares per channel over rows, split into one fixed part per worker;
 /// leaves `[sum per channel…, sum of squares per channel…]` in `scratch.totals`.
 fn column_sums(input: &[f32], channels: usize, scratch: &mut BatchNormScratch) {
-    let tile = ChannelTile::len_for(channels);
     let part_len = worker_part_len(input.len(), channels);
     let workers = input.len().div_ceil(part_len);
-    grow_f64(&mut scratch.partials, workers * 2 * channels);
-    grow_f64(&mut scratch.tile_partials, workers * 2 * tile);
-    grow_f32(&mut scratch.block_partials, workers * 2 * tile);
-    scratch.partials[..workers * 2 * channels]
-        .par_chunks_mut(2 * channels)
-        .zip(scratch.tile_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
-        .zip(scratch.block_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
+    if scratch.column_sums.len() < workers {
+        scratch
+            .column_sums
+            .resize_with(workers, ColumnSums::default);
+    }
+    scratch.column_sums[..workers]
+        .par_iter_mut()
         .zip(input.par_chunks(part_len))
-        .for_each(|(((sums, tile_sums), block_sums), part)| {
-            with_avx2(|| {
-                tile_sums.fill(0.0);
-                let (tile_sum, tile_sum_sq) = tile_sums.split_at_mut(tile);
-                let (block_sum, block_sum_sq) = block_sums.split_at_mut(tile);
-                for block in part.chunks(tile * TILES_PER_BLOCK) {
-                    block_sum.fill(0.0);
-                    block_sum_sq.fill(0.0);
-                    for values in block.chunks(tile) {
-                        let targets = block_sum.iter_mut().zip(block_sum_sq.iter_mut());
-                        for ((sum, sum_sq), &x) in targets.zip(values) {
-                            *sum += x;
-                            *sum_sq += x * x;
-                        }
-                    }
-                    widen_into(block_sum, tile_sum);
-                    widen_into(block_sum_sq, tile_sum_sq);
-                }
-                fold_tile_sums(tile_sum, tile_sum_sq, channels, sums);
-            })
+        .for_each(|(sums, part)| {
+            sums.reset(channels);
+            sums.add(part);
         });
-    sum_worker_partials(
-        &scratch.partials[..workers * 2 * channels],
-        2 * channels,
-        &mut scratch.totals,
-    );
+    let totals = &mut scratch.totals;
+    totals.clear();
+    totals.resize(2 * channels, 0.0);
+    for sums in &scratch.column_sums[..workers] {
+        sums.add_to(totals);
+    }
 }
 
 /// Adds per-position tile sums into per-channel sums: `sums = [Σ first…, Σ second…]`.

@@ -12,6 +12,7 @@
 
 use rayon::prelude::*;
 
+use crate::batchnorm::ColumnSums;
 use crate::direct::{self, Start};
 use crate::matmul::{matmul, MatRef};
 use crate::simd::with_avx2;
@@ -184,6 +185,7 @@ pub struct ConvScratch {
 #[derive(Default)]
 struct WorkerScratch {
     columns: Vec<f32>,
+    output_sums: ColumnSums,
     weight_grad: Vec<f32>,
     bias_grad: Vec<f64>,
 }
@@ -231,7 +233,18 @@ pub fn conv2d_forward(
     output: &mut [f32],
     scratch: &mut ConvScratch,
 ) {
-    conv2d_forward_fused(shape, input, weight, bias, None, output, scratch);
+    conv2d_forward_fused(shape, input, weight, bias, Fused::Nothing, output, scratch);
+}
+
+/// What [`conv2d_forward_fused`] does with each part of the output while it is in cache.
+pub enum Fused<'a, 'b> {
+    /// Nothing: a plain convolution.
+    Nothing,
+    /// Transform the output in place (inference-mode batch norm, residual, ReLU).
+    Epilogue(Epilogue<'a>),
+    /// Gather the output's per-channel `[Σx…, Σx²…]` into the vector (training-mode batch
+    /// norm statistics, without a pass of their own).
+    OutputSums(&'b mut Vec<f64>),
 }
 
 /// What [`conv2d_forward_fused`] applies to each part of the output while it is still in
@@ -249,18 +262,24 @@ pub struct Epilogue<'a> {
     pub relu: bool,
 }
 
-/// [`conv2d_forward`] followed by an optional [`Epilogue`], fused per image chunk.
+/// [`conv2d_forward`] with the work that `fused` names done on each image chunk right after
+/// it is computed.
 pub fn conv2d_forward_fused(
     shape: &Conv2dShape,
     input: &[f32],
     weight: &[f32],
     bias: Option<&[f32]>,
-    epilogue: Option<&Epilogue>,
+    fused: Fused,
     output: &mut [f32],
     scratch: &mut ConvScratch,
 ) {
     shape.check_lengths(input, weight, output);
-    if let Some(epilogue) = epilogue {
+    let (epilogue, mut output_sums) = match fused {
+        Fused::Nothing => (None, None),
+        Fused::Epilogue(epilogue) => (Some(epilogue), None),
+        Fused::OutputSums(sums) => (None, Some(sums)),
+    };
+    if let Some(epilogue) = &epilogue {
         assert_eq!(
             epilogue.scale.len(),
             shape.out_channels,
@@ -275,6 +294,10 @@ pub fn conv2d_forward_fused(
             assert_eq!(residual.len(), output.len(), "conv2d: epilogue residual");
         }
     }
+    if let Some(sums) = output_sums.as_deref_mut() {
+        sums.clear();
+        sums.resize(2 * shape.out_channels, 0.0);
+    }
     if shape.batch == 0 {
         return;
     }
@@ -286,7 +309,7 @@ pub fn conv2d_forward_fused(
         direct::forward_taps(shape, weight, &mut scratch.taps);
     }
     let taps = &scratch.taps;
-    let tiles = epilogue.map(|epilogue| {
+    let tiles = epilogue.as_ref().map(|epilogue| {
         let (scale, shift) = fill_epilogue_tiles(epilogue, &mut scratch.epilogue_tiles);
         EpilogueTiles {
             scale,
@@ -296,10 +319,16 @@ pub fn conv2d_forward_fused(
     });
     let weight_t = MatRef::row_major(weight, shape.out_channels, shape.patch_len()).transposed();
     let part_len = images_per_worker * shape.output_image_len();
-    let residual_parts: Vec<Option<&[f32]>> = match epilogue.and_then(|e| e.residual) {
+    let residual_parts: Vec<Option<&[f32]>> = match epilogue.as_ref().and_then(|e| e.residual) {
         Some(residual) => residual.chunks(part_len).map(Some).collect(),
         None => vec![None; workers],
     };
+    let gather_sums = output_sums.is_some();
+    if gather_sums {
+        for worker in &mut scratch.workers[..workers] {
+            worker.output_sums.reset(shape.out_channels);
+        }
+    }
     scratch.workers[..workers]
         .par_iter_mut()
         .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
@@ -341,8 +370,16 @@ pub fn conv2d_forward_fused(
                         residual_part.map(|part| &part[index * chunk_len..][..output_chunk.len()]);
                     apply_epilogue(tiles, residual, output_chunk);
                 }
+                if gather_sums {
+                    worker.output_sums.add(output_chunk);
+                }
             }
         });
+    if let Some(sums) = output_sums {
+        for worker in &scratch.workers[..workers] {
+            worker.output_sums.add_to(sums);
+        }
+    }
 }
 
 /// Adds `values[c]` to channel `c` of every row of `data` (`[rows, channels]`).
@@ -956,7 +993,7 @@ mod tests {
                     &input,
                     &weight,
                     Some(&bias),
-                    Some(&epilogue),
+                    Fused::Epilogue(epilogue),
                     &mut fused,
                     &mut scratch,
                 );
@@ -974,6 +1011,51 @@ mod tests {
                         "{shape:?} relu={relu} residual={with_residual} index {index}: {got} vs {expected}"
                     );
                 }
+            }
+        }
+    }
+
+    /// The sums gathered during the convolution equal the sums of its output.
+    #[test]
+    fn gathered_output_sums_equal_sums_of_the_output() {
+        for (in_channels, out_channels, stride) in [(8, 16, 1), (3, 40, 1), (8, 16, 2)] {
+            let shape = Conv2dShape {
+                batch: 23,
+                in_height: 7,
+                in_width: 6,
+                in_channels,
+                out_channels,
+                kernel: 3,
+                stride,
+                padding: 1,
+            };
+            let input = random(shape.input_len(), 7);
+            let weight = random(shape.weight_len(), 8);
+            let bias = random(out_channels, 9);
+            let mut scratch = ConvScratch::default();
+            let mut output = vec![0.0; shape.output_len()];
+            let mut sums = vec![1.0; 3];
+            conv2d_forward_fused(
+                &shape,
+                &input,
+                &weight,
+                Some(&bias),
+                Fused::OutputSums(&mut sums),
+                &mut output,
+                &mut scratch,
+            );
+            let mut expected = vec![0.0f64; 2 * out_channels];
+            for (index, value) in output.iter().enumerate() {
+                let channel = index % out_channels;
+                expected[channel] += f64::from(*value);
+                expected[out_channels + channel] += f64::from(*value) * f64::from(*value);
+            }
+            assert_eq!(sums.len(), expected.len());
+            for (channel, (got, want)) in sums.iter().zip(&expected).enumerate() {
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "{shape:?} sum {channel}: {got} vs {want}"
+                );
             }
         }
     }

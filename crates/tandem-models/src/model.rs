@@ -6,8 +6,7 @@ use tandem_engine::batchnorm::{
     self, BatchNormParams, BatchNormReducer, BatchNormScratch, OutputGrad, Residual,
 };
 use tandem_engine::conv::{
-    conv2d_backward, conv2d_forward, conv2d_forward_fused, Conv2dShape, ConvScratch, Epilogue,
-    InputGrad,
+    conv2d_backward, conv2d_forward_fused, Conv2dShape, ConvScratch, Epilogue, Fused, InputGrad,
 };
 use tandem_engine::head;
 use tandem_engine::rng::Rng;
@@ -366,45 +365,33 @@ impl Model {
             return Ok(());
         }
         let stem = &mut network.stem;
-        run_conv(
-            &stem.conv,
-            &ws.stem,
-            params,
-            &mut ws.slots,
-            &mut ws.conv_scratch,
-        );
-        statistics(
-            &mut stem.bn,
-            mode,
+        let mut layer = TrainLayers {
             params,
             buffers,
-            &ws.slots[ws.stem.z][..ws.stem.output_len()],
+            conv_scratch: &mut ws.conv_scratch,
+            bn_scratch: &mut ws.bn_scratch,
+            output_sums: &mut ws.output_sums,
+        };
+        layer.conv_with_statistics(
+            &stem.conv,
+            &mut stem.bn,
+            &ws.stem,
+            &mut ws.slots,
             reborrow(&mut reducer),
-            &mut ws.bn_scratch,
         )?;
         let (z, out, len) = (ws.stem.z, ws.stem.out, ws.stem.output_len());
         let relu = network.stem_relu;
         with_output(&mut ws.slots, out, |slots, output| {
             batchnorm::apply(
                 &slots[z][..len],
-                stem.bn.state_for(mode == Mode::Train),
+                &stem.bn.state,
                 Residual::None,
                 relu,
                 &mut output[..len],
             );
         });
         for (block, plan) in network.blocks.iter_mut().zip(&ws.blocks) {
-            block_forward(
-                block,
-                plan,
-                mode,
-                params,
-                buffers,
-                &mut ws.slots,
-                &mut ws.conv_scratch,
-                &mut ws.bn_scratch,
-                &mut reducer,
-            )?;
+            block_forward(block, plan, &mut layer, &mut ws.slots, &mut reducer)?;
         }
         let last = ws.final_output();
         let features = &ws.slots[last.out][..last.output_len()];
@@ -528,7 +515,7 @@ impl EvalLayers<'_> {
                 &slots[plan.input][..shape.input_len()],
                 weight,
                 bias,
-                Some(&epilogue),
+                Fused::Epilogue(epilogue),
                 &mut output[..shape.output_len()],
                 scratch,
             );
@@ -536,47 +523,35 @@ impl EvalLayers<'_> {
     }
 }
 
-/// Forward of one residual block.
-#[allow(clippy::too_many_arguments)]
+/// Forward of one residual block in training mode.
 fn block_forward(
     block: &mut Block,
     plan: &BlockPlan,
-    mode: Mode,
-    params: &[f32],
-    buffers: &mut [f32],
+    layer: &mut TrainLayers,
     slots: &mut [Vec<f32>],
-    conv_scratch: &mut ConvScratch,
-    bn_scratch: &mut BatchNormScratch,
     reducer: &mut Reducer,
 ) -> Result<(), ModelError> {
     let Block { units, shortcut } = block;
     if let (Some(unit), Some(unit_plan)) = (shortcut.as_mut(), &plan.shortcut) {
-        run_conv(&unit.conv, unit_plan, params, slots, conv_scratch);
-        let z = &slots[unit_plan.z][..unit_plan.output_len()];
-        statistics(
+        layer.conv_with_statistics(
+            &unit.conv,
             &mut unit.bn,
-            mode,
-            params,
-            buffers,
-            z,
+            unit_plan,
+            slots,
             reborrow(reducer),
-            bn_scratch,
         )?;
     }
     let block_input = plan.units.first().map_or(0, |unit_plan| unit_plan.input);
     let last = units.len().saturating_sub(1);
     for (index, (unit, unit_plan)) in units.iter_mut().zip(&plan.units).enumerate() {
-        run_conv(&unit.conv, unit_plan, params, slots, conv_scratch);
-        let (z, out, len) = (unit_plan.z, unit_plan.out, unit_plan.output_len());
-        statistics(
+        layer.conv_with_statistics(
+            &unit.conv,
             &mut unit.bn,
-            mode,
-            params,
-            buffers,
-            &slots[z][..len],
+            unit_plan,
+            slots,
             reborrow(reducer),
-            bn_scratch,
         )?;
+        let (z, out, len) = (unit_plan.z, unit_plan.out, unit_plan.output_len());
         with_output(slots, out, |slots, output| {
             let residual = if index < last {
                 Residual::None
@@ -584,14 +559,14 @@ fn block_forward(
                 match (shortcut.as_ref(), &plan.shortcut) {
                     (Some(projection), Some(projection_plan)) => Residual::Normalized {
                         input: &slots[projection_plan.z][..len],
-                        state: projection.bn.state_for(mode == Mode::Train),
+                        state: &projection.bn.state,
                     },
                     _ => Residual::Identity(&slots[block_input][..len]),
                 }
             };
             batchnorm::apply(
                 &slots[z][..len],
-                unit.bn.state_for(mode == Mode::Train),
+                &unit.bn.state,
                 residual,
                 true,
                 &mut output[..len],
@@ -601,66 +576,60 @@ fn block_forward(
     Ok(())
 }
 
-/// Convolution of one unit: `slots[plan.z] = conv(slots[plan.input])`.
-fn run_conv(
-    conv: &ConvLayer,
-    plan: &UnitPlan,
-    params: &[f32],
-    slots: &mut [Vec<f32>],
-    scratch: &mut ConvScratch,
-) {
-    let shape: &Conv2dShape = &plan.shape;
-    let weight = &params[conv.weight.clone()];
-    let bias = conv.bias.as_ref().map(|range| &params[range.clone()]);
-    with_output(slots, plan.z, |slots, output| {
-        conv2d_forward(
-            shape,
-            &slots[plan.input][..shape.input_len()],
-            weight,
-            bias,
-            &mut output[..shape.output_len()],
-            scratch,
-        );
-    });
+/// What every training-mode layer reads and writes, besides the activations.
+struct TrainLayers<'a> {
+    params: &'a [f32],
+    buffers: &'a mut [f32],
+    conv_scratch: &'a mut ConvScratch,
+    bn_scratch: &'a mut BatchNormScratch,
+    output_sums: &'a mut Vec<f64>,
 }
 
-/// Batch-norm statistics of `z`: batch statistics in training, running ones in evaluation.
-fn statistics(
-    bn: &mut BatchNormLayer,
-    mode: Mode,
-    params: &[f32],
-    buffers: &mut [f32],
-    z: &[f32],
-    reducer: Reducer,
-    scratch: &mut BatchNormScratch,
-) -> Result<(), ModelError> {
-    let affine = BatchNormParams {
-        weight: &params[bn.weight.clone()],
-        bias: &params[bn.bias.clone()],
-    };
-    match mode {
-        Mode::Train => {
-            let (running_mean, running_var) =
-                two_ranges_mut(buffers, &bn.running_mean, &bn.running_var);
-            batchnorm::train_statistics(
-                z,
-                &affine,
-                running_mean,
-                running_var,
-                &mut bn.state,
-                reducer,
-                scratch,
-            )?;
-        }
-        Mode::Eval => {
-            let (running_mean, running_var) = (
-                &buffers[bn.running_mean.clone()],
-                &buffers[bn.running_var.clone()],
+impl TrainLayers<'_> {
+    /// `slots[plan.z] = conv(slots[plan.input])`, with the batch statistics of the result
+    /// gathered on the way and turned into the batch norm's state (and running statistics).
+    fn conv_with_statistics(
+        &mut self,
+        conv: &ConvLayer,
+        bn: &mut BatchNormLayer,
+        plan: &UnitPlan,
+        slots: &mut [Vec<f32>],
+        reducer: Option<&mut dyn BatchNormReducer>,
+    ) -> Result<(), ModelError> {
+        let shape: &Conv2dShape = &plan.shape;
+        let weight = &self.params[conv.weight.clone()];
+        let bias = conv.bias.as_ref().map(|range| &self.params[range.clone()]);
+        let (conv_scratch, output_sums) = (&mut *self.conv_scratch, &mut *self.output_sums);
+        with_output(slots, plan.z, |slots, output| {
+            conv2d_forward_fused(
+                shape,
+                &slots[plan.input][..shape.input_len()],
+                weight,
+                bias,
+                Fused::OutputSums(output_sums),
+                &mut output[..shape.output_len()],
+                conv_scratch,
             );
-            batchnorm::eval_statistics(&affine, running_mean, running_var, &mut bn.eval_state);
-        }
+        });
+        let affine = BatchNormParams {
+            weight: &self.params[bn.weight.clone()],
+            bias: &self.params[bn.bias.clone()],
+        };
+        let (running_mean, running_var) =
+            two_ranges_mut(self.buffers, &bn.running_mean, &bn.running_var);
+        let rows = shape.output_len() / shape.out_channels.max(1);
+        batchnorm::train_statistics_from_sums(
+            rows,
+            output_sums,
+            &affine,
+            running_mean,
+            running_var,
+            &mut bn.state,
+            reducer,
+            self.bn_scratch,
+        )?;
+        Ok(())
     }
-    Ok(())
 }
 
 /// Re-borrows the optional reducer for one layer.

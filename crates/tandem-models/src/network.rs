@@ -86,15 +86,6 @@ impl BatchNormLayer {
     pub fn param_range(&self) -> Range<usize> {
         self.weight.start..self.bias.end
     }
-
-    /// The statistics a forward pass in `train` mode (or eval mode) normalizes with.
-    pub fn state_for(&self, train: bool) -> &BatchNormState {
-        if train {
-            &self.state
-        } else {
-            &self.eval_state
-        }
-    }
 }
 
 /// A convolution followed by batch norm.

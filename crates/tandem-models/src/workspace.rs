@@ -61,6 +61,8 @@ pub(crate) struct Workspace {
     pub grad_buffers: [Vec<f32>; 4],
     pub conv_scratch: ConvScratch,
     pub bn_scratch: BatchNormScratch,
+    /// Per-channel sums of the last convolution's output, for its batch norm.
+    pub output_sums: Vec<f64>,
 }
 
 /// Assigns buffers: in training each activation gets its own; in evaluation the lowest
@@ -189,6 +191,7 @@ impl Workspace {
             grad_buffers: std::array::from_fn(|_| vec![0.0; grad_len]),
             conv_scratch: ConvScratch::default(),
             bn_scratch: BatchNormScratch::default(),
+            output_sums: Vec::new(),
         })
     }
 
