@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::error::EngineError;
 use crate::parallel::elementwise_rows_per_chunk;
-use crate::simd::{with_avx2, zero_where_not_positive};
+use crate::simd::{multiversion, zero_where_not_positive};
 use crate::threads::threads;
 
 /// PyTorch's default `eps`.
@@ -325,66 +325,139 @@ fn apply_tiles<const RELU: bool>(
 ) {
     let tile = scale.len();
     let chunk = tile * elementwise_rows_per_chunk(tile);
-    let finish = |value: f32| if RELU { value.max(0.0) } else { value };
+    let (scale, shift) = (&scale.values[..], &shift.values[..]);
     match side {
         Side::None => output
             .par_chunks_mut(chunk)
             .zip(input.par_chunks(chunk))
-            .for_each(|(out, x)| {
-                with_avx2(|| {
-                    for (out, x) in out.chunks_mut(tile).zip(x.chunks(tile)) {
-                        let values = out
-                            .iter_mut()
-                            .zip(x)
-                            .zip(scale.values.iter().zip(&shift.values));
-                        for ((out, &x), (&scale, &shift)) in values {
-                            *out = finish(x * scale + shift);
-                        }
-                    }
-                })
-            }),
+            .for_each(|(out, x)| apply_plain::<RELU>(out, x, scale, shift)),
         Side::Identity(shortcut) => output
             .par_chunks_mut(chunk)
             .zip(input.par_chunks(chunk))
             .zip(shortcut.par_chunks(chunk))
-            .for_each(|((out, x), s)| {
-                with_avx2(|| {
-                    for ((out, x), s) in
-                        out.chunks_mut(tile).zip(x.chunks(tile)).zip(s.chunks(tile))
-                    {
-                        let values = out
-                            .iter_mut()
-                            .zip(x)
-                            .zip(s)
-                            .zip(scale.values.iter().zip(&shift.values));
-                        for (((out, &x), &s), (&scale, &shift)) in values {
-                            *out = finish(x * scale + shift + s);
-                        }
-                    }
+            .for_each(|((out, x), s)| apply_identity::<RELU>(out, x, s, scale, shift)),
+        Side::Normalized(shortcut, scale2, shift2) => {
+            let side_coefficients = [&scale2.values[..], &shift2.values[..]];
+            output
+                .par_chunks_mut(chunk)
+                .zip(input.par_chunks(chunk))
+                .zip(shortcut.par_chunks(chunk))
+                .for_each(|((out, x), s)| {
+                    apply_normalized::<RELU>(out, x, s, [scale, shift], side_coefficients)
                 })
-            }),
-        Side::Normalized(shortcut, scale2, shift2) => output
-            .par_chunks_mut(chunk)
-            .zip(input.par_chunks(chunk))
-            .zip(shortcut.par_chunks(chunk))
-            .for_each(|((out, x), s)| {
-                with_avx2(|| {
-                    for ((out, x), s) in
-                        out.chunks_mut(tile).zip(x.chunks(tile)).zip(s.chunks(tile))
-                    {
-                        let main = out
-                            .iter_mut()
-                            .zip(x)
-                            .zip(scale.values.iter().zip(&shift.values));
-                        let side = s.iter().zip(scale2.values.iter().zip(&shift2.values));
-                        for (((out, &x), (&scale, &shift)), (&s, (&scale2, &shift2))) in
-                            main.zip(side)
-                        {
-                            *out = finish(x * scale + shift + (s * scale2 + shift2));
-                        }
+        }
+    }
+}
+
+/// `x` in the ReLU when `RELU`.
+#[inline(always)]
+fn relu_if<const RELU: bool>(x: f32) -> f32 {
+    if RELU {
+        x.max(0.0)
+    } else {
+        x
+    }
+}
+
+multiversion! {
+    /// `out = [relu](x · scale + shift)`, tile by tile.
+    fn apply_plain<const RELU: bool>(out: &mut [f32], x: &[f32], scale: &[f32], shift: &[f32]) {
+        let tile = scale.len();
+        for (out, x) in out.chunks_mut(tile).zip(x.chunks(tile)) {
+            let values = out.iter_mut().zip(x).zip(scale.iter().zip(shift));
+            for ((out, &x), (&scale, &shift)) in values {
+                *out = relu_if::<RELU>(x * scale + shift);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `out = [relu](x · scale + shift + s)`, tile by tile.
+    fn apply_identity<const RELU: bool>(
+        out: &mut [f32],
+        x: &[f32],
+        s: &[f32],
+        scale: &[f32],
+        shift: &[f32],
+    ) {
+        let tile = scale.len();
+        for ((out, x), s) in out.chunks_mut(tile).zip(x.chunks(tile)).zip(s.chunks(tile)) {
+            let values = out.iter_mut().zip(x).zip(s).zip(scale.iter().zip(shift));
+            for (((out, &x), &s), (&scale, &shift)) in values {
+                *out = relu_if::<RELU>(x * scale + shift + s);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `out = [relu](x · scale + shift + (s · scale2 + shift2))`, tile by tile, with
+    /// `[scale, shift]` and `[scale2, shift2]` given as pairs.
+    fn apply_normalized<const RELU: bool>(
+        out: &mut [f32],
+        x: &[f32],
+        s: &[f32],
+        main: [&[f32]; 2],
+        side: [&[f32]; 2],
+    ) {
+        let ([scale, shift], [scale2, shift2]) = (main, side);
+        let tile = scale.len();
+        for ((out, x), s) in out.chunks_mut(tile).zip(x.chunks(tile)).zip(s.chunks(tile)) {
+            let main = out.iter_mut().zip(x).zip(scale.iter().zip(shift));
+            let side = s.iter().zip(scale2.iter().zip(shift2));
+            for (((out, &x), (&scale, &shift)), (&s, (&scale2, &shift2))) in main.zip(side) {
+                *out = relu_if::<RELU>(x * scale + shift + (s * scale2 + shift2));
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `values = [relu](values · scale + shift [+ residual])` in place, tile by tile.
+    fn scale_shift_in_place<const RELU: bool>(
+        values: &mut [f32],
+        residual: Option<&[f32]>,
+        scale: &[f32],
+        shift: &[f32],
+    ) {
+        let tile = scale.len();
+        match residual {
+            None => {
+                for values in values.chunks_mut(tile) {
+                    for (value, (scale, shift)) in values.iter_mut().zip(scale.iter().zip(shift)) {
+                        *value = relu_if::<RELU>(*value * scale + shift);
                     }
-                })
-            }),
+                }
+            }
+            Some(residual) => {
+                for (values, added) in values.chunks_mut(tile).zip(residual.chunks(tile)) {
+                    let coefficients = scale.iter().zip(shift);
+                    for ((value, (scale, shift)), add) in
+                        values.iter_mut().zip(coefficients).zip(added)
+                    {
+                        *value = relu_if::<RELU>(*value * scale + shift + add);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `values = [relu](values · scale + shift [+ residual])` in place, where `scale` and
+/// `shift` are per-channel values repeated over a tile of whole rows and `values` starts
+/// at a row.
+pub(crate) fn scale_shift(
+    values: &mut [f32],
+    residual: Option<&[f32]>,
+    scale: &[f32],
+    shift: &[f32],
+    relu: bool,
+) {
+    if relu {
+        scale_shift_in_place::<true>(values, residual, scale, shift)
+    } else {
+        scale_shift_in_place::<false>(values, residual, scale, shift)
     }
 }
 
@@ -513,42 +586,61 @@ fn gradient_sums<const RELU: bool>(
         .zip(relu_output.par_chunks(part_len))
         .zip(input.par_chunks(part_len))
         .for_each(|(((((sums, tile_sums), block_sums), dy), relu), x)| {
-            with_avx2(|| {
-                tile_sums.fill(0.0);
-                let (tile_dy, tile_dy_xhat) = tile_sums.split_at_mut(tile);
-                let (block_dy, block_dy_xhat) = block_sums.split_at_mut(tile);
-                let block_len = tile * TILES_PER_BLOCK;
-                let blocks = dy
-                    .chunks(block_len)
-                    .zip(relu.chunks(block_len))
-                    .zip(x.chunks(block_len));
-                for ((dy, relu), x) in blocks {
-                    block_dy.fill(0.0);
-                    block_dy_xhat.fill(0.0);
-                    let rows = dy.chunks(tile).zip(relu.chunks(tile)).zip(x.chunks(tile));
-                    for ((dy, relu), x) in rows {
-                        let values = dy.iter().zip(relu).zip(x);
-                        let coefficients = mean_tile.iter().zip(invstd_tile);
-                        let targets = block_dy.iter_mut().zip(block_dy_xhat.iter_mut());
-                        for (((&dy, &relu), &x), ((&mean, &invstd), (sum_dy, sum_dy_xhat))) in
-                            values.zip(coefficients.zip(targets))
-                        {
-                            let dy = masked::<RELU>(dy, relu);
-                            *sum_dy += dy;
-                            *sum_dy_xhat += dy * ((x - mean) * invstd);
-                        }
-                    }
-                    widen_into(block_dy, tile_dy);
-                    widen_into(block_dy_xhat, tile_dy_xhat);
-                }
-                fold_tile_sums(tile_dy, tile_dy_xhat, channels, sums);
-            })
+            gradient_sums_part::<RELU>(
+                [dy, relu, x],
+                [mean_tile, invstd_tile],
+                tile_sums,
+                block_sums,
+            );
+            let (tile_dy, tile_dy_xhat) = tile_sums.split_at(tile);
+            fold_tile_sums(tile_dy, tile_dy_xhat, channels, sums);
         });
     sum_worker_partials(
         &scratch.partials[..workers * 2 * channels],
         2 * channels,
         &mut scratch.totals,
     );
+}
+
+multiversion! {
+    /// One worker's `[Σ dy…, Σ dy·x̂…]` per tile position into `tile_sums`, from the
+    /// streams `[dy, relu output, x]` and the tiles `[mean, invstd]`.
+    fn gradient_sums_part<const RELU: bool>(
+        streams: [&[f32]; 3],
+        coefficients: [&[f32]; 2],
+        tile_sums: &mut [f64],
+        block_sums: &mut [f32],
+    ) {
+        let ([dy, relu, x], [mean_tile, invstd_tile]) = (streams, coefficients);
+        let tile = mean_tile.len();
+        tile_sums.fill(0.0);
+        let (tile_dy, tile_dy_xhat) = tile_sums.split_at_mut(tile);
+        let (block_dy, block_dy_xhat) = block_sums.split_at_mut(tile);
+        let block_len = tile * TILES_PER_BLOCK;
+        let blocks = dy
+            .chunks(block_len)
+            .zip(relu.chunks(block_len))
+            .zip(x.chunks(block_len));
+        for ((dy, relu), x) in blocks {
+            block_dy.fill(0.0);
+            block_dy_xhat.fill(0.0);
+            let rows = dy.chunks(tile).zip(relu.chunks(tile)).zip(x.chunks(tile));
+            for ((dy, relu), x) in rows {
+                let values = dy.iter().zip(relu).zip(x);
+                let coefficients = mean_tile.iter().zip(invstd_tile);
+                let targets = block_dy.iter_mut().zip(block_dy_xhat.iter_mut());
+                for (((&dy, &relu), &x), ((&mean, &invstd), (sum_dy, sum_dy_xhat))) in
+                    values.zip(coefficients.zip(targets))
+                {
+                    let dy = masked::<RELU>(dy, relu);
+                    *sum_dy += dy;
+                    *sum_dy_xhat += dy * ((x - mean) * invstd);
+                }
+            }
+            widen_into(block_dy, tile_dy);
+            widen_into(block_dy_xhat, tile_dy_xhat);
+        }
+    }
 }
 
 /// The per-channel values of the input-gradient pass, as tiles.
@@ -576,28 +668,37 @@ fn input_gradient<const RELU: bool>(
         .zip(relu_output.par_chunks(chunk))
         .zip(input.par_chunks(chunk))
         .for_each(|(((dx, dy), relu), x)| {
-            with_avx2(|| {
-                let rows = dx
-                    .chunks_mut(tile)
-                    .zip(dy.chunks(tile))
-                    .zip(relu.chunks(tile))
-                    .zip(x.chunks(tile));
-                for (((dx, dy), relu), x) in rows {
-                    let data = dx.iter_mut().zip(dy).zip(relu).zip(x);
-                    let normalize = coefficients.mean.iter().zip(coefficients.invstd);
-                    let means = coefficients.mean_dy.iter().zip(coefficients.mean_dy_xhat);
-                    let correct = coefficients.gain.iter().zip(means);
-                    for (
-                        (((dx, &dy), &relu), &x),
-                        ((&mean, &invstd), (&gain, (&mean_dy, &mean_dy_xhat))),
-                    ) in data.zip(normalize.zip(correct))
-                    {
-                        let xhat = (x - mean) * invstd;
-                        *dx = gain * (masked::<RELU>(dy, relu) - mean_dy - xhat * mean_dy_xhat);
-                    }
-                }
-            })
+            input_gradient_chunk::<RELU>(dx, [dy, relu, x], coefficients)
         });
+}
+
+multiversion! {
+    /// [`input_gradient`] on one chunk, from the streams `[dy, relu output, x]`.
+    fn input_gradient_chunk<const RELU: bool>(
+        dx: &mut [f32],
+        streams: [&[f32]; 3],
+        coefficients: &InputGradCoefficients,
+    ) {
+        let [dy, relu, x] = streams;
+        let tile = coefficients.gain.len();
+        let rows = dx
+            .chunks_mut(tile)
+            .zip(dy.chunks(tile))
+            .zip(relu.chunks(tile))
+            .zip(x.chunks(tile));
+        for (((dx, dy), relu), x) in rows {
+            let data = dx.iter_mut().zip(dy).zip(relu).zip(x);
+            let normalize = coefficients.mean.iter().zip(coefficients.invstd);
+            let means = coefficients.mean_dy.iter().zip(coefficients.mean_dy_xhat);
+            let correct = coefficients.gain.iter().zip(means);
+            for ((((dx, &dy), &relu), &x), ((&mean, &invstd), (&gain, (&mean_dy, &mean_dy_xhat)))) in
+                data.zip(normalize.zip(correct))
+            {
+                let xhat = (x - mean) * invstd;
+                *dx = gain * (masked::<RELU>(dy, relu) - mean_dy - xhat * mean_dy_xhat);
+            }
+        }
+    }
 }
 
 /// Values per worker part of a `[rows, channels]` tensor: whole rows, one part per worker.
@@ -653,21 +754,7 @@ impl ColumnSums {
         let tile = self.tile_sums.len() / 2;
         let (tile_sum, tile_sum_sq) = self.tile_sums.split_at_mut(tile);
         let (block_sum, block_sum_sq) = self.block_sums.split_at_mut(tile);
-        with_avx2(|| {
-            for block in rows.chunks(tile * TILES_PER_BLOCK) {
-                block_sum.fill(0.0);
-                block_sum_sq.fill(0.0);
-                for values in block.chunks(tile) {
-                    let targets = block_sum.iter_mut().zip(block_sum_sq.iter_mut());
-                    for ((sum, sum_sq), &x) in targets.zip(values) {
-                        *sum += x;
-                        *sum_sq += x * x;
-                    }
-                }
-                widen_into(block_sum, tile_sum);
-                widen_into(block_sum_sq, tile_sum_sq);
-            }
-        })
+        sum_rows(rows, [tile_sum, tile_sum_sq], [block_sum, block_sum_sq]);
     }
 
     /// Adds this part's `[Σx per channel…, Σx² per channel…]` into `totals`.
@@ -683,6 +770,27 @@ impl ColumnSums {
         {
             widen_f64_into(row, sums);
             widen_f64_into(row_sq, sums_sq);
+        }
+    }
+}
+
+multiversion! {
+    /// Adds `rows` (whole tiles) into the per-position `[Σx, Σx²]`, in f32 per block.
+    fn sum_rows(rows: &[f32], tile_sums: [&mut [f64]; 2], block_sums: [&mut [f32]; 2]) {
+        let ([tile_sum, tile_sum_sq], [block_sum, block_sum_sq]) = (tile_sums, block_sums);
+        let tile = tile_sum.len();
+        for block in rows.chunks(tile * TILES_PER_BLOCK) {
+            block_sum.fill(0.0);
+            block_sum_sq.fill(0.0);
+            for values in block.chunks(tile) {
+                let targets = block_sum.iter_mut().zip(block_sum_sq.iter_mut());
+                for ((sum, sum_sq), &x) in targets.zip(values) {
+                    *sum += x;
+                    *sum_sq += x * x;
+                }
+            }
+            widen_into(block_sum, tile_sum);
+            widen_into(block_sum_sq, tile_sum_sq);
         }
     }
 }

@@ -12,10 +12,9 @@
 
 use rayon::prelude::*;
 
-use crate::batchnorm::ColumnSums;
+use crate::batchnorm::{self, ColumnSums};
 use crate::direct::{self, Start};
 use crate::matmul::{matmul, MatRef};
-use crate::simd::with_avx2;
 use crate::threads::threads;
 
 /// Rows of the patch matrix one chunk aims for: big enough for efficient GEMM, small
@@ -414,39 +413,7 @@ fn fill_epilogue_tiles<'a>(epilogue: &Epilogue, tiles: &'a mut Vec<f32>) -> (&'a
 
 /// `output = [relu](output · scale + shift [+ residual])`, tile by tile.
 fn apply_epilogue(tiles: &EpilogueTiles, residual: Option<&[f32]>, output: &mut [f32]) {
-    if tiles.relu {
-        apply_epilogue_tiles::<true>(tiles, residual, output)
-    } else {
-        apply_epilogue_tiles::<false>(tiles, residual, output)
-    }
-}
-
-fn apply_epilogue_tiles<const RELU: bool>(
-    tiles: &EpilogueTiles,
-    residual: Option<&[f32]>,
-    output: &mut [f32],
-) {
-    let tile = tiles.scale.len();
-    let finish = |value: f32| if RELU { value.max(0.0) } else { value };
-    with_avx2(|| match residual {
-        None => {
-            for values in output.chunks_mut(tile) {
-                let coefficients = tiles.scale.iter().zip(tiles.shift);
-                for (value, (scale, shift)) in values.iter_mut().zip(coefficients) {
-                    *value = finish(*value * scale + shift);
-                }
-            }
-        }
-        Some(residual) => {
-            for (values, added) in output.chunks_mut(tile).zip(residual.chunks(tile)) {
-                let coefficients = tiles.scale.iter().zip(tiles.shift);
-                for ((value, (scale, shift)), add) in values.iter_mut().zip(coefficients).zip(added)
-                {
-                    *value = finish(*value * scale + shift + add);
-                }
-            }
-        }
-    })
+    batchnorm::scale_shift(output, residual, tiles.scale, tiles.shift, tiles.relu);
 }
 
 /// Backward: adds the weight (and bias) gradients to `grad_weight` (`grad_bias`) and

@@ -17,23 +17,37 @@ pub(crate) fn has_avx2_fma() -> bool {
     }
 }
 
-/// Runs `work`, compiled for AVX2 + FMA when the CPU has them (the closure is inlined into
-/// a function with those features enabled), else for the baseline instruction set.
-#[inline(always)]
-pub(crate) fn with_avx2<R>(work: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: the CPU has the features `run_avx2` enables.
-        return unsafe { run_avx2(work) };
-    }
-    work()
-}
+/// Defines a function whose body is compiled twice, for AVX2 + FMA and for the baseline
+/// instruction set, and runs the first when the CPU has those features. For plain loops
+/// the compiler vectorizes; the body must be safe on any CPU. Takes at most one const
+/// generic parameter.
+macro_rules! multiversion {
+    (
+        $(#[$meta:meta])*
+        fn $name:ident$(<const $param:ident: $param_ty:ty>)?($($arg:ident: $arg_ty:ty),* $(,)?)
+        $body:block
+    ) => {
+        $(#[$meta])*
+        fn $name$(<const $param: $param_ty>)?($($arg: $arg_ty),*) {
+            #[inline(always)]
+            fn portable$(<const $param: $param_ty>)?($($arg: $arg_ty),*) $body
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn run_avx2<R>(work: impl FnOnce() -> R) -> R {
-    work()
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2$(<const $param: $param_ty>)?($($arg: $arg_ty),*) {
+                portable$(::<$param>)?($($arg),*)
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            if $crate::simd::has_avx2_fma() {
+                // SAFETY: the CPU has the features `avx2` is compiled for.
+                return unsafe { avx2$(::<$param>)?($($arg),*) };
+            }
+            portable$(::<$param>)?($($arg),*)
+        }
+    };
 }
+pub(crate) use multiversion;
 
 /// Zeroes `grad` wherever `output` is not positive (the ReLU backward). Written with
 /// explicit vectors because compilers turn the plain loop into masked stores, which are
@@ -95,9 +109,17 @@ mod tests {
         }
     }
 
+    multiversion! {
+        /// A sum, for the test below.
+        fn sum_into(values: &[f32], total: &mut f32) {
+            *total = values.iter().sum();
+        }
+    }
+
     #[test]
-    fn with_avx2_returns_the_closure_result() {
-        let values = [1.0f32, 2.0, 3.0];
-        assert_eq!(with_avx2(|| values.iter().sum::<f32>()), 6.0);
+    fn multiversioned_function_runs_its_body() {
+        let mut total = 0.0;
+        sum_into(&[1.0, 2.0, 3.5], &mut total);
+        assert_eq!(total, 6.5);
     }
 }
