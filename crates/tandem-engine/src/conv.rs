@@ -350,6 +350,7 @@ pub fn conv2d_forward_fused(
                     direct::correlate(
                         &padded,
                         shape.kernel,
+                        shape.stride,
                         taps,
                         shape.out_channels,
                         start,
@@ -635,6 +636,7 @@ fn backward_worker_direct(
         direct::correlate(
             &padded_grad,
             shape.kernel,
+            1,
             taps,
             shape.in_channels,
             start,
@@ -826,8 +828,9 @@ mod tests {
         }
     }
 
-    /// Both code paths (direct kernels for 8..32 channels at stride 1, im2col + GEMM for the
-    /// rest) against the definition, forward and backward, overwriting and accumulating.
+    /// Both code paths (direct kernels for 8..32 output channels, im2col + GEMM for the rest
+    /// and for strided backward passes) against the definition, forward and backward,
+    /// overwriting and accumulating.
     #[test]
     fn convolution_matches_definition_on_direct_and_gemm_paths() {
         let cases = [
@@ -841,6 +844,9 @@ mod tests {
             (2, 4, 4, 64, 16, 1, 1, 0),
             (2, 5, 5, 3, 8, 3, 1, 1),
             (2, 8, 8, 8, 16, 3, 2, 1),
+            (2, 9, 9, 3, 16, 3, 2, 1),
+            (2, 8, 8, 16, 32, 1, 2, 0),
+            (1, 10, 7, 8, 24, 5, 3, 2),
             (1, 6, 6, 40, 40, 3, 1, 1),
         ];
         for (seed, &(batch, h, w, cin, cout, k, stride, padding)) in cases.iter().enumerate() {

@@ -1,4 +1,4 @@
-//! Direct convolution for stride-1 layers with few channels (the seed-004 model's 8, 16 and
+//! Direct convolution for layers with few channels (the seed-004 model's 8, 16 and
 //! 32), where im2col + GEMM spends more time copying and packing than multiplying.
 //!
 //! Everything here works on one image at a time, zero-padded into a scratch buffer so the
@@ -24,10 +24,10 @@ pub(crate) fn is_available() -> bool {
     simd::has_avx2_fma()
 }
 
-/// Whether the forward pass of `shape` runs on the direct kernels.
+/// Whether the forward pass of `shape` runs on the direct kernels (any stride).
 pub(crate) fn forward_applies(shape: &Conv2dShape) -> bool {
     is_available()
-        && shape.stride == 1
+        && shape.stride >= 1
         && shape.padding < shape.kernel
         && is_vector_width(shape.out_channels)
 }
@@ -139,19 +139,22 @@ pub(crate) enum Start<'a> {
     Existing,
 }
 
-/// `output[y][x][o] = start + Σ_{ky,kx,c} image[y+ky][x+kx][c] · taps[ky][kx][c][o]`, for
-/// `o` below `out_channels` (8, 16, 24 or 32) and every `(y, x)` where the kernel fits.
+/// `output[y][x][o] = start + Σ_{ky,kx,c} image[s·y+ky][s·x+kx][c] · taps[ky][kx][c][o]`
+/// for stride `s`, `o` below `out_channels` (8, 16, 24 or 32) and every `(y, x)` where the
+/// kernel fits.
 pub(crate) fn correlate(
     image: &PaddedImage,
     kernel: usize,
+    stride: usize,
     taps: &[f32],
     out_channels: usize,
     start: Start,
     output: &mut [f32],
 ) {
     assert!(is_available() && is_vector_width(out_channels));
-    assert!(kernel >= 1 && kernel <= image.height && kernel <= image.width);
-    let (out_height, out_width) = (image.height - kernel + 1, image.width - kernel + 1);
+    assert!(kernel >= 1 && kernel <= image.height && kernel <= image.width && stride >= 1);
+    let out_height = (image.height - kernel) / stride + 1;
+    let out_width = (image.width - kernel) / stride + 1;
     assert_eq!(taps.len(), kernel * kernel * image.channels * out_channels);
     assert_eq!(output.len(), out_height * out_width * out_channels);
     assert_eq!(
@@ -163,10 +166,10 @@ pub(crate) fn correlate(
     }
     #[cfg(target_arch = "x86_64")]
     // SAFETY: AVX2 and FMA are present (`is_available`), and the asserts above bound every
-    // pointer the kernel forms: each block reads `kernel` rows of `kernel + R - 1` pixels
-    // starting at its output position, which lie inside the padded image.
+    // pointer the kernel forms: output pixel (y, x) reads rows `s·y..s·y+kernel` and columns
+    // `s·x..s·x+kernel`, inside the padded image by the definition of the output size.
     unsafe {
-        avx2::correlate(image, kernel, taps, out_channels, start, output);
+        avx2::correlate(image, kernel, stride, taps, out_channels, start, output);
     }
 }
 
@@ -220,50 +223,64 @@ mod avx2 {
     pub(super) unsafe fn correlate(
         image: &PaddedImage,
         kernel: usize,
+        stride: usize,
         taps: &[f32],
         out_channels: usize,
         start: Start,
         output: &mut [f32],
     ) {
+        let layer = Layer {
+            image,
+            kernel,
+            stride,
+            taps,
+            start,
+        };
         match out_channels / 8 {
-            1 => correlate_with_channels::<1>(image, kernel, taps, start, output),
-            2 => correlate_with_channels::<2>(image, kernel, taps, start, output),
-            3 => correlate_with_channels::<3>(image, kernel, taps, start, output),
-            _ => correlate_with_channels::<4>(image, kernel, taps, start, output),
+            1 => correlate_with_step::<1>(&layer, output),
+            2 => correlate_with_step::<2>(&layer, output),
+            3 => correlate_with_step::<3>(&layer, output),
+            _ => correlate_with_step::<4>(&layer, output),
         }
     }
 
-    /// Picks a block kernel with the input channel count built in for the common counts,
-    /// so that each pixel's input is a constant offset from the block's first one.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn correlate_with_channels<const V: usize>(
-        image: &PaddedImage,
+    /// The arguments of one correlation.
+    struct Layer<'a, 'b> {
+        image: &'a PaddedImage<'b>,
         kernel: usize,
-        taps: &[f32],
-        start: Start,
-        output: &mut [f32],
-    ) {
-        match image.channels {
-            8 => correlate_rows::<V, 8>(image, kernel, taps, start, output),
-            16 => correlate_rows::<V, 16>(image, kernel, taps, start, output),
-            32 => correlate_rows::<V, 32>(image, kernel, taps, start, output),
-            64 => correlate_rows::<V, 64>(image, kernel, taps, start, output),
-            _ => correlate_rows::<V, 0>(image, kernel, taps, start, output),
+        stride: usize,
+        taps: &'a [f32],
+        start: Start<'a>,
+    }
+
+    /// Picks a block kernel with the distance between neighbouring output pixels' inputs
+    /// (stride x channels) built in for the common values, so each pixel's input is a
+    /// constant offset from the block's first one.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn correlate_with_step<const V: usize>(layer: &Layer, output: &mut [f32]) {
+        match layer.stride * layer.image.channels {
+            8 => correlate_rows::<V, 8>(layer, output),
+            16 => correlate_rows::<V, 16>(layer, output),
+            32 => correlate_rows::<V, 32>(layer, output),
+            64 => correlate_rows::<V, 64>(layer, output),
+            _ => correlate_rows::<V, 0>(layer, output),
         }
     }
 
-    /// `C` is the input channel count, or 0 when it is only known at run time.
+    /// `P` is the pixel step (stride x channels), or 0 when it is only known at run time.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn correlate_rows<const V: usize, const C: usize>(
-        image: &PaddedImage,
-        kernel: usize,
-        taps: &[f32],
-        start: Start,
-        output: &mut [f32],
-    ) {
-        let out_width = image.width - kernel + 1;
-        let out_height = image.height - kernel + 1;
+    unsafe fn correlate_rows<const V: usize, const P: usize>(layer: &Layer, output: &mut [f32]) {
+        let Layer {
+            image,
+            kernel,
+            stride,
+            taps,
+            start,
+        } = *layer;
+        let out_width = (image.width - kernel) / stride + 1;
+        let out_height = (image.height - kernel) / stride + 1;
         let row_stride = image.width * image.channels;
+        let pixel_step = stride * image.channels;
         let block = block_pixels(V);
         let input = image.data.as_ptr();
         let out = output.as_mut_ptr();
@@ -275,6 +292,7 @@ mod avx2 {
         let geometry = BlockGeometry {
             row_stride,
             channels: image.channels,
+            pixel_step,
             kernel,
             taps: taps.as_ptr(),
             bias,
@@ -284,17 +302,17 @@ mod avx2 {
             let mut x = 0;
             while x < out_width {
                 let pixels = block.min(out_width - x);
-                let source = input.add(y * row_stride + x * image.channels);
+                let source = input.add(y * stride * row_stride + x * pixel_step);
                 let target = out.add((y * out_width + x) * 8 * V);
                 match pixels {
-                    8 => correlate_block::<8, V, C>(&geometry, source, target),
-                    7 => correlate_block::<7, V, C>(&geometry, source, target),
-                    6 => correlate_block::<6, V, C>(&geometry, source, target),
-                    5 => correlate_block::<5, V, C>(&geometry, source, target),
-                    4 => correlate_block::<4, V, C>(&geometry, source, target),
-                    3 => correlate_block::<3, V, C>(&geometry, source, target),
-                    2 => correlate_block::<2, V, C>(&geometry, source, target),
-                    _ => correlate_block::<1, V, C>(&geometry, source, target),
+                    8 => correlate_block::<8, V, P>(&geometry, source, target),
+                    7 => correlate_block::<7, V, P>(&geometry, source, target),
+                    6 => correlate_block::<6, V, P>(&geometry, source, target),
+                    5 => correlate_block::<5, V, P>(&geometry, source, target),
+                    4 => correlate_block::<4, V, P>(&geometry, source, target),
+                    3 => correlate_block::<3, V, P>(&geometry, source, target),
+                    2 => correlate_block::<2, V, P>(&geometry, source, target),
+                    _ => correlate_block::<1, V, P>(&geometry, source, target),
                 }
                 x += pixels;
             }
@@ -305,6 +323,7 @@ mod avx2 {
     struct BlockGeometry {
         row_stride: usize,
         channels: usize,
+        pixel_step: usize,
         kernel: usize,
         taps: *const f32,
         bias: *const f32,
@@ -315,7 +334,7 @@ mod avx2 {
     /// block's first pixel, `target` the output at that pixel.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn correlate_block<const R: usize, const V: usize, const C: usize>(
+    unsafe fn correlate_block<const R: usize, const V: usize, const P: usize>(
         geometry: &BlockGeometry,
         source: *const f32,
         target: *mut f32,
@@ -334,7 +353,8 @@ mod avx2 {
                 }
             }
         }
-        let channels = if C == 0 { geometry.channels } else { C };
+        let channels = geometry.channels;
+        let pixel_step = if P == 0 { geometry.pixel_step } else { P };
         // Within one kernel row the (kx, channel) pairs are contiguous in both the padded
         // input row and the taps.
         let row_span = geometry.kernel * channels;
@@ -347,7 +367,7 @@ mod avx2 {
                     *weight = _mm256_loadu_ps(tap.add(vector * 8));
                 }
                 for (pixel, sum) in sums.iter_mut().enumerate() {
-                    let value = _mm256_broadcast_ss(&*row.add(pixel * channels + offset));
+                    let value = _mm256_broadcast_ss(&*row.add(pixel * pixel_step + offset));
                     for (acc, weight) in sum.iter_mut().zip(&weights) {
                         *acc = _mm256_fmadd_ps(value, *weight, *acc);
                     }
