@@ -828,8 +828,8 @@ mod tests {
         }
     }
 
-    /// Both code paths (direct kernels for 8..32 output channels, im2col + GEMM for the rest
-    /// and for strided backward passes) against the definition, forward and backward,
+    /// Both code paths (direct kernels for multiples of 8 channels, im2col + GEMM for the
+    /// rest and for strided backward passes) against the definition, forward and backward,
     /// overwriting and accumulating.
     #[test]
     fn convolution_matches_definition_on_direct_and_gemm_paths() {
@@ -845,6 +845,8 @@ mod tests {
             (2, 5, 5, 3, 8, 3, 1, 1),
             (2, 8, 8, 8, 16, 3, 2, 1),
             (2, 9, 9, 3, 16, 3, 2, 1),
+            (2, 5, 5, 16, 64, 1, 1, 0),
+            (1, 6, 5, 56, 48, 3, 1, 1),
             (2, 8, 8, 16, 32, 1, 2, 0),
             (1, 10, 7, 8, 24, 5, 3, 2),
             (1, 6, 6, 40, 40, 3, 1, 1),
