@@ -329,6 +329,20 @@ mod avx2 {
                 let pixels = block.min(out_width - x);
                 let source = input.add(y * stride * row_stride + x * pixel_step);
                 let target = out.add((y * out_width + x) * out_channels);
+                if V == 1 && kernel == 3 && stride == 1 {
+                    match pixels {
+                        8 => correlate_block_3wide::<8, P>(&geometry, source, target),
+                        7 => correlate_block_3wide::<7, P>(&geometry, source, target),
+                        6 => correlate_block_3wide::<6, P>(&geometry, source, target),
+                        5 => correlate_block_3wide::<5, P>(&geometry, source, target),
+                        4 => correlate_block_3wide::<4, P>(&geometry, source, target),
+                        3 => correlate_block_3wide::<3, P>(&geometry, source, target),
+                        2 => correlate_block_3wide::<2, P>(&geometry, source, target),
+                        _ => correlate_block_3wide::<1, P>(&geometry, source, target),
+                    }
+                    x += pixels;
+                    continue;
+                }
                 match pixels {
                     8 => correlate_block::<8, V, P>(&geometry, source, target),
                     7 => correlate_block::<7, V, P>(&geometry, source, target),
@@ -414,6 +428,56 @@ mod avx2 {
         }
     }
 
+    /// [`correlate_block`] for one output vector and a 3x3 stride-1 kernel: each input value
+    /// is broadcast once and multiplied by the three taps of its kernel row (for the three
+    /// output pixels it reaches), instead of once per tap.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn correlate_block_3wide<const R: usize, const P: usize>(
+        geometry: &BlockGeometry,
+        source: *const f32,
+        target: *mut f32,
+    ) {
+        let mut sums = [_mm256_setzero_ps(); R];
+        if geometry.accumulate {
+            for (pixel, sum) in sums.iter_mut().enumerate() {
+                *sum = _mm256_loadu_ps(target.add(pixel * geometry.out_channels));
+            }
+        } else if !geometry.bias.is_null() {
+            for sum in sums.iter_mut() {
+                *sum = _mm256_loadu_ps(geometry.bias);
+            }
+        }
+        let channels = geometry.channels;
+        let pixel_step = if P == 0 { geometry.pixel_step } else { P };
+        let tap_row = geometry.out_channels;
+        for ky in 0..3 {
+            let row = source.add(ky * geometry.row_stride);
+            let taps = geometry.taps.add(ky * 3 * channels * tap_row);
+            for channel in 0..channels {
+                let left = _mm256_loadu_ps(taps.add(channel * tap_row));
+                let middle = _mm256_loadu_ps(taps.add((channels + channel) * tap_row));
+                let right = _mm256_loadu_ps(taps.add((2 * channels + channel) * tap_row));
+                // Input pixel q feeds output q (left tap), q - 1 (middle) and q - 2 (right).
+                for q in 0..R + 2 {
+                    let value = _mm256_broadcast_ss(&*row.add(q * pixel_step + channel));
+                    if q < R {
+                        sums[q] = _mm256_fmadd_ps(value, left, sums[q]);
+                    }
+                    if (1..=R).contains(&q) {
+                        sums[q - 1] = _mm256_fmadd_ps(value, middle, sums[q - 1]);
+                    }
+                    if q >= 2 {
+                        sums[q - 2] = _mm256_fmadd_ps(value, right, sums[q - 2]);
+                    }
+                }
+            }
+        }
+        for (pixel, sum) in sums.iter().enumerate() {
+            _mm256_storeu_ps(target.add(pixel * geometry.out_channels), *sum);
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn accumulate_weight_grad(
         image: &PaddedImage,
@@ -434,6 +498,15 @@ mod avx2 {
         };
         let mut channel = 0;
         while channel < channels {
+            if kernel == 3 {
+                for ky in 0..3 {
+                    let window = image.data.as_ptr().add(ky * geometry.row_stride + channel);
+                    let target = grad_weight.as_mut_ptr().add(ky * 3 * channels + channel);
+                    weight_grad_rows_3wide(&geometry, window, grad_output.as_ptr(), target);
+                }
+                channel += 8;
+                continue;
+            }
             let vectors = if channels - channel >= 16 { 2 } else { 1 };
             for ky in 0..kernel {
                 for kx in 0..kernel {
@@ -491,6 +564,67 @@ mod avx2 {
                 _ => weight_grad_block::<1, V>(geometry, window, grad, dst),
             }
             out += rows;
+        }
+    }
+
+    /// One kernel row of a 3-wide kernel and 8 input channels: the three taps together, so
+    /// each output-gradient value is broadcast once for all three.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weight_grad_rows_3wide(
+        geometry: &WindowGeometry,
+        window: *const f32,
+        grad_output: *const f32,
+        target: *mut f32,
+    ) {
+        // 3 taps x 3 outputs accumulators, 3 inputs and a broadcast: 13 of the 16 registers.
+        let mut out = 0;
+        while out < geometry.out_channels {
+            let rows = 3.min(geometry.out_channels - out);
+            let grad = grad_output.add(out);
+            let dst = target.add(out * geometry.patch_len);
+            match rows {
+                3 => weight_grad_block_3wide::<3>(geometry, window, grad, dst),
+                2 => weight_grad_block_3wide::<2>(geometry, window, grad, dst),
+                _ => weight_grad_block_3wide::<1>(geometry, window, grad, dst),
+            }
+            out += rows;
+        }
+    }
+
+    /// `target[o][kx][0..8] += Σ_{y,x} grad[y][x][o] · window[y][x+kx][0..8]` for the three
+    /// `kx` and `O` output channels.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weight_grad_block_3wide<const O: usize>(
+        geometry: &WindowGeometry,
+        window: *const f32,
+        grad: *const f32,
+        target: *mut f32,
+    ) {
+        let mut sums = [[_mm256_setzero_ps(); O]; 3];
+        let channels = geometry.channels;
+        for y in 0..geometry.out_height {
+            let window_row = window.add(y * geometry.row_stride);
+            let grad_row = grad.add(y * geometry.out_width * geometry.out_channels);
+            for x in 0..geometry.out_width {
+                let mut inputs = [_mm256_setzero_ps(); 3];
+                for (kx, input) in inputs.iter_mut().enumerate() {
+                    *input = _mm256_loadu_ps(window_row.add((x + kx) * channels));
+                }
+                let grad_pixel = grad_row.add(x * geometry.out_channels);
+                for out in 0..O {
+                    let value = _mm256_broadcast_ss(&*grad_pixel.add(out));
+                    for (tap, input) in sums.iter_mut().zip(&inputs) {
+                        tap[out] = _mm256_fmadd_ps(value, *input, tap[out]);
+                    }
+                }
+            }
+        }
+        for (kx, tap) in sums.iter().enumerate() {
+            for (out, value) in tap.iter().enumerate() {
+                let place = target.add(out * geometry.patch_len + kx * channels);
+                _mm256_storeu_ps(place, _mm256_add_ps(_mm256_loadu_ps(place), *value));
+            }
         }
     }
 
