@@ -85,9 +85,7 @@ pub struct BatchNormScratch {
     column_sums: Vec<ColumnSums>,
     totals: Vec<f64>,
     reduced: Vec<f64>,
-    gain: ChannelTile,
-    mean_dy: ChannelTile,
-    mean_dy_xhat: ChannelTile,
+    backward: BackwardCoefficients,
 }
 
 /// The learned affine parameters and running statistics of one layer.
@@ -494,6 +492,57 @@ pub fn backward(
     reducer: Option<&mut dyn BatchNormReducer>,
     scratch: &mut BatchNormScratch,
 ) -> Result<(), EngineError> {
+    assert_eq!(
+        grad_input.len(),
+        input.len(),
+        "batchnorm backward: input gradient length"
+    );
+    let coefficients = backward_coefficients(
+        grad_output,
+        input,
+        weight,
+        state,
+        grad_weight,
+        grad_bias,
+        reducer,
+        scratch,
+    )?;
+    let tile = coefficients.gain.len();
+    let chunk = tile * elementwise_rows_per_chunk(tile);
+    let relu_chunks: Vec<Option<&[f32]>> = match grad_output.relu_output {
+        Some(relu) => relu.chunks(chunk).map(Some).collect(),
+        None => vec![None; input.len().div_ceil(chunk.max(1))],
+    };
+    grad_input
+        .par_chunks_mut(chunk)
+        .zip(grad_output.values.par_chunks(chunk))
+        .zip(relu_chunks.into_par_iter())
+        .zip(input.par_chunks(chunk))
+        .for_each(|(((dx, dy), relu), x)| {
+            let grad = OutputGrad {
+                values: dy,
+                relu_output: relu,
+            };
+            coefficients.input_gradient(grad, x, dx);
+        });
+    Ok(())
+}
+
+/// The first half of [`backward`]: the per-channel sums over the whole batch. Adds the local
+/// `Σ dy·x̂` and `Σ dy` to `grad_weight`/`grad_bias` and returns the coefficients of the input
+/// gradient, which [`BackwardCoefficients::input_gradient`] applies chunk by chunk (possibly
+/// inside the backward pass of the convolution before this layer).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_coefficients<'s>(
+    grad_output: OutputGrad,
+    input: &[f32],
+    weight: &[f32],
+    state: &BatchNormState,
+    grad_weight: &mut [f32],
+    grad_bias: &mut [f32],
+    reducer: Option<&mut dyn BatchNormReducer>,
+    scratch: &'s mut BatchNormScratch,
+) -> Result<&'s BackwardCoefficients, EngineError> {
     let channels = state.channels();
     let dy = grad_output.values;
     // Without a ReLU the gradient serves as its own (never consulted) mask.
@@ -501,7 +550,6 @@ pub fn backward(
     for (what, len) in [
         ("output gradient", dy.len()),
         ("ReLU output", relu_output.len()),
-        ("input gradient", grad_input.len()),
     ] {
         assert_eq!(len, input.len(), "batchnorm backward: {what} length");
     }
@@ -523,28 +571,18 @@ pub fn backward(
     let count = state.count;
     let invstd = &state.invstd[..channels];
     let BatchNormScratch {
-        totals,
-        gain,
-        mean_dy,
-        mean_dy_xhat,
-        ..
+        totals, backward, ..
     } = scratch;
-    gain.refill(channels, |c| weight[c] * invstd[c]);
-    mean_dy.refill(channels, |c| (totals[c] / count) as f32);
-    mean_dy_xhat.refill(channels, |c| (totals[channels + c] / count) as f32);
-    let coefficients = InputGradCoefficients {
-        mean: &state.tiles.mean.values,
-        invstd: &state.tiles.invstd.values,
-        gain: &gain.values,
-        mean_dy: &mean_dy.values,
-        mean_dy_xhat: &mean_dy_xhat.values,
-    };
-    if grad_output.relu_output.is_some() {
-        input_gradient::<true>(dy, relu_output, input, &coefficients, grad_input);
-    } else {
-        input_gradient::<false>(dy, relu_output, input, &coefficients, grad_input);
-    }
-    Ok(())
+    backward.mean.refill(channels, |c| state.mean[c]);
+    backward.invstd.refill(channels, |c| invstd[c]);
+    backward.gain.refill(channels, |c| weight[c] * invstd[c]);
+    backward
+        .mean_dy
+        .refill(channels, |c| (totals[c] / count) as f32);
+    backward
+        .mean_dy_xhat
+        .refill(channels, |c| (totals[channels + c] / count) as f32);
+    Ok(backward)
 }
 
 /// Tiles summed in f32 before the partial sums are added into f64 ones: few enough that
@@ -643,44 +681,57 @@ multiversion! {
     }
 }
 
-/// The per-channel values of the input-gradient pass, as tiles.
-struct InputGradCoefficients<'a> {
-    mean: &'a [f32],
-    invstd: &'a [f32],
-    gain: &'a [f32],
-    mean_dy: &'a [f32],
-    mean_dy_xhat: &'a [f32],
+/// The per-channel coefficients of a training-mode batch norm's input gradient, as tiles:
+/// `dx = gain · (dy − mean(dy) − x̂ · mean(dy·x̂))` with `x̂ = (x − mean) · invstd`. Made by
+/// [`backward_coefficients`].
+#[derive(Default)]
+pub struct BackwardCoefficients {
+    mean: ChannelTile,
+    invstd: ChannelTile,
+    gain: ChannelTile,
+    mean_dy: ChannelTile,
+    mean_dy_xhat: ChannelTile,
 }
 
-/// `dx = gain · (dy − mean(dy) − x̂ · mean(dy·x̂))`, per element.
-fn input_gradient<const RELU: bool>(
-    dy: &[f32],
-    relu_output: &[f32],
-    input: &[f32],
-    coefficients: &InputGradCoefficients,
-    grad_input: &mut [f32],
-) {
-    let tile = coefficients.gain.len();
-    let chunk = tile * elementwise_rows_per_chunk(tile);
-    grad_input
-        .par_chunks_mut(chunk)
-        .zip(dy.par_chunks(chunk))
-        .zip(relu_output.par_chunks(chunk))
-        .zip(input.par_chunks(chunk))
-        .for_each(|(((dx, dy), relu), x)| {
-            input_gradient_chunk::<RELU>(dx, [dy, relu, x], coefficients)
-        });
+impl BackwardCoefficients {
+    /// The input gradient of a chunk of whole rows: `grad_input` from the gradient at the
+    /// layer's output and the layer's input `input`, all starting at the same row.
+    pub fn input_gradient(&self, grad_output: OutputGrad, input: &[f32], grad_input: &mut [f32]) {
+        let dy = grad_output.values;
+        assert_eq!(dy.len(), input.len(), "batchnorm backward: chunk lengths");
+        assert_eq!(
+            grad_input.len(),
+            input.len(),
+            "batchnorm backward: chunk lengths"
+        );
+        let tiles = [
+            &self.mean.values[..],
+            &self.invstd.values,
+            &self.gain.values,
+            &self.mean_dy.values,
+            &self.mean_dy_xhat.values,
+        ];
+        match grad_output.relu_output {
+            Some(relu) => {
+                assert_eq!(relu.len(), input.len(), "batchnorm backward: chunk lengths");
+                input_gradient_chunk::<true>(grad_input, [dy, relu, input], tiles)
+            }
+            None => input_gradient_chunk::<false>(grad_input, [dy, dy, input], tiles),
+        }
+    }
 }
 
 multiversion! {
-    /// [`input_gradient`] on one chunk, from the streams `[dy, relu output, x]`.
+    /// `dx = gain · (dy − mean_dy − x̂ · mean_dy_xhat)` over one chunk, from the streams
+    /// `[dy, relu output, x]` and the tiles `[mean, invstd, gain, mean_dy, mean_dy_xhat]`.
     fn input_gradient_chunk<const RELU: bool>(
         dx: &mut [f32],
         streams: [&[f32]; 3],
-        coefficients: &InputGradCoefficients,
+        tiles: [&[f32]; 5],
     ) {
         let [dy, relu, x] = streams;
-        let tile = coefficients.gain.len();
+        let [mean, invstd, gain, mean_dy, mean_dy_xhat] = tiles;
+        let tile = gain.len();
         let rows = dx
             .chunks_mut(tile)
             .zip(dy.chunks(tile))
@@ -688,9 +739,9 @@ multiversion! {
             .zip(x.chunks(tile));
         for (((dx, dy), relu), x) in rows {
             let data = dx.iter_mut().zip(dy).zip(relu).zip(x);
-            let normalize = coefficients.mean.iter().zip(coefficients.invstd);
-            let means = coefficients.mean_dy.iter().zip(coefficients.mean_dy_xhat);
-            let correct = coefficients.gain.iter().zip(means);
+            let normalize = mean.iter().zip(invstd);
+            let means = mean_dy.iter().zip(mean_dy_xhat);
+            let correct = gain.iter().zip(means);
             for ((((dx, &dy), &relu), &x), ((&mean, &invstd), (&gain, (&mean_dy, &mean_dy_xhat)))) in
                 data.zip(normalize.zip(correct))
             {

@@ -12,7 +12,7 @@
 
 use rayon::prelude::*;
 
-use crate::batchnorm::{self, ColumnSums};
+use crate::batchnorm::{self, BackwardCoefficients, ColumnSums, OutputGrad};
 use crate::direct::{self, Start};
 use crate::matmul::{matmul, MatRef};
 use crate::threads::threads;
@@ -148,7 +148,7 @@ impl Conv2dShape {
         }
     }
 
-    fn check_lengths(&self, input: &[f32], weight: &[f32], output: &[f32]) {
+    fn check_lengths(&self, input: &[f32], weight: &[f32], output_len: usize) {
         assert!(
             self.output_size().is_some(),
             "conv2d: kernel does not fit {self:?}"
@@ -164,7 +164,7 @@ impl Conv2dShape {
             "conv2d: weight length for {self:?}"
         );
         assert_eq!(
-            output.len(),
+            output_len,
             self.output_len(),
             "conv2d: output length for {self:?}"
         );
@@ -184,6 +184,8 @@ pub struct ConvScratch {
 #[derive(Default)]
 struct WorkerScratch {
     columns: Vec<f32>,
+    /// The output gradient of the current chunk, when it is computed on the fly.
+    grad_output: Vec<f32>,
     output_sums: ColumnSums,
     weight_grad: Vec<f32>,
     bias_grad: Vec<f64>,
@@ -207,6 +209,73 @@ impl ConvScratch {
 fn grow(buffer: &mut Vec<f32>, len: usize) {
     if buffer.len() < len {
         buffer.resize(len, 0.0);
+    }
+}
+
+/// The gradient at a convolution's output.
+#[derive(Clone, Copy)]
+pub enum ConvOutputGrad<'a> {
+    /// A tensor shaped like the output.
+    Values(&'a [f32]),
+    /// Through the training-mode batch norm that follows the convolution: computed chunk by
+    /// chunk inside the backward pass, never written out whole.
+    ThroughBatchNorm {
+        /// The gradient at the batch norm's output.
+        grad: OutputGrad<'a>,
+        /// The batch norm's input: this convolution's output.
+        bn_input: &'a [f32],
+        /// The batch norm's input-gradient coefficients.
+        coefficients: &'a BackwardCoefficients,
+    },
+}
+
+impl<'a> ConvOutputGrad<'a> {
+    fn len(&self) -> usize {
+        match self {
+            ConvOutputGrad::Values(values) => values.len(),
+            ConvOutputGrad::ThroughBatchNorm { bn_input, .. } => bn_input.len(),
+        }
+    }
+
+    /// The gradient of the values in `range` (whole rows).
+    fn part(&self, range: std::ops::Range<usize>) -> ConvOutputGrad<'a> {
+        match *self {
+            ConvOutputGrad::Values(values) => ConvOutputGrad::Values(&values[range]),
+            ConvOutputGrad::ThroughBatchNorm {
+                grad,
+                bn_input,
+                coefficients,
+            } => ConvOutputGrad::ThroughBatchNorm {
+                grad: OutputGrad {
+                    values: &grad.values[range.clone()],
+                    relu_output: grad.relu_output.map(|relu| &relu[range.clone()]),
+                },
+                bn_input: &bn_input[range],
+                coefficients,
+            },
+        }
+    }
+
+    /// The gradient values: as given, or computed into `buffer`.
+    fn values<'b>(&self, buffer: &'b mut Vec<f32>) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        match *self {
+            ConvOutputGrad::Values(values) => values,
+            ConvOutputGrad::ThroughBatchNorm {
+                grad,
+                bn_input,
+                coefficients,
+            } => {
+                if buffer.len() < bn_input.len() {
+                    buffer.resize(bn_input.len(), 0.0);
+                }
+                let values = &mut buffer[..bn_input.len()];
+                coefficients.input_gradient(grad, bn_input, values);
+                values
+            }
+        }
     }
 }
 
@@ -272,7 +341,7 @@ pub fn conv2d_forward_fused(
     output: &mut [f32],
     scratch: &mut ConvScratch,
 ) {
-    shape.check_lengths(input, weight, output);
+    shape.check_lengths(input, weight, output.len());
     let (epilogue, mut output_sums) = match fused {
         Fused::Nothing => (None, None),
         Fused::Epilogue(epilogue) => (Some(epilogue), None),
@@ -424,13 +493,13 @@ pub fn conv2d_backward(
     shape: &Conv2dShape,
     input: &[f32],
     weight: &[f32],
-    grad_output: &[f32],
+    grad_output: ConvOutputGrad,
     grad_weight: &mut [f32],
     grad_bias: Option<&mut [f32]>,
     grad_input: InputGrad,
     scratch: &mut ConvScratch,
 ) {
-    shape.check_lengths(input, weight, grad_output);
+    shape.check_lengths(input, weight, grad_output.len());
     assert_eq!(
         grad_weight.len(),
         shape.weight_len(),
@@ -466,10 +535,17 @@ pub fn conv2d_backward(
         direct::input_grad_taps(shape, weight, &mut scratch.taps);
     }
     let taps = &scratch.taps;
+    let part_len = images_per_worker * shape.output_image_len();
+    let grad_output_parts: Vec<ConvOutputGrad> = (0..workers)
+        .map(|index| {
+            let start = index * part_len;
+            grad_output.part(start..(start + part_len).min(shape.output_len()))
+        })
+        .collect();
     scratch.workers[..workers]
         .par_iter_mut()
         .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
-        .zip(grad_output.par_chunks(images_per_worker * shape.output_image_len()))
+        .zip(grad_output_parts.into_par_iter())
         .zip(input_grad_parts.into_par_iter())
         .for_each(
             |(((worker, input_part), grad_output_part), grad_input_part)| {
@@ -527,11 +603,14 @@ fn backward_worker(
     worker.bias_grad[..shape.bias_tile_len()].fill(0.0);
     let weight_matrix = MatRef::row_major(weight, out_channels, patch_len);
     let chunk_images = shape.images_per_chunk();
+    let chunk_output_len = chunk_images * shape.output_image_len();
     let input_chunks = input_part.chunks(chunk_images * shape.input_image_len());
-    let grad_output_chunks = grad_output_part.chunks(chunk_images * shape.output_image_len());
-    for (chunk_index, (input_chunk, grad_output_chunk)) in
-        input_chunks.zip(grad_output_chunks).enumerate()
-    {
+    for (chunk_index, input_chunk) in input_chunks.enumerate() {
+        let start = chunk_index * chunk_output_len;
+        let end = (start + chunk_output_len).min(grad_output_part.len());
+        let grad_output_chunk = grad_output_part
+            .part(start..end)
+            .values(&mut worker.grad_output);
         let rows = grad_output_chunk.len() / out_channels;
         let grad_output_matrix = MatRef::row_major(grad_output_chunk, rows, out_channels);
         let patches = patch_matrix(shape, input_chunk, rows, &mut worker.columns);
@@ -580,7 +659,7 @@ fn backward_worker(
 /// One worker's slices of a backward pass.
 struct WorkerParts<'a> {
     input: &'a [f32],
-    grad_output: &'a [f32],
+    grad_output: ConvOutputGrad<'a>,
     grad_input: Option<&'a mut [f32]>,
     accumulate_input: bool,
 }
@@ -602,9 +681,12 @@ fn backward_worker_direct(
     worker.weight_grad[..shape.weight_len()].fill(0.0);
     worker.bias_grad[..shape.bias_tile_len()].fill(0.0);
     let images = input_part.chunks(shape.input_image_len());
-    let grad_outputs = grad_output_part.chunks(shape.output_image_len());
     let mut grad_inputs = grad_input_part.map(|part| part.chunks_mut(shape.input_image_len()));
-    for (image, grad_output_image) in images.zip(grad_outputs) {
+    let image_len = shape.output_image_len();
+    for (index, image) in images.enumerate() {
+        let grad_output_image = grad_output_part
+            .part(index * image_len..(index + 1) * image_len)
+            .values(&mut worker.grad_output);
         let padded = shape.padded_input(image, &mut worker.columns);
         direct::accumulate_weight_grad(
             &padded,
@@ -882,7 +964,7 @@ mod tests {
                 &shape,
                 &input,
                 &weight,
-                &grad_output,
+                ConvOutputGrad::Values(&grad_output),
                 &mut got_weight,
                 Some(&mut got_bias),
                 InputGrad::Accumulate(&mut got_input),
@@ -909,7 +991,7 @@ mod tests {
                 &shape,
                 &input,
                 &weight,
-                &grad_output,
+                ConvOutputGrad::Values(&grad_output),
                 &mut got_weight,
                 None,
                 InputGrad::Overwrite(&mut got_input),
@@ -1031,6 +1113,129 @@ mod tests {
                     (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
                     "{shape:?} sum {channel}: {got} vs {want}"
                 );
+            }
+        }
+    }
+
+    /// The batch norm's input gradient computed inside the convolution's backward pass gives
+    /// the same gradients as computing it first, on both code paths, with and without a ReLU.
+    #[test]
+    fn backward_through_batch_norm_equals_the_two_passes() {
+        use crate::batchnorm::{self, BatchNormParams, BatchNormScratch, BatchNormState};
+        for (seed, (in_channels, out_channels, relu)) in
+            [(8, 16, true), (16, 8, false), (3, 40, true)]
+                .into_iter()
+                .enumerate()
+        {
+            let shape = Conv2dShape {
+                batch: 19,
+                in_height: 6,
+                in_width: 7,
+                in_channels,
+                out_channels,
+                kernel: 3,
+                stride: 1,
+                padding: 1,
+            };
+            let seed = 300 + 10 * seed as u64;
+            let input = random(shape.input_len(), seed);
+            let weight = random(shape.weight_len(), seed + 1);
+            let bn_weight = random(out_channels, seed + 2);
+            let bn_bias = random(out_channels, seed + 3);
+            let grad = random(shape.output_len(), seed + 4);
+            let mut scratch = ConvScratch::default();
+            let mut z = vec![0.0; shape.output_len()];
+            conv2d_forward(&shape, &input, &weight, None, &mut z, &mut scratch);
+            let params = BatchNormParams {
+                weight: &bn_weight,
+                bias: &bn_bias,
+            };
+            let mut state = BatchNormState::new(out_channels);
+            let mut bn_scratch = BatchNormScratch::default();
+            let (mut running_mean, mut running_var) =
+                (vec![0.0; out_channels], vec![1.0; out_channels]);
+            batchnorm::train_statistics(
+                &z,
+                &params,
+                &mut running_mean,
+                &mut running_var,
+                &mut state,
+                None,
+                &mut bn_scratch,
+            )
+            .expect("statistics");
+            let relu_output: Vec<f32> = z.iter().map(|v| (v - 0.1).max(0.0)).collect();
+            let grad_output = batchnorm::OutputGrad {
+                values: &grad,
+                relu_output: relu.then_some(&relu_output[..]),
+            };
+            let run =
+                |fused: bool, scratch: &mut ConvScratch, bn_scratch: &mut BatchNormScratch| {
+                    let (mut bn_grad_weight, mut bn_grad_bias) =
+                        (vec![0.0; out_channels], vec![0.0; out_channels]);
+                    let mut grad_weight = vec![0.0; shape.weight_len()];
+                    let mut grad_input = vec![0.0; shape.input_len()];
+                    let mut grad_z = vec![0.0; shape.output_len()];
+                    if fused {
+                        let coefficients = batchnorm::backward_coefficients(
+                            grad_output,
+                            &z,
+                            &bn_weight,
+                            &state,
+                            &mut bn_grad_weight,
+                            &mut bn_grad_bias,
+                            None,
+                            bn_scratch,
+                        )
+                        .expect("coefficients");
+                        let through = ConvOutputGrad::ThroughBatchNorm {
+                            grad: grad_output,
+                            bn_input: &z,
+                            coefficients,
+                        };
+                        conv2d_backward(
+                            &shape,
+                            &input,
+                            &weight,
+                            through,
+                            &mut grad_weight,
+                            None,
+                            InputGrad::Overwrite(&mut grad_input),
+                            scratch,
+                        );
+                    } else {
+                        batchnorm::backward(
+                            grad_output,
+                            &z,
+                            &bn_weight,
+                            &state,
+                            &mut bn_grad_weight,
+                            &mut bn_grad_bias,
+                            &mut grad_z,
+                            None,
+                            bn_scratch,
+                        )
+                        .expect("backward");
+                        conv2d_backward(
+                            &shape,
+                            &input,
+                            &weight,
+                            ConvOutputGrad::Values(&grad_z),
+                            &mut grad_weight,
+                            None,
+                            InputGrad::Overwrite(&mut grad_input),
+                            scratch,
+                        );
+                    }
+                    [bn_grad_weight, bn_grad_bias, grad_weight, grad_input]
+                };
+            let separate = run(false, &mut scratch, &mut bn_scratch);
+            let fused = run(true, &mut scratch, &mut bn_scratch);
+            for (what, (a, b)) in ["bn weight", "bn bias", "conv weight", "input"]
+                .iter()
+                .zip(separate.iter().zip(&fused))
+            {
+                assert_eq!(a, b, "{shape:?} relu={relu}: {what} gradient");
             }
         }
     }

@@ -125,14 +125,26 @@ pub(crate) fn pad_image<'a>(
     }
     let (padded_height, padded_width) = (height + 2 * padding, width + 2 * padding);
     let row_len = padded_width * channels;
-    buffer.clear();
-    buffer.resize(padded_height * row_len, 0.0);
-    for (row, source) in image.chunks_exact(width * channels).enumerate() {
-        let start = (row + padding) * row_len + padding * channels;
-        buffer[start..start + source.len()].copy_from_slice(source);
+    let border = padding * channels;
+    // Only the border is zeroed; the interior is overwritten row by row.
+    if buffer.len() < padded_height * row_len {
+        buffer.resize(padded_height * row_len, 0.0);
+    }
+    let padded = &mut buffer[..padded_height * row_len];
+    let (top, rest) = padded.split_at_mut(padding * row_len);
+    let (middle, bottom) = rest.split_at_mut(height * row_len);
+    top.fill(0.0);
+    bottom.fill(0.0);
+    for (row, source) in middle
+        .chunks_exact_mut(row_len)
+        .zip(image.chunks_exact(width * channels))
+    {
+        row[..border].fill(0.0);
+        row[border..border + source.len()].copy_from_slice(source);
+        row[border + source.len()..].fill(0.0);
     }
     PaddedImage {
-        data: buffer,
+        data: &buffer[..padded_height * row_len],
         height: padded_height,
         width: padded_width,
         channels,

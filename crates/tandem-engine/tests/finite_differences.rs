@@ -7,7 +7,9 @@
 use tandem_engine::batchnorm::{
     self, BatchNormParams, BatchNormScratch, BatchNormState, OutputGrad, Residual,
 };
-use tandem_engine::conv::{conv2d_backward, conv2d_forward, Conv2dShape, ConvScratch, InputGrad};
+use tandem_engine::conv::{
+    conv2d_backward, conv2d_forward, Conv2dShape, ConvOutputGrad, ConvScratch, InputGrad,
+};
 use tandem_engine::head;
 use tandem_engine::rng::Rng;
 
@@ -79,7 +81,7 @@ fn conv_case(shape: Conv2dShape, with_bias: bool, seed: u64) {
         &shape,
         &input,
         &weight,
-        &output_grad,
+        ConvOutputGrad::Values(&output_grad),
         &mut grad_weight,
         with_bias.then_some(&mut grad_bias[..]),
         InputGrad::Overwrite(&mut grad_input),
@@ -119,7 +121,7 @@ fn conv_case(shape: Conv2dShape, with_bias: bool, seed: u64) {
         &shape,
         &input,
         &weight,
-        &output_grad,
+        ConvOutputGrad::Values(&output_grad),
         &mut grad_weight,
         None,
         InputGrad::Accumulate(&mut accumulated),

@@ -6,7 +6,8 @@ use tandem_engine::batchnorm::{
     self, BatchNormParams, BatchNormReducer, BatchNormScratch, OutputGrad, Residual,
 };
 use tandem_engine::conv::{
-    conv2d_backward, conv2d_forward_fused, Conv2dShape, ConvScratch, Epilogue, Fused, InputGrad,
+    conv2d_backward, conv2d_forward_fused, Conv2dShape, ConvOutputGrad, ConvScratch, Epilogue,
+    Fused, InputGrad,
 };
 use tandem_engine::head;
 use tandem_engine::rng::Rng;
@@ -735,28 +736,21 @@ fn backward_pass(
         values: &buffers.current[..len],
         relu_output: network.stem_relu.then(|| &ws.slots[ws.stem.out][..len]),
     };
-    batchnorm_backward(
-        &stem.bn,
-        stem_grad,
-        &ws.slots[ws.stem.z][..len],
-        params,
-        grads,
-        &mut buffers.first[..len],
-        reborrow(&mut reducer),
-        &mut ws.bn_scratch,
-    )?;
-    reporter.finished_up_to(stem.bn.param_range().end, grads);
-    conv_backward(
-        &stem.conv,
-        &ws.stem,
+    let mut scratch = Scratch {
+        conv: &mut ws.conv_scratch,
+        bn: &mut ws.bn_scratch,
+    };
+    unit_backward(
+        (&stem.conv, &stem.bn, &ws.stem),
         params,
         grads,
         &ws.slots,
-        &buffers.first[..len],
+        stem_grad,
         InputGrad::Skip,
-        &mut ws.conv_scratch,
-    );
-    reporter.finished_up_to(stem.conv.param_range().end, grads);
+        &mut scratch,
+        reborrow(&mut reducer),
+        reporter,
+    )?;
     Ok(())
 }
 
@@ -784,113 +778,142 @@ fn block_backward(
         &mut buffers.current[..out_len],
         &slots[last_plan.out][..out_len],
     );
+    let mut scratch = Scratch {
+        conv: conv_scratch,
+        bn: bn_scratch,
+    };
     let projected = match (&block.shortcut, &plan.shortcut) {
         (Some(unit), Some(unit_plan)) => {
             let len = unit_plan.output_len();
-            let grad_z = &mut buffers.first[..len];
+            let input_len = unit_plan.shape.input_len();
             let grad_output = OutputGrad {
                 values: &buffers.current[..len],
                 relu_output: None,
             };
-            batchnorm_backward(
-                &unit.bn,
-                grad_output,
-                &slots[unit_plan.z][..len],
-                params,
-                grads,
-                grad_z,
-                reborrow(reducer),
-                bn_scratch,
-            )?;
-            reporter.finished_up_to(unit.bn.param_range().end, grads);
-            let input_len = unit_plan.shape.input_len();
-            let grad_input = InputGrad::Overwrite(&mut buffers.other[..input_len]);
-            conv_backward(
-                &unit.conv,
-                unit_plan,
+            unit_backward(
+                (&unit.conv, &unit.bn, unit_plan),
                 params,
                 grads,
                 slots,
-                &buffers.first[..len],
-                grad_input,
-                conv_scratch,
-            );
-            reporter.finished_up_to(unit.conv.param_range().end, grads);
+                grad_output,
+                InputGrad::Overwrite(&mut buffers.other[..input_len]),
+                &mut scratch,
+                reborrow(reducer),
+                reporter,
+            )?;
             true
         }
         _ => false,
     };
     let last = plan.units.len() - 1;
+    // A one-unit block with an identity shortcut gathers its input gradient in `other`,
+    // since its unit reads the gradient in `current`.
+    let input_in_other = projected || last == 0;
+    if !projected && last == 0 {
+        let len = last_plan.shape.input_len();
+        buffers.other[..len].copy_from_slice(&buffers.current[..len]);
+    }
     for (index, (unit, unit_plan)) in block.units.iter().zip(&plan.units).enumerate().rev() {
         let len = unit_plan.output_len();
-        // Inside the block, the ReLU after this unit is undone within the batch-norm pass.
-        let grad_out = if index == last {
-            OutputGrad {
-                values: &buffers.current[..len],
-                relu_output: None,
-            }
-        } else {
-            OutputGrad {
-                values: &buffers.second[..len],
-                relu_output: Some(&slots[unit_plan.out][..len]),
-            }
-        };
-        batchnorm_backward(
-            &unit.bn,
-            grad_out,
-            &slots[unit_plan.z][..len],
-            params,
-            grads,
-            &mut buffers.first[..len],
-            reborrow(reducer),
-            bn_scratch,
-        )?;
-        reporter.finished_up_to(unit.bn.param_range().end, grads);
         let input_len = unit_plan.shape.input_len();
-        let grad_input = match (index, projected) {
-            (0, true) => InputGrad::Accumulate(&mut buffers.other[..input_len]),
-            (0, false) => InputGrad::Accumulate(&mut buffers.current[..input_len]),
-            _ => InputGrad::Overwrite(&mut buffers.second[..input_len]),
+        let GradBuffers {
+            current,
+            other,
+            first,
+            second,
+        } = &mut *buffers;
+        // Inside the block, the gradient at a unit's output is in `second`, the ReLU after the
+        // unit undone within its batch-norm pass; the unit writes the gradient at its input
+        // into `first`, and the two swap roles for the next unit.
+        let (grad_output, grad_input) = if index == last {
+            let grad_output = OutputGrad {
+                values: &current[..len],
+                relu_output: None,
+            };
+            let grad_input = if index == 0 {
+                InputGrad::Accumulate(&mut other[..input_len])
+            } else {
+                InputGrad::Overwrite(&mut first[..input_len])
+            };
+            (grad_output, grad_input)
+        } else {
+            let grad_output = OutputGrad {
+                values: &second[..len],
+                relu_output: Some(&slots[unit_plan.out][..len]),
+            };
+            let grad_input = match (index, input_in_other) {
+                (0, true) => InputGrad::Accumulate(&mut other[..input_len]),
+                (0, false) => InputGrad::Accumulate(&mut current[..input_len]),
+                _ => InputGrad::Overwrite(&mut first[..input_len]),
+            };
+            (grad_output, grad_input)
         };
-        conv_backward(
-            &unit.conv,
-            unit_plan,
+        unit_backward(
+            (&unit.conv, &unit.bn, unit_plan),
             params,
             grads,
             slots,
-            &buffers.first[..len],
+            grad_output,
             grad_input,
-            conv_scratch,
-        );
-        reporter.finished_up_to(unit.conv.param_range().end, grads);
+            &mut scratch,
+            reborrow(reducer),
+            reporter,
+        )?;
+        std::mem::swap(&mut buffers.first, &mut buffers.second);
     }
-    Ok(projected)
+    Ok(input_in_other)
 }
 
+/// The kernels' scratch buffers.
+struct Scratch<'a> {
+    conv: &'a mut ConvScratch,
+    bn: &'a mut BatchNormScratch,
+}
+
+/// Backward of one convolution + batch-norm unit, given the gradient at the batch norm's
+/// output: the batch norm's sums (and its parameter gradients), then the convolution's
+/// backward with the batch norm's input gradient computed chunk by chunk inside it.
 #[allow(clippy::too_many_arguments)]
-fn batchnorm_backward(
-    bn: &BatchNormLayer,
-    grad_output: OutputGrad,
-    z: &[f32],
+fn unit_backward(
+    (conv, bn, plan): (&ConvLayer, &BatchNormLayer, &UnitPlan),
     params: &[f32],
     grads: &mut [f32],
-    grad_input: &mut [f32],
+    slots: &[Vec<f32>],
+    grad_output: OutputGrad,
+    grad_input: InputGrad,
+    scratch: &mut Scratch,
     reducer: Reducer,
-    scratch: &mut BatchNormScratch,
+    reporter: &mut Reporter,
 ) -> Result<(), ModelError> {
+    let z = &slots[plan.z][..plan.output_len()];
     let (grad_weight, grad_bias) = two_ranges_mut(grads, &bn.weight, &bn.bias);
-    let weight = &params[bn.weight.clone()];
-    batchnorm::backward(
+    let coefficients = batchnorm::backward_coefficients(
         grad_output,
         z,
-        weight,
+        &params[bn.weight.clone()],
         &bn.state,
         grad_weight,
         grad_bias,
-        grad_input,
         reducer,
-        scratch,
+        scratch.bn,
     )?;
+    reporter.finished_up_to(bn.param_range().end, grads);
+    let through_batch_norm = ConvOutputGrad::ThroughBatchNorm {
+        grad: grad_output,
+        bn_input: z,
+        coefficients,
+    };
+    conv_backward(
+        conv,
+        plan,
+        params,
+        grads,
+        slots,
+        through_batch_norm,
+        grad_input,
+        scratch.conv,
+    );
+    reporter.finished_up_to(conv.param_range().end, grads);
     Ok(())
 }
 
@@ -901,7 +924,7 @@ fn conv_backward(
     params: &[f32],
     grads: &mut [f32],
     slots: &[Vec<f32>],
-    grad_output: &[f32],
+    grad_output: ConvOutputGrad,
     grad_input: InputGrad,
     scratch: &mut ConvScratch,
 ) {
