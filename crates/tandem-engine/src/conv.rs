@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use crate::batchnorm::{self, BackwardCoefficients, ColumnSums, OutputGrad};
 use crate::direct::{self, Start};
 use crate::matmul::{matmul, MatRef};
+use crate::simd::multiversion;
 use crate::threads::threads;
 
 /// Rows of the patch matrix one chunk aims for: big enough for efficient GEMM, small
@@ -189,6 +190,7 @@ struct WorkerScratch {
     output_sums: ColumnSums,
     weight_grad: Vec<f32>,
     bias_grad: Vec<f64>,
+    bias_block: Vec<f32>,
 }
 
 impl ConvScratch {
@@ -202,6 +204,7 @@ impl ConvScratch {
             worker
                 .bias_grad
                 .resize(worker.bias_grad.len().max(bias_grad), 0.0);
+            grow(&mut worker.bias_block, bias_grad);
         }
     }
 }
@@ -623,6 +626,7 @@ fn backward_worker(
         );
         add_bias_sums(
             &mut worker.bias_grad[..shape.bias_tile_len()],
+            &mut worker.bias_block[..shape.bias_tile_len()],
             grad_output_chunk,
         );
         let Some(grad_input_part) = grad_input_part.as_deref_mut() else {
@@ -697,6 +701,7 @@ fn backward_worker_direct(
         );
         add_bias_sums(
             &mut worker.bias_grad[..shape.bias_tile_len()],
+            &mut worker.bias_block[..shape.bias_tile_len()],
             grad_output_image,
         );
         let Some(grad_input_image) = grad_inputs.as_mut().and_then(|parts| parts.next()) else {
@@ -727,11 +732,24 @@ fn backward_worker_direct(
     }
 }
 
-/// Adds the output gradient, tile by tile, into the bias-gradient accumulator.
-fn add_bias_sums(bias_tile: &mut [f64], grad_output: &[f32]) {
-    for values in grad_output.chunks(bias_tile.len()) {
-        for (sum, value) in bias_tile.iter_mut().zip(values) {
-            *sum += f64::from(*value);
+/// Tiles of the output gradient summed in f32 before they are added into the f64 bias sums.
+const BIAS_TILES_PER_BLOCK: usize = 16;
+
+multiversion! {
+    /// Adds the output gradient, tile by tile, into the bias-gradient accumulator: in f32
+    /// over blocks of tiles (`block` is scratch of one tile), then in f64.
+    fn add_bias_sums(bias_tile: &mut [f64], block: &mut [f32], grad_output: &[f32]) {
+        let tile = bias_tile.len();
+        for values in grad_output.chunks(tile * BIAS_TILES_PER_BLOCK) {
+            block.fill(0.0);
+            for row in values.chunks(tile) {
+                for (sum, value) in block.iter_mut().zip(row) {
+                    *sum += value;
+                }
+            }
+            for (total, sum) in bias_tile.iter_mut().zip(block.iter()) {
+                *total += f64::from(*sum);
+            }
         }
     }
 }

@@ -92,12 +92,29 @@ pub(crate) fn input_grad_taps(shape: &Conv2dShape, weight: &[f32], taps: &mut Ve
     }
 }
 
-/// An image zero-padded on every side, ready for a stride-1 correlation.
+/// An image zero-padded on every side, ready for a correlation.
+#[derive(Clone, Copy)]
 pub(crate) struct PaddedImage<'a> {
     data: &'a [f32],
     height: usize,
     width: usize,
     channels: usize,
+}
+
+impl PaddedImage<'_> {
+    /// The same pixels as one long row, for a 1x1 stride-1 kernel: the output is then one
+    /// row too, in the same order, and pixel blocks run on across the image's rows.
+    fn as_single_row_for(self, kernel: usize, stride: usize) -> Self {
+        if kernel == 1 && stride == 1 {
+            PaddedImage {
+                height: 1,
+                width: self.height * self.width,
+                ..self
+            }
+        } else {
+            self
+        }
+    }
 }
 
 /// Pads one `[height, width, channels]` image with `padding` zeros on each side, copying
@@ -174,6 +191,7 @@ pub(crate) fn correlate(
     start: Start,
     output: &mut [f32],
 ) {
+    let image = &image.as_single_row_for(kernel, stride);
     assert!(is_available() && out_channels.is_multiple_of(8) && out_channels > 0);
     assert!(kernel >= 1 && kernel <= image.height && kernel <= image.width && stride >= 1);
     let out_height = (image.height - kernel) / stride + 1;
@@ -205,6 +223,7 @@ pub(crate) fn accumulate_weight_grad(
     out_channels: usize,
     grad_weight: &mut [f32],
 ) {
+    let image = &image.as_single_row_for(kernel, 1);
     assert!(is_available() && image.channels.is_multiple_of(8) && image.channels > 0);
     assert!(kernel >= 1 && kernel <= image.height && kernel <= image.width);
     let (out_height, out_width) = (image.height - kernel + 1, image.width - kernel + 1);
@@ -235,7 +254,7 @@ mod avx2 {
     /// 16 registers allow next to the weights and the broadcast.
     const fn block_pixels(vectors: usize) -> usize {
         match vectors {
-            1 => 8,
+            1 => 12,
             2 => 6,
             3 => 3,
             _ => 2,
@@ -287,12 +306,17 @@ mod avx2 {
         first_channel: usize,
     }
 
-    /// Picks a block kernel with the distance between neighbouring output pixels' inputs
-    /// (stride x channels) built in for the common values, so each pixel's input is a
-    /// constant offset from the block's first one.
+    /// Picks a block kernel with the input channel count built in for stride 1 and the
+    /// common counts, so each pixel's input is a constant offset from the block's first one
+    /// and the channel loop has a known length.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn correlate_with_step<const V: usize>(layer: &Layer, output: &mut [f32]) {
-        match layer.stride * layer.image.channels {
+        let channels = if layer.stride == 1 {
+            layer.image.channels
+        } else {
+            0
+        };
+        match channels {
             8 => correlate_rows::<V, 8>(layer, output),
             16 => correlate_rows::<V, 16>(layer, output),
             32 => correlate_rows::<V, 32>(layer, output),
@@ -301,9 +325,10 @@ mod avx2 {
         }
     }
 
-    /// `P` is the pixel step (stride x channels), or 0 when it is only known at run time.
+    /// `C` is the input channel count of a stride-1 correlation, or 0 for any channel count
+    /// and stride, known only at run time.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn correlate_rows<const V: usize, const P: usize>(layer: &Layer, output: &mut [f32]) {
+    unsafe fn correlate_rows<const V: usize, const C: usize>(layer: &Layer, output: &mut [f32]) {
         let Layer {
             image,
             kernel,
@@ -317,7 +342,9 @@ mod avx2 {
         let out_height = (image.height - kernel) / stride + 1;
         let row_stride = image.width * image.channels;
         let pixel_step = stride * image.channels;
-        let block = block_pixels(V);
+        let three_wide = V == 1 && kernel == 3 && stride == 1;
+        // The 3-wide kernel holds three taps' weights too, so fewer pixels.
+        let block = if three_wide { 8 } else { block_pixels(V) };
         let input = image.data.as_ptr();
         let out = output.as_mut_ptr().add(first_channel);
         let bias = match start {
@@ -341,29 +368,33 @@ mod avx2 {
                 let pixels = block.min(out_width - x);
                 let source = input.add(y * stride * row_stride + x * pixel_step);
                 let target = out.add((y * out_width + x) * out_channels);
-                if V == 1 && kernel == 3 && stride == 1 {
+                if three_wide {
                     match pixels {
-                        8 => correlate_block_3wide::<8, P>(&geometry, source, target),
-                        7 => correlate_block_3wide::<7, P>(&geometry, source, target),
-                        6 => correlate_block_3wide::<6, P>(&geometry, source, target),
-                        5 => correlate_block_3wide::<5, P>(&geometry, source, target),
-                        4 => correlate_block_3wide::<4, P>(&geometry, source, target),
-                        3 => correlate_block_3wide::<3, P>(&geometry, source, target),
-                        2 => correlate_block_3wide::<2, P>(&geometry, source, target),
-                        _ => correlate_block_3wide::<1, P>(&geometry, source, target),
+                        8 => correlate_block_3wide::<8, C>(&geometry, source, target),
+                        7 => correlate_block_3wide::<7, C>(&geometry, source, target),
+                        6 => correlate_block_3wide::<6, C>(&geometry, source, target),
+                        5 => correlate_block_3wide::<5, C>(&geometry, source, target),
+                        4 => correlate_block_3wide::<4, C>(&geometry, source, target),
+                        3 => correlate_block_3wide::<3, C>(&geometry, source, target),
+                        2 => correlate_block_3wide::<2, C>(&geometry, source, target),
+                        _ => correlate_block_3wide::<1, C>(&geometry, source, target),
                     }
                     x += pixels;
                     continue;
                 }
                 match pixels {
-                    8 => correlate_block::<8, V, P>(&geometry, source, target),
-                    7 => correlate_block::<7, V, P>(&geometry, source, target),
-                    6 => correlate_block::<6, V, P>(&geometry, source, target),
-                    5 => correlate_block::<5, V, P>(&geometry, source, target),
-                    4 => correlate_block::<4, V, P>(&geometry, source, target),
-                    3 => correlate_block::<3, V, P>(&geometry, source, target),
-                    2 => correlate_block::<2, V, P>(&geometry, source, target),
-                    _ => correlate_block::<1, V, P>(&geometry, source, target),
+                    12 => correlate_block::<12, V, C>(&geometry, source, target),
+                    11 => correlate_block::<11, V, C>(&geometry, source, target),
+                    10 => correlate_block::<10, V, C>(&geometry, source, target),
+                    9 => correlate_block::<9, V, C>(&geometry, source, target),
+                    8 => correlate_block::<8, V, C>(&geometry, source, target),
+                    7 => correlate_block::<7, V, C>(&geometry, source, target),
+                    6 => correlate_block::<6, V, C>(&geometry, source, target),
+                    5 => correlate_block::<5, V, C>(&geometry, source, target),
+                    4 => correlate_block::<4, V, C>(&geometry, source, target),
+                    3 => correlate_block::<3, V, C>(&geometry, source, target),
+                    2 => correlate_block::<2, V, C>(&geometry, source, target),
+                    _ => correlate_block::<1, V, C>(&geometry, source, target),
                 }
                 x += pixels;
             }
@@ -388,7 +419,7 @@ mod avx2 {
     /// block's first pixel, `target` the output at that pixel.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn correlate_block<const R: usize, const V: usize, const P: usize>(
+    unsafe fn correlate_block<const R: usize, const V: usize, const C: usize>(
         geometry: &BlockGeometry,
         source: *const f32,
         target: *mut f32,
@@ -408,8 +439,8 @@ mod avx2 {
                 }
             }
         }
-        let channels = geometry.channels;
-        let pixel_step = if P == 0 { geometry.pixel_step } else { P };
+        let channels = if C == 0 { geometry.channels } else { C };
+        let pixel_step = if C == 0 { geometry.pixel_step } else { C };
         // Within one kernel row the (kx, channel) pairs are contiguous in both the padded
         // input row and the taps.
         let row_span = geometry.kernel * channels;
@@ -445,7 +476,7 @@ mod avx2 {
     /// output pixels it reaches), instead of once per tap.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn correlate_block_3wide<const R: usize, const P: usize>(
+    unsafe fn correlate_block_3wide<const R: usize, const C: usize>(
         geometry: &BlockGeometry,
         source: *const f32,
         target: *mut f32,
@@ -460,8 +491,8 @@ mod avx2 {
                 *sum = _mm256_loadu_ps(geometry.bias);
             }
         }
-        let channels = geometry.channels;
-        let pixel_step = if P == 0 { geometry.pixel_step } else { P };
+        let channels = if C == 0 { geometry.channels } else { C };
+        let pixel_step = if C == 0 { geometry.pixel_step } else { C };
         let tap_row = geometry.out_channels;
         for ky in 0..3 {
             let row = source.add(ky * geometry.row_stride);
