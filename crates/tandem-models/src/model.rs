@@ -394,18 +394,24 @@ impl Model {
         for (block, plan) in network.blocks.iter_mut().zip(&ws.blocks) {
             block_forward(block, plan, &mut layer, &mut ws.slots, &mut reducer)?;
         }
-        let last = ws.final_output();
-        let features = &ws.slots[last.out][..last.output_len()];
-        head::average_pool_forward(features, ws.final_pixels, ws.final_channels, &mut ws.pooled);
-        let head = &network.head;
-        head::linear_forward(
-            &ws.pooled,
-            &params[head.weight.clone()],
-            &params[head.bias.clone()],
-            &mut ws.logits,
-        );
+        head_forward(network, params, ws);
         Ok(())
     }
+}
+
+/// Average pooling and the linear classifier on the last block's output, into
+/// `ws.logits`.
+fn head_forward(network: &Network, params: &[f32], ws: &mut Workspace) {
+    let last = ws.final_output();
+    let features = &ws.slots[last.out][..last.output_len()];
+    head::average_pool_forward(features, ws.final_pixels, ws.final_channels, &mut ws.pooled);
+    let head = &network.head;
+    head::linear_forward(
+        &ws.pooled,
+        &params[head.weight.clone()],
+        &params[head.bias.clone()],
+        &mut ws.logits,
+    );
 }
 
 /// The eval-mode network up to the logits: each convolution with its batch norm (running
@@ -458,16 +464,7 @@ fn forward_eval_layers(
             );
         }
     }
-    let last = ws.final_output();
-    let features = &ws.slots[last.out][..last.output_len()];
-    head::average_pool_forward(features, ws.final_pixels, ws.final_channels, &mut ws.pooled);
-    let head = &network.head;
-    head::linear_forward(
-        &ws.pooled,
-        &params[head.weight.clone()],
-        &params[head.bias.clone()],
-        &mut ws.logits,
-    );
+    head_forward(network, params, ws);
     Ok(())
 }
 
