@@ -10,12 +10,17 @@ pub fn average_pool_forward(input: &[f32], pixels: usize, channels: usize, outpu
         .chunks_exact(pixels * channels)
         .zip(output.chunks_exact_mut(channels))
     {
-        for (c, value) in pooled.iter_mut().enumerate() {
-            let sum: f64 = image
-                .chunks_exact(channels)
-                .map(|pixel| f64::from(pixel[c]))
-                .sum();
-            *value = (sum / pixels as f64) as f32;
+        // Pixel rows are added in order, whole rows at a time, so the loop vectorizes over
+        // the channels.
+        pooled.fill(0.0);
+        for pixel in image.chunks_exact(channels) {
+            for (sum, value) in pooled.iter_mut().zip(pixel) {
+                *sum += value;
+            }
+        }
+        let inverse = 1.0 / pixels as f32;
+        for value in pooled.iter_mut() {
+            *value *= inverse;
         }
     }
 }
