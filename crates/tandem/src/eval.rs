@@ -54,7 +54,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     )?;
     let report = evaluation.report();
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        say!("{}", serde_json::to_string(&report)?);
     } else {
         print!("{}", render_text(&report, &test_set.class_names));
     }

@@ -4,6 +4,15 @@
 //! Each subcommand lives in a module of its own; this file only parses the command line
 //! and reports errors.
 
+/// Prints a line to standard output like `println!`, but a closed output (`tandem ... | head`)
+/// does not panic: the line is dropped and the job goes on.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
 mod bench;
 mod data_source;
 mod eval;

@@ -94,13 +94,13 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
                 probabilities,
                 top,
             };
-            println!("{}", serde_json::to_string(&prediction)?);
+            say!("{}", serde_json::to_string(&prediction)?);
         } else {
             let listed: Vec<String> = top
                 .iter()
                 .map(|entry| format!("{} ({:.3})", entry.class, entry.probability))
                 .collect();
-            println!("{file}: {}", listed.join(", "));
+            say!("{file}: {}", listed.join(", "));
         }
     }
     Ok(())

@@ -378,3 +378,23 @@ fn one_epoch_of_real_cifar10_beats_chance_by_far() {
         "1 epoch reached only {accuracy} test accuracy"
     );
 }
+
+/// `tandem ... | head` closes the output early: the job ends normally, without a panic.
+#[test]
+fn closed_standard_output_is_not_a_panic() {
+    let mut child = common::tandem()
+        .args(["bench", "step", "--model", "resnet-base", "--batch", "4"])
+        .args(["--steps", "1", "--threads", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("cannot start tandem");
+    drop(child.stdout.take());
+    let output = wait_bounded(child, Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && !stderr.contains("panicked"),
+        "status {:?}, stderr:\n{stderr}",
+        output.status
+    );
+}

@@ -180,7 +180,7 @@ fn report(args: &AllreduceArgs, transport: &str, seconds: &mut [f64]) {
     let bytes = (args.numel * std::mem::size_of::<f32>()) as f64;
     let algbw = bytes / median / 1e9;
     let busbw = algbw * 2.0 * (args.nproc - 1) as f64 / args.nproc as f64;
-    println!(
+    say!(
         "allreduce: {} processes over {transport}, {} f32 ({:.1} MB), {} iterations, {} B segments",
         args.nproc,
         args.numel,
@@ -188,13 +188,13 @@ fn report(args: &AllreduceArgs, transport: &str, seconds: &mut [f64]) {
         args.iters,
         args.segment_bytes
     );
-    println!(
+    say!(
         "min: {:.2} ms",
         seconds.first().copied().unwrap_or_default() * 1e3
     );
-    println!("median: {:.2} ms", median * 1e3);
-    println!("algbw: {algbw:.2} GB/s");
-    println!("busbw: {busbw:.2} GB/s");
+    say!("median: {:.2} ms", median * 1e3);
+    say!("algbw: {algbw:.2} GB/s");
+    say!("busbw: {busbw:.2} GB/s");
 }
 
 /// The middle value of sorted numbers (the mean of the two middle ones for an even count).

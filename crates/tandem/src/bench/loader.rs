@@ -78,8 +78,8 @@ pub fn run(args: LoaderArgs) -> anyhow::Result<()> {
     );
     anyhow::ensure!(checksum.is_finite(), "non-finite pixel values");
     let per_second = delivered as f64 / seconds;
-    println!("loader: {per_second:.0} img/s");
-    println!(
+    say!("loader: {per_second:.0} img/s");
+    say!(
         "loader per thread: {:.0} img/s ({} threads, batch {}, {images} images)",
         per_second / args.threads as f64,
         args.threads,

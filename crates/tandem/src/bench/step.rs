@@ -130,9 +130,9 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
             return Ok(());
         }
     }
-    println!("train: {:.1} img/s", rates[0]);
-    println!("eval: {:.1} img/s", rates[1]);
-    println!("peak memory: {} MB", peak_memory_kib()? / 1024);
+    say!("train: {:.1} img/s", rates[0]);
+    say!("eval: {:.1} img/s", rates[1]);
+    say!("peak memory: {} MB", peak_memory_kib()? / 1024);
     Ok(())
 }
 

@@ -178,7 +178,7 @@ impl Trainer {
         self.progress = snapshot.progress;
         self.history = snapshot.history;
         if self.is_leader() {
-            println!(
+            say!(
                 "Resuming training from snapshot at epoch {}, step {}",
                 self.progress.epoch + 1,
                 self.progress.step_in_epoch
@@ -418,11 +418,12 @@ impl Trainer {
         if !self.is_leader() {
             return Ok(());
         }
-        println!(
+        say!(
             "train | epoch: {} | loss: {:.4}",
-            record.epoch, record.train_loss
+            record.epoch,
+            record.train_loss
         );
-        println!(
+        say!(
             "val | epoch: {} | loss: {:.4} | accuracy: {:.4} | time: {:.1} s | {:.1} img/s",
             record.epoch,
             record.val_loss,
