@@ -20,7 +20,7 @@ use crate::threads::threads;
 
 /// Rows of the patch matrix one chunk aims for: big enough for efficient GEMM, small
 /// enough that the patches stay in cache.
-const TARGET_CHUNK_ROWS: usize = 512;
+const TARGET_CHUNK_ROWS: usize = 256;
 
 /// The sizes of one convolution applied to one batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
