@@ -10,6 +10,12 @@
 //! over every output pixel, the outer product of that pixel's output gradient and the input
 //! vector under each tap.
 //!
+//! Two special cases matter most for speed. With one output vector and a 3-wide kernel
+//! (the bottleneck layers' 3x3 convolutions with 8 channels), each broadcast input value
+//! feeds the three taps of its kernel row, cutting the loads per multiply by more than half;
+//! the weight gradient likewise takes a kernel row's three taps together. A 1x1 stride-1
+//! layer treats the image as one long row, so pixel blocks do not stop at row ends.
+//!
 //! The kernels need AVX2 and FMA, detected at run time; elsewhere [`is_available`] is false
 //! and the caller uses im2col + GEMM.
 
