@@ -333,6 +333,21 @@ pub struct Epilogue<'a> {
     pub relu: bool,
 }
 
+impl Epilogue<'_> {
+    fn check_lengths(&self, shape: &Conv2dShape) {
+        let channels = shape.out_channels;
+        assert_eq!(self.scale.len(), channels, "conv2d: epilogue scale");
+        assert_eq!(self.shift.len(), channels, "conv2d: epilogue shift");
+        if let Some(residual) = self.residual {
+            assert_eq!(
+                residual.len(),
+                shape.output_len(),
+                "conv2d: epilogue residual"
+            );
+        }
+    }
+}
+
 /// [`conv2d_forward`] with the work that `fused` names done on each image chunk right after
 /// it is computed.
 pub fn conv2d_forward_fused(
@@ -351,19 +366,7 @@ pub fn conv2d_forward_fused(
         Fused::OutputSums(sums) => (None, Some(sums)),
     };
     if let Some(epilogue) = &epilogue {
-        assert_eq!(
-            epilogue.scale.len(),
-            shape.out_channels,
-            "conv2d: epilogue scale"
-        );
-        assert_eq!(
-            epilogue.shift.len(),
-            shape.out_channels,
-            "conv2d: epilogue shift"
-        );
-        if let Some(residual) = epilogue.residual {
-            assert_eq!(residual.len(), output.len(), "conv2d: epilogue residual");
-        }
+        epilogue.check_lengths(shape);
     }
     if let Some(sums) = output_sums.as_deref_mut() {
         sums.clear();
@@ -375,11 +378,18 @@ pub fn conv2d_forward_fused(
     let images_per_worker = shape.images_per_worker();
     let workers = shape.batch.div_ceil(images_per_worker);
     scratch.prepare(workers, shape.columns_len(), 0, 0);
-    let use_direct = direct::forward_applies(shape);
-    if use_direct {
+    let kernel = if direct::forward_applies(shape) {
         direct::forward_taps(shape, weight, &mut scratch.taps);
-    }
-    let taps = &scratch.taps;
+        ForwardKernel::Direct {
+            taps: &scratch.taps,
+            start: bias.map_or(Start::Zero, Start::Bias),
+        }
+    } else {
+        ForwardKernel::Gemm {
+            weight_t: MatRef::row_major(weight, shape.out_channels, shape.patch_len()).transposed(),
+            bias,
+        }
+    };
     let tiles = epilogue.as_ref().map(|epilogue| {
         let (scale, shift) = fill_epilogue_tiles(epilogue, &mut scratch.epilogue_tiles);
         EpilogueTiles {
@@ -388,7 +398,6 @@ pub fn conv2d_forward_fused(
             relu: epilogue.relu,
         }
     });
-    let weight_t = MatRef::row_major(weight, shape.out_channels, shape.patch_len()).transposed();
     let part_len = images_per_worker * shape.output_image_len();
     let residual_parts: Vec<Option<&[f32]>> = match epilogue.as_ref().and_then(|e| e.residual) {
         Some(residual) => residual.chunks(part_len).map(Some).collect(),
@@ -406,36 +415,12 @@ pub fn conv2d_forward_fused(
         .zip(output.par_chunks_mut(part_len))
         .zip(residual_parts.into_par_iter())
         .for_each(|(((worker, input_part), output_part), residual_part)| {
-            // Direct kernels work image by image, im2col + GEMM chunk by chunk.
-            let images = if use_direct {
-                1
-            } else {
-                shape.images_per_chunk()
-            };
+            let images = kernel.images_per_chunk(shape);
             let input_chunks = input_part.chunks(images * shape.input_image_len());
             let output_chunks = output_part.chunks_mut(images * shape.output_image_len());
             for (index, (input_chunk, output_chunk)) in input_chunks.zip(output_chunks).enumerate()
             {
-                if use_direct {
-                    let padded = shape.padded_input(input_chunk, &mut worker.columns);
-                    let start = bias.map_or(Start::Zero, Start::Bias);
-                    direct::correlate(
-                        &padded,
-                        shape.kernel,
-                        shape.stride,
-                        taps,
-                        shape.out_channels,
-                        start,
-                        output_chunk,
-                    );
-                } else {
-                    let rows = output_chunk.len() / shape.out_channels;
-                    let patches = patch_matrix(shape, input_chunk, rows, &mut worker.columns);
-                    matmul(output_chunk, shape.out_channels, patches, weight_t, false);
-                    if let Some(bias) = bias {
-                        add_per_channel(output_chunk, bias);
-                    }
-                }
+                kernel.run(shape, input_chunk, output_chunk, &mut worker.columns);
                 if let Some(tiles) = &tiles {
                     let chunk_len = images * shape.output_image_len();
                     let residual =
@@ -450,6 +435,58 @@ pub fn conv2d_forward_fused(
     if let Some(sums) = output_sums {
         for worker in &scratch.workers[..workers] {
             worker.output_sums.add_to(sums);
+        }
+    }
+}
+
+/// How the forward pass computes a chunk of images.
+enum ForwardKernel<'a> {
+    /// The direct kernels, image by image, with the weights as taps.
+    Direct { taps: &'a [f32], start: Start<'a> },
+    /// im2col + GEMM, a few images at a time.
+    Gemm {
+        weight_t: MatRef<'a>,
+        bias: Option<&'a [f32]>,
+    },
+}
+
+impl ForwardKernel<'_> {
+    fn images_per_chunk(&self, shape: &Conv2dShape) -> usize {
+        match self {
+            ForwardKernel::Direct { .. } => 1,
+            ForwardKernel::Gemm { .. } => shape.images_per_chunk(),
+        }
+    }
+
+    /// `output_chunk = conv(input_chunk) + bias`; `columns` is the worker's scratch.
+    fn run(
+        &self,
+        shape: &Conv2dShape,
+        input_chunk: &[f32],
+        output_chunk: &mut [f32],
+        columns: &mut Vec<f32>,
+    ) {
+        match *self {
+            ForwardKernel::Direct { taps, start } => {
+                let padded = shape.padded_input(input_chunk, columns);
+                direct::correlate(
+                    &padded,
+                    shape.kernel,
+                    shape.stride,
+                    taps,
+                    shape.out_channels,
+                    start,
+                    output_chunk,
+                );
+            }
+            ForwardKernel::Gemm { weight_t, bias } => {
+                let rows = output_chunk.len() / shape.out_channels;
+                let patches = patch_matrix(shape, input_chunk, rows, columns);
+                matmul(output_chunk, shape.out_channels, patches, weight_t, false);
+                if let Some(bias) = bias {
+                    add_per_channel(output_chunk, bias);
+                }
+            }
         }
     }
 }
