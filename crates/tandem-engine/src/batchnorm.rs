@@ -268,8 +268,8 @@ enum Side<'a> {
 /// Per-channel values repeated over enough rows that per-element loops run over long
 /// contiguous slices (which vectorize) instead of one short row at a time.
 #[derive(Clone, Debug, Default)]
-struct ChannelTile {
-    values: Vec<f32>,
+pub(crate) struct ChannelTile {
+    pub(crate) values: Vec<f32>,
 }
 
 impl ChannelTile {
@@ -282,7 +282,7 @@ impl ChannelTile {
     }
 
     /// Refills the tile with `value(channel)`, reusing its buffer.
-    fn refill(&mut self, channels: usize, value: impl Fn(usize) -> f32) {
+    pub(crate) fn refill(&mut self, channels: usize, value: impl Fn(usize) -> f32) {
         self.values.clear();
         let rows = Self::len_for(channels) / channels.max(1);
         for _ in 0..rows {
@@ -509,19 +509,18 @@ pub fn backward(
     )?;
     let tile = coefficients.gain.len();
     let chunk = tile * elementwise_rows_per_chunk(tile);
-    let relu_chunks: Vec<Option<&[f32]>> = match grad_output.relu_output {
-        Some(relu) => relu.chunks(chunk).map(Some).collect(),
-        None => vec![None; input.len().div_ceil(chunk.max(1))],
-    };
     grad_input
         .par_chunks_mut(chunk)
         .zip(grad_output.values.par_chunks(chunk))
-        .zip(relu_chunks.into_par_iter())
         .zip(input.par_chunks(chunk))
-        .for_each(|(((dx, dy), relu), x)| {
+        .enumerate()
+        .for_each(|(index, ((dx, dy), x))| {
+            let start = index * chunk;
             let grad = OutputGrad {
                 values: dy,
-                relu_output: relu,
+                relu_output: grad_output
+                    .relu_output
+                    .map(|relu| &relu[start..start + dy.len()]),
             };
             coefficients.input_gradient(grad, x, dx);
         });

@@ -12,10 +12,9 @@
 
 use rayon::prelude::*;
 
-use crate::batchnorm::{self, BackwardCoefficients, ColumnSums, OutputGrad};
+use crate::batchnorm::{self, BackwardCoefficients, ChannelTile, ColumnSums, OutputGrad};
 use crate::direct::{self, Start};
 use crate::matmul::{matmul, MatRef};
-use crate::simd::multiversion;
 use crate::threads::threads;
 
 /// Rows of the patch matrix one chunk aims for: big enough for efficient GEMM, small
@@ -135,12 +134,6 @@ impl Conv2dShape {
         chunks.div_ceil(threads().max(1)).max(1) * per_chunk
     }
 
-    /// Length of the per-worker bias-gradient accumulator: whole rows of output channels,
-    /// long enough that the accumulation loop vectorizes.
-    fn bias_tile_len(&self) -> usize {
-        (256 / self.out_channels.max(1)).max(1) * self.out_channels
-    }
-
     fn columns_len(&self) -> usize {
         if self.is_pointwise() {
             0
@@ -178,8 +171,11 @@ pub struct ConvScratch {
     workers: Vec<WorkerScratch>,
     /// The weights rearranged for the direct kernels.
     taps: Vec<f32>,
-    /// The epilogue's scale and shift tiles.
-    epilogue_tiles: Vec<f32>,
+    /// The epilogue's scale and shift as tiles.
+    epilogue_scale: ChannelTile,
+    epilogue_shift: ChannelTile,
+    /// The bias gradient summed over the workers.
+    bias_totals: Vec<f64>,
 }
 
 #[derive(Default)]
@@ -189,22 +185,18 @@ struct WorkerScratch {
     grad_output: Vec<f32>,
     output_sums: ColumnSums,
     weight_grad: Vec<f32>,
-    bias_grad: Vec<f64>,
-    bias_block: Vec<f32>,
+    /// Per-channel sums of the output gradient: the partial bias gradient.
+    bias_sums: ColumnSums,
 }
 
 impl ConvScratch {
-    fn prepare(&mut self, workers: usize, columns: usize, weight_grad: usize, bias_grad: usize) {
+    fn prepare(&mut self, workers: usize, columns: usize, weight_grad: usize) {
         if self.workers.len() < workers {
             self.workers.resize_with(workers, WorkerScratch::default);
         }
         for worker in &mut self.workers[..workers] {
             grow(&mut worker.columns, columns);
             grow(&mut worker.weight_grad, weight_grad);
-            worker
-                .bias_grad
-                .resize(worker.bias_grad.len().max(bias_grad), 0.0);
-            grow(&mut worker.bias_block, bias_grad);
         }
     }
 }
@@ -377,7 +369,7 @@ pub fn conv2d_forward_fused(
     }
     let images_per_worker = shape.images_per_worker();
     let workers = shape.batch.div_ceil(images_per_worker);
-    scratch.prepare(workers, shape.columns_len(), 0, 0);
+    scratch.prepare(workers, shape.columns_len(), 0);
     let kernel = if direct::forward_applies(shape) {
         direct::forward_taps(shape, weight, &mut scratch.taps);
         ForwardKernel::Direct {
@@ -391,18 +383,21 @@ pub fn conv2d_forward_fused(
         }
     };
     let tiles = epilogue.as_ref().map(|epilogue| {
-        let (scale, shift) = fill_epilogue_tiles(epilogue, &mut scratch.epilogue_tiles);
+        let channels = shape.out_channels;
+        scratch
+            .epilogue_scale
+            .refill(channels, |c| epilogue.scale[c]);
+        scratch
+            .epilogue_shift
+            .refill(channels, |c| epilogue.shift[c]);
         EpilogueTiles {
-            scale,
-            shift,
+            scale: &scratch.epilogue_scale.values,
+            shift: &scratch.epilogue_shift.values,
             relu: epilogue.relu,
         }
     });
     let part_len = images_per_worker * shape.output_image_len();
-    let residual_parts: Vec<Option<&[f32]>> = match epilogue.as_ref().and_then(|e| e.residual) {
-        Some(residual) => residual.chunks(part_len).map(Some).collect(),
-        None => vec![None; workers],
-    };
+    let residual = epilogue.as_ref().and_then(|epilogue| epilogue.residual);
     let gather_sums = output_sums.is_some();
     if gather_sums {
         for worker in &mut scratch.workers[..workers] {
@@ -413,8 +408,9 @@ pub fn conv2d_forward_fused(
         .par_iter_mut()
         .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
         .zip(output.par_chunks_mut(part_len))
-        .zip(residual_parts.into_par_iter())
-        .for_each(|(((worker, input_part), output_part), residual_part)| {
+        .enumerate()
+        .for_each(|(part, ((worker, input_part), output_part))| {
+            let residual_part = residual.map(|residual| &residual[part * part_len..]);
             let images = kernel.images_per_chunk(shape);
             let input_chunks = input_part.chunks(images * shape.input_image_len());
             let output_chunks = output_part.chunks_mut(images * shape.output_image_len());
@@ -508,19 +504,6 @@ struct EpilogueTiles<'a> {
     relu: bool,
 }
 
-/// Fills `tiles` with `scale` and `shift` repeated over about 256 values of whole rows;
-/// returns `(scale tile, shift tile)`.
-fn fill_epilogue_tiles<'a>(epilogue: &Epilogue, tiles: &'a mut Vec<f32>) -> (&'a [f32], &'a [f32]) {
-    let rows = (256 / epilogue.scale.len().max(1)).max(1);
-    tiles.clear();
-    for values in [epilogue.scale, epilogue.shift] {
-        for _ in 0..rows {
-            tiles.extend_from_slice(values);
-        }
-    }
-    tiles.split_at(rows * epilogue.scale.len())
-}
-
 /// `output = [relu](output · scale + shift [+ residual])`, tile by tile.
 fn apply_epilogue(tiles: &EpilogueTiles, residual: Option<&[f32]>, output: &mut [f32]) {
     batchnorm::scale_shift(output, residual, tiles.scale, tiles.shift, tiles.relu);
@@ -550,13 +533,9 @@ pub fn conv2d_backward(
     }
     let images_per_worker = shape.images_per_worker();
     let workers = shape.batch.div_ceil(images_per_worker);
-    scratch.prepare(
-        workers,
-        shape.columns_len(),
-        shape.weight_len(),
-        shape.bias_tile_len(),
-    );
+    scratch.prepare(workers, shape.columns_len(), shape.weight_len());
     let accumulate_input = matches!(grad_input, InputGrad::Accumulate(_));
+    let sum_bias = grad_bias.is_some();
     let input_grad_parts: Vec<Option<&mut [f32]>> = match grad_input {
         InputGrad::Skip => (0..workers).map(|_| None).collect(),
         InputGrad::Overwrite(grad) | InputGrad::Accumulate(grad) => {
@@ -576,50 +555,42 @@ pub fn conv2d_backward(
     }
     let taps = &scratch.taps;
     let part_len = images_per_worker * shape.output_image_len();
-    let grad_output_parts: Vec<ConvOutputGrad> = (0..workers)
-        .map(|index| {
-            let start = index * part_len;
-            grad_output.part(start..(start + part_len).min(shape.output_len()))
-        })
-        .collect();
     scratch.workers[..workers]
         .par_iter_mut()
         .zip(input.par_chunks(images_per_worker * shape.input_image_len()))
-        .zip(grad_output_parts.into_par_iter())
         .zip(input_grad_parts.into_par_iter())
-        .for_each(
-            |(((worker, input_part), grad_output_part), grad_input_part)| {
-                let parts = WorkerParts {
-                    input: input_part,
-                    grad_output: grad_output_part,
-                    grad_input: grad_input_part,
-                    accumulate_input,
-                };
-                if use_direct {
-                    backward_worker_direct(shape, taps, parts, worker);
-                } else {
-                    backward_worker(shape, weight, parts, worker);
-                }
-            },
-        );
+        .enumerate()
+        .for_each(|(part, ((worker, input_part), grad_input_part))| {
+            let start = part * part_len;
+            let grad_output_part =
+                grad_output.part(start..(start + part_len).min(shape.output_len()));
+            let parts = WorkerParts {
+                input: input_part,
+                grad_output: grad_output_part,
+                grad_input: grad_input_part,
+                accumulate_input,
+                sum_bias,
+            };
+            if use_direct {
+                backward_worker_direct(shape, taps, parts, worker);
+            } else {
+                backward_worker(shape, weight, parts, worker);
+            }
+        });
     for worker in &scratch.workers[..workers] {
         for (total, partial) in grad_weight.iter_mut().zip(&worker.weight_grad) {
             *total += partial;
         }
     }
     if let Some(grad_bias) = grad_bias {
-        let tile_len = shape.bias_tile_len();
-        for (channel, total) in grad_bias.iter_mut().enumerate() {
-            let sum: f64 = scratch.workers[..workers]
-                .iter()
-                .flat_map(|worker| {
-                    worker.bias_grad[..tile_len]
-                        .iter()
-                        .skip(channel)
-                        .step_by(shape.out_channels)
-                })
-                .sum();
-            *total += sum as f32;
+        let totals = &mut scratch.bias_totals;
+        totals.clear();
+        totals.resize(2 * shape.out_channels, 0.0);
+        for worker in &scratch.workers[..workers] {
+            worker.bias_sums.add_to(totals);
+        }
+        for (total, sum) in grad_bias.iter_mut().zip(&totals[..shape.out_channels]) {
+            *total += *sum as f32;
         }
     }
 }
@@ -637,10 +608,11 @@ fn backward_worker(
         grad_output: grad_output_part,
         grad_input: mut grad_input_part,
         accumulate_input,
+        sum_bias,
     } = parts;
     let (out_channels, patch_len) = (shape.out_channels, shape.patch_len());
     worker.weight_grad[..shape.weight_len()].fill(0.0);
-    worker.bias_grad[..shape.bias_tile_len()].fill(0.0);
+    worker.bias_sums.reset(shape.out_channels);
     let weight_matrix = MatRef::row_major(weight, out_channels, patch_len);
     let chunk_images = shape.images_per_chunk();
     let chunk_output_len = chunk_images * shape.output_image_len();
@@ -661,11 +633,9 @@ fn backward_worker(
             patches,
             true,
         );
-        add_bias_sums(
-            &mut worker.bias_grad[..shape.bias_tile_len()],
-            &mut worker.bias_block[..shape.bias_tile_len()],
-            grad_output_chunk,
-        );
+        if sum_bias {
+            worker.bias_sums.add(grad_output_chunk);
+        }
         let Some(grad_input_part) = grad_input_part.as_deref_mut() else {
             continue;
         };
@@ -703,6 +673,8 @@ struct WorkerParts<'a> {
     grad_output: ConvOutputGrad<'a>,
     grad_input: Option<&'a mut [f32]>,
     accumulate_input: bool,
+    /// Whether the layer has a bias whose gradient is wanted.
+    sum_bias: bool,
 }
 
 /// [`backward_worker`] on the direct kernels, one image at a time; `taps` are the weights
@@ -718,9 +690,10 @@ fn backward_worker_direct(
         grad_output: grad_output_part,
         grad_input: grad_input_part,
         accumulate_input,
+        sum_bias,
     } = parts;
     worker.weight_grad[..shape.weight_len()].fill(0.0);
-    worker.bias_grad[..shape.bias_tile_len()].fill(0.0);
+    worker.bias_sums.reset(shape.out_channels);
     let images = input_part.chunks(shape.input_image_len());
     let mut grad_inputs = grad_input_part.map(|part| part.chunks_mut(shape.input_image_len()));
     let image_len = shape.output_image_len();
@@ -736,11 +709,9 @@ fn backward_worker_direct(
             shape.out_channels,
             &mut worker.weight_grad[..shape.weight_len()],
         );
-        add_bias_sums(
-            &mut worker.bias_grad[..shape.bias_tile_len()],
-            &mut worker.bias_block[..shape.bias_tile_len()],
-            grad_output_image,
-        );
+        if sum_bias {
+            worker.bias_sums.add(grad_output_image);
+        }
         let Some(grad_input_image) = grad_inputs.as_mut().and_then(|parts| parts.next()) else {
             continue;
         };
@@ -766,28 +737,6 @@ fn backward_worker_direct(
             start,
             grad_input_image,
         );
-    }
-}
-
-/// Tiles of the output gradient summed in f32 before they are added into the f64 bias sums.
-const BIAS_TILES_PER_BLOCK: usize = 16;
-
-multiversion! {
-    /// Adds the output gradient, tile by tile, into the bias-gradient accumulator: in f32
-    /// over blocks of tiles (`block` is scratch of one tile), then in f64.
-    fn add_bias_sums(bias_tile: &mut [f64], block: &mut [f32], grad_output: &[f32]) {
-        let tile = bias_tile.len();
-        for values in grad_output.chunks(tile * BIAS_TILES_PER_BLOCK) {
-            block.fill(0.0);
-            for row in values.chunks(tile) {
-                for (sum, value) in block.iter_mut().zip(row) {
-                    *sum += value;
-                }
-            }
-            for (total, sum) in bias_tile.iter_mut().zip(block.iter()) {
-                *total += f64::from(*sum);
-            }
-        }
     }
 }
 
