@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use tandem_engine::batchnorm::{
-    self, BatchNormParams, BatchNormReducer, BatchNormScratch, OutputGrad, Residual,
+    self, BatchNormParams, BatchNormReducer, BatchNormScratch, BatchNormState, OutputGrad, Residual,
 };
 use tandem_engine::conv::{
     conv2d_backward, conv2d_forward_fused, Conv2dShape, ConvOutputGrad, ConvScratch, Epilogue,
@@ -497,28 +497,73 @@ impl EvalLayers<'_> {
             &self.buffers[bn.running_var.clone()],
             &mut bn.eval_state,
         );
-        let shape = &plan.shape;
-        let weight = &self.params[conv.weight.clone()];
-        let bias = conv.bias.as_ref().map(|range| &self.params[range.clone()]);
-        let scratch = &mut *self.scratch;
-        with_output(self.slots, output, |slots, output| {
-            let epilogue = Epilogue {
-                scale: &bn.eval_state.scale,
-                shift: &bn.eval_state.shift,
+        let work = UnitWork::Epilogue {
+            state: &bn.eval_state,
+            residual,
+            relu,
+        };
+        run_conv(
+            conv,
+            plan,
+            self.params,
+            self.slots,
+            output,
+            work,
+            self.scratch,
+        );
+    }
+}
+
+/// What a unit's convolution does to its output chunks besides computing them.
+enum UnitWork<'a> {
+    /// Evaluation: the batch norm (its scale and shift), the residual in the named slot and
+    /// the ReLU, applied in place.
+    Epilogue {
+        state: &'a BatchNormState,
+        residual: Option<usize>,
+        relu: bool,
+    },
+    /// Training: gather the output's per-channel sums for its batch norm.
+    OutputSums(&'a mut Vec<f64>),
+}
+
+/// `slots[output] = conv(slots[plan.input])`, with `work` fused into it.
+fn run_conv(
+    conv: &ConvLayer,
+    plan: &UnitPlan,
+    params: &[f32],
+    slots: &mut [Vec<f32>],
+    output: usize,
+    work: UnitWork,
+    scratch: &mut ConvScratch,
+) {
+    let shape = &plan.shape;
+    let weight = &params[conv.weight.clone()];
+    let bias = conv.bias.as_ref().map(|range| &params[range.clone()]);
+    with_output(slots, output, |slots, output| {
+        let fused = match work {
+            UnitWork::Epilogue {
+                state,
+                residual,
+                relu,
+            } => Fused::Epilogue(Epilogue {
+                scale: &state.scale,
+                shift: &state.shift,
                 residual: residual.map(|slot| &slots[slot][..shape.output_len()]),
                 relu,
-            };
-            conv2d_forward_fused(
-                shape,
-                &slots[plan.input][..shape.input_len()],
-                weight,
-                bias,
-                Fused::Epilogue(epilogue),
-                &mut output[..shape.output_len()],
-                scratch,
-            );
-        });
-    }
+            }),
+            UnitWork::OutputSums(sums) => Fused::OutputSums(sums),
+        };
+        conv2d_forward_fused(
+            shape,
+            &slots[plan.input][..shape.input_len()],
+            weight,
+            bias,
+            fused,
+            &mut output[..shape.output_len()],
+            scratch,
+        );
+    });
 }
 
 /// Forward of one residual block in training mode.
@@ -595,20 +640,16 @@ impl TrainLayers<'_> {
         reducer: Option<&mut dyn BatchNormReducer>,
     ) -> Result<(), ModelError> {
         let shape: &Conv2dShape = &plan.shape;
-        let weight = &self.params[conv.weight.clone()];
-        let bias = conv.bias.as_ref().map(|range| &self.params[range.clone()]);
-        let (conv_scratch, output_sums) = (&mut *self.conv_scratch, &mut *self.output_sums);
-        with_output(slots, plan.z, |slots, output| {
-            conv2d_forward_fused(
-                shape,
-                &slots[plan.input][..shape.input_len()],
-                weight,
-                bias,
-                Fused::OutputSums(output_sums),
-                &mut output[..shape.output_len()],
-                conv_scratch,
-            );
-        });
+        let work = UnitWork::OutputSums(&mut *self.output_sums);
+        run_conv(
+            conv,
+            plan,
+            self.params,
+            slots,
+            plan.z,
+            work,
+            self.conv_scratch,
+        );
         let affine = BatchNormParams {
             weight: &self.params[bn.weight.clone()],
             bias: &self.params[bn.bias.clone()],
@@ -618,7 +659,7 @@ impl TrainLayers<'_> {
         let rows = shape.output_len() / shape.out_channels.max(1);
         batchnorm::train_statistics_from_sums(
             rows,
-            output_sums,
+            self.output_sums,
             &affine,
             running_mean,
             running_var,
