@@ -7,6 +7,11 @@
 //! stride-1 unpadded convolution skips im2col: an NHWC tensor already is the
 //! `[pixels, channels]` matrix.
 //!
+//! Three kernels compute the forward pass and the input gradient, chosen by shape: direct
+//! kernels for narrow layers (`direct`), Winograd F(2x2, 3x3) for wider 3x3 stride-1
+//! padding-1 layers (`winograd`), and im2col + GEMM for the rest. The weight gradient runs
+//! on the direct kernels or on im2col + GEMM.
+//!
 //! Work is split by images into one fixed part per worker; each worker walks its part in
 //! chunks of a few images so the patch matrix stays small and in cache.
 
@@ -16,6 +21,7 @@ use crate::batchnorm::{self, BackwardCoefficients, ChannelTile, ColumnSums, Outp
 use crate::direct::{self, Start};
 use crate::matmul::{matmul, MatRef};
 use crate::threads::threads;
+use crate::winograd::{self, WinogradScratch};
 
 /// Rows of the patch matrix one chunk aims for: big enough for efficient GEMM, small
 /// enough that the patches stay in cache.
@@ -118,6 +124,16 @@ impl Conv2dShape {
         )
     }
 
+    /// The geometry of this layer as a Winograd correlation (3x3, stride 1, padding 1).
+    fn winograd_plane(&self) -> winograd::Plane {
+        winograd::Plane {
+            height: self.in_height,
+            width: self.in_width,
+            in_channels: self.in_channels,
+            out_channels: self.out_channels,
+        }
+    }
+
     /// A 1x1, stride-1, unpadded convolution needs no im2col.
     fn is_pointwise(&self) -> bool {
         self.kernel == 1 && self.stride == 1 && self.padding == 0
@@ -187,6 +203,7 @@ struct WorkerScratch {
     weight_grad: Vec<f32>,
     /// Per-channel sums of the output gradient: the partial bias gradient.
     bias_sums: ColumnSums,
+    winograd: WinogradScratch,
 }
 
 impl ConvScratch {
@@ -376,6 +393,12 @@ pub fn conv2d_forward_fused(
             taps: &scratch.taps,
             start: bias.map_or(Start::Zero, Start::Bias),
         }
+    } else if winograd::applies(shape) {
+        winograd::forward_weights(shape, weight, &mut scratch.taps);
+        ForwardKernel::Winograd {
+            weights: &scratch.taps,
+            bias,
+        }
     } else {
         ForwardKernel::Gemm {
             weight_t: MatRef::row_major(weight, shape.out_channels, shape.patch_len()).transposed(),
@@ -416,7 +439,7 @@ pub fn conv2d_forward_fused(
             let output_chunks = output_part.chunks_mut(images * shape.output_image_len());
             for (index, (input_chunk, output_chunk)) in input_chunks.zip(output_chunks).enumerate()
             {
-                kernel.run(shape, input_chunk, output_chunk, &mut worker.columns);
+                kernel.run(shape, input_chunk, output_chunk, worker);
                 if let Some(tiles) = &tiles {
                     let chunk_len = images * shape.output_image_len();
                     let residual =
@@ -439,6 +462,11 @@ pub fn conv2d_forward_fused(
 enum ForwardKernel<'a> {
     /// The direct kernels, image by image, with the weights as taps.
     Direct { taps: &'a [f32], start: Start<'a> },
+    /// Winograd F(2x2, 3x3), with the weights transformed.
+    Winograd {
+        weights: &'a [f32],
+        bias: Option<&'a [f32]>,
+    },
     /// im2col + GEMM, a few images at a time.
     Gemm {
         weight_t: MatRef<'a>,
@@ -450,21 +478,22 @@ impl ForwardKernel<'_> {
     fn images_per_chunk(&self, shape: &Conv2dShape) -> usize {
         match self {
             ForwardKernel::Direct { .. } => 1,
+            ForwardKernel::Winograd { .. } => winograd::images_per_chunk(&shape.winograd_plane()),
             ForwardKernel::Gemm { .. } => shape.images_per_chunk(),
         }
     }
 
-    /// `output_chunk = conv(input_chunk) + bias`; `columns` is the worker's scratch.
+    /// `output_chunk = conv(input_chunk) + bias`, in `worker`'s scratch buffers.
     fn run(
         &self,
         shape: &Conv2dShape,
         input_chunk: &[f32],
         output_chunk: &mut [f32],
-        columns: &mut Vec<f32>,
+        worker: &mut WorkerScratch,
     ) {
         match *self {
             ForwardKernel::Direct { taps, start } => {
-                let padded = shape.padded_input(input_chunk, columns);
+                let padded = shape.padded_input(input_chunk, &mut worker.columns);
                 direct::correlate(
                     &padded,
                     shape.kernel,
@@ -475,9 +504,22 @@ impl ForwardKernel<'_> {
                     output_chunk,
                 );
             }
+            ForwardKernel::Winograd { weights, bias } => {
+                winograd::correlate(
+                    &shape.winograd_plane(),
+                    input_chunk,
+                    weights,
+                    output_chunk,
+                    false,
+                    &mut worker.winograd,
+                );
+                if let Some(bias) = bias {
+                    add_per_channel(output_chunk, bias);
+                }
+            }
             ForwardKernel::Gemm { weight_t, bias } => {
                 let rows = output_chunk.len() / shape.out_channels;
-                let patches = patch_matrix(shape, input_chunk, rows, columns);
+                let patches = patch_matrix(shape, input_chunk, rows, &mut worker.columns);
                 matmul(output_chunk, shape.out_channels, patches, weight_t, false);
                 if let Some(bias) = bias {
                     add_per_channel(output_chunk, bias);
@@ -549,11 +591,16 @@ pub fn conv2d_backward(
                 .collect()
         }
     };
-    let use_direct = direct::backward_applies(shape, input_grad_parts[0].is_some());
+    let wants_input_grad = input_grad_parts[0].is_some();
+    let use_direct = direct::backward_applies(shape, wants_input_grad);
+    let use_winograd = !use_direct && wants_input_grad && winograd::applies(shape);
     if use_direct {
         direct::input_grad_taps(shape, weight, &mut scratch.taps);
+    } else if use_winograd {
+        winograd::input_grad_weights(shape, weight, &mut scratch.taps);
     }
     let taps = &scratch.taps;
+    let winograd_weights = use_winograd.then_some(taps.as_slice());
     let part_len = images_per_worker * shape.output_image_len();
     scratch.workers[..workers]
         .par_iter_mut()
@@ -574,7 +621,7 @@ pub fn conv2d_backward(
             if use_direct {
                 backward_worker_direct(shape, taps, parts, worker);
             } else {
-                backward_worker(shape, weight, parts, worker);
+                backward_worker(shape, weight, winograd_weights, parts, worker);
             }
         });
     for worker in &scratch.workers[..workers] {
@@ -596,10 +643,12 @@ pub fn conv2d_backward(
 }
 
 /// One worker's share of the backward pass: partial weight and bias gradients over its
-/// images, and the input gradient of those images.
+/// images, and the input gradient of those images (on Winograd when `winograd_weights`, the
+/// weights transformed for it, are given).
 fn backward_worker(
     shape: &Conv2dShape,
     weight: &[f32],
+    winograd_weights: Option<&[f32]>,
     parts: WorkerParts,
     worker: &mut WorkerScratch,
 ) {
@@ -642,7 +691,17 @@ fn backward_worker(
         let chunk_input_len = chunk_images * shape.input_image_len();
         let start = chunk_index * chunk_input_len;
         let grad_input_chunk = &mut grad_input_part[start..start + input_chunk.len()];
-        if shape.is_pointwise() {
+        if let Some(weights) = winograd_weights {
+            let plane = shape.winograd_plane().reversed();
+            winograd::correlate(
+                &plane,
+                grad_output_chunk,
+                weights,
+                grad_input_chunk,
+                accumulate_input,
+                &mut worker.winograd,
+            );
+        } else if shape.is_pointwise() {
             matmul(
                 grad_input_chunk,
                 shape.in_channels,
@@ -914,11 +973,12 @@ mod tests {
         }
     }
 
-    /// Both code paths (direct kernels for multiples of 8 channels, im2col + GEMM for the
-    /// rest and for strided backward passes) against the definition, forward and backward,
+    /// Every code path (direct kernels for narrow layers with multiples of 8 channels,
+    /// Winograd for wider 3x3 stride-1 padding-1 layers, including odd sizes and channel
+    /// counts, im2col + GEMM for the rest) against the definition, forward and backward,
     /// overwriting and accumulating.
     #[test]
-    fn convolution_matches_definition_on_direct_and_gemm_paths() {
+    fn convolution_matches_definition_on_every_path() {
         let cases = [
             // (batch, height, width, in, out, kernel, stride, padding)
             (2, 7, 5, 8, 8, 3, 1, 1),
@@ -936,6 +996,8 @@ mod tests {
             (2, 8, 8, 16, 32, 1, 2, 0),
             (1, 10, 7, 8, 24, 5, 3, 2),
             (1, 6, 6, 40, 40, 3, 1, 1),
+            (3, 7, 5, 40, 72, 3, 1, 1),
+            (2, 1, 3, 17, 19, 3, 1, 1),
         ];
         for (seed, &(batch, h, w, cin, cout, k, stride, padding)) in cases.iter().enumerate() {
             let shape = Conv2dShape {

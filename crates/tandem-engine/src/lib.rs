@@ -5,8 +5,8 @@
 //! no autograd. Kernels split their work into fixed chunks per worker (see [`threads`]),
 //! so the same inputs and thread count give bit-identical results run after run.
 //!
-//! - [`conv`]: 2-D convolution (im2col + GEMM, or direct kernels for few channels), any
-//!   square kernel, stride and padding.
+//! - [`conv`]: 2-D convolution (im2col + GEMM, Winograd F(2x2, 3x3) for wide 3x3 layers, or
+//!   direct kernels for few channels), any square kernel, stride and padding.
 //! - [`batchnorm`]: batch normalization with fused residual add and ReLU.
 //! - [`head`]: global average pooling, linear layer and cross-entropy loss.
 //! - [`optim`]: SGD and Adam/AdamW with PyTorch's update rules on flat slices.
@@ -24,6 +24,7 @@ mod parallel;
 pub mod rng;
 mod simd;
 mod threads;
+mod winograd;
 
 pub use batchnorm::BatchNormReducer;
 pub use error::EngineError;
