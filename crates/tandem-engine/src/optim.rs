@@ -16,6 +16,10 @@ pub trait Optimizer: Send {
     fn lr(&self) -> f32;
     /// Sets the learning rate for the following steps (for schedules).
     fn set_lr(&mut self, lr: f32);
+    /// Sets the momentum for the following steps (for schedules that cycle it, as
+    /// `OneCycleLR` does): SGD's momentum factor, Adam's `beta1`. SGD configured without
+    /// momentum keeps none.
+    fn set_momentum(&mut self, momentum: f32);
     /// The state to save in a snapshot: step count and named flat slots.
     fn state(&self) -> OptimizerState;
     /// Restores a state saved by [`Optimizer::state`].
@@ -134,6 +138,12 @@ impl Optimizer for Sgd {
 
     fn set_lr(&mut self, lr: f32) {
         self.config.lr = lr;
+    }
+
+    fn set_momentum(&mut self, momentum: f32) {
+        if self.config.momentum != 0.0 {
+            self.config.momentum = momentum;
+        }
     }
 
     fn state(&self) -> OptimizerState {
@@ -270,6 +280,10 @@ impl Optimizer for Adam {
 
     fn set_lr(&mut self, lr: f32) {
         self.config.lr = lr;
+    }
+
+    fn set_momentum(&mut self, momentum: f32) {
+        self.config.beta1 = momentum;
     }
 
     fn state(&self) -> OptimizerState {

@@ -192,3 +192,54 @@ fn learning_rate_can_change_between_steps() {
     sgd.step(&mut params, &[1.0]);
     assert!((params[0] + 0.6).abs() < 1e-7);
 }
+
+#[test]
+fn set_momentum_changes_sgd_momentum_but_not_plain_sgd() {
+    let config = SgdConfig {
+        weight_decay: 0.0,
+        ..sgd_config(0.9, false)
+    };
+    let mut optimizer = Sgd::new(1, config);
+    let mut params = vec![0.0f32];
+    optimizer.step(&mut params, &[1.0]);
+    optimizer.set_momentum(0.5);
+    optimizer.step(&mut params, &[1.0]);
+    // buffer = 1, then 0.5·1 + 1 = 1.5: p = -0.1 - 0.15.
+    assert!((params[0] + 0.25).abs() < 1e-7, "{params:?}");
+
+    let mut plain = Sgd::new(
+        1,
+        SgdConfig {
+            momentum: 0.0,
+            ..config
+        },
+    );
+    plain.set_momentum(0.9);
+    let mut params = vec![0.0f32];
+    plain.step(&mut params, &[1.0]);
+    plain.step(&mut params, &[1.0]);
+    assert!(
+        (params[0] + 0.2).abs() < 1e-7,
+        "plain SGD gained momentum: {params:?}"
+    );
+    assert!(plain.state().slots.is_empty());
+}
+
+#[test]
+fn set_momentum_sets_adam_beta1() {
+    let mut cycled = Adam::new(1, AdamConfig::with_lr(0.01));
+    let mut reference = Adam::new(
+        1,
+        AdamConfig {
+            beta1: 0.5,
+            ..AdamConfig::with_lr(0.01)
+        },
+    );
+    cycled.set_momentum(0.5);
+    let (mut a, mut b) = (vec![1.0f32], vec![1.0f32]);
+    for grad in [0.3f32, -0.7, 0.2] {
+        cycled.step(&mut a, &[grad]);
+        reference.step(&mut b, &[grad]);
+    }
+    assert_eq!(a, b);
+}

@@ -366,6 +366,9 @@ impl Trainer {
             );
         }
         self.optimizer.set_lr(lr as f32);
+        if let Some(momentum) = self.schedule.momentum_at(self.progress.global_step) {
+            self.optimizer.set_momentum(momentum as f32);
+        }
         let (params, grads) = self.model.params_and_grads_mut();
         self.optimizer.step(params, grads);
         Ok(StepOutcome {

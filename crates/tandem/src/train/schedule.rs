@@ -16,7 +16,9 @@ pub enum ScheduleKind {
     /// Cosine annealing from the base rate to zero over the run (`CosineAnnealingLR`).
     Cosine,
     /// PyTorch's `OneCycleLR` with cosine annealing: up from `lr / 25` to `lr` over the first
-    /// 30% of the steps, then down to `lr / (25 * 1e4)`.
+    /// 30% of the steps, then down to `lr / (25 * 1e4)`; the momentum (Adam's `beta1`)
+    /// cycles the other way, from 0.95 down to 0.85 and back, as `OneCycleLR` does by
+    /// default (`cycle_momentum=True`).
     Onecycle,
 }
 
@@ -43,6 +45,8 @@ pub struct Schedule {
 const ONECYCLE_PCT_START: f64 = 0.3;
 const ONECYCLE_DIV_FACTOR: f64 = 25.0;
 const ONECYCLE_FINAL_DIV_FACTOR: f64 = 1e4;
+const ONECYCLE_BASE_MOMENTUM: f64 = 0.85;
+const ONECYCLE_MAX_MOMENTUM: f64 = 0.95;
 
 impl Schedule {
     /// The learning rate for optimizer step `step` (0-based).
@@ -67,27 +71,56 @@ impl Schedule {
         }
     }
 
+    /// The momentum for optimizer step `step`, for schedules that cycle it (one-cycle);
+    /// `None` leaves the optimizer's own.
+    pub fn momentum_at(&self, step: u64) -> Option<f64> {
+        match self.kind {
+            ScheduleKind::Onecycle => Some(match self.onecycle_phase(step) {
+                OnecyclePhase::Rising(fraction) => {
+                    cosine(ONECYCLE_MAX_MOMENTUM, ONECYCLE_BASE_MOMENTUM, fraction)
+                }
+                OnecyclePhase::Falling(fraction) => {
+                    cosine(ONECYCLE_BASE_MOMENTUM, ONECYCLE_MAX_MOMENTUM, fraction)
+                }
+            }),
+            _ => None,
+        }
+    }
+
     /// `OneCycleLR` (two phases, cosine annealing), as PyTorch computes it per step.
     fn onecycle_lr(&self, step: u64) -> f64 {
         let initial_lr = self.base_lr / ONECYCLE_DIV_FACTOR;
         let min_lr = initial_lr / ONECYCLE_FINAL_DIV_FACTOR;
+        match self.onecycle_phase(step) {
+            OnecyclePhase::Rising(fraction) => cosine(initial_lr, self.base_lr, fraction),
+            OnecyclePhase::Falling(fraction) => cosine(self.base_lr, min_lr, fraction),
+        }
+    }
+
+    /// Where `step` falls in `OneCycleLR`'s two phases: the first ends at step
+    /// `0.3 · total - 1`, the second at the last step.
+    fn onecycle_phase(&self, step: u64) -> OnecyclePhase {
         let last_step = self.total_steps.saturating_sub(1).max(1) as f64;
         let warm_end = ONECYCLE_PCT_START * self.total_steps as f64 - 1.0;
         let step = step as f64;
-        let cosine = |start: f64, end: f64, fraction: f64| {
-            end + (start - end) / 2.0 * ((std::f64::consts::PI * fraction).cos() + 1.0)
-        };
         if step <= warm_end {
-            cosine(
-                initial_lr,
-                self.base_lr,
-                step / warm_end.max(f64::MIN_POSITIVE),
-            )
+            OnecyclePhase::Rising(step / warm_end.max(f64::MIN_POSITIVE))
         } else {
             let span = (last_step - warm_end).max(f64::MIN_POSITIVE);
-            cosine(self.base_lr, min_lr, ((step - warm_end) / span).min(1.0))
+            OnecyclePhase::Falling(((step - warm_end) / span).min(1.0))
         }
     }
+}
+
+/// A step's place in `OneCycleLR`: the fraction done of the rising or the falling phase.
+enum OnecyclePhase {
+    Rising(f64),
+    Falling(f64),
+}
+
+/// Cosine annealing from `start` to `end`, `fraction` of the way.
+fn cosine(start: f64, end: f64, fraction: f64) -> f64 {
+    end + (start - end) / 2.0 * ((std::f64::consts::PI * fraction).cos() + 1.0)
 }
 
 #[cfg(test)]
@@ -132,6 +165,20 @@ mod tests {
         assert!((onecycle.lr_at(29) - 0.1).abs() < 1e-12);
         assert!((onecycle.lr_at(99) - 4e-7).abs() < 1e-15);
         assert!(onecycle.lr_at(14) > 0.004 && onecycle.lr_at(14) < 0.1);
+    }
+
+    #[test]
+    fn onecycle_cycles_momentum_against_the_rate() {
+        // PyTorch OneCycleLR(max_lr=0.1, total_steps=100) on SGD: momentum 0.95 at step 0,
+        // 0.85 at the peak (step 29), back to 0.95 at the last step.
+        let onecycle = schedule(ScheduleKind::Onecycle);
+        let momentum = |step| onecycle.momentum_at(step).expect("one-cycle sets momentum");
+        assert!((momentum(0) - 0.95).abs() < 1e-12);
+        assert!((momentum(29) - 0.85).abs() < 1e-12);
+        assert!((momentum(99) - 0.95).abs() < 1e-12);
+        assert!(momentum(14) > 0.85 && momentum(14) < 0.95);
+        assert!(momentum(64) > 0.85 && momentum(64) < 0.95);
+        assert_eq!(schedule(ScheduleKind::Cosine).momentum_at(3), None);
     }
 
     #[test]
