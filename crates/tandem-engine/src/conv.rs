@@ -218,7 +218,9 @@ impl ConvScratch {
     }
 }
 
-fn grow(buffer: &mut Vec<f32>, len: usize) {
+/// Grows `buffer` to at least `len` values (never shrinks it), so scratch buffers are
+/// allocated on first use and reused after.
+pub(crate) fn grow(buffer: &mut Vec<f32>, len: usize) {
     if buffer.len() < len {
         buffer.resize(len, 0.0);
     }

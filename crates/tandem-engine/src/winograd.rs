@@ -16,7 +16,7 @@
 //! of the output gradient with the kernel flipped and its channel axes swapped
 //! ([`input_grad_weights`]).
 
-use crate::conv::Conv2dShape;
+use crate::conv::{grow, Conv2dShape};
 use crate::matmul::{matmul, MatRef};
 use crate::simd::multiversion;
 
@@ -253,12 +253,6 @@ pub(crate) fn correlate(
             transform_output_tile(tile, &mut pixels, out_channels, accumulate);
         }
         first += tiles;
-    }
-}
-
-fn grow(buffer: &mut Vec<f32>, len: usize) {
-    if buffer.len() < len {
-        buffer.resize(len, 0.0);
     }
 }
 
