@@ -8,27 +8,17 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
-from models import build, memory_format
+from models import training_setup
 
 
 def worker(rank, world, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model, batch, make_optimizer = build(args.model)
-    layout = memory_format(args.layout)
-    model = torch.nn.parallel.DistributedDataParallel(model.to(memory_format=layout))
-    optimizer = make_optimizer(model.parameters())
-    images = torch.randn(batch, 3, 32, 32).to(memory_format=layout)
-    labels = torch.randint(0, 10, (batch,))
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(images), labels).backward()
-        optimizer.step()
-
+    _, batch, step, _ = training_setup(
+        args.model, args.layout, torch.nn.parallel.DistributedDataParallel
+    )
     step()
     dist.barrier()
     start = time.perf_counter()

@@ -1,7 +1,8 @@
-"""The two tutorial models, as in ../../../shared/seeds/ (seed 000's ResNet-18, seed 004's
+"""The two tutorial models and the benchmark setup, as in ../../../shared/seeds/ (seed 000's ResNet-18, seed 004's
 ResNetBase with its Config defaults + linear head), for the reference benchmarks."""
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class Block(nn.Module):
@@ -102,3 +103,21 @@ def build(name):
 
 def memory_format(layout):
     return torch.channels_last if layout == "channels_last" else torch.contiguous_format
+
+
+def training_setup(name, layout, wrap=lambda model: model):
+    """The issues' benchmark setup for `name` in `layout`: returns the model (after `wrap`,
+    e.g. DDP), the batch size and a function that runs one training step on random data."""
+    model, batch, make_optimizer = build(name)
+    fmt = memory_format(layout)
+    model = wrap(model.to(memory_format=fmt))
+    optimizer = make_optimizer(model.parameters())
+    images = torch.randn(batch, 3, 32, 32).to(memory_format=fmt)
+    labels = torch.randint(0, 10, (batch,))
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
+    return model, batch, train_step, images

@@ -4,9 +4,8 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
-from models import build, memory_format
+from models import training_setup
 
 parser = argparse.ArgumentParser()
 parser.add_argument("model", choices=["resnet18", "resnet-base"])
@@ -15,18 +14,7 @@ parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--steps", type=int, default=5)
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
-model, batch, make_optimizer = build(args.model)
-layout = memory_format(args.layout)
-model = model.to(memory_format=layout)
-optimizer = make_optimizer(model.parameters())
-images = torch.randn(batch, 3, 32, 32).to(memory_format=layout)
-labels = torch.randint(0, 10, (batch,))
-
-
-def train_step():
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(model(images), labels).backward()
-    optimizer.step()
+model, batch, train_step, images = training_setup(args.model, args.layout)
 
 
 def rate(step):
