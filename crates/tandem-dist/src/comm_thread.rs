@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use crate::element::ReduceOp;
 use crate::error::{DistError, Result};
 use crate::group::ProcessGroup;
+use crate::shared::SharedBuffer;
 
 /// One queued operation.
 type Job = Box<dyn FnOnce(&mut ProcessGroup) + Send>;
@@ -113,6 +114,21 @@ impl CommThread {
     /// All-reduces `buffer` on the comm thread and hands it back.
     pub fn all_reduce_i64(&self, buffer: Vec<i64>, op: ReduceOp) -> Pending<Vec<i64>> {
         self.submit(move |group| all_reduce_owned(group, buffer, op))
+    }
+
+    /// Makes a buffer for [`all_reduce_shared_f32`](Self::all_reduce_shared_f32) (a collective:
+    /// see [`ProcessGroup::shared_buffer`]).
+    pub fn shared_buffer_f32(&self, len: usize) -> Result<SharedBuffer<f32>> {
+        self.run(move |group| group.shared_buffer(len))
+    }
+
+    /// All-reduces a shared buffer on the comm thread and hands it back.
+    pub fn all_reduce_shared_f32(
+        &self,
+        mut buffer: SharedBuffer<f32>,
+        op: ReduceOp,
+    ) -> Pending<SharedBuffer<f32>> {
+        self.submit(move |group| group.all_reduce_shared(&mut buffer, op).map(|()| buffer))
     }
 
     /// Broadcasts `buffer` from `root` on the comm thread and hands it back.

@@ -18,6 +18,7 @@ use crate::link::{collective, collective_name, kind, resolve, PeerLink};
 use crate::ring::{
     all_gather_plan, all_reduce_plan, broadcast_plan, reduce_scatter_plan, run_plan, Ring,
 };
+use crate::shared::{self, MappedParts, OwnFile, SharedBuffer};
 use crate::store::{StoreClient, StoreServer};
 use crate::transport::PeerListeners;
 
@@ -62,12 +63,15 @@ pub struct ProcessGroupOptions {
     pub segment_bytes: usize,
     /// Whether ranks on one host talk over Unix sockets instead of loopback TCP.
     pub unix_sockets: bool,
+    /// Whether [`ProcessGroup::shared_buffer`] may place buffers in shared memory when every
+    /// rank is on one host.
+    pub shared_memory: bool,
 }
 
 impl ProcessGroupOptions {
     /// Options with the defaults: 5-minute timeout, rank 0 hosts the store, prefix "pg", the
-    /// advertised host from `TANDEM_HOST` when set, 1 MiB segments, Unix sockets between
-    /// ranks of one host.
+    /// advertised host from `TANDEM_HOST` when set, 1 MiB segments, Unix sockets and shared
+    /// memory between ranks of one host.
     pub fn new(
         rank: usize,
         world_size: usize,
@@ -87,6 +91,7 @@ impl ProcessGroupOptions {
             advertise_host: std::env::var(HOST_ENV).ok().filter(|host| !host.is_empty()),
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             unix_sockets: true,
+            shared_memory: true,
         }
     }
 }
@@ -134,6 +139,9 @@ pub struct ProcessGroup {
     links: Option<Links>,
     sequence: u64,
     failure: Option<DistError>,
+    shared_memory: bool,
+    shared_buffers_made: u64,
+    shared_memory_refusal: Option<String>,
     // Declared last: dropped after the client and links, so rank 0 serves until it leaves.
     _server: Option<StoreServer>,
 }
@@ -176,6 +184,9 @@ impl ProcessGroup {
             links: None,
             sequence: 0,
             failure: None,
+            shared_memory: opts.shared_memory,
+            shared_buffers_made: 0,
+            shared_memory_refusal: None,
             _server: server,
         };
         group.check_world_size()?;
@@ -359,6 +370,113 @@ impl ProcessGroup {
     /// [`all_reduce`](Self::all_reduce) on `i64`.
     pub fn all_reduce_i64(&mut self, buffer: &mut [i64], op: ReduceOp) -> Result<()> {
         self.all_reduce(buffer, op)
+    }
+
+    /// Makes a zero-filled buffer of `len` elements for [`all_reduce_shared`](Self::all_reduce_shared).
+    /// A collective: every rank calls it, in the same order, with the same `len`.
+    ///
+    /// When every rank can map every other rank's buffer (one host, same user), the buffer
+    /// lives in shared memory; otherwise, on every rank, on the heap (see
+    /// [`shared_memory_refusal`](Self::shared_memory_refusal) for why).
+    pub fn shared_buffer<T: Element>(&mut self, len: usize) -> Result<SharedBuffer<T>> {
+        let id = self.shared_buffers_made;
+        self.shared_buffers_made += 1;
+        if self.world_size == 1 || !self.shared_memory {
+            return Ok(SharedBuffer::with_storage(id, len, None));
+        }
+        let own = OwnFile::create::<T>(len);
+        let endpoint = match &own {
+            Ok(file) => file.endpoint(),
+            Err(reason) => format!("none {reason}"),
+        };
+        let key = |rank: usize| format!("{}/shared/{id}/{rank}", self.prefix);
+        self.store.set(&key(self.rank), endpoint.as_bytes())?;
+        let keys: Vec<String> = (0..self.world_size).map(key).collect();
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        self.store.wait(&key_refs, self.timeout)?;
+        let mut refusal = own
+            .as_ref()
+            .err()
+            .map(|reason| format!("rank {}: {reason}", self.rank));
+        let mut peers = Vec::with_capacity(self.world_size);
+        for (rank, key) in keys.iter().enumerate() {
+            if rank == self.rank || refusal.is_some() {
+                peers.push(None);
+                continue;
+            }
+            let endpoint = self.store.get(key)?.unwrap_or_default();
+            let endpoint = String::from_utf8_lossy(&endpoint);
+            match shared::map_peer::<T>(&endpoint, len) {
+                Ok(mapping) => peers.push(Some(mapping)),
+                Err(reason) => {
+                    refusal = Some(format!(
+                        "rank {} cannot map rank {rank}'s buffer: {reason}",
+                        self.rank
+                    ));
+                    peers.push(None);
+                }
+            }
+        }
+        // Every rank keeps its file open until all have mapped it.
+        let mut everyone_mapped = [i64::from(refusal.is_none())];
+        self.all_reduce(&mut everyone_mapped, ReduceOp::Min)?;
+        match (own, everyone_mapped[0] == 1) {
+            (Ok(file), true) => {
+                let own = file.into_mapping();
+                Ok(SharedBuffer::with_storage(
+                    id,
+                    len,
+                    Some(MappedParts { own, peers }),
+                ))
+            }
+            _ => {
+                self.shared_memory_refusal = Some(
+                    refusal.unwrap_or_else(|| "another rank could not map a peer's buffer".into()),
+                );
+                Ok(SharedBuffer::with_storage(id, len, None))
+            }
+        }
+    }
+
+    /// Why the last [`shared_buffer`](Self::shared_buffer) fell back to the heap, as this rank
+    /// saw it; `None` when it did not.
+    pub fn shared_memory_refusal(&self) -> Option<&str> {
+        self.shared_memory_refusal.as_deref()
+    }
+
+    /// Reduces `buffer` over all ranks in place, like [`all_reduce`](Self::all_reduce), but
+    /// without copying the data through sockets when the buffer is in shared memory: each rank
+    /// combines its chunk from its peers' buffers, then copies the other chunks. The result is
+    /// the ring's, bit for bit. Every rank must pass its buffer of the same
+    /// [`shared_buffer`](Self::shared_buffer) call.
+    pub fn all_reduce_shared<T: Element>(
+        &mut self,
+        buffer: &mut SharedBuffer<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        if let Some(values) = buffer.heap_values() {
+            return self.all_reduce(values, op);
+        }
+        // Also the start barrier: every rank's buffer holds its final input.
+        let identity = [buffer.id() as i64, buffer.len() as i64];
+        let identities = self.all_gather(&identity)?;
+        if let Some((rank, other)) = identities
+            .chunks(2)
+            .enumerate()
+            .find(|(_, other)| *other != identity)
+        {
+            let error = DistError::InvalidArgument(format!(
+                "all_reduce_shared: rank {} passed shared buffer #{} of {} elements but rank {rank} passed #{} of {}",
+                self.rank, identity[0], identity[1], other[0], other.get(1).copied().unwrap_or(0)
+            ));
+            self.failure = Some(error.clone());
+            return Err(error);
+        }
+        buffer.combine_own_chunk(self.rank, op);
+        self.barrier()?;
+        buffer.copy_peer_chunks();
+        // No rank may return (and write its buffer) while another still copies from it.
+        self.barrier()
     }
 
     /// Copies `root`'s `buffer` into every rank's `buffer` (all ranks pass the same length).

@@ -5,6 +5,8 @@
 //! - [`ProcessGroup`]: ranks found through the store, linked in a TCP ring, with pipelined ring
 //!   collectives (all-reduce, broadcast, all-gather, reduce-scatter, barrier). Every operation
 //!   has a deadline and a failed peer is named in the error of every rank.
+//! - [`SharedBuffer`]: a buffer in shared memory that ranks of one host all-reduce without
+//!   copying it through sockets.
 //! - [`CommThread`]: a thread that owns the group and runs submitted collectives in order,
 //!   so communication overlaps computation.
 //! - [`cluster`]: the launch environments of torchrun, ModelArts, Slurm, Open MPI and Kubeflow.
@@ -17,6 +19,7 @@ mod error;
 mod group;
 mod link;
 mod ring;
+mod shared;
 mod store;
 mod transport;
 
@@ -28,4 +31,5 @@ pub use group::{
     ProcessGroup, ProcessGroupOptions, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT, HOST_ENV,
     MAX_BROADCAST_BYTES,
 };
+pub use shared::SharedBuffer;
 pub use store::{StoreClient, StoreServer, MAX_KEY_BYTES, MAX_VALUE_BYTES};

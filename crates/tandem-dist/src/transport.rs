@@ -177,7 +177,7 @@ pub(crate) fn connect_local(endpoint: &str) -> Option<PeerStream> {
 }
 
 /// The kernel's boot id: equal for processes that can share Unix sockets.
-fn boot_id() -> Option<String> {
+pub(crate) fn boot_id() -> Option<String> {
     let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     Some(text.trim().to_string()).filter(|id| !id.is_empty())
 }

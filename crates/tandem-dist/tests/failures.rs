@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::{options, start_store};
 use tandem_dist::{DistError, JobToken, ProcessGroup, ReduceOp, StoreClient};
 
-/// Set in child processes: "rank,world_size,store_port,token,unix_sockets".
+/// Set in child processes: "rank,world_size,store_port,token,transport".
 const CHILD_ENV: &str = "TANDEM_DIST_TEST_CHILD";
 const TIMEOUT: Duration = Duration::from_secs(5);
 /// Allowance for thread scheduling on a loaded two-core machine.
@@ -31,12 +31,68 @@ fn checksum(values: &[f32]) -> String {
     format!("{hash:016x}")
 }
 
+/// What carries the data of the all-reduces in the killed-process test.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Transport {
+    Unix,
+    Tcp,
+    SharedMemory,
+}
+
+impl Transport {
+    fn parse(name: &str) -> Transport {
+        match name {
+            "Unix" => Transport::Unix,
+            "Tcp" => Transport::Tcp,
+            "SharedMemory" => Transport::SharedMemory,
+            other => panic!("unknown transport {other}"),
+        }
+    }
+
+    fn apply(self, options: &mut tandem_dist::ProcessGroupOptions) {
+        options.unix_sockets = self != Transport::Tcp;
+        options.shared_memory = self == Transport::SharedMemory;
+    }
+}
+
+/// All-reduces `values` through the ring or through a shared buffer.
+struct Reducer {
+    shared: Option<tandem_dist::SharedBuffer<f32>>,
+}
+
+impl Reducer {
+    fn new(group: &mut ProcessGroup, transport: Transport) -> Reducer {
+        let shared = (transport == Transport::SharedMemory).then(|| {
+            let buffer = group.shared_buffer(CHILD_NUMEL).expect("shared buffer");
+            assert!(buffer.is_shared(), "{:?}", group.shared_memory_refusal());
+            buffer
+        });
+        Reducer { shared }
+    }
+
+    fn all_reduce(
+        &mut self,
+        group: &mut ProcessGroup,
+        values: &mut [f32],
+        op: ReduceOp,
+    ) -> Result<(), DistError> {
+        let Some(shared) = &mut self.shared else {
+            return group.all_reduce_f32(values, op);
+        };
+        shared.copy_from_slice(values);
+        group.all_reduce_shared(shared, op)?;
+        values.copy_from_slice(shared);
+        Ok(())
+    }
+}
+
 /// One all-reduce whose checksum goes to the store, a "ready" key, then all-reduces until one
 /// fails. Returns the failure and when it happened.
-fn ready_then_loop(group: &mut ProcessGroup) -> (DistError, Instant) {
+fn ready_then_loop(group: &mut ProcessGroup, transport: Transport) -> (DistError, Instant) {
+    let mut reducer = Reducer::new(group, transport);
     let mut values = child_values(group.rank());
-    group
-        .all_reduce_f32(&mut values, ReduceOp::Sum)
+    reducer
+        .all_reduce(group, &mut values, ReduceOp::Sum)
         .expect("first all_reduce");
     let rank = group.rank();
     group
@@ -48,7 +104,7 @@ fn ready_then_loop(group: &mut ProcessGroup) -> (DistError, Instant) {
         .set(&format!("ready/{rank}"), b"1")
         .expect("publish ready");
     for _ in 0..100_000 {
-        if let Err(error) = group.all_reduce_f32(&mut values, ReduceOp::Max) {
+        if let Err(error) = reducer.all_reduce(group, &mut values, ReduceOp::Max) {
             return (error, Instant::now());
         }
     }
@@ -62,7 +118,7 @@ fn child_rank_entry() {
         return;
     };
     let fields: Vec<&str> = spec.split(',').collect();
-    let [rank, world_size, port, token, unix_sockets] = fields[..] else {
+    let [rank, world_size, port, token, transport] = fields[..] else {
         panic!("bad {CHILD_ENV}: {spec}")
     };
     let token = JobToken::new(token).expect("token");
@@ -74,9 +130,10 @@ fn child_rank_entry() {
         &token,
         TIMEOUT,
     );
-    options.unix_sockets = unix_sockets == "true";
+    let transport = Transport::parse(transport);
+    transport.apply(&mut options);
     let mut group = ProcessGroup::connect(options).expect("child joins");
-    ready_then_loop(&mut group);
+    ready_then_loop(&mut group, transport);
 }
 
 /// Kills the child when the test ends, whatever happens.
@@ -91,11 +148,12 @@ impl Drop for KillOnDrop {
 
 #[test]
 fn killed_process_during_all_reduce_is_named_on_every_rank() {
-    killed_process_is_named(true);
-    killed_process_is_named(false);
+    killed_process_is_named(Transport::Unix);
+    killed_process_is_named(Transport::Tcp);
+    killed_process_is_named(Transport::SharedMemory);
 }
 
-fn killed_process_is_named(unix_sockets: bool) {
+fn killed_process_is_named(transport: Transport) {
     let (server, token) = start_store();
     let store = server.local_addr();
     let world_size = 3;
@@ -110,7 +168,7 @@ fn killed_process_is_named(unix_sockets: bool) {
         .env(
             CHILD_ENV,
             format!(
-                "2,{world_size},{},{},{unix_sockets}",
+                "2,{world_size},{},{},{transport:?}",
                 store.port(),
                 token.expose_secret()
             ),
@@ -126,12 +184,16 @@ fn killed_process_is_named(unix_sockets: bool) {
         let ranks: Vec<_> = (0..2)
             .map(|rank| {
                 let mut options = options(rank, world_size, store, &token, TIMEOUT);
-                options.unix_sockets = unix_sockets;
+                transport.apply(&mut options);
                 scope.spawn(move || {
                     let mut group = ProcessGroup::connect(options).expect("join");
-                    let expected = if unix_sockets { "unix" } else { "tcp" };
+                    let expected = if transport == Transport::Tcp {
+                        "tcp"
+                    } else {
+                        "unix"
+                    };
                     assert_eq!(group.ring_transport(), expected);
-                    ready_then_loop(&mut group)
+                    ready_then_loop(&mut group, transport)
                 })
             })
             .collect();
@@ -163,13 +225,17 @@ fn killed_process_is_named(unix_sockets: bool) {
     for (rank, (error, failed_at)) in outcomes.iter().enumerate() {
         let message = error.to_string();
         eprintln!(
-            "rank {rank} after {:?}: {message}",
+            "{transport:?}: rank {rank} after {:?}: {message}",
             failed_at.saturating_duration_since(killed_at)
         );
+        // Through shared memory only the small synchronizing collectives use the ring.
+        let during = match transport {
+            Transport::SharedMemory => "closed the connection during",
+            _ => "closed the connection during all_reduce #",
+        };
         assert!(
-            message.contains("rank 2 (127.0.0.1:")
-                && message.contains("closed the connection during all_reduce #"),
-            "rank {rank}: {message}"
+            message.contains("rank 2 (127.0.0.1:") && message.contains(during),
+            "{transport:?}: rank {rank}: {message}"
         );
         let after_kill = failed_at.saturating_duration_since(killed_at);
         assert!(

@@ -138,3 +138,36 @@ fn gradient_accumulation_matches_the_larger_batch() {
     // pair of per-rank micro-batches is the single process's micro-batch.
     assert_within(&compare(2, SGD, 144, 12, &["--grad-accum", "2"], |_| false));
 }
+
+/// Ranks of one host average their gradients through shared memory, not through sockets.
+#[test]
+fn ranks_of_one_host_all_reduce_gradients_through_shared_memory() {
+    let output = run_bounded(
+        tandem().args([
+            "launch",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "0",
+            "--",
+            "bench",
+            "step",
+            "--model",
+            "resnet-base",
+            "--batch",
+            "4",
+            "--steps",
+            "1",
+            "--threads",
+            "1",
+        ]),
+        LIMIT,
+    );
+    expect_success(&output);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("gradients: all-reduced through shared memory"),
+        "stdout:\n{stdout}"
+    );
+}

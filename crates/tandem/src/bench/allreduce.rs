@@ -3,7 +3,9 @@
 //! The command serves a store, re-runs this binary `--nproc` times as workers (same arguments,
 //! plus the worker's rank in an environment variable), and waits for them. Each worker joins
 //! the process group, checks one all-reduce against the exact answer, then times `--iters`
-//! all-reduces of `--numel` f32 after a barrier each. Rank 0 prints the median over
+//! all-reduces of `--numel` f32 after a barrier each. The buffer is a shared buffer, as DDP's
+//! gradient buckets are: in shared memory between local processes unless
+//! `--no-shared-memory` sends the data through the ring. Rank 0 prints the median over
 //! iterations of the slowest rank's time, and the bandwidths:
 //!
 //! ```text
@@ -51,6 +53,9 @@ pub struct AllreduceArgs {
     /// Link the workers over loopback TCP instead of Unix sockets.
     #[arg(long)]
     tcp: bool,
+    /// All-reduce through the ring even when the workers could share memory.
+    #[arg(long)]
+    no_shared_memory: bool,
 }
 
 /// Runs the benchmark: as the parent, or as a worker when started by the parent.
@@ -133,31 +138,41 @@ fn run_worker(args: &AllreduceArgs, spec: &str) -> anyhow::Result<()> {
     options.advertise_host = Some("127.0.0.1".into());
     options.segment_bytes = args.segment_bytes;
     options.unix_sockets = !args.tcp;
+    options.shared_memory = !args.no_shared_memory;
     let mut group = ProcessGroup::connect(options)?;
 
     let template: Vec<f32> = (0..args.numel)
         .map(|i| ((i % 1024) as f32) * (rank + 1) as f32)
         .collect();
-    let mut buffer = template.clone();
-    group.all_reduce_f32(&mut buffer, ReduceOp::Sum)?;
+    // The buffer DDP would use for its gradient buckets.
+    let mut buffer = group.shared_buffer::<f32>(args.numel)?;
+    buffer.copy_from_slice(&template);
+    group.all_reduce_shared(&mut buffer, ReduceOp::Sum)?;
     check_sum(&buffer, args.nproc)?;
 
     for _ in 0..args.warmup {
-        group.all_reduce_f32(&mut buffer, ReduceOp::Sum)?;
+        group.all_reduce_shared(&mut buffer, ReduceOp::Sum)?;
     }
     let mut seconds = Vec::with_capacity(args.iters);
     for _ in 0..args.iters {
         buffer.copy_from_slice(&template);
         group.barrier()?;
         let started = Instant::now();
-        group.all_reduce_f32(&mut buffer, ReduceOp::Sum)?;
+        group.all_reduce_shared(&mut buffer, ReduceOp::Sum)?;
         seconds.push(started.elapsed().as_secs_f64());
     }
     check_sum(&buffer, args.nproc)?;
     // An iteration lasts as long as its slowest rank.
     group.all_reduce_f64(&mut seconds, ReduceOp::Max)?;
     if rank == 0 {
-        report(args, group.ring_transport(), &mut seconds);
+        let transport = match buffer.is_shared() {
+            true => "shared memory",
+            false => group.ring_transport(),
+        };
+        report(args, transport, &mut seconds);
+        if let Some(refusal) = group.shared_memory_refusal() {
+            say!("shared memory refused: {refusal}");
+        }
     }
     Ok(())
 }

@@ -129,6 +129,10 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
         if ddp.rank() != 0 {
             return Ok(());
         }
+        say!(
+            "gradients: all-reduced through {}",
+            ddp.gradient_transport()
+        );
     }
     say!("train: {:.1} img/s", rates[0]);
     say!("eval: {:.1} img/s", rates[1]);

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use anyhow::Context;
-use tandem_dist::{CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp};
+use tandem_dist::{CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer};
 use tandem_models::{BatchNormReducer, Model};
 
 /// How a worker joins its job, as its environment or flags describe it.
@@ -56,8 +56,10 @@ pub struct Ddp {
     comm: CommThread,
     buckets: Vec<Range<usize>>,
     /// Per bucket: the gradients copied out of the model, or `None` while on the comm thread.
-    staging: Vec<Option<Vec<f32>>>,
-    in_flight: Vec<(usize, Pending<Vec<f32>>)>,
+    /// In shared memory when the ranks share a host, so the all-reduce copies no data through
+    /// sockets.
+    staging: Vec<Option<SharedBuffer<f32>>>,
+    in_flight: Vec<(usize, Pending<SharedBuffer<f32>>)>,
     next_bucket: usize,
 }
 
@@ -96,8 +98,8 @@ impl Ddp {
         );
         let staging = buckets
             .iter()
-            .map(|bucket| Some(vec![0.0; bucket.len()]))
-            .collect();
+            .map(|bucket| comm.shared_buffer_f32(bucket.len()).map(Some))
+            .collect::<Result<_, _>>()?;
         Ok(Ddp {
             comm,
             buckets,
@@ -115,6 +117,16 @@ impl Ddp {
     /// The number of processes.
     pub fn world_size(&self) -> usize {
         self.comm.world_size()
+    }
+
+    /// What carries the gradient buckets: "shared memory" between the ranks of one host, else
+    /// "the ring".
+    pub fn gradient_transport(&self) -> &'static str {
+        let shared = self.staging.iter().flatten().all(SharedBuffer::is_shared);
+        match shared && self.world_size() > 1 {
+            true => "shared memory",
+            false => "the ring",
+        }
     }
 
     /// Makes every rank start from rank 0's parameters, BN buffers and batch count.
@@ -184,7 +196,7 @@ impl Ddp {
 
     fn send_bucket(&mut self, index: usize) {
         if let Some(values) = self.staging[index].take() {
-            let pending = self.comm.all_reduce_f32(values, ReduceOp::Mean);
+            let pending = self.comm.all_reduce_shared_f32(values, ReduceOp::Mean);
             self.in_flight.push((index, pending));
         }
     }
@@ -210,7 +222,8 @@ impl Ddp {
                 }
                 Err(error) => {
                     first_error.get_or_insert(error);
-                    self.staging[index] = Some(vec![0.0; self.buckets[index].len()]);
+                    // The group has failed; later collectives report it.
+                    self.staging[index] = Some(SharedBuffer::heap(self.buckets[index].len()));
                 }
             }
         }
