@@ -80,8 +80,6 @@ impl BatchNormState {
 #[derive(Default)]
 pub struct BatchNormScratch {
     partials: Vec<f64>,
-    tile_partials: Vec<f64>,
-    block_partials: Vec<f32>,
     column_sums: Vec<ColumnSums>,
     totals: Vec<f64>,
     reduced: Vec<f64>,
@@ -584,10 +582,6 @@ pub fn backward_coefficients<'s>(
     Ok(backward)
 }
 
-/// Tiles summed in f32 before the partial sums are added into f64 ones: few enough that
-/// the f32 sums lose only a few ulps, enough to amortize the widening.
-const TILES_PER_BLOCK: usize = 16;
-
 /// The gradient where a following ReLU (when `RELU`) let it through.
 #[inline(always)]
 fn masked<const RELU: bool>(dy: f32, relu_output: f32) -> f32 {
@@ -608,29 +602,19 @@ fn gradient_sums<const RELU: bool>(
     scratch: &mut BatchNormScratch,
 ) {
     let channels = state.channels();
-    let (mean_tile, invstd_tile) = (&state.tiles.mean.values, &state.tiles.invstd.values);
-    let tile = mean_tile.len();
+    let statistics = [&state.mean[..channels], &state.invstd[..channels]];
     let part_len = worker_part_len(input.len(), channels);
     let workers = input.len().div_ceil(part_len);
     grow_f64(&mut scratch.partials, workers * 2 * channels);
-    grow_f64(&mut scratch.tile_partials, workers * 2 * tile);
-    grow_f32(&mut scratch.block_partials, workers * 2 * tile);
     scratch.partials[..workers * 2 * channels]
         .par_chunks_mut(2 * channels)
-        .zip(scratch.tile_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
-        .zip(scratch.block_partials[..workers * 2 * tile].par_chunks_mut(2 * tile))
         .zip(dy.par_chunks(part_len))
         .zip(relu_output.par_chunks(part_len))
         .zip(input.par_chunks(part_len))
-        .for_each(|(((((sums, tile_sums), block_sums), dy), relu), x)| {
-            gradient_sums_part::<RELU>(
-                [dy, relu, x],
-                [mean_tile, invstd_tile],
-                tile_sums,
-                block_sums,
-            );
-            let (tile_dy, tile_dy_xhat) = tile_sums.split_at(tile);
-            fold_tile_sums(tile_dy, tile_dy_xhat, channels, sums);
+        .for_each(|(((sums, dy), relu), x)| {
+            sums.fill(0.0);
+            let (sum_dy, sum_dy_xhat) = sums.split_at_mut(channels);
+            gradient_sums_part::<RELU>([dy, relu, x], statistics, sum_dy, sum_dy_xhat);
         });
     sum_worker_partials(
         &scratch.partials[..workers * 2 * channels],
@@ -640,44 +624,110 @@ fn gradient_sums<const RELU: bool>(
 }
 
 multiversion! {
-    /// One worker's `[Σ dy…, Σ dy·x̂…]` per tile position into `tile_sums`, from the
-    /// streams `[dy, relu output, x]` and the tiles `[mean, invstd]`.
+    /// One worker's `Σ dy` and `Σ dy·x̂` per channel, added into `sum_dy` and `sum_dy_xhat`,
+    /// from the streams `[dy, relu output, x]` and the per-channel `[mean, invstd]`.
     fn gradient_sums_part<const RELU: bool>(
         streams: [&[f32]; 3],
-        coefficients: [&[f32]; 2],
-        tile_sums: &mut [f64],
-        block_sums: &mut [f32],
+        statistics: [&[f32]; 2],
+        sum_dy: &mut [f64],
+        sum_dy_xhat: &mut [f64],
     ) {
-        let ([dy, relu, x], [mean_tile, invstd_tile]) = (streams, coefficients);
-        let tile = mean_tile.len();
-        tile_sums.fill(0.0);
-        let (tile_dy, tile_dy_xhat) = tile_sums.split_at_mut(tile);
-        let (block_dy, block_dy_xhat) = block_sums.split_at_mut(tile);
-        let block_len = tile * TILES_PER_BLOCK;
-        let blocks = dy
-            .chunks(block_len)
-            .zip(relu.chunks(block_len))
-            .zip(x.chunks(block_len));
-        for ((dy, relu), x) in blocks {
-            block_dy.fill(0.0);
-            block_dy_xhat.fill(0.0);
-            let rows = dy.chunks(tile).zip(relu.chunks(tile)).zip(x.chunks(tile));
-            for ((dy, relu), x) in rows {
-                let values = dy.iter().zip(relu).zip(x);
-                let coefficients = mean_tile.iter().zip(invstd_tile);
-                let targets = block_dy.iter_mut().zip(block_dy_xhat.iter_mut());
-                for (((&dy, &relu), &x), ((&mean, &invstd), (sum_dy, sum_dy_xhat))) in
-                    values.zip(coefficients.zip(targets))
-                {
-                    let dy = masked::<RELU>(dy, relu);
-                    *sum_dy += dy;
-                    *sum_dy_xhat += dy * ((x - mean) * invstd);
-                }
-            }
-            widen_into(block_dy, tile_dy);
-            widen_into(block_dy_xhat, tile_dy_xhat);
+        let channels = sum_dy.len();
+        if !rows_fill_lines(channels) {
+            gradient_sums_lines::<RELU>(streams, statistics, channels, [sum_dy, sum_dy_xhat]);
+            return;
+        }
+        // Lines of several rows: the statistics repeat along the line, and the line sums
+        // fold into the channels at the end; rows after the last whole line go one by one.
+        let whole = streams[0].len() / LINE * LINE;
+        let lines = streams.map(|stream| &stream[..whole]);
+        let rest = streams.map(|stream| &stream[whole..]);
+        let line_statistics = statistics.map(|values| {
+            std::array::from_fn::<f32, LINE, _>(|position| values[position % channels])
+        });
+        let (mut line_dy, mut line_dy_xhat) = ([0f64; LINE], [0f64; LINE]);
+        gradient_sums_lines::<RELU>(
+            lines,
+            [&line_statistics[0], &line_statistics[1]],
+            LINE,
+            [&mut line_dy, &mut line_dy_xhat],
+        );
+        fold_line(&line_dy, sum_dy);
+        fold_line(&line_dy_xhat, sum_dy_xhat);
+        gradient_sums_lines::<RELU>(rest, statistics, channels, [sum_dy, sum_dy_xhat]);
+    }
+}
+
+/// [`gradient_sums_part`] over lines of `width` values, block by block of [`BLOCK_ROWS`]
+/// lines, each block column group by column group.
+#[inline(always)]
+fn gradient_sums_lines<const RELU: bool>(
+    [dy, relu, x]: [&[f32]; 3],
+    statistics: [&[f32]; 2],
+    width: usize,
+    [sum_dy, sum_dy_xhat]: [&mut [f64]; 2],
+) {
+    let block_len = width * BLOCK_ROWS;
+    let blocks = dy
+        .chunks(block_len)
+        .zip(relu.chunks(block_len))
+        .zip(x.chunks(block_len));
+    for ((dy, relu), x) in blocks {
+        let block = [dy, relu, x];
+        let mut start = 0;
+        while start < width {
+            let totals = [&mut sum_dy[start..], &mut sum_dy_xhat[start..]];
+            start += match width - start {
+                16.. => gradient_sums_group::<RELU, 16>(block, statistics, width, start, totals),
+                8.. => gradient_sums_group::<RELU, 8>(block, statistics, width, start, totals),
+                _ => gradient_sums_group::<RELU, 1>(block, statistics, width, start, totals),
+            };
         }
     }
+}
+
+/// One block's `Σ dy` and `Σ dy·x̂` for the `W` columns from `start`, summed in registers in
+/// f32 and added into the f64 totals; returns `W`.
+#[inline(always)]
+fn gradient_sums_group<const RELU: bool, const W: usize>(
+    [dy, relu, x]: [&[f32]; 3],
+    [mean, invstd]: [&[f32]; 2],
+    width: usize,
+    start: usize,
+    [sum_dy, sum_dy_xhat]: [&mut [f64]; 2],
+) -> usize {
+    let (Some(mean), Some(invstd)) = (group_of::<W>(mean, start), group_of::<W>(invstd, start))
+    else {
+        return W;
+    };
+    let mut block_dy = [0f32; W];
+    let mut block_dy_xhat = [0f32; W];
+    let lines = dy
+        .chunks_exact(width)
+        .zip(relu.chunks_exact(width))
+        .zip(x.chunks_exact(width));
+    for ((dy, relu), x) in lines {
+        let (Some(dy), Some(relu), Some(x)) = (
+            group_of::<W>(dy, start),
+            group_of::<W>(relu, start),
+            group_of::<W>(x, start),
+        ) else {
+            break;
+        };
+        let values = dy.iter().zip(relu).zip(x);
+        let statistics = mean.iter().zip(invstd);
+        let targets = block_dy.iter_mut().zip(block_dy_xhat.iter_mut());
+        for (((&dy, &relu), &x), ((&mean, &invstd), (sum_dy, sum_dy_xhat))) in
+            values.zip(statistics.zip(targets))
+        {
+            let dy = masked::<RELU>(dy, relu);
+            *sum_dy += dy;
+            *sum_dy_xhat += dy * ((x - mean) * invstd);
+        }
+    }
+    widen_into(&block_dy, sum_dy);
+    widen_into(&block_dy_xhat, sum_dy_xhat);
+    W
 }
 
 /// The per-channel coefficients of a training-mode batch norm's input gradient, as tiles:
@@ -778,71 +828,127 @@ fn sum_worker_partials(partials: &[f64], width: usize, totals: &mut Vec<f64>) {
 /// Per-channel sums and sums of squares of a `[rows, channels]` tensor, gathered part by
 /// part in a fixed order: by [`train_statistics`] over the rows of each worker, or by a
 /// convolution over each chunk of its output while the chunk is still in cache. Values are
-/// added in f32 over blocks of [`TILES_PER_BLOCK`] tiles, then in f64.
+/// added in f32 over blocks of [`BLOCK_ROWS`] rows, then in f64.
 #[derive(Default)]
 pub struct ColumnSums {
     channels: usize,
-    /// `[Σx per tile position…, Σx² per tile position…]`.
-    tile_sums: Vec<f64>,
-    /// The same over the current block, in f32.
-    block_sums: Vec<f32>,
+    /// `[Σx per channel…, Σx² per channel…]`.
+    totals: Vec<f64>,
 }
 
 impl ColumnSums {
     /// Starts over for a tensor of `channels` channels.
     pub fn reset(&mut self, channels: usize) {
-        let tile = ChannelTile::len_for(channels);
         self.channels = channels;
-        self.tile_sums.clear();
-        self.tile_sums.resize(2 * tile, 0.0);
-        self.block_sums.clear();
-        self.block_sums.resize(2 * tile, 0.0);
+        self.totals.clear();
+        self.totals.resize(2 * channels, 0.0);
     }
 
     /// Adds the values of `rows` (whole rows of `channels` values).
     pub fn add(&mut self, rows: &[f32]) {
-        let tile = self.tile_sums.len() / 2;
-        let (tile_sum, tile_sum_sq) = self.tile_sums.split_at_mut(tile);
-        let (block_sum, block_sum_sq) = self.block_sums.split_at_mut(tile);
-        sum_rows(rows, [tile_sum, tile_sum_sq], [block_sum, block_sum_sq]);
+        let (sums, sums_sq) = self.totals.split_at_mut(self.channels);
+        sum_columns(rows, sums, sums_sq);
     }
 
     /// Adds this part's `[Σx per channel…, Σx² per channel…]` into `totals`.
     pub fn add_to(&self, totals: &mut [f64]) {
-        let channels = self.channels;
-        assert_eq!(totals.len(), 2 * channels, "column sums: totals length");
-        let tile = self.tile_sums.len() / 2;
-        let (tile_sum, tile_sum_sq) = self.tile_sums.split_at(tile);
-        let (sums, sums_sq) = totals.split_at_mut(channels);
-        for (row, row_sq) in tile_sum
-            .chunks_exact(channels)
-            .zip(tile_sum_sq.chunks_exact(channels))
-        {
-            widen_f64_into(row, sums);
-            widen_f64_into(row_sq, sums_sq);
-        }
+        assert_eq!(
+            totals.len(),
+            self.totals.len(),
+            "column sums: totals length"
+        );
+        widen_f64_into(&self.totals, totals);
+    }
+}
+
+/// Rows added in f32 before a column's partial sums are added into its f64 totals: few
+/// enough that the f32 sums lose only a few ulps, enough to amortize the widening.
+const BLOCK_ROWS: usize = 16;
+
+/// Values per line when narrow rows are read several at a time (one 16-lane group).
+const LINE: usize = 16;
+
+/// Whether rows of `channels` values are read several to a line: when they are narrower than
+/// a line and fill it exactly (otherwise each row is a line).
+fn rows_fill_lines(channels: usize) -> bool {
+    channels > 0 && channels < LINE && LINE % channels == 0
+}
+
+/// Adds each line position's total into its channel's (positions repeat the channels).
+fn fold_line(line: &[f64; LINE], totals: &mut [f64]) {
+    let channels = totals.len().max(1);
+    for (position, value) in line.iter().enumerate() {
+        totals[position % channels] += value;
     }
 }
 
 multiversion! {
-    /// Adds `rows` (whole tiles) into the per-position `[Σx, Σx²]`, in f32 per block.
-    fn sum_rows(rows: &[f32], tile_sums: [&mut [f64]; 2], block_sums: [&mut [f32]; 2]) {
-        let ([tile_sum, tile_sum_sq], [block_sum, block_sum_sq]) = (tile_sums, block_sums);
-        let tile = tile_sum.len();
-        for block in rows.chunks(tile * TILES_PER_BLOCK) {
-            block_sum.fill(0.0);
-            block_sum_sq.fill(0.0);
-            for values in block.chunks(tile) {
-                let targets = block_sum.iter_mut().zip(block_sum_sq.iter_mut());
-                for ((sum, sum_sq), &x) in targets.zip(values) {
-                    *sum += x;
-                    *sum_sq += x * x;
-                }
-            }
-            widen_into(block_sum, tile_sum);
-            widen_into(block_sum_sq, tile_sum_sq);
+    /// Adds each column's Σx and Σx² over `rows` (whole rows of `sums.len()` values) into
+    /// `sums` and `sums_sq`.
+    fn sum_columns(rows: &[f32], sums: &mut [f64], sums_sq: &mut [f64]) {
+        let channels = sums.len();
+        if !rows_fill_lines(channels) {
+            sum_lines(rows, channels, [sums, sums_sq]);
+            return;
+        }
+        // Lines of several rows, folded into the channels at the end; rows after the last
+        // whole line go one by one.
+        let whole = rows.len() / LINE * LINE;
+        let (mut line_sum, mut line_sum_sq) = ([0f64; LINE], [0f64; LINE]);
+        sum_lines(&rows[..whole], LINE, [&mut line_sum, &mut line_sum_sq]);
+        fold_line(&line_sum, sums);
+        fold_line(&line_sum_sq, sums_sq);
+        sum_lines(&rows[whole..], channels, [sums, sums_sq]);
+    }
+}
+
+/// [`sum_columns`] over lines of `width` values, block by block of [`BLOCK_ROWS`] lines,
+/// each block column group by column group (up to 32 columns, whose sums stay in registers).
+#[inline(always)]
+fn sum_lines(lines: &[f32], width: usize, [sums, sums_sq]: [&mut [f64]; 2]) {
+    for block in lines.chunks(width * BLOCK_ROWS) {
+        let mut start = 0;
+        while start < width {
+            let totals = [&mut sums[start..], &mut sums_sq[start..]];
+            start += match width - start {
+                32.. => sum_column_group::<32>(block, width, start, totals),
+                16.. => sum_column_group::<16>(block, width, start, totals),
+                8.. => sum_column_group::<8>(block, width, start, totals),
+                _ => sum_column_group::<1>(block, width, start, totals),
+            };
         }
     }
+}
+
+/// The `W` values of `row` from `start`, as an array (so loops over them unroll).
+#[inline(always)]
+fn group_of<const W: usize>(row: &[f32], start: usize) -> Option<&[f32; W]> {
+    row.get(start..start + W)?.try_into().ok()
+}
+
+/// One block's Σx and Σx² for the `W` columns from `start`, summed in registers in f32 and
+/// added into the f64 totals; returns `W`.
+#[inline(always)]
+fn sum_column_group<const W: usize>(
+    block: &[f32],
+    width: usize,
+    start: usize,
+    [sums, sums_sq]: [&mut [f64]; 2],
+) -> usize {
+    let mut block_sum = [0f32; W];
+    let mut block_sum_sq = [0f32; W];
+    for line in block.chunks_exact(width) {
+        let Some(values) = group_of::<W>(line, start) else {
+            break;
+        };
+        for ((sum, sum_sq), &x) in block_sum.iter_mut().zip(&mut block_sum_sq).zip(values) {
+            *sum += x;
+            *sum_sq += x * x;
+        }
+    }
+    widen_into(&block_sum, sums);
+    widen_into(&block_sum_sq, sums_sq);
+    W
 }
 
 fn widen_f64_into(values: &[f64], totals: &mut [f64]) {
@@ -876,31 +982,127 @@ fn column_sums(input: &[f32], channels: usize, scratch: &mut BatchNormScratch) {
     }
 }
 
-/// Adds per-position tile sums into per-channel sums: `sums = [Σ first…, Σ second…]`.
-fn fold_tile_sums(first: &[f64], second: &[f64], channels: usize, sums: &mut [f64]) {
-    sums.fill(0.0);
-    let (first_sums, second_sums) = sums.split_at_mut(channels);
-    for (first_row, second_row) in first
-        .chunks_exact(channels)
-        .zip(second.chunks_exact(channels))
-    {
-        for (total, value) in first_sums.iter_mut().zip(first_row) {
-            *total += value;
-        }
-        for (total, value) in second_sums.iter_mut().zip(second_row) {
-            *total += value;
-        }
-    }
-}
-
 fn grow_f64(buffer: &mut Vec<f64>, len: usize) {
     if buffer.len() < len {
         buffer.resize(len, 0.0);
     }
 }
 
-fn grow_f32(buffer: &mut Vec<f32>, len: usize) {
-    if buffer.len() < len {
-        buffer.resize(len, 0.0);
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Channel counts that use every column-group width (32, 16, 8 and single columns) and
+    /// rows read several to a line (1, 2 and 8 channels, with rows left after the last whole
+    /// line); row counts that end inside a block of `BLOCK_ROWS`.
+    const SHAPES: [(usize, usize); 9] = [
+        (37, 1),
+        (45, 2),
+        (37, 3),
+        (21, 8),
+        (50, 13),
+        (19, 16),
+        (17, 29),
+        (40, 40),
+        (9, 67),
+    ];
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0 - 1.0) * 3.0)
+            .collect()
+    }
+
+    fn assert_close(got: f64, expected: f64, what: &str) {
+        assert!(
+            (got - expected).abs() <= 1e-5 * expected.abs().max(1.0),
+            "{what}: {got} vs {expected}"
+        );
+    }
+
+    #[test]
+    fn column_sums_match_f64_sums_for_every_group_width() {
+        for (rows, channels) in SHAPES {
+            let input = values(rows * channels, channels);
+            let mut sums = ColumnSums::default();
+            sums.reset(channels);
+            // Two uneven parts, as a convolution adds its chunks.
+            let split = (rows / 3) * channels;
+            sums.add(&input[..split]);
+            sums.add(&input[split..]);
+            let mut totals = vec![0.0; 2 * channels];
+            sums.add_to(&mut totals);
+            for c in 0..channels {
+                let column = input.iter().skip(c).step_by(channels).map(|&x| x as f64);
+                let (sum, sum_sq) = column.fold((0.0, 0.0), |(s, q), x| (s + x, q + x * x));
+                assert_close(totals[c], sum, &format!("{rows}x{channels} Σx[{c}]"));
+                assert_close(
+                    totals[channels + c],
+                    sum_sq,
+                    &format!("{rows}x{channels} Σx²[{c}]"),
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn gradient_sums_match_f64_sums_with_and_without_the_relu_mask() {
+        for (rows, channels) in SHAPES {
+            let input = values(rows * channels, 1);
+            let dy = values(rows * channels, 2);
+            let relu_output = values(rows * channels, 3);
+            let weight = vec![1.0; channels];
+            let bias = vec![0.0; channels];
+            let params = BatchNormParams {
+                weight: &weight,
+                bias: &bias,
+            };
+            let mut state = BatchNormState::new(channels);
+            let mut scratch = BatchNormScratch::default();
+            let (mut running_mean, mut running_var) = (vec![0.0; channels], vec![1.0; channels]);
+            train_statistics(
+                &input,
+                &params,
+                &mut running_mean,
+                &mut running_var,
+                &mut state,
+                None,
+                &mut scratch,
+            )
+            .expect("statistics");
+            for relu in [false, true] {
+                let (mut grad_weight, mut grad_bias) = (vec![0.0; channels], vec![0.0; channels]);
+                let grad_output = OutputGrad {
+                    values: &dy,
+                    relu_output: relu.then_some(&relu_output[..]),
+                };
+                backward_coefficients(
+                    grad_output,
+                    &input,
+                    &weight,
+                    &state,
+                    &mut grad_weight,
+                    &mut grad_bias,
+                    None,
+                    &mut scratch,
+                )
+                .expect("coefficients");
+                for c in 0..channels {
+                    let (mut sum_dy, mut sum_dy_xhat) = (0.0f64, 0.0f64);
+                    for row in 0..rows {
+                        let index = row * channels + c;
+                        if relu && relu_output[index] <= 0.0 {
+                            continue;
+                        }
+                        let xhat = (input[index] - state.mean[c]) * state.invstd[c];
+                        sum_dy += dy[index] as f64;
+                        sum_dy_xhat += dy[index] as f64 * xhat as f64;
+                    }
+                    let what = format!("{rows}x{channels} relu {relu} channel {c}");
+                    assert_close(grad_bias[c] as f64, sum_dy, &format!("{what} Σdy"));
+                    assert_close(grad_weight[c] as f64, sum_dy_xhat, &format!("{what} Σdy·x̂"));
+                }
+            }
+        }
     }
 }
