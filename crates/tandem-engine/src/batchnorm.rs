@@ -871,7 +871,7 @@ const LINE: usize = 16;
 /// Whether rows of `channels` values are read several to a line: when they are narrower than
 /// a line and fill it exactly (otherwise each row is a line).
 fn rows_fill_lines(channels: usize) -> bool {
-    channels > 0 && channels < LINE && LINE % channels == 0
+    channels > 0 && channels < LINE && LINE.is_multiple_of(channels)
 }
 
 /// Adds each line position's total into its channel's (positions repeat the channels).
