@@ -570,6 +570,7 @@ pub fn backward_coefficients<'s>(
     let BatchNormScratch {
         totals, backward, ..
     } = scratch;
+    backward.channels = channels;
     backward.mean.refill(channels, |c| state.mean[c]);
     backward.invstd.refill(channels, |c| invstd[c]);
     backward.gain.refill(channels, |c| weight[c] * invstd[c]);
@@ -735,6 +736,7 @@ fn gradient_sums_group<const RELU: bool, const W: usize>(
 /// [`backward_coefficients`].
 #[derive(Default)]
 pub struct BackwardCoefficients {
+    channels: usize,
     mean: ChannelTile,
     invstd: ChannelTile,
     gain: ChannelTile,
@@ -763,42 +765,110 @@ impl BackwardCoefficients {
         match grad_output.relu_output {
             Some(relu) => {
                 assert_eq!(relu.len(), input.len(), "batchnorm backward: chunk lengths");
-                input_gradient_chunk::<true>(grad_input, [dy, relu, input], tiles)
+                input_gradient_chunk::<true>(grad_input, [dy, relu, input], tiles, self.channels)
             }
-            None => input_gradient_chunk::<false>(grad_input, [dy, dy, input], tiles),
+            None => {
+                input_gradient_chunk::<false>(grad_input, [dy, dy, input], tiles, self.channels)
+            }
         }
     }
 }
 
 multiversion! {
-    /// `dx = gain · (dy − mean_dy − x̂ · mean_dy_xhat)` over one chunk, from the streams
-    /// `[dy, relu output, x]` and the tiles `[mean, invstd, gain, mean_dy, mean_dy_xhat]`.
+    /// `dx = gain · (dy − mean_dy − x̂ · mean_dy_xhat)` over one chunk of `channels`-wide
+    /// rows, from the streams `[dy, relu output, x]` and the tiles
+    /// `[mean, invstd, gain, mean_dy, mean_dy_xhat]`.
     fn input_gradient_chunk<const RELU: bool>(
         dx: &mut [f32],
         streams: [&[f32]; 3],
         tiles: [&[f32]; 5],
+        channels: usize,
     ) {
-        let [dy, relu, x] = streams;
-        let [mean, invstd, gain, mean_dy, mean_dy_xhat] = tiles;
-        let tile = gain.len();
-        let rows = dx
-            .chunks_mut(tile)
-            .zip(dy.chunks(tile))
-            .zip(relu.chunks(tile))
-            .zip(x.chunks(tile));
-        for (((dx, dy), relu), x) in rows {
-            let data = dx.iter_mut().zip(dy).zip(relu).zip(x);
-            let normalize = mean.iter().zip(invstd);
-            let means = mean_dy.iter().zip(mean_dy_xhat);
-            let correct = gain.iter().zip(means);
-            for ((((dx, &dy), &relu), &x), ((&mean, &invstd), (&gain, (&mean_dy, &mean_dy_xhat)))) in
-                data.zip(normalize.zip(correct))
-            {
-                let xhat = (x - mean) * invstd;
-                *dx = gain * (masked::<RELU>(dy, relu) - mean_dy - xhat * mean_dy_xhat);
-            }
+        if !rows_fill_lines(channels) {
+            input_gradient_lines::<RELU>(dx, streams, tiles, channels);
+            return;
+        }
+        // Lines of several rows (the tiles repeat the channels along them); rows after the
+        // last whole line go one by one.
+        let whole = dx.len() / LINE * LINE;
+        let (lines, rest) = dx.split_at_mut(whole);
+        input_gradient_lines::<RELU>(lines, streams.map(|stream| &stream[..whole]), tiles, LINE);
+        input_gradient_lines::<RELU>(rest, streams.map(|stream| &stream[whole..]), tiles, channels);
+    }
+}
+
+/// [`input_gradient_chunk`] over lines of `width` values, block by block of [`BLOCK_ROWS`]
+/// lines, each block column group by column group (the group's coefficients stay in
+/// registers).
+#[inline(always)]
+fn input_gradient_lines<const RELU: bool>(
+    dx: &mut [f32],
+    [dy, relu, x]: [&[f32]; 3],
+    tiles: [&[f32]; 5],
+    width: usize,
+) {
+    let block_len = width * BLOCK_ROWS;
+    let blocks = dx
+        .chunks_mut(block_len)
+        .zip(dy.chunks(block_len))
+        .zip(relu.chunks(block_len))
+        .zip(x.chunks(block_len));
+    for (((dx, dy), relu), x) in blocks {
+        let mut start = 0;
+        while start < width {
+            let block = [dy, relu, x];
+            start += match width - start {
+                16.. => input_gradient_group::<RELU, 16>(dx, block, tiles, width, start),
+                8.. => input_gradient_group::<RELU, 8>(dx, block, tiles, width, start),
+                _ => input_gradient_group::<RELU, 1>(dx, block, tiles, width, start),
+            };
         }
     }
+}
+
+/// One block's input gradient for the `W` columns from `start`; returns `W`.
+#[inline(always)]
+fn input_gradient_group<const RELU: bool, const W: usize>(
+    dx: &mut [f32],
+    [dy, relu, x]: [&[f32]; 3],
+    tiles: [&[f32]; 5],
+    width: usize,
+    start: usize,
+) -> usize {
+    let [Some(mean), Some(invstd), Some(gain), Some(mean_dy), Some(mean_dy_xhat)] =
+        tiles.map(|tile| group_of::<W>(tile, start))
+    else {
+        return W;
+    };
+    let lines = dx
+        .chunks_exact_mut(width)
+        .zip(dy.chunks_exact(width))
+        .zip(relu.chunks_exact(width))
+        .zip(x.chunks_exact(width));
+    for (((dx, dy), relu), x) in lines {
+        let (Some(dx), Some(dy), Some(relu), Some(x)) = (
+            dx.get_mut(start..start + W),
+            group_of::<W>(dy, start),
+            group_of::<W>(relu, start),
+            group_of::<W>(x, start),
+        ) else {
+            break;
+        };
+        let Ok(dx) = <&mut [f32; W]>::try_from(dx) else {
+            break;
+        };
+        let data = dx.iter_mut().zip(dy).zip(relu).zip(x);
+        let normalize = mean.iter().zip(invstd);
+        let means = mean_dy.iter().zip(mean_dy_xhat);
+        let correct = gain.iter().zip(means);
+        for ((((dx, &dy), &relu), &x), ((&mean, &invstd), (&gain, (&mean_dy, &mean_dy_xhat)))) in
+            data.zip(normalize.zip(correct))
+        {
+            let xhat = (x - mean) * invstd;
+            *dx = gain * (masked::<RELU>(dy, relu) - mean_dy - xhat * mean_dy_xhat);
+        }
+    }
+    W
 }
 
 /// Values per worker part of a `[rows, channels]` tensor: whole rows, one part per worker.
@@ -1046,12 +1116,12 @@ mod tests {
     }
 
     #[test]
-    fn gradient_sums_match_f64_sums_with_and_without_the_relu_mask() {
+    fn gradient_sums_and_input_gradient_match_f64_with_and_without_the_relu_mask() {
         for (rows, channels) in SHAPES {
             let input = values(rows * channels, 1);
             let dy = values(rows * channels, 2);
             let relu_output = values(rows * channels, 3);
-            let weight = vec![1.0; channels];
+            let weight: Vec<f32> = (0..channels).map(|c| 0.5 + 0.1 * c as f32).collect();
             let bias = vec![0.0; channels];
             let params = BatchNormParams {
                 weight: &weight,
@@ -1076,7 +1146,7 @@ mod tests {
                     values: &dy,
                     relu_output: relu.then_some(&relu_output[..]),
                 };
-                backward_coefficients(
+                let coefficients = backward_coefficients(
                     grad_output,
                     &input,
                     &weight,
@@ -1087,6 +1157,8 @@ mod tests {
                     &mut scratch,
                 )
                 .expect("coefficients");
+                let mut grad_input = vec![0.0; rows * channels];
+                coefficients.input_gradient(grad_output, &input, &mut grad_input);
                 for c in 0..channels {
                     let (mut sum_dy, mut sum_dy_xhat) = (0.0f64, 0.0f64);
                     for row in 0..rows {
@@ -1101,6 +1173,22 @@ mod tests {
                     let what = format!("{rows}x{channels} relu {relu} channel {c}");
                     assert_close(grad_bias[c] as f64, sum_dy, &format!("{what} Σdy"));
                     assert_close(grad_weight[c] as f64, sum_dy_xhat, &format!("{what} Σdy·x̂"));
+                    let gain = weight[c] as f64 * state.invstd[c] as f64;
+                    for row in 0..rows {
+                        let index = row * channels + c;
+                        let dy = match relu && relu_output[index] <= 0.0 {
+                            true => 0.0,
+                            false => dy[index] as f64,
+                        };
+                        let xhat = (input[index] - state.mean[c]) as f64 * state.invstd[c] as f64;
+                        let expected =
+                            gain * (dy - sum_dy / rows as f64 - xhat * sum_dy_xhat / rows as f64);
+                        assert_close(
+                            grad_input[index] as f64,
+                            expected,
+                            &format!("{what} dx[{row}]"),
+                        );
+                    }
                 }
             }
         }
