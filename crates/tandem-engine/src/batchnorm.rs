@@ -570,7 +570,6 @@ pub fn backward_coefficients<'s>(
     let BatchNormScratch {
         totals, backward, ..
     } = scratch;
-    backward.channels = channels;
     backward.mean.refill(channels, |c| state.mean[c]);
     backward.invstd.refill(channels, |c| invstd[c]);
     backward.gain.refill(channels, |c| weight[c] * invstd[c]);
@@ -583,14 +582,15 @@ pub fn backward_coefficients<'s>(
     Ok(backward)
 }
 
-/// The gradient where a following ReLU (when `RELU`) let it through.
+/// The gradient where a following ReLU (when `RELU`) let it through, as a bit mask rather
+/// than a branch, so that the loops over column groups compile to vector selects.
 #[inline(always)]
 fn masked<const RELU: bool>(dy: f32, relu_output: f32) -> f32 {
-    if RELU && relu_output <= 0.0 {
-        0.0
-    } else {
-        dy
+    if !RELU {
+        return dy;
     }
+    let keep = u32::from(relu_output > 0.0 || relu_output.is_nan()).wrapping_neg();
+    f32::from_bits(dy.to_bits() & keep)
 }
 
 /// `Σ dy` and `Σ dy·x̂` per channel over a fixed split of the rows per worker, into
@@ -715,15 +715,10 @@ fn gradient_sums_group<const RELU: bool, const W: usize>(
         ) else {
             break;
         };
-        let values = dy.iter().zip(relu).zip(x);
-        let statistics = mean.iter().zip(invstd);
-        let targets = block_dy.iter_mut().zip(block_dy_xhat.iter_mut());
-        for (((&dy, &relu), &x), ((&mean, &invstd), (sum_dy, sum_dy_xhat))) in
-            values.zip(statistics.zip(targets))
-        {
-            let dy = masked::<RELU>(dy, relu);
-            *sum_dy += dy;
-            *sum_dy_xhat += dy * ((x - mean) * invstd);
+        for lane in 0..W {
+            let dy = masked::<RELU>(dy[lane], relu[lane]);
+            block_dy[lane] += dy;
+            block_dy_xhat[lane] += dy * ((x[lane] - mean[lane]) * invstd[lane]);
         }
     }
     widen_into(&block_dy, sum_dy);
@@ -736,7 +731,6 @@ fn gradient_sums_group<const RELU: bool, const W: usize>(
 /// [`backward_coefficients`].
 #[derive(Default)]
 pub struct BackwardCoefficients {
-    channels: usize,
     mean: ChannelTile,
     invstd: ChannelTile,
     gain: ChannelTile,
@@ -765,110 +759,42 @@ impl BackwardCoefficients {
         match grad_output.relu_output {
             Some(relu) => {
                 assert_eq!(relu.len(), input.len(), "batchnorm backward: chunk lengths");
-                input_gradient_chunk::<true>(grad_input, [dy, relu, input], tiles, self.channels)
+                input_gradient_chunk::<true>(grad_input, [dy, relu, input], tiles)
             }
-            None => {
-                input_gradient_chunk::<false>(grad_input, [dy, dy, input], tiles, self.channels)
-            }
+            None => input_gradient_chunk::<false>(grad_input, [dy, dy, input], tiles),
         }
     }
 }
 
 multiversion! {
-    /// `dx = gain · (dy − mean_dy − x̂ · mean_dy_xhat)` over one chunk of `channels`-wide
-    /// rows, from the streams `[dy, relu output, x]` and the tiles
-    /// `[mean, invstd, gain, mean_dy, mean_dy_xhat]`.
+    /// `dx = gain · (dy − mean_dy − x̂ · mean_dy_xhat)` over one chunk, from the streams
+    /// `[dy, relu output, x]` and the tiles `[mean, invstd, gain, mean_dy, mean_dy_xhat]`.
     fn input_gradient_chunk<const RELU: bool>(
         dx: &mut [f32],
         streams: [&[f32]; 3],
         tiles: [&[f32]; 5],
-        channels: usize,
     ) {
-        if !rows_fill_lines(channels) {
-            input_gradient_lines::<RELU>(dx, streams, tiles, channels);
-            return;
-        }
-        // Lines of several rows (the tiles repeat the channels along them); rows after the
-        // last whole line go one by one.
-        let whole = dx.len() / LINE * LINE;
-        let (lines, rest) = dx.split_at_mut(whole);
-        input_gradient_lines::<RELU>(lines, streams.map(|stream| &stream[..whole]), tiles, LINE);
-        input_gradient_lines::<RELU>(rest, streams.map(|stream| &stream[whole..]), tiles, channels);
-    }
-}
-
-/// [`input_gradient_chunk`] over lines of `width` values, block by block of [`BLOCK_ROWS`]
-/// lines, each block column group by column group (the group's coefficients stay in
-/// registers).
-#[inline(always)]
-fn input_gradient_lines<const RELU: bool>(
-    dx: &mut [f32],
-    [dy, relu, x]: [&[f32]; 3],
-    tiles: [&[f32]; 5],
-    width: usize,
-) {
-    let block_len = width * BLOCK_ROWS;
-    let blocks = dx
-        .chunks_mut(block_len)
-        .zip(dy.chunks(block_len))
-        .zip(relu.chunks(block_len))
-        .zip(x.chunks(block_len));
-    for (((dx, dy), relu), x) in blocks {
-        let mut start = 0;
-        while start < width {
-            let block = [dy, relu, x];
-            start += match width - start {
-                16.. => input_gradient_group::<RELU, 16>(dx, block, tiles, width, start),
-                8.. => input_gradient_group::<RELU, 8>(dx, block, tiles, width, start),
-                _ => input_gradient_group::<RELU, 1>(dx, block, tiles, width, start),
-            };
+        let [dy, relu, x] = streams;
+        let [mean, invstd, gain, mean_dy, mean_dy_xhat] = tiles;
+        let tile = gain.len();
+        let rows = dx
+            .chunks_mut(tile)
+            .zip(dy.chunks(tile))
+            .zip(relu.chunks(tile))
+            .zip(x.chunks(tile));
+        for (((dx, dy), relu), x) in rows {
+            let data = dx.iter_mut().zip(dy).zip(relu).zip(x);
+            let normalize = mean.iter().zip(invstd);
+            let means = mean_dy.iter().zip(mean_dy_xhat);
+            let correct = gain.iter().zip(means);
+            for ((((dx, &dy), &relu), &x), ((&mean, &invstd), (&gain, (&mean_dy, &mean_dy_xhat)))) in
+                data.zip(normalize.zip(correct))
+            {
+                let xhat = (x - mean) * invstd;
+                *dx = gain * (masked::<RELU>(dy, relu) - mean_dy - xhat * mean_dy_xhat);
+            }
         }
     }
-}
-
-/// One block's input gradient for the `W` columns from `start`; returns `W`.
-#[inline(always)]
-fn input_gradient_group<const RELU: bool, const W: usize>(
-    dx: &mut [f32],
-    [dy, relu, x]: [&[f32]; 3],
-    tiles: [&[f32]; 5],
-    width: usize,
-    start: usize,
-) -> usize {
-    let [Some(mean), Some(invstd), Some(gain), Some(mean_dy), Some(mean_dy_xhat)] =
-        tiles.map(|tile| group_of::<W>(tile, start))
-    else {
-        return W;
-    };
-    let lines = dx
-        .chunks_exact_mut(width)
-        .zip(dy.chunks_exact(width))
-        .zip(relu.chunks_exact(width))
-        .zip(x.chunks_exact(width));
-    for (((dx, dy), relu), x) in lines {
-        let (Some(dx), Some(dy), Some(relu), Some(x)) = (
-            dx.get_mut(start..start + W),
-            group_of::<W>(dy, start),
-            group_of::<W>(relu, start),
-            group_of::<W>(x, start),
-        ) else {
-            break;
-        };
-        let Ok(dx) = <&mut [f32; W]>::try_from(dx) else {
-            break;
-        };
-        let data = dx.iter_mut().zip(dy).zip(relu).zip(x);
-        let normalize = mean.iter().zip(invstd);
-        let means = mean_dy.iter().zip(mean_dy_xhat);
-        let correct = gain.iter().zip(means);
-        for ((((dx, &dy), &relu), &x), ((&mean, &invstd), (&gain, (&mean_dy, &mean_dy_xhat)))) in
-            data.zip(normalize.zip(correct))
-        {
-            let xhat = (x - mean) * invstd;
-            *dx = gain * (masked::<RELU>(dy, relu) - mean_dy - xhat * mean_dy_xhat);
-        }
-    }
-    W
 }
 
 /// Values per worker part of a `[rows, channels]` tensor: whole rows, one part per worker.
@@ -1011,9 +937,9 @@ fn sum_column_group<const W: usize>(
         let Some(values) = group_of::<W>(line, start) else {
             break;
         };
-        for ((sum, sum_sq), &x) in block_sum.iter_mut().zip(&mut block_sum_sq).zip(values) {
-            *sum += x;
-            *sum_sq += x * x;
+        for lane in 0..W {
+            block_sum[lane] += values[lane];
+            block_sum_sq[lane] += values[lane] * values[lane];
         }
     }
     widen_into(&block_sum, sums);

@@ -142,6 +142,8 @@ fn gradient_accumulation_matches_the_larger_batch() {
 /// Ranks of one host average their gradients through shared memory, not through sockets.
 #[test]
 fn ranks_of_one_host_all_reduce_gradients_through_shared_memory() {
+    let logs = tempfile::tempdir().expect("temporary directory");
+    let log_dir = logs.path().display().to_string();
     let output = run_bounded(
         tandem().args([
             "launch",
@@ -150,6 +152,8 @@ fn ranks_of_one_host_all_reduce_gradients_through_shared_memory() {
             "2",
             "--max-restarts",
             "0",
+            "--log-dir",
+            &log_dir,
             "--",
             "bench",
             "step",
