@@ -29,4 +29,4 @@ mod winograd;
 pub use batchnorm::BatchNormReducer;
 pub use error::EngineError;
 pub use optim::{Adam, AdamConfig, Optimizer, OptimizerState, Sgd, SgdConfig};
-pub use threads::{set_threads, threads};
+pub use threads::{run_on_kernel_threads, set_threads, threads};

@@ -27,3 +27,12 @@ pub fn threads() -> usize {
         n => n,
     }
 }
+
+/// Runs `work` on one of the kernel threads. Kernels called from there hand their parts to
+/// the other threads from inside the pool, where a waiting thread steals work and idle
+/// threads spin briefly; called from outside it, every kernel call costs a wake-up of a
+/// sleeping thread and a wait on a lock, which adds up over the hundreds of kernel calls of a
+/// training step. Kernels split their work the same way either way, so results do not change.
+pub fn run_on_kernel_threads<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| work())
+}

@@ -173,15 +173,18 @@ fn random_batch(spec: &ModelSpec, batch: usize) -> (Vec<f32>, Vec<u32>) {
 fn images_per_second(
     batch: usize,
     steps: usize,
-    mut step: impl FnMut() -> anyhow::Result<()>,
+    mut step: impl FnMut() -> anyhow::Result<()> + Send,
 ) -> anyhow::Result<f64> {
-    step()?;
-    let start = Instant::now();
-    for _ in 0..steps {
+    // As `tandem train` runs its steps.
+    tandem_engine::run_on_kernel_threads(|| {
         step()?;
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    Ok((batch * steps) as f64 / seconds.max(1e-9))
+        let start = Instant::now();
+        for _ in 0..steps {
+            step()?;
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        Ok((batch * steps) as f64 / seconds.max(1e-9))
+    })
 }
 
 /// The process's peak resident memory (`VmHWM` of /proc/self/status) in KiB.

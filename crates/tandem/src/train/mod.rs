@@ -40,7 +40,7 @@ pub fn run(options: TrainOptions) -> anyhow::Result<()> {
     let settings = options.merged_with_file()?.resolve()?;
     let stop_requested = stop_signal::install()?;
     let mut trainer = Trainer::new(settings, stop_requested)?;
-    trainer.train()
+    tandem_engine::run_on_kernel_threads(|| trainer.train())
 }
 
 /// A training run in progress.
