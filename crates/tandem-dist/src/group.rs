@@ -142,6 +142,8 @@ pub struct ProcessGroup {
     shared_memory: bool,
     shared_buffers_made: u64,
     shared_memory_refusal: Option<String>,
+    /// The collective that the ring operations now running are steps of, for error messages.
+    enclosing_collective: Option<&'static str>,
     // Declared last: dropped after the client and links, so rank 0 serves until it leaves.
     _server: Option<StoreServer>,
 }
@@ -187,6 +189,7 @@ impl ProcessGroup {
             shared_memory: opts.shared_memory,
             shared_buffers_made: 0,
             shared_memory_refusal: None,
+            enclosing_collective: None,
             _server: server,
         };
         group.check_world_size()?;
@@ -457,6 +460,18 @@ impl ProcessGroup {
         if let Some(values) = buffer.heap_values() {
             return self.all_reduce(values, op);
         }
+        self.enclosing_collective = Some("all_reduce_shared");
+        let result = self.all_reduce_mapped(buffer, op);
+        self.enclosing_collective = None;
+        result
+    }
+
+    /// [`all_reduce_shared`](Self::all_reduce_shared) on a buffer in shared memory.
+    fn all_reduce_mapped<T: Element>(
+        &mut self,
+        buffer: &mut SharedBuffer<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
         // Also the start barrier: every rank's buffer holds its final input.
         let identity = [buffer.id() as i64, buffer.len() as i64];
         let identities = self.all_gather(&identity)?;
@@ -648,7 +663,14 @@ impl ProcessGroup {
         let Some(links) = &self.links else {
             return Ok(());
         };
-        let op_name = format!("{} #{}", collective_name(collective), self.sequence);
+        let op_name = match self.enclosing_collective {
+            Some(outer) => format!(
+                "{outer} (its {} #{})",
+                collective_name(collective),
+                self.sequence
+            ),
+            None => format!("{} #{}", collective_name(collective), self.sequence),
+        };
         let on_failure = |error: DistError| self.publish_failure(error, &op_name);
         let ring = Ring {
             left: &links.left,

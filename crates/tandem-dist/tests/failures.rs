@@ -228,9 +228,9 @@ fn killed_process_is_named(transport: Transport) {
             "{transport:?}: rank {rank} after {:?}: {message}",
             failed_at.saturating_duration_since(killed_at)
         );
-        // Through shared memory only the small synchronizing collectives use the ring.
+        // Through shared memory only the small synchronizing steps use the ring.
         let during = match transport {
-            Transport::SharedMemory => "closed the connection during",
+            Transport::SharedMemory => "closed the connection during all_reduce_shared (its ",
             _ => "closed the connection during all_reduce #",
         };
         assert!(
