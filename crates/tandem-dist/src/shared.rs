@@ -211,6 +211,7 @@ pub(crate) struct MappedParts {
 }
 
 /// A memory mapping, unmapped on drop.
+#[derive(Debug)]
 pub(crate) struct Mapping {
     address: NonNull<u8>,
     bytes: usize,
@@ -387,4 +388,58 @@ fn file_bytes<T: Element>(len: usize) -> Result<usize, String> {
 
 fn os_error(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_maps_the_published_file_and_sees_the_owners_writes() {
+        let own = OwnFile::create::<f32>(10).expect("memory file");
+        let peer = map_peer::<f32>(&own.endpoint(), 10).expect("peer mapping");
+        let own = own.into_mapping();
+        // SAFETY: both mappings hold 10 elements; nothing else touches them in this test.
+        unsafe {
+            own.data_mut::<f32>(10)[7] = 2.5;
+            assert_eq!(peer.data::<f32>(10)[7], 2.5);
+        }
+    }
+
+    #[test]
+    fn endpoints_that_cannot_be_used_are_refused_with_the_reason() {
+        let own = OwnFile::create::<f32>(4).expect("memory file");
+        let endpoint = own.endpoint();
+        let fields: Vec<&str> = endpoint.split(' ').collect();
+        let [boot, pid, fd, nonce] = fields[..] else {
+            panic!("endpoint {endpoint:?}")
+        };
+
+        let error = map_peer::<f32>("garbage", 4).expect_err("malformed");
+        assert_eq!(error, "malformed endpoint \"garbage\"");
+
+        let other_kernel = format!("not-{boot} {pid} {fd} {nonce}");
+        let error = map_peer::<f32>(&other_kernel, 4).expect_err("other kernel");
+        assert_eq!(error, "it runs under another kernel");
+
+        let wrong_nonce = format!("{boot} {pid} {fd} {}", "0".repeat(nonce.len()));
+        let error = map_peer::<f32>(&wrong_nonce, 4).expect_err("wrong nonce");
+        assert_eq!(
+            error,
+            format!("/proc/{pid}/fd/{fd} is not the file the peer published")
+        );
+
+        let error = map_peer::<f32>(&endpoint, 5000).expect_err("too small");
+        assert_eq!(
+            error,
+            format!("/proc/{pid}/fd/{fd} holds 4112 bytes, expected 24096")
+        );
+
+        let closed = format!("{boot} {pid} 987654 {nonce}");
+        let error = map_peer::<f32>(&closed, 4).expect_err("no such descriptor");
+        assert!(
+            error.starts_with(&format!("open /proc/{pid}/fd/987654: ")),
+            "{error}"
+        );
+    }
 }
