@@ -49,13 +49,11 @@ pub struct BatchNormState {
     tiles: StateTiles,
 }
 
-/// The per-channel values of a [`BatchNormState`] as tiles; refreshed with the statistics.
+/// The scale and shift of a [`BatchNormState`] as tiles; refreshed with the statistics.
 #[derive(Clone, Debug, Default)]
 struct StateTiles {
     scale: ChannelTile,
     shift: ChannelTile,
-    mean: ChannelTile,
-    invstd: ChannelTile,
 }
 
 impl BatchNormState {
@@ -297,8 +295,6 @@ impl BatchNormState {
     fn refresh_tiles(&mut self) {
         let channels = self.channels();
         let BatchNormState {
-            mean,
-            invstd,
             scale,
             shift,
             tiles,
@@ -306,8 +302,6 @@ impl BatchNormState {
         } = self;
         tiles.scale.refill(channels, |c| scale[c]);
         tiles.shift.refill(channels, |c| shift[c]);
-        tiles.mean.refill(channels, |c| mean[c]);
-        tiles.invstd.refill(channels, |c| invstd[c]);
     }
 }
 
@@ -582,15 +576,14 @@ pub fn backward_coefficients<'s>(
     Ok(backward)
 }
 
-/// The gradient where a following ReLU (when `RELU`) let it through, as a bit mask rather
-/// than a branch, so that the loops over column groups compile to vector selects.
+/// The gradient where a following ReLU (when `RELU`) let it through.
 #[inline(always)]
 fn masked<const RELU: bool>(dy: f32, relu_output: f32) -> f32 {
-    if !RELU {
-        return dy;
+    if RELU && relu_output <= 0.0 {
+        0.0
+    } else {
+        dy
     }
-    let keep = u32::from(relu_output > 0.0 || relu_output.is_nan()).wrapping_neg();
-    f32::from_bits(dy.to_bits() & keep)
 }
 
 /// `Σ dy` and `Σ dy·x̂` per channel over a fixed split of the rows per worker, into
