@@ -10,8 +10,12 @@
 
 use rayon::prelude::*;
 
+use crate::channels::{
+    fold_line, group_of, rows_fill_lines, widen_into, ChannelTile, ColumnSums, BLOCK_ROWS, LINE,
+};
 use crate::error::EngineError;
 use crate::parallel::elementwise_rows_per_chunk;
+use crate::scratch::grow;
 use crate::simd::{multiversion, zero_where_not_positive};
 use crate::threads::threads;
 
@@ -259,36 +263,6 @@ enum Side<'a> {
     None,
     Identity(&'a [f32]),
     Normalized(&'a [f32], &'a ChannelTile, &'a ChannelTile),
-}
-
-/// Per-channel values repeated over enough rows that per-element loops run over long
-/// contiguous slices (which vectorize) instead of one short row at a time.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct ChannelTile {
-    pub(crate) values: Vec<f32>,
-}
-
-impl ChannelTile {
-    /// Values per tile; a whole number of rows.
-    const TARGET_LEN: usize = 256;
-
-    /// The tile length for `channels` channels.
-    fn len_for(channels: usize) -> usize {
-        (Self::TARGET_LEN / channels.max(1)).max(1) * channels
-    }
-
-    /// Refills the tile with `value(channel)`, reusing its buffer.
-    pub(crate) fn refill(&mut self, channels: usize, value: impl Fn(usize) -> f32) {
-        self.values.clear();
-        let rows = Self::len_for(channels) / channels.max(1);
-        for _ in 0..rows {
-            self.values.extend((0..channels).map(&value));
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.values.len()
-    }
 }
 
 impl BatchNormState {
@@ -599,7 +573,7 @@ fn gradient_sums<const RELU: bool>(
     let statistics = [&state.mean[..channels], &state.invstd[..channels]];
     let part_len = worker_part_len(input.len(), channels);
     let workers = input.len().div_ceil(part_len);
-    grow_f64(&mut scratch.partials, workers * 2 * channels);
+    grow(&mut scratch.partials, workers * 2 * channels);
     scratch.partials[..workers * 2 * channels]
         .par_chunks_mut(2 * channels)
         .zip(dy.par_chunks(part_len))
@@ -796,13 +770,6 @@ fn worker_part_len(len: usize, channels: usize) -> usize {
     rows.div_ceil(threads().max(1)).max(1) * channels.max(1)
 }
 
-/// Adds each f32 block sum into its f64 total.
-fn widen_into(block: &[f32], totals: &mut [f64]) {
-    for (total, value) in totals.iter_mut().zip(block) {
-        *total += f64::from(*value);
-    }
-}
-
 /// Adds the workers' partial sums (`width` values each) in worker order into `totals`.
 fn sum_worker_partials(partials: &[f64], width: usize, totals: &mut Vec<f64>) {
     totals.clear();
@@ -811,138 +778,6 @@ fn sum_worker_partials(partials: &[f64], width: usize, totals: &mut Vec<f64>) {
         for (total, partial) in totals.iter_mut().zip(sums) {
             *total += partial;
         }
-    }
-}
-
-/// Per-channel sums and sums of squares of a `[rows, channels]` tensor, gathered part by
-/// part in a fixed order: by [`train_statistics`] over the rows of each worker, or by a
-/// convolution over each chunk of its output while the chunk is still in cache. Values are
-/// added in f32 over blocks of [`BLOCK_ROWS`] rows, then in f64.
-#[derive(Default)]
-pub struct ColumnSums {
-    channels: usize,
-    /// `[Σx per channel…, Σx² per channel…]`.
-    totals: Vec<f64>,
-}
-
-impl ColumnSums {
-    /// Starts over for a tensor of `channels` channels.
-    pub fn reset(&mut self, channels: usize) {
-        self.channels = channels;
-        self.totals.clear();
-        self.totals.resize(2 * channels, 0.0);
-    }
-
-    /// Adds the values of `rows` (whole rows of `channels` values).
-    pub fn add(&mut self, rows: &[f32]) {
-        let (sums, sums_sq) = self.totals.split_at_mut(self.channels);
-        sum_columns(rows, sums, sums_sq);
-    }
-
-    /// Adds this part's `[Σx per channel…, Σx² per channel…]` into `totals`.
-    pub fn add_to(&self, totals: &mut [f64]) {
-        assert_eq!(
-            totals.len(),
-            self.totals.len(),
-            "column sums: totals length"
-        );
-        widen_f64_into(&self.totals, totals);
-    }
-}
-
-/// Rows added in f32 before a column's partial sums are added into its f64 totals: few
-/// enough that the f32 sums lose only a few ulps, enough to amortize the widening.
-const BLOCK_ROWS: usize = 16;
-
-/// Values per line when narrow rows are read several at a time (one 16-lane group).
-const LINE: usize = 16;
-
-/// Whether rows of `channels` values are read several to a line: when they are narrower than
-/// a line and fill it exactly (otherwise each row is a line).
-fn rows_fill_lines(channels: usize) -> bool {
-    channels > 0 && channels < LINE && LINE.is_multiple_of(channels)
-}
-
-/// Adds each line position's total into its channel's (positions repeat the channels).
-fn fold_line(line: &[f64; LINE], totals: &mut [f64]) {
-    let channels = totals.len().max(1);
-    for (position, value) in line.iter().enumerate() {
-        totals[position % channels] += value;
-    }
-}
-
-multiversion! {
-    /// Adds each column's Σx and Σx² over `rows` (whole rows of `sums.len()` values) into
-    /// `sums` and `sums_sq`.
-    fn sum_columns(rows: &[f32], sums: &mut [f64], sums_sq: &mut [f64]) {
-        let channels = sums.len();
-        if !rows_fill_lines(channels) {
-            sum_lines(rows, channels, [sums, sums_sq]);
-            return;
-        }
-        // Lines of several rows, folded into the channels at the end; rows after the last
-        // whole line go one by one.
-        let whole = rows.len() / LINE * LINE;
-        let (mut line_sum, mut line_sum_sq) = ([0f64; LINE], [0f64; LINE]);
-        sum_lines(&rows[..whole], LINE, [&mut line_sum, &mut line_sum_sq]);
-        fold_line(&line_sum, sums);
-        fold_line(&line_sum_sq, sums_sq);
-        sum_lines(&rows[whole..], channels, [sums, sums_sq]);
-    }
-}
-
-/// [`sum_columns`] over lines of `width` values, block by block of [`BLOCK_ROWS`] lines,
-/// each block column group by column group (up to 32 columns, whose sums stay in registers).
-#[inline(always)]
-fn sum_lines(lines: &[f32], width: usize, [sums, sums_sq]: [&mut [f64]; 2]) {
-    for block in lines.chunks(width * BLOCK_ROWS) {
-        let mut start = 0;
-        while start < width {
-            let totals = [&mut sums[start..], &mut sums_sq[start..]];
-            start += match width - start {
-                32.. => sum_column_group::<32>(block, width, start, totals),
-                16.. => sum_column_group::<16>(block, width, start, totals),
-                8.. => sum_column_group::<8>(block, width, start, totals),
-                _ => sum_column_group::<1>(block, width, start, totals),
-            };
-        }
-    }
-}
-
-/// The `W` values of `row` from `start`, as an array (so loops over them unroll).
-#[inline(always)]
-fn group_of<const W: usize>(row: &[f32], start: usize) -> Option<&[f32; W]> {
-    row.get(start..start + W)?.try_into().ok()
-}
-
-/// One block's Σx and Σx² for the `W` columns from `start`, summed in registers in f32 and
-/// added into the f64 totals; returns `W`.
-#[inline(always)]
-fn sum_column_group<const W: usize>(
-    block: &[f32],
-    width: usize,
-    start: usize,
-    [sums, sums_sq]: [&mut [f64]; 2],
-) -> usize {
-    let mut block_sum = [0f32; W];
-    let mut block_sum_sq = [0f32; W];
-    for line in block.chunks_exact(width) {
-        let Some(values) = group_of::<W>(line, start) else {
-            break;
-        };
-        for lane in 0..W {
-            block_sum[lane] += values[lane];
-            block_sum_sq[lane] += values[lane] * values[lane];
-        }
-    }
-    widen_into(&block_sum, sums);
-    widen_into(&block_sum_sq, sums_sq);
-    W
-}
-
-fn widen_f64_into(values: &[f64], totals: &mut [f64]) {
-    for (total, value) in totals.iter_mut().zip(values) {
-        *total += value;
     }
 }
 
@@ -968,12 +803,6 @@ fn column_sums(input: &[f32], channels: usize, scratch: &mut BatchNormScratch) {
     totals.resize(2 * channels, 0.0);
     for sums in &scratch.column_sums[..workers] {
         sums.add_to(totals);
-    }
-}
-
-fn grow_f64(buffer: &mut Vec<f64>, len: usize) {
-    if buffer.len() < len {
-        buffer.resize(len, 0.0);
     }
 }
 

@@ -17,128 +17,21 @@
 
 use rayon::prelude::*;
 
-use crate::batchnorm::{self, BackwardCoefficients, ChannelTile, ColumnSums, OutputGrad};
+use crate::batchnorm::{self, BackwardCoefficients, OutputGrad};
+use crate::channels::{ChannelTile, ColumnSums};
 use crate::direct::{self, Start};
 use crate::matmul::{matmul, MatRef};
+use crate::scratch::grow;
+use crate::shape::Conv2dShape;
 use crate::threads::threads;
-use crate::winograd::{self, WinogradScratch};
+use crate::winograd::{self, Plane, WinogradScratch};
 
 /// Rows of the patch matrix one chunk aims for: big enough for efficient GEMM, small
 /// enough that the patches stay in cache.
 const TARGET_CHUNK_ROWS: usize = 256;
 
-/// The sizes of one convolution applied to one batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conv2dShape {
-    /// Images in the batch.
-    pub batch: usize,
-    /// Input height.
-    pub in_height: usize,
-    /// Input width.
-    pub in_width: usize,
-    /// Input channels.
-    pub in_channels: usize,
-    /// Output channels.
-    pub out_channels: usize,
-    /// Kernel height and width.
-    pub kernel: usize,
-    /// Stride on both axes.
-    pub stride: usize,
-    /// Zero padding on each of the four sides.
-    pub padding: usize,
-}
-
+/// How the CPU kernels split a convolution into chunks and worker parts.
 impl Conv2dShape {
-    /// Output `(height, width)`, or `None` when the kernel does not fit the padded input
-    /// or the stride is zero.
-    pub fn output_size(&self) -> Option<(usize, usize)> {
-        if self.stride == 0 || self.kernel == 0 {
-            return None;
-        }
-        let padded_height = self.in_height + 2 * self.padding;
-        let padded_width = self.in_width + 2 * self.padding;
-        if padded_height < self.kernel || padded_width < self.kernel {
-            return None;
-        }
-        Some((
-            (padded_height - self.kernel) / self.stride + 1,
-            (padded_width - self.kernel) / self.stride + 1,
-        ))
-    }
-
-    /// Output height (0 when the kernel does not fit).
-    pub fn out_height(&self) -> usize {
-        self.output_size().map_or(0, |size| size.0)
-    }
-
-    /// Output width (0 when the kernel does not fit).
-    pub fn out_width(&self) -> usize {
-        self.output_size().map_or(0, |size| size.1)
-    }
-
-    /// Values in one patch: `kernel * kernel * in_channels`.
-    pub fn patch_len(&self) -> usize {
-        self.kernel * self.kernel * self.in_channels
-    }
-
-    /// Values in the weight tensor.
-    pub fn weight_len(&self) -> usize {
-        self.out_channels * self.patch_len()
-    }
-
-    /// Values in the input tensor.
-    pub fn input_len(&self) -> usize {
-        self.batch * self.input_image_len()
-    }
-
-    /// Values in the output tensor.
-    pub fn output_len(&self) -> usize {
-        self.batch * self.output_image_len()
-    }
-
-    fn input_image_len(&self) -> usize {
-        self.in_height * self.in_width * self.in_channels
-    }
-
-    fn output_image_len(&self) -> usize {
-        self.out_height() * self.out_width() * self.out_channels
-    }
-
-    fn output_pixels(&self) -> usize {
-        self.out_height() * self.out_width()
-    }
-
-    /// One input image zero-padded for the direct kernels (in `buffer`, unless unpadded).
-    fn padded_input<'a>(
-        &self,
-        image: &'a [f32],
-        buffer: &'a mut Vec<f32>,
-    ) -> direct::PaddedImage<'a> {
-        direct::pad_image(
-            image,
-            self.in_height,
-            self.in_width,
-            self.in_channels,
-            self.padding,
-            buffer,
-        )
-    }
-
-    /// The geometry of this layer as a Winograd correlation (3x3, stride 1, padding 1).
-    fn winograd_plane(&self) -> winograd::Plane {
-        winograd::Plane {
-            height: self.in_height,
-            width: self.in_width,
-            in_channels: self.in_channels,
-            out_channels: self.out_channels,
-        }
-    }
-
-    /// A 1x1, stride-1, unpadded convolution needs no im2col.
-    fn is_pointwise(&self) -> bool {
-        self.kernel == 1 && self.stride == 1 && self.padding == 0
-    }
-
     fn images_per_chunk(&self) -> usize {
         (TARGET_CHUNK_ROWS / self.output_pixels().max(1)).clamp(1, self.batch.max(1))
     }
@@ -156,28 +49,6 @@ impl Conv2dShape {
         } else {
             self.images_per_chunk() * self.output_pixels() * self.patch_len()
         }
-    }
-
-    fn check_lengths(&self, input: &[f32], weight: &[f32], output_len: usize) {
-        assert!(
-            self.output_size().is_some(),
-            "conv2d: kernel does not fit {self:?}"
-        );
-        assert_eq!(
-            input.len(),
-            self.input_len(),
-            "conv2d: input length for {self:?}"
-        );
-        assert_eq!(
-            weight.len(),
-            self.weight_len(),
-            "conv2d: weight length for {self:?}"
-        );
-        assert_eq!(
-            output_len,
-            self.output_len(),
-            "conv2d: output length for {self:?}"
-        );
     }
 }
 
@@ -215,14 +86,6 @@ impl ConvScratch {
             grow(&mut worker.columns, columns);
             grow(&mut worker.weight_grad, weight_grad);
         }
-    }
-}
-
-/// Grows `buffer` to at least `len` values (never shrinks it), so scratch buffers are
-/// allocated on first use and reused after.
-pub(crate) fn grow(buffer: &mut Vec<f32>, len: usize) {
-    if buffer.len() < len {
-        buffer.resize(len, 0.0);
     }
 }
 
@@ -480,7 +343,7 @@ impl ForwardKernel<'_> {
     fn images_per_chunk(&self, shape: &Conv2dShape) -> usize {
         match self {
             ForwardKernel::Direct { .. } => 1,
-            ForwardKernel::Winograd { .. } => winograd::images_per_chunk(&shape.winograd_plane()),
+            ForwardKernel::Winograd { .. } => winograd::images_per_chunk(&Plane::of(shape)),
             ForwardKernel::Gemm { .. } => shape.images_per_chunk(),
         }
     }
@@ -495,7 +358,7 @@ impl ForwardKernel<'_> {
     ) {
         match *self {
             ForwardKernel::Direct { taps, start } => {
-                let padded = shape.padded_input(input_chunk, &mut worker.columns);
+                let padded = direct::padded_input(shape, input_chunk, &mut worker.columns);
                 direct::correlate(
                     &padded,
                     shape.kernel,
@@ -508,7 +371,7 @@ impl ForwardKernel<'_> {
             }
             ForwardKernel::Winograd { weights, bias } => {
                 winograd::correlate(
-                    &shape.winograd_plane(),
+                    &Plane::of(shape),
                     input_chunk,
                     weights,
                     output_chunk,
@@ -694,7 +557,7 @@ fn backward_worker(
         let start = chunk_index * chunk_input_len;
         let grad_input_chunk = &mut grad_input_part[start..start + input_chunk.len()];
         if let Some(weights) = winograd_weights {
-            let plane = shape.winograd_plane().reversed();
+            let plane = Plane::of(shape).reversed();
             winograd::correlate(
                 &plane,
                 grad_output_chunk,
@@ -762,7 +625,7 @@ fn backward_worker_direct(
         let grad_output_image = grad_output_part
             .part(index * image_len..(index + 1) * image_len)
             .values(&mut worker.grad_output);
-        let padded = shape.padded_input(image, &mut worker.columns);
+        let padded = direct::padded_input(shape, image, &mut worker.columns);
         direct::accumulate_weight_grad(
             &padded,
             shape.kernel,

@@ -19,7 +19,7 @@
 //! The kernels need AVX2 and FMA, detected at run time; elsewhere [`is_available`] is false
 //! and the caller uses im2col + GEMM.
 
-use crate::conv::Conv2dShape;
+use crate::shape::Conv2dShape;
 use crate::simd;
 
 /// Whether this CPU runs the direct kernels.
@@ -121,6 +121,22 @@ impl PaddedImage<'_> {
             self
         }
     }
+}
+
+/// One input image of `shape` zero-padded for the kernels (in `buffer`, unless unpadded).
+pub(crate) fn padded_input<'a>(
+    shape: &Conv2dShape,
+    image: &'a [f32],
+    buffer: &'a mut Vec<f32>,
+) -> PaddedImage<'a> {
+    pad_image(
+        image,
+        shape.in_height,
+        shape.in_width,
+        shape.in_channels,
+        shape.padding,
+        buffer,
+    )
 }
 
 /// Pads one `[height, width, channels]` image with `padding` zeros on each side, copying

@@ -5,6 +5,7 @@
 //! no autograd. Kernels split their work into fixed chunks per worker (see [`threads`]),
 //! so the same inputs and thread count give bit-identical results run after run.
 //!
+//! - [`shape`]: layer shapes ([`shape::Conv2dShape`]), plain data that any executor reads.
 //! - [`conv`]: 2-D convolution (im2col + GEMM, Winograd F(2x2, 3x3) for wide 3x3 layers, or
 //!   direct kernels for few channels), any square kernel, stride and padding.
 //! - [`batchnorm`]: batch normalization with fused residual add and ReLU.
@@ -14,6 +15,7 @@
 #![warn(missing_docs)]
 
 pub mod batchnorm;
+mod channels;
 pub mod conv;
 mod direct;
 mod error;
@@ -22,6 +24,8 @@ pub mod matmul;
 pub mod optim;
 mod parallel;
 pub mod rng;
+mod scratch;
+pub mod shape;
 mod simd;
 mod threads;
 mod winograd;

@@ -16,8 +16,9 @@
 //! of the output gradient with the kernel flipped and its channel axes swapped
 //! ([`input_grad_weights`]).
 
-use crate::conv::{grow, Conv2dShape};
 use crate::matmul::{matmul, MatRef};
+use crate::scratch::grow;
+use crate::shape::Conv2dShape;
 use crate::simd::multiversion;
 
 /// Transformed values per tile and channel (the 4x4 positions).
@@ -130,6 +131,16 @@ pub(crate) struct Plane {
 }
 
 impl Plane {
+    /// The geometry of a 3x3, stride-1, padding-1 convolution of `shape`.
+    pub fn of(shape: &Conv2dShape) -> Plane {
+        Plane {
+            height: shape.in_height,
+            width: shape.in_width,
+            in_channels: shape.in_channels,
+            out_channels: shape.out_channels,
+        }
+    }
+
     /// The correlation that gives this one's input gradient: outputs and inputs swapped.
     pub fn reversed(self) -> Plane {
         Plane {

@@ -8,10 +8,11 @@ use tandem_engine::batchnorm::{
     self, BatchNormParams, BatchNormScratch, BatchNormState, OutputGrad, Residual,
 };
 use tandem_engine::conv::{
-    conv2d_backward, conv2d_forward, Conv2dShape, ConvOutputGrad, ConvScratch, InputGrad,
+    conv2d_backward, conv2d_forward, ConvOutputGrad, ConvScratch, InputGrad,
 };
 use tandem_engine::head;
 use tandem_engine::rng::Rng;
+use tandem_engine::shape::Conv2dShape;
 
 fn random(len: usize, seed: u64) -> Vec<f32> {
     let mut rng = Rng::new(seed);

@@ -6,11 +6,11 @@ use tandem_engine::batchnorm::{
     self, BatchNormParams, BatchNormReducer, BatchNormScratch, BatchNormState, OutputGrad, Residual,
 };
 use tandem_engine::conv::{
-    conv2d_backward, conv2d_forward_fused, Conv2dShape, ConvOutputGrad, ConvScratch, Epilogue,
-    Fused, InputGrad,
+    conv2d_backward, conv2d_forward_fused, ConvOutputGrad, ConvScratch, Epilogue, Fused, InputGrad,
 };
 use tandem_engine::head;
 use tandem_engine::rng::Rng;
+use tandem_engine::shape::Conv2dShape;
 
 use crate::error::ModelError;
 use crate::network::{BatchNormLayer, Block, ConvLayer, Network};

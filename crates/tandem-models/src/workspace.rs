@@ -5,7 +5,8 @@
 //! only what is live, so its buffers are shared between layers.
 
 use tandem_engine::batchnorm::BatchNormScratch;
-use tandem_engine::conv::{Conv2dShape, ConvScratch};
+use tandem_engine::conv::ConvScratch;
+use tandem_engine::shape::Conv2dShape;
 
 use crate::error::ModelError;
 use crate::network::{ConvLayer, Network};
