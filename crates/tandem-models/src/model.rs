@@ -365,7 +365,8 @@ impl Model {
             forward_eval_layers(network, params, buffers, ws)?;
             return Ok(());
         }
-        let stem = &mut network.stem;
+        let network: &Network = network;
+        let stem = &network.stem;
         let mut layer = TrainLayers {
             params,
             buffers,
@@ -375,8 +376,8 @@ impl Model {
         };
         layer.conv_with_statistics(
             &stem.conv,
-            &mut stem.bn,
-            &ws.stem,
+            &stem.bn,
+            &mut ws.stem,
             &mut ws.slots,
             reborrow(&mut reducer),
         )?;
@@ -385,13 +386,13 @@ impl Model {
         with_output(&mut ws.slots, out, |slots, output| {
             batchnorm::apply(
                 &slots[z][..len],
-                &stem.bn.state,
+                &ws.stem.bn,
                 Residual::None,
                 relu,
                 &mut output[..len],
             );
         });
-        for (block, plan) in network.blocks.iter_mut().zip(&ws.blocks) {
+        for (block, plan) in network.blocks.iter().zip(&mut ws.blocks) {
             block_forward(block, plan, &mut layer, &mut ws.slots, &mut reducer)?;
         }
         head_forward(network, params, ws);
@@ -417,7 +418,7 @@ fn head_forward(network: &Network, params: &[f32], ws: &mut Workspace) {
 /// The eval-mode network up to the logits: each convolution with its batch norm (running
 /// statistics), residual add and ReLU in one pass.
 fn forward_eval_layers(
-    network: &mut Network,
+    network: &Network,
     params: &[f32],
     buffers: &[f32],
     ws: &mut Workspace,
@@ -428,40 +429,29 @@ fn forward_eval_layers(
         slots: &mut ws.slots,
         scratch: &mut ws.conv_scratch,
     };
-    let stem = &mut network.stem;
+    let stem = &network.stem;
+    let stem_out = ws.stem.out;
     layers.run(
         &stem.conv,
-        &mut stem.bn,
-        &ws.stem,
+        &stem.bn,
+        &mut ws.stem,
         None,
         network.stem_relu,
-        ws.stem.out,
+        stem_out,
     );
-    for (block, plan) in network.blocks.iter_mut().zip(&ws.blocks) {
+    for (block, plan) in network.blocks.iter().zip(&mut ws.blocks) {
         let Block { units, shortcut } = block;
         let mut residual = plan.units.first().map(|unit_plan| unit_plan.input);
-        if let (Some(unit), Some(unit_plan)) = (shortcut.as_mut(), &plan.shortcut) {
-            layers.run(
-                &unit.conv,
-                &mut unit.bn,
-                unit_plan,
-                None,
-                false,
-                unit_plan.z,
-            );
-            residual = Some(unit_plan.z);
+        if let (Some(unit), Some(unit_plan)) = (shortcut, &mut plan.shortcut) {
+            let z = unit_plan.z;
+            layers.run(&unit.conv, &unit.bn, unit_plan, None, false, z);
+            residual = Some(z);
         }
         let last = units.len().saturating_sub(1);
-        for (index, (unit, unit_plan)) in units.iter_mut().zip(&plan.units).enumerate() {
+        for (index, (unit, unit_plan)) in units.iter().zip(&mut plan.units).enumerate() {
             let residual = if index == last { residual } else { None };
-            layers.run(
-                &unit.conv,
-                &mut unit.bn,
-                unit_plan,
-                residual,
-                true,
-                unit_plan.out,
-            );
+            let out = unit_plan.out;
+            layers.run(&unit.conv, &unit.bn, unit_plan, residual, true, out);
         }
     }
     head_forward(network, params, ws);
@@ -481,8 +471,8 @@ impl EvalLayers<'_> {
     fn run(
         &mut self,
         conv: &ConvLayer,
-        bn: &mut BatchNormLayer,
-        plan: &UnitPlan,
+        bn: &BatchNormLayer,
+        plan: &mut UnitPlan,
         residual: Option<usize>,
         relu: bool,
         output: usize,
@@ -495,10 +485,10 @@ impl EvalLayers<'_> {
             &affine,
             &self.buffers[bn.running_mean.clone()],
             &self.buffers[bn.running_var.clone()],
-            &mut bn.eval_state,
+            &mut plan.bn,
         );
         let work = UnitWork::Epilogue {
-            state: &bn.eval_state,
+            state: &plan.bn,
             residual,
             relu,
         };
@@ -568,48 +558,40 @@ fn run_conv(
 
 /// Forward of one residual block in training mode.
 fn block_forward(
-    block: &mut Block,
-    plan: &BlockPlan,
+    block: &Block,
+    plan: &mut BlockPlan,
     layer: &mut TrainLayers,
     slots: &mut [Vec<f32>],
     reducer: &mut Reducer,
 ) -> Result<(), ModelError> {
     let Block { units, shortcut } = block;
-    if let (Some(unit), Some(unit_plan)) = (shortcut.as_mut(), &plan.shortcut) {
-        layer.conv_with_statistics(
-            &unit.conv,
-            &mut unit.bn,
-            unit_plan,
-            slots,
-            reborrow(reducer),
-        )?;
+    let BlockPlan {
+        units: unit_plans,
+        shortcut: shortcut_plan,
+    } = plan;
+    if let (Some(unit), Some(unit_plan)) = (shortcut, shortcut_plan.as_mut()) {
+        layer.conv_with_statistics(&unit.conv, &unit.bn, unit_plan, slots, reborrow(reducer))?;
     }
-    let block_input = plan.units.first().map_or(0, |unit_plan| unit_plan.input);
+    let block_input = unit_plans.first().map_or(0, |unit_plan| unit_plan.input);
     let last = units.len().saturating_sub(1);
-    for (index, (unit, unit_plan)) in units.iter_mut().zip(&plan.units).enumerate() {
-        layer.conv_with_statistics(
-            &unit.conv,
-            &mut unit.bn,
-            unit_plan,
-            slots,
-            reborrow(reducer),
-        )?;
+    for (index, (unit, unit_plan)) in units.iter().zip(unit_plans.iter_mut()).enumerate() {
+        layer.conv_with_statistics(&unit.conv, &unit.bn, unit_plan, slots, reborrow(reducer))?;
         let (z, out, len) = (unit_plan.z, unit_plan.out, unit_plan.output_len());
         with_output(slots, out, |slots, output| {
             let residual = if index < last {
                 Residual::None
             } else {
-                match (shortcut.as_ref(), &plan.shortcut) {
-                    (Some(projection), Some(projection_plan)) => Residual::Normalized {
+                match shortcut_plan {
+                    Some(projection_plan) => Residual::Normalized {
                         input: &slots[projection_plan.z][..len],
-                        state: &projection.bn.state,
+                        state: &projection_plan.bn,
                     },
                     _ => Residual::Identity(&slots[block_input][..len]),
                 }
             };
             batchnorm::apply(
                 &slots[z][..len],
-                &unit.bn.state,
+                &unit_plan.bn,
                 residual,
                 true,
                 &mut output[..len],
@@ -634,8 +616,8 @@ impl TrainLayers<'_> {
     fn conv_with_statistics(
         &mut self,
         conv: &ConvLayer,
-        bn: &mut BatchNormLayer,
-        plan: &UnitPlan,
+        bn: &BatchNormLayer,
+        plan: &mut UnitPlan,
         slots: &mut [Vec<f32>],
         reducer: Option<&mut dyn BatchNormReducer>,
     ) -> Result<(), ModelError> {
@@ -663,7 +645,7 @@ impl TrainLayers<'_> {
             &affine,
             running_mean,
             running_var,
-            &mut bn.state,
+            &mut plan.bn,
             reducer,
             self.bn_scratch,
         )?;
@@ -929,7 +911,7 @@ fn unit_backward(
         grad_output,
         z,
         &params[bn.weight.clone()],
-        &bn.state,
+        &plan.bn,
         grad_weight,
         grad_bias,
         reducer,

@@ -2,8 +2,6 @@
 
 use std::ops::Range;
 
-use tandem_engine::batchnorm::BatchNormState;
-
 use crate::spec::{ModelSpec, ResNetBaseSpec};
 use crate::tensors::{StorageLayout, TensorInfo, TensorKind};
 
@@ -54,7 +52,8 @@ impl ConvLayer {
     }
 }
 
-/// A batch norm layer, its parameter and running-statistic ranges, and its saved statistics.
+/// A batch norm layer and its parameter and running-statistic ranges. Its per-step state
+/// (the batch statistics) lives in the workspace, so the network stays immutable in a step.
 pub(crate) struct BatchNormLayer {
     pub name: String,
     pub channels: usize,
@@ -62,10 +61,6 @@ pub(crate) struct BatchNormLayer {
     pub bias: Range<usize>,
     pub running_mean: Range<usize>,
     pub running_var: Range<usize>,
-    /// Batch statistics of the last train forward, kept for the backward.
-    pub state: BatchNormState,
-    /// Scale and shift from the running statistics, for eval forwards.
-    pub eval_state: BatchNormState,
 }
 
 impl BatchNormLayer {
@@ -77,8 +72,6 @@ impl BatchNormLayer {
             bias: 0..0,
             running_mean: 0..0,
             running_var: 0..0,
-            state: BatchNormState::new(channels),
-            eval_state: BatchNormState::new(channels),
         }
     }
 

@@ -1,10 +1,12 @@
-//! Activation buffers for one batch shape, planned once and reused every step.
+//! Activation buffers and per-step batch-norm state for one batch shape, planned once and
+//! reused every step. Everything a step writes lives here (or in the model's flat buffers),
+//! so the network description is only read during a step.
 //!
 //! Training keeps every activation the backward needs (each convolution's input, its
 //! output before batch norm, and each block's output), one buffer each. Evaluation keeps
 //! only what is live, so its buffers are shared between layers.
 
-use tandem_engine::batchnorm::BatchNormScratch;
+use tandem_engine::batchnorm::{BatchNormScratch, BatchNormState};
 use tandem_engine::conv::ConvScratch;
 use tandem_engine::shape::Conv2dShape;
 
@@ -19,12 +21,16 @@ pub(crate) enum Mode {
 }
 
 /// Buffers of one conv-bn unit: its convolution's shape, input, output before batch
-/// norm (`z`) and output after batch norm (+ residual) and ReLU (`out`).
+/// norm (`z`), output after batch norm (+ residual) and ReLU (`out`), and its batch norm's
+/// state for this step.
 pub(crate) struct UnitPlan {
     pub shape: Conv2dShape,
     pub input: usize,
     pub z: usize,
     pub out: usize,
+    /// Training: the batch statistics of the last forward, kept for the backward.
+    /// Evaluation: the scale and shift from the running statistics.
+    pub bn: BatchNormState,
 }
 
 impl UnitPlan {
@@ -113,6 +119,7 @@ impl Workspace {
             input: images,
             z: stem_z,
             out: stem_out,
+            bn: BatchNormState::new(stem_shape.out_channels),
         };
         let (mut current, mut current_height, mut current_width) =
             (stem_out, stem_shape.out_height(), stem_shape.out_width());
@@ -128,6 +135,7 @@ impl Workspace {
                         input: block_input,
                         z,
                         out: z,
+                        bn: BatchNormState::new(shape.out_channels),
                     })
                 }
                 None => None,
@@ -148,6 +156,7 @@ impl Workspace {
                     input: current,
                     z,
                     out,
+                    bn: BatchNormState::new(shape.out_channels),
                 });
                 (current, current_height, current_width) =
                     (out, shape.out_height(), shape.out_width());
