@@ -11,17 +11,21 @@
 
 #![warn(missing_docs)]
 
+mod cpu;
 mod error;
+pub mod executor;
 mod io;
 mod model;
 mod network;
 mod spec;
 mod tensors;
-mod workspace;
+pub mod workspace;
 
 pub use error::ModelError;
+pub use executor::Executor;
 pub use io::{load_named_tensors, load_safetensors, save_safetensors, NamedTensor, TensorData};
 pub use model::{LossOptions, Model};
+pub use network::{BatchNormLayer, ConvLayer, Head};
 pub use spec::{ModelSpec, ResNetBaseSpec};
 pub use tandem_engine::BatchNormReducer;
 pub use tensors::{StorageLayout, TensorInfo, TensorKind};

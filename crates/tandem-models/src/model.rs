@@ -2,21 +2,18 @@
 
 use std::ops::Range;
 
-use tandem_engine::batchnorm::{
-    self, BatchNormParams, BatchNormReducer, BatchNormScratch, BatchNormState, OutputGrad, Residual,
-};
-use tandem_engine::conv::{
-    conv2d_backward, conv2d_forward_fused, ConvOutputGrad, ConvScratch, Epilogue, Fused, InputGrad,
-};
-use tandem_engine::head;
+use tandem_engine::batchnorm::BatchNormReducer;
 use tandem_engine::rng::Rng;
-use tandem_engine::shape::Conv2dShape;
 
+use crate::cpu::CpuStep;
 use crate::error::ModelError;
-use crate::network::{BatchNormLayer, Block, ConvLayer, Network};
+use crate::executor::{
+    Executor, GradBuffer, GradTarget, GradientsReady, ResidualInput, Unit, UnitGrad,
+};
+use crate::network::{Block, ConvBn, Network};
 use crate::spec::ModelSpec;
 use crate::tensors::{from_pytorch_order, to_pytorch_order, TensorInfo, TensorKind};
-use crate::workspace::{with_output, BlockPlan, Mode, UnitPlan, Workspace};
+use crate::workspace::{BlockPlan, Mode, Plan, UnitPlan, Workspace};
 
 /// Settings of the training loss.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -39,9 +36,6 @@ pub struct Model {
     logits: Vec<f32>,
     backward_pending: bool,
 }
-
-/// The optional SyncBatchNorm reducer, re-borrowable for each layer.
-type Reducer<'a> = Option<&'a mut dyn BatchNormReducer>;
 
 impl Model {
     /// Builds the model of `spec` with PyTorch's default initialization from seed 0.
@@ -241,20 +235,11 @@ impl Model {
             .into());
         }
         let mut workspace = self.take_workspace(Mode::Train, images, batch, height, width)?;
-        let result = self.forward(&mut workspace, bn_sync).and_then(|()| {
-            workspace.labels.clear();
-            workspace.labels.extend_from_slice(labels);
-            workspace.label_smoothing = loss.label_smoothing;
-            head::cross_entropy_forward(
-                &workspace.logits,
-                labels,
-                loss.label_smoothing,
-                &mut workspace.probabilities,
-            )
-            .map_err(ModelError::from)
+        let result = self.run_step(&mut workspace, |exec, network, plan| {
+            exec.images_from_host(images);
+            forward(exec, network, plan, bn_sync)?;
+            exec.loss_forward(labels, loss.label_smoothing)
         });
-        self.logits.clear();
-        self.logits.extend_from_slice(&workspace.logits);
         self.train_workspace = Some(workspace);
         let loss = result?;
         self.num_batches_tracked += 1;
@@ -271,9 +256,10 @@ impl Model {
         width: usize,
     ) -> Result<&[f32], ModelError> {
         let mut workspace = self.take_workspace(Mode::Eval, images, batch, height, width)?;
-        let result = self.forward(&mut workspace, None);
-        self.logits.clear();
-        self.logits.extend_from_slice(&workspace.logits);
+        let result = self.run_step(&mut workspace, |exec, network, plan| {
+            exec.images_from_host(images);
+            forward(exec, network, plan, None)
+        });
         self.eval_workspace = Some(workspace);
         result?;
         Ok(&self.logits)
@@ -295,24 +281,16 @@ impl Model {
         let Some(mut workspace) = self.train_workspace.take() else {
             return Err(ModelError::NoForward);
         };
-        let mut reporter = Reporter {
-            done: 0,
-            grad_ready,
-        };
-        let result = backward_pass(
-            &self.network,
-            &self.params,
-            &mut self.grads,
-            &mut workspace,
-            loss_scale,
-            bn_sync,
-            &mut reporter,
-        );
+        let mut ready = GradientsReady::new(grad_ready);
+        let result = self.run_step(&mut workspace, |exec, network, plan| {
+            backward_pass(exec, network, plan, loss_scale, bn_sync, &mut ready)
+        });
         self.train_workspace = Some(workspace);
         result
     }
 
-    /// Takes (or builds) the workspace for this mode and batch shape, with the images copied in.
+    /// Takes (or builds) the workspace for this mode and batch shape; checks that `images`
+    /// has the batch's length.
     fn take_workspace(
         &mut self,
         mode: Mode,
@@ -338,320 +316,43 @@ impl Model {
             Mode::Train => self.train_workspace.take(),
             Mode::Eval => self.eval_workspace.take(),
         };
-        let mut workspace = match cached {
-            Some(workspace) if workspace.fits(batch, height, width) => workspace,
-            _ => Workspace::new(&self.network, mode, batch, height, width, channels)?,
-        };
-        let slot = workspace.images;
-        workspace.slots[slot][..images.len()].copy_from_slice(images);
-        Ok(workspace)
+        match cached {
+            Some(workspace) if workspace.plan.fits(batch, height, width) => Ok(workspace),
+            _ => Workspace::new(&self.network, mode, batch, height, width, channels),
+        }
     }
 
-    /// Runs the network on the images in the workspace, leaving logits in `workspace.logits`.
-    fn forward(
+    /// Runs `work` on the CPU executor over the model's flat buffers and `workspace`, then
+    /// copies the logits of the step to the host.
+    fn run_step<R>(
         &mut self,
         workspace: &mut Workspace,
-        mut reducer: Reducer,
-    ) -> Result<(), ModelError> {
+        work: impl FnOnce(&mut CpuStep, &Network, &Plan) -> Result<R, ModelError>,
+    ) -> Result<R, ModelError> {
         let Model {
             network,
             params,
+            grads,
             buffers,
+            logits,
             ..
         } = self;
-        let mode = workspace.mode;
-        let ws = workspace;
-        if mode == Mode::Eval {
-            forward_eval_layers(network, params, buffers, ws)?;
-            return Ok(());
-        }
-        let network: &Network = network;
-        let stem = &network.stem;
-        let mut layer = TrainLayers {
+        let Workspace { plan, storage } = workspace;
+        let mut exec = CpuStep {
+            images: plan.images,
             params,
+            grads,
             buffers,
-            conv_scratch: &mut ws.conv_scratch,
-            bn_scratch: &mut ws.bn_scratch,
-            output_sums: &mut ws.output_sums,
+            storage,
         };
-        layer.conv_with_statistics(
-            &stem.conv,
-            &stem.bn,
-            &mut ws.stem,
-            &mut ws.slots,
-            reborrow(&mut reducer),
-        )?;
-        let (z, out, len) = (ws.stem.z, ws.stem.out, ws.stem.output_len());
-        let relu = network.stem_relu;
-        with_output(&mut ws.slots, out, |slots, output| {
-            batchnorm::apply(
-                &slots[z][..len],
-                &ws.stem.bn,
-                Residual::None,
-                relu,
-                &mut output[..len],
-            );
-        });
-        for (block, plan) in network.blocks.iter().zip(&mut ws.blocks) {
-            block_forward(block, plan, &mut layer, &mut ws.slots, &mut reducer)?;
-        }
-        head_forward(network, params, ws);
-        Ok(())
+        let result = work(&mut exec, network, plan);
+        exec.logits_to_host(logits);
+        result
     }
 }
 
-/// Average pooling and the linear classifier on the last block's output, into
-/// `ws.logits`.
-fn head_forward(network: &Network, params: &[f32], ws: &mut Workspace) {
-    let last = ws.final_output();
-    let features = &ws.slots[last.out][..last.output_len()];
-    head::average_pool_forward(features, ws.final_pixels, ws.final_channels, &mut ws.pooled);
-    let head = &network.head;
-    head::linear_forward(
-        &ws.pooled,
-        &params[head.weight.clone()],
-        &params[head.bias.clone()],
-        &mut ws.logits,
-    );
-}
-
-/// The eval-mode network up to the logits: each convolution with its batch norm (running
-/// statistics), residual add and ReLU in one pass.
-fn forward_eval_layers(
-    network: &Network,
-    params: &[f32],
-    buffers: &[f32],
-    ws: &mut Workspace,
-) -> Result<(), ModelError> {
-    let mut layers = EvalLayers {
-        params,
-        buffers,
-        slots: &mut ws.slots,
-        scratch: &mut ws.conv_scratch,
-    };
-    let stem = &network.stem;
-    let stem_out = ws.stem.out;
-    layers.run(
-        &stem.conv,
-        &stem.bn,
-        &mut ws.stem,
-        None,
-        network.stem_relu,
-        stem_out,
-    );
-    for (block, plan) in network.blocks.iter().zip(&mut ws.blocks) {
-        let Block { units, shortcut } = block;
-        let mut residual = plan.units.first().map(|unit_plan| unit_plan.input);
-        if let (Some(unit), Some(unit_plan)) = (shortcut, &mut plan.shortcut) {
-            let z = unit_plan.z;
-            layers.run(&unit.conv, &unit.bn, unit_plan, None, false, z);
-            residual = Some(z);
-        }
-        let last = units.len().saturating_sub(1);
-        for (index, (unit, unit_plan)) in units.iter().zip(&mut plan.units).enumerate() {
-            let residual = if index == last { residual } else { None };
-            let out = unit_plan.out;
-            layers.run(&unit.conv, &unit.bn, unit_plan, residual, true, out);
-        }
-    }
-    head_forward(network, params, ws);
-    Ok(())
-}
-
-/// What every eval-mode layer reads and writes.
-struct EvalLayers<'a> {
-    params: &'a [f32],
-    buffers: &'a [f32],
-    slots: &'a mut [Vec<f32>],
-    scratch: &'a mut ConvScratch,
-}
-
-impl EvalLayers<'_> {
-    /// `slots[output] = [relu](bn(conv(slots[plan.input])) [+ slots[residual]])`.
-    fn run(
-        &mut self,
-        conv: &ConvLayer,
-        bn: &BatchNormLayer,
-        plan: &mut UnitPlan,
-        residual: Option<usize>,
-        relu: bool,
-        output: usize,
-    ) {
-        let affine = BatchNormParams {
-            weight: &self.params[bn.weight.clone()],
-            bias: &self.params[bn.bias.clone()],
-        };
-        batchnorm::eval_statistics(
-            &affine,
-            &self.buffers[bn.running_mean.clone()],
-            &self.buffers[bn.running_var.clone()],
-            &mut plan.bn,
-        );
-        let work = UnitWork::Epilogue {
-            state: &plan.bn,
-            residual,
-            relu,
-        };
-        run_conv(
-            conv,
-            plan,
-            self.params,
-            self.slots,
-            output,
-            work,
-            self.scratch,
-        );
-    }
-}
-
-/// What a unit's convolution does to its output chunks besides computing them.
-enum UnitWork<'a> {
-    /// Evaluation: the batch norm (its scale and shift), the residual in the named slot and
-    /// the ReLU, applied in place.
-    Epilogue {
-        state: &'a BatchNormState,
-        residual: Option<usize>,
-        relu: bool,
-    },
-    /// Training: gather the output's per-channel sums for its batch norm.
-    OutputSums(&'a mut Vec<f64>),
-}
-
-/// `slots[output] = conv(slots[plan.input])`, with `work` fused into it.
-fn run_conv(
-    conv: &ConvLayer,
-    plan: &UnitPlan,
-    params: &[f32],
-    slots: &mut [Vec<f32>],
-    output: usize,
-    work: UnitWork,
-    scratch: &mut ConvScratch,
-) {
-    let shape = &plan.shape;
-    let weight = &params[conv.weight.clone()];
-    let bias = conv.bias.as_ref().map(|range| &params[range.clone()]);
-    with_output(slots, output, |slots, output| {
-        let fused = match work {
-            UnitWork::Epilogue {
-                state,
-                residual,
-                relu,
-            } => Fused::Epilogue(Epilogue {
-                scale: &state.scale,
-                shift: &state.shift,
-                residual: residual.map(|slot| &slots[slot][..shape.output_len()]),
-                relu,
-            }),
-            UnitWork::OutputSums(sums) => Fused::OutputSums(sums),
-        };
-        conv2d_forward_fused(
-            shape,
-            &slots[plan.input][..shape.input_len()],
-            weight,
-            bias,
-            fused,
-            &mut output[..shape.output_len()],
-            scratch,
-        );
-    });
-}
-
-/// Forward of one residual block in training mode.
-fn block_forward(
-    block: &Block,
-    plan: &mut BlockPlan,
-    layer: &mut TrainLayers,
-    slots: &mut [Vec<f32>],
-    reducer: &mut Reducer,
-) -> Result<(), ModelError> {
-    let Block { units, shortcut } = block;
-    let BlockPlan {
-        units: unit_plans,
-        shortcut: shortcut_plan,
-    } = plan;
-    if let (Some(unit), Some(unit_plan)) = (shortcut, shortcut_plan.as_mut()) {
-        layer.conv_with_statistics(&unit.conv, &unit.bn, unit_plan, slots, reborrow(reducer))?;
-    }
-    let block_input = unit_plans.first().map_or(0, |unit_plan| unit_plan.input);
-    let last = units.len().saturating_sub(1);
-    for (index, (unit, unit_plan)) in units.iter().zip(unit_plans.iter_mut()).enumerate() {
-        layer.conv_with_statistics(&unit.conv, &unit.bn, unit_plan, slots, reborrow(reducer))?;
-        let (z, out, len) = (unit_plan.z, unit_plan.out, unit_plan.output_len());
-        with_output(slots, out, |slots, output| {
-            let residual = if index < last {
-                Residual::None
-            } else {
-                match shortcut_plan {
-                    Some(projection_plan) => Residual::Normalized {
-                        input: &slots[projection_plan.z][..len],
-                        state: &projection_plan.bn,
-                    },
-                    _ => Residual::Identity(&slots[block_input][..len]),
-                }
-            };
-            batchnorm::apply(
-                &slots[z][..len],
-                &unit_plan.bn,
-                residual,
-                true,
-                &mut output[..len],
-            );
-        });
-    }
-    Ok(())
-}
-
-/// What every training-mode layer reads and writes, besides the activations.
-struct TrainLayers<'a> {
-    params: &'a [f32],
-    buffers: &'a mut [f32],
-    conv_scratch: &'a mut ConvScratch,
-    bn_scratch: &'a mut BatchNormScratch,
-    output_sums: &'a mut Vec<f64>,
-}
-
-impl TrainLayers<'_> {
-    /// `slots[plan.z] = conv(slots[plan.input])`, with the batch statistics of the result
-    /// gathered on the way and turned into the batch norm's state (and running statistics).
-    fn conv_with_statistics(
-        &mut self,
-        conv: &ConvLayer,
-        bn: &BatchNormLayer,
-        plan: &mut UnitPlan,
-        slots: &mut [Vec<f32>],
-        reducer: Option<&mut dyn BatchNormReducer>,
-    ) -> Result<(), ModelError> {
-        let shape: &Conv2dShape = &plan.shape;
-        let work = UnitWork::OutputSums(&mut *self.output_sums);
-        run_conv(
-            conv,
-            plan,
-            self.params,
-            slots,
-            plan.z,
-            work,
-            self.conv_scratch,
-        );
-        let affine = BatchNormParams {
-            weight: &self.params[bn.weight.clone()],
-            bias: &self.params[bn.bias.clone()],
-        };
-        let (running_mean, running_var) =
-            two_ranges_mut(self.buffers, &bn.running_mean, &bn.running_var);
-        let rows = shape.output_len() / shape.out_channels.max(1);
-        batchnorm::train_statistics_from_sums(
-            rows,
-            self.output_sums,
-            &affine,
-            running_mean,
-            running_var,
-            &mut plan.bn,
-            reducer,
-            self.bn_scratch,
-        )?;
-        Ok(())
-    }
-}
+/// The optional SyncBatchNorm reducer, re-borrowable for each layer.
+type Reducer<'a> = Option<&'a mut dyn BatchNormReducer>;
 
 /// Re-borrows the optional reducer for one layer.
 fn reborrow<'s>(reducer: &'s mut Reducer<'_>) -> Option<&'s mut dyn BatchNormReducer> {
@@ -661,321 +362,219 @@ fn reborrow<'s>(reducer: &'s mut Reducer<'_>) -> Option<&'s mut dyn BatchNormRed
     }
 }
 
-/// Calls `grad_ready` with the part of the gradient buffer finished since the last call.
-struct Reporter<'a> {
-    done: usize,
-    grad_ready: &'a mut dyn FnMut(Range<usize>, &[f32]),
+/// A block's projection shortcut as a unit, if it has one.
+fn shortcut_unit<'a>(block: &'a Block, plan: &'a BlockPlan) -> Option<Unit<'a>> {
+    match (&block.shortcut, &plan.shortcut) {
+        (Some(layers), Some(unit_plan)) => Some(unit(layers, unit_plan)),
+        _ => None,
+    }
 }
 
-impl Reporter<'_> {
-    fn finished_up_to(&mut self, end: usize, grads: &[f32]) {
-        if end > self.done {
-            (self.grad_ready)(self.done..end, &grads[self.done..end]);
-            self.done = end;
+/// A block's chain of units, in forward order.
+fn chain_units<'a>(
+    block: &'a Block,
+    plan: &'a BlockPlan,
+) -> impl DoubleEndedIterator<Item = Unit<'a>> + ExactSizeIterator {
+    block
+        .units
+        .iter()
+        .zip(&plan.units)
+        .map(|(layers, unit_plan)| unit(layers, unit_plan))
+}
+
+fn unit<'a>(layers: &'a ConvBn, plan: &'a UnitPlan) -> Unit<'a> {
+    Unit {
+        conv: &layers.conv,
+        bn: &layers.bn,
+        plan,
+    }
+}
+
+/// The network up to the logits on the images in the executor: training mode (batch
+/// statistics, summed by `reducer`) or evaluation mode, as the plan says.
+fn forward<E: Executor>(
+    exec: &mut E,
+    network: &Network,
+    plan: &Plan,
+    mut reducer: Reducer,
+) -> Result<(), ModelError> {
+    if plan.mode == Mode::Eval {
+        forward_eval_layers(exec, network, plan);
+        return Ok(());
+    }
+    let stem = unit(&network.stem, &plan.stem);
+    exec.conv_bn_statistics(stem, reborrow(&mut reducer))?;
+    exec.bn_apply(stem, ResidualInput::None, network.stem_relu);
+    for (block, block_plan) in network.blocks.iter().zip(&plan.blocks) {
+        block_forward(exec, block, block_plan, &mut reducer)?;
+    }
+    exec.head_forward(&network.head, plan.final_output());
+    Ok(())
+}
+
+/// The eval-mode network up to the logits: each convolution with its batch norm (running
+/// statistics), residual add and ReLU in one step.
+fn forward_eval_layers<E: Executor>(exec: &mut E, network: &Network, plan: &Plan) {
+    exec.conv_bn_eval(
+        unit(&network.stem, &plan.stem),
+        None,
+        network.stem_relu,
+        plan.stem.out,
+    );
+    for (block, block_plan) in network.blocks.iter().zip(&plan.blocks) {
+        let mut residual = block_plan.units.first().map(|unit_plan| unit_plan.input);
+        if let Some(shortcut) = shortcut_unit(block, block_plan) {
+            exec.conv_bn_eval(shortcut, None, false, shortcut.plan.z);
+            residual = Some(shortcut.plan.z);
+        }
+        let last = block.units.len().saturating_sub(1);
+        for (index, unit) in chain_units(block, block_plan).enumerate() {
+            let residual = if index == last { residual } else { None };
+            exec.conv_bn_eval(unit, residual, true, unit.plan.out);
         }
     }
+    exec.head_forward(&network.head, plan.final_output());
+}
+
+/// Forward of one residual block in training mode.
+fn block_forward<E: Executor>(
+    exec: &mut E,
+    block: &Block,
+    plan: &BlockPlan,
+    reducer: &mut Reducer,
+) -> Result<(), ModelError> {
+    let shortcut = shortcut_unit(block, plan);
+    if let Some(shortcut) = shortcut {
+        exec.conv_bn_statistics(shortcut, reborrow(reducer))?;
+    }
+    let block_input = plan.units.first().map_or(0, |unit_plan| unit_plan.input);
+    let last = block.units.len().saturating_sub(1);
+    for (index, unit) in chain_units(block, plan).enumerate() {
+        exec.conv_bn_statistics(unit, reborrow(reducer))?;
+        let residual = match (index < last, shortcut) {
+            (true, _) => ResidualInput::None,
+            (false, Some(projection)) => ResidualInput::Normalized(projection.plan),
+            (false, None) => ResidualInput::Identity(block_input),
+        };
+        exec.bn_apply(unit, residual, true);
+    }
+    Ok(())
 }
 
 /// The gradient buffers of the backward pass: `current` holds the gradient at the output of
 /// the block being processed, `other` receives the block input gradient when the block has
 /// a projection shortcut, `first`/`second` hold gradients inside the block.
-struct GradBuffers<'a> {
-    current: &'a mut Vec<f32>,
-    other: &'a mut Vec<f32>,
-    first: &'a mut Vec<f32>,
-    second: &'a mut Vec<f32>,
+struct GradBuffers {
+    current: GradBuffer,
+    other: GradBuffer,
+    first: GradBuffer,
+    second: GradBuffer,
 }
 
-fn backward_pass(
+/// The backward of the last training forward: loss, head, blocks from last to first, stem.
+fn backward_pass<E: Executor>(
+    exec: &mut E,
     network: &Network,
-    params: &[f32],
-    grads: &mut [f32],
-    ws: &mut Workspace,
+    plan: &Plan,
     loss_scale: f32,
     mut reducer: Reducer,
-    reporter: &mut Reporter,
+    ready: &mut GradientsReady,
 ) -> Result<(), ModelError> {
-    head::cross_entropy_backward(
-        &ws.probabilities,
-        &ws.labels,
-        ws.label_smoothing,
-        loss_scale,
-        &mut ws.grad_logits,
-    );
-    let head = &network.head;
-    let (grad_weight, grad_bias) = two_ranges_mut(grads, &head.weight, &head.bias);
-    head::linear_backward(
-        &ws.pooled,
-        &params[head.weight.clone()],
-        &ws.grad_logits,
-        grad_weight,
-        grad_bias,
-        Some(&mut ws.grad_pooled),
-    );
-    reporter.finished_up_to(head.bias.end, grads);
-
-    let [g0, g1, g2, g3] = &mut ws.grad_buffers;
     let mut buffers = GradBuffers {
-        current: g0,
-        other: g1,
-        first: g2,
-        second: g3,
+        current: GradBuffer(0),
+        other: GradBuffer(1),
+        first: GradBuffer(2),
+        second: GradBuffer(3),
     };
-    let last = ws
-        .blocks
-        .last()
-        .and_then(|block| block.units.last())
-        .unwrap_or(&ws.stem);
-    let last_len = last.output_len();
-    head::average_pool_backward(
-        &ws.grad_pooled,
-        ws.final_pixels,
-        ws.final_channels,
-        &mut buffers.current[..last_len],
+    exec.head_backward(
+        &network.head,
+        plan.final_output(),
+        loss_scale,
+        buffers.current,
+        ready,
     );
-    for (block, plan) in network.blocks.iter().zip(&ws.blocks).rev() {
-        let projected = block_backward(
-            block,
-            plan,
-            params,
-            grads,
-            &ws.slots,
-            &mut buffers,
-            &mut ws.conv_scratch,
-            &mut ws.bn_scratch,
-            &mut reducer,
-            reporter,
-        )?;
+    for (block, block_plan) in network.blocks.iter().zip(&plan.blocks).rev() {
+        let projected = block_backward(exec, block, block_plan, &mut buffers, &mut reducer, ready)?;
         if projected {
             std::mem::swap(&mut buffers.current, &mut buffers.other);
         }
     }
-    let stem = &network.stem;
-    let len = ws.stem.output_len();
-    let stem_grad = OutputGrad {
-        values: &buffers.current[..len],
-        relu_output: network.stem_relu.then(|| &ws.slots[ws.stem.out][..len]),
+    let stem_grad = UnitGrad {
+        values: buffers.current,
+        relu_output: network.stem_relu.then_some(plan.stem.out),
     };
-    let mut scratch = Scratch {
-        conv: &mut ws.conv_scratch,
-        bn: &mut ws.bn_scratch,
-    };
-    unit_backward(
-        (&stem.conv, &stem.bn, &ws.stem),
-        params,
-        grads,
-        &ws.slots,
+    exec.conv_bn_backward(
+        unit(&network.stem, &plan.stem),
         stem_grad,
-        InputGrad::Skip,
-        &mut scratch,
+        GradTarget::Skip,
         reborrow(&mut reducer),
-        reporter,
-    )?;
-    Ok(())
+        ready,
+    )
 }
 
 /// Backward of one residual block; `buffers.current` holds the gradient at its output.
 /// Returns `true` when the input gradient was left in `buffers.other` (projection shortcut)
 /// rather than in `buffers.current` (identity shortcut).
-#[allow(clippy::too_many_arguments)]
-fn block_backward(
+fn block_backward<E: Executor>(
+    exec: &mut E,
     block: &Block,
     plan: &BlockPlan,
-    params: &[f32],
-    grads: &mut [f32],
-    slots: &[Vec<f32>],
     buffers: &mut GradBuffers,
-    conv_scratch: &mut ConvScratch,
-    bn_scratch: &mut BatchNormScratch,
     reducer: &mut Reducer,
-    reporter: &mut Reporter,
+    ready: &mut GradientsReady,
 ) -> Result<bool, ModelError> {
     let Some(last_plan) = plan.units.last() else {
         return Ok(false);
     };
-    let out_len = last_plan.output_len();
-    batchnorm::relu_backward_in_place(
-        &mut buffers.current[..out_len],
-        &slots[last_plan.out][..out_len],
-    );
-    let mut scratch = Scratch {
-        conv: conv_scratch,
-        bn: bn_scratch,
-    };
-    let projected = match (&block.shortcut, &plan.shortcut) {
-        (Some(unit), Some(unit_plan)) => {
-            let len = unit_plan.output_len();
-            let input_len = unit_plan.shape.input_len();
-            let grad_output = OutputGrad {
-                values: &buffers.current[..len],
+    exec.relu_backward(buffers.current, last_plan.out, last_plan.output_len());
+    let projected = match shortcut_unit(block, plan) {
+        Some(shortcut) => {
+            let grad_output = UnitGrad {
+                values: buffers.current,
                 relu_output: None,
             };
-            unit_backward(
-                (&unit.conv, &unit.bn, unit_plan),
-                params,
-                grads,
-                slots,
-                grad_output,
-                InputGrad::Overwrite(&mut buffers.other[..input_len]),
-                &mut scratch,
-                reborrow(reducer),
-                reporter,
-            )?;
+            let grad_input = GradTarget::Overwrite(buffers.other);
+            exec.conv_bn_backward(shortcut, grad_output, grad_input, reborrow(reducer), ready)?;
             true
         }
-        _ => false,
+        None => false,
     };
     let last = plan.units.len() - 1;
     // A one-unit block with an identity shortcut gathers its input gradient in `other`,
     // since its unit reads the gradient in `current`.
     let input_in_other = projected || last == 0;
     if !projected && last == 0 {
-        let len = last_plan.shape.input_len();
-        buffers.other[..len].copy_from_slice(&buffers.current[..len]);
+        exec.copy_gradient(buffers.current, buffers.other, last_plan.shape.input_len());
     }
-    for (index, (unit, unit_plan)) in block.units.iter().zip(&plan.units).enumerate().rev() {
-        let len = unit_plan.output_len();
-        let input_len = unit_plan.shape.input_len();
-        let GradBuffers {
-            current,
-            other,
-            first,
-            second,
-        } = &mut *buffers;
+    for (index, unit) in chain_units(block, plan).enumerate().rev() {
         // Inside the block, the gradient at a unit's output is in `second`, the ReLU after the
         // unit undone within its batch-norm pass; the unit writes the gradient at its input
         // into `first`, and the two swap roles for the next unit.
         let (grad_output, grad_input) = if index == last {
-            let grad_output = OutputGrad {
-                values: &current[..len],
+            let grad_output = UnitGrad {
+                values: buffers.current,
                 relu_output: None,
             };
             let grad_input = if index == 0 {
-                InputGrad::Accumulate(&mut other[..input_len])
+                GradTarget::Accumulate(buffers.other)
             } else {
-                InputGrad::Overwrite(&mut first[..input_len])
+                GradTarget::Overwrite(buffers.first)
             };
             (grad_output, grad_input)
         } else {
-            let grad_output = OutputGrad {
-                values: &second[..len],
-                relu_output: Some(&slots[unit_plan.out][..len]),
+            let grad_output = UnitGrad {
+                values: buffers.second,
+                relu_output: Some(unit.plan.out),
             };
             let grad_input = match (index, input_in_other) {
-                (0, true) => InputGrad::Accumulate(&mut other[..input_len]),
-                (0, false) => InputGrad::Accumulate(&mut current[..input_len]),
-                _ => InputGrad::Overwrite(&mut first[..input_len]),
+                (0, true) => GradTarget::Accumulate(buffers.other),
+                (0, false) => GradTarget::Accumulate(buffers.current),
+                _ => GradTarget::Overwrite(buffers.first),
             };
             (grad_output, grad_input)
         };
-        unit_backward(
-            (&unit.conv, &unit.bn, unit_plan),
-            params,
-            grads,
-            slots,
-            grad_output,
-            grad_input,
-            &mut scratch,
-            reborrow(reducer),
-            reporter,
-        )?;
+        exec.conv_bn_backward(unit, grad_output, grad_input, reborrow(reducer), ready)?;
         std::mem::swap(&mut buffers.first, &mut buffers.second);
     }
     Ok(input_in_other)
-}
-
-/// The kernels' scratch buffers.
-struct Scratch<'a> {
-    conv: &'a mut ConvScratch,
-    bn: &'a mut BatchNormScratch,
-}
-
-/// Backward of one convolution + batch-norm unit, given the gradient at the batch norm's
-/// output: the batch norm's sums (and its parameter gradients), then the convolution's
-/// backward with the batch norm's input gradient computed chunk by chunk inside it.
-#[allow(clippy::too_many_arguments)]
-fn unit_backward(
-    (conv, bn, plan): (&ConvLayer, &BatchNormLayer, &UnitPlan),
-    params: &[f32],
-    grads: &mut [f32],
-    slots: &[Vec<f32>],
-    grad_output: OutputGrad,
-    grad_input: InputGrad,
-    scratch: &mut Scratch,
-    reducer: Reducer,
-    reporter: &mut Reporter,
-) -> Result<(), ModelError> {
-    let z = &slots[plan.z][..plan.output_len()];
-    let (grad_weight, grad_bias) = two_ranges_mut(grads, &bn.weight, &bn.bias);
-    let coefficients = batchnorm::backward_coefficients(
-        grad_output,
-        z,
-        &params[bn.weight.clone()],
-        &plan.bn,
-        grad_weight,
-        grad_bias,
-        reducer,
-        scratch.bn,
-    )?;
-    reporter.finished_up_to(bn.param_range().end, grads);
-    let through_batch_norm = ConvOutputGrad::ThroughBatchNorm {
-        grad: grad_output,
-        bn_input: z,
-        coefficients,
-    };
-    conv_backward(
-        conv,
-        plan,
-        params,
-        grads,
-        slots,
-        through_batch_norm,
-        grad_input,
-        scratch.conv,
-    );
-    reporter.finished_up_to(conv.param_range().end, grads);
-    Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn conv_backward(
-    conv: &ConvLayer,
-    plan: &UnitPlan,
-    params: &[f32],
-    grads: &mut [f32],
-    slots: &[Vec<f32>],
-    grad_output: ConvOutputGrad,
-    grad_input: InputGrad,
-    scratch: &mut ConvScratch,
-) {
-    let shape = &plan.shape;
-    let input = &slots[plan.input][..shape.input_len()];
-    let weight = &params[conv.weight.clone()];
-    let (grad_weight, grad_bias) = match &conv.bias {
-        Some(bias) => {
-            let (weight, bias) = two_ranges_mut(grads, &conv.weight, bias);
-            (weight, Some(bias))
-        }
-        None => (&mut grads[conv.weight.clone()], None),
-    };
-    conv2d_backward(
-        shape,
-        input,
-        weight,
-        grad_output,
-        grad_weight,
-        grad_bias,
-        grad_input,
-        scratch,
-    );
-}
-
-/// Two disjoint ranges of one buffer, mutably; `first` must end before `second` starts.
-fn two_ranges_mut<'a>(
-    buffer: &'a mut [f32],
-    first: &Range<usize>,
-    second: &Range<usize>,
-) -> (&'a mut [f32], &'a mut [f32]) {
-    let (head, tail) = buffer.split_at_mut(second.start);
-    (&mut head[first.clone()], &mut tail[..second.len()])
 }

@@ -6,15 +6,25 @@ use crate::spec::{ModelSpec, ResNetBaseSpec};
 use crate::tensors::{StorageLayout, TensorInfo, TensorKind};
 
 /// A convolution and where its parameters live in the flat parameter buffer.
-pub(crate) struct ConvLayer {
+#[derive(Clone, Debug)]
+pub struct ConvLayer {
+    /// The `state_dict` prefix (e.g. `conv1.0`).
     pub name: String,
+    /// Input channels.
     pub in_channels: usize,
+    /// Output channels.
     pub out_channels: usize,
+    /// Kernel height and width.
     pub kernel: usize,
+    /// Stride on both axes.
     pub stride: usize,
+    /// Zero padding on each side.
     pub padding: usize,
+    /// Whether the layer has a bias.
     pub has_bias: bool,
+    /// The weight, OHWI, in the flat parameters.
     pub weight: Range<usize>,
+    /// The bias in the flat parameters, right after the weight.
     pub bias: Option<Range<usize>>,
 }
 
@@ -54,12 +64,19 @@ impl ConvLayer {
 
 /// A batch norm layer and its parameter and running-statistic ranges. Its per-step state
 /// (the batch statistics) lives in the workspace, so the network stays immutable in a step.
-pub(crate) struct BatchNormLayer {
+#[derive(Clone, Debug)]
+pub struct BatchNormLayer {
+    /// The `state_dict` prefix (e.g. `conv1.1`).
     pub name: String,
+    /// Channels.
     pub channels: usize,
+    /// `weight` (gamma) in the flat parameters.
     pub weight: Range<usize>,
+    /// `bias` (beta) in the flat parameters, right after the weight.
     pub bias: Range<usize>,
+    /// `running_mean` in the flat running-statistics buffer.
     pub running_mean: Range<usize>,
+    /// `running_var` in the flat running-statistics buffer.
     pub running_var: Range<usize>,
 }
 
@@ -104,12 +121,18 @@ pub(crate) struct Block {
     pub shortcut: Option<ConvBn>,
 }
 
-/// The linear classifier.
-pub(crate) struct Head {
+/// The linear classifier (after global average pooling).
+#[derive(Clone, Debug)]
+pub struct Head {
+    /// The `state_dict` prefix (e.g. `dense_layer`).
     pub name: String,
+    /// Input features (the last block's channels).
     pub in_features: usize,
+    /// Output classes.
     pub classes: usize,
+    /// The weight `[classes, in_features]` in the flat parameters.
     pub weight: Range<usize>,
+    /// The bias in the flat parameters, right after the weight.
     pub bias: Range<usize>,
 }
 

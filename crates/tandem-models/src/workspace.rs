@@ -1,36 +1,45 @@
-//! Activation buffers and per-step batch-norm state for one batch shape, planned once and
-//! reused every step. Everything a step writes lives here (or in the model's flat buffers),
-//! so the network description is only read during a step.
+//! The plan of one batch shape: every layer's shape and which activation slot holds its
+//! input and outputs, made once per shape and reused every step. The plan is plain data that
+//! any executor reads; the executor owns the slots themselves (see [`crate::executor`]).
 //!
 //! Training keeps every activation the backward needs (each convolution's input, its
-//! output before batch norm, and each block's output), one buffer each. Evaluation keeps
-//! only what is live, so its buffers are shared between layers.
+//! output before batch norm, and each block's output), one slot each. Evaluation keeps
+//! only what is live, so its slots are shared between layers.
 
-use tandem_engine::batchnorm::{BatchNormScratch, BatchNormState};
-use tandem_engine::conv::ConvScratch;
 use tandem_engine::shape::Conv2dShape;
 
+use crate::cpu::CpuStorage;
 use crate::error::ModelError;
 use crate::network::{ConvLayer, Network};
 
 /// Whether the forward pass trains (batch statistics, keeps activations) or evaluates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Mode {
+pub enum Mode {
+    /// Batch statistics; every activation the backward needs is kept.
     Train,
+    /// Running statistics; only live activations are kept.
     Eval,
 }
 
-/// Buffers of one conv-bn unit: its convolution's shape, input, output before batch
-/// norm (`z`), output after batch norm (+ residual) and ReLU (`out`), and its batch norm's
-/// state for this step.
-pub(crate) struct UnitPlan {
+/// The index of an activation slot: one tensor-sized buffer of the executor's.
+pub type Slot = usize;
+
+/// The slots of one conv-bn unit: its convolution's input, output before batch norm (`z`)
+/// and output after batch norm (+ residual) and ReLU (`out`).
+#[derive(Clone, Debug)]
+pub struct UnitPlan {
+    /// The unit's number in forward order (stem 0), for state an executor keeps per unit
+    /// (the batch norm's statistics between forward and backward).
+    pub index: usize,
+    /// The convolution's shape for this batch.
     pub shape: Conv2dShape,
-    pub input: usize,
-    pub z: usize,
-    pub out: usize,
-    /// Training: the batch statistics of the last forward, kept for the backward.
-    /// Evaluation: the scale and shift from the running statistics.
-    pub bn: BatchNormState,
+    /// The slot holding the convolution's input.
+    pub input: Slot,
+    /// The slot receiving the convolution's output, before batch norm.
+    pub z: Slot,
+    /// The slot receiving the unit's output (`z` itself for a projection shortcut, whose
+    /// batch norm is applied inside the block's residual add).
+    pub out: Slot,
 }
 
 impl UnitPlan {
@@ -40,36 +49,50 @@ impl UnitPlan {
     }
 }
 
-/// Buffers of a residual block; the last unit's `out` is the block's output.
-pub(crate) struct BlockPlan {
+/// The slots of a residual block; the last unit's `out` is the block's output.
+#[derive(Clone, Debug)]
+pub struct BlockPlan {
+    /// The chain of units, in forward order.
     pub units: Vec<UnitPlan>,
+    /// The projection shortcut, if the block has one.
     pub shortcut: Option<UnitPlan>,
 }
 
-/// Every buffer a forward (and, in training, backward) pass of one batch shape needs.
-pub(crate) struct Workspace {
+/// The plan of one mode and batch shape: layer shapes, slots and their sizes.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Training or evaluation.
     pub mode: Mode,
+    /// Images per batch.
     pub batch: usize,
+    /// Image height.
     pub height: usize,
+    /// Image width.
     pub width: usize,
-    pub images: usize,
+    /// The slot holding the input images.
+    pub images: Slot,
+    /// The stem unit.
     pub stem: UnitPlan,
+    /// The residual blocks, in forward order.
     pub blocks: Vec<BlockPlan>,
+    /// Pixels per image at the last block's output (averaged by the head).
     pub final_pixels: usize,
+    /// Channels at the last block's output.
     pub final_channels: usize,
-    pub slots: Vec<Vec<f32>>,
-    pub pooled: Vec<f32>,
-    pub logits: Vec<f32>,
-    pub probabilities: Vec<f32>,
-    pub grad_logits: Vec<f32>,
-    pub grad_pooled: Vec<f32>,
-    pub labels: Vec<u32>,
-    pub label_smoothing: f32,
-    pub grad_buffers: [Vec<f32>; 4],
-    pub conv_scratch: ConvScratch,
-    pub bn_scratch: BatchNormScratch,
-    /// Per-channel sums of the last convolution's output, for its batch norm.
-    pub output_sums: Vec<f64>,
+    /// Classes of the classifier.
+    pub classes: usize,
+    /// Values of each slot.
+    pub slot_lens: Vec<usize>,
+    /// Values of each of the four gradient buffers of the backward pass (0 in evaluation).
+    pub grad_len: usize,
+    /// Conv-bn units in all (each unit's [`UnitPlan::index`] is below this).
+    pub units: usize,
+}
+
+/// A plan and the CPU executor's storage for it.
+pub(crate) struct Workspace {
+    pub plan: Plan,
+    pub storage: CpuStorage,
 }
 
 /// Assigns buffers: in training each activation gets its own; in evaluation the lowest
@@ -96,9 +119,25 @@ impl SlotPlanner {
 }
 
 impl Workspace {
-    /// Plans and allocates the buffers of `network` for `batch` images of `height x width`
-    /// with `channels` channels.
+    /// Plans `network` for this batch shape and allocates the storage of the plan.
     pub fn new(
+        network: &Network,
+        mode: Mode,
+        batch: usize,
+        height: usize,
+        width: usize,
+        channels: usize,
+    ) -> Result<Self, ModelError> {
+        let plan = Plan::new(network, mode, batch, height, width, channels)?;
+        let storage = CpuStorage::new(&plan);
+        Ok(Workspace { plan, storage })
+    }
+}
+
+impl Plan {
+    /// Plans the slots of `network` for `batch` images of `height x width` with `channels`
+    /// channels.
+    pub(crate) fn new(
         network: &Network,
         mode: Mode,
         batch: usize,
@@ -110,16 +149,17 @@ impl Workspace {
             mode,
             sizes: Vec::new(),
         };
+        let mut unit_count = 0;
         let images = planner.take(batch * height * width * channels, &[]);
         let stem_shape = conv_shape(&network.stem.conv, batch, height, width)?;
         let stem_z = planner.take(stem_shape.output_len(), &[images]);
         let stem_out = planner.take(stem_shape.output_len(), &[images, stem_z]);
         let stem = UnitPlan {
+            index: next_index(&mut unit_count),
             shape: stem_shape,
             input: images,
             z: stem_z,
             out: stem_out,
-            bn: BatchNormState::new(stem_shape.out_channels),
         };
         let (mut current, mut current_height, mut current_width) =
             (stem_out, stem_shape.out_height(), stem_shape.out_width());
@@ -131,11 +171,11 @@ impl Workspace {
                     let shape = conv_shape(&unit.conv, batch, current_height, current_width)?;
                     let z = planner.take(shape.output_len(), &[block_input]);
                     Some(UnitPlan {
+                        index: next_index(&mut unit_count),
                         shape,
                         input: block_input,
                         z,
                         out: z,
-                        bn: BatchNormState::new(shape.out_channels),
                     })
                 }
                 None => None,
@@ -152,11 +192,11 @@ impl Workspace {
                 live.extend(&shortcut_slots);
                 let out = planner.take(shape.output_len(), &live);
                 units.push(UnitPlan {
+                    index: next_index(&mut unit_count),
                     shape,
                     input: current,
                     z,
                     out,
-                    bn: BatchNormState::new(shape.out_channels),
                 });
                 (current, current_height, current_width) =
                     (out, shape.out_height(), shape.out_width());
@@ -168,12 +208,7 @@ impl Workspace {
         let classes = network.head.classes;
         let largest = planner.sizes.iter().skip(1).copied().max().unwrap_or(0);
         let grad_len = if mode == Mode::Train { largest } else { 0 };
-        let batch_outputs = if mode == Mode::Train {
-            batch * classes
-        } else {
-            0
-        };
-        Ok(Workspace {
+        Ok(Plan {
             mode,
             batch,
             height,
@@ -183,31 +218,25 @@ impl Workspace {
             blocks,
             final_pixels,
             final_channels,
-            slots: planner.sizes.iter().map(|&len| vec![0.0; len]).collect(),
-            pooled: vec![0.0; batch * final_channels],
-            logits: vec![0.0; batch * classes],
-            probabilities: vec![0.0; batch_outputs],
-            grad_logits: vec![0.0; batch_outputs],
-            grad_pooled: vec![
-                0.0;
-                if mode == Mode::Train {
-                    batch * final_channels
-                } else {
-                    0
-                }
-            ],
-            labels: Vec::with_capacity(batch),
-            label_smoothing: 0.0,
-            grad_buffers: std::array::from_fn(|_| vec![0.0; grad_len]),
-            conv_scratch: ConvScratch::default(),
-            bn_scratch: BatchNormScratch::default(),
-            output_sums: Vec::new(),
+            classes,
+            slot_lens: planner.sizes,
+            grad_len,
+            units: unit_count,
         })
     }
 
-    /// Whether this workspace fits a batch of this shape.
+    /// Whether this plan fits a batch of this shape.
     pub fn fits(&self, batch: usize, height: usize, width: usize) -> bool {
         (self.batch, self.height, self.width) == (batch, height, width)
+    }
+
+    /// Every unit, the stem first, then each block's chain and shortcut.
+    pub fn unit_plans(&self) -> impl Iterator<Item = &UnitPlan> {
+        std::iter::once(&self.stem).chain(
+            self.blocks
+                .iter()
+                .flat_map(|block| block.units.iter().chain(&block.shortcut)),
+        )
     }
 
     /// The output of the last block (the stem when there are no blocks).
@@ -217,6 +246,12 @@ impl Workspace {
             .and_then(|block| block.units.last())
             .unwrap_or(&self.stem)
     }
+}
+
+/// The next unit number from `counter`.
+fn next_index(counter: &mut usize) -> usize {
+    *counter += 1;
+    *counter - 1
 }
 
 fn conv_shape(
@@ -243,17 +278,4 @@ fn conv_shape(
             layer: conv.name.clone(),
         }),
     }
-}
-
-/// Runs `work` with `slots[output]` borrowed mutably and the other slots readable.
-/// The planner never gives an output the slot of a live input, so nothing read is moved.
-pub(crate) fn with_output<R>(
-    slots: &mut [Vec<f32>],
-    output: usize,
-    work: impl FnOnce(&[Vec<f32>], &mut [f32]) -> R,
-) -> R {
-    let mut buffer = std::mem::take(&mut slots[output]);
-    let result = work(slots, &mut buffer);
-    slots[output] = buffer;
-    result
 }
