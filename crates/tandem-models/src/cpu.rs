@@ -270,73 +270,90 @@ impl Executor for CpuStep<'_> {
         reducer: Option<&mut dyn BatchNormReducer>,
         ready: &mut GradientsReady,
     ) -> Result<(), ModelError> {
-        let (conv, bn, plan) = (unit.conv, unit.bn, unit.plan);
-        let storage = &mut *self.storage;
-        let (len, input_len) = (plan.output_len(), plan.shape.input_len());
-        // The input gradient's buffer is taken out while the others are read.
-        let target = match grad_input {
-            GradTarget::Skip => None,
-            GradTarget::Overwrite(buffer) | GradTarget::Accumulate(buffer) => {
-                debug_assert_ne!(buffer, grad_output.values, "one buffer as input and output");
-                Some(buffer)
-            }
+        let input_len = unit.plan.shape.input_len();
+        // The input gradient's buffer is taken out while the gradient buffers are read.
+        let (target, accumulate) = match grad_input {
+            GradTarget::Skip => (None, false),
+            GradTarget::Overwrite(buffer) => (Some(buffer), false),
+            GradTarget::Accumulate(buffer) => (Some(buffer), true),
         };
-        let mut input_buffer = target
-            .map(|buffer| std::mem::take(&mut storage.grad_buffers[buffer.0]))
+        debug_assert!(
+            target != Some(grad_output.values),
+            "one buffer as input and output"
+        );
+        let mut taken = target
+            .map(|buffer| std::mem::take(&mut self.storage.grad_buffers[buffer.0]))
             .unwrap_or_default();
-        let result = (|| {
-            let slots = &storage.slots;
-            let grad = OutputGrad {
-                values: &storage.grad_buffers[grad_output.values.0][..len],
-                relu_output: grad_output.relu_output.map(|slot| &slots[slot][..len]),
-            };
-            let z = &slots[plan.z][..len];
-            let (grad_weight, grad_bias) = two_ranges_mut(self.grads, &bn.weight, &bn.bias);
-            let coefficients = batchnorm::backward_coefficients(
-                grad,
-                z,
-                &self.params[bn.weight.clone()],
-                &storage.bn_states[plan.index],
-                grad_weight,
-                grad_bias,
-                reducer,
-                &mut storage.bn_scratch,
-            )?;
-            ready.finished_up_to(bn.param_range().end, self.grads);
-            let through_batch_norm = ConvOutputGrad::ThroughBatchNorm {
-                grad,
-                bn_input: z,
-                coefficients,
-            };
-            let input_grad = match grad_input {
-                GradTarget::Skip => InputGrad::Skip,
-                GradTarget::Overwrite(_) => InputGrad::Overwrite(&mut input_buffer[..input_len]),
-                GradTarget::Accumulate(_) => InputGrad::Accumulate(&mut input_buffer[..input_len]),
-            };
-            let (grad_weight, grad_bias) = match &conv.bias {
-                Some(bias) => {
-                    let (weight, bias) = two_ranges_mut(self.grads, &conv.weight, bias);
-                    (weight, Some(bias))
-                }
-                None => (&mut self.grads[conv.weight.clone()], None),
-            };
-            conv2d_backward(
-                &plan.shape,
-                &slots[plan.input][..input_len],
-                &self.params[conv.weight.clone()],
-                through_batch_norm,
-                grad_weight,
-                grad_bias,
-                input_grad,
-                &mut storage.conv_scratch,
-            );
-            ready.finished_up_to(conv.param_range().end, self.grads);
-            Ok(())
-        })();
+        let input_grad = match (target, accumulate) {
+            (None, _) => InputGrad::Skip,
+            (Some(_), false) => InputGrad::Overwrite(&mut taken[..input_len]),
+            (Some(_), true) => InputGrad::Accumulate(&mut taken[..input_len]),
+        };
+        let result = self.unit_backward(unit, grad_output, input_grad, reducer, ready);
         if let Some(buffer) = target {
-            storage.grad_buffers[buffer.0] = input_buffer;
+            self.storage.grad_buffers[buffer.0] = taken;
         }
         result
+    }
+}
+
+impl CpuStep<'_> {
+    /// [`Executor::conv_bn_backward`] with the input gradient's destination resolved: the
+    /// batch norm's sums and parameter gradients, then the convolution's backward with the
+    /// batch norm's input gradient computed chunk by chunk inside it.
+    fn unit_backward(
+        &mut self,
+        unit: Unit,
+        grad_output: UnitGrad,
+        grad_input: InputGrad,
+        reducer: Option<&mut dyn BatchNormReducer>,
+        ready: &mut GradientsReady,
+    ) -> Result<(), ModelError> {
+        let (conv, bn, plan) = (unit.conv, unit.bn, unit.plan);
+        let storage = &mut *self.storage;
+        let slots = &storage.slots;
+        let len = plan.output_len();
+        let grad = OutputGrad {
+            values: &storage.grad_buffers[grad_output.values.0][..len],
+            relu_output: grad_output.relu_output.map(|slot| &slots[slot][..len]),
+        };
+        let z = &slots[plan.z][..len];
+        let (grad_weight, grad_bias) = two_ranges_mut(self.grads, &bn.weight, &bn.bias);
+        let coefficients = batchnorm::backward_coefficients(
+            grad,
+            z,
+            &self.params[bn.weight.clone()],
+            &storage.bn_states[plan.index],
+            grad_weight,
+            grad_bias,
+            reducer,
+            &mut storage.bn_scratch,
+        )?;
+        ready.finished_up_to(bn.param_range().end, self.grads);
+        let through_batch_norm = ConvOutputGrad::ThroughBatchNorm {
+            grad,
+            bn_input: z,
+            coefficients,
+        };
+        let (grad_weight, grad_bias) = match &conv.bias {
+            Some(bias) => {
+                let (weight, bias) = two_ranges_mut(self.grads, &conv.weight, bias);
+                (weight, Some(bias))
+            }
+            None => (&mut self.grads[conv.weight.clone()], None),
+        };
+        conv2d_backward(
+            &plan.shape,
+            &slots[plan.input][..plan.shape.input_len()],
+            &self.params[conv.weight.clone()],
+            through_batch_norm,
+            grad_weight,
+            grad_bias,
+            grad_input,
+            &mut storage.conv_scratch,
+        );
+        ready.finished_up_to(conv.param_range().end, self.grads);
+        Ok(())
     }
 }
 

@@ -1,13 +1,13 @@
 //! The executor interface: what a device implements to run the shared network description.
 //!
-//! The network ([`crate::network`]: layers and their ranges in the flat buffers) and the
+//! The network (its layers, e.g. [`ConvLayer`], and their ranges in the flat buffers) and the
 //! [`Plan`] of a batch shape (layer shapes, activation slots) are plain data shared by every
 //! device. The walk over the network (forward order, residual adds, which gradient buffer
 //! holds what in the backward, when a gradient range is final) is written once, in
 //! `model.rs`, over this trait. An executor owns the storage: the activation slots of a
 //! plan, four gradient buffers, per-unit batch-norm state, its scratch, and (through the
 //! step it is made for) the flat parameter, gradient and running-statistic buffers. The CPU
-//! executor ([`crate::cpu`]) is the first implementation; its fusions (batch-norm sums
+//! executor (`cpu.rs`) is the first implementation; its fusions (batch-norm sums
 //! inside the convolution's forward, the batch-norm input gradient inside the
 //! convolution's backward, eval-mode batch norm + residual + ReLU as the convolution's
 //! epilogue) sit behind single methods, so a device may fuse the same way or not at all.

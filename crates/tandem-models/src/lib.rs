@@ -8,6 +8,10 @@
 //! buffer each, with a table of named views ([`TensorInfo`]) in `state_dict` order. Parameters
 //! are laid out in the order the backward pass finishes their gradients (classifier first,
 //! stem last), so the backward can report finished gradient ranges in increasing order.
+//!
+//! The network description is read-only during a step; a step runs on an [`Executor`]
+//! (see [`executor`]), which owns the activations and per-step state of a
+//! [`workspace::Plan`]. The CPU executor over `tandem-engine` is the one built in.
 
 #![warn(missing_docs)]
 
