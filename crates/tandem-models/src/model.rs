@@ -578,3 +578,178 @@ fn block_backward<E: Executor>(
     }
     Ok(input_in_other)
 }
+
+#[cfg(test)]
+mod tests {
+    //! The walk over the network keeps the contract [`Executor`] documents, checked with an
+    //! executor that only records what it is asked to do.
+
+    use super::*;
+    use crate::network::Head;
+    use crate::spec::ResNetBaseSpec;
+    use crate::workspace::Slot;
+
+    /// What the model asked of each unit, by unit number.
+    #[derive(Default)]
+    struct Recorder {
+        statistics: Vec<usize>,
+        applied: Vec<usize>,
+        evaluated: Vec<usize>,
+        backward: Vec<usize>,
+        head_backward: bool,
+        grads: Vec<f32>,
+    }
+
+    impl Executor for Recorder {
+        fn images_from_host(&mut self, _images: &[f32]) {}
+
+        fn conv_bn_statistics(
+            &mut self,
+            unit: Unit,
+            _reducer: Option<&mut dyn BatchNormReducer>,
+        ) -> Result<(), ModelError> {
+            self.statistics.push(unit.plan.index);
+            Ok(())
+        }
+
+        fn bn_apply(&mut self, unit: Unit, residual: ResidualInput, _relu: bool) {
+            assert!(
+                self.statistics.contains(&unit.plan.index),
+                "apply before statistics"
+            );
+            if let ResidualInput::Normalized(projection) = residual {
+                assert!(
+                    self.statistics.contains(&projection.index),
+                    "projection first"
+                );
+            }
+            assert_ne!(unit.plan.out, unit.plan.z, "apply in place");
+            self.applied.push(unit.plan.index);
+        }
+
+        fn conv_bn_eval(&mut self, unit: Unit, residual: Option<Slot>, _relu: bool, output: Slot) {
+            assert_ne!(output, unit.plan.input, "eval output over its input");
+            assert_ne!(residual, Some(output), "eval output over its residual");
+            self.evaluated.push(unit.plan.index);
+        }
+
+        fn head_forward(&mut self, _head: &Head, _features: &UnitPlan) {}
+
+        fn loss_forward(&mut self, _labels: &[u32], _smoothing: f32) -> Result<f32, ModelError> {
+            Ok(0.0)
+        }
+
+        fn logits_to_host(&self, _logits: &mut Vec<f32>) {}
+
+        fn head_backward(
+            &mut self,
+            head: &Head,
+            _features: &UnitPlan,
+            _loss_scale: f32,
+            _into: GradBuffer,
+            ready: &mut GradientsReady,
+        ) {
+            self.head_backward = true;
+            ready.finished_up_to(head.bias.end, &self.grads);
+        }
+
+        fn relu_backward(&mut self, _grad: GradBuffer, _output: Slot, _len: usize) {}
+
+        fn copy_gradient(&mut self, from: GradBuffer, to: GradBuffer, _len: usize) {
+            assert_ne!(from, to, "copy onto itself");
+        }
+
+        fn conv_bn_backward(
+            &mut self,
+            unit: Unit,
+            grad_output: UnitGrad,
+            grad_input: GradTarget,
+            _reducer: Option<&mut dyn BatchNormReducer>,
+            ready: &mut GradientsReady,
+        ) -> Result<(), ModelError> {
+            assert!(self.head_backward, "unit backward before the head's");
+            if let GradTarget::Overwrite(target) | GradTarget::Accumulate(target) = grad_input {
+                assert_ne!(target, grad_output.values, "one buffer as input and output");
+            }
+            self.backward.push(unit.plan.index);
+            ready.finished_up_to(unit.bn.param_range().end, &self.grads);
+            ready.finished_up_to(unit.conv.param_range().end, &self.grads);
+            Ok(())
+        }
+    }
+
+    fn specs() -> Vec<ModelSpec> {
+        let plain_one_block = ResNetBaseSpec {
+            n_blocks: vec![1, 1, 1],
+            bottlenecks: None,
+            ..ResNetBaseSpec::tutorial_default()
+        };
+        vec![
+            ModelSpec::ResNet18 { num_classes: 10 },
+            ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default()),
+            ModelSpec::ResNetBase(plain_one_block),
+        ]
+    }
+
+    fn sorted(mut units: Vec<usize>) -> Vec<usize> {
+        units.sort_unstable();
+        units
+    }
+
+    /// A training step visits every unit once forward and once backward, never hands one
+    /// buffer to a method as both input and output, and reports the whole gradient buffer
+    /// in increasing, contiguous ranges.
+    #[test]
+    fn a_training_step_keeps_the_executor_contract() {
+        for spec in specs() {
+            let (network, layout) = Network::build(&spec);
+            let plan = Plan::new(&network, Mode::Train, 2, 32, 32, 3).expect("plan");
+            let every_unit: Vec<usize> = (0..plan.units).collect();
+            let mut recorder = Recorder {
+                grads: vec![0.0; layout.params_len],
+                ..Recorder::default()
+            };
+            forward(&mut recorder, &network, &plan, None).expect("forward");
+            assert_eq!(sorted(recorder.statistics.clone()), every_unit, "{spec:?}");
+            let shortcuts = plan.blocks.iter().filter(|block| block.shortcut.is_some());
+            assert_eq!(
+                recorder.applied.len(),
+                plan.units - shortcuts.count(),
+                "{spec:?}: every unit but the projections applies its batch norm"
+            );
+            let mut reported = Vec::new();
+            let mut hook = |range: Range<usize>, _: &[f32]| reported.push(range);
+            let mut ready = GradientsReady::new(&mut hook);
+            backward_pass(&mut recorder, &network, &plan, 1.0, None, &mut ready).expect("backward");
+            assert_eq!(sorted(recorder.backward.clone()), every_unit, "{spec:?}");
+            assert_eq!(reported.first().map(|range| range.start), Some(0));
+            assert_eq!(
+                reported.last().map(|range| range.end),
+                Some(layout.params_len)
+            );
+            for pair in reported.windows(2) {
+                assert_eq!(pair[0].end, pair[1].start, "{spec:?}: ranges {pair:?}");
+            }
+        }
+    }
+
+    /// An evaluation step runs every unit once, never writing a slot it reads.
+    #[test]
+    fn an_evaluation_step_runs_every_unit_once() {
+        for spec in specs() {
+            let (network, _) = Network::build(&spec);
+            let plan = Plan::new(&network, Mode::Eval, 3, 32, 32, 3).expect("plan");
+            let mut recorder = Recorder::default();
+            forward(&mut recorder, &network, &plan, None).expect("forward");
+            assert_eq!(
+                sorted(recorder.evaluated),
+                (0..plan.units).collect::<Vec<_>>(),
+                "{spec:?}"
+            );
+            assert!(
+                recorder.statistics.is_empty(),
+                "{spec:?}: no batch statistics"
+            );
+        }
+    }
+}
