@@ -263,6 +263,11 @@ pub struct TrainOptions {
 }
 
 impl TrainOptions {
+    /// The options a TOML file gives (the flags' names, `[model]` and `[data]` tables).
+    pub fn from_toml(text: &str) -> Result<TrainOptions, toml::de::Error> {
+        toml::from_str(text)
+    }
+
     /// Merges `self` (flags) over the options of a TOML file: a flag wins over the file.
     pub fn merged_with_file(self) -> anyhow::Result<TrainOptions> {
         let Some(path) = self.config.clone() else {
@@ -270,7 +275,7 @@ impl TrainOptions {
         };
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("cannot read config file {}", path.display()))?;
-        let file: TrainOptions = toml::from_str(&text)
+        let file = TrainOptions::from_toml(&text)
             .with_context(|| format!("config file {} is not valid", path.display()))?;
         let config = self.config.clone();
         let mut merged = toml::Table::try_from(&file).context("cannot merge the config file")?;
@@ -323,6 +328,9 @@ pub struct TrainSettings {
     pub gamma: f64,
     pub scale_lr: bool,
     pub label_smoothing: f64,
+    /// Pad-4 random crop and horizontal flip; written as `no-augment`, the flag's name, so
+    /// that the file reads back through `--config`.
+    #[serde(rename = "no-augment", with = "inverted_bool")]
     pub augment: bool,
     pub save_every: u64,
     pub keep_last: usize,
@@ -455,9 +463,131 @@ impl TrainSettings {
         Ok(())
     }
 
-    /// Writes the settings as TOML to `path`, atomically.
+    /// The settings as `OUT/config.toml` holds them: in the vocabulary of `--config`, so that
+    /// `tandem train --config OUT/config.toml` gives the same run.
+    pub fn to_config_toml(&self) -> anyhow::Result<String> {
+        toml::to_string_pretty(self).context("cannot render the settings as TOML")
+    }
+
+    /// Writes [`TrainSettings::to_config_toml`] to `path`, atomically.
     pub fn write_toml(&self, path: &Path) -> anyhow::Result<()> {
-        let text = toml::to_string_pretty(self).context("cannot render the settings as TOML")?;
-        crate::files::write_atomically(path, text.as_bytes())
+        crate::files::write_atomically(path, self.to_config_toml()?.as_bytes())
+    }
+}
+
+/// Serializes a `bool` as its negation: `augment = true` is written `no-augment = false`.
+mod inverted_bool {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &bool, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bool(!value)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<bool, D::Error> {
+        bool::deserialize(deserializer).map(|value| !value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model_args::ModelKind;
+
+    /// Options with every setting that `config.toml` holds given a value other than its
+    /// default; a setting added to [`TrainOptions`] fails to compile here until it is added.
+    fn every_setting() -> TrainOptions {
+        TrainOptions {
+            config: None,
+            model: ModelArgs {
+                model: Some(ModelKind::ResnetBase),
+                n_blocks: Some(vec![1, 2, 1]),
+                n_channels: Some(vec![8, 16, 32]),
+                bottlenecks: Some("4,8,8".to_string()),
+                first_kernel_size: Some(5),
+                num_classes: Some(3),
+            },
+            data: DataOptions {
+                data: Some(DataKind::Cifar10Py),
+                data_dir: Some(PathBuf::from("/data/cifar")),
+                download: Some(true),
+                mean: Some(Rgb([0.4, 0.5, 0.6])),
+                std: Some(Rgb([0.2, 0.25, 0.3])),
+                synthetic_train: Some(77),
+                synthetic_test: Some(33),
+            },
+            epochs: Some(7),
+            batch_size: Some(12),
+            lr: Some(0.3),
+            optimizer: Some(OptimizerKind::Sgd),
+            momentum: Some(0.8),
+            nesterov: Some(true),
+            weight_decay: Some(1e-3),
+            beta1: Some(0.8),
+            beta2: Some(0.99),
+            eps: Some(1e-6),
+            lr_schedule: Some(ScheduleKind::Step),
+            warmup_epochs: Some(0.5),
+            step_epochs: Some(3),
+            gamma: Some(0.5),
+            scale_lr: Some(true),
+            label_smoothing: Some(0.1),
+            no_augment: Some(true),
+            save_every: Some(2),
+            keep_last: Some(4),
+            output_dir: Some(PathBuf::from("/runs/every")),
+            snapshot: Some(PathBuf::from("/runs/elsewhere/snap.safetensors")),
+            snapshot_every_steps: Some(5),
+            seed: Some(42),
+            threads: Some(3),
+            loader_threads: Some(2),
+            init_from: Some(PathBuf::from("/weights/start.safetensors")),
+            max_steps: Some(99),
+            grad_accum: Some(2),
+            sync_bn: Some(true),
+            bucket_mb: Some(4.5),
+            collective_timeout: Some(60.0),
+            init_method: None,
+            rank: None,
+            world_size: None,
+        }
+    }
+
+    /// The keys of a TOML table, with `table.key` for the keys of its sub-tables.
+    fn key_paths(table: &toml::Table, prefix: &str) -> Vec<String> {
+        let mut keys = Vec::new();
+        for (key, value) in table {
+            match value {
+                toml::Value::Table(inner) => keys.extend(key_paths(inner, &format!("{key}."))),
+                _ => keys.push(format!("{prefix}{key}")),
+            }
+        }
+        keys.sort();
+        keys
+    }
+
+    #[test]
+    fn config_toml_reads_back_as_the_same_settings() {
+        let settings = every_setting().resolve().unwrap();
+        let text = settings.to_config_toml().unwrap();
+        let read_back = TrainOptions::from_toml(&text)
+            .unwrap_or_else(|error| panic!("config.toml does not read back: {error}\n{text}"));
+        assert_eq!(read_back.clone().resolve().unwrap(), settings, "{text}");
+        assert_eq!(read_back.resolve().unwrap().to_config_toml().unwrap(), text);
+    }
+
+    #[test]
+    fn config_toml_holds_every_setting() {
+        let options = toml::Table::try_from(every_setting()).unwrap();
+        let text = every_setting().resolve().unwrap().to_config_toml().unwrap();
+        let written: toml::Table = toml::from_str(&text).unwrap();
+        assert_eq!(key_paths(&written, ""), key_paths(&options, ""), "{text}");
+    }
+
+    #[test]
+    fn defaults_read_back_as_the_same_settings() {
+        let settings = TrainOptions::default().resolve().unwrap();
+        let text = settings.to_config_toml().unwrap();
+        let read_back = TrainOptions::from_toml(&text).unwrap().resolve().unwrap();
+        assert_eq!(read_back, settings, "{text}");
     }
 }
