@@ -213,7 +213,8 @@ pub struct TrainOptions {
     /// Folder for checkpoints, metrics, plots and logs [default: runs/latest].
     #[arg(long)]
     pub output_dir: Option<PathBuf>,
-    /// The snapshot to resume from and to write [default: OUTPUT_DIR/snapshot.safetensors].
+    /// The snapshot to resume from and to write; a relative path is inside the output folder
+    /// [default: snapshot.safetensors].
     #[arg(long)]
     pub snapshot: Option<PathBuf>,
     /// Also write a snapshot every N optimizer steps within an epoch; 0 only at epoch ends
@@ -304,6 +305,9 @@ fn merge_tables(base: &mut toml::Table, overrides: toml::Table) {
     }
 }
 
+/// The snapshot's file name in the output folder, unless `--snapshot` names another.
+pub const DEFAULT_SNAPSHOT_NAME: &str = "snapshot.safetensors";
+
 /// The resolved settings of a training run, written to `OUT/config.toml`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -373,9 +377,11 @@ impl TrainOptions {
         let output_dir = self
             .output_dir
             .unwrap_or_else(|| PathBuf::from("runs/latest"));
-        let snapshot = self
-            .snapshot
-            .unwrap_or_else(|| output_dir.join("snapshot.safetensors"));
+        // A relative snapshot path is inside the output folder, so `--output-dir` moves it.
+        let snapshot = output_dir.join(
+            self.snapshot
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_SNAPSHOT_NAME)),
+        );
         let settings = TrainSettings {
             model: self.model,
             data: self.data.resolve()?,
@@ -464,9 +470,22 @@ impl TrainSettings {
     }
 
     /// The settings as `OUT/config.toml` holds them: in the vocabulary of `--config`, so that
-    /// `tandem train --config OUT/config.toml` gives the same run.
+    /// `tandem train --config OUT/config.toml` gives the same run, and with the snapshot
+    /// relative to the output folder (omitted when it is the default), so that the same file
+    /// with another `--output-dir` starts a run of its own there.
     pub fn to_config_toml(&self) -> anyhow::Result<String> {
-        toml::to_string_pretty(self).context("cannot render the settings as TOML")
+        let mut table = toml::Table::try_from(self).context("cannot render the settings")?;
+        match self.snapshot.strip_prefix(&self.output_dir) {
+            Ok(inside) if inside == Path::new(DEFAULT_SNAPSHOT_NAME) => {
+                table.remove("snapshot");
+            }
+            Ok(inside) => {
+                let relative = inside.to_string_lossy().into_owned();
+                table.insert("snapshot".to_string(), toml::Value::String(relative));
+            }
+            Err(_) => {}
+        }
+        toml::to_string_pretty(&table).context("cannot render the settings as TOML")
     }
 
     /// Writes [`TrainSettings::to_config_toml`] to `path`, atomically.
@@ -589,5 +608,50 @@ mod tests {
         let text = settings.to_config_toml().unwrap();
         let read_back = TrainOptions::from_toml(&text).unwrap().resolve().unwrap();
         assert_eq!(read_back, settings, "{text}");
+    }
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::*;
+
+    fn resolved(toml_text: &str, output_dir: Option<&str>) -> TrainSettings {
+        let mut options = TrainOptions::from_toml(toml_text).unwrap();
+        if let Some(dir) = output_dir {
+            options.output_dir = Some(PathBuf::from(dir));
+        }
+        options.resolve().unwrap()
+    }
+
+    #[test]
+    fn the_default_snapshot_is_left_out_and_moves_with_the_output_folder() {
+        let first = resolved("output-dir = \"runs/a\"\n", None);
+        let text = first.to_config_toml().unwrap();
+        assert!(!text.contains("\nsnapshot ="), "{text}");
+        let moved = resolved(&text, Some("runs/b"));
+        assert_eq!(moved.snapshot, Path::new("runs/b/snapshot.safetensors"));
+    }
+
+    #[test]
+    fn a_snapshot_inside_the_output_folder_is_written_relative_to_it() {
+        let first = resolved(
+            "output-dir = \"runs/a\"\nsnapshot = \"keep/snap.safetensors\"\n",
+            None,
+        );
+        assert_eq!(first.snapshot, Path::new("runs/a/keep/snap.safetensors"));
+        let text = first.to_config_toml().unwrap();
+        assert!(text.contains("snapshot = \"keep/snap.safetensors\""), "{text}");
+        let moved = resolved(&text, Some("runs/b"));
+        assert_eq!(moved.snapshot, Path::new("runs/b/keep/snap.safetensors"));
+    }
+
+    #[test]
+    fn a_snapshot_elsewhere_keeps_its_absolute_path() {
+        let first = resolved(
+            "output-dir = \"runs/a\"\nsnapshot = \"/scratch/snap.safetensors\"\n",
+            None,
+        );
+        let moved = resolved(&first.to_config_toml().unwrap(), Some("runs/b"));
+        assert_eq!(moved.snapshot, Path::new("/scratch/snap.safetensors"));
     }
 }
