@@ -59,3 +59,60 @@ fn a_runs_own_config_gives_the_same_run_and_output_dir_moves_it() {
     let metrics = std::fs::read_to_string(second.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 1, "{metrics}");
 }
+
+/// Waits until `path` exists and is not empty, failing past `LIMIT`.
+fn wait_for_content(path: &Path, child: &mut std::process::Child) {
+    let deadline = std::time::Instant::now() + LIMIT;
+    while std::fs::metadata(path).map_or(true, |meta| meta.len() == 0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} did not appear",
+            path.display()
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the first run ended before {} appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_busy_output_folder_is_refused_and_a_stale_lock_taken_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let long_run = with_flag(synthetic_run(&out, 4096), "--epochs", "50");
+    let mut first = tandem()
+        .args(&long_run)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let lock = out.join("tandem.lock");
+    wait_for_content(&lock, &mut first);
+
+    let second = run_bounded(tandem().args(one_epoch_run(&out)), LIMIT);
+    let first_pid = first.id();
+    let _ = first.kill();
+    let _ = first.wait();
+    assert!(!second.status.success(), "a second run into a busy folder ran");
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        stderr.contains("is in use by another run (pid ")
+            && stderr.contains(&format!("pid {first_pid} on host ")),
+        "{stderr}"
+    );
+
+    // The first run was killed: its lock is stale, and the next run takes it over.
+    let third = run_bounded(tandem().args(one_epoch_run(&out)), LIMIT);
+    expect_success(&third);
+    let stderr = String::from_utf8_lossy(&third.stderr);
+    assert!(
+        stderr.contains(&format!("taking over the lock of {}", out.display()))
+            && stderr.contains(&format!("pid {first_pid} on host "))
+            && stderr.contains("is no longer running"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read_to_string(&lock).unwrap(), "");
+}

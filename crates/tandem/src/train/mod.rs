@@ -8,6 +8,7 @@
 pub mod ddp;
 pub mod history;
 pub mod placement;
+pub mod run_lock;
 pub mod schedule;
 pub mod snapshot;
 pub mod stop_signal;
@@ -32,6 +33,7 @@ use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSetting
 use ddp::Ddp;
 use history::{write_history, EpochRecord};
 use placement::find_placement;
+use run_lock::RunLock;
 use schedule::Schedule;
 use snapshot::{load_latest, Progress, Snapshot};
 
@@ -57,6 +59,8 @@ struct Trainer {
     history: Vec<EpochRecord>,
     ddp: Option<Ddp>,
     stop_requested: Arc<AtomicBool>,
+    /// The output folder's lock, held by rank 0 (the rank that writes) for the whole run.
+    _lock: Option<RunLock>,
 }
 
 impl Trainer {
@@ -67,6 +71,9 @@ impl Trainer {
         let (rank, world_size, local_world_size) = placement.as_ref().map_or((0, 1, 1), |place| {
             (place.rank, place.world_size, place.local_world_size)
         });
+        let lock = (rank == 0)
+            .then(|| RunLock::acquire(&settings.output_dir))
+            .transpose()?;
         if settings.threads == 0 {
             settings.threads = (available_cores() / local_world_size.max(1)).max(1);
         }
@@ -123,6 +130,7 @@ impl Trainer {
             history: Vec::new(),
             ddp,
             stop_requested,
+            _lock: lock,
         };
         trainer.resume_if_possible()?;
         if let Some(ddp) = trainer.ddp.as_mut() {
