@@ -80,7 +80,8 @@ mod tests {
 
     #[test]
     fn known_moments_read_as_their_dates() {
-        let at = |seconds: u64| UtcTime::from_system_time(UNIX_EPOCH + Duration::from_secs(seconds));
+        let at =
+            |seconds: u64| UtcTime::from_system_time(UNIX_EPOCH + Duration::from_secs(seconds));
         assert_eq!(at(0).readable(), "1970-01-01 00:00:00 UTC");
         assert_eq!(at(951_782_400).readable(), "2000-02-29 00:00:00 UTC");
         assert_eq!(at(1_700_000_000).readable(), "2023-11-14 22:13:20 UTC");

@@ -231,6 +231,11 @@ pub struct TrainOptions {
     /// Data-loader threads [default: 1].
     #[arg(long)]
     pub loader_threads: Option<usize>,
+    /// Start over: move the files of the run in the output folder aside, into
+    /// `OUTPUT_DIR/previous-<time>/`, instead of resuming it.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip)]
+    pub fresh: Option<bool>,
     /// Load initial weights from a safetensors or PyTorch (`torch.save`) file.
     #[arg(long)]
     pub init_from: Option<PathBuf>,
@@ -345,6 +350,9 @@ pub struct TrainSettings {
     pub threads: usize,
     pub loader_threads: usize,
     pub init_from: Option<PathBuf>,
+    /// `--fresh`: move the folder's previous run aside instead of resuming it.
+    #[serde(skip)]
+    pub fresh: bool,
     pub max_steps: Option<u64>,
     pub grad_accum: u64,
     pub sync_bn: bool,
@@ -411,6 +419,7 @@ impl TrainOptions {
             threads: self.threads.unwrap_or(0),
             loader_threads: self.loader_threads.unwrap_or(1),
             init_from: self.init_from,
+            fresh: self.fresh.unwrap_or(false),
             max_steps: self.max_steps,
             grad_accum: self.grad_accum.unwrap_or(1),
             sync_bn: self.sync_bn.unwrap_or(false),
@@ -560,6 +569,7 @@ mod tests {
             threads: Some(3),
             loader_threads: Some(2),
             init_from: Some(PathBuf::from("/weights/start.safetensors")),
+            fresh: None,
             max_steps: Some(99),
             grad_accum: Some(2),
             sync_bn: Some(true),
@@ -640,7 +650,10 @@ mod path_tests {
         );
         assert_eq!(first.snapshot, Path::new("runs/a/keep/snap.safetensors"));
         let text = first.to_config_toml().unwrap();
-        assert!(text.contains("snapshot = \"keep/snap.safetensors\""), "{text}");
+        assert!(
+            text.contains("snapshot = \"keep/snap.safetensors\""),
+            "{text}"
+        );
         let moved = resolved(&text, Some("runs/b"));
         assert_eq!(moved.snapshot, Path::new("runs/b/keep/snap.safetensors"));
     }

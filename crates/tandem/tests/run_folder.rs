@@ -96,7 +96,10 @@ fn a_busy_output_folder_is_refused_and_a_stale_lock_taken_over() {
     let first_pid = first.id();
     let _ = first.kill();
     let _ = first.wait();
-    assert!(!second.status.success(), "a second run into a busy folder ran");
+    assert!(
+        !second.status.success(),
+        "a second run into a busy folder ran"
+    );
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert!(
         stderr.contains("is in use by another run (pid ")
@@ -115,4 +118,51 @@ fn a_busy_output_folder_is_refused_and_a_stale_lock_taken_over() {
         "{stderr}"
     );
     assert_eq!(std::fs::read_to_string(&lock).unwrap(), "");
+}
+
+#[test]
+fn a_finished_run_says_so_and_fresh_starts_over_keeping_the_old_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    expect_success(&run_bounded(tandem().args(one_epoch_run(&out)), LIMIT));
+    let first_weights = std::fs::read(out.join("epoch_1.safetensors")).unwrap();
+
+    let again = run_bounded(tandem().args(one_epoch_run(&out)), LIMIT);
+    let stdout = expect_success(&again);
+    assert!(
+        stdout.contains("1/1 epochs done; raise --epochs to continue"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("Resuming"), "{stdout}");
+    assert!(!stdout.contains("train | epoch"), "{stdout}");
+
+    let mut fresh = one_epoch_run(&out);
+    fresh.push("--fresh".to_string());
+    let output = run_bounded(tandem().args(&fresh), LIMIT);
+    let stdout = expect_success(&output);
+    let line = stdout
+        .lines()
+        .find(|line| {
+            line.starts_with("Starting over (--fresh): the previous run's files are now in ")
+        })
+        .unwrap_or_else(|| panic!("no line says where the old files went:\n{stdout}"));
+    let aside = Path::new(line.rsplit(" now in ").next().unwrap());
+    assert!(
+        aside.starts_with(&out)
+            && aside
+                .file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("previous-")
+    );
+    assert_eq!(
+        std::fs::read(aside.join("epoch_1.safetensors")).unwrap(),
+        first_weights
+    );
+    assert!(aside.join("snapshot.safetensors").is_file());
+    assert!(aside.join("metrics.jsonl").is_file());
+    assert!(stdout.contains("train | epoch: 1"), "{stdout}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 1, "{metrics}");
 }

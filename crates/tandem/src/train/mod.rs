@@ -6,6 +6,7 @@
 //! any step continues with exactly the numbers the uninterrupted run would have had.
 
 pub mod ddp;
+pub mod fresh_start;
 pub mod history;
 pub mod placement;
 pub mod run_lock;
@@ -74,6 +75,9 @@ impl Trainer {
         let lock = (rank == 0)
             .then(|| RunLock::acquire(&settings.output_dir))
             .transpose()?;
+        if settings.fresh && rank == 0 {
+            start_fresh(&settings)?;
+        }
         if settings.threads == 0 {
             settings.threads = (available_cores() / local_world_size.max(1)).max(1);
         }
@@ -186,11 +190,19 @@ impl Trainer {
         self.progress = snapshot.progress;
         self.history = snapshot.history;
         if self.is_leader() {
-            say!(
-                "Resuming training from snapshot at epoch {}, step {}",
-                self.progress.epoch + 1,
-                self.progress.step_in_epoch
-            );
+            if self.progress.epoch >= self.settings.epochs {
+                say!(
+                    "{}/{} epochs done; raise --epochs to continue",
+                    self.progress.epoch,
+                    self.settings.epochs
+                );
+            } else {
+                say!(
+                    "Resuming training from snapshot at epoch {}, step {}",
+                    self.progress.epoch + 1,
+                    self.progress.step_in_epoch
+                );
+            }
         }
         Ok(())
     }
@@ -486,6 +498,29 @@ impl Trainer {
             .max_steps
             .is_some_and(|max_steps| self.progress.global_step >= max_steps)
     }
+}
+
+/// `--fresh`: moves the folder's previous run aside and says where. A worker restarted by
+/// `tandem launch` resumes instead: its first round already started over.
+fn start_fresh(settings: &TrainSettings) -> anyhow::Result<()> {
+    let restarted = std::env::var(placement::RESTART_COUNT_ENV)
+        .ok()
+        .and_then(|count| count.parse::<u64>().ok())
+        .is_some_and(|count| count > 0);
+    if restarted {
+        return Ok(());
+    }
+    match fresh_start::move_previous_run_aside(&settings.output_dir, &settings.snapshot)? {
+        Some(aside) => say!(
+            "Starting over (--fresh): the previous run's files are now in {}",
+            aside.display()
+        ),
+        None => say!(
+            "Starting over (--fresh): {} held no previous run",
+            settings.output_dir.display()
+        ),
+    }
+    Ok(())
 }
 
 /// What one optimizer step reports.

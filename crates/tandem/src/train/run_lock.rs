@@ -68,14 +68,12 @@ impl RunLock {
             .truncate(false)
             .open(&path)
             .with_context(|| format!("cannot open lock file {}", path.display()))?;
-        let locked = try_lock_exclusive(&file)
-            .with_context(|| format!("cannot lock {}", path.display()))?;
+        let locked =
+            try_lock_exclusive(&file).with_context(|| format!("cannot lock {}", path.display()))?;
         let previous = read_owner(&mut file);
         if !locked {
-            let holder = previous.map_or_else(
-                || "another process".to_string(),
-                |owner| owner.to_string(),
-            );
+            let holder =
+                previous.map_or_else(|| "another process".to_string(), |owner| owner.to_string());
             bail!(
                 "output folder {} is in use by another run ({holder}); wait for it, stop it, \
                  or choose another --output-dir",
@@ -148,7 +146,10 @@ pub fn host_name() -> String {
     if result != 0 {
         return "unknown".to_string();
     }
-    let end = buffer.iter().position(|&byte| byte == 0).unwrap_or(buffer.len());
+    let end = buffer
+        .iter()
+        .position(|&byte| byte == 0)
+        .unwrap_or(buffer.len());
     String::from_utf8_lossy(&buffer[..end]).into_owned()
 }
 
@@ -160,10 +161,16 @@ mod tests {
     fn a_second_lock_is_refused_naming_the_owner_and_freed_on_drop() {
         let dir = tempfile::tempdir().unwrap();
         let first = RunLock::acquire(dir.path()).unwrap();
-        let error = RunLock::acquire(dir.path()).err().expect("a second lock was granted");
+        let error = RunLock::acquire(dir.path())
+            .err()
+            .expect("a second lock was granted");
         let message = format!("{error:#}");
         assert!(
-            message.contains(&format!("pid {} on host {}", std::process::id(), host_name())),
+            message.contains(&format!(
+                "pid {} on host {}",
+                std::process::id(),
+                host_name()
+            )),
             "{message}"
         );
         drop(first);
