@@ -166,3 +166,58 @@ fn a_finished_run_says_so_and_fresh_starts_over_keeping_the_old_files() {
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 1, "{metrics}");
 }
+
+#[test]
+fn more_epochs_continue_a_constant_schedule_and_a_conflict_names_the_way_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    expect_success(&run_bounded(tandem().args(one_epoch_run(&out)), LIMIT));
+
+    let longer = with_flag(one_epoch_run(&out), "--epochs", "2");
+    let stdout = expect_success(&run_bounded(tandem().args(&longer), LIMIT));
+    assert!(
+        stdout.contains("Resuming training from snapshot at epoch 2, step 0"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("train | epoch: 2"), "{stdout}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2, "{metrics}");
+
+    let snapshot = out.join("snapshot.safetensors");
+    let changed = with_flag(longer.clone(), "--lr", "0.2");
+    let output = run_bounded(tandem().args(&changed), LIMIT);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--lr is 0.2, the snapshot has 0.05")
+            && stderr.contains(&format!(
+                "--init-from {} --output-dir NEW",
+                snapshot.display()
+            ))
+            && stderr.contains("--fresh"),
+        "{stderr}"
+    );
+
+    // The way out: a new run from the snapshot's weights, with its own settings.
+    let new_out = dir.path().join("lower-lr");
+    let mut from_weights = with_flag(changed, "--output-dir", &new_out.display().to_string());
+    from_weights.extend(["--init-from".to_string(), snapshot.display().to_string()]);
+    let stdout = expect_success(&run_bounded(tandem().args(&from_weights), LIMIT));
+    assert!(!stdout.contains("Resuming"), "{stdout}");
+    assert!(stdout.contains("train | epoch: 2"), "{stdout}");
+}
+
+#[test]
+fn more_epochs_of_a_onecycle_run_are_refused_with_the_way_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let onecycle = with_flag(one_epoch_run(&out), "--lr-schedule", "onecycle");
+    expect_success(&run_bounded(tandem().args(&onecycle), LIMIT));
+    let output = run_bounded(tandem().args(with_flag(onecycle, "--epochs", "3")), LIMIT);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--epochs is 3, the snapshot has 1") && stderr.contains("--init-from"),
+        "{stderr}"
+    );
+}

@@ -8,6 +8,7 @@
 pub mod ddp;
 pub mod fresh_start;
 pub mod history;
+pub mod initial_weights;
 pub mod placement;
 pub mod run_lock;
 pub mod schedule;
@@ -86,7 +87,7 @@ impl Trainer {
         let mut model = Model::new(&spec)?;
         model.init_default(settings.seed);
         if let Some(path) = &settings.init_from {
-            crate::weights::load_weights(&mut model, path)?;
+            initial_weights::load_initial_weights(&mut model, path)?;
         }
         let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
         let test_set = Arc::new(load_split(&settings.data, settings.seed, Split::Test)?);
@@ -178,13 +179,18 @@ impl Trainer {
         let Some(snapshot) = snapshot else {
             return Ok(());
         };
-        check_resumable(&snapshot.settings, &fingerprint(&self.settings, self.world_size()))
-            .with_context(|| {
-                format!(
-                    "cannot resume from {}: use the settings it was written with, or another --output-dir",
-                    self.settings.snapshot.display()
-                )
-            })?;
+        check_resumable(
+            &snapshot.settings,
+            &fingerprint(&self.settings, self.world_size()),
+        )
+        .with_context(|| {
+            format!(
+                "cannot resume from {snapshot}: use the settings it was written with; to change \
+                     them, start a new run from its weights with --init-from {snapshot} \
+                     --output-dir NEW, or start over here with --fresh",
+                snapshot = self.settings.snapshot.display()
+            )
+        })?;
         snapshot.restore_model(&mut self.model)?;
         self.optimizer.load_state(&snapshot.optimizer)?;
         self.progress = snapshot.progress;
@@ -628,10 +634,17 @@ fn fingerprint(settings: &TrainSettings, world_size: usize) -> BTreeMap<String, 
     put("world-size", world_size.to_string());
     put("grad-accum", settings.grad_accum.to_string());
     put("sync-bn", settings.sync_bn.to_string());
-    if settings.lr_schedule != schedule::ScheduleKind::Constant {
-        put("epochs", settings.epochs.to_string());
-        put("step-epochs", settings.step_epochs.to_string());
-        put("gamma", settings.gamma.to_string());
+    // More epochs continue a constant or step schedule as they would have run; the
+    // curves of cosine and one-cycle depend on the total, so it must stay.
+    match settings.lr_schedule {
+        schedule::ScheduleKind::Constant => {}
+        schedule::ScheduleKind::Step => {
+            put("step-epochs", settings.step_epochs.to_string());
+            put("gamma", settings.gamma.to_string());
+        }
+        schedule::ScheduleKind::Cosine | schedule::ScheduleKind::Onecycle => {
+            put("epochs", settings.epochs.to_string());
+        }
     }
     values
 }
