@@ -221,3 +221,59 @@ fn more_epochs_of_a_onecycle_run_are_refused_with_the_way_out() {
         "{stderr}"
     );
 }
+
+/// Starts a long run into `out`, waits until it trains (its first periodic snapshot), sends
+/// it `signal`, and returns its exit code and standard error.
+fn stop_a_run_with(signal: libc::c_int, out: &Path) -> (Option<i32>, String) {
+    let mut args = with_flag(synthetic_run(out, 4096), "--epochs", "50");
+    args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
+    let mut child = tandem()
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_content(&out.join("snapshot.safetensors"), &mut child);
+    // SAFETY: `kill` has no memory-safety preconditions; the child is not reaped yet.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
+    let output = wait_bounded(child, LIMIT);
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).to_string(),
+    )
+}
+
+#[test]
+fn a_stopped_run_exits_130_after_sigint_and_143_after_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    for (signal, code) in [(libc::SIGINT, 130), (libc::SIGTERM, 143)] {
+        let out = dir.path().join(format!("run-{signal}"));
+        let (exit_code, stderr) = stop_a_run_with(signal, &out);
+        assert_eq!(exit_code, Some(code), "{stderr}");
+        assert!(
+            stderr.contains("Stopped on request at epoch 1, step "),
+            "{stderr}"
+        );
+        assert!(out.join("snapshot.safetensors").is_file());
+    }
+}
+
+#[test]
+fn max_steps_and_zero_epochs_say_why_the_run_ended() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let args = with_flag(one_epoch_run(&out), "--max-steps", "2");
+    let output = run_bounded(tandem().args(&args), LIMIT);
+    expect_success(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("Stopped after --max-steps 2 at epoch 1, step 2; the snapshot is "),
+        "{stderr}"
+    );
+    let zero = with_flag(one_epoch_run(&dir.path().join("zero")), "--epochs", "0");
+    let stdout = expect_success(&run_bounded(tandem().args(&zero), LIMIT));
+    assert!(
+        stdout.contains("--epochs is 0: nothing to train"),
+        "{stdout}"
+    );
+}

@@ -40,11 +40,18 @@ use schedule::Schedule;
 use snapshot::{load_latest, Progress, Snapshot};
 
 /// Runs `tandem train`.
+/// Returns when the run ends by itself; exits the process with 128 + the signal (130 after
+/// SIGINT, 143 after SIGTERM) when a stop request ended it, once its snapshot is written.
 pub fn run(options: TrainOptions) -> anyhow::Result<()> {
     let settings = options.merged_with_file()?.resolve()?;
-    let stop_requested = stop_signal::install()?;
-    let mut trainer = Trainer::new(settings, stop_requested)?;
-    tandem_engine::run_on_kernel_threads(|| trainer.train())
+    let stop_signal = stop_signal::install()?;
+    let mut trainer = Trainer::new(settings, Arc::clone(&stop_signal.requested))?;
+    let end = tandem_engine::run_on_kernel_threads(|| trainer.train())?;
+    drop(trainer);
+    if end == RunEnd::StoppedOnRequest {
+        std::process::exit(stop_signal.exit_code());
+    }
+    Ok(())
 }
 
 /// A training run in progress.
@@ -215,7 +222,7 @@ impl Trainer {
 
     /// Trains until the last epoch, `--max-steps` or a stop request, and writes the run's
     /// files.
-    fn train(&mut self) -> anyhow::Result<()> {
+    fn train(&mut self) -> anyhow::Result<RunEnd> {
         if self.is_leader() {
             std::fs::create_dir_all(&self.settings.output_dir).with_context(|| {
                 format!(
@@ -226,12 +233,15 @@ impl Trainer {
             self.settings
                 .write_toml(&self.settings.output_dir.join("config.toml"))?;
         }
+        if self.settings.epochs == 0 && self.is_leader() {
+            say!("--epochs is 0: nothing to train");
+        }
         while self.progress.epoch < self.settings.epochs {
-            if self.run_epoch()? == EpochEnd::Stopped {
-                return Ok(());
+            if let EpochEnd::Stopped(end) = self.run_epoch()? {
+                return Ok(end);
             }
         }
-        Ok(())
+        Ok(RunEnd::Finished)
     }
 
     /// Trains the rest of the current epoch, evaluates, and writes the epoch's files.
@@ -294,15 +304,24 @@ impl Trainer {
                     bar.finish();
                 }
                 self.save_snapshot()?;
-                if outcome.stop && self.is_leader() {
+                let end = if outcome.stop {
+                    RunEnd::StoppedOnRequest
+                } else {
+                    RunEnd::MaxSteps
+                };
+                if self.is_leader() {
+                    let reason = match end {
+                        RunEnd::StoppedOnRequest => "Stopped on request".to_string(),
+                        _ => format!("Stopped after --max-steps {}", self.progress.global_step),
+                    };
                     eprintln!(
-                        "Stopped on request at epoch {}, step {}; the snapshot is {}",
+                        "{reason} at epoch {}, step {}; the snapshot is {}",
                         epoch + 1,
                         self.progress.step_in_epoch,
                         self.settings.snapshot.display()
                     );
                 }
-                return Ok(EpochEnd::Stopped);
+                return Ok(EpochEnd::Stopped(end));
             }
             let every = self.settings.snapshot_every_steps;
             if every > 0 && self.progress.step_in_epoch.is_multiple_of(every) {
@@ -546,7 +565,19 @@ const FIRST_BUCKET_BYTES: usize = 1_000_000;
 #[derive(PartialEq, Eq)]
 enum EpochEnd {
     Completed,
-    Stopped,
+    /// The run ends within the epoch.
+    Stopped(RunEnd),
+}
+
+/// How a run ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RunEnd {
+    /// Every epoch is done.
+    Finished,
+    /// `--max-steps` steps are done.
+    MaxSteps,
+    /// SIGTERM or SIGINT here or on another rank.
+    StoppedOnRequest,
 }
 
 /// Fails when the labels do not fit the model's classes.
