@@ -221,6 +221,10 @@ pub struct TrainOptions {
     /// and on a stop request [default: 0].
     #[arg(long)]
     pub snapshot_every_steps: Option<u64>,
+    /// Write the training loss, learning rate and images per second to the TensorBoard event
+    /// file every N optimizer steps; 0 only per epoch [default: 10].
+    #[arg(long)]
+    pub log_every_steps: Option<u64>,
     /// Seed of initialization, data order and augmentation [default: 0].
     #[arg(long)]
     pub seed: Option<u64>,
@@ -346,6 +350,7 @@ pub struct TrainSettings {
     pub output_dir: PathBuf,
     pub snapshot: PathBuf,
     pub snapshot_every_steps: u64,
+    pub log_every_steps: u64,
     pub seed: u64,
     pub threads: usize,
     pub loader_threads: usize,
@@ -415,6 +420,7 @@ impl TrainOptions {
             output_dir,
             snapshot,
             snapshot_every_steps: self.snapshot_every_steps.unwrap_or(0),
+            log_every_steps: self.log_every_steps.unwrap_or(10),
             seed: self.seed.unwrap_or(0),
             threads: self.threads.unwrap_or(0),
             loader_threads: self.loader_threads.unwrap_or(1),
@@ -565,6 +571,7 @@ mod tests {
             output_dir: Some(PathBuf::from("/runs/every")),
             snapshot: Some(PathBuf::from("/runs/elsewhere/snap.safetensors")),
             snapshot_every_steps: Some(5),
+            log_every_steps: Some(3),
             seed: Some(42),
             threads: Some(3),
             loader_threads: Some(2),

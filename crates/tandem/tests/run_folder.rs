@@ -277,3 +277,196 @@ fn max_steps_and_zero_epochs_say_why_the_run_ended() {
         "{stdout}"
     );
 }
+
+/// TFRecord's masked CRC-32C.
+fn masked_crc(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
+        .rotate_right(15)
+        .wrapping_add(0xa282_ead8)
+}
+
+/// One decoded `Event`: its step, its file version if any, and its scalars.
+#[derive(Debug, Default)]
+struct Event {
+    wall_time: f64,
+    step: i64,
+    file_version: Option<String>,
+    scalars: Vec<(String, f32)>,
+}
+
+/// Reads a protobuf varint at `*at`.
+fn read_varint(bytes: &[u8], at: &mut usize) -> u64 {
+    let mut value = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = bytes[*at];
+        *at += 1;
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return value;
+        }
+    }
+    panic!("varint longer than 10 bytes");
+}
+
+/// The fields of a protobuf message: (field number, wire type, raw value bytes or varint).
+fn read_fields(bytes: &[u8]) -> Vec<(u64, u64, Vec<u8>, u64)> {
+    let mut fields = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let key = read_varint(bytes, &mut at);
+        let (field, wire) = (key >> 3, key & 7);
+        match wire {
+            0 => fields.push((field, wire, Vec::new(), read_varint(bytes, &mut at))),
+            1 => {
+                fields.push((field, wire, bytes[at..at + 8].to_vec(), 0));
+                at += 8;
+            }
+            2 => {
+                let length = read_varint(bytes, &mut at) as usize;
+                fields.push((field, wire, bytes[at..at + length].to_vec(), 0));
+                at += length;
+            }
+            5 => {
+                fields.push((field, wire, bytes[at..at + 4].to_vec(), 0));
+                at += 4;
+            }
+            other => panic!("unexpected wire type {other}"),
+        }
+    }
+    fields
+}
+
+/// Reads an event file, checking both CRCs of every record.
+fn read_event_file(path: &Path) -> Vec<Event> {
+    let bytes = std::fs::read(path).unwrap();
+    let mut events = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let header = &bytes[at..at + 8];
+        let length = u64::from_le_bytes(header.try_into().unwrap()) as usize;
+        let length_crc = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap());
+        assert_eq!(
+            length_crc,
+            masked_crc(header),
+            "length CRC of the record at {at}"
+        );
+        let data = &bytes[at + 12..at + 12 + length];
+        let data_crc = u32::from_le_bytes(
+            bytes[at + 12 + length..at + 16 + length]
+                .try_into()
+                .unwrap(),
+        );
+        assert_eq!(data_crc, masked_crc(data), "data CRC of the record at {at}");
+        at += 16 + length;
+        let mut event = Event::default();
+        for (field, wire, raw, varint) in read_fields(data) {
+            match (field, wire) {
+                (1, 1) => event.wall_time = f64::from_le_bytes(raw.try_into().unwrap()),
+                (2, 0) => event.step = varint as i64,
+                (3, 2) => event.file_version = Some(String::from_utf8(raw).unwrap()),
+                (5, 2) => {
+                    for (_, _, value, _) in read_fields(&raw) {
+                        let mut tag = String::new();
+                        let mut simple = None;
+                        for (field, wire, raw, _) in read_fields(&value) {
+                            match (field, wire) {
+                                (1, 2) => tag = String::from_utf8(raw).unwrap(),
+                                (2, 5) => {
+                                    simple = Some(f32::from_le_bytes(raw.try_into().unwrap()))
+                                }
+                                other => panic!("unexpected Summary.Value field {other:?}"),
+                            }
+                        }
+                        event.scalars.push((tag, simple.expect("no simple_value")));
+                    }
+                }
+                other => panic!("unexpected Event field {other:?}"),
+            }
+        }
+        events.push(event);
+    }
+    events
+}
+
+#[test]
+fn a_run_prints_a_banner_and_writes_tensorboard_scalars() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    // 96 images in batches of 32: 3 steps an epoch, 6 in all; a scalar every 2 steps.
+    let mut args = with_flag(one_epoch_run(&out), "--epochs", "2");
+    args.extend(["--log-every-steps".to_string(), "2".to_string()]);
+    let stdout = expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    for expected in [
+        "device: cpu | 1 compute thread(s) per process | world size 1",
+        "data: synthetic | 96 training, 64 test images (32x32) | normalize: none",
+        "model: resnet-base (blocks 1,1,1, channels 8,16,32, bottlenecks none, first kernel 3), 10 classes | ",
+        "global batch 32 (32 per process x 1 process(es) x 1 accumulated) | 2 epochs",
+        &format!("output: {} | fresh", out.display()),
+    ] {
+        assert!(stdout.contains(expected), "no '{expected}' in:\n{stdout}");
+    }
+
+    let files: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| {
+            path.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("events.out.tfevents.")
+        })
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let events = read_event_file(&files[0]);
+    assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
+    assert!(events[0].wall_time > 1.6e9, "{:?}", events[0]);
+    let series = |tag: &str| -> Vec<(i64, f32)> {
+        events
+            .iter()
+            .flat_map(|event| {
+                event
+                    .scalars
+                    .iter()
+                    .filter(|(name, _)| name == tag)
+                    .map(move |(_, value)| (event.step, *value))
+            })
+            .collect()
+    };
+    let steps = |tag: &str| {
+        series(tag)
+            .iter()
+            .map(|(step, _)| *step)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(steps("train/loss"), [2, 4, 6]);
+    assert_eq!(steps("train/images_per_second"), [2, 4, 6]);
+    assert!(series("train/lr").iter().all(|(_, lr)| *lr == 0.05));
+    assert!(series("train/images_per_second")
+        .iter()
+        .all(|(_, rate)| *rate > 0.0));
+
+    let metrics: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    for (tag, key) in [
+        ("epoch/train_loss", "train_loss"),
+        ("epoch/val_loss", "val_loss"),
+        ("epoch/val_accuracy", "val_accuracy"),
+        ("epoch/images_per_second", "images_per_second"),
+        ("epoch/lr", "lr"),
+    ] {
+        let expected: Vec<(i64, f32)> = metrics
+            .iter()
+            .map(|record| {
+                (
+                    record["epoch"].as_i64().unwrap(),
+                    record[key].as_f64().unwrap() as f32,
+                )
+            })
+            .collect();
+        assert_eq!(series(tag), expected, "{tag}");
+    }
+}

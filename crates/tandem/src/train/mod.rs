@@ -14,6 +14,7 @@ pub mod run_lock;
 pub mod schedule;
 pub mod snapshot;
 pub mod stop_signal;
+pub mod tensorboard;
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -35,9 +36,10 @@ use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSetting
 use ddp::Ddp;
 use history::{write_history, EpochRecord};
 use placement::find_placement;
-use run_lock::RunLock;
+use run_lock::{host_name, RunLock};
 use schedule::Schedule;
 use snapshot::{load_latest, Progress, Snapshot};
+use tensorboard::EventWriter;
 
 /// Runs `tandem train`.
 /// Returns when the run ends by itself; exits the process with 128 + the signal (130 after
@@ -70,6 +72,8 @@ struct Trainer {
     stop_requested: Arc<AtomicBool>,
     /// The output folder's lock, held by rank 0 (the rank that writes) for the whole run.
     _lock: Option<RunLock>,
+    /// The TensorBoard event file (rank 0, once training starts).
+    events: Option<EventWriter>,
 }
 
 impl Trainer {
@@ -143,8 +147,12 @@ impl Trainer {
             ddp,
             stop_requested,
             _lock: lock,
+            events: None,
         };
-        trainer.resume_if_possible()?;
+        let resumed = trainer.resume_if_possible()?;
+        if trainer.is_leader() {
+            trainer.announce_start(resumed);
+        }
         if let Some(ddp) = trainer.ddp.as_mut() {
             ddp.broadcast_model(&mut trainer.model)?;
         }
@@ -162,7 +170,7 @@ impl Trainer {
 
     /// Continues from the latest good snapshot, if there is one. Rank 0 reads it and gives
     /// it to the other ranks, so only rank 0 needs the file.
-    fn resume_if_possible(&mut self) -> anyhow::Result<()> {
+    fn resume_if_possible(&mut self) -> anyhow::Result<bool> {
         let local = if self.is_leader() {
             load_latest(&self.settings.snapshot)?
         } else {
@@ -184,7 +192,7 @@ impl Trainer {
             None => local,
         };
         let Some(snapshot) = snapshot else {
-            return Ok(());
+            return Ok(false);
         };
         check_resumable(
             &snapshot.settings,
@@ -202,22 +210,69 @@ impl Trainer {
         self.optimizer.load_state(&snapshot.optimizer)?;
         self.progress = snapshot.progress;
         self.history = snapshot.history;
-        if self.is_leader() {
-            if self.progress.epoch >= self.settings.epochs {
-                say!(
-                    "{}/{} epochs done; raise --epochs to continue",
-                    self.progress.epoch,
-                    self.settings.epochs
-                );
-            } else {
-                say!(
-                    "Resuming training from snapshot at epoch {}, step {}",
-                    self.progress.epoch + 1,
-                    self.progress.step_in_epoch
-                );
+        Ok(true)
+    }
+
+    /// Prints what the run is about to do: the banner, then whether it resumes, or is done.
+    fn announce_start(&self, resumed: bool) {
+        let settings = &self.settings;
+        let world_size = self.world_size();
+        say!(
+            "tandem {} | device: cpu | {} compute thread(s) per process | world size {world_size}",
+            env!("CARGO_PKG_VERSION"),
+            settings.threads
+        );
+        say!(
+            "data: {} | {} training, {} test images ({}x{}) | normalize: {}",
+            data_source_name(settings.data.data),
+            self.train_set.len(),
+            self.test_set.len(),
+            self.train_set.height,
+            self.train_set.width,
+            match (settings.data.mean, settings.data.std) {
+                (Some(mean), Some(std)) => format!("mean {:?}, std {:?}", mean.0, std.0),
+                _ => "none".to_string(),
             }
+        );
+        say!(
+            "model: {} | {} parameters",
+            describe_model(&self.model),
+            group_digits(self.model.params().len())
+        );
+        say!(
+            "global batch {} ({} per process x {world_size} process(es) x {} accumulated) | {} epochs",
+            settings.batch_size * world_size * settings.grad_accum as usize,
+            settings.batch_size,
+            settings.grad_accum,
+            settings.epochs
+        );
+        let start = if resumed {
+            format!(
+                "resumed from {} (epoch {}, step {})",
+                settings.snapshot.display(),
+                self.progress.epoch + 1,
+                self.progress.step_in_epoch
+            )
+        } else {
+            "fresh".to_string()
+        };
+        say!("output: {} | {start}", settings.output_dir.display());
+        if !resumed {
+            return;
         }
-        Ok(())
+        if self.progress.epoch >= settings.epochs {
+            say!(
+                "{}/{} epochs done; raise --epochs to continue",
+                self.progress.epoch,
+                settings.epochs
+            );
+        } else {
+            say!(
+                "Resuming training from snapshot at epoch {}, step {}",
+                self.progress.epoch + 1,
+                self.progress.step_in_epoch
+            );
+        }
     }
 
     /// Trains until the last epoch, `--max-steps` or a stop request, and writes the run's
@@ -235,6 +290,12 @@ impl Trainer {
         }
         if self.settings.epochs == 0 && self.is_leader() {
             say!("--epochs is 0: nothing to train");
+        }
+        if self.is_leader() && self.progress.epoch < self.settings.epochs {
+            self.events = Some(EventWriter::create(
+                &self.settings.output_dir,
+                &host_name(),
+            )?);
         }
         while self.progress.epoch < self.settings.epochs {
             if let EpochEnd::Stopped(end) = self.run_epoch()? {
@@ -273,6 +334,7 @@ impl Trainer {
         let started = Instant::now();
         let seconds_before = self.progress.epoch_seconds;
         let mut images_this_session = 0usize;
+        let mut log_window = (Instant::now(), 0usize);
         let mut lr = self.schedule.lr_at(self.progress.global_step);
         let mut micro_batches = Vec::with_capacity(accumulation);
         let mut loader = loader.peekable();
@@ -287,10 +349,27 @@ impl Trainer {
             lr = self.schedule.lr_at(self.progress.global_step);
             let outcome = self.train_step(&micro_batches, lr)?;
             images_this_session += outcome.images * self.world_size();
+            log_window.1 += outcome.images * self.world_size();
             self.progress.epoch_loss_sum += outcome.mean_loss;
             self.progress.step_in_epoch += 1;
             self.progress.global_step += 1;
             self.progress.epoch_seconds = seconds_before + started.elapsed().as_secs_f64();
+            let every = self.settings.log_every_steps;
+            if every > 0 && self.progress.global_step.is_multiple_of(every) {
+                if let Some(events) = self.events.as_mut() {
+                    let rate = log_window.1 as f64 / log_window.0.elapsed().as_secs_f64().max(1e-9);
+                    events.add_scalars(
+                        self.progress.global_step,
+                        &[
+                            ("train/loss", outcome.mean_loss),
+                            ("train/lr", lr),
+                            ("train/images_per_second", rate),
+                        ],
+                    )?;
+                    events.flush()?;
+                }
+                log_window = (Instant::now(), 0);
+            }
             if let Some(bar) = bar.as_mut() {
                 bar.update(
                     self.progress.step_in_epoch,
@@ -463,7 +542,14 @@ impl Trainer {
             global_step: self.progress.global_step,
             ..Progress::default()
         };
+        let own_rate = self.sampler.num_samples() as f64 / epoch_seconds.max(1e-9);
+        let rates = self.gather_per_rank(own_rate)?;
         if !self.is_leader() {
+            say!(
+                "epoch: {} | loss: {:.4} | {own_rate:.1} img/s on rank {rank}",
+                record.epoch,
+                record.train_loss
+            );
             return Ok(());
         }
         say!(
@@ -471,14 +557,33 @@ impl Trainer {
             record.epoch,
             record.train_loss
         );
+        let slowest = match slowest_rank(&rates) {
+            Some((slow_rank, rate)) if rates.len() > 1 => {
+                format!(" | slowest: rank {slow_rank}, {rate:.1} img/s")
+            }
+            _ => String::new(),
+        };
         say!(
-            "val | epoch: {} | loss: {:.4} | accuracy: {:.4} | time: {:.1} s | {:.1} img/s",
+            "val | epoch: {} | loss: {:.4} | accuracy: {:.4} | time: {:.1} s | {:.1} img/s{slowest}",
             record.epoch,
             record.val_loss,
             record.val_accuracy,
             record.epoch_seconds,
             record.images_per_second
         );
+        if let Some(events) = self.events.as_mut() {
+            events.add_scalars(
+                record.epoch,
+                &[
+                    ("epoch/train_loss", record.train_loss),
+                    ("epoch/val_loss", record.val_loss),
+                    ("epoch/val_accuracy", record.val_accuracy),
+                    ("epoch/images_per_second", record.images_per_second),
+                    ("epoch/lr", record.lr),
+                ],
+            )?;
+            events.flush()?;
+        }
         write_history(&self.settings.output_dir, &self.history)?;
         self.write_epoch_checkpoint(epoch_number)?;
         self.save_snapshot()
@@ -516,6 +621,17 @@ impl Trainer {
             fingerprint(&self.settings, self.world_size()),
         );
         snapshot.save(&self.settings.snapshot)
+    }
+
+    /// Every rank's `value`, indexed by rank (all ranks take part; one process: its own).
+    fn gather_per_rank(&mut self, value: f64) -> anyhow::Result<Vec<f64>> {
+        let Some(ddp) = self.ddp.as_mut() else {
+            return Ok(vec![value]);
+        };
+        let mut values = vec![0.0; ddp.world_size()];
+        values[ddp.rank()] = value;
+        ddp.sum_f64(&mut values)?;
+        Ok(values)
     }
 
     fn reached_max_steps(&self) -> bool {
@@ -578,6 +694,61 @@ enum RunEnd {
     MaxSteps,
     /// SIGTERM or SIGINT here or on another rank.
     StoppedOnRequest,
+}
+
+/// The rank with the lowest throughput, and its throughput.
+fn slowest_rank(rates: &[f64]) -> Option<(usize, f64)> {
+    rates
+        .iter()
+        .copied()
+        .enumerate()
+        .min_by(|(_, a), (_, b)| a.total_cmp(b))
+}
+
+/// The name `--data` gives a data source.
+fn data_source_name(kind: crate::settings::DataKind) -> String {
+    use clap::ValueEnum;
+    kind.to_possible_value()
+        .map_or_else(|| format!("{kind:?}"), |value| value.get_name().to_string())
+}
+
+/// The model in the words of its flags.
+fn describe_model(model: &Model) -> String {
+    let join = |values: &[usize]| {
+        values
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    match model.spec() {
+        tandem_models::ModelSpec::ResNet18 { num_classes } => {
+            format!("resnet18, {num_classes} classes")
+        }
+        tandem_models::ModelSpec::ResNetBase(spec) => format!(
+            "resnet-base (blocks {}, channels {}, bottlenecks {}, first kernel {}), {} classes",
+            join(&spec.n_blocks),
+            join(&spec.n_channels),
+            spec.bottlenecks
+                .as_deref()
+                .map_or_else(|| "none".to_string(), join),
+            spec.first_kernel_size,
+            spec.num_classes
+        ),
+    }
+}
+
+/// `1234567` as `1,234,567`.
+fn group_digits(value: usize) -> String {
+    let digits = value.to_string();
+    let mut grouped = String::new();
+    for (index, digit) in digits.chars().enumerate() {
+        if index > 0 && (digits.len() - index).is_multiple_of(3) {
+            grouped.push(',');
+        }
+        grouped.push(digit);
+    }
+    grouped
 }
 
 /// Fails when the labels do not fit the model's classes.
