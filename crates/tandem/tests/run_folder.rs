@@ -470,3 +470,73 @@ fn a_run_prints_a_banner_and_writes_tensorboard_scalars() {
         assert_eq!(series(tag), expected, "{tag}");
     }
 }
+
+#[test]
+fn launch_tee_shows_every_ranks_epoch_and_rank_0_names_the_slowest() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args: Vec<String> = [
+        "launch",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--tee",
+        "--",
+    ]
+    .iter()
+    .map(|word| word.to_string())
+    .collect();
+    args.extend(one_epoch_run(&out));
+    let output = run_bounded(tandem().env_remove("TANDEM_JOB_TOKEN").args(&args), LIMIT);
+    let stdout = expect_success(&output);
+    assert!(
+        stdout.contains("[rank 1] epoch: 1 | loss: ") && stdout.contains(" img/s on rank 1"),
+        "{stdout}"
+    );
+    let val = stdout
+        .lines()
+        .find(|line| line.starts_with("[rank 0] val | epoch: 1 |"))
+        .unwrap_or_else(|| panic!("no epoch line of rank 0:\n{stdout}"));
+    assert!(
+        val.contains(" | slowest: rank 0, ") || val.contains(" | slowest: rank 1, "),
+        "{val}"
+    );
+    assert!(val.ends_with(" img/s"), "{val}");
+    assert!(
+        stdout.contains("[rank 0] tandem ") && stdout.contains("| world size 2"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn launch_without_the_separator_says_to_put_it() {
+    let output = run_bounded(
+        tandem().args(["launch", "--standalone", "train", "--epochs", "1"]),
+        LIMIT,
+    );
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(
+            "put `--` before the worker's command, as in `tandem launch --standalone -- train --epochs 1`"
+        ),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn completions_are_printed_for_bash_zsh_and_fish() {
+    for (shell, marker) in [
+        ("bash", "_tandem()"),
+        ("zsh", "#compdef tandem"),
+        ("fish", "complete -c tandem"),
+    ] {
+        let output = run_bounded(tandem().args(["completions", shell]), LIMIT);
+        let script = expect_success(&output);
+        assert!(script.contains(marker), "{shell}:\n{script}");
+        assert!(
+            script.contains("launch") && script.contains("log-every-steps"),
+            "{shell}"
+        );
+    }
+}
