@@ -1,6 +1,6 @@
 //! `tandem`: data-parallel training of image classifiers, in pure Rust.
 //!
-//! One binary, one subcommand per job: `train`, `eval`, `predict`, `bench` and `launch`.
+//! One binary, one subcommand per job: `train`, `eval`, `predict`, `bench`, `launch`, and `completions` (shell completions).
 //! Each subcommand lives in a module of its own; this file only parses the command line
 //! and reports errors.
 
