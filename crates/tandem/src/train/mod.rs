@@ -42,6 +42,7 @@ use snapshot::{load_latest, Progress, Snapshot};
 use tensorboard::EventWriter;
 
 /// Runs `tandem train`.
+///
 /// Returns when the run ends by itself; exits the process with 128 + the signal (130 after
 /// SIGINT, 143 after SIGTERM) when a stop request ended it, once its snapshot is written.
 pub fn run(options: TrainOptions) -> anyhow::Result<()> {
