@@ -1,6 +1,6 @@
 //! `tandem`: data-parallel training of image classifiers, in pure Rust.
 //!
-//! One binary, one subcommand per job: `train`, `eval`, `predict`, `bench` and `launch`.
+//! One binary, one subcommand per job: `train`, `eval`, `predict`, `bench`, `launch`, and `completions` (shell completions).
 //! Each subcommand lives in a module of its own; this file only parses the command line
 //! and reports errors.
 
@@ -14,6 +14,7 @@ macro_rules! say {
 }
 
 mod bench;
+mod clock;
 mod data_source;
 mod eval;
 mod evaluation;
@@ -26,7 +27,7 @@ mod settings;
 mod train;
 mod weights;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// The command line of `tandem`.
 #[derive(Parser)]
@@ -54,16 +55,33 @@ enum Command {
     Bench(bench::BenchCommand),
     /// Start workers on this node, restart them on failure (like torchrun).
     Launch(launch::LaunchArgs),
+    /// Print shell completions for tandem (e.g. `tandem completions bash > ~/.local/share/bash-completion/completions/tandem`).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = Cli::try_parse().unwrap_or_else(|error| {
+        let words: Vec<String> = std::env::args().collect();
+        if let Some(hint) = launch::missing_separator_hint(&words, &error) {
+            eprintln!("error: {hint}");
+            std::process::exit(2);
+        }
+        error.exit()
+    });
     let result = match cli.command {
         Command::Train(options) => train::run(*options),
         Command::Eval(args) => eval::run(args),
         Command::Predict(args) => predict::run(args),
         Command::Bench(command) => bench::run(command),
         Command::Launch(args) => launch::run(args),
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "tandem", &mut std::io::stdout());
+            Ok(())
+        }
     };
     if let Err(error) = result {
         report_fatal_error(&error);

@@ -213,13 +213,18 @@ pub struct TrainOptions {
     /// Folder for checkpoints, metrics, plots and logs [default: runs/latest].
     #[arg(long)]
     pub output_dir: Option<PathBuf>,
-    /// The snapshot to resume from and to write [default: OUTPUT_DIR/snapshot.safetensors].
+    /// The snapshot to resume from and to write; a relative path is inside the output folder
+    /// [default: snapshot.safetensors].
     #[arg(long)]
     pub snapshot: Option<PathBuf>,
     /// Also write a snapshot every N optimizer steps within an epoch; 0 only at epoch ends
     /// and on a stop request [default: 0].
     #[arg(long)]
     pub snapshot_every_steps: Option<u64>,
+    /// Write the training loss, learning rate and images per second to the TensorBoard event
+    /// file every N optimizer steps; 0 only per epoch [default: 10].
+    #[arg(long)]
+    pub log_every_steps: Option<u64>,
     /// Seed of initialization, data order and augmentation [default: 0].
     #[arg(long)]
     pub seed: Option<u64>,
@@ -230,6 +235,11 @@ pub struct TrainOptions {
     /// Data-loader threads [default: 1].
     #[arg(long)]
     pub loader_threads: Option<usize>,
+    /// Start over: move the files of the run in the output folder aside, into
+    /// `OUTPUT_DIR/previous-<time>/`, instead of resuming it.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip)]
+    pub fresh: Option<bool>,
     /// Load initial weights from a safetensors or PyTorch (`torch.save`) file.
     #[arg(long)]
     pub init_from: Option<PathBuf>,
@@ -263,6 +273,11 @@ pub struct TrainOptions {
 }
 
 impl TrainOptions {
+    /// The options a TOML file gives (the flags' names, `[model]` and `[data]` tables).
+    pub fn from_toml(text: &str) -> Result<TrainOptions, toml::de::Error> {
+        toml::from_str(text)
+    }
+
     /// Merges `self` (flags) over the options of a TOML file: a flag wins over the file.
     pub fn merged_with_file(self) -> anyhow::Result<TrainOptions> {
         let Some(path) = self.config.clone() else {
@@ -270,7 +285,7 @@ impl TrainOptions {
         };
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("cannot read config file {}", path.display()))?;
-        let file: TrainOptions = toml::from_str(&text)
+        let file = TrainOptions::from_toml(&text)
             .with_context(|| format!("config file {} is not valid", path.display()))?;
         let config = self.config.clone();
         let mut merged = toml::Table::try_from(&file).context("cannot merge the config file")?;
@@ -299,6 +314,9 @@ fn merge_tables(base: &mut toml::Table, overrides: toml::Table) {
     }
 }
 
+/// The snapshot's file name in the output folder, unless `--snapshot` names another.
+pub const DEFAULT_SNAPSHOT_NAME: &str = "snapshot.safetensors";
+
 /// The resolved settings of a training run, written to `OUT/config.toml`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -323,16 +341,23 @@ pub struct TrainSettings {
     pub gamma: f64,
     pub scale_lr: bool,
     pub label_smoothing: f64,
+    /// Pad-4 random crop and horizontal flip; written as `no-augment`, the flag's name, so
+    /// that the file reads back through `--config`.
+    #[serde(rename = "no-augment", with = "inverted_bool")]
     pub augment: bool,
     pub save_every: u64,
     pub keep_last: usize,
     pub output_dir: PathBuf,
     pub snapshot: PathBuf,
     pub snapshot_every_steps: u64,
+    pub log_every_steps: u64,
     pub seed: u64,
     pub threads: usize,
     pub loader_threads: usize,
     pub init_from: Option<PathBuf>,
+    /// `--fresh`: move the folder's previous run aside instead of resuming it.
+    #[serde(skip)]
+    pub fresh: bool,
     pub max_steps: Option<u64>,
     pub grad_accum: u64,
     pub sync_bn: bool,
@@ -365,9 +390,11 @@ impl TrainOptions {
         let output_dir = self
             .output_dir
             .unwrap_or_else(|| PathBuf::from("runs/latest"));
-        let snapshot = self
-            .snapshot
-            .unwrap_or_else(|| output_dir.join("snapshot.safetensors"));
+        // A relative snapshot path is inside the output folder, so `--output-dir` moves it.
+        let snapshot = output_dir.join(
+            self.snapshot
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_SNAPSHOT_NAME)),
+        );
         let settings = TrainSettings {
             model: self.model,
             data: self.data.resolve()?,
@@ -393,10 +420,12 @@ impl TrainOptions {
             output_dir,
             snapshot,
             snapshot_every_steps: self.snapshot_every_steps.unwrap_or(0),
+            log_every_steps: self.log_every_steps.unwrap_or(10),
             seed: self.seed.unwrap_or(0),
             threads: self.threads.unwrap_or(0),
             loader_threads: self.loader_threads.unwrap_or(1),
             init_from: self.init_from,
+            fresh: self.fresh.unwrap_or(false),
             max_steps: self.max_steps,
             grad_accum: self.grad_accum.unwrap_or(1),
             sync_bn: self.sync_bn.unwrap_or(false),
@@ -455,9 +484,194 @@ impl TrainSettings {
         Ok(())
     }
 
-    /// Writes the settings as TOML to `path`, atomically.
+    /// The settings as `OUT/config.toml` holds them: in the vocabulary of `--config`, so that
+    /// `tandem train --config OUT/config.toml` gives the same run, and with the snapshot
+    /// relative to the output folder (omitted when it is the default), so that the same file
+    /// with another `--output-dir` starts a run of its own there.
+    pub fn to_config_toml(&self) -> anyhow::Result<String> {
+        let mut table = toml::Table::try_from(self).context("cannot render the settings")?;
+        match self.snapshot.strip_prefix(&self.output_dir) {
+            Ok(inside) if inside == Path::new(DEFAULT_SNAPSHOT_NAME) => {
+                table.remove("snapshot");
+            }
+            Ok(inside) => {
+                let relative = inside.to_string_lossy().into_owned();
+                table.insert("snapshot".to_string(), toml::Value::String(relative));
+            }
+            Err(_) => {}
+        }
+        toml::to_string_pretty(&table).context("cannot render the settings as TOML")
+    }
+
+    /// Writes [`TrainSettings::to_config_toml`] to `path`, atomically.
     pub fn write_toml(&self, path: &Path) -> anyhow::Result<()> {
-        let text = toml::to_string_pretty(self).context("cannot render the settings as TOML")?;
-        crate::files::write_atomically(path, text.as_bytes())
+        crate::files::write_atomically(path, self.to_config_toml()?.as_bytes())
+    }
+}
+
+/// Serializes a `bool` as its negation: `augment = true` is written `no-augment = false`.
+mod inverted_bool {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &bool, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bool(!value)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<bool, D::Error> {
+        bool::deserialize(deserializer).map(|value| !value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model_args::ModelKind;
+
+    /// Options with every setting that `config.toml` holds given a value other than its
+    /// default; a setting added to [`TrainOptions`] fails to compile here until it is added.
+    fn every_setting() -> TrainOptions {
+        TrainOptions {
+            config: None,
+            model: ModelArgs {
+                model: Some(ModelKind::ResnetBase),
+                n_blocks: Some(vec![1, 2, 1]),
+                n_channels: Some(vec![8, 16, 32]),
+                bottlenecks: Some("4,8,8".to_string()),
+                first_kernel_size: Some(5),
+                num_classes: Some(3),
+            },
+            data: DataOptions {
+                data: Some(DataKind::Cifar10Py),
+                data_dir: Some(PathBuf::from("/data/cifar")),
+                download: Some(true),
+                mean: Some(Rgb([0.4, 0.5, 0.6])),
+                std: Some(Rgb([0.2, 0.25, 0.3])),
+                synthetic_train: Some(77),
+                synthetic_test: Some(33),
+            },
+            epochs: Some(7),
+            batch_size: Some(12),
+            lr: Some(0.3),
+            optimizer: Some(OptimizerKind::Sgd),
+            momentum: Some(0.8),
+            nesterov: Some(true),
+            weight_decay: Some(1e-3),
+            beta1: Some(0.8),
+            beta2: Some(0.99),
+            eps: Some(1e-6),
+            lr_schedule: Some(ScheduleKind::Step),
+            warmup_epochs: Some(0.5),
+            step_epochs: Some(3),
+            gamma: Some(0.5),
+            scale_lr: Some(true),
+            label_smoothing: Some(0.1),
+            no_augment: Some(true),
+            save_every: Some(2),
+            keep_last: Some(4),
+            output_dir: Some(PathBuf::from("/runs/every")),
+            snapshot: Some(PathBuf::from("/runs/elsewhere/snap.safetensors")),
+            snapshot_every_steps: Some(5),
+            log_every_steps: Some(3),
+            seed: Some(42),
+            threads: Some(3),
+            loader_threads: Some(2),
+            init_from: Some(PathBuf::from("/weights/start.safetensors")),
+            fresh: None,
+            max_steps: Some(99),
+            grad_accum: Some(2),
+            sync_bn: Some(true),
+            bucket_mb: Some(4.5),
+            collective_timeout: Some(60.0),
+            init_method: None,
+            rank: None,
+            world_size: None,
+        }
+    }
+
+    /// The keys of a TOML table, with `table.key` for the keys of its sub-tables.
+    fn key_paths(table: &toml::Table, prefix: &str) -> Vec<String> {
+        let mut keys = Vec::new();
+        for (key, value) in table {
+            match value {
+                toml::Value::Table(inner) => keys.extend(key_paths(inner, &format!("{key}."))),
+                _ => keys.push(format!("{prefix}{key}")),
+            }
+        }
+        keys.sort();
+        keys
+    }
+
+    #[test]
+    fn config_toml_reads_back_as_the_same_settings() {
+        let settings = every_setting().resolve().unwrap();
+        let text = settings.to_config_toml().unwrap();
+        let read_back = TrainOptions::from_toml(&text)
+            .unwrap_or_else(|error| panic!("config.toml does not read back: {error}\n{text}"));
+        assert_eq!(read_back.clone().resolve().unwrap(), settings, "{text}");
+        assert_eq!(read_back.resolve().unwrap().to_config_toml().unwrap(), text);
+    }
+
+    #[test]
+    fn config_toml_holds_every_setting() {
+        let options = toml::Table::try_from(every_setting()).unwrap();
+        let text = every_setting().resolve().unwrap().to_config_toml().unwrap();
+        let written: toml::Table = toml::from_str(&text).unwrap();
+        assert_eq!(key_paths(&written, ""), key_paths(&options, ""), "{text}");
+    }
+
+    #[test]
+    fn defaults_read_back_as_the_same_settings() {
+        let settings = TrainOptions::default().resolve().unwrap();
+        let text = settings.to_config_toml().unwrap();
+        let read_back = TrainOptions::from_toml(&text).unwrap().resolve().unwrap();
+        assert_eq!(read_back, settings, "{text}");
+    }
+}
+
+#[cfg(test)]
+mod path_tests {
+    use super::*;
+
+    fn resolved(toml_text: &str, output_dir: Option<&str>) -> TrainSettings {
+        let mut options = TrainOptions::from_toml(toml_text).unwrap();
+        if let Some(dir) = output_dir {
+            options.output_dir = Some(PathBuf::from(dir));
+        }
+        options.resolve().unwrap()
+    }
+
+    #[test]
+    fn the_default_snapshot_is_left_out_and_moves_with_the_output_folder() {
+        let first = resolved("output-dir = \"runs/a\"\n", None);
+        let text = first.to_config_toml().unwrap();
+        assert!(!text.contains("\nsnapshot ="), "{text}");
+        let moved = resolved(&text, Some("runs/b"));
+        assert_eq!(moved.snapshot, Path::new("runs/b/snapshot.safetensors"));
+    }
+
+    #[test]
+    fn a_snapshot_inside_the_output_folder_is_written_relative_to_it() {
+        let first = resolved(
+            "output-dir = \"runs/a\"\nsnapshot = \"keep/snap.safetensors\"\n",
+            None,
+        );
+        assert_eq!(first.snapshot, Path::new("runs/a/keep/snap.safetensors"));
+        let text = first.to_config_toml().unwrap();
+        assert!(
+            text.contains("snapshot = \"keep/snap.safetensors\""),
+            "{text}"
+        );
+        let moved = resolved(&text, Some("runs/b"));
+        assert_eq!(moved.snapshot, Path::new("runs/b/keep/snap.safetensors"));
+    }
+
+    #[test]
+    fn a_snapshot_elsewhere_keeps_its_absolute_path() {
+        let first = resolved(
+            "output-dir = \"runs/a\"\nsnapshot = \"/scratch/snap.safetensors\"\n",
+            None,
+        );
+        let moved = resolved(&first.to_config_toml().unwrap(), Some("runs/b"));
+        assert_eq!(moved.snapshot, Path::new("/scratch/snap.safetensors"));
     }
 }

@@ -52,11 +52,11 @@ fn short_synthetic_run_writes_every_file() {
     }
     let config = std::fs::read_to_string(out.join("config.toml")).unwrap();
     assert!(config.contains("batch-size = 32"), "{config}");
-    // Rerunning the finished job resumes at its end and trains nothing more.
+    // Rerunning the finished job says it is done and trains nothing more.
     let again = run_bounded(tandem().args(small_synthetic_run(&out)), LIMIT);
     let stdout = expect_success(&again);
     assert!(
-        stdout.contains("Resuming training from snapshot at epoch 3"),
+        stdout.contains("2/2 epochs done; raise --epochs to continue"),
         "{stdout}"
     );
     assert!(!stdout.contains("train | epoch"), "{stdout}");

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 
 use anyhow::Context;
 
-pub use options::LaunchArgs;
+pub use options::{missing_separator_hint, LaunchArgs};
 
 use agent::JobEnd;
 

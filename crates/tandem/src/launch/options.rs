@@ -297,10 +297,67 @@ pub fn resolve_token(env: &HashMap<String, String>, nnodes: usize) -> anyhow::Re
     }
 }
 
+/// When `tandem launch` failed to parse because the worker's command came without `--`
+/// before it (`tandem launch --standalone train ...`), the message that says so, with the
+/// command line as it should be. `words` is the whole command line, program name first.
+pub fn missing_separator_hint(words: &[String], error: &clap::Error) -> Option<String> {
+    if error.kind() != clap::error::ErrorKind::UnknownArgument
+        || words.get(1).map(String::as_str) != Some("launch")
+        || words.iter().any(|word| word == "--")
+    {
+        return None;
+    }
+    let stray = match error.get(clap::error::ContextKind::InvalidArg)? {
+        clap::error::ContextValue::String(stray) => stray.clone(),
+        _ => return None,
+    };
+    let at = words.iter().skip(2).position(|word| *word == stray)? + 2;
+    let mut fixed: Vec<&str> = vec!["tandem"];
+    fixed.extend(words[1..at].iter().map(String::as_str));
+    fixed.push("--");
+    fixed.extend(words[at..].iter().map(String::as_str));
+    Some(format!(
+        "`{stray}` is not an option of `tandem launch`: put `--` before the worker's command, \
+         as in `{}`",
+        fixed.join(" ")
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn a_worker_command_without_the_separator_gets_a_hint() {
+        let words: Vec<String> = [
+            "tandem",
+            "launch",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "train",
+            "--epochs",
+            "1",
+        ]
+        .iter()
+        .map(|word| word.to_string())
+        .collect();
+        let error = Launch::try_parse_from(words[1..].iter()).err().unwrap();
+        assert_eq!(
+            missing_separator_hint(&words, &error).unwrap(),
+            "`train` is not an option of `tandem launch`: put `--` before the worker's command, \
+             as in `tandem launch --standalone --nproc-per-node 2 -- train --epochs 1`"
+        );
+        let with_separator: Vec<String> = ["tandem", "launch", "--bogus", "--", "train"]
+            .iter()
+            .map(|word| word.to_string())
+            .collect();
+        let error = Launch::try_parse_from(with_separator[1..].iter())
+            .err()
+            .unwrap();
+        assert_eq!(missing_separator_hint(&with_separator, &error), None);
+    }
 
     /// `tandem launch` alone, to parse its flags in tests.
     #[derive(Parser)]

@@ -6,11 +6,15 @@
 //! any step continues with exactly the numbers the uninterrupted run would have had.
 
 pub mod ddp;
+pub mod fresh_start;
 pub mod history;
+pub mod initial_weights;
 pub mod placement;
+pub mod run_lock;
 pub mod schedule;
 pub mod snapshot;
 pub mod stop_signal;
+pub mod tensorboard;
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -32,15 +36,25 @@ use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSetting
 use ddp::Ddp;
 use history::{write_history, EpochRecord};
 use placement::find_placement;
+use run_lock::{host_name, RunLock};
 use schedule::Schedule;
 use snapshot::{load_latest, Progress, Snapshot};
+use tensorboard::EventWriter;
 
 /// Runs `tandem train`.
+///
+/// Returns when the run ends by itself; exits the process with 128 + the signal (130 after
+/// SIGINT, 143 after SIGTERM) when a stop request ended it, once its snapshot is written.
 pub fn run(options: TrainOptions) -> anyhow::Result<()> {
     let settings = options.merged_with_file()?.resolve()?;
-    let stop_requested = stop_signal::install()?;
-    let mut trainer = Trainer::new(settings, stop_requested)?;
-    tandem_engine::run_on_kernel_threads(|| trainer.train())
+    let stop_signal = stop_signal::install()?;
+    let mut trainer = Trainer::new(settings, Arc::clone(&stop_signal.requested))?;
+    let end = tandem_engine::run_on_kernel_threads(|| trainer.train())?;
+    drop(trainer);
+    if end == RunEnd::StoppedOnRequest {
+        std::process::exit(stop_signal.exit_code());
+    }
+    Ok(())
 }
 
 /// A training run in progress.
@@ -57,6 +71,10 @@ struct Trainer {
     history: Vec<EpochRecord>,
     ddp: Option<Ddp>,
     stop_requested: Arc<AtomicBool>,
+    /// The output folder's lock, held by rank 0 (the rank that writes) for the whole run.
+    _lock: Option<RunLock>,
+    /// The TensorBoard event file (rank 0, once training starts).
+    events: Option<EventWriter>,
 }
 
 impl Trainer {
@@ -67,6 +85,12 @@ impl Trainer {
         let (rank, world_size, local_world_size) = placement.as_ref().map_or((0, 1, 1), |place| {
             (place.rank, place.world_size, place.local_world_size)
         });
+        let lock = (rank == 0)
+            .then(|| RunLock::acquire(&settings.output_dir))
+            .transpose()?;
+        if settings.fresh && rank == 0 {
+            start_fresh(&settings)?;
+        }
         if settings.threads == 0 {
             settings.threads = (available_cores() / local_world_size.max(1)).max(1);
         }
@@ -75,7 +99,7 @@ impl Trainer {
         let mut model = Model::new(&spec)?;
         model.init_default(settings.seed);
         if let Some(path) = &settings.init_from {
-            crate::weights::load_weights(&mut model, path)?;
+            initial_weights::load_initial_weights(&mut model, path)?;
         }
         let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
         let test_set = Arc::new(load_split(&settings.data, settings.seed, Split::Test)?);
@@ -123,8 +147,13 @@ impl Trainer {
             history: Vec::new(),
             ddp,
             stop_requested,
+            _lock: lock,
+            events: None,
         };
-        trainer.resume_if_possible()?;
+        let resumed = trainer.resume_if_possible()?;
+        if trainer.is_leader() {
+            trainer.announce_start(resumed);
+        }
         if let Some(ddp) = trainer.ddp.as_mut() {
             ddp.broadcast_model(&mut trainer.model)?;
         }
@@ -142,7 +171,7 @@ impl Trainer {
 
     /// Continues from the latest good snapshot, if there is one. Rank 0 reads it and gives
     /// it to the other ranks, so only rank 0 needs the file.
-    fn resume_if_possible(&mut self) -> anyhow::Result<()> {
+    fn resume_if_possible(&mut self) -> anyhow::Result<bool> {
         let local = if self.is_leader() {
             load_latest(&self.settings.snapshot)?
         } else {
@@ -164,32 +193,92 @@ impl Trainer {
             None => local,
         };
         let Some(snapshot) = snapshot else {
-            return Ok(());
+            return Ok(false);
         };
-        check_resumable(&snapshot.settings, &fingerprint(&self.settings, self.world_size()))
-            .with_context(|| {
-                format!(
-                    "cannot resume from {}: use the settings it was written with, or another --output-dir",
-                    self.settings.snapshot.display()
-                )
-            })?;
+        check_resumable(
+            &snapshot.settings,
+            &fingerprint(&self.settings, self.world_size()),
+        )
+        .with_context(|| {
+            format!(
+                "cannot resume from {snapshot}: use the settings it was written with; to change \
+                     them, start a new run from its weights with --init-from {snapshot} \
+                     --output-dir NEW, or start over here with --fresh",
+                snapshot = self.settings.snapshot.display()
+            )
+        })?;
         snapshot.restore_model(&mut self.model)?;
         self.optimizer.load_state(&snapshot.optimizer)?;
         self.progress = snapshot.progress;
         self.history = snapshot.history;
-        if self.is_leader() {
+        Ok(true)
+    }
+
+    /// Prints what the run is about to do: the banner, then whether it resumes, or is done.
+    fn announce_start(&self, resumed: bool) {
+        let settings = &self.settings;
+        let world_size = self.world_size();
+        say!(
+            "tandem {} | device: cpu | {} compute thread(s) per process | world size {world_size}",
+            env!("CARGO_PKG_VERSION"),
+            settings.threads
+        );
+        say!(
+            "data: {} | {} training, {} test images ({}x{}) | normalize: {}",
+            data_source_name(settings.data.data),
+            self.train_set.len(),
+            self.test_set.len(),
+            self.train_set.height,
+            self.train_set.width,
+            match (settings.data.mean, settings.data.std) {
+                (Some(mean), Some(std)) => format!("mean {:?}, std {:?}", mean.0, std.0),
+                _ => "none".to_string(),
+            }
+        );
+        say!(
+            "model: {} | {} parameters",
+            describe_model(&self.model),
+            group_digits(self.model.params().len())
+        );
+        say!(
+            "global batch {} ({} per process x {world_size} process(es) x {} accumulated) | {} epochs",
+            settings.batch_size * world_size * settings.grad_accum as usize,
+            settings.batch_size,
+            settings.grad_accum,
+            settings.epochs
+        );
+        let start = if resumed {
+            format!(
+                "resumed from {} (epoch {}, step {})",
+                settings.snapshot.display(),
+                self.progress.epoch + 1,
+                self.progress.step_in_epoch
+            )
+        } else {
+            "fresh".to_string()
+        };
+        say!("output: {} | {start}", settings.output_dir.display());
+        if !resumed {
+            return;
+        }
+        if self.progress.epoch >= settings.epochs {
+            say!(
+                "{}/{} epochs done; raise --epochs to continue",
+                self.progress.epoch,
+                settings.epochs
+            );
+        } else {
             say!(
                 "Resuming training from snapshot at epoch {}, step {}",
                 self.progress.epoch + 1,
                 self.progress.step_in_epoch
             );
         }
-        Ok(())
     }
 
     /// Trains until the last epoch, `--max-steps` or a stop request, and writes the run's
     /// files.
-    fn train(&mut self) -> anyhow::Result<()> {
+    fn train(&mut self) -> anyhow::Result<RunEnd> {
         if self.is_leader() {
             std::fs::create_dir_all(&self.settings.output_dir).with_context(|| {
                 format!(
@@ -200,12 +289,21 @@ impl Trainer {
             self.settings
                 .write_toml(&self.settings.output_dir.join("config.toml"))?;
         }
+        if self.settings.epochs == 0 && self.is_leader() {
+            say!("--epochs is 0: nothing to train");
+        }
+        if self.is_leader() && self.progress.epoch < self.settings.epochs {
+            self.events = Some(EventWriter::create(
+                &self.settings.output_dir,
+                &host_name(),
+            )?);
+        }
         while self.progress.epoch < self.settings.epochs {
-            if self.run_epoch()? == EpochEnd::Stopped {
-                return Ok(());
+            if let EpochEnd::Stopped(end) = self.run_epoch()? {
+                return Ok(end);
             }
         }
-        Ok(())
+        Ok(RunEnd::Finished)
     }
 
     /// Trains the rest of the current epoch, evaluates, and writes the epoch's files.
@@ -237,6 +335,7 @@ impl Trainer {
         let started = Instant::now();
         let seconds_before = self.progress.epoch_seconds;
         let mut images_this_session = 0usize;
+        let mut log_window = (Instant::now(), 0usize);
         let mut lr = self.schedule.lr_at(self.progress.global_step);
         let mut micro_batches = Vec::with_capacity(accumulation);
         let mut loader = loader.peekable();
@@ -251,10 +350,27 @@ impl Trainer {
             lr = self.schedule.lr_at(self.progress.global_step);
             let outcome = self.train_step(&micro_batches, lr)?;
             images_this_session += outcome.images * self.world_size();
+            log_window.1 += outcome.images * self.world_size();
             self.progress.epoch_loss_sum += outcome.mean_loss;
             self.progress.step_in_epoch += 1;
             self.progress.global_step += 1;
             self.progress.epoch_seconds = seconds_before + started.elapsed().as_secs_f64();
+            let every = self.settings.log_every_steps;
+            if every > 0 && self.progress.global_step.is_multiple_of(every) {
+                if let Some(events) = self.events.as_mut() {
+                    let rate = log_window.1 as f64 / log_window.0.elapsed().as_secs_f64().max(1e-9);
+                    events.add_scalars(
+                        self.progress.global_step,
+                        &[
+                            ("train/loss", outcome.mean_loss),
+                            ("train/lr", lr),
+                            ("train/images_per_second", rate),
+                        ],
+                    )?;
+                    events.flush()?;
+                }
+                log_window = (Instant::now(), 0);
+            }
             if let Some(bar) = bar.as_mut() {
                 bar.update(
                     self.progress.step_in_epoch,
@@ -268,15 +384,24 @@ impl Trainer {
                     bar.finish();
                 }
                 self.save_snapshot()?;
-                if outcome.stop && self.is_leader() {
+                let end = if outcome.stop {
+                    RunEnd::StoppedOnRequest
+                } else {
+                    RunEnd::MaxSteps
+                };
+                if self.is_leader() {
+                    let reason = match end {
+                        RunEnd::StoppedOnRequest => "Stopped on request".to_string(),
+                        _ => format!("Stopped after --max-steps {}", self.progress.global_step),
+                    };
                     eprintln!(
-                        "Stopped on request at epoch {}, step {}; the snapshot is {}",
+                        "{reason} at epoch {}, step {}; the snapshot is {}",
                         epoch + 1,
                         self.progress.step_in_epoch,
                         self.settings.snapshot.display()
                     );
                 }
-                return Ok(EpochEnd::Stopped);
+                return Ok(EpochEnd::Stopped(end));
             }
             let every = self.settings.snapshot_every_steps;
             if every > 0 && self.progress.step_in_epoch.is_multiple_of(every) {
@@ -418,7 +543,14 @@ impl Trainer {
             global_step: self.progress.global_step,
             ..Progress::default()
         };
+        let own_rate = self.sampler.num_samples() as f64 / epoch_seconds.max(1e-9);
+        let rates = self.gather_per_rank(own_rate)?;
         if !self.is_leader() {
+            say!(
+                "epoch: {} | loss: {:.4} | {own_rate:.1} img/s on rank {rank}",
+                record.epoch,
+                record.train_loss
+            );
             return Ok(());
         }
         say!(
@@ -426,14 +558,33 @@ impl Trainer {
             record.epoch,
             record.train_loss
         );
+        let slowest = match slowest_rank(&rates) {
+            Some((slow_rank, rate)) if rates.len() > 1 => {
+                format!(" | slowest: rank {slow_rank}, {rate:.1} img/s")
+            }
+            _ => String::new(),
+        };
         say!(
-            "val | epoch: {} | loss: {:.4} | accuracy: {:.4} | time: {:.1} s | {:.1} img/s",
+            "val | epoch: {} | loss: {:.4} | accuracy: {:.4} | time: {:.1} s | {:.1} img/s{slowest}",
             record.epoch,
             record.val_loss,
             record.val_accuracy,
             record.epoch_seconds,
             record.images_per_second
         );
+        if let Some(events) = self.events.as_mut() {
+            events.add_scalars(
+                record.epoch,
+                &[
+                    ("epoch/train_loss", record.train_loss),
+                    ("epoch/val_loss", record.val_loss),
+                    ("epoch/val_accuracy", record.val_accuracy),
+                    ("epoch/images_per_second", record.images_per_second),
+                    ("epoch/lr", record.lr),
+                ],
+            )?;
+            events.flush()?;
+        }
         write_history(&self.settings.output_dir, &self.history)?;
         self.write_epoch_checkpoint(epoch_number)?;
         self.save_snapshot()
@@ -473,11 +624,45 @@ impl Trainer {
         snapshot.save(&self.settings.snapshot)
     }
 
+    /// Every rank's `value`, indexed by rank (all ranks take part; one process: its own).
+    fn gather_per_rank(&mut self, value: f64) -> anyhow::Result<Vec<f64>> {
+        let Some(ddp) = self.ddp.as_mut() else {
+            return Ok(vec![value]);
+        };
+        let mut values = vec![0.0; ddp.world_size()];
+        values[ddp.rank()] = value;
+        ddp.sum_f64(&mut values)?;
+        Ok(values)
+    }
+
     fn reached_max_steps(&self) -> bool {
         self.settings
             .max_steps
             .is_some_and(|max_steps| self.progress.global_step >= max_steps)
     }
+}
+
+/// `--fresh`: moves the folder's previous run aside and says where. A worker restarted by
+/// `tandem launch` resumes instead: its first round already started over.
+fn start_fresh(settings: &TrainSettings) -> anyhow::Result<()> {
+    let restarted = std::env::var(placement::RESTART_COUNT_ENV)
+        .ok()
+        .and_then(|count| count.parse::<u64>().ok())
+        .is_some_and(|count| count > 0);
+    if restarted {
+        return Ok(());
+    }
+    match fresh_start::move_previous_run_aside(&settings.output_dir, &settings.snapshot)? {
+        Some(aside) => say!(
+            "Starting over (--fresh): the previous run's files are now in {}",
+            aside.display()
+        ),
+        None => say!(
+            "Starting over (--fresh): {} held no previous run",
+            settings.output_dir.display()
+        ),
+    }
+    Ok(())
 }
 
 /// What one optimizer step reports.
@@ -497,7 +682,74 @@ const FIRST_BUCKET_BYTES: usize = 1_000_000;
 #[derive(PartialEq, Eq)]
 enum EpochEnd {
     Completed,
-    Stopped,
+    /// The run ends within the epoch.
+    Stopped(RunEnd),
+}
+
+/// How a run ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RunEnd {
+    /// Every epoch is done.
+    Finished,
+    /// `--max-steps` steps are done.
+    MaxSteps,
+    /// SIGTERM or SIGINT here or on another rank.
+    StoppedOnRequest,
+}
+
+/// The rank with the lowest throughput, and its throughput.
+fn slowest_rank(rates: &[f64]) -> Option<(usize, f64)> {
+    rates
+        .iter()
+        .copied()
+        .enumerate()
+        .min_by(|(_, a), (_, b)| a.total_cmp(b))
+}
+
+/// The name `--data` gives a data source.
+fn data_source_name(kind: crate::settings::DataKind) -> String {
+    use clap::ValueEnum;
+    kind.to_possible_value()
+        .map_or_else(|| format!("{kind:?}"), |value| value.get_name().to_string())
+}
+
+/// The model in the words of its flags.
+fn describe_model(model: &Model) -> String {
+    let join = |values: &[usize]| {
+        values
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    match model.spec() {
+        tandem_models::ModelSpec::ResNet18 { num_classes } => {
+            format!("resnet18, {num_classes} classes")
+        }
+        tandem_models::ModelSpec::ResNetBase(spec) => format!(
+            "resnet-base (blocks {}, channels {}, bottlenecks {}, first kernel {}), {} classes",
+            join(&spec.n_blocks),
+            join(&spec.n_channels),
+            spec.bottlenecks
+                .as_deref()
+                .map_or_else(|| "none".to_string(), join),
+            spec.first_kernel_size,
+            spec.num_classes
+        ),
+    }
+}
+
+/// `1234567` as `1,234,567`.
+fn group_digits(value: usize) -> String {
+    let digits = value.to_string();
+    let mut grouped = String::new();
+    for (index, digit) in digits.chars().enumerate() {
+        if index > 0 && (digits.len() - index).is_multiple_of(3) {
+            grouped.push(',');
+        }
+        grouped.push(digit);
+    }
+    grouped
 }
 
 /// Fails when the labels do not fit the model's classes.
@@ -585,10 +837,17 @@ fn fingerprint(settings: &TrainSettings, world_size: usize) -> BTreeMap<String, 
     put("world-size", world_size.to_string());
     put("grad-accum", settings.grad_accum.to_string());
     put("sync-bn", settings.sync_bn.to_string());
-    if settings.lr_schedule != schedule::ScheduleKind::Constant {
-        put("epochs", settings.epochs.to_string());
-        put("step-epochs", settings.step_epochs.to_string());
-        put("gamma", settings.gamma.to_string());
+    // More epochs continue a constant or step schedule as they would have run; the
+    // curves of cosine and one-cycle depend on the total, so it must stay.
+    match settings.lr_schedule {
+        schedule::ScheduleKind::Constant => {}
+        schedule::ScheduleKind::Step => {
+            put("step-epochs", settings.step_epochs.to_string());
+            put("gamma", settings.gamma.to_string());
+        }
+        schedule::ScheduleKind::Cosine | schedule::ScheduleKind::Onecycle => {
+            put("epochs", settings.epochs.to_string());
+        }
     }
     values
 }

@@ -19,7 +19,7 @@ use crate::files::write_atomically;
 use crate::train::history::EpochRecord;
 
 /// Metadata key under which the snapshot's JSON description is stored.
-const METADATA_KEY: &str = "tandem.snapshot";
+pub const METADATA_KEY: &str = "tandem.snapshot";
 /// Version of the snapshot layout; bumped when it changes incompatibly.
 const SNAPSHOT_VERSION: u32 = 1;
 

@@ -1,0 +1,181 @@
+//! One run at a time in an output folder: an advisory lock (`flock`) on `OUT/tandem.lock`,
+//! and in the file a description of its owner (pid, host, start time) for the message a
+//! second run gets. The operating system drops the lock when its process ends however it
+//! ends, so a description left in an unlocked file is a stale one, from a run that died.
+
+use std::fs::File;
+use std::io::{Read, Seek, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+
+use crate::clock::UtcTime;
+
+/// The lock file's name in the output folder.
+pub const LOCK_FILE_NAME: &str = "tandem.lock";
+
+/// Who holds (or held) the lock.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LockOwner {
+    /// The owner's process id.
+    pub pid: u32,
+    /// The host it runs on.
+    pub host: String,
+    /// When it took the lock, e.g. `2026-12-01 01:32:07 UTC`.
+    pub started: String,
+}
+
+impl LockOwner {
+    /// This process, now.
+    fn this_process() -> Self {
+        LockOwner {
+            pid: std::process::id(),
+            host: host_name(),
+            started: UtcTime::now().readable(),
+        }
+    }
+}
+
+impl std::fmt::Display for LockOwner {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            formatter,
+            "pid {} on host {}, started {}",
+            self.pid, self.host, self.started
+        )
+    }
+}
+
+/// The lock of an output folder, held until dropped.
+pub struct RunLock {
+    file: File,
+    path: PathBuf,
+}
+
+impl RunLock {
+    /// Takes the lock of `output_dir` (creating the folder), or fails naming the process that
+    /// holds it. A description left by a run that died is reported and replaced.
+    pub fn acquire(output_dir: &Path) -> anyhow::Result<RunLock> {
+        std::fs::create_dir_all(output_dir)
+            .with_context(|| format!("cannot create output folder {}", output_dir.display()))?;
+        let path = output_dir.join(LOCK_FILE_NAME);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("cannot open lock file {}", path.display()))?;
+        let locked =
+            try_lock_exclusive(&file).with_context(|| format!("cannot lock {}", path.display()))?;
+        let previous = read_owner(&mut file);
+        if !locked {
+            let holder =
+                previous.map_or_else(|| "another process".to_string(), |owner| owner.to_string());
+            bail!(
+                "output folder {} is in use by another run ({holder}); wait for it, stop it, \
+                 or choose another --output-dir",
+                output_dir.display()
+            );
+        }
+        if let Some(stale) = previous {
+            eprintln!(
+                "note: taking over the lock of {}: its run ({stale}) is no longer running",
+                output_dir.display()
+            );
+        }
+        let mut lock = RunLock { file, path };
+        lock.write_owner(&LockOwner::this_process())?;
+        Ok(lock)
+    }
+
+    /// Replaces the lock file's description with `owner`.
+    fn write_owner(&mut self, owner: &LockOwner) -> anyhow::Result<()> {
+        let text = serde_json::to_string(owner)?;
+        let result = (|| {
+            self.file.set_len(0)?;
+            self.file.rewind()?;
+            self.file.write_all(text.as_bytes())?;
+            self.file.sync_all()
+        })();
+        result.with_context(|| format!("cannot write lock file {}", self.path.display()))
+    }
+}
+
+impl Drop for RunLock {
+    /// Empties the description, so that the next run finds no stale owner; closing the file
+    /// releases the lock.
+    fn drop(&mut self) {
+        let _ = self.file.set_len(0);
+    }
+}
+
+/// Takes `flock(LOCK_EX | LOCK_NB)` on `file`: `Ok(false)` when another process holds it.
+fn try_lock_exclusive(file: &File) -> std::io::Result<bool> {
+    loop {
+        // SAFETY: the descriptor belongs to `file`, which is open for the whole call.
+        let result = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if result == 0 {
+            return Ok(true);
+        }
+        let error = std::io::Error::last_os_error();
+        match error.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => return Ok(false),
+            Some(libc::EINTR) => continue,
+            _ => return Err(error),
+        }
+    }
+}
+
+/// The description in the lock file, if it holds one.
+fn read_owner(file: &mut File) -> Option<LockOwner> {
+    let mut text = String::new();
+    file.rewind().ok()?;
+    file.read_to_string(&mut text).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// This machine's host name, or `unknown`.
+pub fn host_name() -> String {
+    let mut buffer = [0u8; 256];
+    // SAFETY: the pointer and length describe `buffer`, which outlives the call; the name is
+    // NUL-terminated when it fits, and we stop at the first NUL or the buffer's end.
+    let result = unsafe { libc::gethostname(buffer.as_mut_ptr().cast(), buffer.len()) };
+    if result != 0 {
+        return "unknown".to_string();
+    }
+    let end = buffer
+        .iter()
+        .position(|&byte| byte == 0)
+        .unwrap_or(buffer.len());
+    String::from_utf8_lossy(&buffer[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_lock_is_refused_naming_the_owner_and_freed_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = RunLock::acquire(dir.path()).unwrap();
+        let error = RunLock::acquire(dir.path())
+            .err()
+            .expect("a second lock was granted");
+        let message = format!("{error:#}");
+        assert!(
+            message.contains(&format!(
+                "pid {} on host {}",
+                std::process::id(),
+                host_name()
+            )),
+            "{message}"
+        );
+        drop(first);
+        let text = std::fs::read_to_string(dir.path().join(LOCK_FILE_NAME)).unwrap();
+        assert_eq!(text, "");
+        RunLock::acquire(dir.path()).unwrap();
+    }
+}

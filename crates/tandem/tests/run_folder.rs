@@ -1,0 +1,542 @@
+//! End-to-end tests of the run folder as a contract: `config.toml` reads back, paths move
+//! with `--output-dir`, a lock, a finished run, `--fresh`, `--init-from` a snapshot, exit
+//! codes, the banner and the TensorBoard event files.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// A one-epoch synthetic run of the small model into `out`.
+fn one_epoch_run(out: &Path) -> Vec<String> {
+    with_flag(synthetic_run(out, 96), "--epochs", "1")
+}
+
+#[test]
+fn a_runs_own_config_gives_the_same_run_and_output_dir_moves_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = dir.path().join("a");
+    expect_success(&run_bounded(tandem().args(one_epoch_run(&first)), LIMIT));
+    let config = first.join("config.toml");
+    let written = std::fs::read_to_string(&config).unwrap();
+    assert!(!written.contains("\nsnapshot ="), "{written}");
+    let snapshot_before = std::fs::read(first.join("snapshot.safetensors")).unwrap();
+
+    let second = dir.path().join("b");
+    let output = run_bounded(
+        tandem().args([
+            "train",
+            "--config",
+            &config.display().to_string(),
+            "--output-dir",
+            &second.display().to_string(),
+        ]),
+        LIMIT,
+    );
+    let stdout = expect_success(&output);
+    assert!(!stdout.contains("Resuming"), "{stdout}");
+    assert_eq!(
+        std::fs::read_to_string(second.join("config.toml")).unwrap(),
+        written.replace(
+            &format!("output-dir = \"{}\"", first.display()),
+            &format!("output-dir = \"{}\"", second.display())
+        )
+    );
+    assert_eq!(
+        std::fs::read(first.join("snapshot.safetensors")).unwrap(),
+        snapshot_before,
+        "the first run's snapshot was written over"
+    );
+    assert_eq!(
+        std::fs::read(second.join("epoch_1.safetensors")).unwrap(),
+        std::fs::read(first.join("epoch_1.safetensors")).unwrap(),
+        "the same settings gave other weights"
+    );
+    let metrics = std::fs::read_to_string(second.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 1, "{metrics}");
+}
+
+/// Waits until `path` exists and is not empty, failing past `LIMIT`.
+fn wait_for_content(path: &Path, child: &mut std::process::Child) {
+    let deadline = std::time::Instant::now() + LIMIT;
+    while std::fs::metadata(path).map_or(true, |meta| meta.len() == 0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} did not appear",
+            path.display()
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the first run ended before {} appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_busy_output_folder_is_refused_and_a_stale_lock_taken_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let long_run = with_flag(synthetic_run(&out, 4096), "--epochs", "50");
+    let mut first = tandem()
+        .args(&long_run)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let lock = out.join("tandem.lock");
+    wait_for_content(&lock, &mut first);
+
+    let second = run_bounded(tandem().args(one_epoch_run(&out)), LIMIT);
+    let first_pid = first.id();
+    let _ = first.kill();
+    let _ = first.wait();
+    assert!(
+        !second.status.success(),
+        "a second run into a busy folder ran"
+    );
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        stderr.contains("is in use by another run (pid ")
+            && stderr.contains(&format!("pid {first_pid} on host ")),
+        "{stderr}"
+    );
+
+    // The first run was killed: its lock is stale, and the next run takes it over.
+    let third = run_bounded(tandem().args(one_epoch_run(&out)), LIMIT);
+    expect_success(&third);
+    let stderr = String::from_utf8_lossy(&third.stderr);
+    assert!(
+        stderr.contains(&format!("taking over the lock of {}", out.display()))
+            && stderr.contains(&format!("pid {first_pid} on host "))
+            && stderr.contains("is no longer running"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read_to_string(&lock).unwrap(), "");
+}
+
+#[test]
+fn a_finished_run_says_so_and_fresh_starts_over_keeping_the_old_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    expect_success(&run_bounded(tandem().args(one_epoch_run(&out)), LIMIT));
+    let first_weights = std::fs::read(out.join("epoch_1.safetensors")).unwrap();
+
+    let again = run_bounded(tandem().args(one_epoch_run(&out)), LIMIT);
+    let stdout = expect_success(&again);
+    assert!(
+        stdout.contains("1/1 epochs done; raise --epochs to continue"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("Resuming"), "{stdout}");
+    assert!(!stdout.contains("train | epoch"), "{stdout}");
+
+    let mut fresh = one_epoch_run(&out);
+    fresh.push("--fresh".to_string());
+    let output = run_bounded(tandem().args(&fresh), LIMIT);
+    let stdout = expect_success(&output);
+    let line = stdout
+        .lines()
+        .find(|line| {
+            line.starts_with("Starting over (--fresh): the previous run's files are now in ")
+        })
+        .unwrap_or_else(|| panic!("no line says where the old files went:\n{stdout}"));
+    let aside = Path::new(line.rsplit(" now in ").next().unwrap());
+    assert!(
+        aside.starts_with(&out)
+            && aside
+                .file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("previous-")
+    );
+    assert_eq!(
+        std::fs::read(aside.join("epoch_1.safetensors")).unwrap(),
+        first_weights
+    );
+    assert!(aside.join("snapshot.safetensors").is_file());
+    assert!(aside.join("metrics.jsonl").is_file());
+    assert!(stdout.contains("train | epoch: 1"), "{stdout}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 1, "{metrics}");
+}
+
+#[test]
+fn more_epochs_continue_a_constant_schedule_and_a_conflict_names_the_way_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    expect_success(&run_bounded(tandem().args(one_epoch_run(&out)), LIMIT));
+
+    let longer = with_flag(one_epoch_run(&out), "--epochs", "2");
+    let stdout = expect_success(&run_bounded(tandem().args(&longer), LIMIT));
+    assert!(
+        stdout.contains("Resuming training from snapshot at epoch 2, step 0"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("train | epoch: 2"), "{stdout}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2, "{metrics}");
+
+    let snapshot = out.join("snapshot.safetensors");
+    let changed = with_flag(longer.clone(), "--lr", "0.2");
+    let output = run_bounded(tandem().args(&changed), LIMIT);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--lr is 0.2, the snapshot has 0.05")
+            && stderr.contains(&format!(
+                "--init-from {} --output-dir NEW",
+                snapshot.display()
+            ))
+            && stderr.contains("--fresh"),
+        "{stderr}"
+    );
+
+    // The way out: a new run from the snapshot's weights, with its own settings.
+    let new_out = dir.path().join("lower-lr");
+    let mut from_weights = with_flag(changed, "--output-dir", &new_out.display().to_string());
+    from_weights.extend(["--init-from".to_string(), snapshot.display().to_string()]);
+    let stdout = expect_success(&run_bounded(tandem().args(&from_weights), LIMIT));
+    assert!(!stdout.contains("Resuming"), "{stdout}");
+    assert!(stdout.contains("train | epoch: 2"), "{stdout}");
+}
+
+#[test]
+fn more_epochs_of_a_onecycle_run_are_refused_with_the_way_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let onecycle = with_flag(one_epoch_run(&out), "--lr-schedule", "onecycle");
+    expect_success(&run_bounded(tandem().args(&onecycle), LIMIT));
+    let output = run_bounded(tandem().args(with_flag(onecycle, "--epochs", "3")), LIMIT);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--epochs is 3, the snapshot has 1") && stderr.contains("--init-from"),
+        "{stderr}"
+    );
+}
+
+/// Starts a long run into `out`, waits until it trains (its first periodic snapshot), sends
+/// it `signal`, and returns its exit code and standard error.
+fn stop_a_run_with(signal: libc::c_int, out: &Path) -> (Option<i32>, String) {
+    let mut args = with_flag(synthetic_run(out, 4096), "--epochs", "50");
+    args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
+    let mut child = tandem()
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_content(&out.join("snapshot.safetensors"), &mut child);
+    // SAFETY: `kill` has no memory-safety preconditions; the child is not reaped yet.
+    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
+    let output = wait_bounded(child, LIMIT);
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).to_string(),
+    )
+}
+
+#[test]
+fn a_stopped_run_exits_130_after_sigint_and_143_after_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    for (signal, code) in [(libc::SIGINT, 130), (libc::SIGTERM, 143)] {
+        let out = dir.path().join(format!("run-{signal}"));
+        let (exit_code, stderr) = stop_a_run_with(signal, &out);
+        assert_eq!(exit_code, Some(code), "{stderr}");
+        assert!(
+            stderr.contains("Stopped on request at epoch 1, step "),
+            "{stderr}"
+        );
+        assert!(out.join("snapshot.safetensors").is_file());
+    }
+}
+
+#[test]
+fn max_steps_and_zero_epochs_say_why_the_run_ended() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let args = with_flag(one_epoch_run(&out), "--max-steps", "2");
+    let output = run_bounded(tandem().args(&args), LIMIT);
+    expect_success(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("Stopped after --max-steps 2 at epoch 1, step 2; the snapshot is "),
+        "{stderr}"
+    );
+    let zero = with_flag(one_epoch_run(&dir.path().join("zero")), "--epochs", "0");
+    let stdout = expect_success(&run_bounded(tandem().args(&zero), LIMIT));
+    assert!(
+        stdout.contains("--epochs is 0: nothing to train"),
+        "{stdout}"
+    );
+}
+
+/// TFRecord's masked CRC-32C.
+fn masked_crc(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
+        .rotate_right(15)
+        .wrapping_add(0xa282_ead8)
+}
+
+/// One decoded `Event`: its step, its file version if any, and its scalars.
+#[derive(Debug, Default)]
+struct Event {
+    wall_time: f64,
+    step: i64,
+    file_version: Option<String>,
+    scalars: Vec<(String, f32)>,
+}
+
+/// Reads a protobuf varint at `*at`.
+fn read_varint(bytes: &[u8], at: &mut usize) -> u64 {
+    let mut value = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = bytes[*at];
+        *at += 1;
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return value;
+        }
+    }
+    panic!("varint longer than 10 bytes");
+}
+
+/// The fields of a protobuf message: (field number, wire type, raw value bytes or varint).
+fn read_fields(bytes: &[u8]) -> Vec<(u64, u64, Vec<u8>, u64)> {
+    let mut fields = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let key = read_varint(bytes, &mut at);
+        let (field, wire) = (key >> 3, key & 7);
+        match wire {
+            0 => fields.push((field, wire, Vec::new(), read_varint(bytes, &mut at))),
+            1 => {
+                fields.push((field, wire, bytes[at..at + 8].to_vec(), 0));
+                at += 8;
+            }
+            2 => {
+                let length = read_varint(bytes, &mut at) as usize;
+                fields.push((field, wire, bytes[at..at + length].to_vec(), 0));
+                at += length;
+            }
+            5 => {
+                fields.push((field, wire, bytes[at..at + 4].to_vec(), 0));
+                at += 4;
+            }
+            other => panic!("unexpected wire type {other}"),
+        }
+    }
+    fields
+}
+
+/// Reads an event file, checking both CRCs of every record.
+fn read_event_file(path: &Path) -> Vec<Event> {
+    let bytes = std::fs::read(path).unwrap();
+    let mut events = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let header = &bytes[at..at + 8];
+        let length = u64::from_le_bytes(header.try_into().unwrap()) as usize;
+        let length_crc = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap());
+        assert_eq!(
+            length_crc,
+            masked_crc(header),
+            "length CRC of the record at {at}"
+        );
+        let data = &bytes[at + 12..at + 12 + length];
+        let data_crc = u32::from_le_bytes(
+            bytes[at + 12 + length..at + 16 + length]
+                .try_into()
+                .unwrap(),
+        );
+        assert_eq!(data_crc, masked_crc(data), "data CRC of the record at {at}");
+        at += 16 + length;
+        let mut event = Event::default();
+        for (field, wire, raw, varint) in read_fields(data) {
+            match (field, wire) {
+                (1, 1) => event.wall_time = f64::from_le_bytes(raw.try_into().unwrap()),
+                (2, 0) => event.step = varint as i64,
+                (3, 2) => event.file_version = Some(String::from_utf8(raw).unwrap()),
+                (5, 2) => {
+                    for (_, _, value, _) in read_fields(&raw) {
+                        let mut tag = String::new();
+                        let mut simple = None;
+                        for (field, wire, raw, _) in read_fields(&value) {
+                            match (field, wire) {
+                                (1, 2) => tag = String::from_utf8(raw).unwrap(),
+                                (2, 5) => {
+                                    simple = Some(f32::from_le_bytes(raw.try_into().unwrap()))
+                                }
+                                other => panic!("unexpected Summary.Value field {other:?}"),
+                            }
+                        }
+                        event.scalars.push((tag, simple.expect("no simple_value")));
+                    }
+                }
+                other => panic!("unexpected Event field {other:?}"),
+            }
+        }
+        events.push(event);
+    }
+    events
+}
+
+#[test]
+fn a_run_prints_a_banner_and_writes_tensorboard_scalars() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    // 96 images in batches of 32: 3 steps an epoch, 6 in all; a scalar every 2 steps.
+    let mut args = with_flag(one_epoch_run(&out), "--epochs", "2");
+    args.extend(["--log-every-steps".to_string(), "2".to_string()]);
+    let stdout = expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    for expected in [
+        "device: cpu | 1 compute thread(s) per process | world size 1",
+        "data: synthetic | 96 training, 64 test images (32x32) | normalize: none",
+        "model: resnet-base (blocks 1,1,1, channels 8,16,32, bottlenecks none, first kernel 3), 10 classes | ",
+        "global batch 32 (32 per process x 1 process(es) x 1 accumulated) | 2 epochs",
+        &format!("output: {} | fresh", out.display()),
+    ] {
+        assert!(stdout.contains(expected), "no '{expected}' in:\n{stdout}");
+    }
+
+    let files: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| {
+            path.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("events.out.tfevents.")
+        })
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let events = read_event_file(&files[0]);
+    assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
+    assert!(events[0].wall_time > 1.6e9, "{:?}", events[0]);
+    let series = |tag: &str| -> Vec<(i64, f32)> {
+        events
+            .iter()
+            .flat_map(|event| {
+                event
+                    .scalars
+                    .iter()
+                    .filter(|(name, _)| name == tag)
+                    .map(move |(_, value)| (event.step, *value))
+            })
+            .collect()
+    };
+    let steps = |tag: &str| {
+        series(tag)
+            .iter()
+            .map(|(step, _)| *step)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(steps("train/loss"), [2, 4, 6]);
+    assert_eq!(steps("train/images_per_second"), [2, 4, 6]);
+    assert!(series("train/lr").iter().all(|(_, lr)| *lr == 0.05));
+    assert!(series("train/images_per_second")
+        .iter()
+        .all(|(_, rate)| *rate > 0.0));
+
+    let metrics: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    for (tag, key) in [
+        ("epoch/train_loss", "train_loss"),
+        ("epoch/val_loss", "val_loss"),
+        ("epoch/val_accuracy", "val_accuracy"),
+        ("epoch/images_per_second", "images_per_second"),
+        ("epoch/lr", "lr"),
+    ] {
+        let expected: Vec<(i64, f32)> = metrics
+            .iter()
+            .map(|record| {
+                (
+                    record["epoch"].as_i64().unwrap(),
+                    record[key].as_f64().unwrap() as f32,
+                )
+            })
+            .collect();
+        assert_eq!(series(tag), expected, "{tag}");
+    }
+}
+
+#[test]
+fn launch_tee_shows_every_ranks_epoch_and_rank_0_names_the_slowest() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args: Vec<String> = [
+        "launch",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--tee",
+        "--",
+    ]
+    .iter()
+    .map(|word| word.to_string())
+    .collect();
+    args.extend(one_epoch_run(&out));
+    let output = run_bounded(tandem().env_remove("TANDEM_JOB_TOKEN").args(&args), LIMIT);
+    let stdout = expect_success(&output);
+    assert!(
+        stdout.contains("[rank 1] epoch: 1 | loss: ") && stdout.contains(" img/s on rank 1"),
+        "{stdout}"
+    );
+    let val = stdout
+        .lines()
+        .find(|line| line.starts_with("[rank 0] val | epoch: 1 |"))
+        .unwrap_or_else(|| panic!("no epoch line of rank 0:\n{stdout}"));
+    assert!(
+        val.contains(" | slowest: rank 0, ") || val.contains(" | slowest: rank 1, "),
+        "{val}"
+    );
+    assert!(val.ends_with(" img/s"), "{val}");
+    assert!(
+        stdout.contains("[rank 0] tandem ") && stdout.contains("| world size 2"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn launch_without_the_separator_says_to_put_it() {
+    let output = run_bounded(
+        tandem().args(["launch", "--standalone", "train", "--epochs", "1"]),
+        LIMIT,
+    );
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(
+            "put `--` before the worker's command, as in `tandem launch --standalone -- train --epochs 1`"
+        ),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn completions_are_printed_for_bash_zsh_and_fish() {
+    for (shell, marker) in [
+        ("bash", "_tandem()"),
+        ("zsh", "#compdef tandem"),
+        ("fish", "complete -c tandem"),
+    ] {
+        let output = run_bounded(tandem().args(["completions", shell]), LIMIT);
+        let script = expect_success(&output);
+        assert!(script.contains(marker), "{shell}:\n{script}");
+        assert!(
+            script.contains("launch") && script.contains("log-every-steps"),
+            "{shell}"
+        );
+    }
+}
