@@ -68,6 +68,22 @@ pub fn load_safetensors(
     model: &mut Model,
     path: &Path,
 ) -> Result<BTreeMap<String, String>, ModelError> {
+    let (tensors, metadata) = read_safetensors(path, |name| {
+        match model.tensor_info(name).map(|info| info.kind) {
+            Some(TensorKind::BatchCount) => "I64",
+            _ => "F32",
+        }
+    })?;
+    apply_tensors(model, &tensors, None, &path.display().to_string())?;
+    Ok(metadata)
+}
+
+/// Reads every tensor (F32 or I64) and the header metadata of a safetensors file.
+/// `expected_dtype` names the dtype wanted for a tensor of another dtype, for the error.
+pub fn read_safetensors(
+    path: &Path,
+    expected_dtype: impl Fn(&str) -> &'static str,
+) -> Result<(Vec<NamedTensor>, BTreeMap<String, String>), ModelError> {
     let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
         path: path.to_path_buf(),
         source,
@@ -78,7 +94,6 @@ pub fn load_safetensors(
     };
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(parse_error)?;
     let file = SafeTensors::deserialize(&bytes).map_err(parse_error)?;
-    let source_name = path.display().to_string();
     let mut tensors = Vec::new();
     for (name, view) in file.tensors() {
         let data = match view.dtype() {
@@ -95,15 +110,11 @@ pub fn load_safetensors(
                     .collect(),
             ),
             other => {
-                let expected = match model.tensor_info(&name).map(|info| info.kind) {
-                    Some(TensorKind::BatchCount) => "I64",
-                    _ => "F32",
-                };
                 return Err(ModelError::TensorDtype {
-                    source_name,
+                    source_name: path.display().to_string(),
+                    expected: expected_dtype(&name),
                     name,
                     found: format!("{other:?}"),
-                    expected,
                 });
             }
         };
@@ -113,13 +124,63 @@ pub fn load_safetensors(
             data,
         });
     }
-    apply_tensors(model, &tensors, None, &source_name)?;
-    let metadata = header
+    Ok((tensors, string_metadata(&header)))
+}
+
+/// The header metadata of a safetensors file, reading only the header.
+pub fn read_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, String>, ModelError> {
+    use std::io::Read;
+    let io_error = |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let invalid = |message: String| ModelError::SafeTensors {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut file = std::fs::File::open(path).map_err(io_error)?;
+    let mut length = [0u8; 8];
+    file.read_exact(&mut length).map_err(io_error)?;
+    let header_len = u64::from_le_bytes(length);
+    if header_len > MAX_HEADER_BYTES {
+        return Err(invalid(format!(
+            "its header claims {header_len} bytes, more than {MAX_HEADER_BYTES}"
+        )));
+    }
+    let mut header = Vec::new();
+    file.take(header_len)
+        .read_to_end(&mut header)
+        .map_err(io_error)?;
+    if header.len() as u64 != header_len {
+        return Err(invalid("the file ends inside its header".into()));
+    }
+    let header: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|error| invalid(format!("its header is not JSON: {error}")))?;
+    let Some(metadata) = header.get("__metadata__") else {
+        return Ok(BTreeMap::new());
+    };
+    let entries = metadata
+        .as_object()
+        .ok_or_else(|| invalid("its __metadata__ is not an object".into()))?;
+    entries
+        .iter()
+        .map(|(key, value)| match value.as_str() {
+            Some(text) => Ok((key.clone(), text.to_string())),
+            None => Err(invalid(format!("its __metadata__ entry `{key}` is not a string"))),
+        })
+        .collect()
+}
+
+/// The safetensors crate's own bound on a header's size.
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// The `__metadata__` strings of a parsed header.
+fn string_metadata(header: &safetensors::tensor::Metadata) -> BTreeMap<String, String> {
+    header
         .metadata()
         .as_ref()
         .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-        .unwrap_or_default();
-    Ok(metadata)
+        .unwrap_or_default()
 }
 
 /// Loads the model's `state_dict` from in-memory tensors (e.g. read from a `torch.save`

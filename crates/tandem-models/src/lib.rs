@@ -12,6 +12,7 @@
 #![warn(missing_docs)]
 
 mod error;
+mod inspect;
 mod io;
 mod model;
 mod network;
@@ -20,7 +21,11 @@ mod tensors;
 mod workspace;
 
 pub use error::ModelError;
-pub use io::{load_named_tensors, load_safetensors, save_safetensors, NamedTensor, TensorData};
+pub use inspect::{infer_spec, spec_tensor_shapes, StateDictMismatch, TensorShapes};
+pub use io::{
+    load_named_tensors, load_safetensors, read_safetensors, read_safetensors_metadata,
+    save_safetensors, NamedTensor, TensorData,
+};
 pub use model::{LossOptions, Model};
 pub use spec::{ModelSpec, ResNetBaseSpec};
 pub use tandem_engine::BatchNormReducer;

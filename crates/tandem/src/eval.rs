@@ -1,20 +1,25 @@
 //! `tandem eval`: a checkpoint on a data set's test split.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use anyhow::bail;
 use clap::Args;
 use tandem_models::Model;
 
+use crate::checkpoint_info::{class_name, model_for, normalization_for, value_name, CheckpointInfo};
 use crate::data_source::{load_split, normalization, Split};
 use crate::evaluation::{evaluate, EvaluationReport};
 use crate::model_args::ModelArgs;
-use crate::settings::{available_cores, DataOptions};
+use crate::settings::{available_cores, DataKind, DataOptions, DataSettings};
+use crate::weights::read_checkpoint_info;
 
 /// Settings of `tandem eval`.
 #[derive(Args)]
 pub struct EvalArgs {
-    /// Weights to evaluate: a Tandem or PyTorch safetensors file, or a `torch.save` file.
+    /// Weights to evaluate: a Tandem checkpoint or snapshot, a PyTorch safetensors file, or
+    /// a `torch.save` file. A Tandem checkpoint supplies the model, data and normalization
+    /// it was trained with; flags override them.
     #[arg(long)]
     pub checkpoint: PathBuf,
     #[command(flatten)]
@@ -27,9 +32,9 @@ pub struct EvalArgs {
     /// Compute threads [default: the cores available].
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Seed of the synthetic data set (as given to `train`).
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of the synthetic data set (as given to `train`) [default: the checkpoint's, else 0].
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -39,36 +44,138 @@ pub struct EvalArgs {
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
-    let data = args.data.resolve()?;
-    let mut model = Model::new(&args.model.to_spec()?)?;
+    let info = read_checkpoint_info(&args.checkpoint)?;
+    let spec = model_for(&args.model, info.as_ref(), &args.checkpoint)?;
+    let data = data_for(&args.data, args.seed, info.as_ref(), &args.checkpoint)?;
+    let mut model = Model::new(&spec)?;
     crate::weights::load_weights(&mut model, &args.checkpoint)?;
-    let test_set = Arc::new(load_split(&data, args.seed, Split::Test)?);
+    for warning in &data.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let test_set = match (load_split(&data.settings, data.seed, Split::Test), &data.data_dir_hint) {
+        (Ok(test_set), _) => test_set,
+        (Err(error), Some(hint)) => return Err(error.context(hint.clone())),
+        (Err(error), None) => return Err(error),
+    };
+    let test_set = Arc::new(test_set);
     let indices = (0..test_set.len()).collect();
     let evaluation = evaluate(
         &mut model,
         &test_set,
         indices,
         args.batch_size,
-        normalization(&data),
+        normalization(&data.settings),
         1,
     )?;
     let report = evaluation.report();
+    let class_names = match &info {
+        Some(info) if !info.class_names.is_empty() => &info.class_names,
+        _ => &test_set.class_names,
+    };
     if args.json {
         say!("{}", serde_json::to_string(&report)?);
     } else {
-        print!("{}", render_text(&report, &test_set.class_names));
+        print!("{}", render_text(&report, class_names));
     }
     Ok(())
 }
 
+/// The data to evaluate on, and what the user should hear about it.
+struct EvalData {
+    settings: DataSettings,
+    /// Seed of the synthetic data set.
+    seed: u64,
+    /// Flags that differ from the checkpoint's description, in words.
+    warnings: Vec<String>,
+    /// When the data folder is the one the checkpoint names: what to say if it cannot be read.
+    data_dir_hint: Option<String>,
+}
+
+/// The data the checkpoint was trained on, unless flags say otherwise. A flag that differs
+/// from the checkpoint's description gives a warning; one that would evaluate real-data
+/// weights on synthetic noise, or the other way round, is an error.
+fn data_for(
+    flags: &DataOptions,
+    seed: Option<u64>,
+    info: Option<&CheckpointInfo>,
+    path: &Path,
+) -> anyhow::Result<EvalData> {
+    let mut warnings = Vec::new();
+    let Some(info) = info else {
+        if flags.data.is_none() {
+            warnings.push(format!(
+                "{} does not say what it was trained on (it has no Tandem metadata); evaluating on synthetic data: give --data and --data-dir",
+                path.display()
+            ));
+        }
+        return Ok(EvalData {
+            settings: flags.resolve()?,
+            seed: seed.unwrap_or(0),
+            warnings,
+            data_dir_hint: None,
+        });
+    };
+    let trained = info.data.kind;
+    let kind = flags.data.unwrap_or(trained);
+    if kind != trained {
+        let (kind_name, trained_name) = (value_name(&kind), value_name(&trained));
+        if kind == DataKind::Synthetic || trained == DataKind::Synthetic {
+            bail!(
+                "--data {kind_name} contradicts {}, which was trained on {trained_name} (from its metadata): \
+                 its accuracy on {kind_name} would mean nothing; leave --data out to evaluate on {trained_name}",
+                path.display()
+            );
+        }
+        warnings.push(format!(
+            "--data {kind_name} differs from {trained_name}, which the checkpoint was trained on; evaluating on {kind_name}"
+        ));
+    }
+    let mut options = flags.clone();
+    options.data = Some(kind);
+    let mut data_dir_hint = None;
+    if kind == trained && flags.data_dir.is_none() {
+        options.data_dir = Some(info.data.data_dir.clone());
+        data_dir_hint = Some(format!(
+            "{} was trained on {} from '{}', as given to train (relative to the folder it ran in); give --data-dir",
+            path.display(),
+            value_name(&trained),
+            info.data.data_dir.display()
+        ));
+    }
+    let (normalization, warning) = normalization_for(flags.mean, flags.std, Some(info))?;
+    warnings.extend(warning);
+    options.mean = normalization.map(|(mean, _)| mean);
+    options.std = normalization.map(|(_, std)| std);
+    let mut seed_used = seed.unwrap_or(0);
+    if let (DataKind::Synthetic, Some((train, test, trained_seed))) = (kind, info.data.synthetic) {
+        let recorded = [
+            ("synthetic-train", flags.synthetic_train.map(|n| n as u64), train as u64),
+            ("synthetic-test", flags.synthetic_test.map(|n| n as u64), test as u64),
+            ("seed", seed, trained_seed),
+        ];
+        for (flag, given, trained) in recorded {
+            if given.is_some_and(|given| given != trained) {
+                warnings.push(format!(
+                    "--{flag} {} differs from the checkpoint's synthetic data ({trained}): these are other images",
+                    given.unwrap_or_default()
+                ));
+            }
+        }
+        options.synthetic_train = flags.synthetic_train.or(Some(train));
+        options.synthetic_test = flags.synthetic_test.or(Some(test));
+        seed_used = seed.unwrap_or(trained_seed);
+    }
+    Ok(EvalData {
+        settings: options.resolve()?,
+        seed: seed_used,
+        warnings,
+        data_dir_hint,
+    })
+}
+
 /// The report as text: totals, per-class accuracy and the confusion matrix.
 fn render_text(report: &EvaluationReport, class_names: &[String]) -> String {
-    let name = |class: usize| {
-        class_names
-            .get(class)
-            .cloned()
-            .unwrap_or_else(|| class.to_string())
-    };
+    let name = |class: usize| class_name(class_names, class);
     let mut text = format!(
         "samples: {}\nloss: {:.4}\naccuracy: {:.4}\n\nper-class accuracy:\n",
         report.samples, report.loss, report.accuracy
