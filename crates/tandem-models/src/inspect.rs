@@ -46,7 +46,10 @@ fn infer_resnet_base(shapes: &TensorShapes) -> Option<ResNetBaseSpec> {
         };
         let block = match shapes.get(&format!("{prefix}.conv3.weight")) {
             Some(conv3) => (*conv3.first()?, Some(*conv1.first()?)),
-            None => (*shapes.get(&format!("{prefix}.conv2.weight"))?.first()?, None),
+            None => (
+                *shapes.get(&format!("{prefix}.conv2.weight"))?.first()?,
+                None,
+            ),
         };
         blocks.push(block);
     }
@@ -170,8 +173,7 @@ mod tests {
             img_channels: 3,
             num_classes: 10,
         });
-        let ModelSpec::ResNetBase(merged) = infer_spec(&spec_tensor_shapes(&split)).unwrap()
-        else {
+        let ModelSpec::ResNetBase(merged) = infer_spec(&spec_tensor_shapes(&split)).unwrap() else {
             panic!("expected resnet-base");
         };
         assert_eq!((merged.n_blocks, merged.n_channels), (vec![3], vec![8]));

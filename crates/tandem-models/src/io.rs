@@ -166,7 +166,9 @@ pub fn read_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, String>
         .iter()
         .map(|(key, value)| match value.as_str() {
             Some(text) => Ok((key.clone(), text.to_string())),
-            None => Err(invalid(format!("its __metadata__ entry `{key}` is not a string"))),
+            None => Err(invalid(format!(
+                "its __metadata__ entry `{key}` is not a string"
+            ))),
         })
         .collect()
 }

@@ -21,6 +21,9 @@ use crate::train::history::EpochRecord;
 /// The key whose presence marks a file as carrying Tandem's description.
 const MODEL_KEY: &str = "tandem.model";
 
+/// Per-channel (mean, std) of the normalization after scaling pixels to [0, 1].
+pub type Normalization = (Rgb, Rgb);
+
 /// Everything needed to use a checkpoint.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CheckpointInfo {
@@ -31,7 +34,7 @@ pub struct CheckpointInfo {
     /// A name per class of the training data, in label order.
     pub class_names: Vec<String>,
     /// The per-channel (mean, std) the training images were normalized with, if any.
-    pub normalization: Option<(Rgb, Rgb)>,
+    pub normalization: Option<Normalization>,
     /// Where the training images came from.
     pub data: DataInfo,
     /// The epoch (from 1) whose end the weights are, with its metrics; `None` for a
@@ -134,11 +137,14 @@ impl CheckpointInfo {
             first_kernel_size: entries.optional("tandem.first-kernel-size", parse_number)?,
             num_classes: Some(entries.parse_with("tandem.num-classes", parse_number)?),
         };
-        model
-            .to_spec()
-            .with_context(|| format!("the model in its metadata ({}) is not valid", model.to_flags()))?;
-        let mean = entries.optional("tandem.mean", |text| Rgb::from_str(text))?;
-        let std = entries.optional("tandem.std", |text| Rgb::from_str(text))?;
+        model.to_spec().with_context(|| {
+            format!(
+                "the model in its metadata ({}) is not valid",
+                model.to_flags()
+            )
+        })?;
+        let mean = entries.optional("tandem.mean", Rgb::from_str)?;
+        let std = entries.optional("tandem.std", Rgb::from_str)?;
         let synthetic = match entries.get("tandem.synthetic-train") {
             None => None,
             Some(_) => Some((
@@ -166,7 +172,6 @@ impl CheckpointInfo {
             step: entries.parse_with("tandem.step", parse_number)?,
         }))
     }
-
 }
 
 /// The model to build for a checkpoint: the one it describes, else the flags'. A flag that
@@ -198,7 +203,7 @@ pub fn normalization_for(
     mean: Option<Rgb>,
     std: Option<Rgb>,
     info: Option<&CheckpointInfo>,
-) -> anyhow::Result<(Option<(Rgb, Rgb)>, Option<String>)> {
+) -> anyhow::Result<(Option<Normalization>, Option<String>)> {
     if mean.is_some() != std.is_some() {
         bail!("--mean and --std must be given together");
     }
@@ -222,7 +227,7 @@ pub fn normalization_for(
 }
 
 /// `--mean R,G,B --std R,G,B`.
-fn normalization_flags((mean, std): &(Rgb, Rgb)) -> String {
+fn normalization_flags((mean, std): &Normalization) -> String {
     format!("--mean {} --std {}", rgb_text(mean), rgb_text(std))
 }
 
@@ -250,8 +255,9 @@ impl Entries<'_> {
     ) -> anyhow::Result<T> {
         match self.0.get(key) {
             None => bail!("its metadata has {MODEL_KEY} but lacks {key}"),
-            Some(text) => parse(text)
-                .map_err(|error| anyhow::anyhow!("its metadata {key} = '{text}' is not valid: {error}")),
+            Some(text) => parse(text).map_err(|error| {
+                anyhow::anyhow!("its metadata {key} = '{text}' is not valid: {error}")
+            }),
         }
     }
 
@@ -344,12 +350,14 @@ mod tests {
         assert_eq!(metadata["tandem.data"], "cifar10-bin");
         assert_eq!(metadata["epoch"], "3");
         assert_eq!(metadata["format"], "pt");
-        assert_eq!(CheckpointInfo::from_metadata(&metadata).unwrap(), Some(info));
+        assert_eq!(
+            CheckpointInfo::from_metadata(&metadata).unwrap(),
+            Some(info)
+        );
 
         let mut synthetic = sample();
-        synthetic.model = ModelArgs::from_spec(&tandem_models::ModelSpec::ResNet18 {
-            num_classes: 10,
-        });
+        synthetic.model =
+            ModelArgs::from_spec(&tandem_models::ModelSpec::ResNet18 { num_classes: 10 });
         synthetic.normalization = None;
         synthetic.data = DataInfo {
             kind: DataKind::Synthetic,

@@ -7,7 +7,9 @@ use anyhow::bail;
 use clap::Args;
 use tandem_models::Model;
 
-use crate::checkpoint_info::{class_name, model_for, normalization_for, value_name, CheckpointInfo};
+use crate::checkpoint_info::{
+    class_name, model_for, normalization_for, value_name, CheckpointInfo,
+};
 use crate::data_source::{load_split, normalization, Split};
 use crate::evaluation::{evaluate, EvaluationReport};
 use crate::model_args::ModelArgs;
@@ -52,7 +54,10 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     for warning in &data.warnings {
         eprintln!("warning: {warning}");
     }
-    let test_set = match (load_split(&data.settings, data.seed, Split::Test), &data.data_dir_hint) {
+    let test_set = match (
+        load_split(&data.settings, data.seed, Split::Test),
+        &data.data_dir_hint,
+    ) {
         (Ok(test_set), _) => test_set,
         (Err(error), Some(hint)) => return Err(error.context(hint.clone())),
         (Err(error), None) => return Err(error),
@@ -81,6 +86,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
 }
 
 /// The data to evaluate on, and what the user should hear about it.
+#[derive(Debug)]
 struct EvalData {
     settings: DataSettings,
     /// Seed of the synthetic data set.
@@ -149,8 +155,16 @@ fn data_for(
     let mut seed_used = seed.unwrap_or(0);
     if let (DataKind::Synthetic, Some((train, test, trained_seed))) = (kind, info.data.synthetic) {
         let recorded = [
-            ("synthetic-train", flags.synthetic_train.map(|n| n as u64), train as u64),
-            ("synthetic-test", flags.synthetic_test.map(|n| n as u64), test as u64),
+            (
+                "synthetic-train",
+                flags.synthetic_train.map(|n| n as u64),
+                train as u64,
+            ),
+            (
+                "synthetic-test",
+                flags.synthetic_test.map(|n| n as u64),
+                test as u64,
+            ),
             ("seed", seed, trained_seed),
         ];
         for (flag, given, trained) in recorded {
@@ -189,4 +203,76 @@ fn render_text(report: &EvaluationReport, class_names: &[String]) -> String {
         text.push_str(&format!("  {:>12} {}\n", name(class), cells.join("")));
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint_info::DataInfo;
+    use crate::model_args::ModelArgs;
+    use crate::settings::Rgb;
+
+    fn trained_on(kind: DataKind, synthetic: Option<(usize, usize, u64)>) -> CheckpointInfo {
+        CheckpointInfo {
+            tandem_version: "0.1.0".into(),
+            model: ModelArgs::from_spec(&tandem_models::ModelSpec::ResNet18 { num_classes: 10 }),
+            class_names: Vec::new(),
+            normalization: Some((Rgb([0.5; 3]), Rgb([0.25; 3]))),
+            data: DataInfo {
+                kind,
+                data_dir: PathBuf::from("cifar"),
+                synthetic,
+            },
+            epoch: None,
+            step: 0,
+        }
+    }
+
+    #[test]
+    fn the_checkpoints_data_unless_flags_say_otherwise() {
+        let path = Path::new("epoch_1.safetensors");
+        let info = trained_on(DataKind::Cifar10Bin, None);
+        let data = data_for(&DataOptions::default(), None, Some(&info), path).unwrap();
+        assert_eq!(data.settings.data, DataKind::Cifar10Bin);
+        assert_eq!(data.settings.data_dir, PathBuf::from("cifar"));
+        assert_eq!(data.settings.mean, Some(Rgb([0.5; 3])));
+        assert!(data.warnings.is_empty());
+        assert!(data.data_dir_hint.unwrap().contains("give --data-dir"));
+
+        let other_real = DataOptions {
+            data: Some(DataKind::JsonFolder),
+            ..DataOptions::default()
+        };
+        let data = data_for(&other_real, None, Some(&info), path).unwrap();
+        assert_eq!(data.settings.data_dir, PathBuf::from("data"));
+        assert_eq!(
+            data.warnings,
+            vec!["--data json-folder differs from cifar10-bin, which the checkpoint was trained on; evaluating on json-folder"]
+        );
+
+        let synthetic = trained_on(DataKind::Synthetic, Some((192, 64, 7)));
+        let data = data_for(&DataOptions::default(), None, Some(&synthetic), path).unwrap();
+        assert_eq!(
+            (
+                data.seed,
+                data.settings.synthetic_train,
+                data.settings.synthetic_test
+            ),
+            (7, 192, 64)
+        );
+        let data = data_for(&DataOptions::default(), Some(3), Some(&synthetic), path).unwrap();
+        assert_eq!(data.seed, 3);
+        assert_eq!(
+            data.warnings,
+            vec![
+                "--seed 3 differs from the checkpoint's synthetic data (7): these are other images"
+            ]
+        );
+        let error = data_for(&other_real, None, Some(&synthetic), path).unwrap_err();
+        assert!(error.to_string().starts_with("--data json-folder contradicts epoch_1.safetensors, which was trained on synthetic"), "{error}");
+
+        let data = data_for(&DataOptions::default(), None, None, path).unwrap();
+        assert_eq!(data.settings.data, DataKind::Synthetic);
+        assert!(data.warnings[0].contains("does not say what it was trained on"));
+    }
 }

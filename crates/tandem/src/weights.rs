@@ -6,8 +6,8 @@ use std::path::Path;
 
 use anyhow::{bail, Context};
 use tandem_models::{
-    infer_spec, spec_tensor_shapes, Model, ModelSpec, NamedTensor, StateDictMismatch,
-    TensorKind, TensorShapes,
+    infer_spec, spec_tensor_shapes, Model, ModelSpec, NamedTensor, StateDictMismatch, TensorKind,
+    TensorShapes,
 };
 
 use crate::checkpoint_info::CheckpointInfo;
@@ -86,7 +86,12 @@ fn load_state_dict(
                 None => Holds::Unknown(shapes.len()),
             },
         };
-        bail!(wrong_model_message(path, model.spec(), &holds, &mismatch.summary()));
+        bail!(wrong_model_message(
+            path,
+            model.spec(),
+            &holds,
+            &mismatch.summary()
+        ));
     }
     tandem_models::load_named_tensors(model, tensors, strip_prefix)
         .with_context(|| format!("cannot load weights from {}", path.display()))

@@ -472,9 +472,13 @@ impl Trainer {
             self.history.clone(),
             fingerprint(&self.settings, self.world_size()),
         )
-        .with_metadata(self.checkpoint_metadata(
-            self.history.last().filter(|_| self.progress.step_in_epoch == 0),
-        )?);
+        .with_metadata(
+            self.checkpoint_metadata(
+                self.history
+                    .last()
+                    .filter(|_| self.progress.step_in_epoch == 0),
+            )?,
+        );
         snapshot.save(&self.settings.snapshot)
     }
 
