@@ -49,16 +49,75 @@ pub fn save_safetensors(
         };
         views.push((info.name.clone(), view));
     }
+    let bytes =
+        serialize_safetensors(views, metadata).map_err(|error| ModelError::SafeTensors {
+            path: path.to_path_buf(),
+            message: error.to_string(),
+        })?;
+    write_atomically(path, &bytes)
+}
+
+/// Serializes tensors and string metadata as safetensors, the same bytes for the same
+/// input: the safetensors crate writes the metadata in a `HashMap`'s random order, so the
+/// header is written again with its keys sorted (the same length, so no offset moves).
+pub fn serialize_safetensors<V: View>(
+    views: Vec<(String, V)>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<Vec<u8>, safetensors::SafeTensorError> {
     let header: HashMap<String, String> = metadata
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    let header = (!header.is_empty()).then_some(header);
-    let bytes = safetensors::serialize(views, header).map_err(|error| ModelError::SafeTensors {
-        path: path.to_path_buf(),
-        message: error.to_string(),
-    })?;
-    write_atomically(path, &bytes)
+    let mut bytes = safetensors::serialize(views, (!header.is_empty()).then_some(header))?;
+    if metadata.len() > 1 {
+        sort_header(&mut bytes);
+    }
+    Ok(bytes)
+}
+
+/// Rewrites the JSON header of serialized safetensors with sorted keys, in place, when the
+/// result fits the header's space (it always does: the same entries, another order).
+fn sort_header(bytes: &mut [u8]) {
+    let Some(length) = bytes.get(..8).and_then(|b| b.try_into().ok()) else {
+        return;
+    };
+    let header_len = u64::from_le_bytes(length) as usize;
+    let Some(header) = bytes.get(8..8 + header_len) else {
+        return;
+    };
+    let Ok(entries) = serde_json::from_slice::<BTreeMap<String, serde_json::Value>>(header) else {
+        return;
+    };
+    let sorted: BTreeMap<&String, serde_json::Value> = entries
+        .iter()
+        .map(|(key, value)| (key, sorted_value(value)))
+        .collect();
+    let Ok(text) = serde_json::to_vec(&sorted) else {
+        return;
+    };
+    if text.len() <= header_len {
+        let space = &mut bytes[8..8 + header_len];
+        space[..text.len()].copy_from_slice(&text);
+        space[text.len()..].fill(b' ');
+    }
+}
+
+/// A JSON value with the keys of its objects in sorted order, whatever `serde_json`'s
+/// map keeps.
+fn sorted_value(value: &serde_json::Value) -> serde_json::Value {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(b.0));
+            serde_json::Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(key, value)| (key.clone(), sorted_value(value)))
+                    .collect(),
+            )
+        }
+        other => other.clone(),
+    }
 }
 
 /// Loads the model's `state_dict` from a safetensors file; every tensor must be present
@@ -338,4 +397,37 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
         let _ = std::fs::remove_file(&temporary);
     }
     result.map_err(io_error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serialization_is_the_same_bytes_every_time() {
+        let metadata: BTreeMap<String, String> = (0..12)
+            .map(|i| (format!("key.{i}"), format!("value \"{i}\"")))
+            .collect();
+        let views = || {
+            ["b", "a", "c"].map(|name| {
+                let view = ByteView {
+                    dtype: Dtype::F32,
+                    shape: vec![2],
+                    bytes: vec![1; 8],
+                };
+                (name.to_string(), view)
+            })
+        };
+        let first = serialize_safetensors(Vec::from(views()), &metadata).unwrap();
+        for _ in 0..20 {
+            assert_eq!(
+                serialize_safetensors(Vec::from(views()), &metadata).unwrap(),
+                first
+            );
+        }
+        let (_, header) = SafeTensors::read_metadata(&first).unwrap();
+        assert_eq!(string_metadata(&header), metadata);
+        let file = SafeTensors::deserialize(&first).unwrap();
+        assert_eq!(file.tensor("c").unwrap().data(), &[1; 8]);
+    }
 }

@@ -24,7 +24,7 @@ pub use error::ModelError;
 pub use inspect::{infer_spec, spec_tensor_shapes, StateDictMismatch, TensorShapes};
 pub use io::{
     load_named_tensors, load_safetensors, read_safetensors, read_safetensors_metadata,
-    save_safetensors, NamedTensor, TensorData,
+    save_safetensors, serialize_safetensors, NamedTensor, TensorData,
 };
 pub use model::{LossOptions, Model};
 pub use spec::{ModelSpec, ResNetBaseSpec};

@@ -12,6 +12,7 @@ use std::str::FromStr;
 
 use anyhow::{bail, Context};
 use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
 use tandem_models::ModelSpec;
 
 use crate::model_args::{ModelArgs, ModelKind};
@@ -39,9 +40,40 @@ pub struct CheckpointInfo {
     pub data: DataInfo,
     /// The epoch (from 1) whose end the weights are, with its metrics; `None` for a
     /// snapshot taken inside an epoch.
-    pub epoch: Option<EpochRecord>,
+    pub epoch: Option<EpochMetrics>,
     /// Optimizer steps taken to reach these weights.
     pub step: u64,
+}
+
+/// What an epoch measured, less the timings: a run resumed from a snapshot writes
+/// checkpoints byte for byte the same as the uninterrupted run's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EpochMetrics {
+    /// The epoch, counting from 1.
+    pub epoch: u64,
+    /// Mean training loss over the epoch's steps.
+    pub train_loss: f64,
+    /// Mean cross-entropy on the test split.
+    pub val_loss: f64,
+    /// Accuracy on the test split.
+    pub val_accuracy: f64,
+    /// Learning rate of the epoch's last step.
+    pub lr: f64,
+    /// Optimizer steps in the epoch.
+    pub steps: u64,
+}
+
+impl From<&EpochRecord> for EpochMetrics {
+    fn from(record: &EpochRecord) -> Self {
+        EpochMetrics {
+            epoch: record.epoch,
+            train_loss: record.train_loss,
+            val_loss: record.val_loss,
+            val_accuracy: record.val_accuracy,
+            lr: record.lr,
+            steps: record.steps,
+        }
+    }
 }
 
 /// Where the training images came from.
@@ -79,7 +111,7 @@ impl CheckpointInfo {
                     settings.seed,
                 )),
             },
-            epoch: epoch.cloned(),
+            epoch: epoch.map(EpochMetrics::from),
             step,
         }
     }
@@ -154,7 +186,7 @@ impl CheckpointInfo {
             )),
         };
         let epoch = entries.optional("tandem.metrics", |text| {
-            serde_json::from_str::<EpochRecord>(text).map_err(|error| error.to_string())
+            serde_json::from_str::<EpochMetrics>(text).map_err(|error| error.to_string())
         })?;
         Ok(Some(CheckpointInfo {
             tandem_version: entries.parse_with("tandem.version", as_text)?,
@@ -324,13 +356,11 @@ mod tests {
                 data_dir: PathBuf::from("../shared/data/cifar10"),
                 synthetic: None,
             },
-            epoch: Some(EpochRecord {
+            epoch: Some(EpochMetrics {
                 epoch: 3,
                 train_loss: 1.25,
                 val_loss: 0.3,
                 val_accuracy: 0.4125,
-                epoch_seconds: 12.5,
-                images_per_second: 4000.0,
                 lr: 0.1,
                 steps: 40,
             }),

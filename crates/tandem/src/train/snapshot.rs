@@ -6,7 +6,7 @@
 //! Writing keeps the previous snapshot as `<name>.prev`, so a snapshot that fails its
 //! check on load falls back to the one before it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -161,16 +161,12 @@ impl Snapshot {
                 Ok((name.clone(), view))
             })
             .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-        let mut metadata: HashMap<String, String> = self
-            .metadata
-            .iter()
-            .map(|(key, value)| (key.clone(), value.clone()))
-            .collect();
+        let mut metadata = self.metadata.clone();
         metadata.insert(
             METADATA_KEY.to_string(),
             serde_json::to_string(&description)?,
         );
-        Ok(safetensors::serialize(views, Some(metadata))?)
+        Ok(tandem_models::serialize_safetensors(views, &metadata)?)
     }
 
     /// Reads and checks the snapshot at `path`.
