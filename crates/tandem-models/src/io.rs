@@ -49,16 +49,75 @@ pub fn save_safetensors(
         };
         views.push((info.name.clone(), view));
     }
+    let bytes =
+        serialize_safetensors(views, metadata).map_err(|error| ModelError::SafeTensors {
+            path: path.to_path_buf(),
+            message: error.to_string(),
+        })?;
+    write_atomically(path, &bytes)
+}
+
+/// Serializes tensors and string metadata as safetensors, the same bytes for the same
+/// input: the safetensors crate writes the metadata in a `HashMap`'s random order, so the
+/// header is written again with its keys sorted (the same length, so no offset moves).
+pub fn serialize_safetensors<V: View>(
+    views: Vec<(String, V)>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<Vec<u8>, safetensors::SafeTensorError> {
     let header: HashMap<String, String> = metadata
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    let header = (!header.is_empty()).then_some(header);
-    let bytes = safetensors::serialize(views, header).map_err(|error| ModelError::SafeTensors {
-        path: path.to_path_buf(),
-        message: error.to_string(),
-    })?;
-    write_atomically(path, &bytes)
+    let mut bytes = safetensors::serialize(views, (!header.is_empty()).then_some(header))?;
+    if metadata.len() > 1 {
+        sort_header(&mut bytes);
+    }
+    Ok(bytes)
+}
+
+/// Rewrites the JSON header of serialized safetensors with sorted keys, in place, when the
+/// result fits the header's space (it always does: the same entries, another order).
+fn sort_header(bytes: &mut [u8]) {
+    let Some(length) = bytes.get(..8).and_then(|b| b.try_into().ok()) else {
+        return;
+    };
+    let header_len = u64::from_le_bytes(length) as usize;
+    let Some(header) = bytes.get(8..8 + header_len) else {
+        return;
+    };
+    let Ok(entries) = serde_json::from_slice::<BTreeMap<String, serde_json::Value>>(header) else {
+        return;
+    };
+    let sorted: BTreeMap<&String, serde_json::Value> = entries
+        .iter()
+        .map(|(key, value)| (key, sorted_value(value)))
+        .collect();
+    let Ok(text) = serde_json::to_vec(&sorted) else {
+        return;
+    };
+    if text.len() <= header_len {
+        let space = &mut bytes[8..8 + header_len];
+        space[..text.len()].copy_from_slice(&text);
+        space[text.len()..].fill(b' ');
+    }
+}
+
+/// A JSON value with the keys of its objects in sorted order, whatever `serde_json`'s
+/// map keeps.
+fn sorted_value(value: &serde_json::Value) -> serde_json::Value {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(b.0));
+            serde_json::Value::Object(
+                entries
+                    .into_iter()
+                    .map(|(key, value)| (key.clone(), sorted_value(value)))
+                    .collect(),
+            )
+        }
+        other => other.clone(),
+    }
 }
 
 /// Loads the model's `state_dict` from a safetensors file; every tensor must be present
@@ -68,6 +127,22 @@ pub fn load_safetensors(
     model: &mut Model,
     path: &Path,
 ) -> Result<BTreeMap<String, String>, ModelError> {
+    let (tensors, metadata) = read_safetensors(path, |name| {
+        match model.tensor_info(name).map(|info| info.kind) {
+            Some(TensorKind::BatchCount) => "I64",
+            _ => "F32",
+        }
+    })?;
+    apply_tensors(model, &tensors, None, &path.display().to_string())?;
+    Ok(metadata)
+}
+
+/// Reads every tensor (F32 or I64) and the header metadata of a safetensors file.
+/// `expected_dtype` names the dtype wanted for a tensor of another dtype, for the error.
+pub fn read_safetensors(
+    path: &Path,
+    expected_dtype: impl Fn(&str) -> &'static str,
+) -> Result<(Vec<NamedTensor>, BTreeMap<String, String>), ModelError> {
     let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
         path: path.to_path_buf(),
         source,
@@ -78,7 +153,6 @@ pub fn load_safetensors(
     };
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(parse_error)?;
     let file = SafeTensors::deserialize(&bytes).map_err(parse_error)?;
-    let source_name = path.display().to_string();
     let mut tensors = Vec::new();
     for (name, view) in file.tensors() {
         let data = match view.dtype() {
@@ -95,15 +169,11 @@ pub fn load_safetensors(
                     .collect(),
             ),
             other => {
-                let expected = match model.tensor_info(&name).map(|info| info.kind) {
-                    Some(TensorKind::BatchCount) => "I64",
-                    _ => "F32",
-                };
                 return Err(ModelError::TensorDtype {
-                    source_name,
+                    source_name: path.display().to_string(),
+                    expected: expected_dtype(&name),
                     name,
                     found: format!("{other:?}"),
-                    expected,
                 });
             }
         };
@@ -113,13 +183,65 @@ pub fn load_safetensors(
             data,
         });
     }
-    apply_tensors(model, &tensors, None, &source_name)?;
-    let metadata = header
+    Ok((tensors, string_metadata(&header)))
+}
+
+/// The header metadata of a safetensors file, reading only the header.
+pub fn read_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, String>, ModelError> {
+    use std::io::Read;
+    let io_error = |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let invalid = |message: String| ModelError::SafeTensors {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut file = std::fs::File::open(path).map_err(io_error)?;
+    let mut length = [0u8; 8];
+    file.read_exact(&mut length).map_err(io_error)?;
+    let header_len = u64::from_le_bytes(length);
+    if header_len > MAX_HEADER_BYTES {
+        return Err(invalid(format!(
+            "its header claims {header_len} bytes, more than {MAX_HEADER_BYTES}"
+        )));
+    }
+    let mut header = Vec::new();
+    file.take(header_len)
+        .read_to_end(&mut header)
+        .map_err(io_error)?;
+    if header.len() as u64 != header_len {
+        return Err(invalid("the file ends inside its header".into()));
+    }
+    let header: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|error| invalid(format!("its header is not JSON: {error}")))?;
+    let Some(metadata) = header.get("__metadata__") else {
+        return Ok(BTreeMap::new());
+    };
+    let entries = metadata
+        .as_object()
+        .ok_or_else(|| invalid("its __metadata__ is not an object".into()))?;
+    entries
+        .iter()
+        .map(|(key, value)| match value.as_str() {
+            Some(text) => Ok((key.clone(), text.to_string())),
+            None => Err(invalid(format!(
+                "its __metadata__ entry `{key}` is not a string"
+            ))),
+        })
+        .collect()
+}
+
+/// The safetensors crate's own bound on a header's size.
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// The `__metadata__` strings of a parsed header.
+fn string_metadata(header: &safetensors::tensor::Metadata) -> BTreeMap<String, String> {
+    header
         .metadata()
         .as_ref()
         .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-        .unwrap_or_default();
-    Ok(metadata)
+        .unwrap_or_default()
 }
 
 /// Loads the model's `state_dict` from in-memory tensors (e.g. read from a `torch.save`
@@ -275,4 +397,37 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
         let _ = std::fs::remove_file(&temporary);
     }
     result.map_err(io_error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serialization_is_the_same_bytes_every_time() {
+        let metadata: BTreeMap<String, String> = (0..12)
+            .map(|i| (format!("key.{i}"), format!("value \"{i}\"")))
+            .collect();
+        let views = || {
+            ["b", "a", "c"].map(|name| {
+                let view = ByteView {
+                    dtype: Dtype::F32,
+                    shape: vec![2],
+                    bytes: vec![1; 8],
+                };
+                (name.to_string(), view)
+            })
+        };
+        let first = serialize_safetensors(Vec::from(views()), &metadata).unwrap();
+        for _ in 0..20 {
+            assert_eq!(
+                serialize_safetensors(Vec::from(views()), &metadata).unwrap(),
+                first
+            );
+        }
+        let (_, header) = SafeTensors::read_metadata(&first).unwrap();
+        assert_eq!(string_metadata(&header), metadata);
+        let file = SafeTensors::deserialize(&first).unwrap();
+        assert_eq!(file.tensor("c").unwrap().data(), &[1; 8]);
+    }
 }

@@ -18,6 +18,7 @@
 mod cpu;
 mod error;
 pub mod executor;
+mod inspect;
 mod io;
 mod model;
 mod network;
@@ -27,7 +28,11 @@ pub mod workspace;
 
 pub use error::ModelError;
 pub use executor::Executor;
-pub use io::{load_named_tensors, load_safetensors, save_safetensors, NamedTensor, TensorData};
+pub use inspect::{infer_spec, spec_tensor_shapes, StateDictMismatch, TensorShapes};
+pub use io::{
+    load_named_tensors, load_safetensors, read_safetensors, read_safetensors_metadata,
+    save_safetensors, serialize_safetensors, NamedTensor, TensorData,
+};
 pub use model::{LossOptions, Model};
 pub use network::{BatchNormLayer, ConvLayer, Head};
 pub use spec::{ModelSpec, ResNetBaseSpec};

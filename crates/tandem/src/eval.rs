@@ -1,20 +1,27 @@
 //! `tandem eval`: a checkpoint on a data set's test split.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use anyhow::bail;
 use clap::Args;
 use tandem_models::Model;
 
+use crate::checkpoint_info::{
+    class_name, model_for, normalization_for, value_name, CheckpointInfo,
+};
 use crate::data_source::{load_split, normalization, Split};
 use crate::evaluation::{evaluate, EvaluationReport};
 use crate::model_args::ModelArgs;
-use crate::settings::{available_cores, DataOptions};
+use crate::settings::{available_cores, DataKind, DataOptions, DataSettings};
+use crate::weights::read_checkpoint_info;
 
 /// Settings of `tandem eval`.
 #[derive(Args)]
 pub struct EvalArgs {
-    /// Weights to evaluate: a Tandem or PyTorch safetensors file, or a `torch.save` file.
+    /// Weights to evaluate: a Tandem checkpoint or snapshot, a PyTorch safetensors file, or
+    /// a `torch.save` file. A Tandem checkpoint supplies the model, data and normalization
+    /// it was trained with; flags override them.
     #[arg(long)]
     pub checkpoint: PathBuf,
     #[command(flatten)]
@@ -27,9 +34,9 @@ pub struct EvalArgs {
     /// Compute threads [default: the cores available].
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Seed of the synthetic data set (as given to `train`).
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Seed of the synthetic data set (as given to `train`) [default: the checkpoint's, else 0].
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -39,36 +46,150 @@ pub struct EvalArgs {
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
-    let data = args.data.resolve()?;
-    let mut model = Model::new(&args.model.to_spec()?)?;
+    let info = read_checkpoint_info(&args.checkpoint)?;
+    let spec = model_for(&args.model, info.as_ref(), &args.checkpoint)?;
+    let data = data_for(&args.data, args.seed, info.as_ref(), &args.checkpoint)?;
+    let mut model = Model::new(&spec)?;
     crate::weights::load_weights(&mut model, &args.checkpoint)?;
-    let test_set = Arc::new(load_split(&data, args.seed, Split::Test)?);
+    for warning in &data.warnings {
+        eprintln!("warning: {warning}");
+    }
+    let test_set = match (
+        load_split(&data.settings, data.seed, Split::Test),
+        &data.data_dir_hint,
+    ) {
+        (Ok(test_set), _) => test_set,
+        (Err(error), Some(hint)) => return Err(error.context(hint.clone())),
+        (Err(error), None) => return Err(error),
+    };
+    let test_set = Arc::new(test_set);
     let indices = (0..test_set.len()).collect();
     let evaluation = evaluate(
         &mut model,
         &test_set,
         indices,
         args.batch_size,
-        normalization(&data),
+        normalization(&data.settings),
         1,
     )?;
     let report = evaluation.report();
+    let class_names = match &info {
+        Some(info) if !info.class_names.is_empty() => &info.class_names,
+        _ => &test_set.class_names,
+    };
     if args.json {
         say!("{}", serde_json::to_string(&report)?);
     } else {
-        print!("{}", render_text(&report, &test_set.class_names));
+        print!("{}", render_text(&report, class_names));
     }
     Ok(())
 }
 
+/// The data to evaluate on, and what the user should hear about it.
+#[derive(Debug)]
+struct EvalData {
+    settings: DataSettings,
+    /// Seed of the synthetic data set.
+    seed: u64,
+    /// Flags that differ from the checkpoint's description, in words.
+    warnings: Vec<String>,
+    /// When the data folder is the one the checkpoint names: what to say if it cannot be read.
+    data_dir_hint: Option<String>,
+}
+
+/// The data the checkpoint was trained on, unless flags say otherwise. A flag that differs
+/// from the checkpoint's description gives a warning; one that would evaluate real-data
+/// weights on synthetic noise, or the other way round, is an error.
+fn data_for(
+    flags: &DataOptions,
+    seed: Option<u64>,
+    info: Option<&CheckpointInfo>,
+    path: &Path,
+) -> anyhow::Result<EvalData> {
+    let mut warnings = Vec::new();
+    let Some(info) = info else {
+        if flags.data.is_none() {
+            warnings.push(format!(
+                "{} does not say what it was trained on (it has no Tandem metadata); evaluating on synthetic data: give --data and --data-dir",
+                path.display()
+            ));
+        }
+        return Ok(EvalData {
+            settings: flags.resolve()?,
+            seed: seed.unwrap_or(0),
+            warnings,
+            data_dir_hint: None,
+        });
+    };
+    let trained = info.data.kind;
+    let kind = flags.data.unwrap_or(trained);
+    if kind != trained {
+        let (kind_name, trained_name) = (value_name(&kind), value_name(&trained));
+        if kind == DataKind::Synthetic || trained == DataKind::Synthetic {
+            bail!(
+                "--data {kind_name} contradicts {}, which was trained on {trained_name} (from its metadata): \
+                 its accuracy on {kind_name} would mean nothing; leave --data out to evaluate on {trained_name}",
+                path.display()
+            );
+        }
+        warnings.push(format!(
+            "--data {kind_name} differs from {trained_name}, which the checkpoint was trained on; evaluating on {kind_name}"
+        ));
+    }
+    let mut options = flags.clone();
+    options.data = Some(kind);
+    let mut data_dir_hint = None;
+    if kind == trained && flags.data_dir.is_none() {
+        options.data_dir = Some(info.data.data_dir.clone());
+        data_dir_hint = Some(format!(
+            "{} was trained on {} from '{}', as given to train (relative to the folder it ran in); give --data-dir",
+            path.display(),
+            value_name(&trained),
+            info.data.data_dir.display()
+        ));
+    }
+    let (normalization, warning) = normalization_for(flags.mean, flags.std, Some(info))?;
+    warnings.extend(warning);
+    options.mean = normalization.map(|(mean, _)| mean);
+    options.std = normalization.map(|(_, std)| std);
+    let mut seed_used = seed.unwrap_or(0);
+    if let (DataKind::Synthetic, Some((train, test, trained_seed))) = (kind, info.data.synthetic) {
+        let recorded = [
+            (
+                "synthetic-train",
+                flags.synthetic_train.map(|n| n as u64),
+                train as u64,
+            ),
+            (
+                "synthetic-test",
+                flags.synthetic_test.map(|n| n as u64),
+                test as u64,
+            ),
+            ("seed", seed, trained_seed),
+        ];
+        for (flag, given, trained) in recorded {
+            if given.is_some_and(|given| given != trained) {
+                warnings.push(format!(
+                    "--{flag} {} differs from the checkpoint's synthetic data ({trained}): these are other images",
+                    given.unwrap_or_default()
+                ));
+            }
+        }
+        options.synthetic_train = flags.synthetic_train.or(Some(train));
+        options.synthetic_test = flags.synthetic_test.or(Some(test));
+        seed_used = seed.unwrap_or(trained_seed);
+    }
+    Ok(EvalData {
+        settings: options.resolve()?,
+        seed: seed_used,
+        warnings,
+        data_dir_hint,
+    })
+}
+
 /// The report as text: totals, per-class accuracy and the confusion matrix.
 fn render_text(report: &EvaluationReport, class_names: &[String]) -> String {
-    let name = |class: usize| {
-        class_names
-            .get(class)
-            .cloned()
-            .unwrap_or_else(|| class.to_string())
-    };
+    let name = |class: usize| class_name(class_names, class);
     let mut text = format!(
         "samples: {}\nloss: {:.4}\naccuracy: {:.4}\n\nper-class accuracy:\n",
         report.samples, report.loss, report.accuracy
@@ -82,4 +203,76 @@ fn render_text(report: &EvaluationReport, class_names: &[String]) -> String {
         text.push_str(&format!("  {:>12} {}\n", name(class), cells.join("")));
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint_info::DataInfo;
+    use crate::model_args::ModelArgs;
+    use crate::settings::Rgb;
+
+    fn trained_on(kind: DataKind, synthetic: Option<(usize, usize, u64)>) -> CheckpointInfo {
+        CheckpointInfo {
+            tandem_version: "0.1.0".into(),
+            model: ModelArgs::from_spec(&tandem_models::ModelSpec::ResNet18 { num_classes: 10 }),
+            class_names: Vec::new(),
+            normalization: Some((Rgb([0.5; 3]), Rgb([0.25; 3]))),
+            data: DataInfo {
+                kind,
+                data_dir: PathBuf::from("cifar"),
+                synthetic,
+            },
+            epoch: None,
+            step: 0,
+        }
+    }
+
+    #[test]
+    fn the_checkpoints_data_unless_flags_say_otherwise() {
+        let path = Path::new("epoch_1.safetensors");
+        let info = trained_on(DataKind::Cifar10Bin, None);
+        let data = data_for(&DataOptions::default(), None, Some(&info), path).unwrap();
+        assert_eq!(data.settings.data, DataKind::Cifar10Bin);
+        assert_eq!(data.settings.data_dir, PathBuf::from("cifar"));
+        assert_eq!(data.settings.mean, Some(Rgb([0.5; 3])));
+        assert!(data.warnings.is_empty());
+        assert!(data.data_dir_hint.unwrap().contains("give --data-dir"));
+
+        let other_real = DataOptions {
+            data: Some(DataKind::JsonFolder),
+            ..DataOptions::default()
+        };
+        let data = data_for(&other_real, None, Some(&info), path).unwrap();
+        assert_eq!(data.settings.data_dir, PathBuf::from("data"));
+        assert_eq!(
+            data.warnings,
+            vec!["--data json-folder differs from cifar10-bin, which the checkpoint was trained on; evaluating on json-folder"]
+        );
+
+        let synthetic = trained_on(DataKind::Synthetic, Some((192, 64, 7)));
+        let data = data_for(&DataOptions::default(), None, Some(&synthetic), path).unwrap();
+        assert_eq!(
+            (
+                data.seed,
+                data.settings.synthetic_train,
+                data.settings.synthetic_test
+            ),
+            (7, 192, 64)
+        );
+        let data = data_for(&DataOptions::default(), Some(3), Some(&synthetic), path).unwrap();
+        assert_eq!(data.seed, 3);
+        assert_eq!(
+            data.warnings,
+            vec![
+                "--seed 3 differs from the checkpoint's synthetic data (7): these are other images"
+            ]
+        );
+        let error = data_for(&other_real, None, Some(&synthetic), path).unwrap_err();
+        assert!(error.to_string().starts_with("--data json-folder contradicts epoch_1.safetensors, which was trained on synthetic"), "{error}");
+
+        let data = data_for(&DataOptions::default(), None, None, path).unwrap();
+        assert_eq!(data.settings.data, DataKind::Synthetic);
+        assert!(data.warnings[0].contains("does not say what it was trained on"));
+    }
 }

@@ -14,6 +14,7 @@ macro_rules! say {
 }
 
 mod bench;
+mod checkpoint_info;
 mod clock;
 mod data_source;
 mod eval;

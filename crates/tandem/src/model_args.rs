@@ -76,6 +76,95 @@ impl ModelArgs {
     }
 }
 
+impl ModelArgs {
+    /// The flags that build `spec`, every setting of its kind filled in.
+    pub fn from_spec(spec: &ModelSpec) -> ModelArgs {
+        match spec {
+            ModelSpec::ResNet18 { num_classes } => ModelArgs {
+                model: Some(ModelKind::Resnet18),
+                num_classes: Some(*num_classes),
+                ..ModelArgs::default()
+            },
+            ModelSpec::ResNetBase(spec) => ModelArgs {
+                model: Some(ModelKind::ResnetBase),
+                n_blocks: Some(spec.n_blocks.clone()),
+                n_channels: Some(spec.n_channels.clone()),
+                bottlenecks: Some(match &spec.bottlenecks {
+                    Some(channels) => comma_list(channels),
+                    None => "none".into(),
+                }),
+                first_kernel_size: Some(spec.first_kernel_size),
+                num_classes: Some(spec.num_classes),
+            },
+        }
+    }
+
+    /// The settings given, as (flag name without `--`, value) pairs in the flags' order.
+    pub fn flag_values(&self) -> Vec<(&'static str, String)> {
+        let model = self
+            .model
+            .map(|kind| crate::checkpoint_info::value_name(&kind));
+        [
+            ("model", model),
+            ("n-blocks", self.n_blocks.as_deref().map(comma_list)),
+            ("n-channels", self.n_channels.as_deref().map(comma_list)),
+            ("bottlenecks", self.bottlenecks.clone()),
+            (
+                "first-kernel-size",
+                self.first_kernel_size.map(|k| k.to_string()),
+            ),
+            ("num-classes", self.num_classes.map(|n| n.to_string())),
+        ]
+        .into_iter()
+        .filter_map(|(flag, value)| value.map(|value| (flag, value)))
+        .collect()
+    }
+
+    /// The settings given, as a command line: `--model resnet-base --n-blocks 6,6,6 ...`.
+    pub fn to_flags(&self) -> String {
+        self.flag_values()
+            .into_iter()
+            .map(|(flag, value)| format!("--{flag} {value}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// The flags given here that build something other than `recorded` (a checkpoint's
+    /// complete settings), each as `--flag value`.
+    pub fn contradictions(&self, recorded: &ModelArgs) -> Vec<String> {
+        let recorded_bottlenecks = recorded
+            .bottlenecks
+            .as_deref()
+            .map(parse_bottlenecks)
+            .and_then(Result::ok);
+        let differs = |flag: &str| match flag {
+            "model" => self.model != recorded.model,
+            "n-blocks" => self.n_blocks != recorded.n_blocks,
+            "n-channels" => self.n_channels != recorded.n_channels,
+            "bottlenecks" => {
+                let given = self.bottlenecks.as_deref().map(parse_bottlenecks);
+                !matches!((given, &recorded_bottlenecks), (Some(Ok(given)), Some(recorded)) if given == *recorded)
+            }
+            "first-kernel-size" => self.first_kernel_size != recorded.first_kernel_size,
+            _ => self.num_classes != recorded.num_classes,
+        };
+        self.flag_values()
+            .into_iter()
+            .filter(|(flag, _)| differs(flag))
+            .map(|(flag, value)| format!("--{flag} {value}"))
+            .collect()
+    }
+}
+
+/// `6,6,6`.
+fn comma_list(values: &[usize]) -> String {
+    values
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// `none` or a comma list of channel counts.
 fn parse_bottlenecks(text: &str) -> anyhow::Result<Option<Vec<usize>>> {
     if text.trim().eq_ignore_ascii_case("none") {
@@ -102,6 +191,38 @@ mod tests {
             spec,
             ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default())
         );
+    }
+
+    #[test]
+    fn flags_of_a_spec_build_it_and_contradictions_are_named() {
+        let specs = [
+            ModelSpec::ResNet18 { num_classes: 7 },
+            ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default()),
+        ];
+        for spec in &specs {
+            assert_eq!(ModelArgs::from_spec(spec).to_spec().unwrap(), *spec);
+        }
+        let recorded = ModelArgs::from_spec(&specs[1]);
+        assert_eq!(
+            recorded.to_flags(),
+            "--model resnet-base --n-blocks 6,6,6 --n-channels 16,32,64 --bottlenecks 8,16,16 --first-kernel-size 3 --num-classes 10"
+        );
+        let given = ModelArgs {
+            n_blocks: Some(vec![1, 1, 1]),
+            bottlenecks: Some(" 8, 16,16".into()),
+            num_classes: Some(10),
+            ..ModelArgs::default()
+        };
+        assert_eq!(given.contradictions(&recorded), vec!["--n-blocks 1,1,1"]);
+        let other_kind = ModelArgs {
+            model: Some(ModelKind::Resnet18),
+            ..ModelArgs::default()
+        };
+        assert_eq!(
+            other_kind.contradictions(&recorded),
+            vec!["--model resnet18"]
+        );
+        assert!(ModelArgs::default().contradictions(&recorded).is_empty());
     }
 
     #[test]

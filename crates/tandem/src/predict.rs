@@ -6,22 +6,26 @@ use clap::Args;
 use serde::Serialize;
 use tandem_models::Model;
 
+use crate::checkpoint_info::{class_name, model_for, normalization_for};
 use crate::evaluation::softmax;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, Rgb};
+use crate::weights::read_checkpoint_info;
 
 /// Settings of `tandem predict`.
 #[derive(Args)]
 pub struct PredictArgs {
-    /// Weights to use: a Tandem or PyTorch safetensors file, or a `torch.save` file.
+    /// Weights to use: a Tandem checkpoint or snapshot, a PyTorch safetensors file, or a
+    /// `torch.save` file. A Tandem checkpoint supplies its model, normalization and class
+    /// names; flags override them.
     #[arg(long)]
     pub checkpoint: PathBuf,
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Per-channel mean used in training.
+    /// Per-channel mean used in training [default: the checkpoint's, else none].
     #[arg(long)]
     pub mean: Option<Rgb>,
-    /// Per-channel standard deviation used in training.
+    /// Per-channel standard deviation used in training [default: the checkpoint's, else none].
     #[arg(long)]
     pub std: Option<Rgb>,
     /// How many classes to list per image.
@@ -42,6 +46,9 @@ pub struct PredictArgs {
 #[derive(Serialize)]
 struct ClassProbability {
     class: usize,
+    /// The class's name, when the checkpoint names its classes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
     probability: f64,
 }
 
@@ -56,17 +63,20 @@ struct Prediction {
 
 /// Runs `tandem predict`.
 pub fn run(args: PredictArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        args.mean.is_some() == args.std.is_some(),
-        "--mean and --std must be given together"
-    );
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
-    let mut model = Model::new(&args.model.to_spec()?)?;
+    let info = read_checkpoint_info(&args.checkpoint)?;
+    let spec = model_for(&args.model, info.as_ref(), &args.checkpoint)?;
+    let (normalization, warning) = normalization_for(args.mean, args.std, info.as_ref())?;
+    if let Some(warning) = warning {
+        eprintln!("warning: {warning}");
+    }
+    let class_names = info.map(|info| info.class_names).unwrap_or_default();
+    let mut model = Model::new(&spec)?;
     crate::weights::load_weights(&mut model, &args.checkpoint)?;
     for path in &args.images {
         let image = tandem_data::read_image(path)?;
         let mut pixels = image.pixels;
-        if let (Some(Rgb(mean)), Some(Rgb(std))) = (args.mean, args.std) {
+        if let Some((Rgb(mean), Rgb(std))) = normalization {
             for (index, value) in pixels.iter_mut().enumerate() {
                 let channel = index % 3;
                 *value = (*value - mean[channel]) / std[channel];
@@ -83,6 +93,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
             .take(args.top.max(1))
             .map(|&class| ClassProbability {
                 class,
+                name: class_names.get(class).cloned(),
                 probability: probabilities[class],
             })
             .collect();
@@ -98,7 +109,10 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
         } else {
             let listed: Vec<String> = top
                 .iter()
-                .map(|entry| format!("{} ({:.3})", entry.class, entry.probability))
+                .map(|entry| {
+                    let name = class_name(&class_names, entry.class);
+                    format!("{name} ({:.3})", entry.probability)
+                })
                 .collect();
             say!("{file}: {}", listed.join(", "));
         }

@@ -1,16 +1,37 @@
-//! Loading model weights from any file a user may bring: our safetensors checkpoints,
-//! PyTorch's safetensors, and the tutorials' own `torch.save` files.
+//! Loading model weights from any file a user may bring: our checkpoints and snapshots,
+//! PyTorch's safetensors, and the tutorials' own `torch.save` files. A file that holds
+//! another model is refused with what it holds and the flags that load it.
 
 use std::path::Path;
 
-use anyhow::Context;
-use tandem_models::Model;
+use anyhow::{bail, Context};
+use tandem_models::{
+    infer_spec, spec_tensor_shapes, Model, ModelSpec, NamedTensor, StateDictMismatch, TensorKind,
+    TensorShapes,
+};
+
+use crate::checkpoint_info::CheckpointInfo;
+use crate::model_args::ModelArgs;
+use crate::train::snapshot::{Snapshot, METADATA_KEY as SNAPSHOT_KEY};
 
 /// The prefix `DistributedDataParallel` puts before every key of its `state_dict`.
 const DDP_PREFIX: &str = "module.";
 
+/// What a weights file says about itself: `None` for files without Tandem's description
+/// (PyTorch's, `torch.save` files, Tandem's older checkpoints).
+pub fn read_checkpoint_info(path: &Path) -> anyhow::Result<Option<CheckpointInfo>> {
+    if is_zip_archive(path)? {
+        return Ok(None);
+    }
+    let metadata = tandem_models::read_safetensors_metadata(path)
+        .with_context(|| format!("cannot read weights file {}", path.display()))?;
+    CheckpointInfo::from_metadata(&metadata)
+        .with_context(|| format!("cannot read the description in {}", path.display()))
+}
+
 /// Loads weights into `model` from `path`, choosing the reader by the file's first bytes:
-/// a zip archive is a `torch.save` file, anything else is read as safetensors.
+/// a zip archive is a `torch.save` file, anything else is safetensors: a snapshot (its
+/// weights; the optimizer state is left out) or a `state_dict`.
 pub fn load_weights(model: &mut Model, path: &Path) -> anyhow::Result<()> {
     if is_zip_archive(path)? {
         let checkpoint = tandem_pickle::read_torch_state_dict(path)
@@ -19,17 +40,132 @@ pub fn load_weights(model: &mut Model, path: &Path) -> anyhow::Result<()> {
             .tensors
             .iter()
             .any(|tensor| tensor.name.starts_with(DDP_PREFIX));
-        tandem_models::load_named_tensors(
-            model,
-            &checkpoint.tensors,
-            prefixed.then_some(DDP_PREFIX),
-        )
-        .with_context(|| format!("cannot load weights from {}", path.display()))?;
-    } else {
-        tandem_models::load_safetensors(model, path)
-            .with_context(|| format!("cannot load weights from {}", path.display()))?;
+        let prefix = prefixed.then_some(DDP_PREFIX);
+        return load_state_dict(model, &checkpoint.tensors, prefix, None, path);
     }
-    Ok(())
+    let metadata = tandem_models::read_safetensors_metadata(path)
+        .with_context(|| format!("cannot read weights file {}", path.display()))?;
+    // A damaged description is no reason to refuse weights that fit.
+    let info = CheckpointInfo::from_metadata(&metadata).ok().flatten();
+    if metadata.contains_key(SNAPSHOT_KEY) {
+        return load_snapshot_weights(model, path, info.as_ref());
+    }
+    let (tensors, _) = tandem_models::read_safetensors(path, |name| {
+        match model.tensor_info(name).map(|info| info.kind) {
+            Some(TensorKind::BatchCount) => "I64",
+            _ => "F32",
+        }
+    })
+    .with_context(|| format!("cannot read weights file {}", path.display()))?;
+    load_state_dict(model, &tensors, None, info.as_ref(), path)
+}
+
+/// Loads `state_dict` tensors after checking that they are this model's, every one.
+fn load_state_dict(
+    model: &mut Model,
+    tensors: &[NamedTensor],
+    strip_prefix: Option<&str>,
+    info: Option<&CheckpointInfo>,
+    path: &Path,
+) -> anyhow::Result<()> {
+    let shapes: TensorShapes = tensors
+        .iter()
+        .map(|tensor| {
+            let name = strip_prefix
+                .and_then(|prefix| tensor.name.strip_prefix(prefix))
+                .unwrap_or(&tensor.name);
+            (name.to_string(), tensor.shape.clone())
+        })
+        .collect();
+    let mismatch = StateDictMismatch::between(&shapes, &spec_tensor_shapes(model.spec()));
+    if !mismatch.is_empty() {
+        let holds = match info {
+            Some(info) => Holds::Described(info.model.clone()),
+            None => match infer_spec(&shapes) {
+                Some(spec) => Holds::Inferred(ModelArgs::from_spec(&spec)),
+                None => Holds::Unknown(shapes.len()),
+            },
+        };
+        bail!(wrong_model_message(
+            path,
+            model.spec(),
+            &holds,
+            &mismatch.summary()
+        ));
+    }
+    tandem_models::load_named_tensors(model, tensors, strip_prefix)
+        .with_context(|| format!("cannot load weights from {}", path.display()))
+}
+
+/// Puts a snapshot's weights and BN state into `model`, after checking it is the same model.
+fn load_snapshot_weights(
+    model: &mut Model,
+    path: &Path,
+    info: Option<&CheckpointInfo>,
+) -> anyhow::Result<()> {
+    let snapshot = Snapshot::load(path)?;
+    let built = format!("{:?}", Some(model.spec()));
+    let holds = match info {
+        Some(info) => (info.model.to_spec().ok().as_ref() != Some(model.spec()))
+            .then(|| Holds::Described(info.model.clone())),
+        // Snapshots written before the description record the model in their settings.
+        None => snapshot
+            .settings
+            .get("model")
+            .filter(|recorded| **recorded != built)
+            .map(|recorded| Holds::Recorded(recorded.clone())),
+    };
+    if let Some(holds) = holds {
+        bail!(wrong_model_message(
+            path,
+            model.spec(),
+            &holds,
+            "a snapshot's weights fit only the model it was taken of"
+        ));
+    }
+    snapshot
+        .restore_model(model)
+        .with_context(|| format!("cannot load the weights of snapshot {}", path.display()))
+}
+
+/// What a file that does not fit the model holds, as far as can be told.
+enum Holds {
+    /// The model its metadata describes.
+    Described(ModelArgs),
+    /// The model its tensor names and shapes match exactly.
+    Inferred(ModelArgs),
+    /// The model a pre-description snapshot records, as the run printed it.
+    Recorded(String),
+    /// Neither model: this many tensors.
+    Unknown(usize),
+}
+
+/// "FILE holds X, not the model built here (Y): DETAILS. Load it with: FLAGS".
+fn wrong_model_message(path: &Path, built: &ModelSpec, holds: &Holds, details: &str) -> String {
+    let built = ModelArgs::from_spec(built).to_flags();
+    let (what, flags) = match holds {
+        Holds::Described(args) => (
+            format!("the model `{}` (from its metadata)", args.to_flags()),
+            Some(args.to_flags()),
+        ),
+        Holds::Inferred(args) => (
+            format!("the model `{}` (told from its tensors)", args.to_flags()),
+            Some(args.to_flags()),
+        ),
+        Holds::Recorded(model) => (format!("another model ({model})"), None),
+        Holds::Unknown(count) => (
+            format!("{count} tensors that are not a model Tandem builds (resnet18 or resnet-base)"),
+            None,
+        ),
+    };
+    let mut message = format!(
+        "{} holds {what}, not the model built here (`{built}`): {details}",
+        path.display()
+    );
+    if let Some(flags) = flags {
+        message.push_str(&format!("\nload it with: {flags}"));
+    }
+    message
 }
 
 /// Whether the file starts with a zip archive's local-header signature.
@@ -42,4 +178,73 @@ fn is_zip_archive(path: &Path) -> anyhow::Result<bool> {
         .read(&mut signature)
         .with_context(|| format!("cannot read weights file {}", path.display()))?;
     Ok(read == 4 && signature == *b"PK\x03\x04")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::snapshot::Progress;
+    use crate::train::snapshot::Snapshot;
+    use std::collections::BTreeMap;
+    use tandem_engine::OptimizerState;
+
+    fn small_model() -> Model {
+        let args = crate::model_args::ModelArgs {
+            n_blocks: Some(vec![1, 1, 1]),
+            n_channels: Some(vec![4, 8, 8]),
+            bottlenecks: Some("none".to_string()),
+            ..Default::default()
+        };
+        let mut model = Model::new(&args.to_spec().unwrap()).unwrap();
+        model.init_default(1);
+        model
+    }
+
+    #[test]
+    fn a_snapshot_gives_its_weights_and_bn_statistics() {
+        let mut trained = small_model();
+        for (index, value) in trained.params_mut().iter_mut().enumerate() {
+            *value = index as f32 * 1e-3;
+        }
+        for (index, value) in trained.buffers_mut().iter_mut().enumerate() {
+            *value = 1.0 + index as f32;
+        }
+        trained.set_num_batches_tracked(17);
+        let snapshot = Snapshot::capture(
+            &trained,
+            OptimizerState {
+                step: 5,
+                slots: vec![(
+                    "momentum_buffer".to_string(),
+                    vec![0.5; trained.params().len()],
+                )],
+            },
+            Progress {
+                epoch: 3,
+                ..Progress::default()
+            },
+            Vec::new(),
+            BTreeMap::from([("lr".to_string(), "0.1".to_string())]),
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("snapshot.safetensors");
+        snapshot.save(&path).unwrap();
+
+        let mut fresh = small_model();
+        load_weights(&mut fresh, &path).unwrap();
+        assert_eq!(fresh.params(), trained.params());
+        assert_eq!(fresh.buffers(), trained.buffers());
+        assert_eq!(fresh.num_batches_tracked(), 17);
+    }
+
+    #[test]
+    fn a_weights_file_is_not_taken_for_a_snapshot() {
+        let model = small_model();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("epoch_1.safetensors");
+        tandem_models::save_safetensors(&model, &path, &BTreeMap::new()).unwrap();
+        let mut other = small_model();
+        load_weights(&mut other, &path).unwrap();
+        assert_eq!(other.params(), model.params());
+    }
 }

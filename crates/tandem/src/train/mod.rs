@@ -8,7 +8,6 @@
 pub mod ddp;
 pub mod fresh_start;
 pub mod history;
-pub mod initial_weights;
 pub mod placement;
 pub mod run_lock;
 pub mod schedule;
@@ -30,8 +29,10 @@ use tandem_data::{
 use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tandem_models::{BatchNormReducer, LossOptions, Model};
 
+use crate::checkpoint_info::CheckpointInfo;
 use crate::data_source::{load_split, normalization, Split};
 use crate::evaluation::{evaluate, Evaluation};
+use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use ddp::Ddp;
 use history::{write_history, EpochRecord};
@@ -99,7 +100,7 @@ impl Trainer {
         let mut model = Model::new(&spec)?;
         model.init_default(settings.seed);
         if let Some(path) = &settings.init_from {
-            initial_weights::load_initial_weights(&mut model, path)?;
+            crate::weights::load_weights(&mut model, path)?;
         }
         let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
         let test_set = Arc::new(load_split(&settings.data, settings.seed, Split::Test)?);
@@ -600,7 +601,7 @@ impl Trainer {
             .settings
             .output_dir
             .join(format!("epoch_{epoch_number}.safetensors"));
-        let metadata = BTreeMap::from([("epoch".to_string(), epoch_number.to_string())]);
+        let metadata = self.checkpoint_metadata(self.history.last())?;
         tandem_models::save_safetensors(&self.model, &path, &metadata)
             .with_context(|| format!("cannot write checkpoint {}", path.display()))?;
         if self.settings.keep_last > 0 {
@@ -620,6 +621,13 @@ impl Trainer {
             self.progress.clone(),
             self.history.clone(),
             fingerprint(&self.settings, self.world_size()),
+        )
+        .with_metadata(
+            self.checkpoint_metadata(
+                self.history
+                    .last()
+                    .filter(|_| self.progress.step_in_epoch == 0),
+            )?,
         );
         snapshot.save(&self.settings.snapshot)
     }
@@ -633,6 +641,22 @@ impl Trainer {
         values[ddp.rank()] = value;
         ddp.sum_f64(&mut values)?;
         Ok(values)
+    }
+
+    /// What a checkpoint of the weights as they stand says about itself; `epoch` is the
+    /// record of the epoch whose end they are, if they are one.
+    fn checkpoint_metadata(
+        &self,
+        epoch: Option<&EpochRecord>,
+    ) -> anyhow::Result<BTreeMap<String, String>> {
+        CheckpointInfo::of_run(
+            &self.settings,
+            &ModelArgs::from_spec(self.model.spec()),
+            &self.train_set.class_names,
+            epoch,
+            self.progress.global_step,
+        )
+        .to_metadata()
     }
 
     fn reached_max_steps(&self) -> bool {

@@ -6,7 +6,7 @@
 //! Writing keeps the previous snapshot as `<name>.prev`, so a snapshot that fails its
 //! check on load falls back to the one before it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -68,6 +68,9 @@ pub struct Snapshot {
     pub num_batches_tracked: u64,
     /// The optimizer's state.
     pub optimizer: OptimizerState,
+    /// Further metadata strings: what `eval` and `predict` need to use the weights
+    /// (see `checkpoint_info`); outside the checksum, as it decides no numbers.
+    pub metadata: BTreeMap<String, String>,
 }
 
 impl Snapshot {
@@ -87,7 +90,14 @@ impl Snapshot {
             buffers: model.buffers().to_vec(),
             num_batches_tracked: model.num_batches_tracked(),
             optimizer,
+            metadata: BTreeMap::new(),
         }
+    }
+
+    /// The snapshot with `metadata` stored beside its own description.
+    pub fn with_metadata(mut self, metadata: BTreeMap<String, String>) -> Self {
+        self.metadata = metadata;
+        self
     }
 
     /// Puts the snapshot's weights and BN state into `model`.
@@ -151,11 +161,12 @@ impl Snapshot {
                 Ok((name.clone(), view))
             })
             .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-        let metadata = HashMap::from([(
+        let mut metadata = self.metadata.clone();
+        metadata.insert(
             METADATA_KEY.to_string(),
             serde_json::to_string(&description)?,
-        )]);
-        Ok(safetensors::serialize(views, Some(metadata))?)
+        );
+        Ok(tandem_models::serialize_safetensors(views, &metadata)?)
     }
 
     /// Reads and checks the snapshot at `path`.
@@ -168,12 +179,15 @@ impl Snapshot {
     /// Reads and checks a snapshot from its serialized bytes.
     pub fn from_bytes(bytes: &[u8]) -> anyhow::Result<Self> {
         let (_, header) = safetensors::SafeTensors::read_metadata(bytes)?;
-        let description_json = header
+        let mut metadata: BTreeMap<String, String> = header
             .metadata()
             .as_ref()
-            .and_then(|metadata| metadata.get(METADATA_KEY))
+            .map(|metadata| metadata.clone().into_iter().collect())
+            .unwrap_or_default();
+        let description_json = metadata
+            .remove(METADATA_KEY)
             .context("it has no tandem.snapshot metadata")?;
-        let description: Description = serde_json::from_str(description_json)
+        let description: Description = serde_json::from_str(&description_json)
             .context("its tandem.snapshot metadata is not valid")?;
         if description.version != SNAPSHOT_VERSION {
             bail!(
@@ -222,6 +236,7 @@ impl Snapshot {
                 step: description.optimizer_step,
                 slots,
             },
+            metadata,
         })
     }
 }
