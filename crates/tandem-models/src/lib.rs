@@ -20,7 +20,10 @@ mod tensors;
 mod workspace;
 
 pub use error::ModelError;
-pub use io::{load_named_tensors, load_safetensors, save_safetensors, NamedTensor, TensorData};
+pub use io::{
+    load_named_tensors, load_safetensors, load_torch_save, save_safetensors, NamedTensor,
+    TensorData, TorchCheckpoint,
+};
 pub use model::{LossOptions, Model};
 pub use spec::{ModelSpec, ResNetBaseSpec};
 pub use tandem_engine::BatchNormReducer;

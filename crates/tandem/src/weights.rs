@@ -13,18 +13,8 @@ const DDP_PREFIX: &str = "module.";
 /// a zip archive is a `torch.save` file, anything else is read as safetensors.
 pub fn load_weights(model: &mut Model, path: &Path) -> anyhow::Result<()> {
     if is_zip_archive(path)? {
-        let checkpoint = tandem_pickle::read_torch_state_dict(path)
-            .with_context(|| format!("cannot read PyTorch checkpoint {}", path.display()))?;
-        let prefixed = checkpoint
-            .tensors
-            .iter()
-            .any(|tensor| tensor.name.starts_with(DDP_PREFIX));
-        tandem_models::load_named_tensors(
-            model,
-            &checkpoint.tensors,
-            prefixed.then_some(DDP_PREFIX),
-        )
-        .with_context(|| format!("cannot load weights from {}", path.display()))?;
+        tandem_models::load_torch_save(model, path, Some(DDP_PREFIX))
+            .with_context(|| format!("cannot load weights from {}", path.display()))?;
     } else {
         tandem_models::load_safetensors(model, path)
             .with_context(|| format!("cannot load weights from {}", path.display()))?;
