@@ -79,7 +79,7 @@ fn unpickle(path: &Path, max_bytes: u64) -> Result<Value, DataError> {
         DataError::format(
             path,
             format!(
-                "{len} bytes, more than a CIFAR-10 python batch holds (at most {max_bytes} bytes)"
+                "{len} bytes, more than this CIFAR-10 python file can hold (at most {max_bytes} bytes)"
             ),
         )
     };
