@@ -228,7 +228,7 @@ impl<R: Read + Seek> TorchStateDict<R> {
             .fold(0u64, u64::saturating_add);
         if total > max_storage_bytes {
             return Err(self.archive.error(format!(
-                "its storages hold {total} bytes, more than the {max_storage_bytes} bytes its tensors can need"
+                "its storages hold {total} bytes, more than the {max_storage_bytes} bytes the tensors being loaded need"
             )));
         }
         let mut tensors: Vec<Option<NamedTensor>> = vec![None; self.pending.len()];

@@ -92,8 +92,10 @@ fn assert_peak_within(what: &str, measured: &Measured, baseline: &Measured) {
     );
 }
 
-/// Runs `tandem args`, with output to files, and reaps it with `wait4` to read its own
-/// peak resident set size.
+/// Runs `tandem args`, with output to files, and reaps it with `wait4` to read its peak
+/// resident set size (never less than its own peak; see the module comment).
+// The child is reaped by `wait4` (which also gives its resource usage), not `Child::wait`.
+#[allow(clippy::zombie_processes)]
 fn run_measured(args: &[String]) -> Measured {
     let logs = tempfile::tempdir().expect("temp dir");
     let stdout_path = logs.path().join("stdout");
