@@ -12,6 +12,15 @@ use crate::error::DataError;
 
 /// Bytes per record: the label, then the 3,072 pixel bytes.
 pub(crate) const RECORD_LEN: usize = 1 + 3072;
+/// Most records a batch file holds: CIFAR-10's batches hold 10,000 each.
+const MAX_RECORDS_PER_BATCH: usize = 10_000;
+/// Most bytes a batch file holds: 30,730,000.
+const MAX_BATCH_BYTES: u64 = (MAX_RECORDS_PER_BATCH * RECORD_LEN) as u64;
+/// Most bytes of the class-names file (the official one has 61).
+const MAX_META_BYTES: u64 = 4096;
+/// Most bytes the archive may inflate to: six batches, the class names and a readme, with
+/// room for the tar headers (the official archive inflates to about 184.4 MB).
+const MAX_ARCHIVE_INFLATED_BYTES: u64 = 6 * MAX_BATCH_BYTES + (8 << 20);
 /// The folder name inside the official archive.
 const BATCHES_FOLDER: &str = "cifar-10-batches-bin";
 /// Archive names accepted in a data folder: the official one, then the shared copy's.
@@ -76,14 +85,28 @@ fn load_folder(folder: &Path, split: Split) -> Result<Dataset, DataError> {
     let mut parsed = Parsed::default();
     for name in batch_files(split) {
         let path = folder.join(&name);
-        let bytes = std::fs::read(&path).map_err(|source| DataError::io(&path, source))?;
+        let file = File::open(&path).map_err(|source| DataError::io(&path, source))?;
+        let len = file
+            .metadata()
+            .map_err(|source| DataError::io(&path, source))?
+            .len();
+        check_batch_len(&path, len)?;
+        let mut bytes = Vec::with_capacity(len as usize);
+        file.take(MAX_BATCH_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|source| DataError::io(&path, source))?;
+        check_batch_len(&path, bytes.len() as u64)?;
         parsed.add_records(&path, &bytes)?;
     }
     let meta_path = folder.join(META_FILE);
     let class_names = if meta_path.is_file() {
-        let text = std::fs::read_to_string(&meta_path)
+        let file = File::open(&meta_path).map_err(|source| DataError::io(&meta_path, source))?;
+        let mut bytes = Vec::new();
+        file.take(MAX_META_BYTES + 1)
+            .read_to_end(&mut bytes)
             .map_err(|source| DataError::io(&meta_path, source))?;
-        parse_class_names(&meta_path, &text)?
+        check_meta_len(&meta_path, bytes.len() as u64)?;
+        parse_class_names(&meta_path, &String::from_utf8_lossy(&bytes))?
     } else {
         cifar10_class_names()
     };
@@ -97,8 +120,11 @@ fn load_archive(archive_path: &Path, split: Split) -> Result<Dataset, DataError>
         message,
     };
     let file = File::open(archive_path).map_err(|source| DataError::io(archive_path, source))?;
-    let mut archive =
-        tar::Archive::new(flate2::read::GzDecoder::new(std::io::BufReader::new(file)));
+    let inflated = InflationBound {
+        inner: flate2::read::GzDecoder::new(std::io::BufReader::new(file)),
+        remaining: MAX_ARCHIVE_INFLATED_BYTES,
+    };
+    let mut archive = tar::Archive::new(inflated);
     let wanted = batch_files(split);
     let mut members: HashMap<String, Vec<u8>> = HashMap::new();
     let mut meta_text = None;
@@ -120,10 +146,22 @@ fn load_archive(archive_path: &Path, split: Split) -> Result<Dataset, DataError>
         if !wanted.contains(&file_name) && !is_meta {
             continue;
         }
-        let mut bytes = Vec::with_capacity(entry.size().min(64 << 20) as usize);
-        entry.read_to_end(&mut bytes).map_err(|error| {
-            archive_error(format!("damaged member {}: {error}", member_path.display()))
-        })?;
+        let shown_path = archive_path.join(&member_path);
+        let limit = if is_meta {
+            check_meta_len(&shown_path, entry.size())?;
+            MAX_META_BYTES
+        } else {
+            check_batch_len(&shown_path, entry.size())?;
+            MAX_BATCH_BYTES
+        };
+        let mut bytes = Vec::with_capacity(entry.size().min(limit) as usize);
+        entry
+            .by_ref()
+            .take(limit + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|error| {
+                archive_error(format!("damaged member {}: {error}", member_path.display()))
+            })?;
         if is_meta {
             meta_text = Some(String::from_utf8_lossy(&bytes).into_owned());
         } else {
@@ -143,6 +181,57 @@ fn load_archive(archive_path: &Path, split: Split) -> Result<Dataset, DataError>
         None => cifar10_class_names(),
     };
     Ok(Dataset::cifar10(parsed.pixels, parsed.labels, class_names))
+}
+
+/// Refuses a batch file longer than any CIFAR-10 batch, before it is read.
+fn check_batch_len(path: &Path, len: u64) -> Result<(), DataError> {
+    if len > MAX_BATCH_BYTES {
+        return Err(DataError::format(
+            path,
+            format!(
+                "{len} bytes, more than a CIFAR-10 batch holds (at most {MAX_BATCH_BYTES} bytes: {MAX_RECORDS_PER_BATCH} records of {RECORD_LEN})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a class-names file longer than ten names can need, before it is read.
+fn check_meta_len(path: &Path, len: u64) -> Result<(), DataError> {
+    if len > MAX_META_BYTES {
+        return Err(DataError::format(
+            path,
+            format!("{len} bytes, more than ten class names need (at most {MAX_META_BYTES})"),
+        ));
+    }
+    Ok(())
+}
+
+/// A reader that fails once more than `remaining` bytes have come through: the archive's
+/// whole inflated stream is bounded, members that are skipped included.
+struct InflationBound<R> {
+    inner: R,
+    remaining: u64,
+}
+
+impl<R: Read> Read for InflationBound<R> {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        if self.remaining == 0 {
+            let mut probe = [0u8; 1];
+            if self.inner.read(&mut probe)? == 0 {
+                return Ok(0);
+            }
+            return Err(std::io::Error::other(format!(
+                "it inflates to more than {MAX_ARCHIVE_INFLATED_BYTES} bytes, more than CIFAR-10's archive holds"
+            )));
+        }
+        let wanted = buffer
+            .len()
+            .min(self.remaining.min(usize::MAX as u64) as usize);
+        let count = self.inner.read(&mut buffer[..wanted])?;
+        self.remaining -= count as u64;
+        Ok(count)
+    }
 }
 
 /// Labels and HWC pixels gathered from batch files.

@@ -1,11 +1,13 @@
 //! CIFAR-10's python-pickle layout (`cifar-10-batches-py/`), read as seed 000's
 //! `load_cifar_data` does: each batch is a Python 2 pickle of a dict with `data` (a numpy
 //! uint8 array [rows, 3072], R, G, B planes) and `labels` (a list of ints). Any number of
-//! rows per batch is accepted.
+//! rows per batch up to CIFAR-10's 10,000 is accepted.
 
+use std::fs::File;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use tandem_pickle::{loads, ndarray_from_value, DType, Value};
+use tandem_pickle::{loads_with_limits, ndarray_from_value, DType, Limits, Value};
 
 use crate::dataset::{cifar10_class_names, planes_to_hwc, Dataset, Split};
 use crate::error::DataError;
@@ -14,6 +16,16 @@ use crate::error::DataError;
 const BATCHES_FOLDER: &str = "cifar-10-batches-py";
 /// Pixel bytes per row of `data`.
 const ROW_LEN: usize = 3072;
+/// Most rows a batch holds: CIFAR-10's batches hold 10,000 each.
+const MAX_ROWS: usize = 10_000;
+/// Most bytes of a batch file, and of the strings it unpickles to: the 30,720,000 pixel
+/// bytes, plus room for the labels, file names and batch label (the official batches take
+/// about 316,000 bytes for these).
+const MAX_BATCH_BYTES: u64 = (MAX_ROWS * ROW_LEN) as u64 + (2 << 20);
+/// Most values a batch unpickles to: a label and a file name per row, and a few more.
+const MAX_BATCH_VALUES: u64 = 3 * MAX_ROWS as u64 + 1000;
+/// Most bytes of `batches.meta` (the official one has 158).
+const MAX_META_BYTES: u64 = 64 << 10;
 
 /// The batch files of a split, in order.
 fn batch_files(split: Split) -> Vec<String> {
@@ -55,9 +67,38 @@ fn locate(dir: &Path) -> Result<PathBuf, DataError> {
     })
 }
 
-fn unpickle(path: &Path) -> Result<Value, DataError> {
-    let bytes = std::fs::read(path).map_err(|source| DataError::io(path, source))?;
-    loads(&bytes).map_err(|source| DataError::Pickle {
+/// Reads and unpickles a file of at most `max_bytes`, refused by its size before it is
+/// read; what it unpickles to is bounded by the same number of bytes.
+fn unpickle(path: &Path, max_bytes: u64) -> Result<Value, DataError> {
+    let file = File::open(path).map_err(|source| DataError::io(path, source))?;
+    let len = file
+        .metadata()
+        .map_err(|source| DataError::io(path, source))?
+        .len();
+    let too_long = |len: u64| {
+        DataError::format(
+            path,
+            format!(
+                "{len} bytes, more than this CIFAR-10 python file can hold (at most {max_bytes} bytes)"
+            ),
+        )
+    };
+    if len > max_bytes {
+        return Err(too_long(len));
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.take(max_bytes + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|source| DataError::io(path, source))?;
+    if bytes.len() as u64 > max_bytes {
+        return Err(too_long(bytes.len() as u64));
+    }
+    let limits = Limits {
+        max_depth: 32,
+        max_output_bytes: max_bytes,
+        max_output_values: MAX_BATCH_VALUES,
+    };
+    loads_with_limits(&bytes, limits).map_err(|source| DataError::Pickle {
         path: path.to_path_buf(),
         source,
     })
@@ -84,7 +125,7 @@ fn field<'v>(path: &Path, batch: &'v Value, key: &str) -> Result<&'v Value, Data
 }
 
 fn read_batch(path: &Path, pixels: &mut Vec<u8>, labels: &mut Vec<u32>) -> Result<(), DataError> {
-    let batch = unpickle(path)?;
+    let batch = unpickle(path, MAX_BATCH_BYTES)?;
     let data = field(path, &batch, "data")?;
     let array = ndarray_from_value(data).map_err(|source| DataError::Pickle {
         path: path.to_path_buf(),
@@ -108,6 +149,12 @@ fn read_batch(path: &Path, pixels: &mut Vec<u8>, labels: &mut Vec<u32>) -> Resul
             ),
         ));
     };
+    if rows > MAX_ROWS {
+        return Err(DataError::format(
+            path,
+            format!("field 'data' has {rows} rows, more than a CIFAR-10 batch holds ({MAX_ROWS})"),
+        ));
+    }
     if row_len != ROW_LEN {
         return Err(DataError::format(
             path,
@@ -153,7 +200,7 @@ fn read_batch(path: &Path, pixels: &mut Vec<u8>, labels: &mut Vec<u32>) -> Resul
 }
 
 fn read_class_names(path: &Path) -> Result<Vec<String>, DataError> {
-    let meta = unpickle(path)?;
+    let meta = unpickle(path, MAX_META_BYTES)?;
     let names = field(path, &meta, "label_names")?
         .as_sequence()
         .ok_or_else(|| DataError::format(path, "field 'label_names' is not a list"))?;

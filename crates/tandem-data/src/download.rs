@@ -24,6 +24,11 @@ pub const CIFAR10_MD5: &str = "c32a1d4ab5d03f1284b67883e8d87530";
 /// The archive's file name.
 pub const CIFAR10_ARCHIVE_NAME: &str = "cifar-10-binary.tar.gz";
 
+/// The most bytes [`download_cifar10`] accepts: the official archive is about 170 MB.
+pub const CIFAR10_MAX_DOWNLOAD_BYTES: u64 = 180_000_000;
+/// The most bytes [`download_file`] accepts.
+pub const MAX_DOWNLOAD_BYTES: u64 = 1 << 30;
+
 /// Redirects followed before giving up.
 const MAX_REDIRECTS: usize = 5;
 /// Longest response head accepted.
@@ -66,7 +71,13 @@ pub fn download_cifar10(
 ) -> Result<PathBuf, DataError> {
     std::fs::create_dir_all(dir).map_err(|source| DataError::io(dir, source))?;
     let destination = dir.join(CIFAR10_ARCHIVE_NAME);
-    download_file(url, &destination, CIFAR10_MD5, progress)?;
+    download_file_bounded(
+        url,
+        &destination,
+        CIFAR10_MD5,
+        CIFAR10_MAX_DOWNLOAD_BYTES,
+        progress,
+    )?;
     Ok(destination)
 }
 
@@ -74,11 +85,24 @@ pub fn download_cifar10(
 /// to `<destination>.part` first; an existing partial file is resumed with a `Range`
 /// request (or restarted if the server ignores it); the file is synced and renamed into
 /// place only once its md5 matches. A file already at `destination` with the right md5 is
-/// left alone.
+/// left alone. At most [`MAX_DOWNLOAD_BYTES`] are accepted (see [`download_file_bounded`]).
 pub fn download_file(
     url: &str,
     destination: &Path,
     expected_md5: &str,
+    progress: &mut dyn FnMut(u64, Option<u64>),
+) -> Result<(), DataError> {
+    download_file_bounded(url, destination, expected_md5, MAX_DOWNLOAD_BYTES, progress)
+}
+
+/// [`download_file`] of a file that holds at most `max_bytes`: a response announcing more is
+/// refused before its body is read, and a body that runs past it is cut off and its partial
+/// file removed, so a server cannot fill the disk.
+pub fn download_file_bounded(
+    url: &str,
+    destination: &Path,
+    expected_md5: &str,
+    max_bytes: u64,
     progress: &mut dyn FnMut(u64, Option<u64>),
 ) -> Result<(), DataError> {
     if destination.is_file() && file_md5(destination)? == expected_md5 {
@@ -97,16 +121,38 @@ pub fn download_file(
         _ => File::create(&partial).map_err(|source| DataError::io(&partial, source))?,
     };
     let resumed_from = response.start.unwrap_or(0);
-    let total = response.body_len.map(|len| len + resumed_from);
-    copy_body(
+    let total = response
+        .body_len
+        .map(|len| len.saturating_add(resumed_from));
+    if let Some(total) = total.filter(|&total| total > max_bytes) {
+        drop(file);
+        let _ = std::fs::remove_file(&partial);
+        return Err(download_error(
+            url,
+            format!(
+                "the server announces {total} bytes, more than the {max_bytes} this file can have"
+            ),
+        ));
+    }
+    let copied = copy_body(
         url,
         response,
         &mut file,
         &partial,
-        resumed_from,
-        total,
+        Span {
+            resumed_from,
+            total,
+            max_bytes,
+        },
         progress,
-    )?;
+    );
+    if let Err(error) = copied {
+        if matches!(&error, DataError::Download { message, .. } if message.starts_with(TOO_LONG)) {
+            drop(file);
+            let _ = std::fs::remove_file(&partial);
+        }
+        return Err(error);
+    }
     file.sync_all()
         .map_err(|source| DataError::io(&partial, source))?;
     drop(file);
@@ -135,17 +181,32 @@ fn partial_path(destination: &Path) -> PathBuf {
     destination.with_file_name(name)
 }
 
+/// Where a body lies in the file: from where it resumes, the announced total, and the most
+/// the file may hold.
+struct Span {
+    resumed_from: u64,
+    total: Option<u64>,
+    max_bytes: u64,
+}
+
+/// How the error of a body that runs past the bound begins.
+const TOO_LONG: &str = "the body runs past";
+
 /// Appends the response body to `file`; a body cut short is an error that keeps the
-/// partial file for the next attempt to resume.
+/// partial file for the next attempt to resume, a body longer than the bound an error.
 fn copy_body(
     url: &str,
     mut response: Response,
     file: &mut File,
     partial: &Path,
-    resumed_from: u64,
-    total: Option<u64>,
+    span: Span,
     progress: &mut dyn FnMut(u64, Option<u64>),
 ) -> Result<(), DataError> {
+    let Span {
+        resumed_from,
+        total,
+        max_bytes,
+    } = span;
     let mut received = 0u64;
     let mut chunk = vec![0u8; 256 * 1024];
     loop {
@@ -166,6 +227,12 @@ fn copy_body(
         };
         if count == 0 {
             break;
+        }
+        if resumed_from + received + count as u64 > max_bytes {
+            return Err(download_error(
+                url,
+                format!("{TOO_LONG} {max_bytes} bytes, more than this file can have; the partial file was removed"),
+            ));
         }
         file.write_all(&chunk[..count])
             .map_err(|source| DataError::io(partial, source))?;

@@ -7,7 +7,10 @@ use std::path::Path;
 use std::thread::JoinHandle;
 
 use md5::{Digest, Md5};
-use tandem_data::{download_cifar10, download_file, DataError, CIFAR10_ARCHIVE_NAME, CIFAR10_MD5};
+use tandem_data::{
+    download_cifar10, download_file, download_file_bounded, DataError, CIFAR10_ARCHIVE_NAME,
+    CIFAR10_MD5,
+};
 
 /// What the server does with one connection.
 #[derive(Clone, Copy)]
@@ -24,6 +27,8 @@ enum Reply {
     Redirect,
     /// 404.
     Missing,
+    /// 200 with the whole body and no `Content-Length`: the body ends when the connection closes.
+    Unannounced,
 }
 
 /// Serves `body` to one connection per reply; returns the address and the request heads.
@@ -87,6 +92,11 @@ fn answer(mut stream: TcpStream, body: &[u8], reply: Reply) -> String {
             b"HTTP/1.1 302 Found\r\nLocation: /file\r\nContent-Length: 0\r\n\r\n".to_vec()
         }
         (Reply::Missing, _) => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n".to_vec(),
+        (Reply::Unannounced, _) => {
+            let mut out = b"HTTP/1.1 200 OK\r\n\r\n".to_vec();
+            out.extend_from_slice(body);
+            out
+        }
     };
     let _ = stream.write_all(&response);
     head
@@ -266,4 +276,64 @@ fn ensure_downloaded_keeps_data_already_there_and_fetches_otherwise() {
     let error = tandem_data::ensure_cifar10_downloaded(empty.path(), &url).unwrap_err();
     assert!(matches!(error, DataError::Checksum { .. }), "{error}");
     server.join().unwrap();
+}
+
+#[test]
+fn a_file_longer_than_its_bound_is_refused_and_not_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    let body = body();
+    let bound = body.len() as u64 - 1;
+
+    // Announced by Content-Length: refused before the body is read.
+    let (url, server) = serve(body.clone(), vec![Reply::Serve]);
+    let error = download_file_bounded(
+        &url,
+        &destination,
+        &md5_hex(&body),
+        bound,
+        &mut no_progress(),
+    )
+    .unwrap_err();
+    server.join().unwrap();
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "download of {url}: the server announces {} bytes, more than the {bound} this file can have",
+            body.len()
+        )
+    );
+    assert!(!destination.exists() && !partial(&destination).exists());
+
+    // Resumed from a partial file: the announced rest plus what is there is too long.
+    std::fs::write(partial(&destination), &body[..1000]).unwrap();
+    let (url, server) = serve(body.clone(), vec![Reply::Serve]);
+    let error = download_file_bounded(
+        &url,
+        &destination,
+        &md5_hex(&body),
+        bound,
+        &mut no_progress(),
+    )
+    .unwrap_err();
+    server.join().unwrap();
+    assert!(error.to_string().contains("more than the"), "{error}");
+    assert!(!destination.exists() && !partial(&destination).exists());
+
+    // Not announced: cut off once it runs past the bound, and the partial file removed.
+    let (url, server) = serve(body.clone(), vec![Reply::Unannounced]);
+    let error = download_file_bounded(
+        &url,
+        &destination,
+        &md5_hex(&body),
+        bound,
+        &mut no_progress(),
+    )
+    .unwrap_err();
+    server.join().unwrap();
+    assert_eq!(
+        error.to_string(),
+        format!("download of {url}: the body runs past {bound} bytes, more than this file can have; the partial file was removed")
+    );
+    assert!(!destination.exists() && !partial(&destination).exists());
 }

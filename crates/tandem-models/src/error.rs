@@ -102,4 +102,7 @@ pub enum ModelError {
         /// The dtype the model stores.
         expected: &'static str,
     },
+    /// A `torch.save` file could not be read, or holds more than the model can need.
+    #[error(transparent)]
+    TorchSave(#[from] tandem_pickle::PickleError),
 }

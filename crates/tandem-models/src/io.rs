@@ -2,7 +2,7 @@
 //! (f32 parameters and buffers, int64 `num_batches_tracked`) and layouts (OIHW, `[out, in]`).
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Write;
 use std::path::Path;
 
@@ -12,9 +12,10 @@ use crate::error::ModelError;
 use crate::model::Model;
 use crate::tensors::TensorKind;
 
+use tandem_pickle::{open_torch_state_dict, TensorDtype, TensorHeader};
 /// Tensors by name (e.g. read from a `torch.save` file) share the pickle reader's types,
 /// so a checkpoint read there loads here without conversion.
-pub use tandem_pickle::{NamedTensor, TensorData};
+pub use tandem_pickle::{NamedTensor, TensorData, TorchCheckpoint};
 
 /// Writes the model's `state_dict` to a safetensors file, atomically (temporary file in the
 /// same directory, fsync, rename), with `metadata` as the header's string metadata.
@@ -254,6 +255,128 @@ pub fn load_named_tensors(
     strip_prefix: Option<&str>,
 ) -> Result<(), ModelError> {
     apply_tensors(model, tensors, strip_prefix, "tensor list")
+}
+
+/// Most bytes a `torch.save` file's pickle may decompress to: a fixed allowance plus one per
+/// tensor of the model (a tensor takes a few hundred bytes of pickle; this leaves room for
+/// wrappers such as an optimizer state beside the weights).
+fn max_pickle_bytes(model: &Model) -> u64 {
+    const BASE: u64 = 1 << 20;
+    const PER_TENSOR: u64 = 16 << 10;
+    BASE + PER_TENSOR * model.tensors().len() as u64
+}
+
+/// Bytes of the model's `state_dict` as `torch.save` stores it: f32 parameters and buffers,
+/// int64 batch counts.
+fn state_dict_bytes(model: &Model) -> u64 {
+    model
+        .tensors()
+        .iter()
+        .map(|info| {
+            let numel: usize = info.shape.iter().product();
+            (numel * expected_dtype(info.kind).element_size()) as u64
+        })
+        .sum()
+}
+
+fn expected_dtype(kind: TensorKind) -> TensorDtype {
+    match kind {
+        TensorKind::BatchCount => TensorDtype::I64,
+        TensorKind::Param | TensorKind::Buffer => TensorDtype::F32,
+    }
+}
+
+fn dtype_name(dtype: TensorDtype) -> &'static str {
+    match dtype {
+        TensorDtype::F32 => "F32",
+        TensorDtype::I64 => "I64",
+    }
+}
+
+/// Loads the model's `state_dict` from a `torch.save` file, removing `strip_prefix` (e.g.
+/// `module.`) from names that start with it. The names, shapes and dtypes the pickle
+/// declares are checked against the model before any storage is read, the pickle may
+/// decompress to no more than a model of this size can need, and the storages together may
+/// hold no more than the model's tensors; each storage is read once, however many tensors
+/// view it. Every tensor must be present and no other may be. On error the model is
+/// unchanged. Returns the file's contents (e.g. its scalars such as `EPOCHS_RUN`).
+pub fn load_torch_save(
+    model: &mut Model,
+    path: &Path,
+    strip_prefix: Option<&str>,
+) -> Result<TorchCheckpoint, ModelError> {
+    let source_name = path.display().to_string();
+    let state_dict = open_torch_state_dict(path, max_pickle_bytes(model))?;
+    let mut seen = BTreeSet::new();
+    for header in state_dict.tensors() {
+        let name = check_tensor(model, header, strip_prefix, &source_name)?;
+        seen.insert(name);
+    }
+    if let Some(missing) = model
+        .tensors()
+        .iter()
+        .find(|info| !seen.contains(&info.name))
+    {
+        return Err(ModelError::MissingTensor {
+            source_name,
+            name: missing.name.clone(),
+        });
+    }
+    let checkpoint = state_dict.read_storages(state_dict_bytes(model))?;
+    apply_tensors(model, &checkpoint.tensors, strip_prefix, &source_name)?;
+    Ok(checkpoint)
+}
+
+/// The tensor names and shapes a `torch.save` file declares, read from its pickle alone
+/// (capped at what a model of this size can need); no storage is read.
+pub fn torch_save_shapes(
+    model: &Model,
+    path: &Path,
+) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
+    let state_dict = open_torch_state_dict(path, max_pickle_bytes(model))?;
+    Ok(state_dict
+        .tensors()
+        .iter()
+        .map(|header| (header.name.clone(), header.shape.clone()))
+        .collect())
+}
+
+/// Checks a tensor the file declares against the model's table: a known name (once
+/// `strip_prefix` is removed), the same shape and dtype. Returns the model's name for it.
+fn check_tensor(
+    model: &Model,
+    header: &TensorHeader,
+    strip_prefix: Option<&str>,
+    source_name: &str,
+) -> Result<String, ModelError> {
+    let name = match strip_prefix {
+        Some(prefix) => header.name.strip_prefix(prefix).unwrap_or(&header.name),
+        None => &header.name,
+    };
+    let Some(info) = model.tensor_info(name) else {
+        return Err(ModelError::UnexpectedTensor {
+            source_name: source_name.to_string(),
+            name: header.name.clone(),
+        });
+    };
+    if header.shape != info.shape {
+        return Err(ModelError::TensorShape {
+            source_name: source_name.to_string(),
+            name: header.name.clone(),
+            found: header.shape.clone(),
+            expected: info.shape.clone(),
+        });
+    }
+    let expected = expected_dtype(info.kind);
+    if header.dtype != expected {
+        return Err(ModelError::TensorDtype {
+            source_name: source_name.to_string(),
+            name: header.name.clone(),
+            found: dtype_name(header.dtype).to_string(),
+            expected: dtype_name(expected),
+        });
+    }
+    Ok(name.to_string())
 }
 
 /// Checks every tensor against the model's table, then copies them in.

@@ -19,7 +19,8 @@ pub use error::PickleError;
 pub use machine::{loads, loads_with_limits, Limits};
 pub use numpy::{ndarray_from_value, DType, NdArray};
 pub use torch::{
-    read_torch_state_dict, read_torch_state_dict_from_bytes, NamedTensor, Scalar, TensorData,
-    TorchCheckpoint,
+    open_torch_state_dict, read_torch_state_dict, read_torch_state_dict_from_bytes, NamedTensor,
+    Scalar, TensorData, TensorDtype, TensorHeader, TorchCheckpoint, TorchStateDict,
+    DEFAULT_MAX_PICKLE_BYTES,
 };
 pub use value::Value;

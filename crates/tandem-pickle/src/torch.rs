@@ -8,7 +8,8 @@
 //! ```
 
 use std::collections::HashMap;
-use std::io::{Cursor, Read};
+use std::fs::File;
+use std::io::{Cursor, Read, Seek};
 use std::path::{Path, PathBuf};
 
 use crate::error::PickleError;
@@ -92,14 +93,17 @@ impl TorchCheckpoint {
     }
 }
 
+/// Most bytes of `data.pkl` the plain readers ([`read_torch_state_dict`],
+/// [`read_torch_state_dict_from_bytes`]) decompress; [`open_torch_state_dict`] takes its own.
+pub const DEFAULT_MAX_PICKLE_BYTES: u64 = 64 << 20;
+
 /// Reads a torch.save zip file holding a state dict, or a dict that wraps one state dict
 /// together with scalars (seed 004's snapshot: `{"MODEL_STATE": ..., "EPOCHS_RUN": 7}`).
+/// `data.pkl` may decompress to at most [`DEFAULT_MAX_PICKLE_BYTES`]; the storages are
+/// bounded only by what the pickle declares. To read a file for a known model, use
+/// [`open_torch_state_dict`], which checks the tensors before reading any storage.
 pub fn read_torch_state_dict(path: &Path) -> Result<TorchCheckpoint, PickleError> {
-    let bytes = std::fs::read(path).map_err(|source| PickleError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    read_torch_state_dict_from_bytes(&bytes, path)
+    open_torch_state_dict(path, DEFAULT_MAX_PICKLE_BYTES)?.read_storages(u64::MAX)
 }
 
 /// [`read_torch_state_dict`] on bytes already in memory; `path` only names them in errors.
@@ -107,22 +111,203 @@ pub fn read_torch_state_dict_from_bytes(
     bytes: &[u8],
     path: &Path,
 ) -> Result<TorchCheckpoint, PickleError> {
-    let mut archive = Archive::open(bytes, path)?;
-    let pickle = archive.read_entry("data.pkl", None)?;
-    let root = loads(&pickle).map_err(|error| archive.error(format!("data.pkl: {error}")))?;
-    let (state_dict, state_dict_key, scalars) = find_state_dict(&root, path)?;
-    let mut tensors = Vec::with_capacity(state_dict.len());
-    for (key, value) in state_dict {
-        let name = key.as_text().ok_or_else(|| {
-            archive.error(format!("state dict key {} is not text", key.describe()))
-        })?;
-        tensors.push(archive.rebuild_tensor(name, value)?);
+    let archive = Archive::open(Cursor::new(bytes), path)?;
+    TorchStateDict::parse(archive, DEFAULT_MAX_PICKLE_BYTES)?.read_storages(u64::MAX)
+}
+
+/// Opens a torch.save file and reads its pickle (at most `max_pickle_bytes` once
+/// decompressed), but none of its storages: the caller checks [`TorchStateDict::tensors`]
+/// against what it expects, then reads them with [`TorchStateDict::read_storages`].
+pub fn open_torch_state_dict(
+    path: &Path,
+    max_pickle_bytes: u64,
+) -> Result<TorchStateDict<File>, PickleError> {
+    let file = File::open(path).map_err(|source| PickleError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    TorchStateDict::parse(Archive::open(file, path)?, max_pickle_bytes)
+}
+
+/// The element type of a tensor in a torch.save file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorDtype {
+    /// `torch.float32`.
+    F32,
+    /// `torch.int64`.
+    I64,
+}
+
+impl TensorDtype {
+    /// Bytes per element.
+    pub fn element_size(self) -> usize {
+        match self {
+            TensorDtype::F32 => 4,
+            TensorDtype::I64 => 8,
+        }
     }
-    Ok(TorchCheckpoint {
-        tensors,
-        state_dict_key,
-        scalars,
-    })
+}
+
+/// What the pickle says of one tensor, before its storage is read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorHeader {
+    /// The state-dict key.
+    pub name: String,
+    /// The dimensions, PyTorch order.
+    pub shape: Vec<usize>,
+    /// The element type.
+    pub dtype: TensorDtype,
+}
+
+/// A tensor whose storage has not been read yet: its header and where its elements lie.
+struct PendingTensor {
+    header: TensorHeader,
+    storage: StorageRef,
+    offset: usize,
+}
+
+/// A storage of the archive, as the persistent id names it.
+#[derive(Debug, Clone, PartialEq)]
+struct StorageRef {
+    key: String,
+    dtype: TensorDtype,
+    len: usize,
+}
+
+impl StorageRef {
+    fn byte_len(&self) -> Option<usize> {
+        self.len.checked_mul(self.dtype.element_size())
+    }
+}
+
+/// A torch.save file whose pickle has been read and whose storages have not.
+pub struct TorchStateDict<R> {
+    archive: Archive<R>,
+    pending: Vec<PendingTensor>,
+    headers: Vec<TensorHeader>,
+    state_dict_key: Option<String>,
+    scalars: Vec<(String, Scalar)>,
+}
+
+impl<R: Read + Seek> TorchStateDict<R> {
+    fn parse(mut archive: Archive<R>, max_pickle_bytes: u64) -> Result<Self, PickleError> {
+        let pickle = archive.read_entry("data.pkl", Some(max_pickle_bytes))?;
+        let root = loads(&pickle).map_err(|error| archive.error(format!("data.pkl: {error}")))?;
+        drop(pickle);
+        let (state_dict, state_dict_key, scalars) = find_state_dict(&root, &archive.path)?;
+        let mut pending = Vec::with_capacity(state_dict.len());
+        for (key, value) in state_dict {
+            let name = key.as_text().ok_or_else(|| {
+                archive.error(format!("state dict key {} is not text", key.describe()))
+            })?;
+            pending.push(archive.parse_tensor(name, value)?);
+        }
+        let headers = pending.iter().map(|tensor| tensor.header.clone()).collect();
+        Ok(TorchStateDict {
+            archive,
+            pending,
+            headers,
+            state_dict_key,
+            scalars,
+        })
+    }
+
+    /// The tensors of the state dict, in the file's order.
+    pub fn tensors(&self) -> &[TensorHeader] {
+        &self.headers
+    }
+
+    /// Reads the storages the tensors view, each once, refusing before reading any when
+    /// together they would hold more than `max_storage_bytes`; a storage is released as soon
+    /// as the tensors that view it have their elements.
+    pub fn read_storages(mut self, max_storage_bytes: u64) -> Result<TorchCheckpoint, PickleError> {
+        let storages = self.distinct_storages()?;
+        let total: u64 = storages
+            .iter()
+            .map(|storage| storage.byte_len().unwrap_or(usize::MAX) as u64)
+            .fold(0u64, u64::saturating_add);
+        if total > max_storage_bytes {
+            return Err(self.archive.error(format!(
+                "its storages hold {total} bytes, more than the {max_storage_bytes} bytes the tensors being loaded need"
+            )));
+        }
+        let mut tensors: Vec<Option<NamedTensor>> = vec![None; self.pending.len()];
+        for storage in &storages {
+            let bytes = self.archive.storage_bytes(storage)?;
+            for (index, tensor) in self.pending.iter().enumerate() {
+                if tensor.storage.key == storage.key {
+                    tensors[index] = Some(tensor.decode(&bytes));
+                }
+            }
+        }
+        Ok(TorchCheckpoint {
+            tensors: tensors.into_iter().flatten().collect(),
+            state_dict_key: self.state_dict_key,
+            scalars: self.scalars,
+        })
+    }
+
+    /// The storages viewed by the tensors, each once; a key named with two types or sizes
+    /// is an error.
+    fn distinct_storages(&self) -> Result<Vec<StorageRef>, PickleError> {
+        let mut storages: Vec<StorageRef> = Vec::new();
+        let mut by_key: HashMap<&str, usize> = HashMap::new();
+        for tensor in &self.pending {
+            match by_key.get(tensor.storage.key.as_str()) {
+                Some(&index) if storages[index] != tensor.storage => {
+                    return Err(self.archive.tensor_error(
+                        &tensor.header.name,
+                        format!(
+                            "storage {} is declared as {:?} x {}, and elsewhere as {:?} x {}",
+                            tensor.storage.key,
+                            tensor.storage.dtype,
+                            tensor.storage.len,
+                            storages[index].dtype,
+                            storages[index].len
+                        ),
+                    ))
+                }
+                Some(_) => {}
+                None => {
+                    by_key.insert(&tensor.storage.key, storages.len());
+                    storages.push(tensor.storage.clone());
+                }
+            }
+        }
+        Ok(storages)
+    }
+}
+
+impl PendingTensor {
+    /// Copies this tensor's elements out of its storage's bytes (already checked to hold them).
+    fn decode(&self, storage: &[u8]) -> NamedTensor {
+        let numel: usize = self.header.shape.iter().product();
+        let element_size = self.header.dtype.element_size();
+        let range = &storage[self.offset * element_size..(self.offset + numel) * element_size];
+        let data = match self.header.dtype {
+            TensorDtype::F32 => TensorData::F32(
+                range
+                    .chunks_exact(4)
+                    .map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]))
+                    .collect(),
+            ),
+            TensorDtype::I64 => TensorData::I64(
+                range
+                    .chunks_exact(8)
+                    .map(|chunk| {
+                        let mut word = [0u8; 8];
+                        word.copy_from_slice(chunk);
+                        i64::from_le_bytes(word)
+                    })
+                    .collect(),
+            ),
+        };
+        NamedTensor {
+            name: self.header.name.clone(),
+            shape: self.header.shape.clone(),
+            data,
+        }
+    }
 }
 
 /// Splits the unpickled root into the state dict, its key, and the scalars beside it.
@@ -181,37 +366,19 @@ fn as_scalar(value: &Value) -> Option<Scalar> {
     })
 }
 
-/// The element types of storages this reader turns into tensors.
-#[derive(Clone, Copy)]
-enum StorageKind {
-    Float,
-    Long,
-}
-
-impl StorageKind {
-    fn element_size(self) -> usize {
-        match self {
-            StorageKind::Float => 4,
-            StorageKind::Long => 8,
-        }
-    }
-}
-
 /// The zip archive of a torch.save file, with its storages read on demand.
-struct Archive<'a> {
-    zip: zip::ZipArchive<Cursor<&'a [u8]>>,
+struct Archive<R> {
+    zip: zip::ZipArchive<R>,
     prefix: String,
     path: PathBuf,
-    storages: HashMap<String, Vec<u8>>,
 }
 
-impl<'a> Archive<'a> {
-    fn open(bytes: &'a [u8], path: &Path) -> Result<Archive<'a>, PickleError> {
-        let zip =
-            zip::ZipArchive::new(Cursor::new(bytes)).map_err(|error| PickleError::Archive {
-                path: path.to_path_buf(),
-                message: format!("not a torch.save zip archive: {error}"),
-            })?;
+impl<R: Read + Seek> Archive<R> {
+    fn open(reader: R, path: &Path) -> Result<Archive<R>, PickleError> {
+        let zip = zip::ZipArchive::new(reader).map_err(|error| PickleError::Archive {
+            path: path.to_path_buf(),
+            message: format!("not a torch.save zip archive: {error}"),
+        })?;
         let pickles: Vec<&str> = zip
             .file_names()
             .filter(|name| name.ends_with("/data.pkl") || *name == "data.pkl")
@@ -230,7 +397,6 @@ impl<'a> Archive<'a> {
             zip,
             prefix,
             path: path.to_path_buf(),
-            storages: HashMap::new(),
         };
         archive.check_byte_order()?;
         Ok(archive)
@@ -297,8 +463,9 @@ impl<'a> Archive<'a> {
         }
     }
 
-    /// Rebuilds `_rebuild_tensor_v2(storage, storage_offset, size, stride, ...)`.
-    fn rebuild_tensor(&mut self, name: &str, value: &Value) -> Result<NamedTensor, PickleError> {
+    /// Parses `_rebuild_tensor_v2(storage, storage_offset, size, stride, ...)`, checking that
+    /// the elements lie inside the storage the persistent id declares; reads no storage.
+    fn parse_tensor(&self, name: &str, value: &Value) -> Result<PendingTensor, PickleError> {
         let Value::Object { args, .. } = value else {
             return Err(self.tensor_error(
                 name,
@@ -315,7 +482,7 @@ impl<'a> Archive<'a> {
                 ),
             ));
         };
-        let (kind, key, storage_len) = self.parse_storage_id(name, storage)?;
+        let storage = self.parse_storage_id(name, storage)?;
         let offset = self.non_negative(name, "storage offset", offset)?;
         let shape = self.dims(name, "size", size)?;
         let strides = self.dims(name, "stride", stride)?;
@@ -326,49 +493,32 @@ impl<'a> Archive<'a> {
             .ok_or_else(|| self.tensor_error(name, format!("shape {shape:?} is too large")))?;
         if offset
             .checked_add(numel)
-            .is_none_or(|end| end > storage_len)
+            .is_none_or(|end| end > storage.len)
         {
             return Err(self.tensor_error(
                 name,
                 format!(
-                    "elements {offset}..{offset}+{numel} lie outside its storage of {storage_len}"
+                    "elements {offset}..{offset}+{numel} lie outside its storage of {}",
+                    storage.len
                 ),
             ));
         }
-        let bytes = self.storage_bytes(name, &key, kind, storage_len)?;
-        let element_size = kind.element_size();
-        let range = &bytes[offset * element_size..(offset + numel) * element_size];
-        let data = match kind {
-            StorageKind::Float => TensorData::F32(
-                range
-                    .chunks_exact(4)
-                    .map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]))
-                    .collect(),
-            ),
-            StorageKind::Long => TensorData::I64(
-                range
-                    .chunks_exact(8)
-                    .map(|chunk| {
-                        let mut word = [0u8; 8];
-                        word.copy_from_slice(chunk);
-                        i64::from_le_bytes(word)
-                    })
-                    .collect(),
-            ),
-        };
-        Ok(NamedTensor {
-            name: name.to_string(),
-            shape,
-            data,
+        if storage.byte_len().is_none() {
+            return Err(self.tensor_error(name, format!("storage {} is too large", storage.key)));
+        }
+        Ok(PendingTensor {
+            header: TensorHeader {
+                name: name.to_string(),
+                shape,
+                dtype: storage.dtype,
+            },
+            storage,
+            offset,
         })
     }
 
     /// Parses the persistent id `('storage', torch.FloatStorage, key, location, numel)`.
-    fn parse_storage_id(
-        &self,
-        name: &str,
-        storage: &Value,
-    ) -> Result<(StorageKind, String, usize), PickleError> {
+    fn parse_storage_id(&self, name: &str, storage: &Value) -> Result<StorageRef, PickleError> {
         let fields = match storage {
             Value::PersistentId(id) => id.as_sequence().unwrap_or(&[]),
             _ => &[],
@@ -388,10 +538,10 @@ impl<'a> Archive<'a> {
                 format!("storage tag is {}, expected 'storage'", tag.describe()),
             ));
         }
-        let kind = if class.is_global("torch", "FloatStorage") {
-            StorageKind::Float
+        let dtype = if class.is_global("torch", "FloatStorage") {
+            TensorDtype::F32
         } else if class.is_global("torch", "LongStorage") {
-            StorageKind::Long
+            TensorDtype::I64
         } else {
             return Err(self.tensor_error(
                 name,
@@ -407,8 +557,12 @@ impl<'a> Archive<'a> {
                 format!("storage key is {}, expected text", key.describe()),
             )
         })?;
-        let numel = self.non_negative(name, "storage size", numel)?;
-        Ok((kind, key.to_string(), numel))
+        let len = self.non_negative(name, "storage size", numel)?;
+        Ok(StorageRef {
+            key: key.to_string(),
+            dtype,
+            len,
+        })
     }
 
     fn non_negative(&self, name: &str, what: &str, value: &Value) -> Result<usize, PickleError> {
@@ -466,30 +620,16 @@ impl<'a> Archive<'a> {
         Ok(())
     }
 
-    /// The bytes of storage `key`, checked to hold `storage_len` elements.
-    fn storage_bytes(
-        &mut self,
-        name: &str,
-        key: &str,
-        kind: StorageKind,
-        storage_len: usize,
-    ) -> Result<&[u8], PickleError> {
-        let expected = storage_len
-            .checked_mul(kind.element_size())
-            .ok_or_else(|| self.tensor_error(name, format!("storage {key} is too large")))?;
-        if !self.storages.contains_key(key) {
-            let bytes = self.read_entry(&format!("data/{key}"), Some(expected as u64))?;
-            self.storages.insert(key.to_string(), bytes);
-        }
-        let bytes = self.storages.get(key).map(Vec::as_slice).unwrap_or(&[]);
+    /// The bytes of a storage, checked to be exactly as many as its persistent id declares.
+    fn storage_bytes(&mut self, storage: &StorageRef) -> Result<Vec<u8>, PickleError> {
+        let expected = storage.byte_len().unwrap_or(usize::MAX);
+        let bytes = self.read_entry(&format!("data/{}", storage.key), Some(expected as u64))?;
         if bytes.len() != expected {
-            return Err(self.tensor_error(
-                name,
-                format!(
-                    "storage {key} holds {} bytes, expected {expected}",
-                    bytes.len()
-                ),
-            ));
+            return Err(self.error(format!(
+                "storage {} holds {} bytes, expected {expected}",
+                storage.key,
+                bytes.len()
+            )));
         }
         Ok(bytes)
     }

@@ -1,6 +1,6 @@
 //! From the data flags to a loaded data set.
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use tandem_data::{DataSource, Dataset, Normalize, SyntheticSpec};
 
 use crate::settings::{DataKind, DataSettings};
@@ -35,8 +35,18 @@ pub fn load_split(settings: &DataSettings, seed: u64, split: Split) -> anyhow::R
             })?;
     }
     let source = data_source(settings, seed);
-    tandem_data::load_dataset(&source, split)
-        .with_context(|| format!("cannot load the {split:?} split of {:?}", settings.data))
+    let dataset = tandem_data::load_dataset(&source, split)
+        .with_context(|| format!("cannot load the {split:?} split of {:?}", settings.data))?;
+    if dataset.is_empty() {
+        let kind = clap::ValueEnum::to_possible_value(&settings.data)
+            .map(|value| value.get_name().to_string())
+            .unwrap_or_else(|| format!("{:?}", settings.data));
+        bail!(
+            "the {split:?} split of {kind} in {} holds no samples: there is nothing to train on or evaluate",
+            settings.data_dir.display()
+        );
+    }
+    Ok(dataset)
 }
 
 /// The normalization the settings ask for, if any.

@@ -34,14 +34,14 @@ pub fn read_checkpoint_info(path: &Path) -> anyhow::Result<Option<CheckpointInfo
 /// weights; the optimizer state is left out) or a `state_dict`.
 pub fn load_weights(model: &mut Model, path: &Path) -> anyhow::Result<()> {
     if is_zip_archive(path)? {
-        let checkpoint = tandem_pickle::read_torch_state_dict(path)
+        let shapes = tandem_models::torch_save_shapes(model, path)
             .with_context(|| format!("cannot read PyTorch checkpoint {}", path.display()))?;
-        let prefixed = checkpoint
-            .tensors
-            .iter()
-            .any(|tensor| tensor.name.starts_with(DDP_PREFIX));
+        let prefixed = shapes.keys().any(|name| name.starts_with(DDP_PREFIX));
         let prefix = prefixed.then_some(DDP_PREFIX);
-        return load_state_dict(model, &checkpoint.tensors, prefix, None, path);
+        check_fits(model, &without_prefix(shapes, prefix), None, path)?;
+        tandem_models::load_torch_save(model, path, prefix)
+            .with_context(|| format!("cannot load weights from {}", path.display()))?;
+        return Ok(());
     }
     let metadata = tandem_models::read_safetensors_metadata(path)
         .with_context(|| format!("cannot read weights file {}", path.display()))?;
@@ -57,44 +57,63 @@ pub fn load_weights(model: &mut Model, path: &Path) -> anyhow::Result<()> {
         }
     })
     .with_context(|| format!("cannot read weights file {}", path.display()))?;
-    load_state_dict(model, &tensors, None, info.as_ref(), path)
+    load_state_dict(model, &tensors, info.as_ref(), path)
 }
 
 /// Loads `state_dict` tensors after checking that they are this model's, every one.
 fn load_state_dict(
     model: &mut Model,
     tensors: &[NamedTensor],
-    strip_prefix: Option<&str>,
     info: Option<&CheckpointInfo>,
     path: &Path,
 ) -> anyhow::Result<()> {
     let shapes: TensorShapes = tensors
         .iter()
-        .map(|tensor| {
-            let name = strip_prefix
-                .and_then(|prefix| tensor.name.strip_prefix(prefix))
-                .unwrap_or(&tensor.name);
-            (name.to_string(), tensor.shape.clone())
-        })
+        .map(|tensor| (tensor.name.clone(), tensor.shape.clone()))
         .collect();
-    let mismatch = StateDictMismatch::between(&shapes, &spec_tensor_shapes(model.spec()));
-    if !mismatch.is_empty() {
-        let holds = match info {
-            Some(info) => Holds::Described(info.model.clone()),
-            None => match infer_spec(&shapes) {
-                Some(spec) => Holds::Inferred(ModelArgs::from_spec(&spec)),
-                None => Holds::Unknown(shapes.len()),
-            },
-        };
-        bail!(wrong_model_message(
-            path,
-            model.spec(),
-            &holds,
-            &mismatch.summary()
-        ));
-    }
-    tandem_models::load_named_tensors(model, tensors, strip_prefix)
+    check_fits(model, &shapes, info, path)?;
+    tandem_models::load_named_tensors(model, tensors, None)
         .with_context(|| format!("cannot load weights from {}", path.display()))
+}
+
+/// `shapes` with `prefix` taken off the names that carry it.
+fn without_prefix(shapes: TensorShapes, prefix: Option<&str>) -> TensorShapes {
+    shapes
+        .into_iter()
+        .map(|(name, shape)| {
+            let name = prefix
+                .and_then(|prefix| name.strip_prefix(prefix))
+                .map_or(name.clone(), str::to_string);
+            (name, shape)
+        })
+        .collect()
+}
+
+/// Refuses a file whose tensors (`shapes`) are not exactly this model's, saying what the
+/// file holds and the flags that load it.
+fn check_fits(
+    model: &Model,
+    shapes: &TensorShapes,
+    info: Option<&CheckpointInfo>,
+    path: &Path,
+) -> anyhow::Result<()> {
+    let mismatch = StateDictMismatch::between(shapes, &spec_tensor_shapes(model.spec()));
+    if mismatch.is_empty() {
+        return Ok(());
+    }
+    let holds = match info {
+        Some(info) => Holds::Described(info.model.clone()),
+        None => match infer_spec(shapes) {
+            Some(spec) => Holds::Inferred(ModelArgs::from_spec(&spec)),
+            None => Holds::Unknown(shapes.len()),
+        },
+    };
+    bail!(wrong_model_message(
+        path,
+        model.spec(),
+        &holds,
+        &mismatch.summary()
+    ))
 }
 
 /// Puts a snapshot's weights and BN state into `model`, after checking it is the same model.

@@ -287,6 +287,7 @@ impl Trainer {
                     self.settings.output_dir.display()
                 )
             })?;
+            self.remove_stale_temporaries()?;
             self.settings
                 .write_toml(&self.settings.output_dir.join("config.toml"))?;
         }
@@ -305,6 +306,31 @@ impl Trainer {
             }
         }
         Ok(RunEnd::Finished)
+    }
+
+    /// Removes what killed writers left in the folders this run writes to (see
+    /// [`crate::files::remove_stale_temporaries`]), saying so on stderr.
+    fn remove_stale_temporaries(&self) -> anyhow::Result<()> {
+        let mut folders = vec![self.settings.output_dir.clone()];
+        if let Some(parent) = self.settings.snapshot.parent() {
+            let parent = if parent.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                parent
+            };
+            if !folders.iter().any(|folder| folder == parent) {
+                folders.push(parent.to_path_buf());
+            }
+        }
+        for folder in folders {
+            for path in crate::files::remove_stale_temporaries(&folder)? {
+                eprintln!(
+                    "removed {}, left by a writer that is no longer running",
+                    path.display()
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Trains the rest of the current epoch, evaluates, and writes the epoch's files.

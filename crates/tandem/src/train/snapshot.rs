@@ -2,7 +2,9 @@
 //!
 //! One safetensors file holds the flat parameter, BN-buffer and optimizer-state buffers as
 //! they are in memory, and its metadata holds the progress (epoch, step), the per-epoch
-//! history, the settings that must not change on resume, and a checksum of all of it.
+//! history and the settings that must not change on resume. A second metadata entry holds
+//! a checksum of everything else in the file: every metadata entry and every tensor's name,
+//! dtype, shape and bytes, so that an edit anywhere (an epoch number included) is caught.
 //! Writing keeps the previous snapshot as `<name>.prev`, so a snapshot that fails its
 //! check on load falls back to the one before it.
 
@@ -20,8 +22,11 @@ use crate::train::history::EpochRecord;
 
 /// Metadata key under which the snapshot's JSON description is stored.
 pub const METADATA_KEY: &str = "tandem.snapshot";
-/// Version of the snapshot layout; bumped when it changes incompatibly.
-const SNAPSHOT_VERSION: u32 = 1;
+/// Metadata key under which the checksum of the rest of the file is stored.
+const CHECKSUM_KEY: &str = "tandem.checksum";
+/// Version of the snapshot layout; bumped when it changes incompatibly. Version 1 had its
+/// checksum inside the description and covering the tensors only.
+const SNAPSHOT_VERSION: u32 = 2;
 
 /// Where a run stands: the position in the data and the running sums of the epoch.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -48,7 +53,12 @@ struct Description {
     num_batches_tracked: u64,
     optimizer_step: u64,
     optimizer_slots: Vec<String>,
-    checksum: String,
+}
+
+/// Just the layout version, to name it when a snapshot cannot be read as this version.
+#[derive(Deserialize)]
+struct VersionOnly {
+    version: u32,
 }
 
 /// A snapshot in memory.
@@ -152,7 +162,6 @@ impl Snapshot {
                 .iter()
                 .map(|(slot, _)| slot.clone())
                 .collect(),
-            checksum: checksum(&named_bytes),
         };
         let views = named_bytes
             .iter()
@@ -166,6 +175,11 @@ impl Snapshot {
             METADATA_KEY.to_string(),
             serde_json::to_string(&description)?,
         );
+        let tensors: Vec<(&str, TensorView)> = views
+            .iter()
+            .map(|(name, view)| (name.as_str(), view.clone()))
+            .collect();
+        metadata.insert(CHECKSUM_KEY.to_string(), checksum(&metadata, &tensors));
         Ok(tandem_models::serialize_safetensors(views, &metadata)?)
     }
 
@@ -176,7 +190,8 @@ impl Snapshot {
         Self::from_bytes(&bytes).with_context(|| format!("snapshot {} is damaged", path.display()))
     }
 
-    /// Reads and checks a snapshot from its serialized bytes.
+    /// Reads and checks a snapshot from its serialized bytes: the checksum over the whole
+    /// file first, then the description and tensors it vouches for.
     pub fn from_bytes(bytes: &[u8]) -> anyhow::Result<Self> {
         let (_, header) = safetensors::SafeTensors::read_metadata(bytes)?;
         let mut metadata: BTreeMap<String, String> = header
@@ -187,6 +202,26 @@ impl Snapshot {
         let description_json = metadata
             .remove(METADATA_KEY)
             .context("it has no tandem.snapshot metadata")?;
+        let Some(stored_checksum) = metadata.remove(CHECKSUM_KEY) else {
+            match serde_json::from_str::<VersionOnly>(&description_json) {
+                Ok(old) if old.version != SNAPSHOT_VERSION => bail!(
+                    "it has layout version {}, this tandem reads version {SNAPSHOT_VERSION}",
+                    old.version
+                ),
+                _ => bail!("it has no {CHECKSUM_KEY} metadata"),
+            }
+        };
+        let file = safetensors::SafeTensors::deserialize(bytes)?;
+        let tensors: Vec<(String, TensorView)> = file.tensors();
+        let tensors: Vec<(&str, TensorView)> = tensors
+            .iter()
+            .map(|(name, view)| (name.as_str(), view.clone()))
+            .collect();
+        let mut covered = metadata.clone();
+        covered.insert(METADATA_KEY.to_string(), description_json.clone());
+        if checksum(&covered, &tensors) != stored_checksum {
+            bail!("its checksum does not match its contents (metadata and tensors)");
+        }
         let description: Description = serde_json::from_str(&description_json)
             .context("its tandem.snapshot metadata is not valid")?;
         if description.version != SNAPSHOT_VERSION {
@@ -195,36 +230,22 @@ impl Snapshot {
                 description.version
             );
         }
-        let tensors = safetensors::SafeTensors::deserialize(bytes)?;
-        let tensor_bytes = |name: &str| -> anyhow::Result<Vec<u8>> {
-            let view = tensors
+        let tensor_values = |name: &str| -> anyhow::Result<Vec<f32>> {
+            let view = file
                 .tensor(name)
                 .with_context(|| format!("it lacks tensor {name}"))?;
             if view.dtype() != Dtype::F32 {
                 bail!("tensor {name} is {:?}, expected F32", view.dtype());
             }
-            Ok(view.data().to_vec())
+            Ok(f32_values(view.data()))
         };
-        let mut named_bytes = vec![
-            ("params".to_string(), tensor_bytes("params")?),
-            ("buffers".to_string(), tensor_bytes("buffers")?),
-        ];
-        for slot in &description.optimizer_slots {
-            let name = format!("optimizer.{slot}");
-            named_bytes.push((name.clone(), tensor_bytes(&name)?));
-        }
-        if checksum(&named_bytes) != description.checksum {
-            bail!("its checksum does not match its contents");
-        }
-        let mut values = named_bytes.into_iter().map(|(_, bytes)| f32_values(&bytes));
-        let params = values.next().unwrap_or_default();
-        let buffers = values.next().unwrap_or_default();
+        let params = tensor_values("params")?;
+        let buffers = tensor_values("buffers")?;
         let slots = description
             .optimizer_slots
             .iter()
-            .cloned()
-            .zip(values)
-            .collect();
+            .map(|slot| Ok((slot.clone(), tensor_values(&format!("optimizer.{slot}"))?)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
         Ok(Snapshot {
             progress: description.progress,
             history: description.history,
@@ -296,15 +317,130 @@ fn f32_values(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// FNV-1a (64-bit) over the names and bytes of the tensors, as 16 hex digits.
-fn checksum(named_bytes: &[(String, Vec<u8>)]) -> String {
+/// FNV-1a (64-bit), as 16 hex digits, over everything in the file but the checksum itself:
+/// every metadata entry (key and value, in key order) and every tensor (name, dtype, shape
+/// and bytes, in name order). Each field is preceded by its length, so that no two
+/// different files feed the hash the same bytes.
+fn checksum(metadata: &BTreeMap<String, String>, tensors: &[(&str, TensorView)]) -> String {
     const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
     const PRIME: u64 = 0x0000_0100_0000_01b3;
     let mut hash = OFFSET;
-    for (name, bytes) in named_bytes {
-        for &byte in name.as_bytes().iter().chain(bytes) {
+    let mut feed = |field: &[u8]| {
+        for &byte in (field.len() as u64).to_le_bytes().iter().chain(field) {
             hash = (hash ^ byte as u64).wrapping_mul(PRIME);
         }
+    };
+    let entries = metadata
+        .iter()
+        .filter(|(key, _)| key.as_str() != CHECKSUM_KEY);
+    for (key, value) in entries {
+        feed(key.as_bytes());
+        feed(value.as_bytes());
+    }
+    let mut tensors: Vec<&(&str, TensorView)> = tensors.iter().collect();
+    tensors.sort_by_key(|(name, _)| *name);
+    for (name, view) in tensors {
+        feed(name.as_bytes());
+        feed(format!("{:?}", view.dtype()).as_bytes());
+        let shape: Vec<u8> = view
+            .shape()
+            .iter()
+            .flat_map(|&dim| (dim as u64).to_le_bytes())
+            .collect();
+        feed(&shape);
+        feed(view.data());
     }
     format!("{hash:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn snapshot() -> Snapshot {
+        Snapshot {
+            progress: Progress {
+                epoch: 4,
+                step_in_epoch: 2,
+                global_step: 42,
+                epoch_loss_sum: 1.5,
+                epoch_seconds: 3.0,
+            },
+            history: Vec::new(),
+            settings: BTreeMap::from([("lr".to_string(), "0.05".to_string())]),
+            params: vec![0.5, -1.25, 3.0],
+            buffers: vec![1.0],
+            num_batches_tracked: 7,
+            optimizer: OptimizerState {
+                step: 42,
+                slots: vec![("momentum".to_string(), vec![0.1, 0.2, 0.3])],
+            },
+            metadata: BTreeMap::from([("tandem.model".to_string(), "resnet-base".to_string())]),
+        }
+    }
+
+    /// `bytes` with the first `from` replaced by `to` (of the same length).
+    fn edited(bytes: &[u8], from: &str, to: &str) -> Vec<u8> {
+        assert_eq!(from.len(), to.len());
+        let at = bytes
+            .windows(from.len())
+            .position(|window| window == from.as_bytes())
+            .unwrap_or_else(|| panic!("{from} is not in the snapshot"));
+        let mut edited = bytes.to_vec();
+        edited[at..at + to.len()].copy_from_slice(to.as_bytes());
+        edited
+    }
+
+    #[test]
+    fn a_snapshot_reads_back_as_written() {
+        let original = snapshot();
+        let bytes = original.to_bytes().expect("serialize");
+        assert_eq!(Snapshot::from_bytes(&bytes).expect("read back"), original);
+    }
+
+    #[test]
+    fn an_edit_anywhere_in_the_metadata_or_tensors_fails_the_check() {
+        let bytes = snapshot().to_bytes().expect("serialize");
+        let edits = [
+            (r#"\"epoch\":4"#, r#"\"epoch\":6"#),
+            (r#"\"lr\":\"0.05\""#, r#"\"lr\":\"0.07\""#),
+            (
+                r#"\"num_batches_tracked\":7"#,
+                r#"\"num_batches_tracked\":9"#,
+            ),
+            ("resnet-base", "resnet-bas3"),
+        ];
+        for (from, to) in edits {
+            let error = Snapshot::from_bytes(&edited(&bytes, from, to))
+                .expect_err(&format!("editing {from} to {to} went unnoticed"));
+            assert!(
+                error.to_string().contains("checksum does not match"),
+                "{error:#}"
+            );
+        }
+        let mut flipped = bytes.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 0x40;
+        let error = Snapshot::from_bytes(&flipped).expect_err("a flipped tensor byte");
+        assert!(error.to_string().contains("checksum does not match"));
+    }
+
+    #[test]
+    fn a_snapshot_of_the_previous_layout_is_refused_naming_its_version() {
+        let description = r#"{"version":1,"checksum":"0"}"#;
+        let bytes = safetensors::serialize(
+            Vec::<(String, TensorView)>::new(),
+            Some(HashMap::from([(
+                METADATA_KEY.to_string(),
+                description.to_string(),
+            )])),
+        )
+        .expect("serialize");
+        let error = Snapshot::from_bytes(&bytes).expect_err("version 1");
+        assert_eq!(
+            error.to_string(),
+            "it has layout version 1, this tandem reads version 2"
+        );
+    }
 }

@@ -1,0 +1,662 @@
+//! Hostile files given to `tandem eval` and `tandem train`: `torch.save` archives whose
+//! tensors share or overstate one storage, compressed pickle and archive "bombs", a giant
+//! PNG, empty CIFAR files, and temporary files left by a killed writer. Each file is built
+//! by the test; each run is a child process whose peak resident memory (`ru_maxrss` from
+//! `wait4`) must stay within what a legitimate evaluation of the same model takes, plus a
+//! margin smaller than any of the hostile payloads.
+//!
+//! On Linux a child's `ru_maxrss` is the larger of its own peak and its spawner's peak at
+//! the time of the spawn (exec carries the old address space's high-water mark over), so it
+//! never understates the child; the tests also check that this process's own peak stays
+//! below the bound, so that it cannot hide a child's.
+
+mod common;
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{synthetic_run, tandem, with_flag, SMALL_MODEL};
+use tandem_models::{Model, ModelSpec, ResNetBaseSpec, TensorKind};
+
+/// Peak memory a refused hostile file may add to a legitimate evaluation's: below each
+/// payload (64 MiB and more), above the noise of a run.
+const MARGIN_KIB: i64 = 32 * 1024;
+/// Every child must finish within this.
+const CHILD_LIMIT: Duration = Duration::from_secs(60);
+
+/// A finished child: how it ended, what it printed, and its peak resident memory.
+struct Measured {
+    exit_code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    peak_kib: i64,
+}
+
+impl Measured {
+    fn describe(&self) -> String {
+        format!(
+            "exit {:?}, peak {} KiB\nstdout:\n{}\nstderr:\n{}",
+            self.exit_code, self.peak_kib, self.stdout, self.stderr
+        )
+    }
+
+    /// Asserts the run failed with an error containing every one of `needles`.
+    fn expect_refusal(&self, needles: &[&str]) {
+        assert!(
+            self.exit_code.is_some_and(|code| code != 0),
+            "expected a refusal: {}",
+            self.describe()
+        );
+        for needle in needles {
+            assert!(
+                self.stderr.contains(needle),
+                "stderr lacks {needle:?}: {}",
+                self.describe()
+            );
+        }
+    }
+}
+
+/// This process's peak resident memory, from `/proc/self/status`.
+fn own_peak_kib() -> i64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/self/status")
+}
+
+/// Asserts a hostile run's peak is within the legitimate evaluation's plus [`MARGIN_KIB`],
+/// and prints both.
+fn assert_peak_within(what: &str, measured: &Measured, baseline: &Measured) {
+    let bound = baseline.peak_kib + MARGIN_KIB;
+    eprintln!(
+        "{what}: peak {} KiB (legitimate eval {} KiB, this test process {} KiB)",
+        measured.peak_kib,
+        baseline.peak_kib,
+        own_peak_kib()
+    );
+    assert!(
+        own_peak_kib() < bound,
+        "this test process's peak ({} KiB) would hide a child's above the bound {bound} KiB",
+        own_peak_kib()
+    );
+    assert!(
+        measured.peak_kib < bound,
+        "{what}: peak {} KiB, more than the legitimate eval's {} KiB + {MARGIN_KIB} KiB",
+        measured.peak_kib,
+        baseline.peak_kib
+    );
+}
+
+/// Runs `tandem args`, with output to files, and reaps it with `wait4` to read its peak
+/// resident set size (never less than its own peak; see the module comment).
+// The child is reaped by `wait4` (which also gives its resource usage), not `Child::wait`.
+#[allow(clippy::zombie_processes)]
+fn run_measured(args: &[String]) -> Measured {
+    let logs = tempfile::tempdir().expect("temp dir");
+    let stdout_path = logs.path().join("stdout");
+    let stderr_path = logs.path().join("stderr");
+    let child = tandem()
+        .args(args)
+        .stdout(File::create(&stdout_path).expect("stdout file"))
+        .stderr(File::create(&stderr_path).expect("stderr file"))
+        .spawn()
+        .expect("cannot start tandem");
+    let pid = child.id() as libc::pid_t;
+    let deadline = Instant::now() + CHILD_LIMIT;
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value of this plain C struct.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: `pid` is our own unreaped child; `status` and `usage` are valid for writes.
+        let reaped = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        assert!(
+            reaped >= 0,
+            "wait4 failed: {}",
+            std::io::Error::last_os_error()
+        );
+        if reaped == pid {
+            break;
+        }
+        if Instant::now() > deadline {
+            // SAFETY: `pid` is our own unreaped child, so the signal cannot reach another process.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            // SAFETY: as above; blocks until the killed child is reaped.
+            unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+            panic!(
+                "tandem {args:?} took longer than {CHILD_LIMIT:?}\nstderr:\n{}",
+                std::fs::read_to_string(&stderr_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let exit_code = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
+    Measured {
+        exit_code,
+        stdout: std::fs::read_to_string(&stdout_path).unwrap_or_default(),
+        stderr: std::fs::read_to_string(&stderr_path).unwrap_or_default(),
+        peak_kib: usage.ru_maxrss,
+    }
+}
+
+/// The model `SMALL_MODEL` selects.
+fn small_model() -> Model {
+    let spec = ModelSpec::ResNetBase(ResNetBaseSpec {
+        n_blocks: vec![1, 1, 1],
+        n_channels: vec![8, 16, 32],
+        bottlenecks: None,
+        first_kernel_size: 3,
+        img_channels: 3,
+        num_classes: 10,
+    });
+    let mut model = Model::new(&spec).expect("valid spec");
+    model.init_default(11);
+    model
+}
+
+/// A CIFAR-10 binary folder whose test batch holds `records` records (and whose training
+/// batches hold one each).
+fn cifar_bin_folder(dir: &Path, records: usize) -> PathBuf {
+    let folder = dir.join("cifar-bin");
+    std::fs::create_dir_all(&folder).expect("data folder");
+    let record = |index: usize| {
+        let mut bytes = vec![(index % 10) as u8];
+        bytes.extend((0..3072).map(|pixel| ((pixel * 7 + index * 13) % 256) as u8));
+        bytes
+    };
+    let test: Vec<u8> = (0..records).flat_map(record).collect();
+    std::fs::write(folder.join("test_batch.bin"), test).expect("test batch");
+    for batch in 1..=5 {
+        std::fs::write(
+            folder.join(format!("data_batch_{batch}.bin")),
+            record(batch),
+        )
+        .expect("train batch");
+    }
+    folder
+}
+
+/// `tandem eval` of the small model on CIFAR-10 binary data in `data_dir`.
+fn eval_args(checkpoint: &Path, data: &str, data_dir: &Path) -> Vec<String> {
+    let mut args: Vec<String> = vec!["eval".into()];
+    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
+    args.extend(
+        [
+            "--checkpoint",
+            &checkpoint.display().to_string(),
+            "--data",
+            data,
+            "--data-dir",
+            &data_dir.display().to_string(),
+            "--threads",
+            "1",
+            "--json",
+        ]
+        .iter()
+        .map(|arg| arg.to_string()),
+    );
+    args
+}
+
+/// The peak memory of a legitimate evaluation of the small model (weights from a
+/// safetensors file, 16 CIFAR records), and its JSON report.
+fn legitimate_eval(dir: &Path) -> (Measured, PathBuf) {
+    let model = small_model();
+    let weights = dir.join("weights.safetensors");
+    tandem_models::save_safetensors(&model, &weights, &Default::default()).expect("save");
+    let data = cifar_bin_folder(dir, 16);
+    let measured = run_measured(&eval_args(&weights, "cifar10-bin", &data));
+    assert_eq!(measured.exit_code, Some(0), "{}", measured.describe());
+    (measured, data)
+}
+
+/// Pickle opcodes for the few values a state dict needs (protocol 2).
+struct PickleWriter(Vec<u8>);
+
+impl PickleWriter {
+    fn new() -> Self {
+        PickleWriter(vec![0x80, 2])
+    }
+
+    fn text(&mut self, text: &str) {
+        self.0.push(b'X');
+        self.0.extend((text.len() as u32).to_le_bytes());
+        self.0.extend(text.as_bytes());
+    }
+
+    fn int(&mut self, value: usize) {
+        self.0.push(b'J');
+        self.0.extend((value as i32).to_le_bytes());
+    }
+
+    fn int_tuple(&mut self, values: &[usize]) {
+        self.0.push(b'(');
+        for &value in values {
+            self.int(value);
+        }
+        self.0.push(b't');
+    }
+
+    fn global(&mut self, module: &str, name: &str) {
+        self.0.extend(format!("c{module}\n{name}\n").as_bytes());
+    }
+}
+
+/// One tensor of a hand-built `torch.save` file: a view of `len` elements from `offset`
+/// of storage `key` (which holds `storage_len` elements).
+struct TensorEntry {
+    name: String,
+    shape: Vec<usize>,
+    key: String,
+    offset: usize,
+    storage_len: usize,
+    long: bool,
+}
+
+/// `data.pkl` of a state dict of `entries`, as `torch.save` writes it.
+fn state_dict_pickle(entries: &[TensorEntry]) -> Vec<u8> {
+    let mut pickle = PickleWriter::new();
+    pickle.0.extend(b"}(");
+    for entry in entries {
+        pickle.text(&entry.name);
+        pickle.global("torch._utils", "_rebuild_tensor_v2");
+        pickle.0.push(b'(');
+        pickle.0.push(b'(');
+        pickle.text("storage");
+        let class = if entry.long {
+            "LongStorage"
+        } else {
+            "FloatStorage"
+        };
+        pickle.global("torch", class);
+        pickle.text(&entry.key);
+        pickle.text("cpu");
+        pickle.int(entry.storage_len);
+        pickle.0.extend(b"tQ");
+        pickle.int(entry.offset);
+        pickle.int_tuple(&entry.shape);
+        let mut strides = vec![1usize; entry.shape.len()];
+        for axis in (0..entry.shape.len().saturating_sub(1)).rev() {
+            strides[axis] = strides[axis + 1] * entry.shape[axis + 1];
+        }
+        pickle.int_tuple(&strides);
+        pickle.0.extend(b"\x89tR");
+    }
+    pickle.0.extend(b"u.");
+    pickle.0
+}
+
+/// A storage of a hand-built archive: its key and a reader of its bytes.
+type Storage = (String, Box<dyn Read>);
+
+/// Writes a `torch.save` zip archive, every entry deflated.
+fn write_torch_save(path: &Path, pickle: &mut dyn Read, storages: Vec<Storage>) {
+    let options = zip::write::SimpleFileOptions::default()
+        .compression_method(zip::CompressionMethod::Deflated)
+        .compression_level(Some(1));
+    let mut zip = zip::ZipWriter::new(File::create(path).expect("archive file"));
+    zip.start_file("archive/data.pkl", options).expect("entry");
+    std::io::copy(pickle, &mut zip).expect("pickle");
+    zip.start_file("archive/byteorder", options).expect("entry");
+    zip.write_all(b"little").expect("byteorder");
+    for (key, mut bytes) in storages {
+        zip.start_file(format!("archive/data/{key}"), options)
+            .expect("entry");
+        std::io::copy(&mut bytes, &mut zip).expect("storage");
+    }
+    zip.finish().expect("finish archive");
+}
+
+fn zeros(len: u64) -> Box<dyn Read> {
+    Box::new(std::io::repeat(0).take(len))
+}
+
+/// 64 MiB of f32 zeros: the storage the hostile archives share.
+const BIG_STORAGE_ELEMENTS: usize = 16 << 20;
+
+#[test]
+fn tensors_sharing_one_large_storage_are_checked_against_the_model_before_it_is_read() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (baseline, data) = legitimate_eval(dir.path());
+    let model = small_model();
+    // Every tensor of the model, each claiming the whole 64 MiB storage.
+    let entries: Vec<TensorEntry> = model
+        .tensors()
+        .iter()
+        .map(|info| TensorEntry {
+            name: info.name.clone(),
+            shape: vec![BIG_STORAGE_ELEMENTS],
+            key: "0".into(),
+            offset: 0,
+            storage_len: BIG_STORAGE_ELEMENTS,
+            long: false,
+        })
+        .collect();
+    let path = dir.path().join("shared_whole_storage.pth");
+    let pickle = state_dict_pickle(&entries);
+    write_torch_save(
+        &path,
+        &mut pickle.as_slice(),
+        vec![("0".into(), zeros(BIG_STORAGE_ELEMENTS as u64 * 4))],
+    );
+    let measured = run_measured(&eval_args(&path, "cifar10-bin", &data));
+    let first = &model.tensors()[0];
+    measured.expect_refusal(&[
+        "shared_whole_storage.pth",
+        &format!(
+            "tensor `{}` has shape [{BIG_STORAGE_ELEMENTS}], expected {:?}",
+            first.name, first.shape
+        ),
+    ]);
+    assert_peak_within("whole-storage views", &measured, &baseline);
+}
+
+#[test]
+fn a_storage_larger_than_the_model_needs_is_refused_before_it_is_read() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (baseline, data) = legitimate_eval(dir.path());
+    let model = small_model();
+    // The model's names and shapes, every tensor a view at the start of one 64 MiB storage.
+    let entries: Vec<TensorEntry> = model
+        .tensors()
+        .iter()
+        .map(|info| {
+            let long = info.kind == TensorKind::BatchCount;
+            TensorEntry {
+                name: info.name.clone(),
+                shape: info.shape.clone(),
+                key: if long { "1" } else { "0" }.into(),
+                offset: 0,
+                storage_len: if long { 1 } else { BIG_STORAGE_ELEMENTS },
+                long,
+            }
+        })
+        .collect();
+    let path = dir.path().join("oversized_storage.pth");
+    let pickle = state_dict_pickle(&entries);
+    write_torch_save(
+        &path,
+        &mut pickle.as_slice(),
+        vec![
+            ("0".into(), zeros(BIG_STORAGE_ELEMENTS as u64 * 4)),
+            ("1".into(), zeros(8)),
+        ],
+    );
+    let measured = run_measured(&eval_args(&path, "cifar10-bin", &data));
+    measured.expect_refusal(&[
+        "oversized_storage.pth",
+        &format!(
+            "its storages hold {} bytes, more than the",
+            BIG_STORAGE_ELEMENTS * 4 + 8
+        ),
+    ]);
+    assert_peak_within("oversized storage", &measured, &baseline);
+}
+
+#[test]
+fn a_compressed_pickle_bomb_is_refused_at_the_bound() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (baseline, data) = legitimate_eval(dir.path());
+    // BINBYTES of 96 MiB: a valid opcode whose payload is all the pickle is.
+    let payload: u32 = 96 << 20;
+    let mut head = vec![0x80, 2, b'B'];
+    head.extend(payload.to_le_bytes());
+    let mut pickle = head
+        .as_slice()
+        .chain(std::io::repeat(0).take(u64::from(payload)))
+        .chain(&b"."[..]);
+    let path = dir.path().join("pickle_bomb.pth");
+    write_torch_save(&path, &mut pickle, Vec::new());
+    assert!(std::fs::metadata(&path).expect("archive").len() < 1 << 20);
+    let measured = run_measured(&eval_args(&path, "cifar10-bin", &data));
+    measured.expect_refusal(&["pickle_bomb.pth", "archive/data.pkl is longer than"]);
+    assert_peak_within("pickle bomb", &measured, &baseline);
+}
+
+#[test]
+fn tensors_sharing_one_storage_of_the_models_size_load_as_from_safetensors() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (baseline, data) = legitimate_eval(dir.path());
+    let model = small_model();
+    // One float storage holding every parameter and buffer back to back, and one long
+    // storage that every `num_batches_tracked` views.
+    let mut floats = Vec::new();
+    let mut entries = Vec::new();
+    for info in model.tensors() {
+        let long = info.kind == TensorKind::BatchCount;
+        let offset = if long { 0 } else { floats.len() };
+        if !long {
+            floats.extend(model.tensor_values(&info.name).expect("values"));
+        }
+        entries.push(TensorEntry {
+            name: format!("module.{}", info.name),
+            shape: info.shape.clone(),
+            key: if long { "counts" } else { "weights" }.into(),
+            offset,
+            storage_len: 0,
+            long,
+        });
+    }
+    for entry in &mut entries {
+        entry.storage_len = if entry.long { 1 } else { floats.len() };
+    }
+    let float_bytes: Vec<u8> = floats
+        .iter()
+        .flat_map(|value| value.to_le_bytes())
+        .collect();
+    let count_bytes = (model.num_batches_tracked() as i64).to_le_bytes().to_vec();
+    let path = dir.path().join("shared_storage.pth");
+    let pickle = state_dict_pickle(&entries);
+    write_torch_save(
+        &path,
+        &mut pickle.as_slice(),
+        vec![
+            (
+                "weights".into(),
+                Box::new(std::io::Cursor::new(float_bytes)),
+            ),
+            ("counts".into(), Box::new(std::io::Cursor::new(count_bytes))),
+        ],
+    );
+    let measured = run_measured(&eval_args(&path, "cifar10-bin", &data));
+    assert_eq!(measured.exit_code, Some(0), "{}", measured.describe());
+    assert_eq!(measured.stdout, baseline.stdout);
+    assert!(
+        measured.stdout.contains("\"samples\":16"),
+        "{}",
+        measured.stdout
+    );
+    assert_peak_within("shared storage of the model's size", &measured, &baseline);
+}
+
+/// Writes a gzip-compressed tar holding `member` with `len` zero bytes.
+fn write_tar_gz(path: &Path, member: &str, len: u64) {
+    let encoder = flate2::write::GzEncoder::new(
+        File::create(path).expect("archive file"),
+        flate2::Compression::fast(),
+    );
+    let mut builder = tar::Builder::new(encoder);
+    let mut header = tar::Header::new_gnu();
+    header.set_size(len);
+    header.set_mode(0o644);
+    header.set_cksum();
+    builder
+        .append_data(&mut header, member, std::io::repeat(0).take(len))
+        .expect("member");
+    builder
+        .into_inner()
+        .expect("tar")
+        .finish()
+        .expect("gzip end");
+}
+
+#[test]
+fn a_cifar_archive_member_longer_than_a_batch_is_refused_before_it_is_read() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (baseline, _) = legitimate_eval(dir.path());
+    let weights = dir.path().join("weights.safetensors");
+    // 32,768 records of zeros (label 0, black pixels): 100.7 MB inflated from ~100 KB.
+    let len = 3073 * 32_768;
+    let archive = dir.path().join("cifar-10-binary.tar.gz");
+    write_tar_gz(&archive, "cifar-10-batches-bin/test_batch.bin", len);
+    assert!(std::fs::metadata(&archive).expect("archive").len() < 1 << 20);
+    let measured = run_measured(&eval_args(&weights, "cifar10-bin", &archive));
+    measured.expect_refusal(&[
+        "test_batch.bin",
+        &format!("{len} bytes"),
+        "at most 30730000 bytes",
+    ]);
+    assert_peak_within("tar.gz bomb", &measured, &baseline);
+}
+
+/// Writes an RGB PNG of `width` x `height` black pixels, compressed row by row.
+fn write_black_png(path: &Path, width: u32, height: u32) {
+    let chunk = |out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]| {
+        out.extend((data.len() as u32).to_be_bytes());
+        let mut crc = flate2::Crc::new();
+        crc.update(kind);
+        crc.update(data);
+        out.extend(kind);
+        out.extend(data);
+        out.extend(crc.sum().to_be_bytes());
+    };
+    let mut header = Vec::new();
+    header.extend(width.to_be_bytes());
+    header.extend(height.to_be_bytes());
+    header.extend([8, 2, 0, 0, 0]);
+    let mut pixels = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+    let row = vec![0u8; 1 + 3 * width as usize];
+    for _ in 0..height {
+        pixels.write_all(&row).expect("row");
+    }
+    let pixels = pixels.finish().expect("zlib end");
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    chunk(&mut png, b"IHDR", &header);
+    chunk(&mut png, b"IDAT", &pixels);
+    chunk(&mut png, b"IEND", &[]);
+    std::fs::write(path, png).expect("png");
+}
+
+#[test]
+fn a_giant_png_is_refused_from_its_header_before_decoding() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (baseline, _) = legitimate_eval(dir.path());
+    let weights = dir.path().join("weights.safetensors");
+    let root = dir.path().join("json");
+    std::fs::create_dir_all(root.join("annotations")).expect("folder");
+    std::fs::create_dir_all(root.join("test_cifar10")).expect("folder");
+    std::fs::write(
+        root.join("annotations/cifar10_test.json"),
+        r#"{"images": ["giant.png"], "categories": [3]}"#,
+    )
+    .expect("annotations");
+    // 6,000 x 6,000 RGB: 108 MB once decoded.
+    write_black_png(&root.join("test_cifar10/giant.png"), 6000, 6000);
+    let measured = run_measured(&eval_args(&weights, "json-folder", &root));
+    measured.expect_refusal(&["giant.png", "image is 6000x6000", "expected 32x32"]);
+    assert_peak_within("giant PNG", &measured, &baseline);
+}
+
+#[test]
+fn empty_cifar_files_are_refused_by_eval_and_train() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let model = small_model();
+    let weights = dir.path().join("weights.safetensors");
+    tandem_models::save_safetensors(&model, &weights, &Default::default()).expect("save");
+    let data = cifar_bin_folder(dir.path(), 0);
+    for batch in 1..=5 {
+        std::fs::write(data.join(format!("data_batch_{batch}.bin")), b"").expect("empty");
+    }
+    let eval = run_measured(&eval_args(&weights, "cifar10-bin", &data));
+    eval.expect_refusal(&["the Test split of cifar10-bin", "holds no samples"]);
+
+    let output = dir.path().join("run");
+    let mut train = synthetic_run(&output, 64);
+    train = with_flag(train, "--data", "cifar10-bin");
+    train = with_flag(train, "--data-dir", &data.display().to_string());
+    let measured = run_measured(&train);
+    measured.expect_refusal(&["the Train split of cifar10-bin", "holds no samples"]);
+    let written: Vec<_> = std::fs::read_dir(&output)
+        .map(|entries| entries.flatten().map(|entry| entry.file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        !written
+            .iter()
+            .any(|name| name.to_string_lossy().ends_with(".safetensors")),
+        "train wrote {written:?}"
+    );
+}
+
+#[test]
+fn temporary_files_of_dead_writers_are_removed_when_train_starts() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let output = dir.path().join("run");
+    std::fs::create_dir_all(&output).expect("output folder");
+    // Above any pid_max Linux allows (2^22): no live process has this pid.
+    let dead = 1u64 << 30;
+    let stale = [
+        format!("snapshot.safetensors.{dead}.tmp"),
+        format!("metrics.jsonl.{dead}.tmp"),
+        format!(".epoch_1.safetensors.{dead}.tmp"),
+    ];
+    // A concurrent writer that is alive: this test process.
+    let live = format!("snapshot.safetensors.{}.tmp", std::process::id());
+    let unrelated = "notes.123.tmp.txt";
+    for name in stale.iter().chain([&live, &unrelated.to_string()]) {
+        std::fs::write(output.join(name), b"partial").expect("temporary file");
+    }
+    let args = with_flag(synthetic_run(&output, 64), "--epochs", "1");
+    let measured = run_measured(&args);
+    assert_eq!(measured.exit_code, Some(0), "{}", measured.describe());
+    for name in &stale {
+        assert!(!output.join(name).exists(), "{name} was left behind");
+    }
+    assert!(
+        output.join(&live).exists(),
+        "a live writer's {live} was removed"
+    );
+    assert!(output.join(unrelated).exists(), "{unrelated} was removed");
+    assert!(output.join("snapshot.safetensors").exists());
+}
+
+#[test]
+fn an_edited_epoch_in_the_snapshot_metadata_is_caught_and_the_previous_snapshot_used() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let output = dir.path().join("run");
+    let mut args = synthetic_run(&output, 192);
+    args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
+    let mut first = args.clone();
+    first.extend(["--max-steps".to_string(), "3".to_string()]);
+    let measured = run_measured(&first);
+    assert_eq!(measured.exit_code, Some(0), "{}", measured.describe());
+    // The description is JSON inside the header's JSON, so its quotes are escaped.
+    let snapshot = output.join("snapshot.safetensors");
+    let bytes = std::fs::read(&snapshot).expect("snapshot");
+    let (from, to) = (br#"\"epoch\":0"#, br#"\"epoch\":1"#);
+    let at = bytes
+        .windows(from.len())
+        .position(|window| window == from)
+        .expect("the snapshot's epoch");
+    let mut edited = bytes.clone();
+    edited[at..at + to.len()].copy_from_slice(to);
+    std::fs::write(&snapshot, edited).expect("edited snapshot");
+    let measured = run_measured(&args);
+    assert_eq!(measured.exit_code, Some(0), "{}", measured.describe());
+    assert!(
+        measured.stderr.contains("checksum does not match"),
+        "{}",
+        measured.describe()
+    );
+    assert!(measured.stderr.contains("snapshot.safetensors.prev"));
+    assert!(
+        measured
+            .stdout
+            .contains("Resuming training from snapshot at epoch 1, step 2"),
+        "{}",
+        measured.describe()
+    );
+}
