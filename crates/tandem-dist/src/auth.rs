@@ -233,12 +233,9 @@ pub(crate) fn connect_handshake(
     stream.write_all(&reply).map_err(ConnectError::Io)?;
 
     let mut verdict = [0u8; 1];
-    match stream.read_exact(&mut verdict) {
-        Ok(()) => {}
-        // A refusing acceptor may close before we read; treat a closed connection as refusal.
-        Err(error) if is_closed(&error) => return Err(ConnectError::Refused),
-        Err(error) => return Err(ConnectError::Io(error)),
-    }
+    // A refusing acceptor sends its verdict before closing; a close without one is a busy
+    // acceptor shedding connections (the store's gate does), worth another try.
+    stream.read_exact(&mut verdict).map_err(ConnectError::Io)?;
     if verdict[0] != ACCEPTED {
         return Err(ConnectError::Refused);
     }

@@ -2,8 +2,9 @@
 //! for readiness with `poll(2)`, so that outsiders cost no thread and a bounded number of
 //! descriptors. Only a connection that proves the job token leaves the gate.
 //!
-//! A new connection is closed at once (before any byte is sent) when it would exceed the
-//! connections in the handshake, those from its peer address, the authenticated clients, or
+//! Connections in the handshake are capped in total and per peer address: beyond a cap, the
+//! oldest pending connection (of that address first) is closed at once. A new connection is
+//! closed at once, before any byte is sent, when it would exceed the authenticated clients or
 //! the descriptors the store may use. An admitted one has one deadline for the whole
 //! handshake, however slowly it trickles its bytes.
 
@@ -194,7 +195,7 @@ impl Gate {
 
     /// Starts the handshake of a new connection, or closes it at once when it is over a limit.
     fn admit(&mut self, stream: TcpStream, peer: IpAddr, clients: usize) {
-        if !self.has_room_for(peer, clients) {
+        if !self.make_room_for(peer, clients) {
             return;
         }
         let Ok(challenge) = AcceptorChallenge::new(Purpose::Store) else {
@@ -222,19 +223,33 @@ impl Gate {
         });
     }
 
-    /// Whether one more connection from `peer` fits every limit. Every pending connection
-    /// counts as a future client, so that passing the handshake always finds room.
-    fn has_room_for(&self, peer: IpAddr, clients: usize) -> bool {
-        let pending = self.pending.len();
+    /// Makes room for one more connection from `peer`, or says there is none. Over the
+    /// handshake caps, the oldest pending connection of `peer` (else the oldest of all) is
+    /// closed: a flood then pushes out its own idle connections, while a client that answers
+    /// at once gets through. Every pending connection counts as a future client, so that
+    /// passing the handshake always finds room under the client and descriptor caps.
+    fn make_room_for(&mut self, peer: IpAddr, clients: usize) -> bool {
         let from_peer = self
             .pending
             .iter()
             .filter(|pending| pending.peer == peer)
             .count();
-        let future_clients = clients + pending + 1;
-        pending < self.limits.max_pending
-            && from_peer < self.limits.max_pending_per_address
-            && future_clients <= self.limits.max_clients
+        let oldest = if from_peer >= self.limits.max_pending_per_address {
+            self.pending.iter().position(|pending| pending.peer == peer)
+        } else if self.pending.len() >= self.limits.max_pending {
+            (!self.pending.is_empty()).then_some(0)
+        } else {
+            None
+        };
+        let over_a_cap = from_peer >= self.limits.max_pending_per_address
+            || self.pending.len() >= self.limits.max_pending;
+        match oldest {
+            Some(index) => drop(self.pending.remove(index)),
+            None if over_a_cap => return false,
+            None => {}
+        }
+        let future_clients = clients + self.pending.len() + 1;
+        future_clients <= self.limits.max_clients
             && future_clients * DESCRIPTORS_PER_CLIENT <= self.max_descriptors
     }
 

@@ -10,9 +10,10 @@ pub struct StoreLimits {
     /// How long a new connection may take to pass the whole handshake, counted from its
     /// accept, however it trickles its bytes.
     pub handshake_deadline: Duration,
-    /// Connections in the handshake at once; a connection beyond it is closed at once.
+    /// Connections in the handshake at once; beyond it, the oldest is closed at once.
     pub max_pending: usize,
-    /// Connections in the handshake at once from one peer address.
+    /// Connections in the handshake at once from one peer address; beyond it, the oldest
+    /// from that address is closed at once.
     pub max_pending_per_address: usize,
     /// Authenticated clients at once (each holds a thread and two descriptors).
     pub max_clients: usize,

@@ -40,7 +40,21 @@ pub fn run(options: TrainOptions) -> anyhow::Result<()> {
     let settings = options.merged_with_file()?.resolve()?;
     let stop_requested = stop_signal::install()?;
     let mut trainer = Trainer::new(settings, stop_requested)?;
-    tandem_engine::run_on_kernel_threads(|| trainer.train())
+    tandem_engine::run_on_kernel_threads(|| trainer.train())?;
+    match stop_signal::received() {
+        // The run stopped early because this process was signalled: that is no success.
+        Some(signal) if trainer.progress.epoch < trainer.settings.epochs => {
+            Err(stop_signal::StoppedBySignal {
+                signal,
+                name: stop_signal::name(signal),
+                epoch: trainer.progress.epoch + 1,
+                step: trainer.progress.step_in_epoch,
+                snapshot: trainer.settings.snapshot.display().to_string(),
+            }
+            .into())
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A training run in progress.
