@@ -103,7 +103,7 @@ impl Gate {
     /// connections; returns which are ready.
     fn poll(&mut self, slice: Duration) -> (bool, Vec<bool>) {
         let now = Instant::now();
-        let accepting = self.accept_paused_until.map_or(true, |until| now >= until);
+        let accepting = self.accept_paused_until.is_none_or(|until| now >= until);
         if accepting {
             self.accept_paused_until = None;
         }
@@ -146,12 +146,9 @@ impl Gate {
     /// Reads what the ready pending connections sent; checks complete replies.
     fn advance_handshakes(&mut self, ready: &[bool]) -> Vec<Passed> {
         let mut passed = Vec::new();
-        let mut index = 0;
         let mut keep = Vec::with_capacity(self.pending.len());
-        for mut pending in std::mem::take(&mut self.pending) {
-            let is_ready = ready.get(index).copied().unwrap_or(false);
-            index += 1;
-            if !is_ready {
+        for (index, mut pending) in std::mem::take(&mut self.pending).into_iter().enumerate() {
+            if !ready.get(index).copied().unwrap_or(false) {
                 keep.push(pending);
                 continue;
             }
