@@ -20,8 +20,8 @@ use crate::error::{DistError, Result};
 /// How long the gate stops accepting after the process ran out of descriptors (the waiting
 /// connections stay in the kernel's backlog meanwhile).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
-/// Descriptors an authenticated client holds: its stream and the server's clone of it.
-const DESCRIPTORS_PER_CLIENT: usize = 2;
+/// Descriptors an authenticated client holds: its stream.
+const DESCRIPTORS_PER_CLIENT: usize = 1;
 
 /// A connection that passed the handshake. Its `answer` (the acceptance and this end's proof)
 /// is still to be sent, before `deadline`.

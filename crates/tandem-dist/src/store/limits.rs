@@ -15,7 +15,7 @@ pub struct StoreLimits {
     /// Connections in the handshake at once from one peer address; beyond it, the oldest
     /// from that address is closed at once.
     pub max_pending_per_address: usize,
-    /// Authenticated clients at once (each holds a thread and two descriptors).
+    /// Authenticated clients at once (each holds a thread and a descriptor).
     pub max_clients: usize,
     /// File descriptors (of `RLIMIT_NOFILE`, beyond those open when the store starts) that
     /// the store never uses, for the rest of the process.

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
@@ -40,8 +41,10 @@ struct Shared {
     map: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
     stopping: AtomicBool,
-    /// A clone of each authenticated client's stream, to close it when the server is dropped.
-    clients: Mutex<HashMap<u64, TcpStream>>,
+    /// The descriptor of each authenticated client's stream, to shut it down when the server
+    /// is dropped. A client thread removes its entry before its stream closes, so every
+    /// descriptor here is open (and not yet reused) while the lock is held.
+    clients: Mutex<HashMap<u64, RawFd>>,
     next_client: AtomicU64,
 }
 
@@ -86,8 +89,12 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
         self.shared.changed.notify_all();
-        for stream in lock(&self.shared.clients).values() {
-            let _ = stream.shutdown(Shutdown::Both);
+        for &fd in lock(&self.shared.clients).values() {
+            // SAFETY: `shutdown` touches no memory; `fd` is an open socket while the lock is
+            // held (see `Shared::clients`), so no other file is affected.
+            unsafe {
+                libc::shutdown(fd, libc::SHUT_RDWR);
+            }
         }
     }
 }
@@ -113,19 +120,19 @@ fn serve_gate(mut gate: Gate, shared: &Arc<Shared>) {
 /// Registers a client that passed the handshake and starts its thread. Registration happens
 /// here, on the gate's thread, so the gate's next count includes it.
 fn start_client(passed: Passed, shared: &Arc<Shared>) {
-    let Ok(clone) = passed.stream.try_clone() else {
-        return;
-    };
     let id = shared.next_client.fetch_add(1, Ordering::SeqCst);
-    lock(&shared.clients).insert(id, clone);
-    let client_shared = Arc::clone(shared);
     let port = passed.stream.local_addr().map_or(0, |addr| addr.port());
+    let client_shared = Arc::clone(shared);
+    // Held across the spawn: if it fails, the stream closes with the closure, and nobody may
+    // shut its descriptor down before the entry is gone.
+    let mut clients = lock(&shared.clients);
+    clients.insert(id, passed.stream.as_raw_fd());
     let spawned = thread::Builder::new()
         .name(format!("store-{port}-cl"))
         .spawn(move || serve_client(passed, id, &client_shared));
     if spawned.is_err() {
-        // The passed stream went down with the closure: the client sees a closed connection.
-        lock(&shared.clients).remove(&id);
+        // The client sees a closed connection.
+        clients.remove(&id);
     }
 }
 
@@ -137,6 +144,7 @@ fn serve_client(mut passed: Passed, id: u64, shared: &Shared) {
     }
     let _ = passed.stream.shutdown(Shutdown::Both);
     lock(&shared.clients).remove(&id);
+    drop(passed);
 }
 
 /// Sends the acceptance, within what is left of the handshake's deadline.
@@ -327,6 +335,27 @@ mod tests {
             .expect("connect");
         client.set("ok", b"1").expect("set");
         assert_eq!(client.get("ok").expect("get"), Some(b"1".to_vec()));
+    }
+
+    #[test]
+    fn dropping_the_server_closes_its_clients_even_mid_wait() {
+        let token = JobToken::new("token").expect("token");
+        let server =
+            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let idle = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5))
+            .expect("connect");
+        let waiting = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5))
+            .expect("connect");
+        std::thread::scope(|scope| {
+            let wait = scope.spawn(|| waiting.wait(&["never"], Duration::from_secs(30)));
+            std::thread::sleep(Duration::from_millis(100));
+            drop(server);
+            assert!(matches!(
+                wait.join().expect("wait thread"),
+                Err(crate::DistError::StoreTimeout { .. } | crate::DistError::StoreRequest { .. })
+            ));
+        });
+        assert!(idle.get("any").is_err());
     }
 
     #[test]
