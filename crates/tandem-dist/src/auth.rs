@@ -110,6 +110,61 @@ pub(crate) enum AcceptError {
     Refused,
 }
 
+/// The acceptor's half of one handshake: its nonce, the hello that carries it, and the check
+/// of the connector's reply. Split from the I/O so that a server can run many handshakes
+/// without a thread each (see the store's gate).
+pub(crate) struct AcceptorChallenge {
+    purpose: Purpose,
+    nonce: [u8; NONCE_LEN],
+}
+
+/// Bytes of the connector's reply: magic, its nonce, its proof.
+pub(crate) const CONNECTOR_REPLY_LEN: usize = 8 + NONCE_LEN + MAC_LEN;
+/// What the acceptor sends before closing a connection that failed the proof.
+pub(crate) const REFUSAL: [u8; 1] = [REFUSED];
+
+impl AcceptorChallenge {
+    /// A fresh challenge with a random nonce.
+    pub(crate) fn new(purpose: Purpose) -> std::result::Result<AcceptorChallenge, AcceptError> {
+        let mut nonce = [0u8; NONCE_LEN];
+        fill_random(&mut nonce).map_err(|_| AcceptError::Refused)?;
+        Ok(AcceptorChallenge { purpose, nonce })
+    }
+
+    /// The first message, acceptor to connector.
+    pub(crate) fn hello(&self) -> Vec<u8> {
+        let mut hello = Vec::with_capacity(MAGIC.len() + 1 + NONCE_LEN);
+        hello.extend_from_slice(MAGIC);
+        hello.push(self.purpose as u8);
+        hello.extend_from_slice(&self.nonce);
+        hello
+    }
+
+    /// Checks the connector's reply; on success returns the acceptance to send back (which
+    /// proves that this end knows the token too).
+    pub(crate) fn verify(
+        &self,
+        token: &JobToken,
+        reply: &[u8; CONNECTOR_REPLY_LEN],
+    ) -> std::result::Result<Vec<u8>, AcceptError> {
+        let (magic, rest) = reply.split_at(MAGIC.len());
+        let (connector_nonce, proof) = rest.split_at(NONCE_LEN);
+        let expected = token.mac(b"connector", self.purpose, &self.nonce, connector_nonce);
+        if magic != MAGIC || !constant_time_eq(proof, &expected) {
+            return Err(AcceptError::Refused);
+        }
+        let mut answer = Vec::with_capacity(1 + MAC_LEN);
+        answer.push(ACCEPTED);
+        answer.extend_from_slice(&token.mac(
+            b"acceptor",
+            self.purpose,
+            &self.nonce,
+            connector_nonce,
+        ));
+        Ok(answer)
+    }
+}
+
 /// Runs the acceptor side; on success the connector has proved it knows `token`.
 /// The stream's read and write timeouts must already be set.
 pub(crate) fn accept_handshake(
@@ -117,30 +172,22 @@ pub(crate) fn accept_handshake(
     token: &JobToken,
     purpose: Purpose,
 ) -> std::result::Result<(), AcceptError> {
-    let mut acceptor_nonce = [0u8; NONCE_LEN];
-    fill_random(&mut acceptor_nonce).map_err(|_| AcceptError::Refused)?;
-    let mut hello = Vec::with_capacity(MAGIC.len() + 1 + NONCE_LEN);
-    hello.extend_from_slice(MAGIC);
-    hello.push(purpose as u8);
-    hello.extend_from_slice(&acceptor_nonce);
-    stream.write_all(&hello).map_err(|_| AcceptError::Broken)?;
-
-    let mut reply = [0u8; 8 + NONCE_LEN + MAC_LEN];
+    let challenge = AcceptorChallenge::new(purpose)?;
+    stream
+        .write_all(&challenge.hello())
+        .map_err(|_| AcceptError::Broken)?;
+    let mut reply = [0u8; CONNECTOR_REPLY_LEN];
     stream
         .read_exact(&mut reply)
         .map_err(|_| AcceptError::Broken)?;
-    let (magic, rest) = reply.split_at(MAGIC.len());
-    let (connector_nonce, proof) = rest.split_at(NONCE_LEN);
-    let expected = token.mac(b"connector", purpose, &acceptor_nonce, connector_nonce);
-    if magic != MAGIC || !constant_time_eq(proof, &expected) {
-        // Best effort: tell the connector why before closing.
-        let _ = stream.write_all(&[REFUSED]);
-        return Err(AcceptError::Refused);
+    match challenge.verify(token, &reply) {
+        Ok(answer) => stream.write_all(&answer).map_err(|_| AcceptError::Broken),
+        Err(refused) => {
+            // Best effort: tell the connector why before closing.
+            let _ = stream.write_all(&REFUSAL);
+            Err(refused)
+        }
     }
-    let mut answer = Vec::with_capacity(1 + MAC_LEN);
-    answer.push(ACCEPTED);
-    answer.extend_from_slice(&token.mac(b"acceptor", purpose, &acceptor_nonce, connector_nonce));
-    stream.write_all(&answer).map_err(|_| AcceptError::Broken)
 }
 
 /// Why the connector side of a handshake failed.
@@ -186,12 +233,9 @@ pub(crate) fn connect_handshake(
     stream.write_all(&reply).map_err(ConnectError::Io)?;
 
     let mut verdict = [0u8; 1];
-    match stream.read_exact(&mut verdict) {
-        Ok(()) => {}
-        // A refusing acceptor may close before we read; treat a closed connection as refusal.
-        Err(error) if is_closed(&error) => return Err(ConnectError::Refused),
-        Err(error) => return Err(ConnectError::Io(error)),
-    }
+    // A refusing acceptor sends its verdict before closing; a close without one is a busy
+    // acceptor shedding connections (the store's gate does), worth another try.
+    stream.read_exact(&mut verdict).map_err(ConnectError::Io)?;
     if verdict[0] != ACCEPTED {
         return Err(ConnectError::Refused);
     }

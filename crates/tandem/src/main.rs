@@ -86,6 +86,9 @@ fn main() {
     };
     if let Err(error) = result {
         report_fatal_error(&error);
+        if let Some(stopped) = error.downcast_ref::<train::stop_signal::StoppedBySignal>() {
+            train::stop_signal::end_on(stopped);
+        }
         std::process::exit(1);
     }
 }

@@ -37,23 +37,6 @@ fn job_args(output_dir: &Path) -> Vec<String> {
     args
 }
 
-/// The process ids of `parent`'s children.
-fn children(parent: u32) -> Vec<u32> {
-    let tasks = Path::new("/proc").join(parent.to_string()).join("task");
-    let mut pids = Vec::new();
-    if let Ok(entries) = std::fs::read_dir(tasks) {
-        for entry in entries.flatten() {
-            if let Ok(text) = std::fs::read_to_string(entry.path().join("children")) {
-                pids.extend(
-                    text.split_whitespace()
-                        .filter_map(|pid| pid.parse::<u32>().ok()),
-                );
-            }
-        }
-    }
-    pids
-}
-
 fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path)
         .and_then(|meta| meta.modified())

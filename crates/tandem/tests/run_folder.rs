@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -223,7 +224,8 @@ fn more_epochs_of_a_onecycle_run_are_refused_with_the_way_out() {
 }
 
 /// Starts a long run into `out`, waits until it trains (its first periodic snapshot), sends
-/// it `signal`, and returns its exit code and standard error.
+/// it `signal`, and returns its exit status as a shell reports it (128 + the signal for a
+/// process that ended on one) and its standard error.
 fn stop_a_run_with(signal: libc::c_int, out: &Path) -> (Option<i32>, String) {
     let mut args = with_flag(synthetic_run(out, 4096), "--epochs", "50");
     args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
@@ -237,8 +239,12 @@ fn stop_a_run_with(signal: libc::c_int, out: &Path) -> (Option<i32>, String) {
     // SAFETY: `kill` has no memory-safety preconditions; the child is not reaped yet.
     assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
     let output = wait_bounded(child, LIMIT);
+    let shell_status = output
+        .status
+        .code()
+        .or_else(|| output.status.signal().map(|signal| 128 + signal));
     (
-        output.status.code(),
+        shell_status,
         String::from_utf8_lossy(&output.stderr).to_string(),
     )
 }
@@ -252,6 +258,15 @@ fn a_stopped_run_exits_130_after_sigint_and_143_after_sigterm() {
         assert_eq!(exit_code, Some(code), "{stderr}");
         assert!(
             stderr.contains("Stopped on request at epoch 1, step "),
+            "{stderr}"
+        );
+        let name = if signal == libc::SIGINT {
+            "SIGINT"
+        } else {
+            "SIGTERM"
+        };
+        assert!(
+            stderr.contains(&format!("stopped by {name} at epoch 1, step ")),
             "{stderr}"
         );
         assert!(out.join("snapshot.safetensors").is_file());

@@ -1,25 +1,31 @@
-//! The store server: a key-value map behind a TCP listener, one thread per client.
+//! The store server: a key-value map behind a TCP listener.
 //!
-//! Every connection must pass the job-token handshake before its first request; malformed
-//! frames, oversized lengths and unknown opcodes close the connection. Nothing a client sends
-//! can make the server panic or allocate more than one frame's limit.
+//! New connections wait at the [gate](super::gate), one thread for every handshake; a client
+//! that proves the job token gets a thread of its own (its requests may block in `wait` for as
+//! long as the job runs), and the number of such clients is bounded by the store's limits.
+//! Malformed frames, oversized lengths and unknown opcodes close the connection. Nothing a
+//! client sends can make the server panic or allocate more than one frame's limit.
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use super::client::remaining;
+use super::gate::{Gate, Passed};
+use super::limits::StoreLimits;
 use super::protocol::{read_frame, write_frame, FrameError, Request, Response};
-use crate::auth::{accept_handshake, JobToken, Purpose};
+use crate::auth::JobToken;
 use crate::error::{DistError, Result};
 
-/// How long a new connection may take to pass the handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often the accept loop checks whether the server was dropped.
-const ACCEPT_POLL: Duration = Duration::from_millis(5);
+/// How long the gate waits for readiness before it checks whether the server was dropped.
+const GATE_SLICE: Duration = Duration::from_millis(50);
+/// How long the server may take to hand an answer to a client that does not read it.
+const ANSWER_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest `wait` the server honours, whatever the client asks.
 const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
@@ -30,40 +36,46 @@ pub struct StoreServer {
     shared: Arc<Shared>,
 }
 
-/// State shared by the accept loop and the connection threads.
+/// State shared by the gate thread and the client threads.
 struct Shared {
     map: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
     stopping: AtomicBool,
-    connections: Mutex<HashMap<u64, TcpStream>>,
-    next_connection: AtomicU64,
-    token: JobToken,
+    /// The descriptor of each authenticated client's stream, to shut it down when the server
+    /// is dropped. A client thread removes its entry before its stream closes, so every
+    /// descriptor here is open (and not yet reused) while the lock is held.
+    clients: Mutex<HashMap<u64, RawFd>>,
+    next_client: AtomicU64,
 }
 
 impl StoreServer {
-    /// Binds `addr` (port 0 picks a free port) and starts serving clients that know `token`.
+    /// Binds `addr` (port 0 picks a free port) and starts serving clients that know `token`,
+    /// within the default [`StoreLimits`].
     pub fn bind(addr: SocketAddr, token: JobToken) -> Result<StoreServer> {
-        let listener = TcpListener::bind(addr)
-            .map_err(|error| DistError::io(format!("bind the store on {addr}"), &error))?;
-        let local_addr = listener
-            .local_addr()
-            .map_err(|error| DistError::io("read the store's local address", &error))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|error| DistError::io("make the store listener non-blocking", &error))?;
+        StoreServer::bind_with(addr, token, StoreLimits::default())
+    }
+
+    /// [`bind`](Self::bind) within `limits`. The descriptor budget is read now: the soft
+    /// `RLIMIT_NOFILE` less the descriptors open and `limits.reserved_descriptors`.
+    pub fn bind_with(
+        addr: SocketAddr,
+        token: JobToken,
+        limits: StoreLimits,
+    ) -> Result<StoreServer> {
+        let gate = Gate::bind(addr, token, limits)?;
+        let local_addr = gate.local_addr()?;
         let shared = Arc::new(Shared {
             map: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
             stopping: AtomicBool::new(false),
-            connections: Mutex::new(HashMap::new()),
-            next_connection: AtomicU64::new(0),
-            token,
+            clients: Mutex::new(HashMap::new()),
+            next_client: AtomicU64::new(0),
         });
-        let accept_shared = Arc::clone(&shared);
+        let gate_shared = Arc::clone(&shared);
         thread::Builder::new()
-            .name(format!("store-accept-{}", local_addr.port()))
-            .spawn(move || accept_loop(listener, accept_shared))
-            .map_err(|error| DistError::io("spawn the store's accept thread", &error))?;
+            .name(format!("store-{}", local_addr.port()))
+            .spawn(move || serve_gate(gate, &gate_shared))
+            .map_err(|error| DistError::io("spawn the store's gate thread", &error))?;
         Ok(StoreServer { local_addr, shared })
     }
 
@@ -77,64 +89,78 @@ impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
         self.shared.changed.notify_all();
-        for stream in lock(&self.shared.connections).values() {
-            let _ = stream.shutdown(Shutdown::Both);
+        for &fd in lock(&self.shared.clients).values() {
+            // SAFETY: `shutdown` touches no memory; `fd` is an open socket while the lock is
+            // held (see `Shared::clients`), so no other file is affected.
+            unsafe {
+                libc::shutdown(fd, libc::SHUT_RDWR);
+            }
         }
     }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A connection thread cannot panic while holding a lock, but recover the data if one did.
+    // A client thread cannot panic while holding a lock, but recover the data if one did.
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+/// Runs the gate until the server is dropped; the listener and every pending handshake close
+/// with it.
+fn serve_gate(mut gate: Gate, shared: &Arc<Shared>) {
     while !shared.stopping.load(Ordering::SeqCst) {
-        match listener.accept() {
-            Ok((stream, _)) => {
-                let connection_shared = Arc::clone(&shared);
-                // If the thread cannot be spawned the stream is dropped: the client sees a closed connection.
-                let _ = thread::Builder::new()
-                    .name("store-connection".into())
-                    .spawn(move || serve_connection(stream, connection_shared));
-            }
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
-                thread::sleep(ACCEPT_POLL)
-            }
-            Err(_) => thread::sleep(ACCEPT_POLL),
+        let clients = lock(&shared.clients).len();
+        for passed in gate.turn(GATE_SLICE, clients) {
+            start_client(passed, shared);
         }
     }
 }
 
-fn serve_connection(mut stream: TcpStream, shared: Arc<Shared>) {
-    let id = shared.next_connection.fetch_add(1, Ordering::SeqCst);
-    match stream.try_clone() {
-        Ok(clone) => {
-            lock(&shared.connections).insert(id, clone);
-        }
-        Err(_) => return,
+/// Registers a client that passed the handshake and starts its thread. Registration happens
+/// here, on the gate's thread, so the gate's next count includes it.
+fn start_client(passed: Passed, shared: &Arc<Shared>) {
+    let id = shared.next_client.fetch_add(1, Ordering::SeqCst);
+    let port = passed.stream.local_addr().map_or(0, |addr| addr.port());
+    let client_shared = Arc::clone(shared);
+    // Held across the spawn: if it fails, the stream closes with the closure, and nobody may
+    // shut its descriptor down before the entry is gone.
+    let mut clients = lock(&shared.clients);
+    clients.insert(id, passed.stream.as_raw_fd());
+    let spawned = thread::Builder::new()
+        .name(format!("store-{port}-cl"))
+        .spawn(move || serve_client(passed, id, &client_shared));
+    if spawned.is_err() {
+        // The client sees a closed connection.
+        clients.remove(&id);
     }
-    // The server may have been dropped between accept and registration.
+}
+
+fn serve_client(mut passed: Passed, id: u64, shared: &Shared) {
+    // The server may have been dropped between the handshake and registration.
     if !shared.stopping.load(Ordering::SeqCst) {
-        let _ = serve_requests(&mut stream, &shared);
+        let _ =
+            finish_handshake(&mut passed).and_then(|()| serve_requests(&mut passed.stream, shared));
     }
-    let _ = stream.shutdown(Shutdown::Both);
-    lock(&shared.connections).remove(&id);
+    let _ = passed.stream.shutdown(Shutdown::Both);
+    lock(&shared.clients).remove(&id);
+    drop(passed);
 }
 
-/// Runs the handshake, then answers requests until the client leaves or misbehaves.
+/// Sends the acceptance, within what is left of the handshake's deadline.
+fn finish_handshake(passed: &mut Passed) -> std::io::Result<()> {
+    let left = remaining(passed.deadline)
+        .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::TimedOut))?;
+    passed.stream.set_write_timeout(Some(left))?;
+    passed.stream.write_all(&passed.answer)?;
+    passed.stream.flush()
+}
+
+/// Answers requests until the client leaves or misbehaves.
 fn serve_requests(stream: &mut TcpStream, shared: &Shared) -> std::io::Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    if accept_handshake(&mut *stream, &shared.token, Purpose::Store).is_err() {
-        return Ok(());
-    }
     // Clients may stay idle for as long as the job runs.
     stream.set_read_timeout(None)?;
+    stream.set_write_timeout(Some(ANSWER_WRITE_TIMEOUT))?;
     loop {
         let payload = match read_frame(stream) {
             Ok(payload) => payload,
@@ -250,7 +276,7 @@ mod tests {
     use std::io::Read;
 
     use super::*;
-    use crate::auth::connect_handshake;
+    use crate::auth::{connect_handshake, Purpose};
     use crate::store::StoreClient;
 
     fn authenticated_raw_client(server: &StoreServer, token: &JobToken) -> TcpStream {
@@ -309,6 +335,27 @@ mod tests {
             .expect("connect");
         client.set("ok", b"1").expect("set");
         assert_eq!(client.get("ok").expect("get"), Some(b"1".to_vec()));
+    }
+
+    #[test]
+    fn dropping_the_server_closes_its_clients_even_mid_wait() {
+        let token = JobToken::new("token").expect("token");
+        let server =
+            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let idle = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5))
+            .expect("connect");
+        let waiting = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5))
+            .expect("connect");
+        std::thread::scope(|scope| {
+            let wait = scope.spawn(|| waiting.wait(&["never"], Duration::from_secs(30)));
+            std::thread::sleep(Duration::from_millis(100));
+            drop(server);
+            assert!(matches!(
+                wait.join().expect("wait thread"),
+                Err(crate::DistError::StoreTimeout { .. } | crate::DistError::StoreRequest { .. })
+            ));
+        });
+        assert!(idle.get("any").is_err());
     }
 
     #[test]

@@ -12,7 +12,8 @@ use super::rendezvous::{AgentStore, Heartbeats, Member, Waited};
 use super::report::{self, NodeReport, RootCause, WorkerReport, LOG_TAIL_LINES};
 use super::signals::{self, signal_name, StopRequest, SIGKILL, SIGTERM};
 use super::worker::{
-    error_file_path, now_micros, worker_env, JobEnv, Worker, WorkerEnd, WorkerPlace,
+    error_file_path, now_micros, retry_while_short_of_resources, worker_env, JobEnv, Worker,
+    WorkerEnd, WorkerPlace,
 };
 
 /// How often the agent looks at its workers.
@@ -248,7 +249,7 @@ fn start_worker(
         place.local_rank,
         now_micros() / 1_000_000
     );
-    let log = RankLog::open(&plan.log_dir, place.rank, &header)
+    let log = retry_while_short_of_resources(|| RankLog::open(&plan.log_dir, place.rank, &header))
         .with_context(|| format!("open the log of rank {}", place.rank))?;
     let env = worker_env(&place, job, &error_file);
     let echo = plan.tee || place.rank == 0;
@@ -305,6 +306,11 @@ fn watch_round(
             signal_running(workers, SIGTERM);
         }
         if let Some(phase) = stopping.as_mut() {
+            // A stopped worker can honour no SIGTERM: no grace for it. It is most likely
+            // the peer the failed ones gave up on.
+            for worker in workers {
+                worker.kill_if_stopped();
+            }
             let insists = signal.is_some_and(|request| request.count >= 2);
             escalate(phase, workers, plan.stop_grace, insists);
         }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
 use serde::{Deserialize, Serialize};
-use tandem_dist::{DistError, JobToken, StoreClient, StoreServer};
+use tandem_dist::{DistError, JobToken, StoreClient, StoreLimits, StoreServer};
 
 use super::options::{StoreLocation, Topology};
 use super::report::NodeReport;
@@ -95,9 +95,10 @@ impl AgentStore {
     ) -> anyhow::Result<Waited<AgentStore>> {
         let (server, connect_to, master_addr, master_port) = match &topology.store {
             StoreLocation::Loopback => {
-                let server = StoreServer::bind(
+                let server = StoreServer::bind_with(
                     SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0),
                     token.clone(),
+                    store_limits(topology),
                 )
                 .context("start the store on 127.0.0.1")?;
                 let addr = server.local_addr();
@@ -108,8 +109,13 @@ impl AgentStore {
                     Ok(SocketAddr::V6(_)) => Ipv6Addr::UNSPECIFIED.into(),
                     _ => Ipv4Addr::UNSPECIFIED.into(),
                 };
-                let server = StoreServer::bind(SocketAddr::new(unspecified, *port), token.clone())
-                    .with_context(|| format!("start the store on port {port} (--master-port)"))?;
+                let limits = store_limits(topology);
+                let server = StoreServer::bind_with(
+                    SocketAddr::new(unspecified, *port),
+                    token.clone(),
+                    limits,
+                )
+                .with_context(|| format!("start the store on port {port} (--master-port)"))?;
                 let loopback: IpAddr = if unspecified.is_ipv6() {
                     Ipv6Addr::LOCALHOST.into()
                 } else {
@@ -326,6 +332,22 @@ impl AgentStore {
             Ok(()) | Err(DistError::StoreTimeout { .. }) => Ok(()),
             Err(error) => Err(error.into()),
         }
+    }
+}
+
+/// Descriptors the launcher keeps out of the store's reach whatever happens on the store
+/// port: its own files and sockets, and per worker a log file, an output pipe (two ends
+/// while spawning) and the spare that `Command::spawn` needs.
+const RESERVED_DESCRIPTORS: usize = 64;
+/// Descriptors reserved per local worker.
+const RESERVED_DESCRIPTORS_PER_WORKER: usize = 8;
+
+/// The store's limits for this node: the defaults, with descriptors kept for the workers.
+fn store_limits(topology: &Topology) -> StoreLimits {
+    StoreLimits {
+        reserved_descriptors: RESERVED_DESCRIPTORS
+            + RESERVED_DESCRIPTORS_PER_WORKER * topology.nproc_per_node,
+        ..StoreLimits::default()
     }
 }
 

@@ -107,15 +107,23 @@ pub enum RootCause {
     },
 }
 
-/// The earliest worker failure among `reports` (ties go to the lower rank); when no worker
-/// failed, the first node that did not report (`None` entries).
+/// The worker found stuck (stopped while its peers gave up on it), or else the earliest
+/// worker failure among `reports` (ties go to the lower rank); when no worker failed, the
+/// first node that did not report (`None` entries). A stuck worker wins over earlier
+/// failures because those are its peers noticing it.
 pub fn root_cause(reports: &[Option<NodeReport>]) -> Option<RootCause> {
     let earliest = reports
         .iter()
         .flatten()
         .flat_map(|report| &report.workers)
         .filter(|worker| worker.end.is_failure())
-        .min_by_key(|worker| (worker.ended_at_micros, worker.rank));
+        .min_by_key(|worker| {
+            (
+                worker.end != WorkerEnd::Stuck,
+                worker.ended_at_micros,
+                worker.rank,
+            )
+        });
     if let Some(worker) = earliest {
         return Some(RootCause::Worker(worker.clone()));
     }
@@ -149,6 +157,9 @@ pub fn summary(title: &str, cause: &RootCause, reports: &[Option<NodeReport>]) -
     let mut text = format!("{title}\nroot cause: {}\n", headline(cause));
     if let RootCause::Worker(worker) = cause {
         describe_evidence(&mut text, worker);
+        if worker.end == WorkerEnd::Stuck {
+            describe_peer_reports(&mut text, worker.rank, reports);
+        }
     }
     let cause_rank = match cause {
         RootCause::Worker(worker) => Some(worker.rank),
@@ -176,6 +187,21 @@ pub fn summary(title: &str, cause: &RootCause, reports: &[Option<NodeReport>]) -
         text.push_str(&others);
     }
     text.trim_end().to_string()
+}
+
+/// What the failed peers of a stuck worker recorded: they name the peer that stopped
+/// answering, and what it was doing.
+fn describe_peer_reports(text: &mut String, stuck_rank: usize, reports: &[Option<NodeReport>]) {
+    let peers = reports
+        .iter()
+        .flatten()
+        .flat_map(|report| &report.workers)
+        .filter(|worker| worker.rank != stuck_rank && worker.end.is_failure());
+    for peer in peers {
+        if let Some(error) = &peer.error {
+            let _ = writeln!(text, "rank {} reported: {}", peer.rank, error.message);
+        }
+    }
 }
 
 fn describe_evidence(text: &mut String, worker: &WorkerReport) {
@@ -257,6 +283,30 @@ mod tests {
              it wrote no error file and no output (log: logs/rank_2.log)\n\
              other ranks:\n  rank 0: stopped by the launcher (SIGTERM)\n  rank 1: exited with code 1\n  \
              rank 3: finished successfully"
+        );
+    }
+
+    #[test]
+    fn a_stuck_worker_is_the_cause_though_its_peer_failed_first() {
+        let mut noticed = worker(0, WorkerEnd::ExitCode(1), 100);
+        noticed.error = Some(ErrorRecord {
+            message: "rank 1 (127.0.0.1:5) sent nothing before the deadline during all_reduce #9"
+                .into(),
+            timestamp: None,
+            file: "errors/rank_0.json".into(),
+        });
+        let reports = vec![Some(NodeReport {
+            node_rank: 0,
+            workers: vec![noticed, worker(1, WorkerEnd::Stuck, 200)],
+        })];
+        let cause = root_cause(&reports).unwrap();
+        assert_eq!(
+            summary("job failed", &cause, &reports),
+            "job failed\nroot cause: rank 1 (node 0, local rank 1) was stopped (SIGSTOP or a \
+             debugger) and stopped answering its peers; the launcher killed it (SIGKILL)\n\
+             it wrote no error file and no output (log: logs/rank_1.log)\n\
+             rank 0 reported: rank 1 (127.0.0.1:5) sent nothing before the deadline during \
+             all_reduce #9\nother ranks:\n  rank 0: exited with code 1"
         );
     }
 

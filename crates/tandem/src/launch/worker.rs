@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -90,6 +90,9 @@ pub enum WorkerEnd {
         /// The last signal the launcher sent.
         signal: i32,
     },
+    /// Was found stopped (SIGSTOP, a debugger) while the round was failing, most likely the
+    /// peer the others gave up on, and was killed at once.
+    Stuck,
     /// The program could not be started.
     NotStarted(String),
     /// Still running after SIGKILL and the wait that follows it.
@@ -101,7 +104,10 @@ impl WorkerEnd {
     pub fn is_failure(&self) -> bool {
         matches!(
             self,
-            WorkerEnd::ExitCode(_) | WorkerEnd::Signal(_) | WorkerEnd::NotStarted(_)
+            WorkerEnd::ExitCode(_)
+                | WorkerEnd::Signal(_)
+                | WorkerEnd::Stuck
+                | WorkerEnd::NotStarted(_)
         )
     }
 
@@ -113,6 +119,11 @@ impl WorkerEnd {
             WorkerEnd::Signal(signal) => format!("killed by {}", signal_name(*signal)),
             WorkerEnd::StoppedByLauncher { signal } => {
                 format!("stopped by the launcher ({})", signal_name(*signal))
+            }
+            WorkerEnd::Stuck => {
+                "was stopped (SIGSTOP or a debugger) and stopped answering its peers; \
+                 the launcher killed it (SIGKILL)"
+                    .into()
             }
             WorkerEnd::NotStarted(reason) => format!("could not start: {reason}"),
             WorkerEnd::Unkillable => "still running after SIGKILL".into(),
@@ -126,6 +137,8 @@ struct ProcessState {
     pid: u32,
     exit: Option<(WorkerEnd, u64)>,
     launcher_signal: Option<i32>,
+    /// The launcher killed it because it was found stopped.
+    found_stopped: bool,
 }
 
 /// A started (or failed-to-start) worker.
@@ -152,11 +165,13 @@ impl Worker {
         log: RankLog,
         echo: bool,
     ) -> Worker {
-        let state = spawn(program, args, env, &log, echo).unwrap_or_else(|reason| {
+        let spawned = retry_while_short_of_resources(|| spawn(program, args, env, &log, echo));
+        let state = spawned.unwrap_or_else(|failure| {
             Arc::new(Mutex::new(ProcessState {
                 pid: 0,
-                exit: Some((WorkerEnd::NotStarted(reason), now_micros())),
+                exit: Some((WorkerEnd::NotStarted(failure.to_string()), now_micros())),
                 launcher_signal: None,
+                found_stopped: false,
             }))
         });
         Worker {
@@ -184,6 +199,20 @@ impl Worker {
         }
     }
 
+    /// Kills the worker at once (SIGKILL) if it is stopped (SIGSTOP, a debugger): it can
+    /// neither answer its peers nor honour a SIGTERM. Returns whether it was.
+    pub fn kill_if_stopped(&self) -> bool {
+        let mut state = lock(&self.state);
+        if state.exit.is_some() || state.found_stopped || !is_stopped(state.pid) {
+            return false;
+        }
+        state.found_stopped = true;
+        state.launcher_signal = Some(signals::SIGKILL);
+        // SIGKILL ends a stopped process too; ESRCH is impossible while unreaped.
+        let _ = signals::send_signal(state.pid, signals::SIGKILL);
+        true
+    }
+
     /// Marks a worker that survived SIGKILL as [`WorkerEnd::Unkillable`] so the round can end.
     pub fn give_up(&self) {
         let mut state = lock(&self.state);
@@ -198,6 +227,46 @@ impl Worker {
     }
 }
 
+/// Why a worker could not be started: what failed, and the system's error.
+#[derive(Debug)]
+pub struct SpawnError {
+    what: String,
+    error: std::io::Error,
+}
+
+impl SpawnError {
+    fn new(what: impl Into<String>, error: std::io::Error) -> SpawnError {
+        SpawnError {
+            what: what.into(),
+            error,
+        }
+    }
+}
+
+impl std::fmt::Display for SpawnError {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "{}: {}", self.what, self.error)
+    }
+}
+
+/// An error that comes down to one of the system's.
+pub trait SystemError {
+    /// The system's error.
+    fn system_error(&self) -> &std::io::Error;
+}
+
+impl SystemError for std::io::Error {
+    fn system_error(&self) -> &std::io::Error {
+        self
+    }
+}
+
+impl SystemError for SpawnError {
+    fn system_error(&self) -> &std::io::Error {
+        &self.error
+    }
+}
+
 /// Spawns the worker with stdout and stderr on one pipe (so its log keeps their order) and
 /// starts the threads that copy its output and watch for its exit.
 fn spawn(
@@ -206,12 +275,12 @@ fn spawn(
     env: &[(String, String)],
     log: &RankLog,
     echo: bool,
-) -> Result<Arc<Mutex<ProcessState>>, String> {
-    let (output, output_for_stdout) =
-        output_pipe().map_err(|error| format!("could not create its output pipe: {error}"))?;
+) -> Result<Arc<Mutex<ProcessState>>, SpawnError> {
+    let (output, output_for_stdout) = output_pipe()
+        .map_err(|error| SpawnError::new("could not create its output pipe", error))?;
     let output_for_stderr = output_for_stdout
         .try_clone()
-        .map_err(|error| format!("could not create its output pipe: {error}"))?;
+        .map_err(|error| SpawnError::new("could not create its output pipe", error))?;
     let mut command = Command::new(program);
     command
         .args(args)
@@ -227,11 +296,51 @@ fn spawn(
     }
     let child = command
         .spawn()
-        .map_err(|error| format!("{}: {error}", program.display()))?;
+        .map_err(|error| SpawnError::new(program.display().to_string(), error))?;
     // The command holds our copies of the pipe's write end: drop them, or the output would
     // never reach end-of-file.
     drop(command);
     watch(child, File::from(output), log, echo)
+}
+
+/// How long the launcher keeps retrying an action that fails for lack of resources.
+const RESOURCE_RETRY_WINDOW: Duration = Duration::from_secs(20);
+/// The first pause between such retries; it doubles up to [`RESOURCE_RETRY_MAX_PAUSE`].
+const RESOURCE_RETRY_FIRST_PAUSE: Duration = Duration::from_millis(50);
+/// The longest pause between such retries.
+const RESOURCE_RETRY_MAX_PAUSE: Duration = Duration::from_secs(2);
+
+/// Runs `attempt` until it succeeds, fails for another reason than a lack of resources
+/// (descriptors, processes, memory), a stop signal arrives, or [`RESOURCE_RETRY_WINDOW`]
+/// passes, pausing longer after each failure. A shortage is often brief (outsiders holding
+/// connections, a peer's burst of files), and spending every restart on it ends the job.
+pub fn retry_while_short_of_resources<T, E: SystemError>(
+    mut attempt: impl FnMut() -> Result<T, E>,
+) -> Result<T, E> {
+    let deadline = Instant::now() + RESOURCE_RETRY_WINDOW;
+    let mut pause = RESOURCE_RETRY_FIRST_PAUSE;
+    loop {
+        match attempt() {
+            Err(error)
+                if is_resource_shortage(error.system_error())
+                    && Instant::now() + pause < deadline
+                    && signals::stop_requested().is_none() =>
+            {
+                thread::sleep(pause);
+                pause = (pause * 2).min(RESOURCE_RETRY_MAX_PAUSE);
+            }
+            result => return result,
+        }
+    }
+}
+
+/// True for the errors that mean "not now": out of descriptors (EMFILE, ENFILE), processes
+/// or threads (EAGAIN), or memory (ENOMEM).
+fn is_resource_shortage(error: &std::io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::EAGAIN | libc::ENOMEM)
+    )
 }
 
 /// A pipe whose ends close on exec (so no other worker inherits them): (read end, write end).
@@ -268,13 +377,14 @@ fn watch(
     output: File,
     log: &RankLog,
     echo: bool,
-) -> Result<Arc<Mutex<ProcessState>>, String> {
+) -> Result<Arc<Mutex<ProcessState>>, SpawnError> {
     let pid = child.id();
     let pump = log.pump(output, echo);
     let state = Arc::new(Mutex::new(ProcessState {
         pid,
         exit: None,
         launcher_signal: None,
+        found_stopped: false,
     }));
     let watcher_state = Arc::clone(&state);
     let watcher = thread::Builder::new()
@@ -283,8 +393,9 @@ fn watch(
     if let Err(error) = watcher.and(pump) {
         // Without a watcher nobody would reap it: end it now and report why.
         let _ = signals::send_signal(pid, signals::SIGKILL);
-        return Err(format!(
-            "could not start the threads that watch it: {error}"
+        return Err(SpawnError::new(
+            "could not start the threads that watch it",
+            error,
         ));
     }
     Ok(state)
@@ -296,6 +407,7 @@ fn watch_until_exit(mut child: Child, state: &Mutex<ProcessState>) {
     let ended_at = now_micros();
     let mut state = lock(state);
     let end = match (exited, child.wait()) {
+        (Ok(()), Ok(_)) if state.found_stopped => WorkerEnd::Stuck,
         (Ok(()), Ok(status)) => classify(status, state.launcher_signal),
         (Err(error), _) | (_, Err(error)) => {
             WorkerEnd::NotStarted(format!("lost track of the process: {error}"))
@@ -341,6 +453,16 @@ fn has_exited(pid: u32) -> bool {
         );
         result == 0 && info.si_pid() != 0
     }
+}
+
+/// True when process `pid` is stopped by a signal or a tracer (state `T` or `t` in
+/// `/proc/<pid>/stat`).
+fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the parenthesised command name, which may itself hold ") ".
+        stat.rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+    })
 }
 
 fn classify(status: std::process::ExitStatus, launcher_signal: Option<i32>) -> WorkerEnd {
@@ -404,10 +526,33 @@ mod tests {
     }
 
     #[test]
+    fn a_shortage_of_resources_is_retried_and_other_errors_are_not() {
+        let mut attempts = 0;
+        let result = retry_while_short_of_resources(|| {
+            attempts += 1;
+            match attempts {
+                1 => Err(std::io::Error::from_raw_os_error(libc::EMFILE)),
+                2 => Err(std::io::Error::from_raw_os_error(libc::EAGAIN)),
+                _ => Ok(attempts),
+            }
+        });
+        assert_eq!(result.unwrap(), 3);
+
+        let mut attempts = 0;
+        let result: std::io::Result<()> = retry_while_short_of_resources(|| {
+            attempts += 1;
+            Err(std::io::Error::from_raw_os_error(libc::ENOENT))
+        });
+        assert_eq!(result.unwrap_err().raw_os_error(), Some(libc::ENOENT));
+        assert_eq!(attempts, 1);
+    }
+
+    #[test]
     fn only_failures_of_the_worker_itself_count() {
         assert!(WorkerEnd::ExitCode(1).is_failure());
         assert!(WorkerEnd::Signal(libc::SIGSEGV).is_failure());
         assert!(WorkerEnd::NotStarted("gone".into()).is_failure());
+        assert!(WorkerEnd::Stuck.is_failure());
         assert!(!WorkerEnd::Succeeded.is_failure());
         assert!(!WorkerEnd::StoppedByLauncher {
             signal: libc::SIGKILL

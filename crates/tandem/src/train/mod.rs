@@ -51,11 +51,20 @@ pub fn run(options: TrainOptions) -> anyhow::Result<()> {
     let stop_signal = stop_signal::install()?;
     let mut trainer = Trainer::new(settings, Arc::clone(&stop_signal.requested))?;
     let end = tandem_engine::run_on_kernel_threads(|| trainer.train())?;
-    drop(trainer);
-    if end == RunEnd::StoppedOnRequest {
-        std::process::exit(stop_signal.exit_code());
+    if end != RunEnd::StoppedOnRequest {
+        return Ok(());
     }
-    Ok(())
+    let received = stop_signal.received();
+    let signal = received.unwrap_or(signal_hook::consts::SIGTERM);
+    Err(stop_signal::StoppedBySignal {
+        signal,
+        received: received.is_some(),
+        name: stop_signal::name(signal),
+        epoch: trainer.progress.epoch + 1,
+        step: trainer.progress.step_in_epoch,
+        snapshot: trainer.settings.snapshot.display().to_string(),
+    }
+    .into())
 }
 
 /// A training run in progress.

@@ -1,7 +1,10 @@
 //! A stop request from outside: SIGTERM or SIGINT (a cluster's pre-emption, Ctrl-C, or
 //! `tandem launch` passing one on). The trainer finishes its step, agrees with the other
-//! ranks to stop at the same step, writes a snapshot and exits with 128 + the signal's
-//! number (130 after SIGINT, 143 after SIGTERM), as a shell expects of a stopped program.
+//! ranks to stop at the same step and writes a snapshot. The rank that received the signal
+//! then ends on it ([`StoppedBySignal`], [`end_on`]), and a rank stopped by another's request
+//! exits with 143, so that whoever watches the process (a launcher, a scheduler, a shell)
+//! sees a stop with the status a shell expects (130 after SIGINT, 143 after SIGTERM), not a
+//! finished run.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -18,14 +21,10 @@ pub struct StopSignal {
 }
 
 impl StopSignal {
-    /// The exit code for a run stopped on request: 128 + the signal this process received,
-    /// or 143 (as after SIGTERM) when another rank's request stopped it.
-    pub fn exit_code(&self) -> i32 {
-        let signal = match self.received.load(Ordering::Relaxed) {
-            0 => signal_hook::consts::SIGTERM,
-            signal => signal as i32,
-        };
-        128 + signal
+    /// The stop signal this process received, if any.
+    pub fn received(&self) -> Option<i32> {
+        let signal = self.received.load(Ordering::SeqCst);
+        i32::try_from(signal).ok().filter(|&signal| signal != 0)
     }
 }
 
@@ -46,4 +45,60 @@ pub fn install() -> anyhow::Result<StopSignal> {
         requested,
         received,
     })
+}
+
+/// The end of a run stopped on request: the snapshot is written, and the process should now
+/// end on `signal` if it received it (see [`end_on`]), else exit with 128 + `signal`.
+#[derive(Debug)]
+pub struct StoppedBySignal {
+    /// The signal received, or SIGTERM when another rank's request stopped this one.
+    pub signal: i32,
+    /// Whether this process received `signal` itself.
+    pub received: bool,
+    /// Its name, e.g. "SIGTERM".
+    pub name: &'static str,
+    /// The epoch in progress, counting from 1.
+    pub epoch: u64,
+    /// Optimizer steps done in that epoch.
+    pub step: u64,
+    /// The snapshot written before stopping.
+    pub snapshot: String,
+}
+
+impl std::fmt::Display for StoppedBySignal {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let by = if self.received {
+            format!("stopped by {}", self.name)
+        } else {
+            "stopped with the other ranks on another rank's request".to_string()
+        };
+        write!(
+            formatter,
+            "{by} at epoch {}, step {}; the snapshot is {}",
+            self.epoch, self.step, self.snapshot
+        )
+    }
+}
+
+impl std::error::Error for StoppedBySignal {}
+
+/// The name of a stop signal.
+pub fn name(signal: i32) -> &'static str {
+    match signal {
+        signal_hook::consts::SIGTERM => "SIGTERM",
+        signal_hook::consts::SIGINT => "SIGINT",
+        _ => "a stop signal",
+    }
+}
+
+/// Ends the process as a run stopped on request does: on the signal it received, with its
+/// default action (termination) as if the handler had never been installed, or else (and
+/// if that fails) with exit code 128 + the signal.
+pub fn end_on(stopped: &StoppedBySignal) -> ! {
+    let signal = stopped.signal;
+    if !stopped.received {
+        std::process::exit(128 + signal)
+    }
+    let _ = signal_hook::low_level::emulate_default_handler(signal);
+    std::process::exit(128 + signal)
 }

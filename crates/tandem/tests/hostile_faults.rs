@@ -1,0 +1,302 @@
+//! Attacks on a running `tandem launch` job through the real binary: outsiders holding
+//! hundreds of connections to the store port of a launcher with few descriptors, a worker
+//! sent SIGTERM on its own, and a worker stopped with SIGSTOP.
+
+mod common;
+
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Bound on any launcher in these tests.
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// A launcher whose output goes to files, so that a test can read it while it runs; killed
+/// when dropped (its workers die with it).
+struct Launcher {
+    child: Child,
+    stderr: PathBuf,
+}
+
+impl Launcher {
+    /// Starts `tandem launch --standalone --nproc-per-node 2 <launch_args> -- <train>`, with
+    /// at most `max_descriptors` open files when given.
+    fn start(
+        dir: &Path,
+        launch_args: &[&str],
+        train: Vec<String>,
+        max_descriptors: Option<u64>,
+    ) -> Launcher {
+        let stderr = dir.join("launcher.stderr");
+        let mut command = tandem();
+        command
+            .args(["launch", "--standalone", "--nproc-per-node", "2"])
+            .args(launch_args)
+            .arg("--")
+            .args(train)
+            .env_remove("TANDEM_JOB_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(dir.join("launcher.stdout")).unwrap())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        if let Some(limit) = max_descriptors {
+            // SAFETY: runs between fork and exec and only calls `setrlimit`, which is
+            // async-signal-safe.
+            unsafe {
+                command.pre_exec(move || {
+                    let limit = libc::rlimit {
+                        rlim_cur: limit,
+                        rlim_max: limit,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
+        Launcher {
+            child: command.spawn().expect("start the tandem binary"),
+            stderr,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn has_exited(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_some()
+    }
+
+    /// Waits for the launcher to exit, at most [`LIMIT`]; panics (killing it) otherwise.
+    fn wait(&mut self) -> ExitStatus {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "the launcher did not exit within {LIMIT:?}; stderr:\n{}",
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The store's address, from the launcher's first line.
+    fn store_addr(&self) -> SocketAddr {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            let stderr = self.stderr();
+            if let Some(rest) = stderr.split("store at ").nth(1) {
+                if let Some(addr) = rest.split(',').next() {
+                    return addr.parse().expect("store address");
+                }
+            }
+            assert!(Instant::now() < deadline, "no store address:\n{stderr}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The worker of rank `rank`, from the environment of the launcher's children.
+    fn worker(&self, rank: usize) -> u32 {
+        let wanted = format!("RANK={rank}");
+        children(self.pid())
+            .into_iter()
+            .find(|pid| {
+                std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| {
+                    environ
+                        .split(|&byte| byte == 0)
+                        .any(|entry| entry == wanted.as_bytes())
+                })
+            })
+            .unwrap_or_else(|| panic!("no worker of rank {rank}"))
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A training job of many short epochs: long enough to strike in the middle.
+fn long_run(output_dir: &Path, epochs: usize) -> Vec<String> {
+    let train = synthetic_run(output_dir, 256);
+    with_flag(
+        with_flag(train, "--epochs", &epochs.to_string()),
+        "--batch-size",
+        "16",
+    )
+}
+
+/// Waits until rank 0 has trained a step.
+fn wait_for_training(output_dir: &Path, launcher: &mut Launcher) {
+    let deadline = Instant::now() + LIMIT;
+    let log = output_dir.join("logs/rank_0.log");
+    while !std::fs::read_to_string(&log).is_ok_and(|text| text.contains("step 2")) {
+        assert!(
+            !launcher.has_exited() && Instant::now() < deadline,
+            "the workers never trained:\n{}",
+            launcher.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn signal(pid: u32, signal: i32) {
+    // SAFETY: plain kill(2) of a child process id we just read.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0);
+}
+
+/// The open descriptors and the threads of process `pid`.
+fn descriptors_and_threads(pid: u32) -> (usize, usize) {
+    let descriptors = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |dir| dir.count());
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let threads = status
+        .lines()
+        .find_map(|line| line.strip_prefix("Threads:"))
+        .and_then(|count| count.trim().parse().ok())
+        .unwrap_or(0);
+    (descriptors, threads)
+}
+
+/// Outsiders without the token: keeps `count` raw connections to `addr` open, opening a
+/// new one for each the server closes, until `stop` is set.
+fn hold_connections(addr: SocketAddr, count: usize, stop: &AtomicBool) {
+    let mut held: Vec<TcpStream> = Vec::with_capacity(count);
+    while !stop.load(Ordering::SeqCst) {
+        held.retain(|stream| {
+            let mut byte = [0u8; 64];
+            stream.set_nonblocking(true).is_ok()
+                && match std::io::Read::read(&mut &*stream, &mut byte) {
+                    Ok(0) => false,
+                    Ok(_) => true,
+                    Err(error) => error.kind() == std::io::ErrorKind::WouldBlock,
+                }
+        });
+        while held.len() < count && !stop.load(Ordering::SeqCst) {
+            match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+                Ok(stream) => held.push(stream),
+                Err(_) => break,
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn hundreds_of_outsider_connections_under_a_low_descriptor_limit_do_not_stop_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("run");
+    let mut launcher = Launcher::start(
+        dir.path(),
+        &["--max-restarts", "3", "--stop-grace-seconds", "5"],
+        long_run(&output, 40),
+        Some(256),
+    );
+    let store = launcher.store_addr();
+    wait_for_training(&output, &mut launcher);
+    let before = descriptors_and_threads(launcher.pid());
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| hold_connections(store, 400, &stop));
+        std::thread::sleep(Duration::from_secs(1));
+        let under_attack = descriptors_and_threads(launcher.pid());
+        eprintln!("launcher descriptors and threads: {before:?} before, {under_attack:?} under 400 outsider connections");
+        signal(launcher.worker(1), libc::SIGKILL);
+        let status = launcher.wait();
+        stop.store(true, Ordering::SeqCst);
+        let stderr = launcher.stderr();
+        assert!(status.success(), "{stderr}");
+        assert!(
+            stderr.contains(
+                "round 0 failed: rank 1 (node 0, local rank 1) killed by SIGKILL; restarting"
+            ),
+            "{stderr}"
+        );
+        // Before the gate: one descriptor and one thread per connection, up to the limit.
+        assert!(under_attack.0 < 64, "{under_attack:?}\n{stderr}");
+        assert!(under_attack.1 < 32, "{under_attack:?}\n{stderr}");
+    });
+    assert!(output.join("epoch_40.safetensors").is_file());
+}
+
+#[test]
+fn sigterm_to_one_worker_is_a_failure_naming_its_rank_the_signal_and_the_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("run");
+    let mut launcher = Launcher::start(
+        dir.path(),
+        &["--max-restarts", "0", "--stop-grace-seconds", "5"],
+        long_run(&output, 1000),
+        None,
+    );
+    wait_for_training(&output, &mut launcher);
+    signal(launcher.worker(1), libc::SIGTERM);
+    let status = launcher.wait();
+    let stderr = launcher.stderr();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("root cause: rank 1 (node 0, local rank 1) killed by SIGTERM\n"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("): stopped by SIGTERM at epoch "),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("every worker finished successfully"),
+        "{stderr}"
+    );
+    assert!(output.join("snapshot.safetensors").is_file());
+}
+
+#[test]
+fn a_stopped_worker_is_killed_at_once_and_named_as_the_root_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("run");
+    let train = with_flag(long_run(&output, 1000), "--collective-timeout", "2");
+    let mut launcher = Launcher::start(
+        dir.path(),
+        &["--max-restarts", "0", "--stop-grace-seconds", "60"],
+        train,
+        None,
+    );
+    wait_for_training(&output, &mut launcher);
+    let stuck = launcher.worker(1);
+    let stopped_at = Instant::now();
+    signal(stuck, libc::SIGSTOP);
+    let status = launcher.wait();
+    let waited = stopped_at.elapsed();
+    let stderr = launcher.stderr();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(
+            "root cause: rank 1 (node 0, local rank 1) was stopped (SIGSTOP or a debugger) and \
+             stopped answering its peers; the launcher killed it (SIGKILL)\n"
+        ),
+        "{stderr}"
+    );
+    assert!(stderr.contains("rank 0 reported: rank 1 ("), "{stderr}");
+    assert!(stderr.contains("  rank 0: exited with code 1"), "{stderr}");
+    // Without the kill, the launcher would wait the 60 s grace on the stopped process.
+    assert!(waited < Duration::from_secs(40), "took {waited:?}");
+}
