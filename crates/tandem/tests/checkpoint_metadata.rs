@@ -148,6 +148,8 @@ fn epoch_checkpoint_and_snapshot_describe_themselves() {
     let mut snapshot = metadata(&out.join("snapshot.safetensors"));
     take_metrics_matching(&mut snapshot, &metrics);
     assert!(snapshot.remove("tandem.snapshot").is_some());
+    let checksum = snapshot.remove("tandem.checksum").unwrap_or_default();
+    assert_eq!(checksum.len(), 16, "the snapshot's checksum: {checksum:?}");
     assert_eq!(snapshot, expected);
     // The tensors keep their PyTorch state_dict names.
     let tensors = read_tensors(&out.join("epoch_1.safetensors"));

@@ -344,13 +344,11 @@ fn tensors_sharing_one_large_storage_are_checked_against_the_model_before_it_is_
         vec![("0".into(), zeros(BIG_STORAGE_ELEMENTS as u64 * 4))],
     );
     let measured = run_measured(&eval_args(&path, "cifar10-bin", &data));
-    let first = &model.tensors()[0];
     measured.expect_refusal(&[
         "shared_whole_storage.pth",
-        &format!(
-            "tensor `{}` has shape [{BIG_STORAGE_ELEMENTS}], expected {:?}",
-            first.name, first.shape
-        ),
+        "not the model built here",
+        "with another shape (first `",
+        &format!("[{BIG_STORAGE_ELEMENTS}] in the file"),
     ]);
     assert_peak_within("whole-storage views", &measured, &baseline);
 }
