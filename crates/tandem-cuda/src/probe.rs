@@ -315,7 +315,19 @@ fn probe_library(library: Library, search: &SearchPath) -> Result<FoundLibrary, 
 fn open(path: &Path) -> Result<LoadedLibrary, String> {
     // SAFETY: loading a CUDA library runs its initializers; these libraries are made to be
     // loaded with dlopen (cudarc and PyTorch do the same) and do no unsound work at load.
-    unsafe { LoadedLibrary::new(path.as_os_str()) }.map_err(|error| error.to_string())
+    unsafe { LoadedLibrary::new(path.as_os_str()) }.map_err(|error| with_sources(&error))
+}
+
+/// An error's message followed by those of its sources (libloading keeps dlopen's own text in
+/// the source).
+fn with_sources(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(inner) = source {
+        message = format!("{message}: {inner}");
+        source = inner.source();
+    }
+    message
 }
 
 /// The path and version of a loaded library; an error when its main symbol is missing.
