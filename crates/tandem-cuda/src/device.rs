@@ -138,6 +138,16 @@ pub struct GpuFacts {
 pub const GPU_EXECUTOR_BUILT: bool = false;
 
 impl GpuFacts {
+    /// Facts that look at nothing, for `--device cpu`: no library is loaded and no GPU counted.
+    pub fn not_probed() -> GpuFacts {
+        GpuFacts {
+            missing_library: None,
+            visible_gpus: Err("not probed".to_string()),
+            visible_devices: VisibleDevices::All,
+            gpu_executor_built: GPU_EXECUTOR_BUILT,
+        }
+    }
+
     /// Gathers the facts of this process: the probe's results and, when the driver was found,
     /// the driver's device count. The driver is not called when the probe did not find it.
     pub fn gather(probe: &Probe) -> GpuFacts {

@@ -56,6 +56,19 @@ impl Library {
         }
     }
 
+    /// The usual file name on Linux among [`Library::candidate_names`] (the SONAME of CUDA 13
+    /// and cuDNN 9), named in messages.
+    pub fn usual_name(self) -> &'static str {
+        match self {
+            Library::Driver => "libcuda.so.1",
+            Library::Nvrtc => "libnvrtc.so.13",
+            Library::Cublas => "libcublas.so.13",
+            Library::Cudnn => "libcudnn.so.9",
+            // NCCL's SONAME is libnccl.so.2, which cudarc 0.19 does not try.
+            Library::Nccl => "libnccl.so",
+        }
+    }
+
     /// The names `cudarc` passes to its candidate list (its `lib_names` per module).
     fn cudarc_names(self) -> &'static [&'static str] {
         match self {
@@ -164,8 +177,10 @@ pub struct FoundLibrary {
 /// A library that was not found, or found but not loadable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "{library} not found: searched {places} for {names}; dlopen said: {dlopen_error}",
-    names = names.join(", ")
+    "{library} not found: searched {places} for {usual} and {others} other names; dlopen said: \
+     {dlopen_error}",
+    usual = library.usual_name(),
+    others = names.len().saturating_sub(1)
 )]
 pub struct MissingLibrary {
     /// Which library.
@@ -175,7 +190,7 @@ pub struct MissingLibrary {
     /// The file names tried, in order.
     pub names: Vec<String>,
     /// The most telling `dlopen` message: one that is not "no such file" when a file was there
-    /// but did not load, else the last name's.
+    /// but did not load, else the usual name's, else the last name's.
     pub dlopen_error: String,
 }
 
@@ -257,11 +272,7 @@ fn probe_library(library: Library, search: &SearchPath) -> Result<FoundLibrary, 
     let mut handles = Vec::new();
     'folders: for folder in &search.folders {
         for name in &names {
-            let path = folder.join(name);
-            if !path.exists() {
-                continue;
-            }
-            match open(&path) {
+            match open(&folder.join(name)) {
                 Ok(handle) => {
                     handles.push(handle);
                     break 'folders;
@@ -300,6 +311,11 @@ fn probe_library(library: Library, search: &SearchPath) -> Result<FoundLibrary, 
         .iter()
         .rev()
         .find(|error| !error.contains("No such file or directory"))
+        .or_else(|| {
+            errors
+                .iter()
+                .find(|error| error.contains(&format!("{}:", library.usual_name())))
+        })
         .or(errors.last())
         .cloned()
         .unwrap_or_default();

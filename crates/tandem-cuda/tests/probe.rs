@@ -22,10 +22,15 @@ fn an_empty_folder_without_the_system_search_reports_every_library_missing_by_na
             "{message}"
         );
         assert!(message.contains(&folder), "{message}");
-        // Nothing was there to load, so dlopen's message is the "no such file" of a name.
+        // Nothing was there to load: dlopen's message is the "no such file" of the usual name.
+        let usual = format!("{folder}/{}", library.usual_name());
         assert!(
-            missing.dlopen_error.contains("No such file or directory")
-                || missing.dlopen_error.is_empty(),
+            missing.dlopen_error.contains(&usual)
+                && missing.dlopen_error.contains("No such file or directory"),
+            "{message}"
+        );
+        assert!(
+            message.contains(&format!("for {} and ", library.usual_name())),
             "{message}"
         );
     }
@@ -40,9 +45,11 @@ fn the_names_tried_are_cudarcs_for_cuda_13() {
     assert!(Library::Nvrtc
         .candidate_names()
         .contains(&"libnvrtc.so.13".to_string()));
-    assert!(Library::Cudnn
-        .candidate_names()
-        .contains(&"libcudnn.so.9".to_string()));
+    for library in Library::ALL {
+        assert!(library
+            .candidate_names()
+            .contains(&library.usual_name().to_string()));
+    }
     // cudarc 0.19 does not try libnccl.so.2, NCCL's usual SONAME: only `libnccl.so` reaches it.
     assert!(!Library::Nccl
         .candidate_names()

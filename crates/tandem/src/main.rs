@@ -15,6 +15,7 @@ macro_rules! say {
 
 mod bench;
 mod data_source;
+mod device;
 mod eval;
 mod evaluation;
 mod files;

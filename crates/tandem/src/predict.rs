@@ -33,6 +33,8 @@ pub struct PredictArgs {
     /// Compute threads [default: the cores available].
     #[arg(long)]
     pub threads: Option<usize>,
+    #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
+    pub device: tandem_cuda::DeviceRequest,
     /// Image files (PNG or JPEG, 32x32 RGB).
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
@@ -60,6 +62,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
         args.mean.is_some() == args.std.is_some(),
         "--mean and --std must be given together"
     );
+    crate::device::select(args.device, crate::device::announce_for_json(args.json))?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
     let mut model = Model::new(&args.model.to_spec()?)?;
     crate::weights::load_weights(&mut model, &args.checkpoint)?;

@@ -37,6 +37,8 @@ use snapshot::{load_latest, Progress, Snapshot};
 
 /// Runs `tandem train`.
 pub fn run(options: TrainOptions) -> anyhow::Result<()> {
+    let device = options.device.unwrap_or_default();
+    crate::device::select(device, crate::device::Announce::Stdout)?;
     let settings = options.merged_with_file()?.resolve()?;
     let stop_requested = stop_signal::install()?;
     let mut trainer = Trainer::new(settings, stop_requested)?;
