@@ -2,8 +2,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use tandem_cuda::probe::LIBRARY_PATH_ENV;
 use tandem_cuda::{Library, Probe, SearchPath};
 
@@ -117,17 +115,17 @@ fn nvrtc_found_through_the_library_path_is_the_file_cudarc_loads() {
         "version {}",
         nvrtc.version
     );
-    // When the folder came from TANDEM_CUDA_LIBRARY_PATH, the file is in it.
-    if let Some(folder) = probe.search.folders.iter().find(|folder| {
-        folder.join(&file_name).exists()
-            && !std::env::var("LD_LIBRARY_PATH").is_ok_and(|path| !path.is_empty())
-    }) {
+    // A library preloaded from a TANDEM_CUDA_LIBRARY_PATH folder is what the bare name that
+    // cudarc asks for resolves to (the loader matches it by SONAME before searching).
+    if let Some(folder) = probe
+        .search
+        .folders
+        .iter()
+        .find(|folder| folder.join(&nvrtc.loaded_as).is_file())
+    {
         assert_eq!(
             nvrtc.path.canonicalize().unwrap(),
-            PathBuf::from(folder)
-                .join(&file_name)
-                .canonicalize()
-                .unwrap()
+            folder.join(&nvrtc.loaded_as).canonicalize().unwrap()
         );
     }
 }
