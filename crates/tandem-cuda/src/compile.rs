@@ -66,6 +66,8 @@ pub struct CompiledKernel {
     pub from_cache: bool,
     /// Time spent in NVRTC (zero from the cache).
     pub compile_time: Duration,
+    /// NVRTC's log of a successful compilation: its warnings (empty from the cache).
+    pub warnings: String,
 }
 
 /// A CUDA C compiler for one architecture, backed by NVRTC and an optional disk cache.
@@ -116,11 +118,12 @@ impl Compiler {
                 ptx,
                 from_cache: true,
                 compile_time: Duration::ZERO,
+                warnings: String::new(),
             };
             return Ok((compiled, None));
         }
         let started = Instant::now();
-        let ptx = compile_with_nvrtc(kernel.name, kernel.source, self.arch)?;
+        let (ptx, warnings) = compile_with_nvrtc(kernel.name, kernel.source, self.arch)?;
         let compile_time = started.elapsed();
         let cache_error = self
             .cache
@@ -130,13 +133,19 @@ impl Compiler {
             ptx,
             from_cache: false,
             compile_time,
+            warnings,
         };
         Ok((compiled, cache_error))
     }
 }
 
-/// One NVRTC compilation; the caller has checked that the probe found `libnvrtc`.
-fn compile_with_nvrtc(name: &str, source: &str, arch: GpuArch) -> Result<String, CompileError> {
+/// One NVRTC compilation, to PTX and NVRTC's log; the caller has checked that the probe found
+/// `libnvrtc`.
+fn compile_with_nvrtc(
+    name: &str,
+    source: &str,
+    arch: GpuArch,
+) -> Result<(String, String), CompileError> {
     let nul = || CompileError::NulInSource {
         kernel: name.to_string(),
     };
@@ -156,25 +165,23 @@ fn compile_with_nvrtc(name: &str, source: &str, arch: GpuArch) -> Result<String,
     // SAFETY: `program` was created above and is destroyed only at the end of this function;
     // the options are NUL-free ASCII.
     let compiled = unsafe { nvrtc::compile_program(program, &options) };
+    // SAFETY: as above; the log is available after any compilation.
+    let log = unsafe { nvrtc::get_program_log(program) }
+        .map(|log| c_chars_to_string(&log))
+        .unwrap_or_else(|error| format!("(no log: {:?})", error.0));
     let result = match compiled {
         Ok(()) => {
             // SAFETY: as above; the program compiled.
             unsafe { nvrtc::get_ptx(program) }
-                .map(|ptx| c_chars_to_string(&ptx))
+                .map(|ptx| (c_chars_to_string(&ptx), log))
                 .map_err(call_error("nvrtcGetPTX"))
         }
-        Err(status) => {
-            // SAFETY: as above; the log of a failed compilation is available.
-            let log = unsafe { nvrtc::get_program_log(program) }
-                .map(|log| c_chars_to_string(&log))
-                .unwrap_or_else(|error| format!("(no log: {:?})", error.0));
-            Err(CompileError::Compilation {
-                kernel: name.to_string(),
-                arch,
-                status: format!("{:?}", status.0),
-                log,
-            })
-        }
+        Err(status) => Err(CompileError::Compilation {
+            kernel: name.to_string(),
+            arch,
+            status: format!("{:?}", status.0),
+            log,
+        }),
     };
     // SAFETY: the program is not used after this.
     let _ = unsafe { nvrtc::destroy_program(program) };
