@@ -293,7 +293,7 @@ fn probe_library(library: Library, search: &SearchPath) -> Result<FoundLibrary, 
                     library,
                     places: search.describe(),
                     names: names.clone(),
-                    dlopen_error: error,
+                    dlopen_error: format!("{name}: {error}"),
                 })
             }
             Err(error) => errors.push(error),

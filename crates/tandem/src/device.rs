@@ -34,8 +34,11 @@ pub fn select(request: DeviceRequest, announce: Announce) -> anyhow::Result<Devi
         // The CPU needs no probe: nothing CUDA is loaded.
         DeviceRequest::Cpu => resolve(request, &GpuFacts::not_probed(), None)?,
         _ => {
+            // A job's variables that do not parse are reported by the job's own setup (train's
+            // placement); here they only mean no local rank.
             let local_rank = tandem_dist::cluster::WorkerEnv::from_env()
-                .context("cannot read this worker's local rank from the environment")?
+                .ok()
+                .flatten()
                 .map(|worker| worker.local_rank);
             let facts = GpuFacts::gather(Probe::process());
             resolve(request, &facts, local_rank).with_context(|| format!("--device {request}"))?
