@@ -40,11 +40,14 @@ pub struct EvalArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
+    pub device: tandem_cuda::DeviceRequest,
 }
 
 /// Runs `tandem eval`.
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
+    crate::device::select(args.device, crate::device::announce_for_json(args.json))?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
     let info = read_checkpoint_info(&args.checkpoint)?;
     let spec = model_for(&args.model, info.as_ref(), &args.checkpoint)?;

@@ -17,6 +17,7 @@ mod bench;
 mod checkpoint_info;
 mod clock;
 mod data_source;
+mod device;
 mod eval;
 mod evaluation;
 mod files;

@@ -37,6 +37,8 @@ pub struct PredictArgs {
     /// Compute threads [default: the cores available].
     #[arg(long)]
     pub threads: Option<usize>,
+    #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
+    pub device: tandem_cuda::DeviceRequest,
     /// Image files (PNG or JPEG, 32x32 RGB).
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
@@ -63,6 +65,7 @@ struct Prediction {
 
 /// Runs `tandem predict`.
 pub fn run(args: PredictArgs) -> anyhow::Result<()> {
+    crate::device::select(args.device, crate::device::announce_for_json(args.json))?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
     let info = read_checkpoint_info(&args.checkpoint)?;
     let spec = model_for(&args.model, info.as_ref(), &args.checkpoint)?;

@@ -262,6 +262,9 @@ pub struct TrainOptions {
     #[arg(long)]
     #[serde(skip)]
     pub init_method: Option<String>,
+    #[arg(long, help = crate::device::DEVICE_HELP)]
+    #[serde(skip)]
+    pub device: Option<tandem_cuda::DeviceRequest>,
     /// This process's rank (else RANK or the cluster's variables).
     #[arg(long)]
     #[serde(skip)]

@@ -54,10 +54,13 @@ pub struct StepArgs {
     /// Optimizer of the training step [default: adam for resnet18, sgd for resnet-base].
     #[arg(long, value_enum)]
     pub optimizer: Option<OptimizerKind>,
+    #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
+    pub device: tandem_cuda::DeviceRequest,
 }
 
 /// Runs the benchmark.
 pub fn run(args: StepArgs) -> anyhow::Result<()> {
+    crate::device::select(args.device, crate::device::Announce::Stdout)?;
     let spec = args.model.to_spec()?;
     let placement = find_placement(&PlacementFlags::default())?;
     let local_world_size = placement.as_ref().map_or(1, |place| place.local_world_size);

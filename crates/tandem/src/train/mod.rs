@@ -47,6 +47,8 @@ use tensorboard::EventWriter;
 /// Returns when the run ends by itself; exits the process with 128 + the signal (130 after
 /// SIGINT, 143 after SIGTERM) when a stop request ended it, once its snapshot is written.
 pub fn run(options: TrainOptions) -> anyhow::Result<()> {
+    let device = options.device.unwrap_or_default();
+    crate::device::select(device, crate::device::Announce::Stdout)?;
     let settings = options.merged_with_file()?.resolve()?;
     let stop_signal = stop_signal::install()?;
     let mut trainer = Trainer::new(settings, Arc::clone(&stop_signal.requested))?;

@@ -1,0 +1,127 @@
+//! Every kernel file compiles with NVRTC for the H200 (sm_90); a broken source returns NVRTC's
+//! log; compiled PTX is cached. Needs libnvrtc, not a GPU: skipped with a printed reason when
+//! the probe does not find it, unless TANDEM_REQUIRE_NVRTC=1.
+
+mod common;
+
+use std::time::Instant;
+
+use tandem_cuda::{CompileError, Compiler, GpuArch, KernelSource, PtxCache, KERNELS};
+
+/// Kernel files whose float results are claimed bit-identical to the CPU engine's.
+const BIT_IDENTICAL_TO_THE_CPU: [&str; 5] =
+    ["epilogue", "pooling", "optimizers", "augment", "batchnorm"];
+
+/// The names of the `extern "C" __global__` functions of a kernel file.
+fn entry_points(source: &str) -> Vec<&str> {
+    source
+        .split("extern \"C\" __global__ void ")
+        .skip(1)
+        .filter_map(|rest| rest.split('(').next())
+        .collect()
+}
+
+#[test]
+fn every_kernel_file_compiles_for_sm_90() {
+    let Some(probe) = common::probe_with_nvrtc("every_kernel_file_compiles_for_sm_90") else {
+        return;
+    };
+    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
+    let started = Instant::now();
+    for kernel in KERNELS {
+        let (compiled, cache_error) = compiler
+            .compile(kernel)
+            .unwrap_or_else(|error| panic!("{error}"));
+        assert!(cache_error.is_none());
+        assert!(!compiled.from_cache);
+        assert!(
+            compiled.warnings.trim().is_empty(),
+            "{}: NVRTC warns:\n{}",
+            kernel.name,
+            compiled.warnings
+        );
+        assert!(
+            compiled.ptx.contains(".target sm_90"),
+            "{}: PTX for another target",
+            kernel.name
+        );
+        if BIT_IDENTICAL_TO_THE_CPU.contains(&kernel.name) {
+            // The premise of their bit-identity: no float multiply-add was contracted.
+            assert!(
+                !compiled.ptx.contains("fma.rn.f32"),
+                "{}: contracted multiply-add in the PTX",
+                kernel.name
+            );
+        }
+        let entries = entry_points(kernel.source);
+        assert!(!entries.is_empty(), "{}: no kernels", kernel.name);
+        for entry in entries {
+            assert!(
+                compiled.ptx.contains(&format!(".entry {entry}(")),
+                "{}: no PTX entry for {entry}",
+                kernel.name
+            );
+        }
+        eprintln!(
+            "{}: {} bytes of PTX in {:.2} s",
+            kernel.name,
+            compiled.ptx.len(),
+            compiled.compile_time.as_secs_f64()
+        );
+    }
+    eprintln!(
+        "all {} kernel files compiled for sm_90 in {:.2} s",
+        KERNELS.len(),
+        started.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn a_broken_kernel_returns_nvrtcs_log() {
+    let Some(probe) = common::probe_with_nvrtc("a_broken_kernel_returns_nvrtcs_log") else {
+        return;
+    };
+    let broken = KernelSource {
+        name: "broken",
+        source: "extern \"C\" __global__ void broken(float* x) {\n    x[0] = not_declared;\n}\n",
+    };
+    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
+    let error = compiler.compile(&broken).unwrap_err();
+    let CompileError::Compilation { kernel, log, .. } = &error else {
+        panic!("expected a compilation error, got {error}");
+    };
+    assert_eq!(kernel, "broken");
+    assert!(
+        log.contains("broken.cu(2)") && log.contains("\"not_declared\" is undefined"),
+        "NVRTC's log names neither the line nor the identifier:\n{log}"
+    );
+    let message = error.to_string();
+    assert!(
+        message.contains("kernel broken does not compile for sm_90"),
+        "{message}"
+    );
+    assert!(message.contains(log.as_str()), "{message}");
+}
+
+#[test]
+fn compiled_ptx_is_stored_in_the_cache_and_read_back() {
+    let Some(probe) = common::probe_with_nvrtc("compiled_ptx_is_stored_in_the_cache_and_read_back")
+    else {
+        return;
+    };
+    let folder = tempfile::tempdir().unwrap();
+    let cache = PtxCache::new(folder.path().join("ptx"));
+    let compiler = Compiler::new(probe, GpuArch::SM_90, Some(cache.clone())).unwrap();
+    let pooling = tandem_cuda::kernels::kernel("pooling").unwrap();
+    let (first, error) = compiler.compile(pooling).unwrap();
+    assert!(error.is_none() && !first.from_cache);
+    let files: Vec<_> = std::fs::read_dir(&cache.dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert!(files[0].starts_with("pooling-sm_90-") && files[0].ends_with(".ptx"));
+    let (second, error) = compiler.compile(pooling).unwrap();
+    assert!(error.is_none() && second.from_cache);
+    assert_eq!(second.ptx, first.ptx);
+}
