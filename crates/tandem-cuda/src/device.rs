@@ -231,6 +231,24 @@ pub enum DeviceError {
     },
 }
 
+impl DeviceError {
+    /// The reason in a few words, for `auto`'s fallback line; `--device cuda` reports the
+    /// whole error (where a library was searched for, and what `dlopen` said).
+    pub fn brief(&self) -> String {
+        match self {
+            DeviceError::MissingLibrary(missing) => format!(
+                "{} not found ({}); `--device cuda` says where it looked",
+                missing.library,
+                missing.library.usual_name()
+            ),
+            DeviceError::ExecutorNotBuilt { ordinal } => {
+                format!("cuda:{ordinal} was found, but the GPU executor is not built yet")
+            }
+            other => other.to_string(),
+        }
+    }
+}
+
 /// Decides the device: `cpu` is the CPU; `cuda`/`cuda:N` is that GPU or an error saying why
 /// not; `auto` is the GPU `cuda` would take, else the CPU with the reason. Without `N`, local
 /// rank r takes GPU r modulo the visible GPUs.
@@ -247,7 +265,7 @@ pub fn resolve(
         DeviceRequest::Auto => {
             Ok(
                 pick_gpu(None, facts, local_rank).unwrap_or_else(|error| Device::Cpu {
-                    reason: format!("auto: {error}"),
+                    reason: format!("auto: {}", error.brief()),
                 }),
             )
         }

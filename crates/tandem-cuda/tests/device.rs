@@ -74,10 +74,9 @@ fn cpu_is_the_cpu_everywhere() {
 fn auto_without_the_driver_takes_the_cpu_and_says_why() {
     let device = resolve(DeviceRequest::Auto, &cpu_machine(), None).unwrap();
     let line = device.to_string();
-    assert!(line.starts_with("cpu (auto: libcuda not found"), "{line}");
-    assert!(
-        line.contains("libcuda.so.1: cannot open shared object file"),
-        "{line}"
+    assert_eq!(
+        line,
+        "cpu (auto: libcuda not found (libcuda.so.1); `--device cuda` says where it looked)"
     );
 }
 
@@ -105,9 +104,7 @@ fn without_the_gpu_executor_cuda_fails_honestly_and_auto_takes_the_cpu() {
         panic!("auto took a GPU without an executor");
     };
     assert!(
-        reason.starts_with(
-            "auto: the libraries and cuda:0 were found, but the GPU executor is not built yet"
-        ),
+        reason == "auto: cuda:0 was found, but the GPU executor is not built yet",
         "{reason}"
     );
 }

@@ -65,7 +65,8 @@ struct Prediction {
 
 /// Runs `tandem predict`.
 pub fn run(args: PredictArgs) -> anyhow::Result<()> {
-    crate::device::select(args.device, crate::device::announce_for_json(args.json))?;
+    // Standard output carries the predictions alone, one line per image.
+    crate::device::select(args.device, crate::device::Announce::Stderr)?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
     let info = read_checkpoint_info(&args.checkpoint)?;
     let spec = model_for(&args.model, info.as_ref(), &args.checkpoint)?;

@@ -585,6 +585,8 @@ mod tests {
             sync_bn: Some(true),
             bucket_mb: Some(4.5),
             collective_timeout: Some(60.0),
+            // Placement, like the rank: not a setting of the run (a run may resume elsewhere).
+            device: None,
             init_method: None,
             rank: None,
             world_size: None,

@@ -295,18 +295,7 @@ fn predict_prints_class_names() {
     }
     args.push("--json".into());
     let json = expect_success(&run_bounded(tandem().args(&args), LIMIT));
-    let names = [
-        "airplane",
-        "automobile",
-        "bird",
-        "cat",
-        "deer",
-        "dog",
-        "frog",
-        "horse",
-        "ship",
-        "truck",
-    ];
+    let names = tandem_data::CIFAR10_CLASS_NAMES;
     for line in json.lines() {
         let prediction: serde_json::Value = serde_json::from_str(line).unwrap();
         for entry in prediction["top"].as_array().unwrap() {
