@@ -349,6 +349,26 @@ impl ProcessGroup {
         &self.store
     }
 
+    /// The namespace of this group's keys in the store (one per restart round under
+    /// `tandem launch`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Every rank's `record` published under `name`, in rank order (see
+    /// [`gather_records`](crate::gather_records)), within the group's timeout.
+    pub fn gather_records(&self, name: &str, record: &[u8]) -> Result<Vec<Vec<u8>>> {
+        crate::exchange::gather_records(
+            &self.store,
+            &self.prefix,
+            name,
+            self.rank,
+            self.world_size,
+            record,
+            self.timeout,
+        )
+    }
+
     /// Reduces `buffer` over all ranks in place; every rank ends with the same bytes.
     pub fn all_reduce<T: Element>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<()> {
         let plan = all_reduce_plan(
