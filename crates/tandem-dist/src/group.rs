@@ -356,9 +356,11 @@ impl ProcessGroup {
     }
 
     /// Every rank's `record` published under `name`, in rank order (see
-    /// [`gather_records`](crate::gather_records)), within the group's timeout.
-    pub fn gather_records(&self, name: &str, record: &[u8]) -> Result<Vec<Vec<u8>>> {
-        crate::exchange::gather_records(
+    /// [`gather_records`](crate::gather_records)), within the group's timeout; then a barrier,
+    /// so that a rank 0 that serves the store and leaves next (an error that every rank
+    /// reaches from the records) does not close it while another rank is still reading.
+    pub fn gather_records(&mut self, name: &str, record: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let records = crate::exchange::gather_records(
             &self.store,
             &self.prefix,
             name,
@@ -366,7 +368,9 @@ impl ProcessGroup {
             self.world_size,
             record,
             self.timeout,
-        )
+        )?;
+        self.barrier()?;
+        Ok(records)
     }
 
     /// Reduces `buffer` over all ranks in place; every rank ends with the same bytes.

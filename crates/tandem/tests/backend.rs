@@ -73,6 +73,51 @@ fn nccl_on_cpu_ranks_is_refused_on_every_rank_with_the_reason() {
 }
 
 #[test]
+fn ranks_started_by_hand_all_report_the_refusal_though_rank_0_serves_the_store() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .unwrap()
+        .port();
+    // As torchrun starts them: rank 0 serves the store and leaves right after deciding.
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            tandem()
+                .args(["bench", "step", "--model", "resnet-base", "--batch", "2"])
+                .args(["--steps", "1", "--threads", "1", "--device", "cpu"])
+                .args(["--backend", "nccl"])
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("TANDEM_JOB_TOKEN", "backend-e2e-token")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("cannot start tandem")
+        })
+        .collect();
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let output = common::wait_bounded(child, LIMIT);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "rank {rank}");
+        // Other ranks' errors carry their rank.
+        let prefix = match rank {
+            0 => String::new(),
+            _ => format!("[rank {rank}] "),
+        };
+        assert!(
+            stderr.starts_with(&format!(
+                "{prefix}error: --backend nccl: every rank is on the CPU"
+            )),
+            "rank {rank}: {stderr}"
+        );
+        assert!(!stderr.contains("store"), "rank {rank}: {stderr}");
+    }
+}
+
+#[test]
 fn a_job_of_one_process_refuses_nccl_on_the_cpu_and_ignores_ring() {
     let bench = |backend: &str| {
         run_bounded(
