@@ -92,20 +92,21 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
             let token = tandem_dist::JobToken::from_env()?.context(
                 "a job of several processes needs TANDEM_JOB_TOKEN (tandem launch sets it)",
             )?;
-            let mut ddp = Ddp::join(
+            Some(Ddp::join(
                 place,
                 token,
                 tandem_dist::DEFAULT_TIMEOUT,
                 model.params().len(),
                 BUCKET_BYTES,
                 FIRST_BUCKET_BYTES,
-            )?;
-            ddp.broadcast_model(&mut model)?;
-            Some(ddp)
+            )?)
         }
         None => None,
     };
     crate::backend::choose(args.backend, &device, ddp.as_ref(), Announce::Stdout)?;
+    if let Some(ddp) = ddp.as_mut() {
+        ddp.broadcast_model(&mut model)?;
+    }
     let mut optimizer = build_optimizer(optimizer_kind, model.params().len());
     let (images, labels) = random_batch(&spec, batch);
     let loss = LossOptions::default();
