@@ -12,6 +12,7 @@ pub mod arch;
 pub mod compile;
 pub mod device;
 pub mod kernels;
+pub mod nccl;
 pub mod probe;
 pub mod ptx_cache;
 

@@ -77,6 +77,29 @@ pub enum DistError {
         /// The limit.
         max: usize,
     },
+    /// A key holds a value of the wrong form (e.g. an NCCL unique id of the wrong length).
+    #[error("store key {key:?} holds a bad value: {message}")]
+    BadValue {
+        /// The key.
+        key: String,
+        /// What is wrong with its value.
+        message: String,
+    },
+    /// Ranks did not publish a value the others wait for before the deadline.
+    #[error(
+        "{ranks} did not publish the {what} within {timeout:?} (store keys {keys:?} still missing)",
+        ranks = describe_ranks(ranks)
+    )]
+    NotPublished {
+        /// What was waited for, e.g. "NCCL unique id".
+        what: String,
+        /// The ranks that did not publish it.
+        ranks: Vec<usize>,
+        /// Their keys.
+        keys: Vec<String>,
+        /// The timeout of the wait.
+        timeout: Duration,
+    },
     /// Some ranks did not join the process group before the deadline.
     #[error(
         "rendezvous failed: rank(s) {missing:?} of {world_size} did not join within {timeout:?}"
@@ -139,6 +162,15 @@ impl DistError {
             context: context.into(),
             message: error.to_string(),
         }
+    }
+}
+
+/// `rank 0`, or `ranks 1, 3` for several.
+fn describe_ranks(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    match list.as_slice() {
+        [one] => format!("rank {one}"),
+        _ => format!("ranks {}", list.join(", ")),
     }
 }
 

@@ -349,6 +349,30 @@ impl ProcessGroup {
         &self.store
     }
 
+    /// The namespace of this group's keys in the store (one per restart round under
+    /// `tandem launch`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Every rank's `record` published under `name`, in rank order (see
+    /// [`gather_records`](crate::gather_records)), within the group's timeout; then a barrier,
+    /// so that a rank 0 that serves the store and leaves next (an error that every rank
+    /// reaches from the records) does not close it while another rank is still reading.
+    pub fn gather_records(&mut self, name: &str, record: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let records = crate::exchange::gather_records(
+            &self.store,
+            &self.prefix,
+            name,
+            self.rank,
+            self.world_size,
+            record,
+            self.timeout,
+        )?;
+        self.barrier()?;
+        Ok(records)
+    }
+
     /// Reduces `buffer` over all ranks in place; every rank ends with the same bytes.
     pub fn all_reduce<T: Element>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<()> {
         let plan = all_reduce_plan(

@@ -7,6 +7,8 @@
 //!   has a deadline and a failed peer is named in the error of every rank.
 //! - [`SharedBuffer`]: a buffer in shared memory that ranks of one host all-reduce without
 //!   copying it through sockets.
+//! - [`gather_records`], [`publish_nccl_unique_id`], [`receive_nccl_unique_id`]: small values
+//!   handed between ranks through the store (each rank's device, rank 0's NCCL unique id).
 //! - [`CommThread`]: a thread that owns the group and runs submitted collectives in order,
 //!   so communication overlaps computation.
 //! - [`cluster`]: the launch environments of torchrun, ModelArts, Slurm, Open MPI and Kubeflow.
@@ -16,6 +18,7 @@ pub mod cluster;
 mod comm_thread;
 mod element;
 mod error;
+mod exchange;
 mod group;
 mod link;
 mod ring;
@@ -27,6 +30,10 @@ pub use auth::{JobToken, JOB_TOKEN_ENV};
 pub use comm_thread::{CommThread, Pending};
 pub use element::{chunk_range, Element, ReduceOp};
 pub use error::{DistError, Result};
+pub use exchange::{
+    gather_records, nccl_unique_id_key, publish_nccl_unique_id, receive_nccl_unique_id,
+    NCCL_UNIQUE_ID_BYTES,
+};
 pub use group::{
     ProcessGroup, ProcessGroupOptions, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT, HOST_ENV,
     MAX_BROADCAST_BYTES,

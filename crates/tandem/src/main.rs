@@ -13,6 +13,7 @@ macro_rules! say {
     }};
 }
 
+mod backend;
 mod bench;
 mod checkpoint_info;
 mod clock;

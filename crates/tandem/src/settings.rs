@@ -265,6 +265,11 @@ pub struct TrainOptions {
     #[arg(long, help = crate::device::DEVICE_HELP)]
     #[serde(skip)]
     pub device: Option<tandem_cuda::DeviceRequest>,
+    /// What carries the gradients in a job of several processes: auto (nccl when every rank
+    /// has its own GPU and NCCL loads, else ring), nccl or ring [default: auto].
+    #[arg(long, value_enum)]
+    #[serde(skip)]
+    pub backend: Option<crate::backend::BackendRequest>,
     /// This process's rank (else RANK or the cluster's variables).
     #[arg(long)]
     #[serde(skip)]
@@ -588,6 +593,8 @@ mod tests {
             // Placement, like the rank: not a setting of the run (a run may resume elsewhere).
             device: None,
             init_method: None,
+            device: None,
+            backend: None,
             rank: None,
             world_size: None,
         }

@@ -15,6 +15,8 @@ use tandem_engine::rng::Rng;
 use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tandem_models::{LossOptions, Model, ModelSpec};
 
+use crate::backend::BackendRequest;
+use crate::device::Announce;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, PlacementFlags};
 use crate::train::ddp::Ddp;
@@ -56,11 +58,15 @@ pub struct StepArgs {
     pub optimizer: Option<OptimizerKind>,
     #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
     pub device: tandem_cuda::DeviceRequest,
+    /// What carries the gradients under `launch`: auto (nccl when every rank has its own GPU
+    /// and NCCL loads, else ring), nccl or ring.
+    #[arg(long, value_enum, default_value_t)]
+    pub backend: BackendRequest,
 }
 
 /// Runs the benchmark.
 pub fn run(args: StepArgs) -> anyhow::Result<()> {
-    crate::device::select(args.device, crate::device::Announce::Stdout)?;
+    let device = crate::device::select(args.device, Announce::Stdout)?;
     let spec = args.model.to_spec()?;
     let placement = find_placement(&PlacementFlags::default())?;
     let local_world_size = placement.as_ref().map_or(1, |place| place.local_world_size);
@@ -86,19 +92,21 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
             let token = tandem_dist::JobToken::from_env()?.context(
                 "a job of several processes needs TANDEM_JOB_TOKEN (tandem launch sets it)",
             )?;
-            let mut ddp = Ddp::join(
+            Some(Ddp::join(
                 place,
                 token,
                 tandem_dist::DEFAULT_TIMEOUT,
                 model.params().len(),
                 BUCKET_BYTES,
                 FIRST_BUCKET_BYTES,
-            )?;
-            ddp.broadcast_model(&mut model)?;
-            Some(ddp)
+            )?)
         }
         None => None,
     };
+    crate::backend::choose(args.backend, &device, ddp.as_ref(), Announce::Stdout)?;
+    if let Some(ddp) = ddp.as_mut() {
+        ddp.broadcast_model(&mut model)?;
+    }
     let mut optimizer = build_optimizer(optimizer_kind, model.params().len());
     let (images, labels) = random_batch(&spec, batch);
     let loss = LossOptions::default();

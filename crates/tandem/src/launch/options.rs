@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use tandem_cuda::{GpuFacts, Probe};
 use tandem_dist::JobToken;
 
 use super::cluster::{self, ClusterNode};
@@ -22,9 +23,9 @@ pub const TANDEM_SUBCOMMANDS: &[&str] = &["train", "eval", "predict", "bench"];
 /// Settings of `tandem launch [options] -- <command>`.
 #[derive(Args, Debug, Clone)]
 pub struct LaunchArgs {
-    /// Workers to start on this node: a number, or `auto` for the number of cores available.
-    /// Default: the cluster's value, else 1.
-    #[arg(long, value_name = "N|auto")]
+    /// Workers to start on this node: a number, `auto` for the number of cores available, or
+    /// `gpu` for one per visible GPU (as torchrun's `gpu`). Default: the cluster's value, else 1.
+    #[arg(long, value_name = "N|auto|gpu")]
     pub nproc_per_node: Option<NprocPerNode>,
     /// A single-node job on this machine: the store listens on a free port of 127.0.0.1.
     #[arg(long, conflicts_with_all = ["nnodes", "node_rank", "master_addr", "master_port"])]
@@ -73,34 +74,58 @@ pub enum NprocPerNode {
     Count(usize),
     /// As many as the cores available to this process.
     Auto,
+    /// One per GPU the driver shows this process (after `CUDA_VISIBLE_DEVICES`).
+    Gpu,
 }
 
 impl FromStr for NprocPerNode {
     type Err = String;
 
     fn from_str(text: &str) -> Result<NprocPerNode, String> {
-        if text == "auto" {
-            return Ok(NprocPerNode::Auto);
+        match text {
+            "auto" => return Ok(NprocPerNode::Auto),
+            "gpu" => return Ok(NprocPerNode::Gpu),
+            _ => {}
         }
         match text.parse::<usize>() {
-            Ok(0) => Err("expected a positive number of workers or \"auto\", got 0".into()),
+            Ok(0) => {
+                Err("expected a positive number of workers, \"auto\" or \"gpu\", got 0".into())
+            }
             Ok(count) => Ok(NprocPerNode::Count(count)),
             Err(_) => Err(format!(
-                "expected a positive number of workers or \"auto\", got {text:?}"
+                "expected a positive number of workers, \"auto\" or \"gpu\", got {text:?}"
             )),
         }
     }
 }
 
 impl NprocPerNode {
-    /// The number of workers, resolving `auto` to the cores available.
+    /// The number of workers, resolving `auto` to the cores available and `gpu` to the GPUs
+    /// visible (through this process's probe of the CUDA driver).
     pub fn resolve(self) -> anyhow::Result<usize> {
         match self {
             NprocPerNode::Count(count) => Ok(count),
             NprocPerNode::Auto => Ok(std::thread::available_parallelism()
                 .context("--nproc-per-node auto: could not count the cores available")?
                 .get()),
+            NprocPerNode::Gpu => gpu_workers(&GpuFacts::gather(Probe::process())),
         }
+    }
+}
+
+/// `--nproc-per-node gpu`: one worker per visible GPU, or an error naming why there is none.
+pub fn gpu_workers(facts: &GpuFacts) -> anyhow::Result<usize> {
+    let no_gpu = |why: &str| {
+        anyhow::anyhow!("--nproc-per-node gpu: no GPU visible ({why}); use a number or auto")
+    };
+    // Checked first: with no device listed, the driver's own answer is an init error.
+    if facts.visible_devices.hides_all() {
+        return Err(no_gpu("CUDA_VISIBLE_DEVICES is set and lists no device"));
+    }
+    match &facts.visible_gpus {
+        Ok(0) => Err(no_gpu("the driver reports 0 GPUs")),
+        Ok(count) => Ok(*count),
+        Err(why) => Err(no_gpu(why)),
     }
 }
 
@@ -327,6 +352,7 @@ pub fn missing_separator_hint(words: &[String], error: &clap::Error) -> Option<S
 mod tests {
     use super::*;
     use clap::Parser;
+    use tandem_cuda::device::VisibleDevices;
 
     #[test]
     fn a_worker_command_without_the_separator_gets_a_hint() {
@@ -378,19 +404,64 @@ mod tests {
     }
 
     #[test]
-    fn nproc_per_node_is_a_positive_number_or_auto() {
+    fn nproc_per_node_is_a_positive_number_auto_or_gpu() {
         assert_eq!("4".parse(), Ok(NprocPerNode::Count(4)));
         assert_eq!("auto".parse(), Ok(NprocPerNode::Auto));
+        assert_eq!("gpu".parse(), Ok(NprocPerNode::Gpu));
         let cores = std::thread::available_parallelism().unwrap().get();
         assert_eq!(NprocPerNode::Auto.resolve().unwrap(), cores);
         assert_eq!(
             "0".parse::<NprocPerNode>(),
-            Err("expected a positive number of workers or \"auto\", got 0".to_string())
+            Err("expected a positive number of workers, \"auto\" or \"gpu\", got 0".to_string())
         );
         let error = parse(&["--nproc-per-node", "many", "--", "true"]).unwrap_err();
         assert!(
-            error.contains("invalid value 'many' for '--nproc-per-node <N|auto>': expected a positive number of workers or \"auto\", got \"many\""),
+            error.contains("invalid value 'many' for '--nproc-per-node <N|auto|gpu>': expected a positive number of workers, \"auto\" or \"gpu\", got \"many\""),
             "{error}"
+        );
+    }
+
+    /// The facts of a machine whose probe looked only in an empty folder.
+    fn facts_without_a_driver(folder: &Path) -> GpuFacts {
+        let probe = Probe::run(&tandem_cuda::SearchPath::only(vec![folder.to_path_buf()]));
+        GpuFacts::gather(&probe)
+    }
+
+    #[test]
+    fn nproc_per_node_gpu_without_a_driver_says_why() {
+        let empty = tempfile::tempdir().unwrap();
+        let mut facts = facts_without_a_driver(empty.path());
+        // Whatever CUDA_VISIBLE_DEVICES this test runs under, it lists some device here.
+        facts.visible_devices = VisibleDevices::All;
+        let error = gpu_workers(&facts).unwrap_err().to_string();
+        let expected_start = format!(
+            "--nproc-per-node gpu: no GPU visible (libcuda not found: searched only the folders \
+             {:?} for libcuda.so.1 and ",
+            empty.path().display().to_string()
+        );
+        assert!(error.starts_with(&expected_start), "{error}");
+        assert!(error.ends_with("); use a number or auto"), "{error}");
+    }
+
+    #[test]
+    fn nproc_per_node_gpu_counts_the_visible_gpus() {
+        let empty = tempfile::tempdir().unwrap();
+        let mut facts = facts_without_a_driver(empty.path());
+        facts.visible_devices = VisibleDevices::All;
+        facts.visible_gpus = Ok(3);
+        assert_eq!(gpu_workers(&facts).unwrap(), 3);
+        facts.visible_gpus = Ok(0);
+        assert_eq!(
+            gpu_workers(&facts).unwrap_err().to_string(),
+            "--nproc-per-node gpu: no GPU visible (the driver reports 0 GPUs); use a number or auto"
+        );
+        // CUDA_VISIBLE_DEVICES="" hides every GPU, whatever the driver answers.
+        facts.visible_devices = VisibleDevices::parse(Some(""));
+        facts.visible_gpus = Err("cuInit failed: CUDA_ERROR_NO_DEVICE".into());
+        assert_eq!(
+            gpu_workers(&facts).unwrap_err().to_string(),
+            "--nproc-per-node gpu: no GPU visible (CUDA_VISIBLE_DEVICES is set and lists no \
+             device); use a number or auto"
         );
     }
 

@@ -160,6 +160,15 @@ impl Ddp {
         Ok(self.comm.broadcast_bytes(bytes, 0).wait()?)
     }
 
+    /// Publishes `record` as this rank's under `name` in the job's store and returns every
+    /// rank's, in rank order, within the collective timeout.
+    pub fn gather_records(&self, name: &str, record: Vec<u8>) -> anyhow::Result<Vec<Vec<u8>>> {
+        let name = name.to_string();
+        Ok(self
+            .comm
+            .run(move |group| group.gather_records(&name, &record))?)
+    }
+
     /// Sums `values` over the ranks.
     pub fn sum_f64(&mut self, values: &mut [f64]) -> anyhow::Result<()> {
         let summed = self

@@ -23,14 +23,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tandem_cuda::Device;
 use tandem_data::{
     eval_shard, Augment, Batch, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
 };
 use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tandem_models::{BatchNormReducer, LossOptions, Model};
 
+use crate::backend::BackendRequest;
 use crate::checkpoint_info::CheckpointInfo;
 use crate::data_source::{load_split, normalization, Split};
+use crate::device::Announce;
 use crate::evaluation::{evaluate, Evaluation};
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
@@ -48,10 +51,16 @@ use tensorboard::EventWriter;
 /// SIGINT, 143 after SIGTERM) when a stop request ended it, once its snapshot is written.
 pub fn run(options: TrainOptions) -> anyhow::Result<()> {
     let device = options.device.unwrap_or_default();
-    crate::device::select(device, crate::device::Announce::Stdout)?;
+    let device = crate::device::select(device, crate::device::Announce::Stdout)?;
+    let backend = options.backend.unwrap_or_default();
     let settings = options.merged_with_file()?.resolve()?;
     let stop_signal = stop_signal::install()?;
-    let mut trainer = Trainer::new(settings, Arc::clone(&stop_signal.requested))?;
+    let mut trainer = Trainer::new(
+        settings,
+        &device,
+        backend,
+        Arc::clone(&stop_signal.requested),
+    )?;
     let end = tandem_engine::run_on_kernel_threads(|| trainer.train())?;
     if end != RunEnd::StoppedOnRequest {
         return Ok(());
@@ -90,9 +99,14 @@ struct Trainer {
 }
 
 impl Trainer {
-    /// Builds the model, data and optimizer, joins the job's other processes, and resumes
-    /// from the snapshot when one exists.
-    fn new(mut settings: TrainSettings, stop_requested: Arc<AtomicBool>) -> anyhow::Result<Self> {
+    /// Builds the model, data and optimizer, joins the job's other processes, chooses the
+    /// backend with them, and resumes from the snapshot when one exists.
+    fn new(
+        mut settings: TrainSettings,
+        device: &Device,
+        backend: BackendRequest,
+        stop_requested: Arc<AtomicBool>,
+    ) -> anyhow::Result<Self> {
         let placement = find_placement(&settings.placement_flags)?;
         let (rank, world_size, local_world_size) = placement.as_ref().map_or((0, 1, 1), |place| {
             (place.rank, place.world_size, place.local_world_size)
@@ -146,6 +160,7 @@ impl Trainer {
             }
             None => None,
         };
+        crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
         let mut trainer = Trainer {
             settings,
             model,
