@@ -593,7 +593,6 @@ mod tests {
             // Placement, like the rank: not a setting of the run (a run may resume elsewhere).
             device: None,
             init_method: None,
-            device: None,
             backend: None,
             rank: None,
             world_size: None,
