@@ -11,6 +11,7 @@
 pub mod arch;
 pub mod compile;
 pub mod device;
+pub mod executor;
 pub mod kernels;
 pub mod probe;
 pub mod ptx_cache;
@@ -18,6 +19,7 @@ pub mod ptx_cache;
 pub use arch::GpuArch;
 pub use compile::{CompileError, CompiledKernel, Compiler};
 pub use device::{Device, DeviceError, DeviceRequest, GpuFacts};
+pub use executor::{CudaExecutor, GpuError, GpuSettings, Precision};
 pub use kernels::{KernelSource, KERNELS};
 pub use probe::{Library, MissingLibrary, Probe, SearchPath};
 pub use ptx_cache::PtxCache;
