@@ -396,11 +396,12 @@ impl AlgorithmCache {
         deterministic: bool,
     ) -> Result<&ConvPlan, GpuError> {
         let key = ConvKey::new(shape, precision, deterministic);
-        if !self.plans.contains_key(&key) {
-            let plan = ConvPlan::measure(handle, shape, precision, deterministic)?;
-            self.plans.insert(key, plan);
+        match self.plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(entry) => Ok(entry.into_mut()),
+            std::collections::hash_map::Entry::Vacant(entry) => {
+                Ok(entry.insert(ConvPlan::measure(handle, shape, precision, deterministic)?))
+            }
         }
-        self.plans.get(&key).ok_or(GpuError::NotPrepared)
     }
 
     /// Shapes measured so far.

@@ -131,6 +131,8 @@ pub struct DeviceStorage {
     pub sizes: StorageSizes,
     /// The plan's image slot.
     pub images: usize,
+    /// The mode and batch shape `(mode, batch, height, width)` of the plan.
+    pub shape: (Mode, usize, usize, usize),
     /// Activation slots.
     pub slots: Vec<CudaSlice<f32>>,
     /// The four gradient buffers of the backward.
@@ -214,7 +216,61 @@ impl DeviceStorage {
             counts: vec![0.0; plan.units],
             host_totals: Vec::with_capacity(sizes.totals),
             images: plan.images,
+            shape: (plan.mode, plan.batch, plan.height, plan.width),
             sizes,
         })
+    }
+}
+
+/// The storage of the last training plan and of the last evaluation plan (as the CPU model
+/// keeps one workspace of each), and which one the step in progress uses.
+pub struct PlanStorages {
+    train: Option<DeviceStorage>,
+    eval: Option<DeviceStorage>,
+    active: Mode,
+}
+
+impl Default for PlanStorages {
+    fn default() -> Self {
+        PlanStorages {
+            train: None,
+            eval: None,
+            active: Mode::Train,
+        }
+    }
+}
+
+impl PlanStorages {
+    /// Makes `plan`'s storage the active one, allocating it unless the kept storage of its
+    /// mode has its batch shape.
+    pub fn activate(&mut self, stream: &Arc<CudaStream>, plan: &Plan) -> Result<(), GpuError> {
+        let kept = match plan.mode {
+            Mode::Train => &mut self.train,
+            Mode::Eval => &mut self.eval,
+        };
+        let shape = (plan.mode, plan.batch, plan.height, plan.width);
+        if kept.as_ref().map(|storage| storage.shape) != Some(shape) {
+            // The old storage is freed before the new one is allocated.
+            *kept = None;
+            *kept = Some(DeviceStorage::new(stream, plan)?);
+        }
+        self.active = plan.mode;
+        Ok(())
+    }
+
+    /// The active storage, if it was allocated.
+    pub fn active(&self) -> Option<&DeviceStorage> {
+        match self.active {
+            Mode::Train => self.train.as_ref(),
+            Mode::Eval => self.eval.as_ref(),
+        }
+    }
+
+    /// The active storage, mutably.
+    pub fn active_mut(&mut self) -> Option<&mut DeviceStorage> {
+        match self.active {
+            Mode::Train => self.train.as_mut(),
+            Mode::Eval => self.eval.as_mut(),
+        }
     }
 }

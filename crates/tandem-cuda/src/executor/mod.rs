@@ -30,7 +30,7 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use tandem_engine::{AdamConfig, BatchNormReducer, SgdConfig};
 use tandem_models::executor::{Executor, GradBuffer, GradTarget, GradientsReady, Unit, UnitGrad};
-use tandem_models::workspace::{Mode, Plan, Slot, UnitPlan};
+use tandem_models::workspace::{Plan, Slot, UnitPlan};
 use tandem_models::{Head, LossOptions, Model, ModelError};
 
 use crate::arch::GpuArch;
@@ -43,7 +43,7 @@ use error::driver;
 pub use error::GpuError;
 use launch::{column_sums, per_element, Arg, Kernels};
 use linear::LinearShape;
-use memory::{row_blocks, DeviceStorage, StatePart, ROWS_PER_BLOCK};
+use memory::{row_blocks, DeviceStorage, PlanStorages, StatePart, ROWS_PER_BLOCK};
 
 /// The math of convolutions and the linear layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -92,7 +92,7 @@ pub struct CudaExecutor {
     buffers: CudaSlice<f32>,
     optimizer: OptimizerState,
     workspace: CudaSlice<u8>,
-    storage: Option<(Mode, usize, usize, usize, DeviceStorage)>,
+    storages: PlanStorages,
     /// Host copy of the gradients, filled up to `grads_on_host` in a backward.
     host_grads: Vec<f32>,
     grads_on_host: usize,
@@ -157,7 +157,7 @@ impl CudaExecutor {
             buffers: upload(buffers)?,
             optimizer: OptimizerState::None,
             workspace: stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?,
-            storage: None,
+            storages: PlanStorages::default(),
             host_grads: vec![0.0; params.len()],
             grads_on_host: 0,
             label_smoothing: 0.0,
@@ -167,16 +167,13 @@ impl CudaExecutor {
         })
     }
 
-    /// Allocates the storage of `plan` (kept while the next plan has the same mode and batch
-    /// shape) and measures the algorithms of its convolutions.
+    /// Makes the GPU current on this thread, allocates the storage of `plan` (one training
+    /// and one evaluation storage are kept, each while its batch shape stays) and measures the algorithms of its convolutions.
     pub fn prepare(&mut self, plan: &Plan) -> Result<(), GpuError> {
-        let fits = matches!(&self.storage, Some((mode, batch, height, width, _))
-            if (*mode, *batch, *height, *width) == (plan.mode, plan.batch, plan.height, plan.width));
-        if !fits {
-            self.storage = None;
-            let storage = DeviceStorage::new(&self.stream, plan)?;
-            self.storage = Some((plan.mode, plan.batch, plan.height, plan.width, storage));
-        }
+        self._context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        self.storages.activate(&self.stream, plan)?;
         let mut workspace = 0;
         for unit in plan.unit_plans() {
             let measured = self.algorithms.get_or_measure(
@@ -249,6 +246,10 @@ impl CudaExecutor {
         bn_sync: Option<&mut dyn BatchNormReducer>,
         grad_ready: &mut dyn FnMut(std::ops::Range<usize>, &[f32]),
     ) -> Result<(), ModelError> {
+        self._context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))
+            .map_err(device)?;
         self.grads_on_host = 0;
         let mut ready = GradientsReady::new(grad_ready);
         model.backward_on(self, plan, loss_scale, bn_sync, &mut ready)?;
@@ -440,7 +441,8 @@ fn copy_to_host(
     }
     stream
         .memcpy_dtoh(&source.slice(..target.len()), target)
-        .map_err(driver("cuMemcpyDtoHAsync"))
+        .map_err(driver("cuMemcpyDtoHAsync"))?;
+    stream.synchronize().map_err(driver("cuStreamSynchronize"))
 }
 
 /// The addresses of one plan's storage, copied out so that launches borrow nothing.
@@ -479,10 +481,7 @@ impl CudaExecutor {
     }
 
     fn storage(&self) -> Result<&DeviceStorage, GpuError> {
-        self.storage
-            .as_ref()
-            .map(|(.., storage)| storage)
-            .ok_or(GpuError::NotPrepared)
+        self.storages.active().ok_or(GpuError::NotPrepared)
     }
 
     fn addresses(&self) -> Result<Addresses<'_>, GpuError> {
@@ -634,6 +633,7 @@ impl CudaExecutor {
                     &mut self.host_grads[range],
                 )
                 .map_err(driver("cuMemcpyDtoHAsync"))?;
+            self.synchronize()?;
             self.grads_on_host = end;
         }
         ready.finished_up_to(end, &self.host_grads);
@@ -647,13 +647,16 @@ impl CudaExecutor {
         reducer: &mut dyn BatchNormReducer,
     ) -> Result<(), GpuError> {
         let stream = self.stream.clone();
-        let Some((.., storage)) = self.storage.as_mut() else {
+        let Some(storage) = self.storages.active_mut() else {
             return Err(GpuError::NotPrepared);
         };
         storage.host_totals.resize(len, 0.0);
         stream
             .memcpy_dtoh(&storage.totals.slice(..len), &mut storage.host_totals[..])
             .map_err(driver("cuMemcpyDtoHAsync"))?;
+        stream
+            .synchronize()
+            .map_err(driver("cuStreamSynchronize"))?;
         reducer
             .all_reduce_sum(&mut storage.host_totals)
             .map_err(|error| GpuError::BatchNormSync(error.to_string()))?;
@@ -688,7 +691,7 @@ impl CudaExecutor {
         if count <= 1.0 {
             return Err(tandem_engine::EngineError::BatchNormTooFewValues { count }.into());
         }
-        if let Some((.., storage)) = self.storage.as_mut() {
+        if let Some(storage) = self.storages.active_mut() {
             storage.counts[plan.index] = count;
         }
         let addresses = self.addresses().map_err(device)?;

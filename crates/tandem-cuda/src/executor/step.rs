@@ -18,7 +18,7 @@ impl Executor for CudaExecutor {
     fn images_from_host(&mut self, images: &[f32]) {
         self.run(|exec| {
             let stream = exec.stream.clone();
-            let Some((.., storage)) = exec.storage.as_mut() else {
+            let Some(storage) = exec.storages.active_mut() else {
                 return Err(GpuError::NotPrepared);
             };
             let slot = &mut storage.slots[storage.images];
@@ -269,7 +269,7 @@ impl CudaExecutor {
     /// the host (this waits for the forward to finish).
     fn loss_on_device(&mut self, labels: &[u32], label_smoothing: f32) -> Result<f32, ModelError> {
         let stream = self.stream.clone();
-        let Some((.., storage)) = self.storage.as_mut() else {
+        let Some(storage) = self.storages.active_mut() else {
             return Err(device(GpuError::NotPrepared));
         };
         let batch = labels.len();
