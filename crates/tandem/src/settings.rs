@@ -586,6 +586,7 @@ mod tests {
             bucket_mb: Some(4.5),
             collective_timeout: Some(60.0),
             init_method: None,
+            device: None,
             rank: None,
             world_size: None,
         }

@@ -101,7 +101,7 @@ pub struct CudaExecutor {
     /// The first error of a method that cannot return one.
     error: RefCell<Option<GpuError>>,
     stream: Arc<CudaStream>,
-    _context: Arc<CudaContext>,
+    context: Arc<CudaContext>,
 }
 
 impl CudaExecutor {
@@ -163,14 +163,14 @@ impl CudaExecutor {
             label_smoothing: 0.0,
             error: RefCell::new(None),
             stream,
-            _context: context,
+            context,
         })
     }
 
     /// Makes the GPU current on this thread, allocates the storage of `plan` (one training
     /// and one evaluation storage are kept, each while its batch shape stays) and measures the algorithms of its convolutions.
     pub fn prepare(&mut self, plan: &Plan) -> Result<(), GpuError> {
-        self._context
+        self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
         self.storages.activate(&self.stream, plan)?;
@@ -202,7 +202,9 @@ impl CudaExecutor {
     }
 
     /// A training forward of `images` (NHWC) and `labels` with `model`'s walk: returns the
-    /// mean loss; the running statistics on the device are updated.
+    /// mean loss; the running statistics on the device are updated (the caller counts the
+    /// step in `num_batches_tracked`, which lives in the model). `model` supplies only the
+    /// network description; its host buffers are not read.
     pub fn forward_train(
         &mut self,
         model: &Model,
@@ -246,7 +248,7 @@ impl CudaExecutor {
         bn_sync: Option<&mut dyn BatchNormReducer>,
         grad_ready: &mut dyn FnMut(std::ops::Range<usize>, &[f32]),
     ) -> Result<(), ModelError> {
-        self._context
+        self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))
             .map_err(device)?;
@@ -373,6 +375,16 @@ impl CudaExecutor {
             self.kernels
                 .launch(&self.stream, "adam_step", per_element(n), &args)
         }
+    }
+
+    /// Bytes of this GPU's memory in use (by every process), from `cuMemGetInfo`.
+    pub fn device_memory_in_use(&self) -> Result<usize, GpuError> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let (free, total) =
+            cudarc::driver::result::mem_get_info().map_err(driver("cuMemGetInfo_v2"))?;
+        Ok(total.saturating_sub(free))
     }
 
     /// Waits until the GPU has run everything queued.
