@@ -68,6 +68,16 @@ pub enum GpuError {
         /// Its value.
         value: usize,
     },
+    /// A host slice has a different length than the device buffer it is copied to or from.
+    #[error("{what} has {found} values, the device buffer holds {expected}")]
+    Length {
+        /// Which values, e.g. `images`.
+        what: &'static str,
+        /// The host slice's length.
+        found: usize,
+        /// The length the device buffer (or the plan) has.
+        expected: usize,
+    },
     /// A setting the GPU executor does not support yet.
     #[error("the GPU executor does not support {0} yet")]
     Unsupported(&'static str),
@@ -97,4 +107,17 @@ pub fn cublas(call: &'static str) -> impl Fn(CublasError) -> GpuError {
 /// `value` as the `int` of a library call, or [`GpuError::TooLarge`].
 pub fn int(what: &'static str, value: usize) -> Result<i32, GpuError> {
     i32::try_from(value).map_err(|_| GpuError::TooLarge { what, value })
+}
+
+/// `Ok` when `found == expected`, else [`GpuError::Length`].
+pub fn same_length(what: &'static str, found: usize, expected: usize) -> Result<(), GpuError> {
+    if found == expected {
+        Ok(())
+    } else {
+        Err(GpuError::Length {
+            what,
+            found,
+            expected,
+        })
+    }
 }

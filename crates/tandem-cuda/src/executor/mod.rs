@@ -39,8 +39,8 @@ use crate::probe::{Library, Probe};
 use crate::ptx_cache::PtxCache;
 use conv::{AlgorithmCache, ConvBuffers};
 use cudnn::CudnnHandle;
-use error::driver;
 pub use error::GpuError;
+use error::{driver, same_length};
 use launch::{column_sums, per_element, Arg, Kernels};
 use linear::LinearShape;
 use memory::{row_blocks, DeviceStorage, PlanStorages, StatePart, ROWS_PER_BLOCK};
@@ -93,6 +93,8 @@ pub struct CudaExecutor {
     optimizer: OptimizerState,
     workspace: CudaSlice<u8>,
     storages: PlanStorages,
+    /// Values in the flat running-statistic buffer (its device allocation holds at least one).
+    buffer_len: usize,
     /// Host copy of the gradients, filled up to `grads_on_host` in a backward.
     host_grads: Vec<f32>,
     grads_on_host: usize,
@@ -156,6 +158,7 @@ impl CudaExecutor {
             grads: upload(&vec![0.0; params.len()])?,
             buffers: upload(buffers)?,
             optimizer: OptimizerState::None,
+            buffer_len: buffers.len(),
             workspace: stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?,
             storages: PlanStorages::default(),
             host_grads: vec![0.0; params.len()],
@@ -214,6 +217,7 @@ impl CudaExecutor {
         loss: &LossOptions,
         bn_sync: Option<&mut dyn BatchNormReducer>,
     ) -> Result<f32, ModelError> {
+        check_batch(plan, images, Some(labels)).map_err(device)?;
         self.prepare(plan).map_err(device)?;
         self.images_from_host(images);
         model.forward_on(self, plan, bn_sync)?;
@@ -230,6 +234,7 @@ impl CudaExecutor {
         images: &[f32],
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
+        check_batch(plan, images, None).map_err(device)?;
         self.prepare(plan).map_err(device)?;
         self.images_from_host(images);
         model.forward_on(self, plan, None)?;
@@ -267,21 +272,23 @@ impl CudaExecutor {
 
     /// Copies the device parameters into `params`.
     pub fn params_to_host(&self, params: &mut [f32]) -> Result<(), GpuError> {
-        copy_to_host(&self.stream, &self.params, params)
+        copy_to_host("parameters", &self.stream, &self.params, params)
     }
 
     /// Copies the device gradients into `grads`.
     pub fn grads_to_host(&self, grads: &mut [f32]) -> Result<(), GpuError> {
-        copy_to_host(&self.stream, &self.grads, grads)
+        copy_to_host("gradients", &self.stream, &self.grads, grads)
     }
 
     /// Copies the device running statistics into `buffers`.
     pub fn buffers_to_host(&self, buffers: &mut [f32]) -> Result<(), GpuError> {
-        copy_to_host(&self.stream, &self.buffers, buffers)
+        copy_to_host("running statistics", &self.stream, &self.buffers, buffers)
     }
 
     /// Replaces the device parameters and running statistics (a checkpoint, a broadcast).
     pub fn params_from_host(&mut self, params: &[f32], buffers: &[f32]) -> Result<(), GpuError> {
+        same_length("parameters", params.len(), self.host_grads.len())?;
+        same_length("running statistics", buffers.len(), self.buffer_len)?;
         if !params.is_empty() {
             self.stream
                 .memcpy_htod(params, &mut self.params.slice_mut(..params.len()))
@@ -426,6 +433,20 @@ impl AdamScalars {
     }
 }
 
+/// Checks that `images` (and `labels`) have the lengths of `plan`'s batch.
+fn check_batch(plan: &Plan, images: &[f32], labels: Option<&[u32]>) -> Result<(), GpuError> {
+    let channels = plan.stem.shape.in_channels;
+    same_length(
+        "images",
+        images.len(),
+        plan.batch * plan.height * plan.width * channels,
+    )?;
+    if let Some(labels) = labels {
+        same_length("labels", labels.len(), plan.batch)?;
+    }
+    Ok(())
+}
+
 /// A GPU error as the models crate's error.
 fn device(error: GpuError) -> ModelError {
     ModelError::Device(Box::new(error))
@@ -444,10 +465,12 @@ fn at(base: u64, offset: usize) -> u64 {
 }
 
 fn copy_to_host(
+    what: &'static str,
     stream: &Arc<CudaStream>,
     source: &CudaSlice<f32>,
     target: &mut [f32],
 ) -> Result<(), GpuError> {
+    same_length(what, target.len(), source.len())?;
     if target.is_empty() {
         return Ok(());
     }

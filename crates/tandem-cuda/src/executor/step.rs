@@ -22,6 +22,13 @@ impl Executor for CudaExecutor {
                 return Err(GpuError::NotPrepared);
             };
             let slot = &mut storage.slots[storage.images];
+            if images.len() > slot.len() {
+                return Err(GpuError::Length {
+                    what: "images",
+                    found: images.len(),
+                    expected: slot.len(),
+                });
+            }
             stream
                 .memcpy_htod(images, &mut slot.slice_mut(..images.len()))
                 .map_err(driver("cuMemcpyHtoDAsync"))
@@ -273,6 +280,7 @@ impl CudaExecutor {
             return Err(device(GpuError::NotPrepared));
         };
         let batch = labels.len();
+        super::error::same_length("labels", batch, storage.shape.1).map_err(device)?;
         let classes = storage.sizes.logits / batch.max(1);
         stream
             .memcpy_htod(labels, &mut storage.labels.slice_mut(..batch))
