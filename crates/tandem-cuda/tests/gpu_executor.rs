@@ -1,7 +1,7 @@
 //! One training step of the seed-004 model on the GPU executor against the CPU executor, in
 //! fp32 with deterministic algorithms: logits within 1e-4, gradients within 1e-3, the running
-//! statistics, the gradient-ready ranges, two SGD steps, two Adam steps and an evaluation
-//! forward. Skipped with a printed reason without a driver, the CUDA libraries or a GPU (as
+//! statistics and the gradient-ready ranges; two chained SGD steps and an evaluation forward
+//! within tolerances; two AdamW steps from the same buffers bit for bit. Skipped with a printed reason without a driver, the CUDA libraries or a GPU (as
 //! on CI's machines); it has not yet run on a GPU.
 
 use std::ops::Range;
@@ -112,7 +112,7 @@ fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
     .unwrap();
 
     assert!(
-        (gpu_loss - cpu_loss).abs() <= 1e-5 * cpu_loss.abs(),
+        (gpu_loss - cpu_loss).abs() <= 1e-4 * cpu_loss.abs(),
         "loss GPU {gpu_loss} CPU {cpu_loss}"
     );
     assert_close(&gpu_logits, cpu.logits(), 1e-4, "logits");
@@ -186,7 +186,9 @@ fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
         assert_close(
             &gpu_params,
             cpu.params(),
-            1e-4,
+            // The gradients differ by up to 1e-3; the step scales that by lr 0.1 (1.9x with
+            // Nesterov momentum), and the second step starts from slightly different weights.
+            1e-3,
             &format!("parameters after SGD step {round}"),
         );
     }
@@ -208,11 +210,16 @@ fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
 }
 
 #[test]
-fn two_adam_steps_match_the_cpu() {
-    let Some(probe) = gpu_probe("two_adam_steps_match_the_cpu") else {
+fn two_adamw_steps_over_the_same_buffers_match_the_cpu_bit_for_bit() {
+    let Some(probe) = gpu_probe("two_adamw_steps_over_the_same_buffers_match_the_cpu_bit_for_bit")
+    else {
         return;
     };
     let (mut exec, mut cpu, _model) = one_step(probe);
+    // The GPU starts from the CPU's parameters and gradients, so the two optimizers see the
+    // same inputs; adam_step is element-wise with the CPU's float operations.
+    exec.params_from_host(cpu.params(), cpu.buffers()).unwrap();
+    exec.grads_from_host(cpu.grads()).unwrap();
     let config = AdamConfig {
         lr: 1e-3,
         beta1: 0.9,
@@ -229,11 +236,12 @@ fn two_adam_steps_match_the_cpu() {
         exec.adam_step(&config).unwrap();
         let mut gpu_params = vec![0.0; cpu.params().len()];
         exec.params_to_host(&mut gpu_params).unwrap();
-        assert_close(
-            &gpu_params,
-            cpu.params(),
-            1e-4,
-            &format!("parameters after Adam step {round}"),
-        );
+        for (i, (g, c)) in gpu_params.iter().zip(cpu.params()).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                c.to_bits(),
+                "parameter {i} after AdamW step {round}: GPU {g} CPU {c}"
+            );
+        }
     }
 }

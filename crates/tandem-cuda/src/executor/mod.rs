@@ -302,6 +302,17 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// Replaces the device gradients (e.g. by gradients all-reduced on the host).
+    pub fn grads_from_host(&mut self, grads: &[f32]) -> Result<(), GpuError> {
+        same_length("gradients", grads.len(), self.host_grads.len())?;
+        if grads.is_empty() {
+            return Ok(());
+        }
+        self.stream
+            .memcpy_htod(grads, &mut self.grads.slice_mut(..grads.len()))
+            .map_err(driver("cuMemcpyHtoDAsync"))
+    }
+
     /// One step of PyTorch's SGD over the flat device buffers (`sgd_step`, bit-identical to
     /// the CPU's `Sgd` per element).
     pub fn sgd_step(&mut self, config: &SgdConfig) -> Result<(), GpuError> {
