@@ -133,8 +133,9 @@ pub struct GpuFacts {
     pub gpu_executor_built: bool,
 }
 
-/// Whether this build can train on a GPU. The GPU executor does not exist yet: the
-/// libraries are probed and the kernels compiled, but no network runs on the GPU.
+/// Whether this build can train on a GPU. `train`, `eval` and `predict` have no GPU executor
+/// wired in; the binary's `bench step` sets [`GpuFacts::gpu_executor_built`] itself for an
+/// explicit `--device cuda`, as its executor (`crate::executor`) is still unverified on a GPU.
 pub const GPU_EXECUTOR_BUILT: bool = false;
 
 impl GpuFacts {

@@ -28,6 +28,7 @@ kernel_files!(
     "loss",
     "optimizers",
     "augment",
+    "bias",
 );
 
 /// The kernel file called `name`.

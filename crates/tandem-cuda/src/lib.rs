@@ -1,16 +1,17 @@
-//! Tandem's NVIDIA GPU groundwork, everything that can be built and checked without a GPU:
+//! Tandem's NVIDIA GPU side, everything that can be built and checked without a GPU:
 //!
 //! - [`probe`]: finds the CUDA libraries (driver, NVRTC, cuBLAS, cuDNN, NCCL) once, before any
 //!   call into `cudarc`, which would panic on a missing one;
 //! - [`device`]: the rules of `--device auto|cpu|cuda|cuda:N` and of the GPU a local rank takes;
 //! - [`kernels`] and [`compile`]: the CUDA C kernel files and their compilation to PTX with
-//!   NVRTC, cached on disk by [`ptx_cache`].
-//!
-//! There is no GPU executor yet: nothing here runs a network on a GPU.
+//!   NVRTC, cached on disk by [`ptx_cache`];
+//! - [`executor`]: the GPU executor ([`CudaExecutor`]) over cuDNN, cuBLAS and our kernels,
+//!   which implements `tandem_models::Executor`; **it has not yet run on a GPU**.
 
 pub mod arch;
 pub mod compile;
 pub mod device;
+pub mod executor;
 pub mod kernels;
 pub mod nccl;
 pub mod probe;
@@ -19,6 +20,7 @@ pub mod ptx_cache;
 pub use arch::GpuArch;
 pub use compile::{CompileError, CompiledKernel, Compiler};
 pub use device::{Device, DeviceError, DeviceRequest, GpuFacts};
+pub use executor::{CudaExecutor, GpuError, GpuSettings, Precision};
 pub use kernels::{KernelSource, KERNELS};
 pub use probe::{Library, MissingLibrary, Probe, SearchPath};
 pub use ptx_cache::PtxCache;

@@ -105,4 +105,7 @@ pub enum ModelError {
     /// A `torch.save` file could not be read, or holds more than the model can need.
     #[error(transparent)]
     TorchSave(#[from] tandem_pickle::PickleError),
+    /// A device executor (e.g. the GPU's) failed; the error names the call and its status.
+    #[error(transparent)]
+    Device(Box<dyn std::error::Error + Send + Sync + 'static>),
 }

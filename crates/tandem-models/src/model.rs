@@ -289,6 +289,56 @@ impl Model {
         result
     }
 
+    /// The plan of this model for `batch` images of `height x width` in `mode`, for an
+    /// executor other than the built-in CPU one (e.g. the GPU's), which allocates its own
+    /// storage for it.
+    pub fn plan(
+        &self,
+        mode: Mode,
+        batch: usize,
+        height: usize,
+        width: usize,
+    ) -> Result<Plan, ModelError> {
+        if batch == 0 {
+            return Err(ModelError::EmptyBatch);
+        }
+        Plan::new(
+            &self.network,
+            mode,
+            batch,
+            height,
+            width,
+            self.spec.img_channels(),
+        )
+    }
+
+    /// The network up to the logits on `exec`, whose images are already in `plan`'s image
+    /// slot: training mode (batch statistics, summed by `bn_sync`) or evaluation mode, as
+    /// the plan says. The same walk [`Model::forward_train`] and [`Model::forward_eval`] run
+    /// on the CPU; `exec` holds the flat buffers it reads and writes.
+    pub fn forward_on<E: Executor>(
+        &self,
+        exec: &mut E,
+        plan: &Plan,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+    ) -> Result<(), ModelError> {
+        forward(exec, &self.network, plan, bn_sync)
+    }
+
+    /// The backward of the last training forward on `exec` (after its
+    /// [`Executor::loss_forward`]): the same walk as [`Model::backward`], reporting each
+    /// final gradient range to `ready`.
+    pub fn backward_on<E: Executor>(
+        &self,
+        exec: &mut E,
+        plan: &Plan,
+        loss_scale: f32,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+        ready: &mut GradientsReady,
+    ) -> Result<(), ModelError> {
+        backward_pass(exec, &self.network, plan, loss_scale, bn_sync, ready)
+    }
+
     /// Takes (or builds) the workspace for this mode and batch shape; checks that `images`
     /// has the batch's length.
     fn take_workspace(

@@ -1,6 +1,7 @@
 //! `tandem bench`: benchmarks that print their figures one per line, so scripts can read them.
 
 mod allreduce;
+mod gpu_step;
 mod loader;
 mod step;
 

@@ -27,7 +27,7 @@ const BUCKET_BYTES: usize = 25_000_000;
 const FIRST_BUCKET_BYTES: usize = 1_000_000;
 
 /// Side of the square random images, as CIFAR-10.
-const IMAGE_SIZE: usize = 32;
+pub(super) const IMAGE_SIZE: usize = 32;
 
 /// The optimizers the benchmark can step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -66,15 +66,12 @@ pub struct StepArgs {
 
 /// Runs the benchmark.
 pub fn run(args: StepArgs) -> anyhow::Result<()> {
-    let device = crate::device::select(args.device, Announce::Stdout)?;
+    let device = crate::device::select_for(
+        args.device,
+        crate::device::Announce::Stdout,
+        crate::device::GpuUse::ExplicitOnly,
+    )?;
     let spec = args.model.to_spec()?;
-    let placement = find_placement(&PlacementFlags::default())?;
-    let local_world_size = placement.as_ref().map_or(1, |place| place.local_world_size);
-    let threads = args
-        .threads
-        .unwrap_or((available_cores() / local_world_size.max(1)).max(1));
-    anyhow::ensure!(threads > 0, "--threads must be at least 1");
-    tandem_engine::set_threads(threads);
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     let is_resnet18 = matches!(spec, ModelSpec::ResNet18 { .. });
     let batch = args.batch.unwrap_or(if is_resnet18 { 128 } else { 256 });
@@ -84,6 +81,21 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
     } else {
         OptimizerKind::Sgd
     });
+    let placement = find_placement(&PlacementFlags::default())?;
+    if let tandem_cuda::Device::Cuda { ordinal, .. } = device {
+        anyhow::ensure!(
+            placement.is_none(),
+            "--device {}: bench step runs on a GPU in one process only (no launch, WORLD_SIZE 1)",
+            args.device
+        );
+        return super::gpu_step::run(&spec, batch, args.steps, optimizer_kind, ordinal);
+    }
+    let local_world_size = placement.as_ref().map_or(1, |place| place.local_world_size);
+    let threads = args
+        .threads
+        .unwrap_or((available_cores() / local_world_size.max(1)).max(1));
+    anyhow::ensure!(threads > 0, "--threads must be at least 1");
+    tandem_engine::set_threads(threads);
 
     let mut model = Model::new(&spec)?;
     model.init_default(0);
@@ -153,22 +165,29 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
 
 fn build_optimizer(kind: OptimizerKind, len: usize) -> Box<dyn Optimizer> {
     match kind {
-        OptimizerKind::Adam => Box::new(Adam::new(len, AdamConfig::with_lr(0.01))),
-        OptimizerKind::Sgd => {
-            let config = SgdConfig {
-                lr: 1e-3,
-                momentum: 0.0,
-                dampening: 0.0,
-                nesterov: false,
-                weight_decay: 0.0,
-            };
-            Box::new(Sgd::new(len, config))
-        }
+        OptimizerKind::Adam => Box::new(Adam::new(len, adam_config())),
+        OptimizerKind::Sgd => Box::new(Sgd::new(len, sgd_config())),
+    }
+}
+
+/// Adam's settings in the benchmark (seed 000's).
+pub(super) fn adam_config() -> AdamConfig {
+    AdamConfig::with_lr(0.01)
+}
+
+/// SGD's settings in the benchmark (seed 004's).
+pub(super) fn sgd_config() -> SgdConfig {
+    SgdConfig {
+        lr: 1e-3,
+        momentum: 0.0,
+        dampening: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
     }
 }
 
 /// Uniform random NHWC images in [-1, 1) and random labels.
-fn random_batch(spec: &ModelSpec, batch: usize) -> (Vec<f32>, Vec<u32>) {
+pub(super) fn random_batch(spec: &ModelSpec, batch: usize) -> (Vec<f32>, Vec<u32>) {
     let mut rng = Rng::new(2024);
     let images = (0..batch * IMAGE_SIZE * IMAGE_SIZE * spec.img_channels())
         .map(|_| rng.uniform(-1.0, 1.0))

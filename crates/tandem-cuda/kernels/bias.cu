@@ -1,0 +1,25 @@
+// Per-channel biases over NHWC [rows, channels] tensors: a convolution's bias and the linear
+// layer's (its logits are [batch, classes]).
+//
+// The forward adds the bias after the product (cuDNN and cuBLAS compute the product alone).
+// The CPU engine may add it in a different place of its float sums, so outputs agree with the
+// CPU's to rounding, not bit for bit.
+//
+// The bias gradient is the column sum of the output gradient. It is taken by bn_stats_partial
+// and bn_stats_finish (batchnorm.cu) in their fixed order, in double, then added here:
+// grad_bias[c] += (float)totals[1 + c], totals as bn_stats_finish writes them.
+//
+// Launch: bias_add with one thread per element; add_channel_sums with one thread per channel.
+
+extern "C" __global__ void bias_add(float* x, const float* bias, long long n, int channels) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    x[i] = x[i] + bias[(int)(i % channels)];
+}
+
+extern "C" __global__ void add_channel_sums(const double* totals, int channels,
+                                            float* grad_bias) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    grad_bias[c] += (float)totals[1 + c];
+}

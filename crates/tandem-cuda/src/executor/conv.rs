@@ -1,0 +1,416 @@
+//! Convolutions through cuDNN: NHWC descriptors computed from the plan's [`Conv2dShape`], the
+//! algorithm of each direction chosen by measuring (`cudnnFind*`) on first use and cached per
+//! shape and settings, with a deterministic mode that admits only deterministic algorithms.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+
+use cudarc::cudnn::sys;
+use tandem_engine::shape::Conv2dShape;
+
+use super::cudnn::{ConvDescriptor, CudnnHandle, FilterDescriptor, TensorDescriptor};
+use super::error::{cudnn, int, GpuError};
+use super::Precision;
+
+/// `[n, c, h, w]` strides of an NHWC tensor with `channels x height x width` images: the
+/// element `(n, c, h, w)` is at `n * h * w * c + (h * width + w) * channels + c`, the CPU
+/// engine's layout.
+pub fn nhwc_strides(channels: usize, height: usize, width: usize) -> [usize; 4] {
+    [height * width * channels, 1, width * channels, channels]
+}
+
+/// The cuDNN dimensions of one convolution, all as `int`s.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConvGeometry {
+    /// Input `[n, c, h, w]`.
+    pub input: [c_int; 4],
+    /// Input strides (NHWC).
+    pub input_strides: [c_int; 4],
+    /// Output `[n, k, p, q]`.
+    pub output: [c_int; 4],
+    /// Output strides (NHWC).
+    pub output_strides: [c_int; 4],
+    /// Filter `[k, c, r, s]`, stored KRSC (the engine's OHWI), cuDNN's NHWC filter format.
+    pub filter: [c_int; 4],
+    /// Padding, stride and dilation on both axes.
+    pub padding: c_int,
+    /// Stride on both axes.
+    pub stride: c_int,
+}
+
+impl ConvGeometry {
+    /// The geometry of `shape`; an error when a size does not fit an `int`.
+    pub fn new(shape: &Conv2dShape) -> Result<Self, GpuError> {
+        let (out_height, out_width) = (shape.out_height(), shape.out_width());
+        let ints = |what, values: [usize; 4]| -> Result<[c_int; 4], GpuError> {
+            Ok([
+                int(what, values[0])?,
+                int(what, values[1])?,
+                int(what, values[2])?,
+                int(what, values[3])?,
+            ])
+        };
+        int("input elements", shape.input_len())?;
+        int("output elements", shape.output_len())?;
+        Ok(ConvGeometry {
+            input: ints(
+                "input size",
+                [
+                    shape.batch,
+                    shape.in_channels,
+                    shape.in_height,
+                    shape.in_width,
+                ],
+            )?,
+            input_strides: ints(
+                "input stride",
+                nhwc_strides(shape.in_channels, shape.in_height, shape.in_width),
+            )?,
+            output: ints(
+                "output size",
+                [shape.batch, shape.out_channels, out_height, out_width],
+            )?,
+            output_strides: ints(
+                "output stride",
+                nhwc_strides(shape.out_channels, out_height, out_width),
+            )?,
+            filter: ints(
+                "filter size",
+                [
+                    shape.out_channels,
+                    shape.in_channels,
+                    shape.kernel,
+                    shape.kernel,
+                ],
+            )?,
+            padding: int("padding", shape.padding)?,
+            stride: int("stride", shape.stride)?,
+        })
+    }
+}
+
+/// What an algorithm is chosen for: a convolution's shape and the settings that change which
+/// algorithms are admitted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConvKey {
+    /// `[batch, in_height, in_width, in_channels, out_channels, kernel, stride, padding]`.
+    pub shape: [usize; 8],
+    /// The math the convolution may use.
+    pub precision: Precision,
+    /// Whether only deterministic algorithms are admitted.
+    pub deterministic: bool,
+}
+
+impl ConvKey {
+    /// The key of `shape` under the settings.
+    pub fn new(shape: &Conv2dShape, precision: Precision, deterministic: bool) -> Self {
+        ConvKey {
+            shape: [
+                shape.batch,
+                shape.in_height,
+                shape.in_width,
+                shape.in_channels,
+                shape.out_channels,
+                shape.kernel,
+                shape.stride,
+                shape.padding,
+            ],
+            precision,
+            deterministic,
+        }
+    }
+}
+
+/// One measured algorithm, as `cudnnFind*` reports it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate<A> {
+    /// The algorithm.
+    pub algo: A,
+    /// Whether it ran (`CUDNN_STATUS_SUCCESS`).
+    pub ran: bool,
+    /// Its measured time, in milliseconds.
+    pub time_ms: f32,
+    /// Its workspace, in bytes.
+    pub memory: usize,
+    /// Whether cuDNN declares it deterministic.
+    pub deterministic: bool,
+    /// The math it used.
+    pub math: sys::cudnnMathType_t,
+}
+
+/// Whether `precision` admits math `math`: fp32 only plain FMA; tf32 also tensor cores
+/// (TF32), never conversion to half precision.
+pub fn math_allowed(precision: Precision, math: sys::cudnnMathType_t) -> bool {
+    use sys::cudnnMathType_t::*;
+    match precision {
+        Precision::Fp32 => math == CUDNN_FMA_MATH,
+        Precision::Tf32 => matches!(
+            math,
+            CUDNN_FMA_MATH | CUDNN_DEFAULT_MATH | CUDNN_TENSOR_OP_MATH
+        ),
+    }
+}
+
+/// The math type a convolution descriptor is set to before measuring under `precision`.
+pub fn descriptor_math(precision: Precision) -> sys::cudnnMathType_t {
+    match precision {
+        Precision::Fp32 => sys::cudnnMathType_t::CUDNN_FMA_MATH,
+        Precision::Tf32 => sys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+    }
+}
+
+/// The fastest admitted candidate: one that ran, with admitted math, deterministic when
+/// `deterministic`, and needing at most `workspace_limit` bytes; ties go to the earlier one
+/// (cuDNN lists them fastest first). Otherwise why every one was refused.
+pub fn choose<A: Copy>(
+    candidates: &[Candidate<A>],
+    precision: Precision,
+    deterministic: bool,
+    workspace_limit: usize,
+) -> Result<Candidate<A>, String> {
+    let mut best: Option<Candidate<A>> = None;
+    let mut refused = Vec::new();
+    for candidate in candidates {
+        let reason = if !candidate.ran {
+            Some("did not run")
+        } else if !math_allowed(precision, candidate.math) {
+            Some("math not allowed")
+        } else if deterministic && !candidate.deterministic {
+            Some("not deterministic")
+        } else if candidate.memory > workspace_limit {
+            Some("workspace too large")
+        } else {
+            None
+        };
+        match reason {
+            Some(reason) => refused.push(reason),
+            None if best.is_none_or(|best| candidate.time_ms < best.time_ms) => {
+                best = Some(*candidate)
+            }
+            None => {}
+        }
+    }
+    best.ok_or_else(|| {
+        if refused.is_empty() {
+            "cuDNN returned no candidates".to_string()
+        } else {
+            format!("candidates refused: {}", refused.join(", "))
+        }
+    })
+}
+
+/// A convolution's descriptors and its chosen algorithms.
+pub struct ConvPlan {
+    input: TensorDescriptor,
+    output: TensorDescriptor,
+    filter: FilterDescriptor,
+    conv: ConvDescriptor,
+    forward: Candidate<sys::cudnnConvolutionFwdAlgo_t>,
+    backward_data: Candidate<sys::cudnnConvolutionBwdDataAlgo_t>,
+    backward_filter: Candidate<sys::cudnnConvolutionBwdFilterAlgo_t>,
+}
+
+/// The most workspace an algorithm may ask for (bytes).
+pub const WORKSPACE_LIMIT: usize = 1 << 30;
+
+/// Device pointers of one convolution call.
+pub struct ConvBuffers {
+    /// The input (`x`), or its gradient for the data backward.
+    pub input: u64,
+    /// The filter, or its gradient for the filter backward.
+    pub filter: u64,
+    /// The output (`y`), or its gradient for the backward passes.
+    pub output: u64,
+    /// The workspace and its size in bytes.
+    pub workspace: (u64, usize),
+}
+
+impl ConvPlan {
+    /// Builds the descriptors of `shape` and measures every algorithm of the three directions.
+    pub fn measure(
+        handle: &CudnnHandle,
+        shape: &Conv2dShape,
+        precision: Precision,
+        deterministic: bool,
+    ) -> Result<Self, GpuError> {
+        let geometry = ConvGeometry::new(shape)?;
+        let input = TensorDescriptor::new(geometry.input, geometry.input_strides)?;
+        let output = TensorDescriptor::new(geometry.output, geometry.output_strides)?;
+        let filter = FilterDescriptor::new(geometry.filter)?;
+        let conv = ConvDescriptor::new(geometry.padding, geometry.stride)?;
+        conv.set_math(descriptor_math(precision))?;
+        let refused = |direction, reason| GpuError::NoAlgorithm {
+            direction,
+            shape: format!("{shape:?}"),
+            reason,
+        };
+        let forward = choose(
+            &handle.find_forward(&input, &filter, &conv, &output)?,
+            precision,
+            deterministic,
+            WORKSPACE_LIMIT,
+        )
+        .map_err(|reason| refused("forward", reason))?;
+        let backward_data = choose(
+            &handle.find_backward_data(&filter, &output, &conv, &input)?,
+            precision,
+            deterministic,
+            WORKSPACE_LIMIT,
+        )
+        .map_err(|reason| refused("backward data", reason))?;
+        let backward_filter = choose(
+            &handle.find_backward_filter(&input, &output, &conv, &filter)?,
+            precision,
+            deterministic,
+            WORKSPACE_LIMIT,
+        )
+        .map_err(|reason| refused("backward filter", reason))?;
+        Ok(ConvPlan {
+            input,
+            output,
+            filter,
+            conv,
+            forward,
+            backward_data,
+            backward_filter,
+        })
+    }
+
+    /// The largest workspace of the chosen algorithms, in bytes.
+    pub fn workspace_bytes(&self) -> usize {
+        self.forward
+            .memory
+            .max(self.backward_data.memory)
+            .max(self.backward_filter.memory)
+    }
+
+    /// `output = conv(input, filter)`.
+    pub fn forward(&self, handle: &CudnnHandle, buffers: &ConvBuffers) -> Result<(), GpuError> {
+        self.conv.set_math(self.forward.math)?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the descriptors describe this plan's shape, for which the caller's buffers
+        // were allocated (input, filter and output of that shape, the workspace at least as
+        // large as `workspace_bytes`), all on the handle's stream.
+        unsafe {
+            sys::cudnnConvolutionForward(
+                handle.raw(),
+                scalar(&alpha),
+                self.input.raw(),
+                buffers.input as *const c_void,
+                self.filter.raw(),
+                buffers.filter as *const c_void,
+                self.conv.raw(),
+                self.forward.algo,
+                buffers.workspace.0 as *mut c_void,
+                buffers.workspace.1,
+                scalar(&beta),
+                self.output.raw(),
+                buffers.output as *mut c_void,
+            )
+        }
+        .result()
+        .map_err(cudnn("cudnnConvolutionForward"))
+    }
+
+    /// `input (+)= conv_transpose(output gradient, filter)`: overwritten, or added to when
+    /// `accumulate`.
+    pub fn backward_data(
+        &self,
+        handle: &CudnnHandle,
+        buffers: &ConvBuffers,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        self.conv.set_math(self.backward_data.math)?;
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        // SAFETY: as in `forward`; `input` is the input gradient buffer of this shape.
+        unsafe {
+            sys::cudnnConvolutionBackwardData(
+                handle.raw(),
+                scalar(&alpha),
+                self.filter.raw(),
+                buffers.filter as *const c_void,
+                self.output.raw(),
+                buffers.output as *const c_void,
+                self.conv.raw(),
+                self.backward_data.algo,
+                buffers.workspace.0 as *mut c_void,
+                buffers.workspace.1,
+                scalar(&beta),
+                self.input.raw(),
+                buffers.input as *mut c_void,
+            )
+        }
+        .result()
+        .map_err(cudnn("cudnnConvolutionBackwardData"))
+    }
+
+    /// `filter gradient += correlation(input, output gradient)`.
+    pub fn backward_filter(
+        &self,
+        handle: &CudnnHandle,
+        buffers: &ConvBuffers,
+    ) -> Result<(), GpuError> {
+        self.conv.set_math(self.backward_filter.math)?;
+        let (alpha, beta) = (1.0f32, 1.0f32);
+        // SAFETY: as in `forward`; `filter` is the filter gradient range of this layer.
+        unsafe {
+            sys::cudnnConvolutionBackwardFilter(
+                handle.raw(),
+                scalar(&alpha),
+                self.input.raw(),
+                buffers.input as *const c_void,
+                self.output.raw(),
+                buffers.output as *const c_void,
+                self.conv.raw(),
+                self.backward_filter.algo,
+                buffers.workspace.0 as *mut c_void,
+                buffers.workspace.1,
+                scalar(&beta),
+                self.filter.raw(),
+                buffers.filter as *mut c_void,
+            )
+        }
+        .result()
+        .map_err(cudnn("cudnnConvolutionBackwardFilter"))
+    }
+}
+
+/// A host scalar (alpha, beta) as cuDNN takes it.
+fn scalar(value: &f32) -> *const c_void {
+    (value as *const f32).cast()
+}
+
+/// The measured plans of every convolution shape seen, by [`ConvKey`].
+#[derive(Default)]
+pub struct AlgorithmCache {
+    plans: HashMap<ConvKey, ConvPlan>,
+}
+
+impl AlgorithmCache {
+    /// The plan of `shape`, measured on first use.
+    pub fn get_or_measure(
+        &mut self,
+        handle: &CudnnHandle,
+        shape: &Conv2dShape,
+        precision: Precision,
+        deterministic: bool,
+    ) -> Result<&ConvPlan, GpuError> {
+        let key = ConvKey::new(shape, precision, deterministic);
+        match self.plans.entry(key) {
+            std::collections::hash_map::Entry::Occupied(entry) => Ok(entry.into_mut()),
+            std::collections::hash_map::Entry::Vacant(entry) => {
+                Ok(entry.insert(ConvPlan::measure(handle, shape, precision, deterministic)?))
+            }
+        }
+    }
+
+    /// Shapes measured so far.
+    pub fn len(&self) -> usize {
+        self.plans.len()
+    }
+
+    /// Whether nothing was measured yet.
+    pub fn is_empty(&self) -> bool {
+        self.plans.is_empty()
+    }
+}

@@ -1,0 +1,123 @@
+//! The GPU executor's errors: each names the CUDA, cuDNN or cuBLAS call and its status.
+
+use cudarc::cublas::result::CublasError;
+use cudarc::cudnn::result::CudnnError;
+use cudarc::driver::DriverError;
+
+use crate::compile::CompileError;
+use crate::probe::MissingLibrary;
+
+/// What can go wrong running a step on the GPU.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// A library the executor needs was not found by the probe.
+    #[error(transparent)]
+    MissingLibrary(#[from] MissingLibrary),
+    /// A kernel file did not compile.
+    #[error(transparent)]
+    Compile(#[from] CompileError),
+    /// A CUDA driver call failed.
+    #[error("CUDA driver: {call} failed: {status:?}")]
+    Driver {
+        /// The driver function or cudarc method.
+        call: &'static str,
+        /// The driver's status.
+        status: DriverError,
+    },
+    /// A kernel of ours was not found in its loaded module, or its launch failed.
+    #[error("kernel {kernel}: {call} failed: {status:?}")]
+    Kernel {
+        /// The kernel's name.
+        kernel: &'static str,
+        /// What failed (loading or launching).
+        call: &'static str,
+        /// The driver's status.
+        status: DriverError,
+    },
+    /// A cuDNN call failed.
+    #[error("cuDNN: {call} failed: {status:?}")]
+    Cudnn {
+        /// The cuDNN function.
+        call: &'static str,
+        /// cuDNN's status.
+        status: CudnnError,
+    },
+    /// cuDNN offered no algorithm for a convolution under the settings.
+    #[error("cuDNN: no {direction} algorithm for convolution {shape} ({reason})")]
+    NoAlgorithm {
+        /// forward, backward data or backward filter.
+        direction: &'static str,
+        /// The convolution's shape, in words.
+        shape: String,
+        /// Why every candidate was refused.
+        reason: String,
+    },
+    /// A cuBLAS call failed.
+    #[error("cuBLAS: {call} failed: {status:?}")]
+    Cublas {
+        /// The cuBLAS function.
+        call: &'static str,
+        /// cuBLAS's status.
+        status: CublasError,
+    },
+    /// A size does not fit the `int` of a CUDA library call.
+    #[error("{what} = {value} does not fit a 32-bit int of cuDNN/cuBLAS")]
+    TooLarge {
+        /// The size's meaning.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+    },
+    /// A host slice has a different length than the device buffer it is copied to or from.
+    #[error("{what} has {found} values, the device buffer holds {expected}")]
+    Length {
+        /// Which values, e.g. `images`.
+        what: &'static str,
+        /// The host slice's length.
+        found: usize,
+        /// The length the device buffer (or the plan) has.
+        expected: usize,
+    },
+    /// A setting the GPU executor does not support yet.
+    #[error("the GPU executor does not support {0} yet")]
+    Unsupported(&'static str),
+    /// A step method was called before [`super::CudaExecutor::prepare`] for its plan.
+    #[error("the GPU executor has no storage for this plan (call prepare first)")]
+    NotPrepared,
+    /// SyncBatchNorm's reducer failed.
+    #[error("SyncBatchNorm all-reduce failed: {0}")]
+    BatchNormSync(String),
+}
+
+/// Maps a driver error to [`GpuError::Driver`] naming `call`.
+pub fn driver(call: &'static str) -> impl Fn(DriverError) -> GpuError {
+    move |status| GpuError::Driver { call, status }
+}
+
+/// Maps a cuDNN error to [`GpuError::Cudnn`] naming `call`.
+pub fn cudnn(call: &'static str) -> impl Fn(CudnnError) -> GpuError {
+    move |status| GpuError::Cudnn { call, status }
+}
+
+/// Maps a cuBLAS error to [`GpuError::Cublas`] naming `call`.
+pub fn cublas(call: &'static str) -> impl Fn(CublasError) -> GpuError {
+    move |status| GpuError::Cublas { call, status }
+}
+
+/// `value` as the `int` of a library call, or [`GpuError::TooLarge`].
+pub fn int(what: &'static str, value: usize) -> Result<i32, GpuError> {
+    i32::try_from(value).map_err(|_| GpuError::TooLarge { what, value })
+}
+
+/// `Ok` when `found == expected`, else [`GpuError::Length`].
+pub fn same_length(what: &'static str, found: usize, expected: usize) -> Result<(), GpuError> {
+    if found == expected {
+        Ok(())
+    } else {
+        Err(GpuError::Length {
+            what,
+            found,
+            expected,
+        })
+    }
+}

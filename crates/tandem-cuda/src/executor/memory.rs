@@ -1,0 +1,276 @@
+//! How a [`Plan`] maps onto device allocations: plain sizes computed on the host (tested
+//! without a GPU), then one allocation per slot and buffer ([`DeviceStorage`]).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use tandem_models::workspace::{Mode, Plan};
+
+use super::error::{driver, GpuError};
+
+/// Rows a block of the two-pass column sums (`bn_stats_partial`, `bn_backward_partial`)
+/// adds; fixed, so that the order of every sum depends only on the shape.
+pub const ROWS_PER_BLOCK: usize = 256;
+
+/// Row blocks of a column sum over `rows` rows.
+pub fn row_blocks(rows: usize) -> usize {
+    rows.div_ceil(ROWS_PER_BLOCK).max(1)
+}
+
+/// Where each unit's batch-norm state (mean, 1/std, scale, shift; `channels` floats each)
+/// lies in one flat device buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchNormStateLayout {
+    /// Per unit (by `UnitPlan::index`): the offset of its mean and its channels.
+    units: Vec<(usize, usize)>,
+    /// Floats in all.
+    pub len: usize,
+}
+
+/// One of the four per-channel vectors of a unit's batch-norm state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatePart {
+    /// The batch mean (training).
+    Mean = 0,
+    /// 1 / sqrt(variance + eps).
+    InvStd = 1,
+    /// weight * invstd.
+    Scale = 2,
+    /// bias - mean * scale.
+    Shift = 3,
+}
+
+impl BatchNormStateLayout {
+    /// The layout of every unit of `plan`.
+    pub fn new(plan: &Plan) -> Self {
+        let mut units = vec![(0, 0); plan.units];
+        let mut len = 0;
+        for unit in plan.unit_plans() {
+            let channels = unit.shape.out_channels;
+            units[unit.index] = (len, channels);
+            len += 4 * channels;
+        }
+        BatchNormStateLayout { units, len }
+    }
+
+    /// The offset of `part` of unit `index` in the flat state buffer.
+    pub fn offset(&self, index: usize, part: StatePart) -> usize {
+        let (start, channels) = self.units[index];
+        start + part as usize * channels
+    }
+}
+
+/// The sizes of every device allocation of a plan, in elements.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StorageSizes {
+    /// Each activation slot (the plan's own sizes).
+    pub slots: Vec<usize>,
+    /// Each of the four gradient buffers, and the batch norm's input gradient (`dz`).
+    pub grad_len: usize,
+    /// Pooled features `[batch, channels]`.
+    pub pooled: usize,
+    /// Logits `[batch, classes]`, and (training) probabilities and their gradient.
+    pub logits: usize,
+    /// Training only: the pooled features' gradient.
+    pub grad_pooled: usize,
+    /// Per-unit batch-norm state.
+    pub bn_state: BatchNormStateLayout,
+    /// The largest partial sums of a column sum: `row_blocks * 2 * channels` doubles.
+    pub partials: usize,
+    /// The largest totals: `1 + 2 * channels` doubles.
+    pub totals: usize,
+    /// The largest backward coefficients: `3 * channels` floats.
+    pub coefficients: usize,
+}
+
+impl StorageSizes {
+    /// The sizes `plan` needs.
+    pub fn new(plan: &Plan) -> Self {
+        let train = plan.mode == Mode::Train;
+        let mut partials = row_blocks(plan.batch) * 2 * plan.classes;
+        let mut channels = plan.classes;
+        for unit in plan.unit_plans() {
+            let rows = unit.shape.output_len() / unit.shape.out_channels.max(1);
+            partials = partials.max(row_blocks(rows) * 2 * unit.shape.out_channels);
+            channels = channels.max(unit.shape.out_channels);
+        }
+        StorageSizes {
+            slots: plan.slot_lens.clone(),
+            grad_len: plan.grad_len,
+            pooled: plan.batch * plan.final_channels,
+            logits: plan.batch * plan.classes,
+            grad_pooled: if train {
+                plan.batch * plan.final_channels
+            } else {
+                0
+            },
+            bn_state: BatchNormStateLayout::new(plan),
+            partials,
+            totals: 1 + 2 * channels,
+            coefficients: 3 * channels,
+        }
+    }
+
+    /// Bytes of device memory in all.
+    pub fn bytes(&self) -> usize {
+        let floats = self.slots.iter().sum::<usize>()
+            + 5 * self.grad_len
+            + self.pooled
+            + 3 * self.logits
+            + self.grad_pooled
+            + self.bn_state.len
+            + self.coefficients;
+        let doubles = self.partials + self.totals + self.logits;
+        floats * 4 + doubles * 8
+    }
+}
+
+/// The device allocations of one plan (see [`StorageSizes`]).
+pub struct DeviceStorage {
+    /// The sizes they were made with.
+    pub sizes: StorageSizes,
+    /// The plan's image slot.
+    pub images: usize,
+    /// The mode and batch shape `(mode, batch, height, width)` of the plan.
+    pub shape: (Mode, usize, usize, usize),
+    /// Activation slots.
+    pub slots: Vec<CudaSlice<f32>>,
+    /// The four gradient buffers of the backward.
+    pub grads: [CudaSlice<f32>; 4],
+    /// The batch norm's input gradient, the convolution's output gradient in a unit's backward.
+    pub dz: CudaSlice<f32>,
+    /// Pooled features.
+    pub pooled: CudaSlice<f32>,
+    /// Logits.
+    pub logits: CudaSlice<f32>,
+    /// Softmax of the logits (training).
+    pub probabilities: CudaSlice<f32>,
+    /// Gradient of the logits.
+    pub grad_logits: CudaSlice<f32>,
+    /// Gradient of the pooled features.
+    pub grad_pooled: CudaSlice<f32>,
+    /// Labels of the batch.
+    pub labels: CudaSlice<u32>,
+    /// Per-sample losses.
+    pub sample_loss: CudaSlice<f64>,
+    /// The mean loss.
+    pub loss: CudaSlice<f32>,
+    /// The first sample with a label out of range (`i32::MAX`: none).
+    pub bad_sample: CudaSlice<i32>,
+    /// Per-unit batch-norm state.
+    pub bn_state: CudaSlice<f32>,
+    /// Partial column sums.
+    pub partials: CudaSlice<f64>,
+    /// Column totals.
+    pub totals: CudaSlice<f64>,
+    /// Backward coefficients of a batch norm.
+    pub coefficients: CudaSlice<f32>,
+    /// Per unit: the count of values its batch statistics were taken over (all processes).
+    pub counts: Vec<f64>,
+    /// Host copy of the totals, for SyncBatchNorm's reducer.
+    pub host_totals: Vec<f64>,
+}
+
+/// `len` zeros on the device (at least one element: the driver refuses empty allocations).
+fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    len: usize,
+) -> Result<CudaSlice<T>, GpuError> {
+    stream
+        .alloc_zeros::<T>(len.max(1))
+        .map_err(driver("cuMemAllocAsync"))
+}
+
+impl DeviceStorage {
+    /// Allocates the storage of `plan` on `stream`'s device, zeroed.
+    pub fn new(stream: &Arc<CudaStream>, plan: &Plan) -> Result<Self, GpuError> {
+        let sizes = StorageSizes::new(plan);
+        let slots = sizes
+            .slots
+            .iter()
+            .map(|&len| zeros(stream, len))
+            .collect::<Result<Vec<_>, _>>()?;
+        let grads = [
+            zeros(stream, sizes.grad_len)?,
+            zeros(stream, sizes.grad_len)?,
+            zeros(stream, sizes.grad_len)?,
+            zeros(stream, sizes.grad_len)?,
+        ];
+        Ok(DeviceStorage {
+            slots,
+            grads,
+            dz: zeros(stream, sizes.grad_len)?,
+            pooled: zeros(stream, sizes.pooled)?,
+            logits: zeros(stream, sizes.logits)?,
+            probabilities: zeros(stream, sizes.logits)?,
+            grad_logits: zeros(stream, sizes.logits)?,
+            grad_pooled: zeros(stream, sizes.grad_pooled)?,
+            labels: zeros(stream, plan.batch)?,
+            sample_loss: zeros(stream, plan.batch)?,
+            loss: zeros(stream, 1)?,
+            bad_sample: zeros(stream, 1)?,
+            bn_state: zeros(stream, sizes.bn_state.len)?,
+            partials: zeros(stream, sizes.partials)?,
+            totals: zeros(stream, sizes.totals)?,
+            coefficients: zeros(stream, sizes.coefficients)?,
+            counts: vec![0.0; plan.units],
+            host_totals: Vec::with_capacity(sizes.totals),
+            images: plan.images,
+            shape: (plan.mode, plan.batch, plan.height, plan.width),
+            sizes,
+        })
+    }
+}
+
+/// The storage of the last training plan and of the last evaluation plan (as the CPU model
+/// keeps one workspace of each), and which one the step in progress uses.
+pub struct PlanStorages {
+    train: Option<DeviceStorage>,
+    eval: Option<DeviceStorage>,
+    active: Mode,
+}
+
+impl Default for PlanStorages {
+    fn default() -> Self {
+        PlanStorages {
+            train: None,
+            eval: None,
+            active: Mode::Train,
+        }
+    }
+}
+
+impl PlanStorages {
+    /// Makes `plan`'s storage the active one, allocating it unless the kept storage of its
+    /// mode has its batch shape.
+    pub fn activate(&mut self, stream: &Arc<CudaStream>, plan: &Plan) -> Result<(), GpuError> {
+        let kept = match plan.mode {
+            Mode::Train => &mut self.train,
+            Mode::Eval => &mut self.eval,
+        };
+        let shape = (plan.mode, plan.batch, plan.height, plan.width);
+        if kept.as_ref().map(|storage| storage.shape) != Some(shape) {
+            // The old storage is freed before the new one is allocated.
+            *kept = None;
+            *kept = Some(DeviceStorage::new(stream, plan)?);
+        }
+        self.active = plan.mode;
+        Ok(())
+    }
+
+    /// The active storage, if it was allocated.
+    pub fn active(&self) -> Option<&DeviceStorage> {
+        match self.active {
+            Mode::Train => self.train.as_ref(),
+            Mode::Eval => self.eval.as_ref(),
+        }
+    }
+
+    /// The active storage, mutably.
+    pub fn active_mut(&mut self) -> Option<&mut DeviceStorage> {
+        match self.active {
+            Mode::Train => self.train.as_mut(),
+            Mode::Eval => self.eval.as_mut(),
+        }
+    }
+}

@@ -1,0 +1,492 @@
+//! The GPU executor: [`CudaExecutor`] runs a [`Plan`] of the shared network description on
+//! one GPU through the [`Executor`] interface of `tandem-models`: convolutions through cuDNN
+//! ([`conv`]), the linear layer through cuBLAS ([`linear`]), and our NVRTC-compiled kernels
+//! for batch norm, the fused epilogue, pooling, the loss, biases and the optimizers.
+//!
+//! The flat parameter, gradient and running-statistic buffers live on the GPU; the host sees
+//! them through [`CudaExecutor::params_to_host`] and the like, and the backward copies each
+//! finished gradient range to a host mirror before reporting it (the interface's gradient-ready
+//! hook hands out host values).
+//!
+//! The interface's methods that cannot return an error (CUDA reports most errors at a later
+//! call anyway) keep the first error; every later call does nothing, and the next method that
+//! returns a `Result` (and [`CudaExecutor::take_error`]) returns it.
+//!
+//! **Unverified on a GPU:** this compiles and its host-side pieces are tested, but it has not
+//! run on a GPU (see the crate's README).
+
+pub mod conv;
+pub mod cudnn;
+pub mod error;
+pub mod launch;
+pub mod linear;
+pub mod memory;
+mod step;
+mod units;
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use tandem_engine::{AdamConfig, BatchNormReducer, SgdConfig};
+use tandem_models::executor::{Executor, GradientsReady};
+use tandem_models::workspace::Plan;
+use tandem_models::{LossOptions, Model, ModelError};
+
+use crate::arch::GpuArch;
+use crate::compile::Compiler;
+use crate::probe::{Library, Probe};
+use crate::ptx_cache::PtxCache;
+use conv::AlgorithmCache;
+use cudnn::CudnnHandle;
+pub use error::GpuError;
+use error::{driver, same_length};
+use launch::{per_element, Arg, Kernels};
+use memory::PlanStorages;
+
+/// The math of convolutions and the linear layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Strict float32 (the parity tests).
+    Fp32,
+    /// TF32 tensor cores for convolutions and matmuls (PyTorch's default on GPUs).
+    Tf32,
+}
+
+/// The executor's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuSettings {
+    /// The GPU's ordinal among the visible ones.
+    pub ordinal: usize,
+    /// Math of convolutions and matmuls.
+    pub precision: Precision,
+    /// Admit only deterministic cuDNN algorithms.
+    pub deterministic: bool,
+}
+
+/// The optimizer state on the device, made at the first step.
+enum OptimizerState {
+    None,
+    Sgd {
+        momentum: CudaSlice<f32>,
+        steps: u64,
+    },
+    Adam {
+        exp_avg: CudaSlice<f32>,
+        exp_avg_sq: CudaSlice<f32>,
+        steps: u64,
+    },
+}
+
+/// A model's flat buffers and one plan's storage on one GPU.
+pub struct CudaExecutor {
+    // Handles first: they are dropped before the stream and context they use.
+    cudnn: CudnnHandle,
+    blas: CudaBlas,
+    kernels: Kernels,
+    algorithms: AlgorithmCache,
+    settings: GpuSettings,
+    params: CudaSlice<f32>,
+    grads: CudaSlice<f32>,
+    buffers: CudaSlice<f32>,
+    optimizer: OptimizerState,
+    workspace: CudaSlice<u8>,
+    storages: PlanStorages,
+    /// Values in the flat running-statistic buffer (its device allocation holds at least one).
+    buffer_len: usize,
+    /// Host copy of the gradients, filled up to `grads_on_host` in a backward.
+    host_grads: Vec<f32>,
+    grads_on_host: usize,
+    /// The label smoothing of the last loss.
+    label_smoothing: f32,
+    /// The first error of a method that cannot return one.
+    error: RefCell<Option<GpuError>>,
+    stream: Arc<CudaStream>,
+    context: Arc<CudaContext>,
+}
+
+impl CudaExecutor {
+    /// Opens GPU `settings.ordinal`, compiles our kernels (with the PTX cache in `cache`) and
+    /// copies `params` and `buffers` (a model's flat buffers) to it. Every library it calls
+    /// must have been found by `probe`: a missing one is an error naming it, never a panic.
+    pub fn new(
+        probe: &Probe,
+        settings: GpuSettings,
+        cache: Option<PtxCache>,
+        params: &[f32],
+        buffers: &[f32],
+    ) -> Result<Self, GpuError> {
+        for library in [
+            Library::Driver,
+            Library::Nvrtc,
+            Library::Cublas,
+            Library::Cudnn,
+        ] {
+            probe.require(library)?;
+        }
+        let context = CudaContext::new(settings.ordinal).map_err(driver("CudaContext::new"))?;
+        let (major, minor) = context
+            .compute_capability()
+            .map_err(driver("cuDeviceGetAttribute(compute capability)"))?;
+        let arch = GpuArch {
+            major: major as u32,
+            minor: minor as u32,
+        };
+        let compiler = Compiler::new(probe, arch, cache)?;
+        let kernels = Kernels::load(&context, &compiler)?;
+        let stream = context.default_stream();
+        let cudnn = CudnnHandle::new(&stream)?;
+        let blas = CudaBlas::new(stream.clone()).map_err(error::cublas("cublasCreate_v2"))?;
+        linear::set_math_mode(&blas, settings.precision)?;
+        let upload = |values: &[f32]| -> Result<CudaSlice<f32>, GpuError> {
+            if values.is_empty() {
+                stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))
+            } else {
+                stream
+                    .clone_htod(values)
+                    .map_err(driver("cuMemcpyHtoDAsync"))
+            }
+        };
+        Ok(CudaExecutor {
+            cudnn,
+            blas,
+            kernels,
+            algorithms: AlgorithmCache::default(),
+            settings,
+            params: upload(params)?,
+            grads: upload(&vec![0.0; params.len()])?,
+            buffers: upload(buffers)?,
+            optimizer: OptimizerState::None,
+            buffer_len: buffers.len(),
+            workspace: stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?,
+            storages: PlanStorages::default(),
+            host_grads: vec![0.0; params.len()],
+            grads_on_host: 0,
+            label_smoothing: 0.0,
+            error: RefCell::new(None),
+            stream,
+            context,
+        })
+    }
+
+    /// Makes the GPU current on this thread, allocates the storage of `plan` (one training
+    /// and one evaluation storage are kept, each while its batch shape stays) and measures the algorithms of its convolutions.
+    pub fn prepare(&mut self, plan: &Plan) -> Result<(), GpuError> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        self.storages.activate(&self.stream, plan)?;
+        let mut workspace = 0;
+        for unit in plan.unit_plans() {
+            let measured = self.algorithms.get_or_measure(
+                &self.cudnn,
+                &unit.shape,
+                self.settings.precision,
+                self.settings.deterministic,
+            )?;
+            workspace = workspace.max(measured.workspace_bytes());
+        }
+        if workspace > self.workspace.len() {
+            self.workspace = self
+                .stream
+                .alloc_zeros(workspace)
+                .map_err(driver("cuMemAllocAsync"))?;
+        }
+        Ok(())
+    }
+
+    /// Returns (and clears) the first error kept by a method that could not return it.
+    pub fn take_error(&self) -> Result<(), GpuError> {
+        match self.error.borrow_mut().take() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
+    }
+
+    /// A training forward of `images` (NHWC) and `labels` with `model`'s walk: returns the
+    /// mean loss; the running statistics on the device are updated (the caller counts the
+    /// step in `num_batches_tracked`, which lives in the model). `model` supplies only the
+    /// network description; its host buffers are not read.
+    pub fn forward_train(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        images: &[f32],
+        labels: &[u32],
+        loss: &LossOptions,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+    ) -> Result<f32, ModelError> {
+        check_batch(plan, images, Some(labels)).map_err(device)?;
+        self.prepare(plan).map_err(device)?;
+        self.images_from_host(images);
+        model.forward_on(self, plan, bn_sync)?;
+        let value = self.loss_forward(labels, loss.label_smoothing)?;
+        self.take_error().map_err(device)?;
+        Ok(value)
+    }
+
+    /// An evaluation forward of `images`; the logits go to `logits`.
+    pub fn forward_eval(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        images: &[f32],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        check_batch(plan, images, None).map_err(device)?;
+        self.prepare(plan).map_err(device)?;
+        self.images_from_host(images);
+        model.forward_on(self, plan, None)?;
+        self.logits_to_host(logits);
+        self.take_error().map_err(device)
+    }
+
+    /// The backward of the last [`CudaExecutor::forward_train`]: adds the gradients of
+    /// `loss_scale · loss` to the device gradients and reports each finished range (with
+    /// its host values) to `grad_ready`.
+    pub fn backward(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        loss_scale: f32,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+        grad_ready: &mut dyn FnMut(std::ops::Range<usize>, &[f32]),
+    ) -> Result<(), ModelError> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))
+            .map_err(device)?;
+        self.grads_on_host = 0;
+        let mut ready = GradientsReady::new(grad_ready);
+        model.backward_on(self, plan, loss_scale, bn_sync, &mut ready)?;
+        self.take_error().map_err(device)
+    }
+
+    /// Sets every device gradient to zero.
+    pub fn zero_grads(&mut self) -> Result<(), GpuError> {
+        self.stream
+            .memset_zeros(&mut self.grads)
+            .map_err(driver("cuMemsetD8Async"))
+    }
+
+    /// Copies the device parameters into `params`.
+    pub fn params_to_host(&self, params: &mut [f32]) -> Result<(), GpuError> {
+        copy_to_host("parameters", &self.stream, &self.params, params)
+    }
+
+    /// Copies the device gradients into `grads`.
+    pub fn grads_to_host(&self, grads: &mut [f32]) -> Result<(), GpuError> {
+        copy_to_host("gradients", &self.stream, &self.grads, grads)
+    }
+
+    /// Copies the device running statistics into `buffers`.
+    pub fn buffers_to_host(&self, buffers: &mut [f32]) -> Result<(), GpuError> {
+        copy_to_host("running statistics", &self.stream, &self.buffers, buffers)
+    }
+
+    /// Replaces the device parameters and running statistics (a checkpoint, a broadcast).
+    pub fn params_from_host(&mut self, params: &[f32], buffers: &[f32]) -> Result<(), GpuError> {
+        same_length("parameters", params.len(), self.host_grads.len())?;
+        same_length("running statistics", buffers.len(), self.buffer_len)?;
+        if !params.is_empty() {
+            self.stream
+                .memcpy_htod(params, &mut self.params.slice_mut(..params.len()))
+                .map_err(driver("cuMemcpyHtoDAsync"))?;
+        }
+        if !buffers.is_empty() {
+            self.stream
+                .memcpy_htod(buffers, &mut self.buffers.slice_mut(..buffers.len()))
+                .map_err(driver("cuMemcpyHtoDAsync"))?;
+        }
+        Ok(())
+    }
+
+    /// Replaces the device gradients (e.g. by gradients all-reduced on the host).
+    pub fn grads_from_host(&mut self, grads: &[f32]) -> Result<(), GpuError> {
+        same_length("gradients", grads.len(), self.host_grads.len())?;
+        if grads.is_empty() {
+            return Ok(());
+        }
+        self.stream
+            .memcpy_htod(grads, &mut self.grads.slice_mut(..grads.len()))
+            .map_err(driver("cuMemcpyHtoDAsync"))
+    }
+
+    /// One step of PyTorch's SGD over the flat device buffers (`sgd_step`, bit-identical to
+    /// the CPU's `Sgd` per element).
+    pub fn sgd_step(&mut self, config: &SgdConfig) -> Result<(), GpuError> {
+        let n = self.host_grads.len();
+        if !matches!(self.optimizer, OptimizerState::Sgd { .. }) {
+            let momentum = self
+                .stream
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(driver("cuMemAllocAsync"))?;
+            self.optimizer = OptimizerState::Sgd { momentum, steps: 0 };
+        }
+        let OptimizerState::Sgd { momentum, steps } = &mut self.optimizer else {
+            return Err(GpuError::Unsupported("an optimizer state of another kind"));
+        };
+        let args = [
+            Arg::Ptr(address(&self.params, &self.stream)),
+            Arg::Ptr(address(&self.grads, &self.stream)),
+            Arg::Ptr(address(momentum, &self.stream)),
+            Arg::I64(n as i64),
+            Arg::F32(config.lr),
+            Arg::F32(config.momentum),
+            Arg::F32(config.dampening),
+            Arg::F32(config.weight_decay),
+            Arg::I32(i32::from(config.nesterov)),
+            Arg::I32(i32::from(*steps == 0)),
+        ];
+        *steps += 1;
+        // SAFETY: sgd_step(float*, const float*, float*, long long, float x4, int, int); the
+        // three buffers hold n floats each.
+        unsafe {
+            self.kernels
+                .launch(&self.stream, "sgd_step", per_element(n), &args)
+        }
+    }
+
+    /// One step of PyTorch's Adam or AdamW over the flat device buffers; the scalars are
+    /// computed on the host in double as the CPU's `Adam` does.
+    pub fn adam_step(&mut self, config: &AdamConfig) -> Result<(), GpuError> {
+        let n = self.host_grads.len();
+        if !matches!(self.optimizer, OptimizerState::Adam { .. }) {
+            let alloc = || self.stream.alloc_zeros::<f32>(n.max(1));
+            let exp_avg = alloc().map_err(driver("cuMemAllocAsync"))?;
+            let exp_avg_sq = alloc().map_err(driver("cuMemAllocAsync"))?;
+            self.optimizer = OptimizerState::Adam {
+                exp_avg,
+                exp_avg_sq,
+                steps: 0,
+            };
+        }
+        let OptimizerState::Adam {
+            exp_avg,
+            exp_avg_sq,
+            steps,
+        } = &mut self.optimizer
+        else {
+            return Err(GpuError::Unsupported("an optimizer state of another kind"));
+        };
+        *steps += 1;
+        let scalars = AdamScalars::new(config, *steps);
+        let args = [
+            Arg::Ptr(address(&self.params, &self.stream)),
+            Arg::Ptr(address(&self.grads, &self.stream)),
+            Arg::Ptr(address(exp_avg, &self.stream)),
+            Arg::Ptr(address(exp_avg_sq, &self.stream)),
+            Arg::I64(n as i64),
+            Arg::F32(scalars.step_size),
+            Arg::F32(config.beta2),
+            Arg::F32(scalars.bias_correction2_sqrt),
+            Arg::F32(config.eps),
+            Arg::F32(config.weight_decay),
+            Arg::F32(scalars.decay_factor),
+            Arg::F32(scalars.lerp_weight),
+            Arg::F32(scalars.sq_weight),
+            Arg::I32(i32::from(config.decoupled)),
+        ];
+        // SAFETY: adam_step's 14 parameters in order; the four buffers hold n floats each.
+        unsafe {
+            self.kernels
+                .launch(&self.stream, "adam_step", per_element(n), &args)
+        }
+    }
+
+    /// Bytes of this GPU's memory in use (by every process), from `cuMemGetInfo`.
+    pub fn device_memory_in_use(&self) -> Result<usize, GpuError> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let (free, total) =
+            cudarc::driver::result::mem_get_info().map_err(driver("cuMemGetInfo_v2"))?;
+        Ok(total.saturating_sub(free))
+    }
+
+    /// Waits until the GPU has run everything queued.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.stream
+            .synchronize()
+            .map_err(driver("cuStreamSynchronize"))
+    }
+}
+
+/// Adam's host-computed scalars at step `step` (1-based), in double as the CPU's `Adam`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamScalars {
+    /// `lr / (1 - beta1^t)`.
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^t)`.
+    pub bias_correction2_sqrt: f32,
+    /// `1 - lr * weight_decay` (AdamW).
+    pub decay_factor: f32,
+    /// `1 - beta1`.
+    pub lerp_weight: f32,
+    /// `1 - beta2`.
+    pub sq_weight: f32,
+}
+
+impl AdamScalars {
+    /// The scalars of `config` at step `step`.
+    pub fn new(config: &AdamConfig, step: u64) -> Self {
+        let lr = f64::from(config.lr);
+        let bias_correction1 = 1.0 - f64::from(config.beta1).powf(step as f64);
+        let bias_correction2 = 1.0 - f64::from(config.beta2).powf(step as f64);
+        AdamScalars {
+            step_size: (lr / bias_correction1) as f32,
+            bias_correction2_sqrt: bias_correction2.sqrt() as f32,
+            decay_factor: (1.0 - lr * f64::from(config.weight_decay)) as f32,
+            lerp_weight: (1.0 - f64::from(config.beta1)) as f32,
+            sq_weight: (1.0 - f64::from(config.beta2)) as f32,
+        }
+    }
+}
+
+/// Checks that `images` (and `labels`) have the lengths of `plan`'s batch.
+fn check_batch(plan: &Plan, images: &[f32], labels: Option<&[u32]>) -> Result<(), GpuError> {
+    let channels = plan.stem.shape.in_channels;
+    same_length(
+        "images",
+        images.len(),
+        plan.batch * plan.height * plan.width * channels,
+    )?;
+    if let Some(labels) = labels {
+        same_length("labels", labels.len(), plan.batch)?;
+    }
+    Ok(())
+}
+
+/// A GPU error as the models crate's error.
+fn device(error: GpuError) -> ModelError {
+    ModelError::Device(Box::new(error))
+}
+
+/// The device address of `slice`. Every launch and library call runs on the executor's one
+/// stream, in order, so the event `cudarc` records for cross-stream use is not needed.
+fn address<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (pointer, _record) = slice.device_ptr(stream);
+    pointer
+}
+
+/// The address of element `offset` of a float buffer at `base`.
+fn at(base: u64, offset: usize) -> u64 {
+    base + (offset * std::mem::size_of::<f32>()) as u64
+}
+
+fn copy_to_host(
+    what: &'static str,
+    stream: &Arc<CudaStream>,
+    source: &CudaSlice<f32>,
+    target: &mut [f32],
+) -> Result<(), GpuError> {
+    same_length(what, target.len(), source.len())?;
+    if target.is_empty() {
+        return Ok(());
+    }
+    stream
+        .memcpy_dtoh(&source.slice(..target.len()), target)
+        .map_err(driver("cuMemcpyDtoHAsync"))?;
+    stream.synchronize().map_err(driver("cuStreamSynchronize"))
+}

@@ -1,0 +1,367 @@
+//! The GPU executor's host-side pieces, checked without a GPU: NHWC descriptor geometry, the
+//! algorithm choice and its cache key, the cuBLAS products of the linear layer (run by a
+//! column-major reference GEMM against the CPU engine), the device storage sizes of a real
+//! plan, and a missing library reported as an error rather than a panic.
+
+use std::collections::HashSet;
+
+use cudarc::cudnn::sys::cudnnMathType_t::{
+    CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH, CUDNN_TENSOR_OP_MATH,
+};
+use tandem_cuda::executor::conv::{choose, nhwc_strides, Candidate, ConvGeometry, ConvKey};
+use tandem_cuda::executor::linear::{Gemm, LinearShape};
+use tandem_cuda::executor::memory::{row_blocks, StatePart, StorageSizes, ROWS_PER_BLOCK};
+use tandem_cuda::executor::AdamScalars;
+use tandem_cuda::{CudaExecutor, GpuError, GpuSettings, Precision, Probe, SearchPath};
+use tandem_engine::shape::Conv2dShape;
+use tandem_engine::AdamConfig;
+use tandem_models::workspace::Mode;
+use tandem_models::{Model, ModelSpec, ResNetBaseSpec};
+
+fn shape() -> Conv2dShape {
+    Conv2dShape {
+        batch: 3,
+        in_height: 7,
+        in_width: 5,
+        in_channels: 4,
+        out_channels: 6,
+        kernel: 3,
+        stride: 2,
+        padding: 1,
+    }
+}
+
+#[test]
+fn nhwc_strides_address_the_engines_layout() {
+    let (channels, height, width) = (4, 7, 5);
+    let strides = nhwc_strides(channels, height, width);
+    for n in 0..2 {
+        for c in 0..channels {
+            for h in 0..height {
+                for w in 0..width {
+                    let engine = ((n * height + h) * width + w) * channels + c;
+                    let cudnn = n * strides[0] + c * strides[1] + h * strides[2] + w * strides[3];
+                    assert_eq!(cudnn, engine, "(n {n}, c {c}, h {h}, w {w})");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_geometry_has_the_engines_output_size_and_an_ohwi_filter() {
+    let shape = shape();
+    let geometry = ConvGeometry::new(&shape).unwrap();
+    assert_eq!(geometry.input, [3, 4, 7, 5]);
+    assert_eq!(geometry.input_strides, [140, 1, 20, 4]);
+    // (7 + 2 - 3) / 2 + 1 = 4, (5 + 2 - 3) / 2 + 1 = 3.
+    assert_eq!(
+        (shape.out_height(), shape.out_width()),
+        (4, 3),
+        "engine's output size"
+    );
+    assert_eq!(geometry.output, [3, 6, 4, 3]);
+    assert_eq!(geometry.output_strides, [72, 1, 18, 6]);
+    assert_eq!(geometry.filter, [6, 4, 3, 3]);
+    assert_eq!((geometry.padding, geometry.stride), (1, 2));
+}
+
+#[test]
+fn a_size_beyond_an_int_is_an_error_naming_it() {
+    let mut big = shape();
+    big.batch = 1 << 29;
+    let error = ConvGeometry::new(&big).unwrap_err();
+    assert!(
+        matches!(
+            error,
+            GpuError::TooLarge {
+                what: "input elements",
+                ..
+            }
+        ),
+        "{error}"
+    );
+}
+
+fn candidate(algo: u32, time_ms: f32, deterministic: bool) -> Candidate<u32> {
+    Candidate {
+        algo,
+        ran: true,
+        time_ms,
+        memory: 1024,
+        deterministic,
+        math: CUDNN_FMA_MATH,
+    }
+}
+
+#[test]
+fn the_fastest_admitted_algorithm_is_chosen() {
+    let candidates = [
+        candidate(0, 0.5, false),
+        candidate(1, 0.7, true),
+        candidate(2, 0.6, true),
+        Candidate {
+            ran: false,
+            ..candidate(3, 0.1, true)
+        },
+        Candidate {
+            memory: 1 << 40,
+            ..candidate(4, 0.2, true)
+        },
+    ];
+    let free = choose(&candidates, Precision::Fp32, false, 1 << 30).unwrap();
+    assert_eq!(free.algo, 0);
+    let deterministic = choose(&candidates, Precision::Fp32, true, 1 << 30).unwrap();
+    assert_eq!(deterministic.algo, 2);
+}
+
+#[test]
+fn fp32_refuses_tensor_core_math_and_says_why_nothing_fits() {
+    let tensor_ops = [
+        Candidate {
+            math: CUDNN_TENSOR_OP_MATH,
+            ..candidate(0, 0.1, true)
+        },
+        Candidate {
+            math: CUDNN_DEFAULT_MATH,
+            ..candidate(1, 0.2, true)
+        },
+    ];
+    let reason = choose(&tensor_ops, Precision::Fp32, true, 1 << 30).unwrap_err();
+    assert_eq!(
+        reason,
+        "candidates refused: math not allowed, math not allowed"
+    );
+    assert_eq!(
+        choose(&tensor_ops, Precision::Tf32, true, 1 << 30)
+            .unwrap()
+            .algo,
+        0
+    );
+    let none: [Candidate<u32>; 0] = [];
+    assert_eq!(
+        choose(&none, Precision::Tf32, false, 0).unwrap_err(),
+        "cuDNN returned no candidates"
+    );
+}
+
+#[test]
+fn the_algorithm_cache_keys_on_shape_and_settings() {
+    let base = shape();
+    let key = ConvKey::new(&base, Precision::Fp32, true);
+    assert_eq!(key, ConvKey::new(&base, Precision::Fp32, true));
+    let mut keys = HashSet::new();
+    keys.insert(key);
+    let mut other_batch = base;
+    other_batch.batch += 1;
+    let mut other_stride = base;
+    other_stride.stride = 1;
+    for different in [
+        ConvKey::new(&other_batch, Precision::Fp32, true),
+        ConvKey::new(&other_stride, Precision::Fp32, true),
+        ConvKey::new(&base, Precision::Tf32, true),
+        ConvKey::new(&base, Precision::Fp32, false),
+    ] {
+        assert!(keys.insert(different), "{different:?} collides");
+    }
+}
+
+/// Column-major `C = op(A) op(B) + beta C`, as cuBLAS's SGEMM defines it (float sums in
+/// `k` order; the CPU engine's order may differ, hence the tolerance below).
+fn reference_gemm(gemm: &Gemm, a: &[f32], b: &[f32], c: &mut [f32]) {
+    let (m, n, k) = (gemm.m as usize, gemm.n as usize, gemm.k as usize);
+    let (lda, ldb, ldc) = (gemm.lda as usize, gemm.ldb as usize, gemm.ldc as usize);
+    for j in 0..n {
+        for i in 0..m {
+            let mut sum = 0.0f32;
+            for p in 0..k {
+                let a_ip = if gemm.transpose_a {
+                    a[p + i * lda]
+                } else {
+                    a[i + p * lda]
+                };
+                let b_pj = if gemm.transpose_b {
+                    b[j + p * ldb]
+                } else {
+                    b[p + j * ldb]
+                };
+                sum += a_ip * b_pj;
+            }
+            c[i + j * ldc] = sum + gemm.beta * c[i + j * ldc];
+        }
+    }
+}
+
+fn values(len: usize, salt: u32) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            ((i as u32).wrapping_mul(2654435761).wrapping_add(salt) % 2001) as f32 / 1000.0 - 1.0
+        })
+        .collect()
+}
+
+fn assert_close(found: &[f32], expected: &[f32], what: &str) {
+    assert_eq!(found.len(), expected.len(), "{what}: lengths");
+    for (i, (f, e)) in found.iter().zip(expected).enumerate() {
+        assert!(
+            (f - e).abs() <= 1e-5 * (1.0 + e.abs()),
+            "{what}[{i}]: {f} vs {e}"
+        );
+    }
+}
+
+#[test]
+fn the_linear_layers_gemms_compute_the_cpu_engines_products() {
+    let shape = LinearShape {
+        batch: 5,
+        inputs: 7,
+        outputs: 3,
+    };
+    let input = values(shape.batch * shape.inputs, 1);
+    let weight = values(shape.outputs * shape.inputs, 2);
+    let zero_bias = vec![0.0; shape.outputs];
+    let grad_output = values(shape.batch * shape.outputs, 3);
+
+    let mut cpu_output = vec![0.0; shape.batch * shape.outputs];
+    tandem_engine::head::linear_forward(&input, &weight, &zero_bias, &mut cpu_output);
+    let mut gpu_output = vec![9.0; shape.batch * shape.outputs];
+    reference_gemm(&shape.forward().unwrap(), &weight, &input, &mut gpu_output);
+    assert_close(&gpu_output, &cpu_output, "forward");
+
+    let initial_grad_weight = values(shape.outputs * shape.inputs, 4);
+    let mut cpu_grad_weight = initial_grad_weight.clone();
+    let mut cpu_grad_bias = vec![0.0; shape.outputs];
+    let mut cpu_grad_input = vec![0.0; shape.batch * shape.inputs];
+    tandem_engine::head::linear_backward(
+        &input,
+        &weight,
+        &grad_output,
+        &mut cpu_grad_weight,
+        &mut cpu_grad_bias,
+        Some(&mut cpu_grad_input),
+    );
+    let mut gpu_grad_weight = initial_grad_weight;
+    reference_gemm(
+        &shape.weight_gradient().unwrap(),
+        &input,
+        &grad_output,
+        &mut gpu_grad_weight,
+    );
+    assert_close(
+        &gpu_grad_weight,
+        &cpu_grad_weight,
+        "weight gradient (accumulated)",
+    );
+    let mut gpu_grad_input = vec![9.0; shape.batch * shape.inputs];
+    reference_gemm(
+        &shape.input_gradient().unwrap(),
+        &weight,
+        &grad_output,
+        &mut gpu_grad_input,
+    );
+    assert_close(&gpu_grad_input, &cpu_grad_input, "input gradient");
+}
+
+fn seed_004_small() -> Model {
+    Model::new(&ModelSpec::ResNetBase(ResNetBaseSpec {
+        n_blocks: vec![1, 1],
+        n_channels: vec![8, 16],
+        bottlenecks: Some(vec![4, 8]),
+        first_kernel_size: 3,
+        img_channels: 3,
+        num_classes: 10,
+    }))
+    .unwrap()
+}
+
+#[test]
+fn storage_sizes_follow_the_plan() {
+    let model = seed_004_small();
+    let plan = model.plan(Mode::Train, 4, 8, 8).unwrap();
+    let sizes = StorageSizes::new(&plan);
+    assert_eq!(sizes.slots, plan.slot_lens);
+    assert_eq!(sizes.grad_len, plan.grad_len);
+    assert_eq!(sizes.logits, 4 * 10);
+    assert_eq!(sizes.pooled, 4 * plan.final_channels);
+    assert_eq!(sizes.grad_pooled, sizes.pooled);
+    // The state vectors of all units tile the state buffer without overlap.
+    let mut covered = vec![false; sizes.bn_state.len];
+    let mut channel_total = 0;
+    for unit in plan.unit_plans() {
+        let channels = unit.shape.out_channels;
+        channel_total += channels;
+        for part in [
+            StatePart::Mean,
+            StatePart::InvStd,
+            StatePart::Scale,
+            StatePart::Shift,
+        ] {
+            let offset = sizes.bn_state.offset(unit.index, part);
+            for flag in &mut covered[offset..offset + channels] {
+                assert!(!*flag, "unit {} {part:?} overlaps", unit.index);
+                *flag = true;
+            }
+        }
+        let rows = unit.shape.output_len() / channels;
+        assert!(sizes.partials >= row_blocks(rows) * 2 * channels);
+        assert!(sizes.totals > 2 * channels && sizes.coefficients >= 3 * channels);
+    }
+    assert_eq!(sizes.bn_state.len, 4 * channel_total);
+    assert!(covered.iter().all(|&flag| flag));
+    // 4 * 8 * 8 = 256 rows at the stem: one block; 257 would take two.
+    assert_eq!(row_blocks(ROWS_PER_BLOCK), 1);
+    assert_eq!(row_blocks(ROWS_PER_BLOCK + 1), 2);
+
+    let eval = StorageSizes::new(&model.plan(Mode::Eval, 4, 8, 8).unwrap());
+    assert_eq!((eval.grad_len, eval.grad_pooled), (0, 0));
+    assert!(eval.bytes() < sizes.bytes());
+}
+
+#[test]
+fn adam_scalars_are_the_cpus_bias_corrections() {
+    let config = AdamConfig {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        decoupled: true,
+    };
+    let first = AdamScalars::new(&config, 1);
+    // step_size = lr / (1 - 0.9) = 0.01; sqrt(1 - 0.999) = 0.0316227766 (the f32 betas are
+    // slightly off 0.9 and 0.999, hence the tolerances).
+    assert!((first.step_size - 0.01).abs() < 1e-8, "{first:?}");
+    assert!(
+        (first.bias_correction2_sqrt - 0.031_622_776).abs() < 1e-6,
+        "{first:?}"
+    );
+    assert!((first.decay_factor - 0.99999).abs() < 1e-7, "{first:?}");
+    assert!((first.lerp_weight - 0.1).abs() < 1e-7 && (first.sq_weight - 0.001).abs() < 1e-7);
+    // At step 2: lr / (1 - 0.81) and sqrt(1 - 0.998001).
+    let second = AdamScalars::new(&config, 2);
+    assert!((second.step_size - 1e-3 / 0.19).abs() < 1e-8, "{second:?}");
+    assert!(
+        (second.bias_correction2_sqrt - 0.001_999f32.sqrt()).abs() < 1e-6,
+        "{second:?}"
+    );
+}
+
+#[test]
+fn a_missing_library_is_an_error_naming_it_not_a_panic() {
+    let empty = tempfile::tempdir().unwrap();
+    let probe = Probe::run(&SearchPath::only(vec![empty.path().to_path_buf()]));
+    let settings = GpuSettings {
+        ordinal: 0,
+        precision: Precision::Fp32,
+        deterministic: true,
+    };
+    let error = match CudaExecutor::new(&probe, settings, None, &[1.0], &[]) {
+        Ok(_) => panic!("an executor without libraries"),
+        Err(error) => error,
+    };
+    assert!(matches!(error, GpuError::MissingLibrary(_)), "{error}");
+    assert!(
+        error.to_string().starts_with("libcuda not found"),
+        "{error}"
+    );
+}

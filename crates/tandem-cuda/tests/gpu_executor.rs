@@ -1,0 +1,247 @@
+//! One training step of the seed-004 model on the GPU executor against the CPU executor, in
+//! fp32 with deterministic algorithms: logits within 1e-4, gradients within 1e-3, the running
+//! statistics and the gradient-ready ranges; two chained SGD steps and an evaluation forward
+//! within tolerances; two AdamW steps from the same buffers bit for bit. Skipped with a printed reason without a driver, the CUDA libraries or a GPU (as
+//! on CI's machines); it has not yet run on a GPU.
+
+use std::ops::Range;
+
+use tandem_cuda::{CudaExecutor, GpuSettings, Library, Precision, Probe};
+use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use tandem_models::workspace::Mode;
+use tandem_models::{Executor, LossOptions, Model, ModelSpec, ResNetBaseSpec};
+
+const BATCH: usize = 8;
+const SIDE: usize = 32;
+
+/// The probe, when the driver, NVRTC, cuBLAS, cuDNN and a GPU are there; else prints why.
+fn gpu_probe(test: &str) -> Option<&'static Probe> {
+    let probe = Probe::process();
+    for library in [
+        Library::Driver,
+        Library::Nvrtc,
+        Library::Cublas,
+        Library::Cudnn,
+    ] {
+        if let Err(missing) = probe.get(library) {
+            eprintln!("{test}: skipped, {missing}");
+            return None;
+        }
+    }
+    let count =
+        cudarc::driver::result::init().and_then(|()| cudarc::driver::result::device::get_count());
+    match count {
+        Ok(count) if count > 0 => Some(probe),
+        other => {
+            eprintln!("{test}: skipped, no GPU ({other:?})");
+            None
+        }
+    }
+}
+
+fn seed_004() -> Model {
+    Model::new(&ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default())).unwrap()
+}
+
+/// Deterministic images in about [-1, 1) and labels.
+fn batch() -> (Vec<f32>, Vec<u32>) {
+    let images = (0..BATCH * SIDE * SIDE * 3)
+        .map(|i| ((i as u64 * 2_654_435_761) % 2003) as f32 / 1001.5 - 1.0)
+        .collect();
+    let labels = (0..BATCH as u32).map(|i| (i * 7 + 3) % 10).collect();
+    (images, labels)
+}
+
+fn assert_close(gpu: &[f32], cpu: &[f32], tolerance: f32, what: &str) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
+    let mut worst = (0.0f32, 0);
+    for (i, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+        let error = (g - c).abs() / (1.0 + c.abs());
+        assert!(error.is_finite(), "{what}[{i}]: GPU {g} CPU {c}");
+        if error > worst.0 {
+            worst = (error, i);
+        }
+    }
+    let (error, i) = worst;
+    assert!(
+        error <= tolerance,
+        "{what}[{i}]: GPU {} CPU {} (relative error {error:e} > {tolerance:e})",
+        gpu[i],
+        cpu[i]
+    );
+}
+
+fn settings() -> GpuSettings {
+    GpuSettings {
+        ordinal: 0,
+        precision: Precision::Fp32,
+        deterministic: true,
+    }
+}
+
+/// One forward and backward on both devices; returns the GPU executor and the CPU model
+/// after it, having compared the loss, logits, gradients, statistics and ready ranges.
+fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
+    let (images, labels) = batch();
+    let loss = LossOptions {
+        label_smoothing: 0.1,
+    };
+    let mut cpu = seed_004();
+    let cpu_loss = cpu
+        .forward_train(&images, BATCH, SIDE, SIDE, &labels, &loss, None)
+        .unwrap();
+    let mut cpu_ranges: Vec<Range<usize>> = Vec::new();
+    cpu.backward(1.0, None, &mut |range, _| cpu_ranges.push(range))
+        .unwrap();
+
+    let model = seed_004();
+    let mut exec =
+        CudaExecutor::new(probe, settings(), None, model.params(), model.buffers()).unwrap();
+    let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
+    let gpu_loss = exec
+        .forward_train(&model, &plan, &images, &labels, &loss, None)
+        .unwrap();
+    let mut gpu_logits = Vec::new();
+    exec.logits_to_host(&mut gpu_logits);
+    let mut gpu_ranges: Vec<Range<usize>> = Vec::new();
+    let mut reported = vec![f32::NAN; model.params().len()];
+    exec.backward(&model, &plan, 1.0, None, &mut |range, values| {
+        reported[range.clone()].copy_from_slice(values);
+        gpu_ranges.push(range);
+    })
+    .unwrap();
+
+    assert!(
+        (gpu_loss - cpu_loss).abs() <= 1e-4 * cpu_loss.abs(),
+        "loss GPU {gpu_loss} CPU {cpu_loss}"
+    );
+    assert_close(&gpu_logits, cpu.logits(), 1e-4, "logits");
+    let mut grads = vec![0.0; model.params().len()];
+    exec.grads_to_host(&mut grads).unwrap();
+    assert_close(&grads, cpu.grads(), 1e-3, "gradients");
+    assert_eq!(gpu_ranges, cpu_ranges, "gradient-ready ranges");
+    assert_eq!(reported, grads, "reported gradients are the final ones");
+    let mut buffers = vec![0.0; model.buffers().len()];
+    exec.buffers_to_host(&mut buffers).unwrap();
+    assert_close(&buffers, cpu.buffers(), 1e-5, "running statistics");
+    (exec, cpu, model)
+}
+
+#[test]
+fn a_training_step_matches_the_cpu_in_fp32() {
+    let Some(probe) = gpu_probe("a_training_step_matches_the_cpu_in_fp32") else {
+        return;
+    };
+    one_step(probe);
+}
+
+#[test]
+fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
+    let Some(probe) = gpu_probe("two_sgd_steps_then_an_evaluation_match_the_cpu") else {
+        return;
+    };
+    let (mut exec, mut cpu, model) = one_step(probe);
+    let config = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: true,
+        weight_decay: 5e-4,
+    };
+    let mut sgd = Sgd::new(cpu.params().len(), config);
+    let (images, labels) = batch();
+    for round in 0..2 {
+        if round > 0 {
+            cpu.zero_grads();
+            cpu.forward_train(
+                &images,
+                BATCH,
+                SIDE,
+                SIDE,
+                &labels,
+                &LossOptions::default(),
+                None,
+            )
+            .unwrap();
+            cpu.backward(1.0, None, &mut |_, _| {}).unwrap();
+            exec.zero_grads().unwrap();
+            let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
+            exec.forward_train(
+                &model,
+                &plan,
+                &images,
+                &labels,
+                &LossOptions::default(),
+                None,
+            )
+            .unwrap();
+            exec.backward(&model, &plan, 1.0, None, &mut |_, _| {})
+                .unwrap();
+        }
+        let (params, grads) = cpu.params_and_grads_mut();
+        sgd.step(params, grads);
+        exec.sgd_step(&config).unwrap();
+        let mut gpu_params = vec![0.0; cpu.params().len()];
+        exec.params_to_host(&mut gpu_params).unwrap();
+        assert_close(
+            &gpu_params,
+            cpu.params(),
+            // The gradients differ by up to 1e-3; the step scales that by lr 0.1 (1.9x with
+            // Nesterov momentum), and the second step starts from slightly different weights.
+            1e-3,
+            &format!("parameters after SGD step {round}"),
+        );
+    }
+    let eval_plan = model.plan(Mode::Eval, BATCH, SIDE, SIDE).unwrap();
+    let mut gpu_logits = Vec::new();
+    exec.forward_eval(&model, &eval_plan, &images, &mut gpu_logits)
+        .unwrap();
+    // The GPU ran with its own updated parameters; the CPU's are within 1e-4 of them.
+    let cpu_logits = cpu
+        .forward_eval(&images, BATCH, SIDE, SIDE)
+        .unwrap()
+        .to_vec();
+    assert_close(
+        &gpu_logits,
+        &cpu_logits,
+        1e-3,
+        "evaluation logits after two SGD steps",
+    );
+}
+
+#[test]
+fn two_adamw_steps_over_the_same_buffers_match_the_cpu_bit_for_bit() {
+    let Some(probe) = gpu_probe("two_adamw_steps_over_the_same_buffers_match_the_cpu_bit_for_bit")
+    else {
+        return;
+    };
+    let (mut exec, mut cpu, _model) = one_step(probe);
+    // The GPU starts from the CPU's parameters and gradients, so the two optimizers see the
+    // same inputs; adam_step is element-wise with the CPU's float operations.
+    exec.params_from_host(cpu.params(), cpu.buffers()).unwrap();
+    exec.grads_from_host(cpu.grads()).unwrap();
+    let config = AdamConfig {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        decoupled: true,
+    };
+    let mut adam = Adam::new(cpu.params().len(), config);
+    // The same gradients twice: the step count and moments differ between the steps.
+    for round in 0..2 {
+        let (params, grads) = cpu.params_and_grads_mut();
+        adam.step(params, grads);
+        exec.adam_step(&config).unwrap();
+        let mut gpu_params = vec![0.0; cpu.params().len()];
+        exec.params_to_host(&mut gpu_params).unwrap();
+        for (i, (g, c)) in gpu_params.iter().zip(cpu.params()).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                c.to_bits(),
+                "parameter {i} after AdamW step {round}: GPU {g} CPU {c}"
+            );
+        }
+    }
+}
