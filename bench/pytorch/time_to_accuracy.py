@@ -39,6 +39,7 @@ parser.add_argument("--threads", type=int, default=2, help="CPU threads")
 parser.add_argument("--seeds", default="0", help="comma-separated seeds, each a full run")
 parser.add_argument("--warmup-epochs", type=int, help="untimed epochs first (default: 1 on a GPU, 0 on the CPU)")
 parser.add_argument("--pct-start", type=float, default=0.3, help="OneCycleLR's pct_start")
+parser.add_argument("--train-images", type=int, help="train on the first N images only (quick checks)")
 args = parser.parse_args()
 try:
     seeds = [int(seed) for seed in args.seeds.split(",")]
@@ -98,6 +99,10 @@ def load(data):
 
 load_start = time.perf_counter()
 train_images, train_labels, test_images, test_labels = load(args.data)
+if args.train_images is not None:
+    if args.train_images < 1:
+        parser.error("--train-images must be at least 1")
+    train_images, train_labels = train_images[: args.train_images], train_labels[: args.train_images]
 print(
     f"data: {len(train_images)} train, {len(test_images)} test images on {args.device} "
     f"({time.perf_counter() - load_start:.1f} s)",
