@@ -9,7 +9,7 @@
 # Fails when what would travel (tracked + untracked-not-ignored files + .carry) exceeds 60 MiB.
 set -euo pipefail
 
-LIMIT_MIB=60
+LIMIT_MIB=${GPU_CHECK_LIMIT_MIB:-60}
 TEST_RECORDS=5000
 RECORD_BYTES=3073
 DATA_BATCH_1_MD5=5dd7e06a14cb22eb9f671a540d1b7c25

@@ -53,7 +53,7 @@ printf 'row\twho\tvariant\ttrain\teval\tpeak_mb\tstatus\tnote\n' >"$RESULTS"
 DATA_DIR=$CARRY/shared/data/cifar10
 DATA=$DATA_DIR/cifar-10-batches-bin
 EPOCHS=15
-BENCH_STEPS=50
+BENCH_STEPS=100
 if [ "$DRY_RUN" = 1 ]; then
     TANDEM_DEVICE=${GPU_CHECK_TANDEM_DEVICE:-cpu}
     TORCH_DEVICE=cpu
