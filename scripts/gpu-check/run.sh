@@ -44,6 +44,8 @@ CARRY=$ROOT/.carry
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 OUT=${OUT:-$WORK/out}
 mkdir -p "$OUT"
+# The work folder goes at the end, unless the report is in it.
+[[ $OUT == "$WORK"/* ]] || trap 'rm -rf "$WORK"' EXIT
 LOG=$OUT/log.txt
 REPORT=$OUT/report.md
 RESULTS=$OUT/results.tsv
@@ -101,7 +103,7 @@ run_step() {
     [ "$limit" -gt "$left" ] && limit=$left
     printf '\n### %s (timeout %ss): %s\n' "$name" "$limit" "$*" >>"$LOG"
     start_ns=$(date +%s%N)
-    timeout -k 5 "$limit" "$@" >"$STEP_OUT" 2>&1
+    timeout -k 5 "$limit" "$@" </dev/null >"$STEP_OUT" 2>&1
     rc=$?
     STEP_WALL=$(awk -v a="$start_ns" -v b="$(date +%s%N)" 'BEGIN { printf "%.2f", (b - a) / 1e9 }')
     cat "$STEP_OUT" >>"$LOG"
