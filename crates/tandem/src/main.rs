@@ -95,14 +95,11 @@ fn main() {
     }
 }
 
-/// Set by `tandem launch`: where this worker records its fatal error for the launcher's
-/// summary (torchrun's error files).
-const ERROR_FILE_ENV: &str = "TANDEM_ERROR_FILE";
-
 /// Prints the error on stderr (prefixed with the rank on ranks other than 0) and, under
 /// `tandem launch`, records it in this worker's error file.
 fn report_fatal_error(error: &anyhow::Error) {
-    let rank = std::env::var("RANK")
+    use tandem_dist::cluster::contract::{WorkerErrorRecord, ERROR_FILE_ENV, RANK_ENV};
+    let rank = std::env::var(RANK_ENV)
         .ok()
         .filter(|rank| !rank.is_empty() && rank != "0");
     match &rank {
@@ -110,16 +107,12 @@ fn report_fatal_error(error: &anyhow::Error) {
         None => eprintln!("error: {error:#}"),
     }
     if let Some(path) = std::env::var_os(ERROR_FILE_ENV) {
-        let timestamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |elapsed| elapsed.as_secs_f64());
-        let record = serde_json::json!({
-            "rank": std::env::var("RANK").ok().and_then(|rank| rank.parse::<u64>().ok()),
-            "message": format!("{error:#}"),
-            "timestamp": timestamp,
-        });
+        let rank = std::env::var(RANK_ENV)
+            .ok()
+            .and_then(|rank| rank.parse::<u64>().ok());
+        let record = WorkerErrorRecord::now(rank, format!("{error:#}"));
         if let Err(write_error) =
-            files::write_atomically(std::path::Path::new(&path), record.to_string().as_bytes())
+            files::write_atomically(std::path::Path::new(&path), record.to_json().as_bytes())
         {
             eprintln!(
                 "warning: cannot record the error in {}: {write_error:#}",

@@ -2,18 +2,12 @@
 //! the tutorial's flags, torchrun's variables, or a cluster's own.
 
 use anyhow::{bail, Context};
+use tandem_dist::cluster::contract::{
+    self, DEFAULT_MASTER_PORT, RESTART_COUNT_ENV, STORE_HOSTED_ENV, STORE_PREFIX_ENV,
+};
 
 use crate::settings::PlacementFlags;
 use crate::train::ddp::WorkerPlacement;
-
-/// Set by `tandem launch` when its agent hosts the store for the workers.
-pub const STORE_HOSTED_ENV: &str = "TANDEM_STORE_HOSTED";
-/// Set by `tandem launch`: how many times the job has been restarted.
-pub const RESTART_COUNT_ENV: &str = "TANDEM_RESTART_COUNT";
-/// Set by `tandem launch`: the namespace of this round's process-group keys in the store.
-pub const STORE_PREFIX_ENV: &str = "TANDEM_STORE_PREFIX";
-/// torchrun's default port of the store.
-const DEFAULT_MASTER_PORT: u16 = 29500;
 
 /// The worker's place in the job, or `None` for a job of one process.
 pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPlacement>> {
@@ -53,7 +47,7 @@ pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPla
     let local_world_size = cluster.as_ref().map_or(1, |worker| worker.local_world_size);
     let key_prefix = env(STORE_PREFIX_ENV).unwrap_or_else(|| {
         let restart_round = env(RESTART_COUNT_ENV).unwrap_or_else(|| "0".to_string());
-        format!("round{restart_round}/pg")
+        contract::store_prefix(restart_round)
     });
     Ok(Some(WorkerPlacement {
         rank,
