@@ -20,6 +20,9 @@ use contract::{
     RANK_ENV, WORLD_SIZE_ENV,
 };
 
+/// The store's host for an Open MPI job without `MASTER_ADDR` whose ranks all run on one node.
+pub const OPEN_MPI_SINGLE_NODE_MASTER: &str = "127.0.0.1";
+
 /// Environment variables by name.
 pub type EnvMap = HashMap<String, String>;
 
@@ -260,15 +263,24 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
             master_addr: Some(env.text(MASTER_ADDR_ENV)?),
             master_port: Some(env.port(MASTER_PORT_ENV)?),
         },
-        ClusterSource::OpenMpi => WorkerEnv {
-            source,
-            rank: env.index("OMPI_COMM_WORLD_RANK")?,
-            world_size: env.count("OMPI_COMM_WORLD_SIZE")?,
-            local_rank: env.index("OMPI_COMM_WORLD_LOCAL_RANK")?,
-            local_world_size: env.count("OMPI_COMM_WORLD_LOCAL_SIZE")?,
-            master_addr: env.optional_text(MASTER_ADDR_ENV),
-            master_port: env.optional_port(MASTER_PORT_ENV)?,
-        },
+        ClusterSource::OpenMpi => {
+            let world_size = env.count("OMPI_COMM_WORLD_SIZE")?;
+            let local_world_size = env.count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
+            // Open MPI names no rank's host (its HNP URI is mpirun's, which need not run
+            // rank 0), but when every rank is on this node rank 0 is too.
+            let single_node = local_world_size == world_size;
+            WorkerEnv {
+                source,
+                rank: env.index("OMPI_COMM_WORLD_RANK")?,
+                world_size,
+                local_rank: env.index("OMPI_COMM_WORLD_LOCAL_RANK")?,
+                local_world_size,
+                master_addr: env
+                    .optional_text(MASTER_ADDR_ENV)
+                    .or_else(|| single_node.then(|| OPEN_MPI_SINGLE_NODE_MASTER.to_string())),
+                master_port: env.optional_port(MASTER_PORT_ENV)?,
+            }
+        }
         ClusterSource::Slurm => {
             let world_size = env.count("SLURM_NTASKS")?;
             let local_world_size = match env.optional_text("SLURM_NTASKS_PER_NODE") {
