@@ -1,5 +1,6 @@
-//! Tandem started by the programs clusters use instead of `tandem launch`: Open MPI's
-//! `mpirun`. Each job must end with the weights of the same job under `tandem launch`, bit
+//! Tandem started by the programs clusters use instead of a hand-typed `tandem launch`: Open
+//! MPI's `mpirun`, and ModelArts' start script (`examples/modelarts/run.sh`) on two nodes.
+//! Each job must end with the weights of the same job under `tandem launch --standalone`, bit
 //! for bit. A test whose program is missing is skipped with the reason, unless `CI` is set
 //! (CI installs them), where it fails.
 //!
@@ -244,5 +245,77 @@ fn mpirun_without_master_port_says_how_to_pass_one() {
              the same for every rank: mpirun -x MASTER_PORT=29500 -x TANDEM_JOB_TOKEN ..."
         ),
         "{stderr}"
+    );
+}
+
+/// `examples/modelarts/run.sh` as ModelArts starts it on node `task_index` of `hosts`.
+fn modelarts_node(hosts: &str, task_index: usize, port: u16, output_dir: &Path) -> GroupJob {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/modelarts/run.sh");
+    let mut command = Command::new("bash");
+    // The script takes `tandem train`'s flags, without the word `train`.
+    command.arg(script).args(&tiny_job(output_dir)[1..]);
+    for name in [
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "NPROC_PER_NODE",
+    ] {
+        command.env_remove(name);
+    }
+    command
+        .env("VC_WORKER_HOSTS", hosts)
+        .env("MA_NUM_HOSTS", "2")
+        .env("VC_TASK_INDEX", task_index.to_string())
+        .env("MA_NUM_GPUS", "1")
+        .env("MA_JOB_DIR", output_dir.parent().expect("a parent"))
+        .env("MASTER_PORT", port.to_string())
+        .env("TANDEM_JOB_TOKEN", "modelarts-test")
+        .env("TANDEM", env!("CARGO_BIN_EXE_tandem"));
+    GroupJob::start(&mut command)
+}
+
+#[test]
+fn modelarts_script_on_two_loopback_nodes_ends_bit_identical_to_tandem_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = under_tandem_launch(&dir.path().join("launch"));
+
+    let output_dir = dir.path().join("modelarts");
+    let hosts = "127.0.0.1,127.0.0.1";
+    let port = free_port();
+    let node0 = modelarts_node(hosts, 0, port, &output_dir);
+    let node1 = modelarts_node(hosts, 1, port, &output_dir);
+    let stdout0 = expect_success(&node0.wait(JOB_LIMIT));
+    let stdout1 = expect_success(&node1.wait(JOB_LIMIT));
+    let command_line = format!(
+        "launch --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr 127.0.0.1 --master-port {port} -- train"
+    );
+    assert!(stdout0.contains(&command_line), "{stdout0}");
+    assert!(stdout1.contains("--node-rank 1"), "{stdout1}");
+    assert!(
+        final_weights(&output_dir) == expected,
+        "two ModelArts nodes ended with other weights than tandem launch"
+    );
+}
+
+#[test]
+fn modelarts_script_without_a_token_on_two_nodes_says_what_to_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/modelarts/run.sh");
+    let mut command = Command::new("bash");
+    command
+        .arg(script)
+        .env_remove("TANDEM_JOB_TOKEN")
+        .env("VC_WORKER_HOSTS", "node-0.job,node-1.job")
+        .env("MA_NUM_HOSTS", "2")
+        .env("VC_TASK_INDEX", "1")
+        .env("MA_NUM_GPUS", "0")
+        .env("MA_JOB_DIR", dir.path());
+    let output = GroupJob::start(&mut command).wait(JOB_LIMIT);
+    assert_eq!(output.status.code(), Some(2));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr),
+        "run.sh: a job of 2 nodes needs TANDEM_JOB_TOKEN, the same secret on every node: \
+         set it in the training job's environment variables\n"
     );
 }
