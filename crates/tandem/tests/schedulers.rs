@@ -241,7 +241,7 @@ fn mpirun_without_master_port_says_how_to_pass_one() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         stderr.contains(
-            "an Open MPI job of 2 processes needs MASTER_PORT, a free port on rank 0's host, \
+            "[rank 1] error: an Open MPI job of 2 processes needs MASTER_PORT, a free port on rank 0's host, \
              the same for every rank: mpirun -x MASTER_PORT=29500 -x TANDEM_JOB_TOKEN ..."
         ),
         "{stderr}"
