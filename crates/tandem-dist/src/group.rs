@@ -113,11 +113,11 @@ impl ProcessGroupOptions {
         let master_addr = worker
             .master_addr
             .as_deref()
-            .ok_or_else(|| missing("MASTER_ADDR"))?;
+            .ok_or_else(|| missing(crate::cluster::contract::MASTER_ADDR_ENV))?;
         let master_port = worker
             .master_port
             .or(default_port)
-            .ok_or_else(|| missing("MASTER_PORT"))?;
+            .ok_or_else(|| missing(crate::cluster::contract::MASTER_PORT_ENV))?;
         Ok(ProcessGroupOptions::new(
             worker.rank,
             worker.world_size,

@@ -95,36 +95,37 @@ fn main() {
     }
 }
 
-/// Set by `tandem launch`: where this worker records its fatal error for the launcher's
-/// summary (torchrun's error files).
-const ERROR_FILE_ENV: &str = "TANDEM_ERROR_FILE";
-
 /// Prints the error on stderr (prefixed with the rank on ranks other than 0) and, under
 /// `tandem launch`, records it in this worker's error file.
 fn report_fatal_error(error: &anyhow::Error) {
-    let rank = std::env::var("RANK")
-        .ok()
-        .filter(|rank| !rank.is_empty() && rank != "0");
-    match &rank {
+    use tandem_dist::cluster::contract::{WorkerErrorRecord, ERROR_FILE_ENV};
+    let rank = worker_rank();
+    match rank.filter(|rank| *rank != 0) {
         Some(rank) => eprintln!("[rank {rank}] error: {error:#}"),
         None => eprintln!("error: {error:#}"),
     }
     if let Some(path) = std::env::var_os(ERROR_FILE_ENV) {
-        let timestamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |elapsed| elapsed.as_secs_f64());
-        let record = serde_json::json!({
-            "rank": std::env::var("RANK").ok().and_then(|rank| rank.parse::<u64>().ok()),
-            "message": format!("{error:#}"),
-            "timestamp": timestamp,
-        });
+        let record = WorkerErrorRecord::now(rank, format!("{error:#}"));
         if let Err(write_error) =
-            files::write_atomically(std::path::Path::new(&path), record.to_string().as_bytes())
+            files::write_atomically(std::path::Path::new(&path), record.to_json().as_bytes())
         {
             eprintln!(
                 "warning: cannot record the error in {}: {write_error:#}",
                 path.to_string_lossy()
             );
         }
+    }
+}
+
+/// This process's rank in a job: `RANK` (torchrun's, what `tandem launch` sets), else the
+/// rank the cluster that started it gives (`mpirun`, `srun`, ...); `None` outside a job.
+fn worker_rank() -> Option<u64> {
+    use tandem_dist::cluster::{contract::RANK_ENV, WorkerEnv};
+    match std::env::var(RANK_ENV) {
+        Ok(rank) => rank.parse::<u64>().ok(),
+        Err(_) => WorkerEnv::from_env()
+            .ok()
+            .flatten()
+            .map(|worker| worker.rank as u64),
     }
 }

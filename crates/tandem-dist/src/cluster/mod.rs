@@ -7,6 +7,7 @@
 //! - [`WorkerEnv`], for a worker started directly, one process per task: rank, world size,
 //!   local rank and the master's address.
 
+pub mod contract;
 mod nodelist;
 
 use std::collections::HashMap;
@@ -14,6 +15,13 @@ use std::collections::HashMap;
 pub use nodelist::{expand_slurm_nodelist, MAX_HOSTS};
 
 use crate::error::{DistError, Result};
+use contract::{
+    GROUP_RANK_ENV, LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV,
+    RANK_ENV, WORLD_SIZE_ENV,
+};
+
+/// The store's host for an Open MPI job without `MASTER_ADDR` whose ranks all run on one node.
+pub const OPEN_MPI_SINGLE_NODE_MASTER: &str = "127.0.0.1";
 
 /// Environment variables by name.
 pub type EnvMap = HashMap<String, String>;
@@ -111,9 +119,9 @@ impl WorkerEnv {
 /// torchrun, `mpirun` inside a Slurm allocation is Open MPI.
 pub fn detect_source(vars: &EnvMap) -> Option<ClusterSource> {
     let has = |name: &str| vars.contains_key(name);
-    if has("LOCAL_RANK") && has("RANK") && has("WORLD_SIZE") {
+    if has(LOCAL_RANK_ENV) && has(RANK_ENV) && has(WORLD_SIZE_ENV) {
         Some(ClusterSource::Torchrun)
-    } else if has("PET_NNODES") || (has("MASTER_ADDR") && has("RANK") && has("WORLD_SIZE")) {
+    } else if has("PET_NNODES") || (has(MASTER_ADDR_ENV) && has(RANK_ENV) && has(WORLD_SIZE_ENV)) {
         Some(ClusterSource::Kubeflow)
     } else if has("OMPI_COMM_WORLD_RANK") {
         Some(ClusterSource::OpenMpi)
@@ -145,30 +153,30 @@ pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
     let env = Reader { source, vars };
     let node = match source {
         ClusterSource::Torchrun => {
-            let world_size = env.count("WORLD_SIZE")?;
-            let local_world_size = env.count("LOCAL_WORLD_SIZE")?;
+            let world_size = env.count(WORLD_SIZE_ENV)?;
+            let local_world_size = env.count(LOCAL_WORLD_SIZE_ENV)?;
             if world_size % local_world_size != 0 {
                 return Err(env.invalid(
-                    "WORLD_SIZE",
+                    WORLD_SIZE_ENV,
                     &format!("is not a multiple of LOCAL_WORLD_SIZE={local_world_size}"),
                 ));
             }
             NodeEnv {
                 source,
                 nnodes: world_size / local_world_size,
-                node_rank: env.index("GROUP_RANK")?,
+                node_rank: env.index(GROUP_RANK_ENV)?,
                 nproc_per_node: Some(local_world_size),
-                master_addr: env.text("MASTER_ADDR")?,
-                master_port: Some(env.port("MASTER_PORT")?),
+                master_addr: env.text(MASTER_ADDR_ENV)?,
+                master_port: Some(env.port(MASTER_PORT_ENV)?),
             }
         }
         ClusterSource::Kubeflow => NodeEnv {
             source,
-            nnodes: env.count_either("PET_NNODES", "WORLD_SIZE")?,
-            node_rank: env.index_either("PET_NODE_RANK", "RANK")?,
+            nnodes: env.count_either("PET_NNODES", WORLD_SIZE_ENV)?,
+            node_rank: env.index_either("PET_NODE_RANK", RANK_ENV)?,
             nproc_per_node: env.optional_count("PET_NPROC_PER_NODE")?,
-            master_addr: env.text_either("PET_MASTER_ADDR", "MASTER_ADDR")?,
-            master_port: Some(env.port_either("PET_MASTER_PORT", "MASTER_PORT")?),
+            master_addr: env.text_either("PET_MASTER_ADDR", MASTER_ADDR_ENV)?,
+            master_port: Some(env.port_either("PET_MASTER_PORT", MASTER_PORT_ENV)?),
         },
         ClusterSource::OpenMpi => {
             let local_size = env.count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
@@ -183,8 +191,8 @@ pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
                 nnodes: env.count("OMPI_COMM_WORLD_SIZE")?,
                 node_rank: env.index("OMPI_COMM_WORLD_RANK")?,
                 nproc_per_node: None,
-                master_addr: env.text("MASTER_ADDR")?,
-                master_port: env.optional_port("MASTER_PORT")?,
+                master_addr: env.text(MASTER_ADDR_ENV)?,
+                master_port: env.optional_port(MASTER_PORT_ENV)?,
             }
         }
         ClusterSource::Slurm => NodeEnv {
@@ -193,7 +201,7 @@ pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
             node_rank: env.index("SLURM_NODEID")?,
             nproc_per_node: None,
             master_addr: env.slurm_first_host()?,
-            master_port: env.optional_port("MASTER_PORT")?,
+            master_port: env.optional_port(MASTER_PORT_ENV)?,
         },
         ClusterSource::ModelArts => {
             let hosts = env.text("VC_WORKER_HOSTS")?;
@@ -213,14 +221,14 @@ pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
                 // MA_NUM_GPUS is 0 on CPU flavours: then the launcher decides.
                 nproc_per_node: env.optional_count("MA_NUM_GPUS")?,
                 master_addr,
-                master_port: env.optional_port("MASTER_PORT")?,
+                master_port: env.optional_port(MASTER_PORT_ENV)?,
             }
         }
     };
     if node.node_rank >= node.nnodes {
         let variable = match source {
-            ClusterSource::Torchrun => "GROUP_RANK",
-            ClusterSource::Kubeflow => env.first_present("PET_NODE_RANK", "RANK"),
+            ClusterSource::Torchrun => GROUP_RANK_ENV,
+            ClusterSource::Kubeflow => env.first_present("PET_NODE_RANK", RANK_ENV),
             ClusterSource::OpenMpi => "OMPI_COMM_WORLD_RANK",
             ClusterSource::Slurm => "SLURM_NODEID",
             ClusterSource::ModelArts => "VC_TASK_INDEX",
@@ -239,31 +247,40 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
     let worker = match source {
         ClusterSource::Torchrun => WorkerEnv {
             source,
-            rank: env.index("RANK")?,
-            world_size: env.count("WORLD_SIZE")?,
-            local_rank: env.index("LOCAL_RANK")?,
-            local_world_size: env.count("LOCAL_WORLD_SIZE")?,
-            master_addr: Some(env.text("MASTER_ADDR")?),
-            master_port: Some(env.port("MASTER_PORT")?),
+            rank: env.index(RANK_ENV)?,
+            world_size: env.count(WORLD_SIZE_ENV)?,
+            local_rank: env.index(LOCAL_RANK_ENV)?,
+            local_world_size: env.count(LOCAL_WORLD_SIZE_ENV)?,
+            master_addr: Some(env.text(MASTER_ADDR_ENV)?),
+            master_port: Some(env.port(MASTER_PORT_ENV)?),
         },
         ClusterSource::Kubeflow => WorkerEnv {
             source,
-            rank: env.index("RANK")?,
-            world_size: env.count("WORLD_SIZE")?,
+            rank: env.index(RANK_ENV)?,
+            world_size: env.count(WORLD_SIZE_ENV)?,
             local_rank: 0,
             local_world_size: 1,
-            master_addr: Some(env.text("MASTER_ADDR")?),
-            master_port: Some(env.port("MASTER_PORT")?),
+            master_addr: Some(env.text(MASTER_ADDR_ENV)?),
+            master_port: Some(env.port(MASTER_PORT_ENV)?),
         },
-        ClusterSource::OpenMpi => WorkerEnv {
-            source,
-            rank: env.index("OMPI_COMM_WORLD_RANK")?,
-            world_size: env.count("OMPI_COMM_WORLD_SIZE")?,
-            local_rank: env.index("OMPI_COMM_WORLD_LOCAL_RANK")?,
-            local_world_size: env.count("OMPI_COMM_WORLD_LOCAL_SIZE")?,
-            master_addr: env.optional_text("MASTER_ADDR"),
-            master_port: env.optional_port("MASTER_PORT")?,
-        },
+        ClusterSource::OpenMpi => {
+            let world_size = env.count("OMPI_COMM_WORLD_SIZE")?;
+            let local_world_size = env.count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
+            // Open MPI names no rank's host (its HNP URI is mpirun's, which need not run
+            // rank 0), but when every rank is on this node rank 0 is too.
+            let single_node = local_world_size == world_size;
+            WorkerEnv {
+                source,
+                rank: env.index("OMPI_COMM_WORLD_RANK")?,
+                world_size,
+                local_rank: env.index("OMPI_COMM_WORLD_LOCAL_RANK")?,
+                local_world_size,
+                master_addr: env
+                    .optional_text(MASTER_ADDR_ENV)
+                    .or_else(|| single_node.then(|| OPEN_MPI_SINGLE_NODE_MASTER.to_string())),
+                master_port: env.optional_port(MASTER_PORT_ENV)?,
+            }
+        }
         ClusterSource::Slurm => {
             let world_size = env.count("SLURM_NTASKS")?;
             let local_world_size = match env.optional_text("SLURM_NTASKS_PER_NODE") {
@@ -285,7 +302,7 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
                 local_rank: env.index("SLURM_LOCALID")?,
                 local_world_size: local_world_size.max(1),
                 master_addr: Some(env.slurm_first_host()?),
-                master_port: env.optional_port("MASTER_PORT")?,
+                master_port: env.optional_port(MASTER_PORT_ENV)?,
             }
         }
         ClusterSource::ModelArts => {
@@ -303,7 +320,7 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
         }
     };
     let (rank_variable, local_variable) = match source {
-        ClusterSource::Torchrun | ClusterSource::Kubeflow => ("RANK", "LOCAL_RANK"),
+        ClusterSource::Torchrun | ClusterSource::Kubeflow => (RANK_ENV, LOCAL_RANK_ENV),
         ClusterSource::OpenMpi => ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
         ClusterSource::Slurm => ("SLURM_PROCID", "SLURM_LOCALID"),
         ClusterSource::ModelArts => ("VC_TASK_INDEX", "VC_TASK_INDEX"),

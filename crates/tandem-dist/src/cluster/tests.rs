@@ -216,6 +216,29 @@ fn open_mpi_worker_and_one_launcher_per_node() {
         node_env(&env).expect_err("two per node").to_string(),
         "openmpi environment: OMPI_COMM_WORLD_LOCAL_SIZE=\"2\": must be 1: start one launcher per node (mpirun --npernode 1)"
     );
+    let one_node = vars(&[
+        ("OMPI_COMM_WORLD_RANK", "1"),
+        ("OMPI_COMM_WORLD_SIZE", "2"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ("MASTER_PORT", "29600"),
+    ]);
+    let worker = worker_env(&one_node).expect("valid").expect("detected");
+    assert_eq!(
+        (worker.master_addr.as_deref(), worker.master_port),
+        (Some("127.0.0.1"), Some(29600)),
+        "every rank on this node: rank 0 is here too"
+    );
+    let mut named = one_node.clone();
+    named.insert("MASTER_ADDR".into(), "head".into());
+    assert_eq!(
+        worker_env(&named)
+            .expect("valid")
+            .expect("detected")
+            .master_addr
+            .as_deref(),
+        Some("head")
+    );
     let per_node = vars(&[
         ("OMPI_COMM_WORLD_RANK", "1"),
         ("OMPI_COMM_WORLD_SIZE", "2"),

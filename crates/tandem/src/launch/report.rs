@@ -5,14 +5,15 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use tandem_dist::cluster::contract::WorkerErrorRecord;
 
 use super::worker::WorkerEnd;
 
 /// How many log lines the summary shows when a worker left no error file.
 pub const LOG_TAIL_LINES: usize = 10;
 
-/// A worker's last fatal error, as it wrote it in its error file
-/// (`{"rank":R,"message":"...","timestamp":...}`).
+/// A worker's last fatal error, as the launcher read it from the worker's error file
+/// (a [`WorkerErrorRecord`], or an older writer's object with a `message`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorRecord {
     /// The error message.
@@ -23,7 +24,8 @@ pub struct ErrorRecord {
     pub file: String,
 }
 
-/// Reads an error file: `Ok(None)` when the worker wrote none.
+/// Reads an error file: `Ok(None)` when the worker wrote none, an error naming the file and
+/// what is wrong with it when it cannot be used.
 pub fn read_error_file(path: &Path) -> Result<Option<ErrorRecord>, String> {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
@@ -35,29 +37,11 @@ pub fn read_error_file(path: &Path) -> Result<Option<ErrorRecord>, String> {
             ))
         }
     };
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|error| {
-        format!(
-            "the error file {} is not valid JSON: {error}",
-            path.display()
-        )
-    })?;
-    let message = match value.get("message") {
-        Some(serde_json::Value::String(message)) => message.clone(),
-        Some(other) => other.to_string(),
-        None => {
-            return Err(format!(
-                "the error file {} has no \"message\" field",
-                path.display()
-            ))
-        }
-    };
-    let timestamp = value.get("timestamp").map(|timestamp| match timestamp {
-        serde_json::Value::String(text) => text.clone(),
-        other => other.to_string(),
-    });
+    let read = WorkerErrorRecord::read_text(&text)
+        .map_err(|problem| format!("the error file {} {problem}", path.display()))?;
     Ok(Some(ErrorRecord {
-        message,
-        timestamp,
+        message: read.message,
+        timestamp: read.timestamp,
         file: path.display().to_string(),
     }))
 }

@@ -11,6 +11,11 @@ use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
+use tandem_dist::cluster::contract::{
+    self, ERROR_FILE_ENV, GROUP_RANK_ENV, JOB_TOKEN_ENV, LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV,
+    MASTER_ADDR_ENV, MASTER_PORT_ENV, RANK_ENV, RESTART_COUNT_ENV, STORE_HOSTED_ENV,
+    STORE_PREFIX_ENV, WORLD_SIZE_ENV,
+};
 
 use super::logs::RankLog;
 use super::signals::{self, signal_name};
@@ -46,29 +51,23 @@ pub struct JobEnv {
 /// The environment variables a worker receives, in a fixed order.
 pub fn worker_env(place: &WorkerPlace, job: &JobEnv, error_file: &Path) -> Vec<(String, String)> {
     let pairs = [
-        ("RANK", place.rank.to_string()),
-        ("LOCAL_RANK", place.local_rank.to_string()),
-        ("GROUP_RANK", place.node_rank.to_string()),
-        ("WORLD_SIZE", place.world_size.to_string()),
-        ("LOCAL_WORLD_SIZE", place.local_world_size.to_string()),
-        ("MASTER_ADDR", job.master_addr.clone()),
-        ("MASTER_PORT", job.master_port.to_string()),
-        (tandem_dist::JOB_TOKEN_ENV, job.token.clone()),
-        ("TANDEM_RESTART_COUNT", job.restart_count.to_string()),
-        ("TANDEM_STORE_PREFIX", store_prefix(job.restart_count)),
-        ("TANDEM_STORE_HOSTED", "1".to_string()),
-        ("TANDEM_ERROR_FILE", error_file.display().to_string()),
+        (RANK_ENV, place.rank.to_string()),
+        (LOCAL_RANK_ENV, place.local_rank.to_string()),
+        (GROUP_RANK_ENV, place.node_rank.to_string()),
+        (WORLD_SIZE_ENV, place.world_size.to_string()),
+        (LOCAL_WORLD_SIZE_ENV, place.local_world_size.to_string()),
+        (MASTER_ADDR_ENV, job.master_addr.clone()),
+        (MASTER_PORT_ENV, job.master_port.to_string()),
+        (JOB_TOKEN_ENV, job.token.clone()),
+        (RESTART_COUNT_ENV, job.restart_count.to_string()),
+        (STORE_PREFIX_ENV, contract::store_prefix(job.restart_count)),
+        (STORE_HOSTED_ENV, "1".to_string()),
+        (ERROR_FILE_ENV, error_file.display().to_string()),
     ];
     pairs
         .into_iter()
         .map(|(name, value)| (name.to_string(), value))
         .collect()
-}
-
-/// The store key prefix of a round's process group, so that keys of an old round never
-/// collide with a new one's.
-pub fn store_prefix(restart_count: u32) -> String {
-    format!("round{restart_count}/pg")
 }
 
 /// The path of rank `rank`'s error file under `log_dir`.

@@ -721,7 +721,7 @@ impl Trainer {
 /// `--fresh`: moves the folder's previous run aside and says where. A worker restarted by
 /// `tandem launch` resumes instead: its first round already started over.
 fn start_fresh(settings: &TrainSettings) -> anyhow::Result<()> {
-    let restarted = std::env::var(placement::RESTART_COUNT_ENV)
+    let restarted = std::env::var(tandem_dist::cluster::contract::RESTART_COUNT_ENV)
         .ok()
         .and_then(|count| count.parse::<u64>().ok())
         .is_some_and(|count| count > 0);

@@ -2,18 +2,13 @@
 //! the tutorial's flags, torchrun's variables, or a cluster's own.
 
 use anyhow::{bail, Context};
+use tandem_dist::cluster::contract::{
+    self, DEFAULT_MASTER_PORT, RESTART_COUNT_ENV, STORE_HOSTED_ENV, STORE_PREFIX_ENV,
+};
+use tandem_dist::cluster::{ClusterSource, WorkerEnv};
 
 use crate::settings::PlacementFlags;
 use crate::train::ddp::WorkerPlacement;
-
-/// Set by `tandem launch` when its agent hosts the store for the workers.
-pub const STORE_HOSTED_ENV: &str = "TANDEM_STORE_HOSTED";
-/// Set by `tandem launch`: how many times the job has been restarted.
-pub const RESTART_COUNT_ENV: &str = "TANDEM_RESTART_COUNT";
-/// Set by `tandem launch`: the namespace of this round's process-group keys in the store.
-pub const STORE_PREFIX_ENV: &str = "TANDEM_STORE_PREFIX";
-/// torchrun's default port of the store.
-const DEFAULT_MASTER_PORT: u16 = 29500;
 
 /// The worker's place in the job, or `None` for a job of one process.
 pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPlacement>> {
@@ -39,21 +34,12 @@ pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPla
     }
     let (master_addr, master_port) = match &flags.init_method {
         Some(init_method) => parse_init_method(init_method)?,
-        None => match cluster.as_ref().and_then(|worker| worker.master_addr.clone()) {
-            Some(master_addr) => (
-                master_addr,
-                cluster
-                    .as_ref()
-                    .and_then(|worker| worker.master_port)
-                    .unwrap_or(DEFAULT_MASTER_PORT),
-            ),
-            None => bail!("a job of {world_size} processes needs MASTER_ADDR and MASTER_PORT or --init-method tcp://HOST:PORT"),
-        },
+        None => store_address(cluster.as_ref(), world_size)?,
     };
     let local_world_size = cluster.as_ref().map_or(1, |worker| worker.local_world_size);
     let key_prefix = env(STORE_PREFIX_ENV).unwrap_or_else(|| {
         let restart_round = env(RESTART_COUNT_ENV).unwrap_or_else(|| "0".to_string());
-        format!("round{restart_round}/pg")
+        contract::store_prefix(restart_round)
     });
     Ok(Some(WorkerPlacement {
         rank,
@@ -64,6 +50,32 @@ pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPla
         store_hosted: env(STORE_HOSTED_ENV).is_some_and(|value| value == "1"),
         key_prefix,
     }))
+}
+
+/// The store's host and port from the cluster's environment. torchrun's default port fills
+/// in a missing one, except under Open MPI: its ranks have no launcher to agree on a port, so
+/// `mpirun` must pass one to all of them.
+fn store_address(cluster: Option<&WorkerEnv>, world_size: usize) -> anyhow::Result<(String, u16)> {
+    let open_mpi = cluster.is_some_and(|worker| worker.source == ClusterSource::OpenMpi);
+    let Some(master_addr) = cluster.and_then(|worker| worker.master_addr.clone()) else {
+        if open_mpi {
+            bail!(
+                "an Open MPI job across several nodes needs MASTER_ADDR, the host of rank 0 \
+                 (Open MPI does not say which it is): \
+                 mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500 -x TANDEM_JOB_TOKEN ..."
+            );
+        }
+        bail!("a job of {world_size} processes needs MASTER_ADDR and MASTER_PORT or --init-method tcp://HOST:PORT");
+    };
+    let master_port = match cluster.and_then(|worker| worker.master_port) {
+        Some(port) => port,
+        None if open_mpi => bail!(
+            "an Open MPI job of {world_size} processes needs MASTER_PORT, a free port on rank 0's \
+             host, the same for every rank: mpirun -x MASTER_PORT=29500 -x TANDEM_JOB_TOKEN ..."
+        ),
+        None => DEFAULT_MASTER_PORT,
+    };
+    Ok((master_addr, master_port))
 }
 
 /// Splits `tcp://HOST:PORT` (the tutorial's `--init-method`).
@@ -87,6 +99,50 @@ pub fn parse_init_method(init_method: &str) -> anyhow::Result<(String, u16)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn open_mpi_worker(master_addr: Option<&str>, master_port: Option<u16>) -> WorkerEnv {
+        WorkerEnv {
+            source: ClusterSource::OpenMpi,
+            rank: 1,
+            world_size: 4,
+            local_rank: 1,
+            local_world_size: 2,
+            master_addr: master_addr.map(str::to_string),
+            master_port,
+        }
+    }
+
+    #[test]
+    fn open_mpi_needs_a_port_and_across_nodes_a_host() {
+        let across_nodes = open_mpi_worker(None, Some(6000));
+        let error = store_address(Some(&across_nodes), 4)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.starts_with("an Open MPI job across several nodes needs MASTER_ADDR"),
+            "{error}"
+        );
+        let no_port = open_mpi_worker(Some("head"), None);
+        let error = store_address(Some(&no_port), 4).unwrap_err().to_string();
+        assert!(
+            error.starts_with("an Open MPI job of 4 processes needs MASTER_PORT"),
+            "{error}"
+        );
+        let both = open_mpi_worker(Some("head"), Some(6000));
+        assert_eq!(
+            store_address(Some(&both), 4).unwrap(),
+            ("head".to_string(), 6000)
+        );
+        let slurm = WorkerEnv {
+            source: ClusterSource::Slurm,
+            ..no_port
+        };
+        assert_eq!(
+            store_address(Some(&slurm), 4).unwrap(),
+            ("head".to_string(), DEFAULT_MASTER_PORT),
+            "other clusters keep torchrun's default port"
+        );
+    }
 
     #[test]
     fn init_method_forms() {

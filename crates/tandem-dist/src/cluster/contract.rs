@@ -1,0 +1,194 @@
+//! The worker contract: what a worker is told when it starts, and what it leaves behind when
+//! it fails, whoever starts it (`tandem launch`, `srun`, `mpirun`, ModelArts, Kubeflow).
+//!
+//! The launcher writes these variables and the worker reads them through the same names; the
+//! store prefix of a restart round and the error file's record are built here only.
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::auth::JOB_TOKEN_ENV;
+pub use crate::group::HOST_ENV;
+
+/// Global rank of the worker (torchrun's name).
+pub const RANK_ENV: &str = "RANK";
+/// Rank of the worker among those of its node.
+pub const LOCAL_RANK_ENV: &str = "LOCAL_RANK";
+/// Rank of the worker's node.
+pub const GROUP_RANK_ENV: &str = "GROUP_RANK";
+/// Number of workers in the job.
+pub const WORLD_SIZE_ENV: &str = "WORLD_SIZE";
+/// Number of workers on the worker's node.
+pub const LOCAL_WORLD_SIZE_ENV: &str = "LOCAL_WORLD_SIZE";
+/// Host of the store.
+pub const MASTER_ADDR_ENV: &str = "MASTER_ADDR";
+/// Port of the store.
+pub const MASTER_PORT_ENV: &str = "MASTER_PORT";
+/// Set by `tandem launch`: how many times the job has been restarted.
+pub const RESTART_COUNT_ENV: &str = "TANDEM_RESTART_COUNT";
+/// Set by `tandem launch`: the namespace of this round's process-group keys in the store.
+pub const STORE_PREFIX_ENV: &str = "TANDEM_STORE_PREFIX";
+/// Set to `1` by `tandem launch` when its agent hosts the store for the workers.
+pub const STORE_HOSTED_ENV: &str = "TANDEM_STORE_HOSTED";
+/// Set by `tandem launch`: where the worker records its fatal error (torchrun's error files).
+pub const ERROR_FILE_ENV: &str = "TANDEM_ERROR_FILE";
+
+/// torchrun's default port of the store, used where a cluster names no port.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// The store key prefix of a restart round's process group, so that keys of an old round
+/// never collide with a new one's. The round is its restart count, as a number (the
+/// launcher) or as the text of [`RESTART_COUNT_ENV`] (a worker).
+pub fn store_prefix(restart_round: impl std::fmt::Display) -> String {
+    format!("round{restart_round}/pg")
+}
+
+/// A worker's fatal error as it records it in its error file:
+/// `{"rank":R,"message":"...","timestamp":SECONDS}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerErrorRecord {
+    /// The worker's global rank, when it knew it.
+    pub rank: Option<u64>,
+    /// The error, with its causes.
+    pub message: String,
+    /// When it was recorded, in seconds since the Unix epoch.
+    pub timestamp: Option<f64>,
+}
+
+/// An error file read leniently: its message and timestamp as text, whatever their JSON types.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorFileText {
+    /// The message (a JSON value other than a string, as JSON text).
+    pub message: String,
+    /// The timestamp as text, when there is one.
+    pub timestamp: Option<String>,
+}
+
+impl WorkerErrorRecord {
+    /// The record of `message` from the worker of `rank`, stamped with the current time.
+    pub fn now(rank: Option<u64>, message: String) -> WorkerErrorRecord {
+        let timestamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |elapsed| elapsed.as_secs_f64());
+        WorkerErrorRecord {
+            rank,
+            message,
+            timestamp: Some(timestamp),
+        }
+    }
+
+    /// The record as one line of JSON, the error file's content.
+    pub fn to_json(&self) -> String {
+        // A struct of a string, an integer and a float always serializes.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Reads an error file's content. A record of this type gives its fields; a file of an
+    /// older or foreign writer is accepted when it is a JSON object with a `message` (any
+    /// JSON value, taken as text). Anything else is an error saying what is wrong, to be
+    /// prefixed with the file's name.
+    pub fn read_text(text: &str) -> Result<ErrorFileText, String> {
+        if let Ok(record) = serde_json::from_str::<WorkerErrorRecord>(text) {
+            return Ok(ErrorFileText {
+                message: record.message,
+                timestamp: record.timestamp.map(|seconds| seconds.to_string()),
+            });
+        }
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|error| format!("is not valid JSON: {error}"))?;
+        let as_text = |value: &serde_json::Value| match value {
+            serde_json::Value::String(text) => text.clone(),
+            other => other.to_string(),
+        };
+        let message = value
+            .get("message")
+            .map(as_text)
+            .ok_or_else(|| "has no \"message\" field".to_string())?;
+        Ok(ErrorFileText {
+            message,
+            timestamp: value.get("timestamp").map(as_text),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_survives_its_round_trip_through_the_file_format() {
+        let record = WorkerErrorRecord {
+            rank: Some(3),
+            message: "loss is NaN at step 7: \"quoted\"\nsecond line".into(),
+            timestamp: Some(1_700_000_000.5),
+        };
+        let json = record.to_json();
+        assert_eq!(
+            json,
+            r#"{"rank":3,"message":"loss is NaN at step 7: \"quoted\"\nsecond line","timestamp":1700000000.5}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<WorkerErrorRecord>(&json).unwrap(),
+            record
+        );
+        assert_eq!(
+            WorkerErrorRecord::read_text(&json),
+            Ok(ErrorFileText {
+                message: record.message.clone(),
+                timestamp: Some("1700000000.5".into()),
+            })
+        );
+        let unranked = WorkerErrorRecord::now(None, "no rank".into());
+        assert_eq!(
+            serde_json::from_str::<WorkerErrorRecord>(&unranked.to_json()).unwrap(),
+            unranked
+        );
+        assert!(unranked.timestamp.is_some_and(|seconds| seconds > 1.6e9));
+    }
+
+    #[test]
+    fn old_and_foreign_error_files_are_read_as_text() {
+        // torchrun's error file: the message is an object.
+        let torchrun = r#"{"message":{"message":"RuntimeError: boom","extraInfo":{"timestamp":"1700000000"}}}"#;
+        let read = WorkerErrorRecord::read_text(torchrun).unwrap();
+        assert_eq!(read.timestamp, None);
+        assert!(
+            read.message.starts_with('{')
+                && read.message.contains(r#""message":"RuntimeError: boom""#),
+            "{}",
+            read.message
+        );
+        // An untyped record: a rank as text and a timestamp as a string.
+        let untyped = r#"{"rank":"one","message":"disk full","timestamp":"12:00"}"#;
+        assert_eq!(
+            WorkerErrorRecord::read_text(untyped),
+            Ok(ErrorFileText {
+                message: "disk full".into(),
+                timestamp: Some("12:00".into()),
+            })
+        );
+    }
+
+    #[test]
+    fn damaged_error_files_are_reported_not_a_panic() {
+        let truncated = WorkerErrorRecord::read_text(r#"{"rank":1,"message":"disk"#).unwrap_err();
+        assert!(truncated.starts_with("is not valid JSON: "), "{truncated}");
+        assert_eq!(
+            WorkerErrorRecord::read_text(r#"{"rank":1}"#),
+            Err("has no \"message\" field".to_string())
+        );
+        assert_eq!(
+            WorkerErrorRecord::read_text("[1,2]"),
+            Err("has no \"message\" field".to_string())
+        );
+        let binary = WorkerErrorRecord::read_text("\u{0}\u{1}garbage").unwrap_err();
+        assert!(binary.starts_with("is not valid JSON: "), "{binary}");
+        let empty = WorkerErrorRecord::read_text("").unwrap_err();
+        assert!(empty.starts_with("is not valid JSON: "), "{empty}");
+    }
+
+    #[test]
+    fn the_store_prefix_names_the_round() {
+        assert_eq!(store_prefix(0), "round0/pg");
+        assert_eq!(store_prefix(3), store_prefix("3"));
+    }
+}
