@@ -60,6 +60,8 @@ fn short_synthetic_run_writes_every_file() {
         "{stdout}"
     );
     assert!(!stdout.contains("train | epoch"), "{stdout}");
+    assert!(stdout.contains("holds the end of epoch 2"), "{stdout}");
+    assert!(!stdout.contains("resumed from"), "{stdout}");
 }
 
 #[test]

@@ -274,7 +274,13 @@ impl Trainer {
             settings.grad_accum,
             settings.epochs
         );
-        let start = if resumed {
+        let start = if resumed && self.progress.epoch >= settings.epochs {
+            format!(
+                "finished: {} holds the end of epoch {}",
+                settings.snapshot.display(),
+                self.progress.epoch
+            )
+        } else if resumed {
             format!(
                 "resumed from {} (epoch {}, step {})",
                 settings.snapshot.display(),
