@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 
@@ -12,7 +13,7 @@ use crate::error::ModelError;
 use crate::model::Model;
 use crate::tensors::TensorKind;
 
-use tandem_pickle::{open_torch_state_dict, TensorDtype, TensorHeader};
+use tandem_pickle::{open_torch_state_dict, TensorDtype, TensorHeader, TorchStateDict};
 /// Tensors by name (e.g. read from a `torch.save` file) share the pickle reader's types,
 /// so a checkpoint read there loads here without conversion.
 pub use tandem_pickle::{NamedTensor, TensorData, TorchCheckpoint};
@@ -293,52 +294,63 @@ fn dtype_name(dtype: TensorDtype) -> &'static str {
     }
 }
 
-/// Loads the model's `state_dict` from a `torch.save` file, removing `strip_prefix` (e.g.
-/// `module.`) from names that start with it. The names, shapes and dtypes the pickle
-/// declares are checked against the model before any storage is read, the pickle may
-/// decompress to no more than a model of this size can need, and the storages together may
-/// hold no more than the model's tensors; each storage is read once, however many tensors
-/// view it. Every tensor must be present and no other may be. On error the model is
-/// unchanged. Returns the file's contents (e.g. its scalars such as `EPOCHS_RUN`).
-pub fn load_torch_save(
-    model: &mut Model,
-    path: &Path,
-    strip_prefix: Option<&str>,
-) -> Result<TorchCheckpoint, ModelError> {
-    let source_name = path.display().to_string();
-    let state_dict = open_torch_state_dict(path, max_pickle_bytes(model))?;
-    let mut seen = BTreeSet::new();
-    for header in state_dict.tensors() {
-        let name = check_tensor(model, header, strip_prefix, &source_name)?;
-        seen.insert(name);
-    }
-    if let Some(missing) = model
-        .tensors()
-        .iter()
-        .find(|info| !seen.contains(&info.name))
-    {
-        return Err(ModelError::MissingTensor {
-            source_name,
-            name: missing.name.clone(),
-        });
-    }
-    let checkpoint = state_dict.read_storages(state_dict_bytes(model))?;
-    apply_tensors(model, &checkpoint.tensors, strip_prefix, &source_name)?;
-    Ok(checkpoint)
+/// A `torch.save` file opened for a model: its pickle is read (at most what a model of this
+/// size can need once decompressed), none of its storages yet, so that what it declares can
+/// be checked before anything large is read.
+pub struct TorchSaveFile {
+    source_name: String,
+    state_dict: TorchStateDict<File>,
 }
 
-/// The tensor names and shapes a `torch.save` file declares, read from its pickle alone
-/// (capped at what a model of this size can need); no storage is read.
-pub fn torch_save_shapes(
-    model: &Model,
-    path: &Path,
-) -> Result<BTreeMap<String, Vec<usize>>, ModelError> {
-    let state_dict = open_torch_state_dict(path, max_pickle_bytes(model))?;
-    Ok(state_dict
-        .tensors()
-        .iter()
-        .map(|header| (header.name.clone(), header.shape.clone()))
-        .collect())
+impl TorchSaveFile {
+    /// Opens `path` and reads its pickle, capped by the size of `model`.
+    pub fn open(model: &Model, path: &Path) -> Result<Self, ModelError> {
+        Ok(TorchSaveFile {
+            source_name: path.display().to_string(),
+            state_dict: open_torch_state_dict(path, max_pickle_bytes(model))?,
+        })
+    }
+
+    /// The tensor names and shapes the file declares.
+    pub fn shapes(&self) -> BTreeMap<String, Vec<usize>> {
+        self.state_dict
+            .tensors()
+            .iter()
+            .map(|header| (header.name.clone(), header.shape.clone()))
+            .collect()
+    }
+
+    /// Loads the model's `state_dict` from the file, removing `strip_prefix` (e.g. `module.`)
+    /// from names that start with it. The names, shapes and dtypes are checked against the
+    /// model before any storage is read, and the storages together may hold no more than the
+    /// model's tensors; each storage is read once, however many tensors view it. Every tensor
+    /// must be present and no other may be. On error the model is unchanged. Returns the
+    /// file's contents (e.g. its scalars such as `EPOCHS_RUN`).
+    pub fn load_into(
+        self,
+        model: &mut Model,
+        strip_prefix: Option<&str>,
+    ) -> Result<TorchCheckpoint, ModelError> {
+        let source_name = self.source_name;
+        let mut seen = BTreeSet::new();
+        for header in self.state_dict.tensors() {
+            let name = check_tensor(model, header, strip_prefix, &source_name)?;
+            seen.insert(name);
+        }
+        if let Some(missing) = model
+            .tensors()
+            .iter()
+            .find(|info| !seen.contains(&info.name))
+        {
+            return Err(ModelError::MissingTensor {
+                source_name,
+                name: missing.name.clone(),
+            });
+        }
+        let checkpoint = self.state_dict.read_storages(state_dict_bytes(model))?;
+        apply_tensors(model, &checkpoint.tensors, strip_prefix, &source_name)?;
+        Ok(checkpoint)
+    }
 }
 
 /// Checks a tensor the file declares against the model's table: a known name (once

@@ -34,12 +34,13 @@ pub fn read_checkpoint_info(path: &Path) -> anyhow::Result<Option<CheckpointInfo
 /// weights; the optimizer state is left out) or a `state_dict`.
 pub fn load_weights(model: &mut Model, path: &Path) -> anyhow::Result<()> {
     if is_zip_archive(path)? {
-        let shapes = tandem_models::torch_save_shapes(model, path)
+        let file = tandem_models::TorchSaveFile::open(model, path)
             .with_context(|| format!("cannot read PyTorch checkpoint {}", path.display()))?;
+        let shapes = file.shapes();
         let prefixed = shapes.keys().any(|name| name.starts_with(DDP_PREFIX));
         let prefix = prefixed.then_some(DDP_PREFIX);
         check_fits(model, &without_prefix(shapes, prefix), None, path)?;
-        tandem_models::load_torch_save(model, path, prefix)
+        file.load_into(model, prefix)
             .with_context(|| format!("cannot load weights from {}", path.display()))?;
         return Ok(());
     }
