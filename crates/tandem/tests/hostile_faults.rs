@@ -6,8 +6,7 @@ mod common;
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, ExitStatus, Stdio};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -15,13 +14,6 @@ use common::*;
 
 /// Bound on any launcher in these tests.
 const LIMIT: Duration = Duration::from_secs(300);
-
-/// A launcher whose output goes to files, so that a test can read it while it runs; killed
-/// when dropped (its workers die with it).
-struct Launcher {
-    child: Child,
-    stderr: PathBuf,
-}
 
 impl Launcher {
     /// Starts `tandem launch --standalone --nproc-per-node 2 <launch_args> -- <train>`, with
@@ -32,17 +24,13 @@ impl Launcher {
         train: Vec<String>,
         max_descriptors: Option<u64>,
     ) -> Launcher {
-        let stderr = dir.join("launcher.stderr");
         let mut command = tandem();
         command
             .args(["launch", "--standalone", "--nproc-per-node", "2"])
             .args(launch_args)
             .arg("--")
             .args(train)
-            .env_remove("TANDEM_JOB_TOKEN")
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(dir.join("launcher.stdout")).unwrap())
-            .stderr(std::fs::File::create(&stderr).unwrap());
+            .env_remove("TANDEM_JOB_TOKEN");
         if let Some(limit) = max_descriptors {
             // SAFETY: runs between fork and exec and only calls `setrlimit`, which is
             // async-signal-safe.
@@ -60,41 +48,7 @@ impl Launcher {
                 });
             }
         }
-        Launcher {
-            child: command.spawn().expect("start the tandem binary"),
-            stderr,
-        }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    fn has_exited(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_some()
-    }
-
-    /// Waits for the launcher to exit, at most [`LIMIT`]; panics (killing it) otherwise.
-    fn wait(&mut self) -> ExitStatus {
-        let deadline = Instant::now() + LIMIT;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            if Instant::now() >= deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                panic!(
-                    "the launcher did not exit within {LIMIT:?}; stderr:\n{}",
-                    self.stderr()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        Launcher::spawn(command, dir, "launcher")
     }
 
     /// The store's address, from the launcher's first line.
@@ -125,15 +79,6 @@ impl Launcher {
                 })
             })
             .unwrap_or_else(|| panic!("no worker of rank {rank}"))
-    }
-}
-
-impl Drop for Launcher {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
     }
 }
 
@@ -222,7 +167,7 @@ fn hundreds_of_outsider_connections_under_a_low_descriptor_limit_do_not_stop_a_r
         let under_attack = descriptors_and_threads(launcher.pid());
         eprintln!("launcher descriptors and threads: {before:?} before, {under_attack:?} under 400 outsider connections");
         signal(launcher.worker(1), libc::SIGKILL);
-        let status = launcher.wait();
+        let status = launcher.wait(LIMIT);
         stop.store(true, Ordering::SeqCst);
         let stderr = launcher.stderr();
         assert!(status.success(), "{stderr}");
@@ -251,7 +196,7 @@ fn sigterm_to_one_worker_is_a_failure_naming_its_rank_the_signal_and_the_epoch()
     );
     wait_for_training(&output, &mut launcher);
     signal(launcher.worker(1), libc::SIGTERM);
-    let status = launcher.wait();
+    let status = launcher.wait(LIMIT);
     let stderr = launcher.stderr();
     assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(
@@ -284,7 +229,7 @@ fn a_stopped_worker_is_killed_at_once_and_named_as_the_root_cause() {
     let stuck = launcher.worker(1);
     let stopped_at = Instant::now();
     signal(stuck, libc::SIGSTOP);
-    let status = launcher.wait();
+    let status = launcher.wait(LIMIT);
     let waited = stopped_at.elapsed();
     let stderr = launcher.stderr();
     assert_eq!(status.code(), Some(1), "{stderr}");

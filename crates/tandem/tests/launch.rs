@@ -5,22 +5,19 @@
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tandem_dist::{JobToken, ProcessGroup, ProcessGroupOptions, ReduceOp, StoreClient};
 
+mod common;
+
+use common::Launcher;
+
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 /// Bound on any launcher in these tests.
 const LAUNCH_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// A launcher started by a test; killed when dropped, so a failing test leaves nothing behind.
-struct Launcher {
-    child: Child,
-    stdout: PathBuf,
-    stderr: PathBuf,
-}
 
 impl Launcher {
     /// Starts `tandem launch <args>` in `dir`, with extra environment `env`.
@@ -36,67 +33,13 @@ impl Launcher {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Launcher {
-        let stdout = dir.join(format!("{name}.stdout"));
-        let stderr = dir.join(format!("{name}.stderr"));
         command
             .arg("launch")
             .args(args)
             .current_dir(dir)
             .env_remove("TANDEM_JOB_TOKEN")
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&stdout).unwrap())
-            .stderr(std::fs::File::create(&stderr).unwrap());
-        let child = command.spawn().expect("start the tandem binary");
-        Launcher {
-            child,
-            stdout,
-            stderr,
-        }
-    }
-
-    /// Waits for the launcher to exit, at most `timeout`; panics (killing it) otherwise.
-    fn wait(&mut self, timeout: Duration) -> ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            if Instant::now() >= deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                panic!(
-                    "the launcher did not exit within {timeout:?}; stderr:\n{}",
-                    self.stderr()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    fn stdout(&self) -> String {
-        std::fs::read_to_string(&self.stdout).unwrap_or_default()
-    }
-
-    fn signal(&self, signal: i32) {
-        // SAFETY: `kill` has no memory-safety preconditions; the child is not reaped yet.
-        assert_eq!(
-            unsafe { libc::kill(self.child.id() as libc::pid_t, signal) },
-            0
-        );
-    }
-}
-
-impl Drop for Launcher {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+            .envs(env.iter().copied());
+        Launcher::spawn(command, dir, name)
     }
 }
 

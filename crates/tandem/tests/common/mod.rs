@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 /// The `tandem` binary under test.
@@ -207,4 +207,87 @@ pub fn children(parent: u32) -> Vec<u32> {
         }
     }
     pids
+}
+
+/// A `tandem launch` started by a test, its output going to files so that the test can read
+/// them while it runs; killed when dropped, so a failing test leaves nothing behind.
+pub struct Launcher {
+    pub child: Child,
+    stdout: PathBuf,
+    stderr: PathBuf,
+}
+
+impl Launcher {
+    /// Spawns `command` (a prepared `tandem launch ...`) with standard input closed and its
+    /// output in `dir/NAME.stdout` and `dir/NAME.stderr`.
+    pub fn spawn(mut command: Command, dir: &Path, name: &str) -> Launcher {
+        let stdout = dir.join(format!("{name}.stdout"));
+        let stderr = dir.join(format!("{name}.stderr"));
+        command
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&stdout).unwrap())
+            .stderr(std::fs::File::create(&stderr).unwrap());
+        Launcher {
+            child: command.spawn().expect("start the tandem binary"),
+            stdout,
+            stderr,
+        }
+    }
+
+    /// Waits for the launcher to exit, at most `timeout`; panics (killing it) otherwise.
+    pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "the launcher did not exit within {timeout:?}; stderr:\n{}",
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// What it has written to standard error so far.
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// What it has written to standard output so far.
+    pub fn stdout(&self) -> String {
+        std::fs::read_to_string(&self.stdout).unwrap_or_default()
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether it has exited (reaping it if so).
+    pub fn has_exited(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_some()
+    }
+
+    /// Sends it `signal`.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: `kill` has no memory-safety preconditions; the child is not reaped yet.
+        assert_eq!(
+            unsafe { libc::kill(self.child.id() as libc::pid_t, signal) },
+            0
+        );
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
 }
