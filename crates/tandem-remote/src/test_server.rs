@@ -1,0 +1,273 @@
+//! For tests only (feature `test-server`): a real S3-protocol server on loopback, `s3s-fs`,
+//! which checks every request's signature, and a proxy that breaks one upload mid-way.
+//!
+//! `s3s-fs` is found through `TANDEM_S3S_FS` (its path) or on `PATH`; `.ci/run` installs
+//! it. Where it is missing, [`S3Server::start`] returns `None` after printing why, unless
+//! `CI` is set, where it panics: CI must run these tests.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The access key id the server accepts.
+pub const ACCESS_KEY: &str = "tandem-test-key";
+/// The secret key the server accepts.
+pub const SECRET_KEY: &str = "tandem-test-secret-0123456789";
+/// Bound on the server's start.
+const START_LIMIT: Duration = Duration::from_secs(20);
+
+/// An `s3s-fs` server on a free loopback port, serving the folders of a temporary root as
+/// buckets; stopped and removed when dropped.
+pub struct S3Server {
+    child: Option<Child>,
+    root: tempfile::TempDir,
+    port: u16,
+}
+
+impl S3Server {
+    /// Starts the server, or returns `None` (printing why) where `s3s-fs` is missing and
+    /// `CI` is unset.
+    pub fn start() -> Option<S3Server> {
+        let Some(program) = find_program() else {
+            let reason = "s3s-fs not found (set TANDEM_S3S_FS or put it on PATH; \
+                          `cargo install --locked s3s-fs@0.14.1 --features binary`)";
+            if std::env::var_os("CI").is_some() {
+                panic!("{reason}");
+            }
+            eprintln!("skipped: {reason}");
+            return None;
+        };
+        let root = tempfile::tempdir().expect("a temporary folder for the buckets");
+        std::fs::create_dir_all(root.path().join("data")).expect("the buckets' folder");
+        let mut last_failure = String::new();
+        // The free port is found by binding and releasing it; another process may take it
+        // in between, so a start that fails is tried again on another port.
+        for _ in 0..3 {
+            let port = free_port();
+            let log = root.path().join(format!("s3s-fs-{port}.log"));
+            let mut child = Command::new(&program)
+                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+                .arg(root.path().join("data"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).expect("the server's log file"))
+                .spawn()
+                .unwrap_or_else(|error| panic!("cannot start {}: {error}", program.display()));
+            match wait_ready(&mut child, port) {
+                Ok(()) => {
+                    return Some(S3Server {
+                        child: Some(child),
+                        root,
+                        port,
+                    })
+                }
+                Err(failure) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    last_failure = format!(
+                        "{failure}; its log:\n{}",
+                        std::fs::read_to_string(&log).unwrap_or_default()
+                    );
+                }
+            }
+        }
+        panic!("s3s-fs did not start: {last_failure}");
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Creates an empty bucket `name`; returns its folder.
+    pub fn create_bucket(&self, name: &str) -> PathBuf {
+        let folder = self.bucket_folder(name);
+        std::fs::create_dir_all(&folder).expect("the bucket's folder");
+        folder
+    }
+
+    /// The folder that holds bucket `name`'s objects, one file per key.
+    pub fn bucket_folder(&self, name: &str) -> PathBuf {
+        self.root.path().join("data").join(name)
+    }
+
+    /// The variables that point a client at this server with its credentials.
+    pub fn variables(&self) -> Vec<(String, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL".into(), self.endpoint()),
+            ("AWS_ACCESS_KEY_ID".into(), ACCESS_KEY.into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), SECRET_KEY.into()),
+            ("AWS_REGION".into(), "us-east-1".into()),
+        ]
+    }
+
+    /// Stops the server (it can no longer be reached); the buckets stay until drop.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A TCP proxy on loopback in front of a server that cuts the first connection carrying
+/// more than `cut_after` bytes towards the server (a request body in flight), once; every
+/// other connection is passed through whole.
+pub struct CuttingProxy {
+    port: u16,
+    stopped: Arc<AtomicBool>,
+    cuts: Arc<AtomicU64>,
+}
+
+impl CuttingProxy {
+    /// Starts the proxy in front of `127.0.0.1:target_port`.
+    pub fn start(target_port: u16, cut_after: u64) -> CuttingProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port for the proxy");
+        listener
+            .set_nonblocking(true)
+            .expect("a non-blocking listener");
+        let port = listener.local_addr().expect("the proxy's address").port();
+        let stopped = Arc::new(AtomicBool::new(false));
+        let cuts = Arc::new(AtomicU64::new(0));
+        let cut_done = Arc::new(AtomicBool::new(false));
+        {
+            let stopped = Arc::clone(&stopped);
+            let cuts = Arc::clone(&cuts);
+            std::thread::spawn(move || {
+                while !stopped.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((client, _)) => {
+                            let cut_done = Arc::clone(&cut_done);
+                            let cuts = Arc::clone(&cuts);
+                            std::thread::spawn(move || {
+                                relay(client, target_port, cut_after, &cut_done, &cuts)
+                            });
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            });
+        }
+        CuttingProxy {
+            port,
+            stopped,
+            cuts,
+        }
+    }
+
+    /// `http://127.0.0.1:PORT` of the proxy.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// How many connections the proxy has cut.
+    pub fn cuts(&self) -> u64 {
+        self.cuts.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for CuttingProxy {
+    fn drop(&mut self) {
+        self.stopped.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Passes one connection through, cutting it when it is the first to exceed `cut_after`.
+fn relay(
+    client: TcpStream,
+    target_port: u16,
+    cut_after: u64,
+    cut_done: &AtomicBool,
+    cuts: &AtomicU64,
+) {
+    let Ok(server) = TcpStream::connect(("127.0.0.1", target_port)) else {
+        return;
+    };
+    let (Ok(client_reader), Ok(server_writer)) = (client.try_clone(), server.try_clone()) else {
+        return;
+    };
+    let backward = std::thread::spawn(move || copy_all(server, client));
+    let mut reader = client_reader;
+    let mut writer = server_writer;
+    let mut forwarded = 0u64;
+    let mut buffer = [0u8; 16 * 1024];
+    loop {
+        let count = match reader.read(&mut buffer) {
+            Ok(0) | Err(_) => break,
+            Ok(count) => count,
+        };
+        if forwarded + count as u64 > cut_after
+            && cut_done
+                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
+            cuts.fetch_add(1, Ordering::SeqCst);
+            let _ = reader.shutdown(Shutdown::Both);
+            let _ = writer.shutdown(Shutdown::Both);
+            break;
+        }
+        if writer.write_all(&buffer[..count]).is_err() {
+            break;
+        }
+        forwarded += count as u64;
+    }
+    let _ = writer.shutdown(Shutdown::Write);
+    let _ = backward.join();
+}
+
+/// Waits until `port` accepts connections, or the server exits, within [`START_LIMIT`].
+fn wait_ready(child: &mut Child, port: u16) -> Result<(), String> {
+    let deadline = Instant::now() + START_LIMIT;
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!("s3s-fs exited with {status}"));
+        }
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(format!("s3s-fs did not listen within {START_LIMIT:?}"))
+}
+
+/// Copies `from` to `to` until either side closes.
+fn copy_all(mut from: TcpStream, mut to: TcpStream) {
+    let _ = std::io::copy(&mut from, &mut to);
+    let _ = to.shutdown(Shutdown::Both);
+}
+
+/// `s3s-fs`, from `TANDEM_S3S_FS` or `PATH`.
+fn find_program() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("TANDEM_S3S_FS") {
+        return Some(PathBuf::from(path)).filter(|path| path.is_file());
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|folder| folder.join("s3s-fs"))
+            .find(|candidate| candidate.is_file())
+    })
+}
+
+/// A loopback port nothing listens on now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|address| address.port())
+        .expect("a free loopback port")
+}
