@@ -343,7 +343,8 @@ fn get(url: &str, from: u64, stall_timeout: Duration) -> Result<Response, DataEr
         .timeout_connect(stall_timeout)
         .timeout_read(stall_timeout)
         .timeout_write(stall_timeout)
-        .redirects(MAX_REDIRECTS)
+        // ureq counts the request that gets the last redirect among them.
+        .redirects(MAX_REDIRECTS + 1)
         // One download, one connection at a time: nothing to gain from keeping any open.
         .max_idle_connections(0)
         .user_agent("tandem")
@@ -369,6 +370,17 @@ fn get(url: &str, from: u64, stall_timeout: Duration) -> Result<Response, DataEr
             ))
         }
     };
+    // Anything else below 400 (a redirect without a Location, 204, ...) is not the file.
+    if !matches!(response.status(), 200 | 206) {
+        return Err(download_error(
+            url,
+            format!(
+                "server answered {} {} instead of the file",
+                response.status(),
+                response.status_text()
+            ),
+        ));
+    }
     let body_len = match response.header("Content-Length") {
         Some(value) => Some(value.trim().parse::<u64>().map_err(|_| {
             download_error(url, format!("Content-Length {value:?} is not a number"))

@@ -28,6 +28,8 @@ enum Reply {
     Corrupt,
     /// 302 to `/file`.
     Redirect,
+    /// 302 without a `Location`.
+    RedirectNowhere,
     /// 404.
     Missing,
     /// 200 with the whole body and no `Content-Length`: the body ends when the connection closes.
@@ -98,6 +100,7 @@ fn answer(mut stream: TcpStream, body: &[u8], reply: Reply) -> String {
         (Reply::Redirect, _) => {
             b"HTTP/1.1 302 Found\r\nLocation: /file\r\nContent-Length: 0\r\n\r\n".to_vec()
         }
+        (Reply::RedirectNowhere, _) => b"HTTP/1.1 302 Found\r\nContent-Length: 0\r\n\r\n".to_vec(),
         (Reply::Missing, _) => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n".to_vec(),
         (Reply::Unannounced, _) => {
             let mut out = b"HTTP/1.1 200 OK\r\n\r\n".to_vec();
@@ -149,8 +152,11 @@ fn no_progress() -> impl FnMut(u64, Option<u64>) {
     |_, _| {}
 }
 
+/// `<destination>.part`, where an unfinished download lives.
 fn partial(destination: &Path) -> std::path::PathBuf {
-    destination.with_file_name("archive.tar.gz.part")
+    let mut name = destination.file_name().unwrap().to_os_string();
+    name.push(".part");
+    destination.with_file_name(name)
 }
 
 #[test]
@@ -239,7 +245,12 @@ fn redirects_are_followed_and_http_errors_reported() {
     let body = body();
     let (url, server) = serve(
         body.clone(),
-        vec![Reply::Redirect, Reply::Serve, Reply::Missing],
+        vec![
+            Reply::Redirect,
+            Reply::Serve,
+            Reply::Missing,
+            Reply::RedirectNowhere,
+        ],
     );
     let dir = tempfile::tempdir().unwrap();
     let destination = dir.path().join("archive.tar.gz");
@@ -251,7 +262,53 @@ fn redirects_are_followed_and_http_errors_reported() {
         error.to_string(),
         format!("download of {url}: server answered 404 Not Found")
     );
+    let error = download_file(&url, &other, &md5_hex(&body), &mut no_progress()).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        format!("download of {url}: server answered 302 Found instead of the file")
+    );
+    assert!(!other.exists() && !partial(&other).exists());
     server.join().unwrap();
+}
+
+#[test]
+fn a_redirect_loop_gives_up() {
+    // Every request is sent back to the same absolute address, until the client stops asking.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/file", listener.local_addr().unwrap());
+    let redirect =
+        format!("HTTP/1.1 301 Moved Permanently\r\nLocation: {url}\r\nContent-Length: 0\r\n\r\n");
+    listener.set_nonblocking(true).unwrap();
+    let (done, wait_for_done) = mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let mut requests = 0;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while wait_for_done.try_recv().is_err() && Instant::now() < deadline {
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    stream.set_nonblocking(false).unwrap();
+                    let mut head = String::new();
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    while reader.read_line(&mut head).unwrap_or(0) > 2 {}
+                    let _ = stream.write_all(redirect.as_bytes());
+                    requests += 1;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+        requests
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    let error = download_file(&url, &destination, "00", &mut no_progress()).unwrap_err();
+    done.send(()).unwrap();
+    let requests = server.join().unwrap();
+    assert_eq!(
+        error.to_string(),
+        format!("download of {url}: more than 5 redirects")
+    );
+    assert_eq!(requests, 6, "the first request and 5 redirects followed");
+    assert!(!destination.exists() && !partial(&destination).exists());
 }
 
 #[test]
