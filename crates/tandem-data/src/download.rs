@@ -1,14 +1,12 @@
 //! Downloading CIFAR-10's binary archive: resumable (HTTP `Range`), checked against its md5,
 //! and never visible under its final name until complete and verified.
 //!
-//! `http://` addresses go through a minimal HTTP/1.1 `GET` over a plain TCP stream
-//! (redirects followed, `Content-Length` or read-to-close bodies). `https://` addresses
-//! (the official one) need the `https` feature, which uses `ureq` with rustls; without it
-//! they are refused with a message saying how to fetch the file by hand.
+//! Both `http://` and `https://` addresses go through `ureq` (rustls for TLS): redirects
+//! followed, `Content-Length`, chunked or read-to-close bodies, and every connect, read and
+//! write bounded by [`DownloadLimits::stall_timeout`] so a silent server cannot hang the run.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -29,12 +27,31 @@ pub const CIFAR10_MAX_DOWNLOAD_BYTES: u64 = 180_000_000;
 /// The most bytes [`download_file`] accepts.
 pub const MAX_DOWNLOAD_BYTES: u64 = 1 << 30;
 
+/// How long a connection may stay silent (connecting, or between two reads) by default.
+pub const DOWNLOAD_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Redirects followed before giving up.
-const MAX_REDIRECTS: usize = 5;
-/// Longest response head accepted.
-const MAX_HEAD_BYTES: usize = 64 * 1024;
-/// A stalled connection fails after this long.
-const IO_TIMEOUT: Duration = Duration::from_secs(60);
+const MAX_REDIRECTS: u32 = 5;
+
+/// What one download may take: its size bound and how long the server may stay silent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DownloadLimits {
+    /// The most bytes the file may have; a server announcing or sending more is refused.
+    pub max_bytes: u64,
+    /// Connecting, sending the request, and each read of the answer fail after this long
+    /// without progress. The whole download has no deadline: a slow but steady one finishes.
+    pub stall_timeout: Duration,
+}
+
+impl DownloadLimits {
+    /// At most `max_bytes`, with the default [`DOWNLOAD_STALL_TIMEOUT`].
+    pub fn up_to(max_bytes: u64) -> DownloadLimits {
+        DownloadLimits {
+            max_bytes,
+            stall_timeout: DOWNLOAD_STALL_TIMEOUT,
+        }
+    }
+}
 
 /// Makes sure CIFAR-10's binary layout is in `dir`: if it is there in any form
 /// [`crate::DataSource::Cifar10Bin`] accepts, nothing happens; otherwise the archive is
@@ -75,7 +92,7 @@ pub fn download_cifar10(
         url,
         &destination,
         CIFAR10_MD5,
-        CIFAR10_MAX_DOWNLOAD_BYTES,
+        DownloadLimits::up_to(CIFAR10_MAX_DOWNLOAD_BYTES),
         progress,
     )?;
     Ok(destination)
@@ -92,27 +109,35 @@ pub fn download_file(
     expected_md5: &str,
     progress: &mut dyn FnMut(u64, Option<u64>),
 ) -> Result<(), DataError> {
-    download_file_bounded(url, destination, expected_md5, MAX_DOWNLOAD_BYTES, progress)
+    download_file_bounded(
+        url,
+        destination,
+        expected_md5,
+        DownloadLimits::up_to(MAX_DOWNLOAD_BYTES),
+        progress,
+    )
 }
 
-/// [`download_file`] of a file that holds at most `max_bytes`: a response announcing more is
-/// refused before its body is read, and a body that runs past it is cut off and its partial
-/// file removed, so a server cannot fill the disk.
+/// [`download_file`] within `limits`: a response announcing more than `limits.max_bytes` is
+/// refused before its body is read, a body that runs past it is cut off and its partial file
+/// removed, so a server cannot fill the disk; a server silent for `limits.stall_timeout`
+/// fails the download (a partial file is kept for the next attempt to resume).
 pub fn download_file_bounded(
     url: &str,
     destination: &Path,
     expected_md5: &str,
-    max_bytes: u64,
+    limits: DownloadLimits,
     progress: &mut dyn FnMut(u64, Option<u64>),
 ) -> Result<(), DataError> {
     if destination.is_file() && file_md5(destination)? == expected_md5 {
         return Ok(());
     }
+    let max_bytes = limits.max_bytes;
     let partial = partial_path(destination);
     let already = std::fs::metadata(&partial)
         .map(|meta| meta.len())
         .unwrap_or(0);
-    let response = get(url, already)?;
+    let response = get(url, already, limits.stall_timeout)?;
     let mut file = match response.start {
         Some(start) if start == already => OpenOptions::new()
             .append(true)
@@ -144,6 +169,7 @@ pub fn download_file_bounded(
             total,
             max_bytes,
         },
+        limits.stall_timeout,
         progress,
     );
     if let Err(error) = copied {
@@ -192,14 +218,16 @@ struct Span {
 /// How the error of a body that runs past the bound begins.
 const TOO_LONG: &str = "the body runs past";
 
-/// Appends the response body to `file`; a body cut short is an error that keeps the
-/// partial file for the next attempt to resume, a body longer than the bound an error.
+/// Appends the response body to `file`; a body cut short or stalled for `stall_timeout` is
+/// an error that keeps the partial file for the next attempt to resume, a body longer than
+/// the bound an error.
 fn copy_body(
     url: &str,
     mut response: Response,
     file: &mut File,
     partial: &Path,
     span: Span,
+    stall_timeout: Duration,
     progress: &mut dyn FnMut(u64, Option<u64>),
 ) -> Result<(), DataError> {
     let Span {
@@ -218,10 +246,26 @@ fn copy_body(
         let count = match response.reader.read(&mut chunk[..wanted]) {
             Ok(count) => count,
             Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+            // ureq reports a body shorter than its Content-Length this way.
+            Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => break,
+            Err(error) if error.kind() == std::io::ErrorKind::TimedOut => {
+                return Err(download_error(
+                    url,
+                    format!(
+                        "timed out: the server sent nothing for {stall_timeout:?} after {} bytes; the partial file {} is kept, run again to resume",
+                        resumed_from + received,
+                        partial.display()
+                    ),
+                ))
+            }
             Err(error) => {
                 return Err(download_error(
                     url,
-                    format!("reading the body: {error}; run again to resume"),
+                    format!(
+                        "reading the body after {} bytes: {error}; the partial file {} is kept, run again to resume",
+                        resumed_from + received,
+                        partial.display()
+                    ),
                 ))
             }
         };
@@ -244,7 +288,7 @@ fn copy_body(
             return Err(download_error(
                 url,
                 format!(
-                    "connection closed after {} of {} bytes; the partial file {} is kept, run again to resume",
+                    "truncated: the connection closed after {} of {} bytes; the partial file {} is kept, run again to resume",
                     resumed_from + received,
                     resumed_from + len,
                     partial.display()
@@ -293,212 +337,17 @@ struct Response {
     reader: Box<dyn Read + Send>,
 }
 
-/// Sends `GET url`, asking for bytes from `from` on if `from > 0`; follows redirects.
-fn get(url: &str, from: u64) -> Result<Response, DataError> {
-    let mut current = url.to_string();
-    for _ in 0..=MAX_REDIRECTS {
-        if current.starts_with("https://") {
-            return get_https(&current, from);
-        }
-        match get_once(&current, from)? {
-            Fetched::Response(response) => return Ok(response),
-            Fetched::Redirect(location) => current = resolve_location(&current, &location),
-        }
-    }
-    Err(download_error(
-        url,
-        format!("more than {MAX_REDIRECTS} redirects"),
-    ))
-}
-
-enum Fetched {
-    Response(Response),
-    Redirect(String),
-}
-
-/// The parts of an `http://host[:port]/path` address.
-struct Address {
-    host: String,
-    port: u16,
-    path: String,
-}
-
-fn parse_url(url: &str) -> Result<Address, DataError> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| download_error(url, "expected an http:// address"))?;
-    let (authority, path) = match rest.find('/') {
-        Some(slash) => (&rest[..slash], &rest[slash..]),
-        None => (rest, "/"),
-    };
-    let (host, port) = match authority.rsplit_once(':') {
-        Some((host, port)) => (
-            host,
-            port.parse::<u16>()
-                .map_err(|_| download_error(url, format!("port {port:?} is not a number")))?,
-        ),
-        None => (authority, 80),
-    };
-    if host.is_empty() {
-        return Err(download_error(url, "no host in the address"));
-    }
-    Ok(Address {
-        host: host.to_string(),
-        port,
-        path: path.to_string(),
-    })
-}
-
-fn resolve_location(current: &str, location: &str) -> String {
-    if location.contains("://") {
-        return location.to_string();
-    }
-    let origin_end = current
-        .find("://")
-        .and_then(|scheme| {
-            current[scheme + 3..]
-                .find('/')
-                .map(|slash| scheme + 3 + slash)
-        })
-        .unwrap_or(current.len());
-    format!("{}{location}", &current[..origin_end])
-}
-
-fn get_once(url: &str, from: u64) -> Result<Fetched, DataError> {
-    let address = parse_url(url)?;
-    let stream = TcpStream::connect((address.host.as_str(), address.port))
-        .map_err(|error| download_error(url, format!("cannot connect: {error}")))?;
-    let _ = stream.set_read_timeout(Some(IO_TIMEOUT));
-    let _ = stream.set_write_timeout(Some(IO_TIMEOUT));
-    let mut request = format!(
-        "GET {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: tandem\r\nAccept-Encoding: identity\r\nConnection: close\r\n",
-        address.path, address.host
-    );
-    if from > 0 {
-        request.push_str(&format!("Range: bytes={from}-\r\n"));
-    }
-    request.push_str("\r\n");
-    (&stream)
-        .write_all(request.as_bytes())
-        .map_err(|error| download_error(url, format!("sending the request: {error}")))?;
-    let mut reader = BufReader::new(stream);
-    let head = read_head(url, &mut reader)?;
-    let header = |name: &str| {
-        head.headers
-            .iter()
-            .find(|(key, _)| key.eq_ignore_ascii_case(name))
-            .map(|(_, value)| value.as_str())
-    };
-    if header("Transfer-Encoding").is_some_and(|value| !value.eq_ignore_ascii_case("identity")) {
-        return Err(download_error(
-            url,
-            "the server sent a chunked body, which this client does not read",
-        ));
-    }
-    let body_len = match header("Content-Length") {
-        Some(value) => Some(value.trim().parse::<u64>().map_err(|_| {
-            download_error(url, format!("Content-Length {value:?} is not a number"))
-        })?),
-        None => None,
-    };
-    match head.status {
-        200 => Ok(Fetched::Response(Response {
-            start: None,
-            body_len,
-            reader: Box::new(reader),
-        })),
-        206 => {
-            let start = header("Content-Range")
-                .and_then(|value| value.trim().strip_prefix("bytes "))
-                .and_then(|range| range.split('-').next())
-                .and_then(|start| start.trim().parse::<u64>().ok())
-                .ok_or_else(|| {
-                    download_error(url, "206 Partial Content without a readable Content-Range")
-                })?;
-            Ok(Fetched::Response(Response {
-                start: Some(start),
-                body_len,
-                reader: Box::new(reader),
-            }))
-        }
-        // The partial file is already complete (or longer than the file): start afresh.
-        416 if from > 0 => get_once(url, 0),
-        301 | 302 | 303 | 307 | 308 => match header("Location") {
-            Some(location) => Ok(Fetched::Redirect(location.trim().to_string())),
-            None => Err(download_error(
-                url,
-                format!("redirect {} without a Location", head.status),
-            )),
-        },
-        status => Err(download_error(
-            url,
-            format!("server answered {status} {}", head.reason),
-        )),
-    }
-}
-
-struct Head {
-    status: u16,
-    reason: String,
-    headers: Vec<(String, String)>,
-}
-
-/// Reads the status line and headers, up to the blank line.
-fn read_head(url: &str, reader: &mut BufReader<TcpStream>) -> Result<Head, DataError> {
-    let mut lines = Vec::new();
-    let mut total = 0;
-    loop {
-        let mut line = String::new();
-        let count = reader
-            .by_ref()
-            .take((MAX_HEAD_BYTES - total) as u64 + 1)
-            .read_line(&mut line)
-            .map_err(|error| download_error(url, format!("reading the response head: {error}")))?;
-        total += count;
-        if count == 0 || total > MAX_HEAD_BYTES {
-            return Err(download_error(
-                url,
-                "the response head is cut short or too long",
-            ));
-        }
-        let line = line.trim_end_matches(['\r', '\n']).to_string();
-        if line.is_empty() {
-            break;
-        }
-        lines.push(line);
-    }
-    let mut lines = lines.into_iter();
-    let status_line = lines.next().unwrap_or_default();
-    let mut parts = status_line.splitn(3, ' ');
-    let version = parts.next().unwrap_or_default();
-    let status = parts.next().and_then(|code| code.parse::<u16>().ok());
-    let (true, Some(status)) = (version.starts_with("HTTP/"), status) else {
-        return Err(download_error(
-            url,
-            format!("not an HTTP response: {status_line:?}"),
-        ));
-    };
-    let reason = parts.next().unwrap_or_default().to_string();
-    let headers = lines
-        .filter_map(|line| {
-            let (key, value) = line.split_once(':')?;
-            Some((key.trim().to_string(), value.trim().to_string()))
-        })
-        .collect();
-    Ok(Head {
-        status,
-        reason,
-        headers,
-    })
-}
-
-/// `GET` over TLS with `ureq` (feature `https`).
-#[cfg(feature = "https")]
-fn get_https(url: &str, from: u64) -> Result<Response, DataError> {
+/// Sends `GET url` (following redirects), asking for bytes from `from` on if `from > 0`.
+fn get(url: &str, from: u64, stall_timeout: Duration) -> Result<Response, DataError> {
     let agent = ureq::AgentBuilder::new()
-        .timeout_connect(IO_TIMEOUT)
-        .timeout_read(IO_TIMEOUT)
-        .redirects(MAX_REDIRECTS as u32)
+        .timeout_connect(stall_timeout)
+        .timeout_read(stall_timeout)
+        .timeout_write(stall_timeout)
+        // ureq counts the request that gets the last redirect among them.
+        .redirects(MAX_REDIRECTS + 1)
+        // One download, one connection at a time: nothing to gain from keeping any open.
+        .max_idle_connections(0)
+        .user_agent("tandem")
         .build();
     let mut request = agent.get(url).set("Accept-Encoding", "identity");
     if from > 0 {
@@ -507,18 +356,37 @@ fn get_https(url: &str, from: u64) -> Result<Response, DataError> {
     let response = match request.call() {
         Ok(response) => response,
         // The partial file is already complete (or longer than the file): start afresh.
-        Err(ureq::Error::Status(416, _)) if from > 0 => return get_https(url, 0),
+        Err(ureq::Error::Status(416, _)) if from > 0 => return get(url, 0, stall_timeout),
         Err(ureq::Error::Status(status, response)) => {
             return Err(download_error(
                 url,
                 format!("server answered {status} {}", response.status_text()),
             ))
         }
-        Err(error) => return Err(download_error(url, error.to_string())),
+        Err(ureq::Error::Transport(transport)) => {
+            return Err(download_error(
+                url,
+                describe_transport(&transport, stall_timeout),
+            ))
+        }
     };
-    let body_len = response
-        .header("Content-Length")
-        .and_then(|value| value.trim().parse::<u64>().ok());
+    // Anything else below 400 (a redirect without a Location, 204, ...) is not the file.
+    if !matches!(response.status(), 200 | 206) {
+        return Err(download_error(
+            url,
+            format!(
+                "server answered {} {} instead of the file",
+                response.status(),
+                response.status_text()
+            ),
+        ));
+    }
+    let body_len = match response.header("Content-Length") {
+        Some(value) => Some(value.trim().parse::<u64>().map_err(|_| {
+            download_error(url, format!("Content-Length {value:?} is not a number"))
+        })?),
+        None => None,
+    };
     let start = if response.status() == 206 {
         let start = response
             .header("Content-Range")
@@ -535,17 +403,31 @@ fn get_https(url: &str, from: u64) -> Result<Response, DataError> {
     Ok(Response {
         start,
         body_len,
-        reader: Box::new(response.into_reader()),
+        reader: response.into_reader(),
     })
 }
 
-/// Without the `https` feature, TLS addresses are refused with what to do instead.
-#[cfg(not(feature = "https"))]
-fn get_https(url: &str, _from: u64) -> Result<Response, DataError> {
-    Err(download_error(
-        url,
-        format!(
-            "https is not built into this client (build with the `https` feature); download {CIFAR10_ARCHIVE_NAME} by hand into the data folder, or give an http:// mirror"
-        ),
-    ))
+/// What went wrong below HTTP (unreachable host, silent server, bad address, too many
+/// redirects), without the address the error message already names.
+fn describe_transport(transport: &ureq::Transport, stall_timeout: Duration) -> String {
+    let causes: Vec<&dyn std::error::Error> =
+        std::iter::successors(std::error::Error::source(transport), |cause| cause.source())
+            .collect();
+    let timed_out = causes.iter().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|error| error.kind() == std::io::ErrorKind::TimedOut)
+    });
+    let root_cause = causes
+        .last()
+        .map(|cause| cause.to_string())
+        .or_else(|| transport.message().map(str::to_string))
+        .unwrap_or_default();
+    match transport.kind() {
+        _ if timed_out => format!("timed out: the server sent nothing for {stall_timeout:?}"),
+        ureq::ErrorKind::Dns => format!("cannot resolve the host: {root_cause}"),
+        ureq::ErrorKind::ConnectionFailed => format!("cannot connect: {root_cause}"),
+        ureq::ErrorKind::TooManyRedirects => format!("more than {MAX_REDIRECTS} redirects"),
+        kind => format!("{kind}: {root_cause}"),
+    }
 }

@@ -25,7 +25,8 @@ mod transform;
 pub use dataset::{load_dataset, DataSource, Dataset, Pixels, Split, CIFAR10_CLASS_NAMES};
 pub use download::{
     download_cifar10, download_file, download_file_bounded, ensure_cifar10_downloaded,
-    CIFAR10_ARCHIVE_NAME, CIFAR10_MAX_DOWNLOAD_BYTES, CIFAR10_MD5, CIFAR10_URL, MAX_DOWNLOAD_BYTES,
+    DownloadLimits, CIFAR10_ARCHIVE_NAME, CIFAR10_MAX_DOWNLOAD_BYTES, CIFAR10_MD5, CIFAR10_URL,
+    DOWNLOAD_STALL_TIMEOUT, MAX_DOWNLOAD_BYTES,
 };
 pub use error::DataError;
 pub use image_file::{read_image, read_image_resized, Image};

@@ -1,15 +1,18 @@
 //! Downloads against a local HTTP server started by each test (no internet here): whole,
-//! cut short and resumed, resumed by a server that ignores `Range`, corrupted, redirected.
+//! cut short and resumed, resumed by a server that ignores `Range`, corrupted, redirected,
+//! chunked, too long, silent, and a host nobody listens on.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
+use std::sync::mpsc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use md5::{Digest, Md5};
 use tandem_data::{
-    download_cifar10, download_file, download_file_bounded, DataError, CIFAR10_ARCHIVE_NAME,
-    CIFAR10_MD5,
+    download_cifar10, download_file, download_file_bounded, DataError, DownloadLimits,
+    CIFAR10_ARCHIVE_NAME, CIFAR10_MD5,
 };
 
 /// What the server does with one connection.
@@ -25,10 +28,16 @@ enum Reply {
     Corrupt,
     /// 302 to `/file`.
     Redirect,
+    /// 302 without a `Location`.
+    RedirectNowhere,
     /// 404.
     Missing,
     /// 200 with the whole body and no `Content-Length`: the body ends when the connection closes.
     Unannounced,
+    /// 200 with the whole body in `Transfer-Encoding: chunked`.
+    Chunked,
+    /// Announce the whole body, send `n` bytes of it, then fall silent until the client hangs up.
+    StallAfter(usize),
 }
 
 /// Serves `body` to one connection per reply; returns the address and the request heads.
@@ -74,7 +83,7 @@ fn answer(mut stream: TcpStream, body: &[u8], reply: Reply) -> String {
             out.extend_from_slice(rest);
             cut(out, reply, rest.len())
         }
-        (Reply::Serve | Reply::CutAfter(_) | Reply::IgnoreRange, _) => {
+        (Reply::Serve | Reply::CutAfter(_) | Reply::IgnoreRange | Reply::StallAfter(_), _) => {
             let mut out =
                 format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len()).into_bytes();
             out.extend_from_slice(body);
@@ -91,20 +100,36 @@ fn answer(mut stream: TcpStream, body: &[u8], reply: Reply) -> String {
         (Reply::Redirect, _) => {
             b"HTTP/1.1 302 Found\r\nLocation: /file\r\nContent-Length: 0\r\n\r\n".to_vec()
         }
+        (Reply::RedirectNowhere, _) => b"HTTP/1.1 302 Found\r\nContent-Length: 0\r\n\r\n".to_vec(),
         (Reply::Missing, _) => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n".to_vec(),
         (Reply::Unannounced, _) => {
             let mut out = b"HTTP/1.1 200 OK\r\n\r\n".to_vec();
             out.extend_from_slice(body);
             out
         }
+        (Reply::Chunked, _) => {
+            let mut out = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+            for piece in body.chunks(70_000) {
+                out.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+                out.extend_from_slice(piece);
+                out.extend_from_slice(b"\r\n");
+            }
+            out.extend_from_slice(b"0\r\n\r\n");
+            out
+        }
     };
     let _ = stream.write_all(&response);
+    if let Reply::StallAfter(_) = reply {
+        // Silent, but bounded: returns once the client closes the connection or after 20 s.
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(20)));
+        let _ = std::io::Read::read(&mut stream, &mut [0u8; 1]);
+    }
     head
 }
 
 /// Drops the end of a response so only `n` body bytes are sent.
 fn cut(mut out: Vec<u8>, reply: Reply, body_len: usize) -> Vec<u8> {
-    if let Reply::CutAfter(n) = reply {
+    if let Reply::CutAfter(n) | Reply::StallAfter(n) = reply {
         out.truncate(out.len() - body_len + n);
     }
     out
@@ -127,8 +152,11 @@ fn no_progress() -> impl FnMut(u64, Option<u64>) {
     |_, _| {}
 }
 
+/// `<destination>.part`, where an unfinished download lives.
 fn partial(destination: &Path) -> std::path::PathBuf {
-    destination.with_file_name("archive.tar.gz.part")
+    let mut name = destination.file_name().unwrap().to_os_string();
+    name.push(".part");
+    destination.with_file_name(name)
 }
 
 #[test]
@@ -162,7 +190,7 @@ fn cut_short_download_keeps_its_part_and_resumes_with_range() {
     assert_eq!(
         error.to_string(),
         format!(
-            "download of {url}: connection closed after 100000 of 300000 bytes; the partial file {} is kept, run again to resume",
+            "download of {url}: truncated: the connection closed after 100000 of 300000 bytes; the partial file {} is kept, run again to resume",
             partial(&destination).display()
         )
     );
@@ -217,7 +245,12 @@ fn redirects_are_followed_and_http_errors_reported() {
     let body = body();
     let (url, server) = serve(
         body.clone(),
-        vec![Reply::Redirect, Reply::Serve, Reply::Missing],
+        vec![
+            Reply::Redirect,
+            Reply::Serve,
+            Reply::Missing,
+            Reply::RedirectNowhere,
+        ],
     );
     let dir = tempfile::tempdir().unwrap();
     let destination = dir.path().join("archive.tar.gz");
@@ -229,7 +262,53 @@ fn redirects_are_followed_and_http_errors_reported() {
         error.to_string(),
         format!("download of {url}: server answered 404 Not Found")
     );
+    let error = download_file(&url, &other, &md5_hex(&body), &mut no_progress()).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        format!("download of {url}: server answered 302 Found instead of the file")
+    );
+    assert!(!other.exists() && !partial(&other).exists());
     server.join().unwrap();
+}
+
+#[test]
+fn a_redirect_loop_gives_up() {
+    // Every request is sent back to the same absolute address, until the client stops asking.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/file", listener.local_addr().unwrap());
+    let redirect =
+        format!("HTTP/1.1 301 Moved Permanently\r\nLocation: {url}\r\nContent-Length: 0\r\n\r\n");
+    listener.set_nonblocking(true).unwrap();
+    let (done, wait_for_done) = mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let mut requests = 0;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while wait_for_done.try_recv().is_err() && Instant::now() < deadline {
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    stream.set_nonblocking(false).unwrap();
+                    let mut head = String::new();
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    while reader.read_line(&mut head).unwrap_or(0) > 2 {}
+                    let _ = stream.write_all(redirect.as_bytes());
+                    requests += 1;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+        requests
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    let error = download_file(&url, &destination, "00", &mut no_progress()).unwrap_err();
+    done.send(()).unwrap();
+    let requests = server.join().unwrap();
+    assert_eq!(
+        error.to_string(),
+        format!("download of {url}: more than 5 redirects")
+    );
+    assert_eq!(requests, 6, "the first request and 5 redirects followed");
+    assert!(!destination.exists() && !partial(&destination).exists());
 }
 
 #[test]
@@ -245,22 +324,102 @@ fn cifar10_download_checks_the_official_md5() {
     server.join().unwrap();
 }
 
-#[cfg(not(feature = "https"))]
 #[test]
-fn https_without_the_feature_says_what_to_do() {
+fn chunked_body_is_read_whole() {
+    let body = body();
+    let (url, server) = serve(body.clone(), vec![Reply::Chunked]);
     let dir = tempfile::tempdir().unwrap();
-    let error = download_cifar10(
-        dir.path(),
-        "https://example.invalid/x.tar.gz",
+    let destination = dir.path().join("archive.tar.gz");
+    download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap();
+    assert_eq!(std::fs::read(&destination).unwrap(), body);
+    assert!(!partial(&destination).exists());
+    server.join().unwrap();
+}
+
+#[test]
+fn a_silent_server_times_out_and_leaves_nothing() {
+    // Accepts, reads nothing, answers nothing, until the test is done with it.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/file", listener.local_addr().unwrap());
+    let (done, wait_for_done) = mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        let _ = wait_for_done.recv_timeout(Duration::from_secs(20));
+        drop(stream);
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    let limits = DownloadLimits {
+        stall_timeout: Duration::from_millis(300),
+        ..DownloadLimits::up_to(1 << 20)
+    };
+    let started = Instant::now();
+    let error =
+        download_file_bounded(&url, &destination, "00", limits, &mut no_progress()).unwrap_err();
+    let waited = started.elapsed();
+    done.send(()).unwrap();
+    server.join().unwrap();
+    let message = error.to_string();
+    assert_eq!(
+        message,
+        format!("download of {url}: timed out: the server sent nothing for 300ms")
+    );
+    // Bounded by the stall timeout, not by the 20 s the server would have held on.
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+    assert!(!destination.exists() && !partial(&destination).exists());
+}
+
+#[test]
+fn a_body_that_stalls_times_out_and_keeps_its_part() {
+    let body = body();
+    let (url, server) = serve(body.clone(), vec![Reply::StallAfter(100_000)]);
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    let limits = DownloadLimits {
+        stall_timeout: Duration::from_millis(300),
+        ..DownloadLimits::up_to(1 << 20)
+    };
+    let error = download_file_bounded(
+        &url,
+        &destination,
+        &md5_hex(&body),
+        limits,
         &mut no_progress(),
     )
     .unwrap_err();
-    assert!(
-        error
-            .to_string()
-            .contains("https is not built into this client"),
-        "{error}"
+    server.join().unwrap();
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "download of {url}: timed out: the server sent nothing for 300ms after 100000 bytes; the partial file {} is kept, run again to resume",
+            partial(&destination).display()
+        )
     );
+    assert!(!destination.exists());
+    assert_eq!(
+        std::fs::read(partial(&destination)).unwrap(),
+        body[..100_000]
+    );
+}
+
+#[test]
+fn an_unreachable_host_is_named_in_the_error() {
+    // A port that was free a moment ago: nothing listens there.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}/file");
+    let dir = tempfile::tempdir().unwrap();
+    let destination = dir.path().join("archive.tar.gz");
+    let error = download_file(&url, &destination, "00", &mut no_progress()).unwrap_err();
+    let message = error.to_string();
+    assert!(
+        message.starts_with(&format!("download of {url}: cannot connect: ")),
+        "{message}"
+    );
+    assert!(!destination.exists() && !partial(&destination).exists());
 }
 
 #[test]
@@ -291,7 +450,7 @@ fn a_file_longer_than_its_bound_is_refused_and_not_kept() {
         &url,
         &destination,
         &md5_hex(&body),
-        bound,
+        DownloadLimits::up_to(bound),
         &mut no_progress(),
     )
     .unwrap_err();
@@ -312,7 +471,7 @@ fn a_file_longer_than_its_bound_is_refused_and_not_kept() {
         &url,
         &destination,
         &md5_hex(&body),
-        bound,
+        DownloadLimits::up_to(bound),
         &mut no_progress(),
     )
     .unwrap_err();
@@ -326,7 +485,7 @@ fn a_file_longer_than_its_bound_is_refused_and_not_kept() {
         &url,
         &destination,
         &md5_hex(&body),
-        bound,
+        DownloadLimits::up_to(bound),
         &mut no_progress(),
     )
     .unwrap_err();
