@@ -75,17 +75,25 @@ impl RemoteStore {
     pub fn download(&self, url: &ObjectUrl, local: &Path) -> Result<u64, RemoteError> {
         let store = self.bucket(url)?;
         let location = store_path(url)?;
+        let size = self
+            .runtime
+            .block_on(store.head(&location))
+            .map_err(|error| self.error_of_object(error, url))?
+            .size;
+        self.download_listed(url, size, local).map(|()| size)
+    }
+
+    /// Copies the object at `url`, whose listing gave its `size`, to `local` (atomically);
+    /// fewer bytes than `size` is an error.
+    pub fn download_listed(&self, url: &ObjectUrl, size: u64, local: &Path) -> Result<(), RemoteError> {
+        let store = self.bucket(url)?;
+        let location = store_path(url)?;
         let fail = |error| self.error_of_object(error, url);
         let local_error = |source| RemoteError::Local {
             url: url.to_string(),
             path: local.to_path_buf(),
             source,
         };
-        let size = self
-            .runtime
-            .block_on(store.head(&location))
-            .map_err(fail)?
-            .size;
         if let Some(parent) = local
             .parent()
             .filter(|parent| !parent.as_os_str().is_empty())
@@ -121,7 +129,7 @@ impl RemoteStore {
         if result.is_err() {
             let _ = std::fs::remove_file(&temporary);
         }
-        result.map(|()| size)
+        result
     }
 
     /// Copies `local` to the object at `url`, returning its size. The object appears

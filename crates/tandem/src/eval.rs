@@ -21,13 +21,15 @@ use crate::weights::read_checkpoint_info;
 pub struct EvalArgs {
     /// Weights to evaluate: a Tandem checkpoint or snapshot, a PyTorch safetensors file, or
     /// a `torch.save` file. A Tandem checkpoint supplies the model, data and normalization
-    /// it was trained with; flags override them.
+    /// it was trained with; flags override them. A local path, or an s3:// or obs:// URL.
     #[arg(long)]
     pub checkpoint: PathBuf,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
     pub data: DataOptions,
+    #[command(flatten)]
+    pub storage: crate::remote::StorageOptions,
     /// Images per forward pass.
     #[arg(long, default_value_t = 256)]
     pub batch_size: usize,
@@ -49,11 +51,13 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
     crate::device::select(args.device, crate::device::announce_for_json(args.json))?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
-    let info = read_checkpoint_info(&args.checkpoint)?;
-    let spec = model_for(&args.model, info.as_ref(), &args.checkpoint)?;
-    let data = data_for(&args.data, args.seed, info.as_ref(), &args.checkpoint)?;
+    let checkpoint = crate::remote::local_copy(&args.storage, &args.checkpoint)?;
+    let info = read_checkpoint_info(&checkpoint)?;
+    let spec = model_for(&args.model, info.as_ref(), &checkpoint)?;
+    let mut data = data_for(&args.data, args.seed, info.as_ref(), &checkpoint)?;
+    data.settings = crate::remote::local_data(&args.storage, data.settings)?;
     let mut model = Model::new(&spec)?;
-    crate::weights::load_weights(&mut model, &args.checkpoint)?;
+    crate::weights::load_weights(&mut model, &checkpoint)?;
     for warning in &data.warnings {
         eprintln!("warning: {warning}");
     }

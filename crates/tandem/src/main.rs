@@ -26,6 +26,7 @@ mod launch;
 mod model_args;
 mod plot;
 mod predict;
+mod remote;
 mod settings;
 mod train;
 mod weights;

@@ -17,11 +17,13 @@ use crate::weights::read_checkpoint_info;
 pub struct PredictArgs {
     /// Weights to use: a Tandem checkpoint or snapshot, a PyTorch safetensors file, or a
     /// `torch.save` file. A Tandem checkpoint supplies its model, normalization and class
-    /// names; flags override them.
+    /// names; flags override them. A local path, or an s3:// or obs:// URL.
     #[arg(long)]
     pub checkpoint: PathBuf,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub storage: crate::remote::StorageOptions,
     /// Per-channel mean used in training [default: the checkpoint's, else none].
     #[arg(long)]
     pub mean: Option<Rgb>,
@@ -68,15 +70,16 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     // Standard output carries the predictions alone, one line per image.
     crate::device::select(args.device, crate::device::Announce::Stderr)?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
-    let info = read_checkpoint_info(&args.checkpoint)?;
-    let spec = model_for(&args.model, info.as_ref(), &args.checkpoint)?;
+    let checkpoint = crate::remote::local_copy(&args.storage, &args.checkpoint)?;
+    let info = read_checkpoint_info(&checkpoint)?;
+    let spec = model_for(&args.model, info.as_ref(), &checkpoint)?;
     let (normalization, warning) = normalization_for(args.mean, args.std, info.as_ref())?;
     if let Some(warning) = warning {
         eprintln!("warning: {warning}");
     }
     let class_names = info.map(|info| info.class_names).unwrap_or_default();
     let mut model = Model::new(&spec)?;
-    crate::weights::load_weights(&mut model, &args.checkpoint)?;
+    crate::weights::load_weights(&mut model, &checkpoint)?;
     for path in &args.images {
         let image = tandem_data::read_image(path)?;
         let mut pixels = image.pixels;

@@ -13,6 +13,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
+use crate::remote::StorageOptions;
 use crate::model_args::ModelArgs;
 use crate::train::schedule::ScheduleKind;
 
@@ -72,7 +73,8 @@ pub struct DataOptions {
     /// Data source [default: synthetic].
     #[arg(long, value_enum)]
     pub data: Option<DataKind>,
-    /// Folder holding the data set [default: data].
+    /// Folder holding the data set, or an object-storage prefix (s3://BUCKET/PREFIX,
+    /// obs://BUCKET/PREFIX) fetched once into --cache-dir [default: data].
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// Download CIFAR-10 into --data-dir when it is missing (with --data cifar10-bin).
@@ -153,6 +155,9 @@ pub struct TrainOptions {
     #[command(flatten)]
     #[serde(default)]
     pub data: DataOptions,
+    #[command(flatten)]
+    #[serde(default)]
+    pub storage: StorageOptions,
     /// Epochs to train [default: 10].
     #[arg(long)]
     pub epochs: Option<u64>,
@@ -210,11 +215,12 @@ pub struct TrainOptions {
     /// Keep only the last K epoch checkpoints; 0 keeps all [default: 0].
     #[arg(long)]
     pub keep_last: Option<usize>,
-    /// Folder for checkpoints, metrics, plots and logs [default: runs/latest].
+    /// Folder for checkpoints, metrics, plots and logs, or an object-storage prefix
+    /// (s3://BUCKET/PREFIX, obs://BUCKET/PREFIX) they are uploaded to [default: runs/latest].
     #[arg(long)]
     pub output_dir: Option<PathBuf>,
-    /// The snapshot to resume from and to write; a relative path is inside the output folder
-    /// [default: snapshot.safetensors].
+    /// The snapshot to resume from and to write, a path or an s3:// or obs:// URL; a
+    /// relative path is inside the output folder [default: snapshot.safetensors].
     #[arg(long)]
     pub snapshot: Option<PathBuf>,
     /// Also write a snapshot every N optimizer steps within an epoch; 0 only at epoch ends
@@ -240,7 +246,8 @@ pub struct TrainOptions {
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip)]
     pub fresh: Option<bool>,
-    /// Load initial weights from a safetensors or PyTorch (`torch.save`) file.
+    /// Load initial weights from a safetensors or PyTorch (`torch.save`) file, a path or an
+    /// s3:// or obs:// URL.
     #[arg(long)]
     pub init_from: Option<PathBuf>,
     /// Stop after this many optimizer steps in total (for tests and quick looks).
@@ -333,6 +340,8 @@ pub struct TrainSettings {
     pub model: ModelArgs,
     /// Where the images come from and how they are normalized.
     pub data: DataSettings,
+    /// How to reach object storage, for paths that are s3:// or obs:// URLs.
+    pub storage: StorageOptions,
     pub epochs: u64,
     pub batch_size: usize,
     pub lr: f64,
@@ -406,6 +415,7 @@ impl TrainOptions {
         let settings = TrainSettings {
             model: self.model,
             data: self.data.resolve()?,
+            storage: self.storage,
             epochs: self.epochs.unwrap_or(10),
             batch_size: self.batch_size.unwrap_or(128),
             lr: self.lr.unwrap_or(0.01),

@@ -8,6 +8,7 @@
 pub mod ddp;
 pub mod fresh_start;
 pub mod history;
+pub mod mirror;
 pub mod placement;
 pub mod run_lock;
 pub mod schedule;
@@ -39,6 +40,7 @@ use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use ddp::Ddp;
 use history::{write_history, EpochRecord};
+use mirror::{localize, Mirror};
 use placement::find_placement;
 use run_lock::{host_name, RunLock};
 use schedule::Schedule;
@@ -61,7 +63,8 @@ pub fn run(options: TrainOptions) -> anyhow::Result<()> {
         backend,
         Arc::clone(&stop_signal.requested),
     )?;
-    let end = tandem_engine::run_on_kernel_threads(|| trainer.train())?;
+    let end = tandem_engine::run_on_kernel_threads(|| trainer.train());
+    let end = trainer.finish_uploads(end)?;
     if end != RunEnd::StoppedOnRequest {
         return Ok(());
     }
@@ -73,14 +76,17 @@ pub fn run(options: TrainOptions) -> anyhow::Result<()> {
         name: stop_signal::name(signal),
         epoch: trainer.progress.epoch + 1,
         step: trainer.progress.step_in_epoch,
-        snapshot: trainer.settings.snapshot.display().to_string(),
+        snapshot: trainer.shown(&trainer.settings.snapshot),
     }
     .into())
 }
 
 /// A training run in progress.
 struct Trainer {
+    /// The settings the run works with: every object URL replaced by a local path.
     settings: TrainSettings,
+    /// The settings as given, written to `config.toml`.
+    given: TrainSettings,
     model: Model,
     optimizer: Box<dyn Optimizer>,
     schedule: Schedule,
@@ -96,21 +102,26 @@ struct Trainer {
     _lock: Option<RunLock>,
     /// The TensorBoard event file (rank 0, once training starts).
     events: Option<EventWriter>,
+    /// Uploads to object storage (rank 0, when outputs go there).
+    mirror: Option<Mirror>,
 }
 
 impl Trainer {
     /// Builds the model, data and optimizer, joins the job's other processes, chooses the
     /// backend with them, and resumes from the snapshot when one exists.
     fn new(
-        mut settings: TrainSettings,
+        given: TrainSettings,
         device: &Device,
         backend: BackendRequest,
         stop_requested: Arc<AtomicBool>,
     ) -> anyhow::Result<Self> {
-        let placement = find_placement(&settings.placement_flags)?;
+        let placement = find_placement(&given.placement_flags)?;
         let (rank, world_size, local_world_size) = placement.as_ref().map_or((0, 1, 1), |place| {
             (place.rank, place.world_size, place.local_world_size)
         });
+        let localized = localize(&given)?;
+        let mut settings = localized.settings;
+        let mut given = given;
         let lock = (rank == 0)
             .then(|| RunLock::acquire(&settings.output_dir))
             .transpose()?;
@@ -120,6 +131,15 @@ impl Trainer {
         if settings.threads == 0 {
             settings.threads = (available_cores() / local_world_size.max(1)).max(1);
         }
+        given.threads = settings.threads;
+        let mirror = match localized.storage {
+            Some(storage) if rank == 0 && !localized.places.is_empty() => Some(Mirror::start(
+                storage,
+                localized.places,
+                Arc::clone(&stop_requested),
+            )),
+            _ => None,
+        };
         tandem_engine::set_threads(settings.threads);
         let spec = settings.model.to_spec()?;
         let mut model = Model::new(&spec)?;
@@ -163,6 +183,7 @@ impl Trainer {
         crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
         let mut trainer = Trainer {
             settings,
+            given,
             model,
             optimizer,
             schedule,
@@ -176,6 +197,7 @@ impl Trainer {
             stop_requested,
             _lock: lock,
             events: None,
+            mirror,
         };
         let resumed = trainer.resume_if_possible()?;
         if trainer.is_leader() {
@@ -200,7 +222,7 @@ impl Trainer {
     /// it to the other ranks, so only rank 0 needs the file.
     fn resume_if_possible(&mut self) -> anyhow::Result<bool> {
         let local = if self.is_leader() {
-            load_latest(&self.settings.snapshot)?
+            self.newest_snapshot()?
         } else {
             None
         };
@@ -231,7 +253,7 @@ impl Trainer {
                 "cannot resume from {snapshot}: use the settings it was written with; to change \
                      them, start a new run from its weights with --init-from {snapshot} \
                      --output-dir NEW, or start over here with --fresh",
-                snapshot = self.settings.snapshot.display()
+                snapshot = self.shown(&self.settings.snapshot)
             )
         })?;
         snapshot.restore_model(&mut self.model)?;
@@ -277,20 +299,24 @@ impl Trainer {
         let start = if resumed && self.progress.epoch >= settings.epochs {
             format!(
                 "finished: {} holds the end of epoch {}",
-                settings.snapshot.display(),
+                self.shown(&settings.snapshot),
                 self.progress.epoch
             )
         } else if resumed {
             format!(
                 "resumed from {} (epoch {}, step {})",
-                settings.snapshot.display(),
+                self.shown(&settings.snapshot),
                 self.progress.epoch + 1,
                 self.progress.step_in_epoch
             )
         } else {
             "fresh".to_string()
         };
-        say!("output: {} | {start}", settings.output_dir.display());
+        let staged = match self.mirror.as_ref().and_then(|mirror| mirror.url_of(&settings.output_dir)) {
+            Some(_) => format!(" (staged in {})", settings.output_dir.display()),
+            None => String::new(),
+        };
+        say!("output: {}{staged} | {start}", self.shown(&settings.output_dir));
         if !resumed {
             return;
         }
@@ -320,8 +346,9 @@ impl Trainer {
                 )
             })?;
             self.remove_stale_temporaries()?;
-            self.settings
-                .write_toml(&self.settings.output_dir.join("config.toml"))?;
+            let config = self.settings.output_dir.join("config.toml");
+            self.given.write_toml(&config)?;
+            self.publish(&config);
         }
         if self.settings.epochs == 0 && self.is_leader() {
             say!("--epochs is 0: nothing to train");
@@ -457,7 +484,7 @@ impl Trainer {
                         "{reason} at epoch {}, step {}; the snapshot is {}",
                         epoch + 1,
                         self.progress.step_in_epoch,
-                        self.settings.snapshot.display()
+                        self.shown(&self.settings.snapshot)
                     );
                 }
                 return Ok(EpochEnd::Stopped(end));
@@ -643,8 +670,14 @@ impl Trainer {
                 ],
             )?;
             events.flush()?;
+            if let Some(mirror) = &self.mirror {
+                mirror.publish(events.path());
+            }
         }
         write_history(&self.settings.output_dir, &self.history)?;
+        for name in ["metrics.jsonl", "curves.png"] {
+            self.publish(&self.settings.output_dir.join(name));
+        }
         self.write_epoch_checkpoint(epoch_number)?;
         self.save_snapshot()
     }
@@ -662,8 +695,12 @@ impl Trainer {
         let metadata = self.checkpoint_metadata(self.history.last())?;
         tandem_models::save_safetensors(&self.model, &path, &metadata)
             .with_context(|| format!("cannot write checkpoint {}", path.display()))?;
+        self.publish(&path);
         if self.settings.keep_last > 0 {
             prune_checkpoints(&self.settings.output_dir, self.settings.keep_last)?;
+            if let Some(mirror) = &self.mirror {
+                mirror.prune_checkpoints(&self.settings.output_dir, self.settings.keep_last);
+            }
         }
         Ok(())
     }
@@ -687,7 +724,76 @@ impl Trainer {
                     .filter(|_| self.progress.step_in_epoch == 0),
             )?,
         );
-        snapshot.save(&self.settings.snapshot)
+        snapshot.save(&self.settings.snapshot)?;
+        self.publish(&self.settings.snapshot);
+        Ok(())
+    }
+
+    /// Queues the upload of a file just written, when the run's outputs go to object
+    /// storage.
+    fn publish(&self, path: &Path) {
+        if let Some(mirror) = &self.mirror {
+            mirror.publish(path);
+        }
+    }
+
+    /// How a staged path is shown: as the object it stands for, else as itself.
+    fn shown(&self, path: &Path) -> String {
+        self.mirror
+            .as_ref()
+            .and_then(|mirror| mirror.url_of(path))
+            .map_or_else(|| path.display().to_string(), |url| url.to_string())
+    }
+
+    /// The newest good snapshot: the staging folder's, or the bucket's when it is further
+    /// on (a relaunch on a fresh node has only the bucket's).
+    fn newest_snapshot(&self) -> anyhow::Result<Option<Snapshot>> {
+        let local = load_latest(&self.settings.snapshot)?;
+        let Some(mirror) = &self.mirror else {
+            return Ok(local);
+        };
+        let Some(fetched) = mirror.fetch_snapshot(&self.settings.snapshot)? else {
+            return Ok(local);
+        };
+        let from_bucket = Snapshot::load(&fetched);
+        let _ = std::fs::remove_file(&fetched);
+        let shown = self.shown(&self.settings.snapshot);
+        let from_bucket = match (from_bucket, &local) {
+            (Ok(snapshot), _) => snapshot,
+            (Err(error), Some(_)) => {
+                eprintln!("warning: {shown} in the bucket is damaged ({error:#}); resuming from the staged copy");
+                return Ok(local);
+            }
+            (Err(error), None) => {
+                return Err(error.context(format!(
+                    "{shown} is damaged and no other copy exists: start over with another --output-dir"
+                )))
+            }
+        };
+        Ok(Some(match local {
+            Some(local) if local.progress.global_step >= from_bucket.progress.global_step => local,
+            _ => from_bucket,
+        }))
+    }
+
+    /// Waits for the uploads of a run that ended (`end`), however it ended; an upload that
+    /// failed ends the run with an error saying where the snapshot is kept.
+    fn finish_uploads(&mut self, end: anyhow::Result<RunEnd>) -> anyhow::Result<RunEnd> {
+        let Some(mirror) = self.mirror.as_mut() else {
+            return end;
+        };
+        let outcome = mirror.finish();
+        let end = end?;
+        if let Err(failure) = outcome {
+            bail!(
+                "{failure}\nthe run stopped at epoch {}, step {}; its snapshot is kept locally \
+                 in {}: run the same command again to resume from it and upload the rest",
+                self.progress.epoch + 1,
+                self.progress.step_in_epoch,
+                self.settings.snapshot.display()
+            );
+        }
+        Ok(end)
     }
 
     /// Every rank's `value`, indexed by rank (all ranks take part; one process: its own).
@@ -957,18 +1063,21 @@ fn check_resumable(
     Ok(())
 }
 
+/// N of an epoch checkpoint's name, `epoch_N.safetensors`.
+pub fn checkpoint_epoch(name: &str) -> Option<u64> {
+    name.strip_prefix("epoch_")?
+        .strip_suffix(".safetensors")?
+        .parse()
+        .ok()
+}
+
 /// Deletes `epoch_N.safetensors` files in `folder` except the `keep` with the largest N.
 fn prune_checkpoints(folder: &Path, keep: usize) -> anyhow::Result<()> {
     let mut epochs: Vec<(u64, std::path::PathBuf)> = std::fs::read_dir(folder)
         .with_context(|| format!("cannot list {}", folder.display()))?
         .filter_map(|entry| entry.ok())
         .filter_map(|entry| {
-            let name = entry.file_name().into_string().ok()?;
-            let epoch = name
-                .strip_prefix("epoch_")?
-                .strip_suffix(".safetensors")?
-                .parse()
-                .ok()?;
+            let epoch = checkpoint_epoch(entry.file_name().to_str()?)?;
             Some((epoch, entry.path()))
         })
         .collect();

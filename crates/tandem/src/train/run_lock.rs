@@ -113,7 +113,7 @@ impl Drop for RunLock {
 }
 
 /// Takes `flock(LOCK_EX | LOCK_NB)` on `file`: `Ok(false)` when another process holds it.
-fn try_lock_exclusive(file: &File) -> std::io::Result<bool> {
+pub fn try_lock_exclusive(file: &File) -> std::io::Result<bool> {
     loop {
         // SAFETY: the descriptor belongs to `file`, which is open for the whole call.
         let result = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };

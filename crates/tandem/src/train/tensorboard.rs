@@ -23,6 +23,11 @@ pub struct EventWriter {
 }
 
 impl EventWriter {
+    /// The event file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Creates `folder/events.out.tfevents.<seconds>.<host>.<pid>` and writes its first
     /// event.
     pub fn create(folder: &Path, host: &str) -> anyhow::Result<Self> {

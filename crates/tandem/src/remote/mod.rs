@@ -1,0 +1,153 @@
+//! `s3://` and `obs://` paths: data fetched once into a local cache, weights fetched before
+//! they are read, and a training run's outputs staged locally and uploaded beside training
+//! (see [`crate::train::mirror`]).
+//!
+//! A path flag holds either a local path or an object URL; [`object_url`] tells which. The
+//! connection comes from the `[storage]` flags and the usual variables (see
+//! `tandem_remote::Connection`); credentials are never read from, or written to, a file of
+//! the run.
+
+pub mod data;
+pub mod uploader;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use tandem_remote::{Connection, ConnectionOptions, ObjectUrl, RemoteStore};
+
+/// The object-storage flags shared by `train`, `eval` and `predict` (the `[storage]` table
+/// of a config file). Credentials are not among them: they come from the environment only.
+#[derive(Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct StorageOptions {
+    /// Endpoint of the object store for s3:// and obs:// paths, e.g. http://127.0.0.1:9000
+    /// or https://obs.cn-north-4.myhuaweicloud.com [default: AWS_ENDPOINT_URL, OBS_ENDPOINT
+    /// or S3_ENDPOINT; else Amazon S3].
+    #[arg(long)]
+    pub s3_endpoint: Option<String>,
+    /// Signing region of the object store [default: AWS_REGION; an OBS endpoint's own; else
+    /// us-east-1].
+    #[arg(long)]
+    pub s3_region: Option<String>,
+    /// Path-style addressing (ENDPOINT/BUCKET/KEY) [default: only for an IP or localhost
+    /// endpoint].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub s3_path_style: Option<bool>,
+    /// How long a failing object-store request is retried, with back-off, before the failure
+    /// is final, in seconds [default: 120].
+    #[arg(long)]
+    pub s3_retry_timeout: Option<f64>,
+    /// Local folder for data and weights fetched from object storage, and for staging the
+    /// outputs of a run whose --output-dir is in object storage [default: TMPDIR/tandem-cache].
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl StorageOptions {
+    /// The cache folder.
+    pub fn cache_dir(&self) -> PathBuf {
+        self.cache_dir
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join("tandem-cache"))
+    }
+}
+
+/// The object URL `path` holds, or `None` for a local path.
+pub fn object_url(path: &Path) -> anyhow::Result<Option<ObjectUrl>> {
+    let Some(text) = path.to_str() else {
+        return Ok(None);
+    };
+    Ok(ObjectUrl::parse(text)?)
+}
+
+/// A connection to the object store and the local cache beside it.
+#[derive(Clone)]
+pub struct Storage {
+    /// The client, shared with the uploader's thread.
+    pub store: Arc<RemoteStore>,
+    /// Where fetched objects and staged outputs live.
+    pub cache_dir: PathBuf,
+}
+
+impl Storage {
+    /// Connects as `options` and the environment say (nothing is sent yet).
+    pub fn connect(options: &StorageOptions) -> anyhow::Result<Storage> {
+        let retry_timeout = match options.s3_retry_timeout {
+            Some(seconds) if !(seconds.is_finite() && seconds > 0.0) => {
+                bail!("--s3-retry-timeout must be a positive number of seconds, got {seconds}")
+            }
+            Some(seconds) => Some(Duration::from_secs_f64(seconds)),
+            None => None,
+        };
+        let connection = Connection::from_env(&ConnectionOptions {
+            endpoint: options.s3_endpoint.clone(),
+            region: options.s3_region.clone(),
+            path_style: options.s3_path_style,
+            retry_timeout,
+        })?;
+        Ok(Storage {
+            store: Arc::new(RemoteStore::new(connection)?),
+            cache_dir: options.cache_dir(),
+        })
+    }
+
+    /// Where the object `url` is kept in the cache's `area` (`data`, `objects`, `runs`).
+    pub fn cache_path(&self, area: &str, url: &ObjectUrl) -> PathBuf {
+        let mut path = self.cache_dir.join(area).join(url.bucket());
+        for segment in url.key().split('/').filter(|segment| !segment.is_empty()) {
+            path.push(segment);
+        }
+        path
+    }
+
+    /// A local copy of the object `url`: fetched into the cache unless the copy there has
+    /// the object's size and entity tag already.
+    pub fn fetch_object(&self, url: &ObjectUrl) -> anyhow::Result<PathBuf> {
+        let local = self.cache_path("objects", url);
+        let info = self
+            .store
+            .head(url)?
+            .ok_or_else(|| tandem_remote::RemoteError::NoSuchKey {
+                url: url.to_string(),
+            })?;
+        let tag_path = data::sidecar(&local, "etag");
+        let cached_tag = std::fs::read_to_string(&tag_path).ok();
+        let current = local.metadata().is_ok_and(|meta| meta.len() == info.size)
+            && info.e_tag.is_some()
+            && cached_tag.as_deref() == info.e_tag.as_deref();
+        if !current {
+            self.store.download(url, &local)?;
+            if let Some(tag) = &info.e_tag {
+                crate::files::write_atomically(&tag_path, tag.as_bytes())?;
+            }
+        }
+        Ok(local)
+    }
+}
+
+/// `path` itself when it is local; for an object URL, its copy fetched into the cache.
+pub fn local_copy(options: &StorageOptions, path: &Path) -> anyhow::Result<PathBuf> {
+    match object_url(path)? {
+        None => Ok(path.to_path_buf()),
+        Some(url) => Storage::connect(options)?
+            .fetch_object(&url)
+            .with_context(|| format!("cannot fetch {url}")),
+    }
+}
+
+/// `data` with its folder replaced by the fetched copy when it is an object URL.
+pub fn local_data(
+    options: &StorageOptions,
+    mut data: crate::settings::DataSettings,
+) -> anyhow::Result<crate::settings::DataSettings> {
+    if object_url(&data.data_dir)?.is_some() {
+        if let Some(folder) = data::fetched_data_dir(&Storage::connect(options)?, &data)? {
+            data.data_dir = folder;
+        }
+    }
+    Ok(data)
+}

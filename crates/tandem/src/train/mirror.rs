@@ -1,0 +1,172 @@
+//! A run whose `--output-dir` (or `--snapshot`) is an object URL: its files are written to a
+//! local staging folder first, as for a local run, then uploaded beside training; and a run
+//! resumes from the newest good snapshot, the bucket's or the staging folder's.
+//!
+//! The staging folder is `CACHE/runs/BUCKET/KEY`: on the same node a relaunch finds its own
+//! newest files there; on a fresh node with an empty disk it finds nothing and resumes from
+//! the bucket.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use tandem_remote::ObjectUrl;
+
+use crate::remote::data::{fetched_data_dir, sidecar};
+use crate::remote::uploader::Uploader;
+use crate::remote::{object_url, Storage};
+use crate::settings::TrainSettings;
+
+/// The run's settings with every object URL replaced by a local path, and what the URLs
+/// were.
+pub struct LocalizedRun {
+    /// The settings the run works with: local paths only.
+    pub settings: TrainSettings,
+    /// The connection, when any path was an object URL.
+    pub storage: Option<Storage>,
+    /// Local staging paths (folders or files) and the objects they stand for.
+    pub places: Vec<(PathBuf, ObjectUrl)>,
+}
+
+/// Replaces the object URLs of `settings`: the data set and `--init-from` are fetched into
+/// the cache (every process needs them), the output folder and snapshot become staging
+/// paths.
+pub fn localize(settings: &TrainSettings) -> anyhow::Result<LocalizedRun> {
+    let output_url = object_url(&settings.output_dir)?;
+    let snapshot_url = object_url(&settings.snapshot)?;
+    let init_url = match &settings.init_from {
+        Some(path) => object_url(path)?,
+        None => None,
+    };
+    let mut local = settings.clone();
+    let data_is_remote = object_url(&settings.data.data_dir)?.is_some();
+    if output_url.is_none() && snapshot_url.is_none() && !data_is_remote && init_url.is_none() {
+        return Ok(LocalizedRun {
+            settings: local,
+            storage: None,
+            places: Vec::new(),
+        });
+    }
+    if settings.fresh && output_url.is_some() {
+        bail!(
+            "--fresh moves a previous run aside, which objects in a bucket cannot do: give \
+             --output-dir a new prefix instead"
+        );
+    }
+    let storage = Storage::connect(&settings.storage)?;
+    if let Some(folder) = fetched_data_dir(&storage, &settings.data)? {
+        local.data.data_dir = folder;
+    }
+    if let Some(url) = init_url {
+        local.init_from = Some(
+            storage
+                .fetch_object(&url)
+                .with_context(|| format!("cannot fetch --init-from {url}"))?,
+        );
+    }
+    let mut places = Vec::new();
+    if let Some(url) = &output_url {
+        local.output_dir = storage.cache_path("runs", url);
+        places.push((local.output_dir.clone(), url.clone()));
+    }
+    if let Some(url) = snapshot_url {
+        let inside_output = output_url
+            .as_ref()
+            .and_then(|output| output.relative_key(&url).map(str::to_string));
+        local.snapshot = match inside_output {
+            Some(relative) => local.output_dir.join(relative),
+            None => {
+                let staged = storage.cache_path("runs", &url);
+                places.push((staged.clone(), url));
+                staged
+            }
+        };
+    }
+    Ok(LocalizedRun {
+        settings: local,
+        storage: Some(storage),
+        places,
+    })
+}
+
+/// The uploads of a run with outputs in object storage (rank 0 only).
+pub struct Mirror {
+    storage: Storage,
+    places: Vec<(PathBuf, ObjectUrl)>,
+    uploader: Uploader,
+}
+
+impl Mirror {
+    /// Starts the uploads of the staging `places`; an upload failure that outlasts the
+    /// retries sets `stop_requested`, so the run stops at its next step with a snapshot.
+    pub fn start(
+        storage: Storage,
+        places: Vec<(PathBuf, ObjectUrl)>,
+        stop_requested: Arc<AtomicBool>,
+    ) -> Mirror {
+        let uploader = Uploader::start(Arc::clone(&storage.store), move || {
+            stop_requested.store(true, Ordering::SeqCst);
+        });
+        Mirror {
+            storage,
+            places,
+            uploader,
+        }
+    }
+
+    /// The object a staged local file stands for, if any.
+    pub fn url_of(&self, local: &Path) -> Option<ObjectUrl> {
+        self.places.iter().find_map(|(place, url)| {
+            let relative = local.strip_prefix(place).ok()?;
+            let relative: Vec<&str> = relative
+                .components()
+                .map(|part| part.as_os_str().to_str())
+                .collect::<Option<_>>()?;
+            Some(url.join(&relative.join("/")))
+        })
+    }
+
+    /// Queues the upload of a file the run has just written.
+    pub fn publish(&self, local: &Path) {
+        if let Some(url) = self.url_of(local) {
+            self.uploader.put(local.to_path_buf(), url);
+        }
+    }
+
+    /// Queues `--keep-last` in the bucket: the epoch checkpoints beside `any_checkpoint`
+    /// but the last `keep` are deleted there.
+    pub fn prune_checkpoints(&self, output_dir: &Path, keep: usize) {
+        if let Some(prefix) = self.url_of(output_dir) {
+            self.uploader.prune_checkpoints(prefix, keep);
+        }
+    }
+
+    /// The bucket's snapshot for the staged snapshot path `local`, fetched beside it, if the
+    /// bucket holds one.
+    pub fn fetch_snapshot(&self, local: &Path) -> anyhow::Result<Option<PathBuf>> {
+        let Some(url) = self.url_of(local) else {
+            return Ok(None);
+        };
+        if self
+            .storage
+            .store
+            .head(&url)
+            .with_context(|| format!("cannot look for the snapshot {url}"))?
+            .is_none()
+        {
+            return Ok(None);
+        }
+        let fetched = sidecar(local, "from-bucket");
+        self.storage
+            .store
+            .download(&url, &fetched)
+            .with_context(|| format!("cannot fetch the snapshot {url}"))?;
+        Ok(Some(fetched))
+    }
+
+    /// Waits for every queued upload; returns how many files were uploaded, or the failure.
+    pub fn finish(&mut self) -> Result<usize, String> {
+        self.uploader.finish()
+    }
+}
