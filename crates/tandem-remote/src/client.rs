@@ -85,7 +85,12 @@ impl RemoteStore {
 
     /// Copies the object at `url`, whose listing gave its `size`, to `local` (atomically);
     /// fewer bytes than `size` is an error.
-    pub fn download_listed(&self, url: &ObjectUrl, size: u64, local: &Path) -> Result<(), RemoteError> {
+    pub fn download_listed(
+        &self,
+        url: &ObjectUrl,
+        size: u64,
+        local: &Path,
+    ) -> Result<(), RemoteError> {
         let store = self.bucket(url)?;
         let location = store_path(url)?;
         let fail = |error| self.error_of_object(error, url);

@@ -13,8 +13,8 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
-use crate::remote::StorageOptions;
 use crate::model_args::ModelArgs;
+use crate::remote::StorageOptions;
 use crate::train::schedule::ScheduleKind;
 
 /// Three per-channel values (R, G, B), written `0.485,0.456,0.406` on the command line.
@@ -566,6 +566,13 @@ mod tests {
                 std: Some(Rgb([0.2, 0.25, 0.3])),
                 synthetic_train: Some(77),
                 synthetic_test: Some(33),
+            },
+            storage: StorageOptions {
+                s3_endpoint: Some("http://127.0.0.1:9000".to_string()),
+                s3_region: Some("cn-north-4".to_string()),
+                s3_path_style: Some(true),
+                s3_retry_timeout: Some(30.0),
+                cache_dir: Some(PathBuf::from("/scratch/cache")),
             },
             epochs: Some(7),
             batch_size: Some(12),

@@ -24,17 +24,52 @@ use tandem_remote::{ObjectInfo, ObjectUrl};
 use super::{object_url, Storage};
 use crate::settings::{DataKind, DataSettings};
 
-/// Official md5 sums of CIFAR-10's files, by file name.
-const KNOWN_MD5: [(&str, &str); 8] = [
-    (tandem_data::CIFAR10_ARCHIVE_NAME, tandem_data::CIFAR10_MD5),
-    ("cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a"),
-    ("data_batch_1.bin", "5dd7e06a14cb22eb9f671a540d1b7c25"),
-    ("data_batch_2.bin", "5ea93a67294ea407fff1d09f752e9692"),
-    ("data_batch_3.bin", "942cd6a4bcdd0dd3c604fbe906cb4421"),
-    ("data_batch_4.bin", "ae636b3ba5c66a11e91e8cb52e771fcb"),
-    ("data_batch_5.bin", "53f37980c15c3d472c316c40844f3f0d"),
-    ("test_batch.bin", "803d5f7f4d78ea53de84dbe85f74fb6d"),
+/// CIFAR-10's official files: name, size and md5. A fetched file with an official name and
+/// size must have its md5; a file of another size is somebody's own subset, left alone.
+const KNOWN_FILES: [(&str, u64, &str); 8] = [
+    (
+        tandem_data::CIFAR10_ARCHIVE_NAME,
+        170_052_171,
+        tandem_data::CIFAR10_MD5,
+    ),
+    (
+        "cifar-10-python.tar.gz",
+        170_498_071,
+        "c58f30108f718f92721af3b95e74349a",
+    ),
+    (
+        "data_batch_1.bin",
+        BIN_BATCH_BYTES,
+        "5dd7e06a14cb22eb9f671a540d1b7c25",
+    ),
+    (
+        "data_batch_2.bin",
+        BIN_BATCH_BYTES,
+        "5ea93a67294ea407fff1d09f752e9692",
+    ),
+    (
+        "data_batch_3.bin",
+        BIN_BATCH_BYTES,
+        "942cd6a4bcdd0dd3c604fbe906cb4421",
+    ),
+    (
+        "data_batch_4.bin",
+        BIN_BATCH_BYTES,
+        "ae636b3ba5c66a11e91e8cb52e771fcb",
+    ),
+    (
+        "data_batch_5.bin",
+        BIN_BATCH_BYTES,
+        "53f37980c15c3d472c316c40844f3f0d",
+    ),
+    (
+        "test_batch.bin",
+        BIN_BATCH_BYTES,
+        "803d5f7f4d78ea53de84dbe85f74fb6d",
+    ),
 ];
+/// A binary batch: 10,000 records of a label byte and 3,072 pixel bytes.
+const BIN_BATCH_BYTES: u64 = 10_000 * 3_073;
 
 /// How often a process waiting for another's fetch says so.
 const WAIT_NOTICE: Duration = Duration::from_secs(30);
@@ -69,10 +104,7 @@ pub fn sidecar(path: &Path, name: &str) -> PathBuf {
 
 /// For data whose folder is an object URL, the folder of its copy in the cache (fetched
 /// as [`fetch_data`] does); `None` for a local folder or synthetic data.
-pub fn fetched_data_dir(
-    storage: &Storage,
-    data: &DataSettings,
-) -> anyhow::Result<Option<PathBuf>> {
+pub fn fetched_data_dir(storage: &Storage, data: &DataSettings) -> anyhow::Result<Option<PathBuf>> {
     let Some(url) = object_url(&data.data_dir)? else {
         return Ok(None);
     };
@@ -173,7 +205,7 @@ fn fetch_all(
                             .store
                             .download_listed(&object.url, object.size, local)
                             .map_err(anyhow::Error::from)
-                            .and_then(|()| check_known_md5(local, &object.url))
+                            .and_then(|()| check_known_md5(local, object))
                             .and_then(|()| record(relative, object));
                         if outcome.is_err() {
                             failed.store(true, Ordering::Relaxed);
@@ -193,17 +225,19 @@ fn fetch_all(
             })
             .collect()
     });
-    let (entries, _) = manifest.into_inner().unwrap_or_else(PoisonError::into_inner);
+    let (entries, _) = manifest
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner);
     write_manifest(manifest_path, &entries)?;
     results.into_iter().collect()
 }
 
-/// Fails when `path` is a CIFAR-10 file whose official md5 it does not have; the file is
-/// removed so that the next run fetches it again.
-fn check_known_md5(path: &Path, url: &ObjectUrl) -> anyhow::Result<()> {
-    let Some((_, expected)) = KNOWN_MD5
+/// Fails when `path` holds one of CIFAR-10's official files (by name and size) without its
+/// md5; the file is removed so that the next run fetches it again.
+fn check_known_md5(path: &Path, object: &ObjectInfo) -> anyhow::Result<()> {
+    let Some((_, _, expected)) = KNOWN_FILES
         .iter()
-        .find(|(name, _)| *name == url.file_name())
+        .find(|(name, size, _)| *name == object.url.file_name() && *size == object.size)
     else {
         return Ok(());
     };
@@ -211,8 +245,9 @@ fn check_known_md5(path: &Path, url: &ObjectUrl) -> anyhow::Result<()> {
     if actual != *expected {
         let _ = std::fs::remove_file(path);
         bail!(
-            "{url}: md5 is {actual}, expected CIFAR-10's {expected}: the object is damaged or \
-             is not the official file (the copy was removed)"
+            "{}: md5 is {actual}, expected CIFAR-10's {expected}: the object is damaged (its \
+             copy was removed)",
+            object.url
         );
     }
     Ok(())

@@ -95,7 +95,9 @@ impl Uploader {
         if state.closed || state.failure.is_some() {
             return;
         }
-        state.queue.push_back(Job::PruneCheckpoints { prefix, keep });
+        state
+            .queue
+            .push_back(Job::PruneCheckpoints { prefix, keep });
         self.shared.changed.notify_all();
     }
 
@@ -181,13 +183,14 @@ fn carry_out(store: &RemoteStore, job: &Job) -> Result<usize, String> {
             {
                 Ok(0)
             }
-            Err(error) => Err(format!("cannot upload {} to {url}: {error}", local.display())),
+            Err(error) => Err(format!(
+                "cannot upload {} to {url}: {error}",
+                local.display()
+            )),
         },
-        Job::PruneCheckpoints { prefix, keep } => {
-            prune(store, prefix, *keep).map(|()| 0).map_err(|error| {
-                format!("cannot remove old checkpoints under {prefix}: {error}")
-            })
-        }
+        Job::PruneCheckpoints { prefix, keep } => prune(store, prefix, *keep)
+            .map(|()| 0)
+            .map_err(|error| format!("cannot remove old checkpoints under {prefix}: {error}")),
     }
 }
 

@@ -312,11 +312,18 @@ impl Trainer {
         } else {
             "fresh".to_string()
         };
-        let staged = match self.mirror.as_ref().and_then(|mirror| mirror.url_of(&settings.output_dir)) {
+        let staged = match self
+            .mirror
+            .as_ref()
+            .and_then(|mirror| mirror.url_of(&settings.output_dir))
+        {
             Some(_) => format!(" (staged in {})", settings.output_dir.display()),
             None => String::new(),
         };
-        say!("output: {}{staged} | {start}", self.shown(&settings.output_dir));
+        say!(
+            "output: {}{staged} | {start}",
+            self.shown(&settings.output_dir)
+        );
         if !resumed {
             return;
         }
@@ -764,11 +771,9 @@ impl Trainer {
                 eprintln!("warning: {shown} in the bucket is damaged ({error:#}); resuming from the staged copy");
                 return Ok(local);
             }
-            (Err(error), None) => {
-                return Err(error.context(format!(
-                    "{shown} is damaged and no other copy exists: start over with another --output-dir"
-                )))
-            }
+            (Err(error), None) => return Err(error.context(format!(
+                "{shown} is damaged and no other copy exists: start over with another --output-dir"
+            ))),
         };
         Ok(Some(match local {
             Some(local) if local.progress.global_step >= from_bucket.progress.global_step => local,
