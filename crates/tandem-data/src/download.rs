@@ -300,7 +300,7 @@ fn copy_body(
 }
 
 /// The md5 of a file, lowercase hex.
-fn file_md5(path: &Path) -> Result<String, DataError> {
+pub fn file_md5(path: &Path) -> Result<String, DataError> {
     let mut file = File::open(path).map_err(|source| DataError::io(path, source))?;
     let mut hasher = Md5::new();
     let mut chunk = vec![0u8; 1 << 20];

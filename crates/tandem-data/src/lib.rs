@@ -24,7 +24,7 @@ mod transform;
 
 pub use dataset::{load_dataset, DataSource, Dataset, Pixels, Split, CIFAR10_CLASS_NAMES};
 pub use download::{
-    download_cifar10, download_file, download_file_bounded, ensure_cifar10_downloaded,
+    download_cifar10, download_file, download_file_bounded, ensure_cifar10_downloaded, file_md5,
     DownloadLimits, CIFAR10_ARCHIVE_NAME, CIFAR10_MAX_DOWNLOAD_BYTES, CIFAR10_MD5, CIFAR10_URL,
     DOWNLOAD_STALL_TIMEOUT, MAX_DOWNLOAD_BYTES,
 };

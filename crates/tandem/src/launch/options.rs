@@ -290,22 +290,39 @@ pub fn resolve_command(command: &[String]) -> anyhow::Result<(PathBuf, Vec<Strin
     Ok((PathBuf::from(first), rest.to_vec()))
 }
 
-/// `--log-dir`, else the worker command's `--output-dir`, else `runs/latest`.
+/// `--log-dir`, else the worker command's `--output-dir` (for an object URL, the run's
+/// staging folder in the worker's `--cache-dir`), else `runs/latest`.
 pub fn default_log_dir(log_dir: Option<&Path>, command: &[String]) -> PathBuf {
     if let Some(log_dir) = log_dir {
         return log_dir.to_path_buf();
     }
-    let mut words = command.iter();
+    let Some(output_dir) = flag_value(command, "--output-dir") else {
+        return PathBuf::from("runs/latest");
+    };
+    match tandem_remote::ObjectUrl::parse(&output_dir) {
+        Ok(Some(url)) => {
+            let cache = crate::remote::StorageOptions {
+                cache_dir: flag_value(command, "--cache-dir").map(PathBuf::from),
+                ..Default::default()
+            };
+            crate::remote::staging_path(&cache.cache_dir(), "runs", &url)
+        }
+        _ => PathBuf::from(output_dir),
+    }
+}
+
+/// The value of `--flag VALUE` or `--flag=VALUE` among `words`.
+fn flag_value(words: &[String], flag: &str) -> Option<String> {
+    let mut words = words.iter();
     while let Some(word) = words.next() {
-        if word == "--output-dir" {
-            if let Some(value) = words.next() {
-                return PathBuf::from(value);
-            }
-        } else if let Some(value) = word.strip_prefix("--output-dir=") {
-            return PathBuf::from(value);
+        if word == flag {
+            return words.next().cloned();
+        }
+        if let Some(value) = word.strip_prefix(flag).and_then(|rest| rest.strip_prefix('=')) {
+            return Some(value.to_string());
         }
     }
-    PathBuf::from("runs/latest")
+    None
 }
 
 /// `TANDEM_JOB_TOKEN` when set; a fresh token for a single-node job; an error otherwise,
@@ -643,6 +660,13 @@ mod tests {
         assert_eq!(
             default_log_dir(Some(Path::new("logs")), &words("train --output-dir x")),
             PathBuf::from("logs")
+        );
+        assert_eq!(
+            default_log_dir(
+                None,
+                &words("train --output-dir s3://bucket/runs/a --cache-dir /scratch/cache")
+            ),
+            PathBuf::from("/scratch/cache/runs/bucket/runs/a")
         );
     }
 

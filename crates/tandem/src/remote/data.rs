@@ -10,14 +10,12 @@
 //! md5 is known (the CIFAR-10 archives and binary batches) are checked against it.
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use md5::{Digest, Md5};
 use serde::{Deserialize, Serialize};
 use tandem_remote::{ObjectInfo, ObjectUrl};
 
@@ -241,7 +239,7 @@ fn check_known_md5(path: &Path, object: &ObjectInfo) -> anyhow::Result<()> {
     else {
         return Ok(());
     };
-    let actual = file_md5(path)?;
+    let actual = tandem_data::file_md5(path)?;
     if actual != *expected {
         let _ = std::fs::remove_file(path);
         bail!(
@@ -251,28 +249,6 @@ fn check_known_md5(path: &Path, object: &ObjectInfo) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// The md5 of a file, as lowercase hex.
-fn file_md5(path: &Path) -> anyhow::Result<String> {
-    let mut file =
-        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let mut hasher = Md5::new();
-    let mut buffer = vec![0u8; 1 << 20];
-    loop {
-        let count = file
-            .read(&mut buffer)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        if count == 0 {
-            break;
-        }
-        hasher.update(&buffer[..count]);
-    }
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect())
 }
 
 /// The manifest of a cache folder; a missing or unreadable one is empty (everything is

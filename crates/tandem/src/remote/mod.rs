@@ -97,11 +97,7 @@ impl Storage {
 
     /// Where the object `url` is kept in the cache's `area` (`data`, `objects`, `runs`).
     pub fn cache_path(&self, area: &str, url: &ObjectUrl) -> PathBuf {
-        let mut path = self.cache_dir.join(area).join(url.bucket());
-        for segment in url.key().split('/').filter(|segment| !segment.is_empty()) {
-            path.push(segment);
-        }
-        path
+        staging_path(&self.cache_dir, area, url)
     }
 
     /// A local copy of the object `url`: fetched into the cache unless the copy there has
@@ -127,6 +123,16 @@ impl Storage {
         }
         Ok(local)
     }
+}
+
+/// `CACHE/AREA/BUCKET/KEY`: where the object `url` is kept in area `area` (`data`, `objects`,
+/// `runs`) of the cache folder `cache_dir`.
+pub fn staging_path(cache_dir: &Path, area: &str, url: &ObjectUrl) -> PathBuf {
+    let mut path = cache_dir.join(area).join(url.bucket());
+    for segment in url.key().split('/').filter(|segment| !segment.is_empty()) {
+        path.push(segment);
+    }
+    path
 }
 
 /// `path` itself when it is local; for an object URL, its copy fetched into the cache.

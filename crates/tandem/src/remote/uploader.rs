@@ -78,26 +78,27 @@ impl Uploader {
 
     /// Queues the upload of `local` to `url`, replacing a queued upload of the same object.
     pub fn put(&self, local: PathBuf, url: ObjectUrl) {
-        let mut state = self.shared.lock();
-        if state.closed || state.failure.is_some() {
-            return;
-        }
-        state
-            .queue
-            .retain(|job| !matches!(job, Job::Put { url: queued, .. } if *queued == url));
-        state.queue.push_back(Job::Put { local, url });
-        self.shared.changed.notify_all();
+        self.enqueue(Job::Put { local, url });
     }
 
     /// Queues the pruning of the epoch checkpoints under `prefix` to the last `keep`.
     pub fn prune_checkpoints(&self, prefix: ObjectUrl, keep: usize) {
+        self.enqueue(Job::PruneCheckpoints { prefix, keep });
+    }
+
+    /// Adds `job` to the queue (an upload replaces a queued one of the same object), unless
+    /// the queue is closed or has failed.
+    fn enqueue(&self, job: Job) {
         let mut state = self.shared.lock();
         if state.closed || state.failure.is_some() {
             return;
         }
-        state
-            .queue
-            .push_back(Job::PruneCheckpoints { prefix, keep });
+        if let Job::Put { url, .. } = &job {
+            state
+                .queue
+                .retain(|queued| !matches!(queued, Job::Put { url: other, .. } if other == url));
+        }
+        state.queue.push_back(job);
         self.shared.changed.notify_all();
     }
 
