@@ -499,6 +499,55 @@ fn sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical() {
     }
 }
 
+/// What `scancel` does to a `tandem launch` job, without Slurm: SIGTERM to every process at
+/// once, so each worker gets one directly and one passed on by the launcher. The two are one
+/// request: the workers stop at the same step with a snapshot.
+#[test]
+fn sigterm_to_every_process_of_a_launch_job_ends_with_a_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let output_dir = dir.path().join("run");
+    let mut launch = tandem();
+    launch
+        .args(["launch", "--standalone", "--nproc-per-node", "2"])
+        .args(["--stop-grace-seconds", LAUNCHER_GRACE_SECONDS, "--"])
+        .args(batch_job(&output_dir))
+        .env_remove("TANDEM_JOB_TOKEN");
+    let job = GroupJob::start(&mut launch);
+    let progress = output_dir.join("logs/rank_0.log");
+    let deadline = Instant::now() + JOB_LIMIT;
+    while !std::fs::read_to_string(&progress).is_ok_and(|log| log.contains("epoch 1 | step ")) {
+        assert!(
+            Instant::now() < deadline,
+            "the workers never started training"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    job.signal_every_process(libc::SIGTERM);
+    let output = job.wait(JOB_LIMIT);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(143), "{stderr}");
+    for rank in 0..2 {
+        let record = std::fs::read_to_string(output_dir.join(format!("errors/rank_{rank}.json")))
+            .unwrap_or_else(|error| panic!("no error file of rank {rank} ({error})\n{stderr}"));
+        assert!(
+            record.contains("\"message\":\"stopped by SIGTERM at epoch 1, step "),
+            "rank {rank}: {record}"
+        );
+    }
+    let files: Vec<String> = std::fs::read_dir(&output_dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        files.iter().any(|name| name == "snapshot.safetensors"),
+        "{files:?}"
+    );
+    assert!(
+        !files.iter().any(|name| name.ends_with(".tmp")),
+        "a snapshot was left half-written: {files:?}"
+    );
+}
+
 /// `tandem ARGS` in a Slurm task's environment whose node list does not parse.
 fn with_a_broken_node_list(args: &[String]) -> Output {
     let mut command = tandem();

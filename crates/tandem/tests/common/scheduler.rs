@@ -34,6 +34,12 @@ impl GroupJob {
         GroupJob { child: Some(child) }
     }
 
+    /// Sends `signal` to every process of the job's group, as a terminal's Ctrl-C or a
+    /// scheduler's cancellation does.
+    pub fn signal_every_process(&self, signal: i32) {
+        signal_group(self.child.as_ref().map(|child| child.id() as i32), signal);
+    }
+
     /// Waits for the job within `limit`; past it, stops the group (SIGTERM, then SIGKILL)
     /// and fails the test with the job's output.
     pub fn wait(self, limit: Duration) -> Output {
