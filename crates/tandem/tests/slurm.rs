@@ -12,6 +12,7 @@
 mod common;
 
 use std::io::Read;
+use std::net::ToSocketAddrs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -103,6 +104,21 @@ impl SlurmCluster {
         for name in PROGRAMS {
             programs.push((*name, program_or_skip(name, test)?));
         }
+        // SAFETY: `geteuid` has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "{test}: the Slurm cluster's daemons run as root, and CI is set"
+            );
+            eprintln!("skipped {test}: the Slurm cluster's daemons run as root");
+            return None;
+        }
+        let host = short_host_name();
+        assert!(
+            (host.as_str(), 0).to_socket_addrs().is_ok(),
+            "this host's name {host:?} does not resolve: slurmd names its node after it, and \
+             the workers meet at the first host of the node list"
+        );
         let dir = tempfile::tempdir().unwrap();
         // munged refuses a socket in a folder that others cannot search.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
