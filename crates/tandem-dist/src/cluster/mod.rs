@@ -20,6 +20,9 @@ use contract::{
     RANK_ENV, WORLD_SIZE_ENV,
 };
 
+/// Slurm's count of the current step's tasks per node, e.g. "2(x3),1"; set by `srun`.
+const SLURM_STEP_TASKS_ENV: &str = "SLURM_STEP_TASKS_PER_NODE";
+
 /// The store's host for an Open MPI job without `MASTER_ADDR` whose ranks all run on one node.
 pub const OPEN_MPI_SINGLE_NODE_MASTER: &str = "127.0.0.1";
 
@@ -195,14 +198,33 @@ pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
                 master_port: env.optional_port(MASTER_PORT_ENV)?,
             }
         }
-        ClusterSource::Slurm => NodeEnv {
-            source,
-            nnodes: env.count_either("SLURM_NNODES", "SLURM_JOB_NUM_NODES")?,
-            node_rank: env.index("SLURM_NODEID")?,
-            nproc_per_node: None,
-            master_addr: env.slurm_first_host()?,
-            master_port: env.optional_port(MASTER_PORT_ENV)?,
-        },
+        ClusterSource::Slurm => {
+            // `srun -n 2 tandem launch` on one node would start two launchers, each taking
+            // itself for the node and starting the node's workers: one of them only may run.
+            if env.optional_text(SLURM_STEP_TASKS_ENV).is_some() {
+                let tasks = env.slurm_task_count(SLURM_STEP_TASKS_ENV)?;
+                if tasks != 1 {
+                    return Err(env.invalid(
+                        SLURM_STEP_TASKS_ENV,
+                        &format!(
+                            "srun started {tasks} tasks on this node, and each would run its own \
+                             `tandem launch` of the node's workers: start one launcher per node \
+                             (srun --ntasks=$SLURM_NNODES --ntasks-per-node=1 tandem launch \
+                             --nproc-per-node N ...), or let srun start the workers without \
+                             `tandem launch` (srun --ntasks-per-node=N tandem train ...)"
+                        ),
+                    ));
+                }
+            }
+            NodeEnv {
+                source,
+                nnodes: env.count_either("SLURM_NNODES", "SLURM_JOB_NUM_NODES")?,
+                node_rank: env.index("SLURM_NODEID")?,
+                nproc_per_node: None,
+                master_addr: env.slurm_first_host()?,
+                master_port: env.optional_port(MASTER_PORT_ENV)?,
+            }
+        }
         ClusterSource::ModelArts => {
             let hosts = env.text("VC_WORKER_HOSTS")?;
             let master_addr = hosts
@@ -283,17 +305,22 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
         }
         ClusterSource::Slurm => {
             let world_size = env.count("SLURM_NTASKS")?;
-            let local_world_size = match env.optional_text("SLURM_NTASKS_PER_NODE") {
-                Some(_) => env.slurm_task_count("SLURM_NTASKS_PER_NODE")?,
-                None => match env.optional_text("SLURM_TASKS_PER_NODE") {
-                    Some(_) => env.slurm_task_count("SLURM_TASKS_PER_NODE")?,
-                    None => {
-                        world_size
-                            / env
-                                .count_either("SLURM_NNODES", "SLURM_JOB_NUM_NODES")?
-                                .max(1)
-                    }
-                },
+            // The step's own count first: an `srun` inside `sbatch` inherits the job's.
+            let per_node = [
+                SLURM_STEP_TASKS_ENV,
+                "SLURM_NTASKS_PER_NODE",
+                "SLURM_TASKS_PER_NODE",
+            ]
+            .into_iter()
+            .find(|name| env.optional_text(name).is_some());
+            let local_world_size = match per_node {
+                Some(name) => env.slurm_task_count(name)?,
+                None => {
+                    world_size
+                        / env
+                            .count_either("SLURM_NNODES", "SLURM_JOB_NUM_NODES")?
+                            .max(1)
+                }
             };
             WorkerEnv {
                 source,

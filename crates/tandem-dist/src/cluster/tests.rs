@@ -191,6 +191,61 @@ fn slurm_uneven_tasks_per_node_and_errors() {
 }
 
 #[test]
+fn slurm_step_counts_win_and_one_launcher_runs_per_node() {
+    // `srun --ntasks=2 --ntasks-per-node=1` inside `sbatch --ntasks-per-node=2`: the step's
+    // count is the workers' (and the launchers') count, not the job's.
+    let one_per_node = vars(&[
+        ("SLURM_JOB_NODELIST", "n[1-2]"),
+        ("SLURM_NNODES", "2"),
+        ("SLURM_NODEID", "1"),
+        ("SLURM_PROCID", "1"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_NTASKS_PER_NODE", "2"),
+        ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"),
+    ]);
+    assert_eq!(
+        worker_env(&one_per_node)
+            .expect("valid")
+            .map(|worker| worker.local_world_size),
+        Some(1)
+    );
+    assert_eq!(
+        node_env(&one_per_node)
+            .expect("valid")
+            .map(|node| (node.nnodes, node.node_rank)),
+        Some((2, 1))
+    );
+    // `srun -n 2 tandem launch` on one node: two launchers would each be node 0.
+    let two_per_node = vars(&[
+        ("SLURM_JOB_NODELIST", "n1"),
+        ("SLURM_NNODES", "1"),
+        ("SLURM_NODEID", "0"),
+        ("SLURM_PROCID", "1"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_STEP_TASKS_PER_NODE", "2"),
+    ]);
+    assert_eq!(
+        worker_env(&two_per_node)
+            .expect("valid")
+            .map(|worker| worker.local_world_size),
+        Some(2),
+        "the workers themselves may be srun's tasks"
+    );
+    assert_eq!(
+        node_env(&two_per_node)
+            .expect_err("two launchers")
+            .to_string(),
+        "slurm environment: SLURM_STEP_TASKS_PER_NODE=\"2\": srun started 2 tasks on this node, \
+         and each would run its own `tandem launch` of the node's workers: start one launcher \
+         per node (srun --ntasks=$SLURM_NNODES --ntasks-per-node=1 tandem launch \
+         --nproc-per-node N ...), or let srun start the workers without `tandem launch` \
+         (srun --ntasks-per-node=N tandem train ...)"
+    );
+}
+
+#[test]
 fn open_mpi_worker_and_one_launcher_per_node() {
     let env = vars(&[
         ("OMPI_COMM_WORLD_RANK", "3"),

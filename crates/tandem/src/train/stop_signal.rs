@@ -32,10 +32,13 @@ impl StopSignal {
 pub fn install() -> anyhow::Result<StopSignal> {
     let requested = Arc::new(AtomicBool::new(false));
     let received = Arc::new(AtomicUsize::new(0));
+    let second_signal_ends = !under_a_launcher();
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         // A second signal while the first is being honoured ends the process at once.
-        signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&requested))
-            .context("cannot install the stop-signal handler")?;
+        if second_signal_ends {
+            signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&requested))
+                .context("cannot install the stop-signal handler")?;
+        }
         signal_hook::flag::register_usize(signal, Arc::clone(&received), signal as usize)
             .context("cannot install the stop-signal handler")?;
         signal_hook::flag::register(signal, Arc::clone(&requested))
@@ -45,6 +48,15 @@ pub fn install() -> anyhow::Result<StopSignal> {
         requested,
         received,
     })
+}
+
+/// Whether `tandem launch` started this worker. A signal sent to the whole job then reaches
+/// the worker twice, directly and passed on by the launcher: Ctrl-C in a terminal signals the
+/// foreground process group, and Slurm's `scancel` every process of the job. The second is
+/// the same request, not an insistence; the launcher sends SIGKILL after its grace itself (at
+/// once when it receives a second signal of its own).
+fn under_a_launcher() -> bool {
+    std::env::var_os(tandem_dist::cluster::contract::RESTART_COUNT_ENV).is_some()
 }
 
 /// The end of a run stopped on request: the snapshot is written, and the process should now

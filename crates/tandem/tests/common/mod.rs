@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod scheduler;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
