@@ -318,7 +318,10 @@ fn flag_value(words: &[String], flag: &str) -> Option<String> {
         if word == flag {
             return words.next().cloned();
         }
-        if let Some(value) = word.strip_prefix(flag).and_then(|rest| rest.strip_prefix('=')) {
+        if let Some(value) = word
+            .strip_prefix(flag)
+            .and_then(|rest| rest.strip_prefix('='))
+        {
             return Some(value.to_string());
         }
     }

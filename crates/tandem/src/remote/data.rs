@@ -19,7 +19,7 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use tandem_remote::{ObjectInfo, ObjectUrl};
 
-use super::{object_url, Storage};
+use super::{object_url, sidecar, Storage};
 use crate::settings::{DataKind, DataSettings};
 
 /// CIFAR-10's official files: name, size and md5. A fetched file with an official name and
@@ -91,13 +91,6 @@ impl FetchedObject {
             e_tag: object.e_tag.clone(),
         }
     }
-}
-
-/// `PATH.NAME`: a file kept beside `path` (a folder or a file).
-pub fn sidecar(path: &Path, name: &str) -> PathBuf {
-    let mut file_name = path.file_name().unwrap_or_default().to_os_string();
-    file_name.push(format!(".{name}"));
-    path.with_file_name(file_name)
 }
 
 /// For data whose folder is an object URL, the folder of its copy in the cache (fetched

@@ -110,7 +110,7 @@ impl Storage {
             .ok_or_else(|| tandem_remote::RemoteError::NoSuchKey {
                 url: url.to_string(),
             })?;
-        let tag_path = data::sidecar(&local, "etag");
+        let tag_path = sidecar(&local, "etag");
         let cached_tag = std::fs::read_to_string(&tag_path).ok();
         let current = local.metadata().is_ok_and(|meta| meta.len() == info.size)
             && info.e_tag.is_some()
@@ -133,6 +133,13 @@ pub fn staging_path(cache_dir: &Path, area: &str, url: &ObjectUrl) -> PathBuf {
         path.push(segment);
     }
     path
+}
+
+/// `PATH.NAME`: a file kept beside `path` (a folder or a file).
+pub fn sidecar(path: &Path, name: &str) -> PathBuf {
+    let mut file_name = path.file_name().unwrap_or_default().to_os_string();
+    file_name.push(format!(".{name}"));
+    path.with_file_name(file_name)
 }
 
 /// `path` itself when it is local; for an object URL, its copy fetched into the cache.

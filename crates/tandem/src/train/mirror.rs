@@ -13,9 +13,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use tandem_remote::ObjectUrl;
 
-use crate::remote::data::{fetched_data_dir, sidecar};
+use crate::remote::data::fetched_data_dir;
 use crate::remote::uploader::Uploader;
-use crate::remote::{object_url, Storage};
+use crate::remote::{object_url, sidecar, Storage};
 use crate::settings::TrainSettings;
 
 /// The run's settings with every object URL replaced by a local path, and what the URLs
@@ -48,10 +48,10 @@ pub fn localize(settings: &TrainSettings) -> anyhow::Result<LocalizedRun> {
             places: Vec::new(),
         });
     }
-    if settings.fresh && output_url.is_some() {
+    if settings.fresh && (output_url.is_some() || snapshot_url.is_some()) {
         bail!(
             "--fresh moves a previous run aside, which objects in a bucket cannot do: give \
-             --output-dir a new prefix instead"
+             --output-dir (or --snapshot) a new prefix instead"
         );
     }
     let storage = Storage::connect(&settings.storage)?;

@@ -771,9 +771,11 @@ impl Trainer {
                 eprintln!("warning: {shown} in the bucket is damaged ({error:#}); resuming from the staged copy");
                 return Ok(local);
             }
-            (Err(error), None) => return Err(error.context(format!(
+            (Err(error), None) => {
+                return Err(error.context(format!(
                 "{shown} is damaged and no other copy exists: start over with another --output-dir"
-            ))),
+            )))
+            }
         };
         Ok(Some(match local {
             Some(local) if local.progress.global_step >= from_bucket.progress.global_step => local,
