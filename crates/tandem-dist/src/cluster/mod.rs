@@ -26,6 +26,24 @@ const SLURM_STEP_TASKS_ENV: &str = "SLURM_STEP_TASKS_PER_NODE";
 /// The store's host for an Open MPI job without `MASTER_ADDR` whose ranks all run on one node.
 pub const OPEN_MPI_SINGLE_NODE_MASTER: &str = "127.0.0.1";
 
+/// Open MPI 4's URI of `mpirun` itself (`JOBID;tcp://ADDR[,ADDR...]:PORT;tcp6://...`), set
+/// for every rank: the store's host of a multi-node job without `MASTER_ADDR`, as rank 0 runs
+/// beside `mpirun` under Open MPI's default mapping (`mpirun` on the first node).
+pub const OPEN_MPI_HNP_URI_ENV: &str = "OMPI_MCA_orte_hnp_uri";
+
+/// The first IPv4 address in an Open MPI HNP URI.
+pub fn open_mpi_hnp_host(uri: &str) -> Option<String> {
+    uri.split(';').find_map(|part| {
+        let addresses = part.strip_prefix("tcp://")?;
+        let (addresses, _port) = addresses.rsplit_once(':')?;
+        addresses
+            .split(',')
+            .next()
+            .filter(|address| !address.is_empty())
+            .map(str::to_string)
+    })
+}
+
 /// Environment variables by name.
 pub type EnvMap = HashMap<String, String>;
 
@@ -288,8 +306,9 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
         ClusterSource::OpenMpi => {
             let world_size = env.count("OMPI_COMM_WORLD_SIZE")?;
             let local_world_size = env.count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
-            // Open MPI names no rank's host (its HNP URI is mpirun's, which need not run
-            // rank 0), but when every rank is on this node rank 0 is too.
+            // Open MPI names no rank's host: when every rank is on this node rank 0 is too;
+            // across nodes its HNP URI names mpirun's host, where rank 0 runs under the
+            // default mapping (rank 0 checks that it does, see `tandem`'s placement).
             let single_node = local_world_size == world_size;
             WorkerEnv {
                 source,
@@ -299,7 +318,11 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
                 local_world_size,
                 master_addr: env
                     .optional_text(MASTER_ADDR_ENV)
-                    .or_else(|| single_node.then(|| OPEN_MPI_SINGLE_NODE_MASTER.to_string())),
+                    .or_else(|| single_node.then(|| OPEN_MPI_SINGLE_NODE_MASTER.to_string()))
+                    .or_else(|| {
+                        env.optional_text(OPEN_MPI_HNP_URI_ENV)
+                            .and_then(|uri| open_mpi_hnp_host(&uri))
+                    }),
                 master_port: env.optional_port(MASTER_PORT_ENV)?,
             }
         }

@@ -284,6 +284,36 @@ fn open_mpi_worker_and_one_launcher_per_node() {
         (Some("127.0.0.1"), Some(29600)),
         "every rank on this node: rank 0 is here too"
     );
+    let mut across_nodes = vars(&[
+        ("OMPI_COMM_WORLD_RANK", "1"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        (
+            "OMPI_MCA_orte_hnp_uri",
+            "1092026368.0;tcp://10.1.2.3,192.168.7.1:54725;tcp6://[fd00::2]:58939",
+        ),
+    ]);
+    assert_eq!(
+        worker_env(&across_nodes)
+            .expect("valid")
+            .expect("detected")
+            .master_addr
+            .as_deref(),
+        Some("10.1.2.3"),
+        "across nodes without MASTER_ADDR: mpirun's host"
+    );
+    across_nodes.insert("MASTER_ADDR".into(), "node7".into());
+    assert_eq!(
+        worker_env(&across_nodes)
+            .expect("valid")
+            .expect("detected")
+            .master_addr
+            .as_deref(),
+        Some("node7"),
+        "MASTER_ADDR wins"
+    );
+    assert_eq!(open_mpi_hnp_host("1.0;tcp6://[fd00::2]:5"), None);
     let mut named = one_node.clone();
     named.insert("MASTER_ADDR".into(), "head".into());
     assert_eq!(

@@ -3,7 +3,8 @@
 
 use anyhow::{bail, Context};
 use tandem_dist::cluster::contract::{
-    self, DEFAULT_MASTER_PORT, RESTART_COUNT_ENV, STORE_HOSTED_ENV, STORE_PREFIX_ENV,
+    self, DEFAULT_MASTER_PORT, MASTER_ADDR_ENV, RESTART_COUNT_ENV, STORE_HOSTED_ENV,
+    STORE_PREFIX_ENV,
 };
 use tandem_dist::cluster::{ClusterSource, WorkerEnv};
 
@@ -36,6 +37,14 @@ pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPla
         Some(init_method) => parse_init_method(init_method)?,
         None => store_address(cluster.as_ref(), world_size)?,
     };
+    let master_from_mpirun = flags.init_method.is_none()
+        && env(MASTER_ADDR_ENV).is_none()
+        && cluster.as_ref().is_some_and(|worker| {
+            worker.source == ClusterSource::OpenMpi && worker.local_world_size < worker.world_size
+        });
+    if master_from_mpirun && rank == 0 {
+        check_runs_on(&master_addr)?;
+    }
     let local_world_size = cluster.as_ref().map_or(1, |worker| worker.local_world_size);
     let key_prefix = env(STORE_PREFIX_ENV).unwrap_or_else(|| {
         let restart_round = env(RESTART_COUNT_ENV).unwrap_or_else(|| "0".to_string());
@@ -78,6 +87,21 @@ fn store_address(cluster: Option<&WorkerEnv>, world_size: usize) -> anyhow::Resu
     Ok((master_addr, master_port))
 }
 
+/// Fails unless this host has the address `master_addr`: rank 0 of a multi-node Open MPI job
+/// without `MASTER_ADDR` serves the store at mpirun's host, which the other ranks look for.
+fn check_runs_on(master_addr: &str) -> anyhow::Result<()> {
+    match std::net::TcpListener::bind((master_addr, 0)) {
+        Ok(_) => Ok(()),
+        Err(error) => bail!(
+            "rank 0 of this Open MPI job runs on {}, but the other ranks look for it at {master_addr}, \
+             the host of mpirun (Open MPI names no rank's host, and MASTER_ADDR is unset; binding \
+             there failed: {error}): start mpirun on the node of rank 0, or pass rank 0's host \
+             with mpirun -x MASTER_ADDR=<host>",
+            crate::train::run_lock::host_name()
+        ),
+    }
+}
+
 /// Splits `tcp://HOST:PORT` (the tutorial's `--init-method`).
 pub fn parse_init_method(init_method: &str) -> anyhow::Result<(String, u16)> {
     let address = init_method.strip_prefix("tcp://").with_context(|| {
@@ -110,6 +134,18 @@ mod tests {
             master_addr: master_addr.map(str::to_string),
             master_port,
         }
+    }
+
+    #[test]
+    fn rank_0_away_from_mpirun_is_told_to_move_or_name_its_host() {
+        check_runs_on("127.0.0.1").expect("this host has 127.0.0.1");
+        // 203.0.113.0/24 is TEST-NET-3: no host has it.
+        let error = check_runs_on("203.0.113.77").unwrap_err().to_string();
+        assert!(
+            error.contains("but the other ranks look for it at 203.0.113.77, the host of mpirun")
+                && error.ends_with("or pass rank 0's host with mpirun -x MASTER_ADDR=<host>"),
+            "{error}"
+        );
     }
 
     #[test]
