@@ -14,8 +14,12 @@ WORKDIR /src
 COPY . .
 RUN cargo build --release --locked -p tandem
 
-# `--download` needs no CA certificates from the system: ureq carries its own roots.
 FROM ${RUNTIME_IMAGE}
+# `--download` (ureq) carries its own CA roots; object storage over https (object_store's
+# reqwest) trusts the system's, so the image has them.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/tandem /usr/local/bin/tandem
 # What the NVIDIA container toolkit should expose when the container runs with `--gpus`.
 ENV NVIDIA_VISIBLE_DEVICES=all \
