@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
-use tandem_engine::{AdamConfig, BatchNormReducer, SgdConfig};
+use tandem_engine::{AdamConfig, BatchNormReducer, OptimizerState, SgdConfig};
 use tandem_models::executor::{Executor, GradientsReady};
 use tandem_models::workspace::Plan;
 use tandem_models::{LossOptions, Model, ModelError};
@@ -65,8 +65,8 @@ pub struct GpuSettings {
     pub deterministic: bool,
 }
 
-/// The optimizer state on the device, made at the first step.
-enum OptimizerState {
+/// The optimizer state on the device, made at the first step (or loaded from the host).
+enum DeviceOptimizer {
     None,
     Sgd {
         momentum: CudaSlice<f32>,
@@ -90,7 +90,7 @@ pub struct CudaExecutor {
     params: CudaSlice<f32>,
     grads: CudaSlice<f32>,
     buffers: CudaSlice<f32>,
-    optimizer: OptimizerState,
+    optimizer: DeviceOptimizer,
     workspace: CudaSlice<u8>,
     storages: PlanStorages,
     /// Values in the flat running-statistic buffer (its device allocation holds at least one).
@@ -105,6 +105,16 @@ pub struct CudaExecutor {
     stream: Arc<CudaStream>,
     context: Arc<CudaContext>,
 }
+
+// SAFETY: the executor is not `Send` only because its cuDNN handle and descriptors are raw
+// pointers. It owns them alone (nothing hands them out), and `&mut self`/`&self` keep their
+// calls from running at once. CUDA, cuDNN and cuBLAS allow a handle to be used by one thread
+// after another, provided the handle's context is current on the calling thread: every entry
+// point that reaches cuDNN (`prepare`, hence `forward_train` and `forward_eval`, and
+// `backward`) binds the context first, and `cudarc` binds it for its own stream, memory and
+// launch calls. So `tandem train` may build the executor on the main thread and train on a
+// kernel thread.
+unsafe impl Send for CudaExecutor {}
 
 impl CudaExecutor {
     /// Opens GPU `settings.ordinal`, compiles our kernels (with the PTX cache in `cache`) and
@@ -157,7 +167,7 @@ impl CudaExecutor {
             params: upload(params)?,
             grads: upload(&vec![0.0; params.len()])?,
             buffers: upload(buffers)?,
-            optimizer: OptimizerState::None,
+            optimizer: DeviceOptimizer::None,
             buffer_len: buffers.len(),
             workspace: stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?,
             storages: PlanStorages::default(),
@@ -317,14 +327,14 @@ impl CudaExecutor {
     /// the CPU's `Sgd` per element).
     pub fn sgd_step(&mut self, config: &SgdConfig) -> Result<(), GpuError> {
         let n = self.host_grads.len();
-        if !matches!(self.optimizer, OptimizerState::Sgd { .. }) {
+        if !matches!(self.optimizer, DeviceOptimizer::Sgd { .. }) {
             let momentum = self
                 .stream
                 .alloc_zeros::<f32>(n.max(1))
                 .map_err(driver("cuMemAllocAsync"))?;
-            self.optimizer = OptimizerState::Sgd { momentum, steps: 0 };
+            self.optimizer = DeviceOptimizer::Sgd { momentum, steps: 0 };
         }
-        let OptimizerState::Sgd { momentum, steps } = &mut self.optimizer else {
+        let DeviceOptimizer::Sgd { momentum, steps } = &mut self.optimizer else {
             return Err(GpuError::Unsupported("an optimizer state of another kind"));
         };
         let args = [
@@ -352,17 +362,17 @@ impl CudaExecutor {
     /// computed on the host in double as the CPU's `Adam` does.
     pub fn adam_step(&mut self, config: &AdamConfig) -> Result<(), GpuError> {
         let n = self.host_grads.len();
-        if !matches!(self.optimizer, OptimizerState::Adam { .. }) {
+        if !matches!(self.optimizer, DeviceOptimizer::Adam { .. }) {
             let alloc = || self.stream.alloc_zeros::<f32>(n.max(1));
             let exp_avg = alloc().map_err(driver("cuMemAllocAsync"))?;
             let exp_avg_sq = alloc().map_err(driver("cuMemAllocAsync"))?;
-            self.optimizer = OptimizerState::Adam {
+            self.optimizer = DeviceOptimizer::Adam {
                 exp_avg,
                 exp_avg_sq,
                 steps: 0,
             };
         }
-        let OptimizerState::Adam {
+        let DeviceOptimizer::Adam {
             exp_avg,
             exp_avg_sq,
             steps,
@@ -392,6 +402,83 @@ impl CudaExecutor {
         unsafe {
             self.kernels
                 .launch(&self.stream, "adam_step", per_element(n), &args)
+        }
+    }
+
+    /// The optimizer state on the device, copied to the host in the slot layout of
+    /// `tandem_engine`'s optimizers (SGD: `momentum_buffer`; Adam: `exp_avg`, `exp_avg_sq`)
+    /// with the steps taken, for a snapshot; `None` before the first step or load.
+    pub fn optimizer_state_to_host(&self) -> Result<Option<OptimizerState>, GpuError> {
+        let n = self.host_grads.len();
+        let download =
+            |name: &str, slot: &CudaSlice<f32>| -> Result<(String, Vec<f32>), GpuError> {
+                let mut values = vec![0.0; n];
+                copy_to_host("optimizer state", &self.stream, slot, &mut values)?;
+                Ok((name.to_string(), values))
+            };
+        Ok(match &self.optimizer {
+            DeviceOptimizer::None => None,
+            DeviceOptimizer::Sgd { momentum, steps } => Some(OptimizerState {
+                step: *steps,
+                slots: vec![download("momentum_buffer", momentum)?],
+            }),
+            DeviceOptimizer::Adam {
+                exp_avg,
+                exp_avg_sq,
+                steps,
+            } => Some(OptimizerState {
+                step: *steps,
+                slots: vec![
+                    download("exp_avg", exp_avg)?,
+                    download("exp_avg_sq", exp_avg_sq)?,
+                ],
+            }),
+        })
+    }
+
+    /// Makes SGD's state on the device: `steps` taken and the momentum buffer (`None`: zeros,
+    /// as for SGD without momentum), e.g. from a snapshot written on either device.
+    pub fn load_sgd_state(&mut self, steps: u64, momentum: Option<&[f32]>) -> Result<(), GpuError> {
+        let momentum = self.upload_state("momentum_buffer", momentum)?;
+        self.optimizer = DeviceOptimizer::Sgd { momentum, steps };
+        Ok(())
+    }
+
+    /// Makes Adam's state on the device: `steps` taken and both moments.
+    pub fn load_adam_state(
+        &mut self,
+        steps: u64,
+        exp_avg: &[f32],
+        exp_avg_sq: &[f32],
+    ) -> Result<(), GpuError> {
+        let exp_avg = self.upload_state("exp_avg", Some(exp_avg))?;
+        let exp_avg_sq = self.upload_state("exp_avg_sq", Some(exp_avg_sq))?;
+        self.optimizer = DeviceOptimizer::Adam {
+            exp_avg,
+            exp_avg_sq,
+            steps,
+        };
+        Ok(())
+    }
+
+    /// A device copy of one optimizer slot (one value per parameter; `None`: zeros).
+    fn upload_state(
+        &self,
+        what: &'static str,
+        values: Option<&[f32]>,
+    ) -> Result<CudaSlice<f32>, GpuError> {
+        let n = self.host_grads.len();
+        match values {
+            Some(values) if n > 0 => {
+                same_length(what, values.len(), n)?;
+                self.stream
+                    .clone_htod(values)
+                    .map_err(driver("cuMemcpyHtoDAsync"))
+            }
+            _ => self
+                .stream
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(driver("cuMemAllocAsync")),
         }
     }
 
