@@ -111,7 +111,7 @@ fn without_the_gpu_executor_cuda_fails_honestly_and_auto_takes_the_cpu() {
 
 #[test]
 fn this_build_has_the_gpu_executor_so_auto_takes_a_gpu_that_is_there() {
-    assert!(tandem_cuda::device::GPU_EXECUTOR_BUILT);
+    const { assert!(tandem_cuda::device::GPU_EXECUTOR_BUILT) };
     assert!(GpuFacts::not_probed().gpu_executor_built);
     // Facts gathered here say the executor is built; on this CPU-only machine auto still
     // takes the CPU, for the reason the probe or the driver gives.
