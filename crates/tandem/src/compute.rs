@@ -4,8 +4,9 @@
 //!
 //! # Host/device crossings on the GPU
 //! Each step: the batch goes to the device; the loss (and, in evaluation, the logits) comes
-//! back; the backward copies each finished gradient range to the host for the gradient-ready
-//! hook (the executor's interface hands out host values). The optimizer runs on the device
+//! back; in a job of several processes, the backward copies each finished gradient range to
+//! the host for the gradient-ready hook (the executor's interface hands out host values),
+//! and with one process no gradient leaves the device. The optimizer runs on the device
 //! over the flat buffers. Parameters, running statistics and optimizer state come to the
 //! host only when asked for ([`Compute::host_model`] for checkpoints, snapshots and
 //! broadcasts, [`Compute::optimizer_state`] for snapshots), and go back after the host
@@ -271,15 +272,20 @@ impl Compute {
     }
 
     /// Backward of the last [`Compute::forward_train`]: adds the gradients of `loss_scale ·
-    /// loss` and calls `grad_ready` with each final range and its host values.
+    /// loss` and calls `grad_ready`, if given, with each final range and its host values (on
+    /// a GPU, only then do the gradients cross to the host during the backward).
     pub fn backward(
         &mut self,
         loss_scale: f32,
         bn_sync: Option<&mut dyn BatchNormReducer>,
-        grad_ready: &mut dyn FnMut(std::ops::Range<usize>, &[f32]),
+        grad_ready: Option<&mut dyn FnMut(std::ops::Range<usize>, &[f32])>,
     ) -> anyhow::Result<()> {
         match &mut self.engine {
-            Engine::Cpu { .. } => self.model.backward(loss_scale, bn_sync, grad_ready)?,
+            Engine::Cpu { .. } => {
+                let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
+                let grad_ready = grad_ready.unwrap_or(&mut ignore);
+                self.model.backward(loss_scale, bn_sync, grad_ready)?
+            }
             Engine::Cuda(gpu) => {
                 let plan = gpu
                     .train_plan
@@ -622,7 +628,7 @@ mod tests {
                 .unwrap();
             let mut reported = 0;
             compute
-                .backward(1.0, None, &mut |range, _| reported += range.len())
+                .backward(1.0, None, Some(&mut |range, _| reported += range.len()))
                 .unwrap();
             assert_eq!(reported, compute.param_count());
             compute.optimizer_step(lr, Some(0.8)).unwrap();

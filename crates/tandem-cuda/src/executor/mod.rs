@@ -98,6 +98,8 @@ pub struct CudaExecutor {
     /// Host copy of the gradients, filled up to `grads_on_host` in a backward.
     host_grads: Vec<f32>,
     grads_on_host: usize,
+    /// Whether this backward reports its gradients to a hook (which reads host values).
+    gradients_to_host: bool,
     /// The label smoothing of the last loss.
     label_smoothing: f32,
     /// The first error of a method that cannot return one.
@@ -173,6 +175,7 @@ impl CudaExecutor {
             storages: PlanStorages::default(),
             host_grads: vec![0.0; params.len()],
             grads_on_host: 0,
+            gradients_to_host: false,
             label_smoothing: 0.0,
             error: RefCell::new(None),
             stream,
@@ -253,22 +256,25 @@ impl CudaExecutor {
     }
 
     /// The backward of the last [`CudaExecutor::forward_train`]: adds the gradients of
-    /// `loss_scale · loss` to the device gradients and reports each finished range (with
-    /// its host values) to `grad_ready`.
+    /// `loss_scale · loss` to the device gradients and, with `grad_ready`, reports each
+    /// finished range with its host values (copying it to the host and waiting for it).
+    /// Without it (one process), no gradient crosses to the host.
     pub fn backward(
         &mut self,
         model: &Model,
         plan: &Plan,
         loss_scale: f32,
         bn_sync: Option<&mut dyn BatchNormReducer>,
-        grad_ready: &mut dyn FnMut(std::ops::Range<usize>, &[f32]),
+        grad_ready: Option<&mut dyn FnMut(std::ops::Range<usize>, &[f32])>,
     ) -> Result<(), ModelError> {
         self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))
             .map_err(device)?;
         self.grads_on_host = 0;
-        let mut ready = GradientsReady::new(grad_ready);
+        self.gradients_to_host = grad_ready.is_some();
+        let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
+        let mut ready = GradientsReady::new(grad_ready.unwrap_or(&mut ignore));
         model.backward_on(self, plan, loss_scale, bn_sync, &mut ready)?;
         self.take_error().map_err(device)
     }

@@ -45,7 +45,7 @@ pub fn run(
     let train_rate = timed(batch, steps, &mut exec, &mut peak_bytes, |exec| {
         exec.zero_grads()?;
         exec.forward_train(&model, &train_plan, &images, &labels, &loss, None)?;
-        exec.backward(&model, &train_plan, 1.0, None, &mut |_, _| {})?;
+        exec.backward(&model, &train_plan, 1.0, None, None)?;
         match optimizer {
             OptimizerKind::Sgd => exec.sgd_step(&sgd_config())?,
             OptimizerKind::Adam => exec.adam_step(&adam_config())?,

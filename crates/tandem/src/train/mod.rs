@@ -561,10 +561,11 @@ impl Trainer {
             images += batch.len;
             match self.ddp.as_mut().filter(|_| last) {
                 Some(ddp) if !sync_bn => {
-                    self.compute
-                        .backward(loss_scale, None, &mut |range, values| {
-                            ddp.gradients_ready(range, values)
-                        })?;
+                    self.compute.backward(
+                        loss_scale,
+                        None,
+                        Some(&mut |range, values| ddp.gradients_ready(range, values)),
+                    )?;
                 }
                 _ => {
                     let mut reducer = self
@@ -577,7 +578,7 @@ impl Trainer {
                         reducer
                             .as_mut()
                             .map(|reducer| reducer as &mut dyn BatchNormReducer),
-                        &mut |_, _| {},
+                        None,
                     )?;
                 }
             }
