@@ -17,6 +17,7 @@
 //! (`tests/gpu_train.rs`) wait for a machine with one.
 
 use anyhow::Context;
+use tandem_cuda::executor::GradientHook;
 use tandem_cuda::{CudaExecutor, Device, GpuSettings, Precision, Probe, PtxCache};
 use tandem_engine::{Adam, AdamConfig, Optimizer, OptimizerState, Sgd, SgdConfig};
 use tandem_models::workspace::{Mode, Plan};
@@ -278,7 +279,7 @@ impl Compute {
         &mut self,
         loss_scale: f32,
         bn_sync: Option<&mut dyn BatchNormReducer>,
-        grad_ready: Option<&mut dyn FnMut(std::ops::Range<usize>, &[f32])>,
+        grad_ready: Option<GradientHook<'_>>,
     ) -> anyhow::Result<()> {
         match &mut self.engine {
             Engine::Cpu { .. } => {

@@ -45,6 +45,10 @@ use error::{driver, same_length};
 use launch::{per_element, Arg, Kernels};
 use memory::PlanStorages;
 
+/// A gradient-ready hook: called with each finished range of the flat gradients and its
+/// host values.
+pub type GradientHook<'a> = &'a mut dyn FnMut(std::ops::Range<usize>, &[f32]);
+
 /// The math of convolutions and the linear layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Precision {
@@ -265,7 +269,7 @@ impl CudaExecutor {
         plan: &Plan,
         loss_scale: f32,
         bn_sync: Option<&mut dyn BatchNormReducer>,
-        grad_ready: Option<&mut dyn FnMut(std::ops::Range<usize>, &[f32])>,
+        grad_ready: Option<GradientHook<'_>>,
     ) -> Result<(), ModelError> {
         self.context
             .bind_to_thread()
