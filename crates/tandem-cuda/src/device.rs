@@ -133,10 +133,10 @@ pub struct GpuFacts {
     pub gpu_executor_built: bool,
 }
 
-/// Whether this build can train on a GPU. `train`, `eval` and `predict` have no GPU executor
-/// wired in; the binary's `bench step` sets [`GpuFacts::gpu_executor_built`] itself for an
-/// explicit `--device cuda`, as its executor (`crate::executor`) is still unverified on a GPU.
-pub const GPU_EXECUTOR_BUILT: bool = false;
+/// Whether this build can compute on a GPU: `train`, `eval`, `predict` and `bench step` run
+/// on the GPU executor (`crate::executor`), which has not yet been verified on a GPU (the
+/// binary's `device:` line says so).
+pub const GPU_EXECUTOR_BUILT: bool = true;
 
 impl GpuFacts {
     /// Facts that look at nothing, for `--device cpu`: no library is loaded and no GPU counted.

@@ -110,6 +110,24 @@ fn without_the_gpu_executor_cuda_fails_honestly_and_auto_takes_the_cpu() {
 }
 
 #[test]
+fn this_build_has_the_gpu_executor_so_auto_takes_a_gpu_that_is_there() {
+    const { assert!(tandem_cuda::device::GPU_EXECUTOR_BUILT) };
+    assert!(GpuFacts::not_probed().gpu_executor_built);
+    // Facts gathered here say the executor is built; on this CPU-only machine auto still
+    // takes the CPU, for the reason the probe or the driver gives.
+    let facts = GpuFacts::gather(tandem_cuda::Probe::process());
+    assert!(facts.gpu_executor_built);
+    if facts.missing_library.is_some() || !matches!(facts.visible_gpus, Ok(n) if n > 0) {
+        let device = resolve(DeviceRequest::Auto, &facts, None).unwrap();
+        let Device::Cpu { reason } = device else {
+            panic!("auto took a GPU that is not there: {device}");
+        };
+        assert!(reason.starts_with("auto: "), "{reason}");
+        assert!(!reason.contains("not built"), "{reason}");
+    }
+}
+
+#[test]
 fn with_an_executor_local_rank_r_takes_gpu_r_modulo_the_visible_gpus() {
     let facts = gpu_machine(3, true);
     for (rank, ordinal) in [(0, 0), (1, 1), (2, 2), (3, 0), (7, 1)] {

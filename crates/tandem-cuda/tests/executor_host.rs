@@ -95,7 +95,7 @@ fn candidate(algo: u32, time_ms: f32, deterministic: bool) -> Candidate<u32> {
 }
 
 #[test]
-fn the_fastest_admitted_algorithm_is_chosen() {
+fn the_fastest_admitted_algorithm_is_chosen_or_when_deterministic_the_lowest() {
     let candidates = [
         candidate(0, 0.5, false),
         candidate(1, 0.7, true),
@@ -111,8 +111,26 @@ fn the_fastest_admitted_algorithm_is_chosen() {
     ];
     let free = choose(&candidates, Precision::Fp32, false, 1 << 30).unwrap();
     assert_eq!(free.algo, 0);
+    // Deterministic mode takes the lowest-numbered admitted algorithm (1, slower than 2), so
+    // that another process measuring other timings computes with the same one.
     let deterministic = choose(&candidates, Precision::Fp32, true, 1 << 30).unwrap();
-    assert_eq!(deterministic.algo, 2);
+    assert_eq!(deterministic.algo, 1);
+    let mut retimed = candidates;
+    retimed[1].time_ms = 9.0;
+    retimed[2].time_ms = 0.01;
+    retimed.reverse();
+    assert_eq!(
+        choose(&retimed, Precision::Fp32, true, 1 << 30)
+            .unwrap()
+            .algo,
+        1
+    );
+    assert_eq!(
+        choose(&retimed, Precision::Fp32, false, 1 << 30)
+            .unwrap()
+            .algo,
+        2
+    );
 }
 
 #[test]

@@ -278,8 +278,8 @@ fn list_ranks(ranks: &[usize]) -> String {
 /// Chooses the backend of this job and prints `backend: ...`: with `ddp` (a job of several
 /// processes) from every rank's record gathered through the store; without it only an
 /// explicit `--backend nccl` is checked (against this process's device), as a job of one
-/// process has no gradients to exchange. The only backend that runs today is `ring`: a choice
-/// of `nccl` is an error, as the GPU executor it needs is not built yet.
+/// process has no gradients to exchange. The only backend that runs today is `ring` (on GPUs,
+/// through the host): a choice of `nccl` is an error, as its process group is not built yet.
 pub fn choose(
     request: BackendRequest,
     device: &Device,
@@ -322,8 +322,8 @@ fn check_runnable(choice: &BackendChoice, request: BackendRequest) -> anyhow::Re
     match choice.backend {
         Backend::Ring => Ok(()),
         Backend::Nccl => bail!(
-            "--backend {request}: the NCCL process group needs the GPU executor, which is not \
-             built yet"
+            "--backend {request}: the NCCL process group is not built yet; use --backend ring, \
+             which carries the GPUs' gradients through the host"
         ),
     }
 }
@@ -477,8 +477,8 @@ mod tests {
             assert_eq!(
                 check_runnable(&choice, request).unwrap_err().to_string(),
                 format!(
-                    "--backend {request}: the NCCL process group needs the GPU executor, which \
-                     is not built yet"
+                    "--backend {request}: the NCCL process group is not built yet; use \
+                     --backend ring, which carries the GPUs' gradients through the host"
                 )
             );
         }

@@ -26,29 +26,11 @@ pub fn announce_for_json(json: bool) -> Announce {
     }
 }
 
-/// Decides the device of this process and prints `device: cpu (reason)` first. Returns the
-/// device the job runs on: the CPU, as `train`, `eval` and `predict` have no GPU executor
-/// yet (`--device cuda` is then an error saying so, and `auto` says why it took the CPU).
+/// Decides the device of this process and prints `device: ... (reason)` first. `cuda` without
+/// what it needs is an error saying what is missing; `auto` takes a GPU when one can be used,
+/// else the CPU, saying why. A GPU's line says that the GPU executor is unverified: it has not
+/// yet run on a GPU.
 pub fn select(request: DeviceRequest, announce: Announce) -> anyhow::Result<Device> {
-    select_for(request, announce, GpuUse::NotBuilt)
-}
-
-/// Whether a command can run on the GPU executor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuUse {
-    /// It cannot: `cuda` is an error and `auto` takes the CPU, saying why.
-    NotBuilt,
-    /// It can, but the GPU executor has not run on a GPU yet: only an explicit `cuda` or
-    /// `cuda:N` takes the GPU (saying it is unverified); `auto` takes the CPU, saying why.
-    ExplicitOnly,
-}
-
-/// [`select`] for a command whose GPU support is `gpu`.
-pub fn select_for(
-    request: DeviceRequest,
-    announce: Announce,
-    gpu: GpuUse,
-) -> anyhow::Result<Device> {
     let device = match request {
         // The CPU needs no probe: nothing CUDA is loaded.
         DeviceRequest::Cpu => resolve(request, &GpuFacts::not_probed(), None)?,
@@ -59,40 +41,27 @@ pub fn select_for(
                 .ok()
                 .flatten()
                 .map(|worker| worker.local_rank);
-            let mut facts = GpuFacts::gather(Probe::process());
-            facts.gpu_executor_built = gpu == GpuUse::ExplicitOnly;
+            let facts = GpuFacts::gather(Probe::process());
             let device = resolve(request, &facts, local_rank)
                 .with_context(|| format!("--device {request}"))?;
-            unverified_gpu(device, request)
+            unverified_gpu(device)
         }
     };
     match announce {
         Announce::Stdout => say!("device: {device}"),
         Announce::Stderr => eprintln!("device: {device}"),
     }
-    if gpu == GpuUse::NotBuilt {
-        if let Device::Cuda { .. } = device {
-            anyhow::bail!("--device {request}: the GPU executor is not built yet");
-        }
-    }
     Ok(device)
 }
 
-/// For a command whose GPU executor is unverified ([`GpuUse::ExplicitOnly`]): `auto` keeps
-/// to the CPU, saying why, and an explicit GPU says it is unverified.
-fn unverified_gpu(device: Device, request: DeviceRequest) -> Device {
-    match (device, request) {
-        (Device::Cuda { ordinal, .. }, DeviceRequest::Auto) => Device::Cpu {
-            reason: format!(
-                "auto: cuda:{ordinal} was found, but the GPU executor has not been verified \
-                 on a GPU yet; it runs only with --device cuda"
-            ),
-        },
-        (Device::Cuda { ordinal, reason }, _) => Device::Cuda {
+/// A GPU's reason with the note that the GPU executor has not yet run on a GPU.
+fn unverified_gpu(device: Device) -> Device {
+    match device {
+        Device::Cuda { ordinal, reason } => Device::Cuda {
             ordinal,
             reason: format!("{reason}; GPU executor unverified on a GPU"),
         },
-        (device, _) => device,
+        device => device,
     }
 }
 
@@ -101,23 +70,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_unverified_gpu_is_taken_only_when_asked_for_and_says_so() {
-        let found = || Device::Cuda {
+    fn a_gpu_says_its_executor_is_unverified() {
+        let found = Device::Cuda {
             ordinal: 1,
-            reason: "requested".to_string(),
+            reason: "first of 2 visible GPU(s)".to_string(),
         };
         assert_eq!(
-            unverified_gpu(found(), DeviceRequest::Auto).to_string(),
-            "cpu (auto: cuda:1 was found, but the GPU executor has not been verified on a GPU \
-             yet; it runs only with --device cuda)"
-        );
-        assert_eq!(
-            unverified_gpu(found(), DeviceRequest::Cuda(Some(1))).to_string(),
-            "cuda:1 (requested; GPU executor unverified on a GPU)"
+            unverified_gpu(found).to_string(),
+            "cuda:1 (first of 2 visible GPU(s); GPU executor unverified on a GPU)"
         );
         let cpu = Device::Cpu {
             reason: "requested".to_string(),
         };
-        assert_eq!(unverified_gpu(cpu.clone(), DeviceRequest::Cpu), cpu);
+        assert_eq!(unverified_gpu(cpu.clone()), cpu);
     }
 }

@@ -10,6 +10,7 @@ use tandem_models::Model;
 use crate::checkpoint_info::{
     class_name, model_for, normalization_for, value_name, CheckpointInfo,
 };
+use crate::compute::Compute;
 use crate::data_source::{load_split, normalization, Split};
 use crate::evaluation::{evaluate, EvaluationReport};
 use crate::model_args::ModelArgs;
@@ -44,12 +45,15 @@ pub struct EvalArgs {
     pub json: bool,
     #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
     pub device: tandem_cuda::DeviceRequest,
+    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
+    pub precision: Option<crate::compute::PrecisionRequest>,
 }
 
 /// Runs `tandem eval`.
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
-    crate::device::select(args.device, crate::device::announce_for_json(args.json))?;
+    let device = crate::device::select(args.device, crate::device::announce_for_json(args.json))?;
+    let precision = crate::compute::resolve_precision(args.precision, &device)?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
     let checkpoint = crate::remote::local_copy(&args.storage, &args.checkpoint)?;
     let info = read_checkpoint_info(&checkpoint)?;
@@ -58,6 +62,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     data.settings = crate::remote::local_data(&args.storage, data.settings)?;
     let mut model = Model::new(&spec)?;
     crate::weights::load_weights(&mut model, &checkpoint)?;
+    let mut compute = Compute::new(model, &device, precision)?;
     for warning in &data.warnings {
         eprintln!("warning: {warning}");
     }
@@ -72,7 +77,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let test_set = Arc::new(test_set);
     let indices = (0..test_set.len()).collect();
     let evaluation = evaluate(
-        &mut model,
+        &mut compute,
         &test_set,
         indices,
         args.batch_size,

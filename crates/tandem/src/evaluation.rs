@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use tandem_data::{Dataset, Loader, LoaderOptions, Normalize};
-use tandem_models::Model;
+
+use crate::compute::Compute;
 
 /// Sums that make up the metrics of an evaluation; two of them add up to the metrics of
 /// the union of their samples, which is how ranks combine their shares.
@@ -156,16 +157,17 @@ pub fn argmax(logits: &[f32]) -> usize {
     best
 }
 
-/// Evaluates `model` on the samples `indices` of `dataset`, in batches of `batch_size`.
+/// Evaluates the model of `compute` on the samples `indices` of `dataset`, in batches of
+/// `batch_size`, on its device.
 pub fn evaluate(
-    model: &mut Model,
+    compute: &mut Compute,
     dataset: &Arc<Dataset>,
     indices: Vec<usize>,
     batch_size: usize,
     normalize: Option<Normalize>,
     loader_threads: usize,
 ) -> anyhow::Result<Evaluation> {
-    let classes = model.spec().num_classes();
+    let classes = compute.spec().num_classes();
     let mut evaluation = Evaluation::new(classes);
     let loader = Loader::new(
         Arc::clone(dataset),
@@ -184,7 +186,8 @@ pub fn evaluate(
     )?;
     for batch in loader {
         let batch = batch?;
-        let logits = model.forward_eval(&batch.images, batch.len, dataset.height, dataset.width)?;
+        let logits =
+            compute.forward_eval(&batch.images, batch.len, dataset.height, dataset.width)?;
         evaluation.add_batch(logits, &batch.labels);
     }
     Ok(evaluation)

@@ -17,6 +17,7 @@ mod backend;
 mod bench;
 mod checkpoint_info;
 mod clock;
+mod compute;
 mod data_source;
 mod device;
 mod eval;

@@ -7,6 +7,7 @@ use serde::Serialize;
 use tandem_models::Model;
 
 use crate::checkpoint_info::{class_name, model_for, normalization_for};
+use crate::compute::Compute;
 use crate::evaluation::softmax;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, Rgb};
@@ -41,6 +42,8 @@ pub struct PredictArgs {
     pub threads: Option<usize>,
     #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
     pub device: tandem_cuda::DeviceRequest,
+    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
+    pub precision: Option<crate::compute::PrecisionRequest>,
     /// Image files (PNG or JPEG, 32x32 RGB).
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
@@ -68,7 +71,8 @@ struct Prediction {
 /// Runs `tandem predict`.
 pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     // Standard output carries the predictions alone, one line per image.
-    crate::device::select(args.device, crate::device::Announce::Stderr)?;
+    let device = crate::device::select(args.device, crate::device::Announce::Stderr)?;
+    let precision = crate::compute::resolve_precision(args.precision, &device)?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
     let checkpoint = crate::remote::local_copy(&args.storage, &args.checkpoint)?;
     let info = read_checkpoint_info(&checkpoint)?;
@@ -80,6 +84,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     let class_names = info.map(|info| info.class_names).unwrap_or_default();
     let mut model = Model::new(&spec)?;
     crate::weights::load_weights(&mut model, &checkpoint)?;
+    let mut compute = Compute::new(model, &device, precision)?;
     for path in &args.images {
         let image = tandem_data::read_image(path)?;
         let mut pixels = image.pixels;
@@ -89,7 +94,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
                 *value = (*value - mean[channel]) / std[channel];
             }
         }
-        let logits = model
+        let logits = compute
             .forward_eval(&pixels, 1, image.height, image.width)?
             .to_vec();
         let probabilities = softmax(&logits);

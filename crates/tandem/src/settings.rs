@@ -272,6 +272,9 @@ pub struct TrainOptions {
     #[arg(long, help = crate::device::DEVICE_HELP)]
     #[serde(skip)]
     pub device: Option<tandem_cuda::DeviceRequest>,
+    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
+    #[serde(skip)]
+    pub precision: Option<crate::compute::PrecisionRequest>,
     /// What carries the gradients in a job of several processes: auto (nccl when every rank
     /// has its own GPU and NCCL loads, else ring), nccl or ring [default: auto].
     #[arg(long, value_enum)]
@@ -609,6 +612,7 @@ mod tests {
             collective_timeout: Some(60.0),
             // Placement, like the rank: not a setting of the run (a run may resume elsewhere).
             device: None,
+            precision: None,
             init_method: None,
             backend: None,
             rank: None,

@@ -9,16 +9,25 @@ use common::{expect_success, run_bounded, tandem};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// A one-step benchmark of the small model, with `--device` and extra environment.
+/// A one-step benchmark of the small model with `--device`. Without a GPU here, the CUDA
+/// libraries are searched for in `library_path` first (an empty folder, named in the errors);
+/// with one, in the places this test was given.
 fn bench_step(device: &str, library_path: &std::path::Path) -> std::process::Output {
-    run_bounded(
-        tandem()
-            .args(["bench", "step", "--model", "resnet-base", "--batch", "2"])
-            .args(["--steps", "1", "--threads", "1", "--device", device])
-            .env("TANDEM_CUDA_LIBRARY_PATH", library_path)
-            .env_remove("CUDA_VISIBLE_DEVICES"),
-        LIMIT,
-    )
+    let mut command = tandem();
+    command
+        .args(["bench", "step", "--model", "resnet-base", "--batch", "2"])
+        .args(["--steps", "1", "--threads", "1", "--device", device])
+        .env_remove("CUDA_VISIBLE_DEVICES");
+    if !gpu_here() {
+        command.env("TANDEM_CUDA_LIBRARY_PATH", library_path);
+    }
+    run_bounded(&mut command, LIMIT)
+}
+
+/// Whether this machine has what `--device cuda` needs (the libraries and a visible GPU).
+fn gpu_here() -> bool {
+    let facts = tandem_cuda::device::GpuFacts::gather(tandem_cuda::Probe::process());
+    facts.missing_library.is_none() && matches!(facts.visible_gpus, Ok(count) if count > 0)
 }
 
 #[test]
@@ -32,23 +41,47 @@ fn the_first_line_names_the_device_and_why() {
     );
     let text = expect_success(&bench_step("auto", empty.path()));
     let first = text.lines().next().unwrap_or_default();
-    // Without a GPU executor, auto takes the CPU on every machine, and says why.
-    assert!(first.starts_with("device: cpu (auto: "), "{text}");
-    assert!(
-        first.contains("not found") || first.contains("not built yet") || first.contains("no GPU"),
-        "{first}"
-    );
+    if gpu_here() {
+        assert!(first.starts_with("device: cuda:0 (first of "), "{text}");
+        assert!(
+            first.ends_with("; GPU executor unverified on a GPU)"),
+            "{first}"
+        );
+    } else {
+        // Auto takes the CPU and says why.
+        assert!(first.starts_with("device: cpu (auto: "), "{text}");
+        assert!(
+            first.contains("not found") || first.contains("no GPU"),
+            "{first}"
+        );
+    }
     assert!(text.contains("train: "), "{text}");
 }
 
 #[test]
-fn cuda_fails_with_the_reason_instead_of_pretending() {
+fn cuda_runs_on_a_gpu_or_fails_with_the_reason_instead_of_pretending() {
     let empty = tempfile::tempdir().unwrap();
+    let gpu = gpu_here();
     for device in ["cuda", "cuda:0"] {
         let output = bench_step(device, empty.path());
         let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(!output.status.success(), "{device} ran: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
+        if gpu {
+            let text = expect_success(&output);
+            let reason = if device == "cuda" {
+                "first of "
+            } else {
+                "requested"
+            };
+            let first = text.lines().next().unwrap_or_default();
+            assert!(
+                first.starts_with(&format!("device: cuda:0 ({reason}")),
+                "{text}"
+            );
+            assert!(text.contains("peak memory: "), "{text}");
+            continue;
+        }
+        assert!(!output.status.success(), "{device} ran: {stderr}");
         assert!(
             stderr.starts_with(&format!("error: --device {device}: ")),
             "{stderr}"
@@ -60,13 +93,70 @@ fn cuda_fails_with_the_reason_instead_of_pretending() {
             assert!(stderr.contains("libcuda.so.1"), "{stderr}");
         } else {
             assert!(
-                stderr.contains("not found")
-                    || stderr.contains("no GPU is visible")
-                    || stderr.contains("the GPU executor is not built yet"),
+                stderr.contains("not found") || stderr.contains("no GPU is visible"),
                 "{stderr}"
             );
         }
     }
+}
+
+#[test]
+fn train_eval_and_predict_take_the_device_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let train = |extra: &[&str]| {
+        let mut args = common::small_synthetic_run(&out);
+        args.extend(extra.iter().map(|arg| arg.to_string()));
+        args.extend(["--max-steps".to_string(), "1".to_string()]);
+        run_bounded(tandem().args(&args), LIMIT)
+    };
+    // bf16 is refused by name, after the device line.
+    let output = train(&["--device", "cpu", "--precision", "bf16"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains(
+            "--precision bf16 is not built yet: use --precision tf32 (the default on a GPU) or fp32"
+        ),
+        "{stderr}"
+    );
+    // On the CPU, tf32 is a note, and the run is the CPU's.
+    let output = train(&["--device", "cpu", "--precision", "tf32"]);
+    let stdout = expect_success(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("note: --precision tf32 applies to a GPU; the CPU computes in fp32"),
+        "{stderr}"
+    );
+    assert_eq!(stdout.lines().next(), Some("device: cpu (requested)"));
+    assert!(stdout.contains("| device: cpu |"), "{stdout}");
+    let checkpoint = out.join("snapshot.safetensors").display().to_string();
+    let mut eval_args = vec!["eval", "--checkpoint", &checkpoint, "--json"];
+    eval_args.extend(common::SMALL_MODEL);
+    if !gpu_here() {
+        // Without a GPU, eval and predict with --device cuda fail naming what is missing.
+        for command in [
+            &eval_args[..],
+            &["predict", "--checkpoint", &checkpoint, "x.png"],
+        ] {
+            let output = run_bounded(tandem().args(command).args(["--device", "cuda"]), LIMIT);
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(!output.status.success(), "{stderr}");
+            assert!(!stderr.contains("panicked"), "{stderr}");
+            assert!(stderr.starts_with("error: --device cuda: "), "{stderr}");
+        }
+    }
+    let output = run_bounded(
+        tandem()
+            .args(&eval_args)
+            .args(["--device", "auto", "--precision", "fp32"]),
+        LIMIT,
+    );
+    let stdout = expect_success(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.starts_with("device: "), "{stderr}");
+    let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(report["samples"].as_u64(), Some(64));
 }
 
 #[test]

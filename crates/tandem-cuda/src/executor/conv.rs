@@ -159,10 +159,14 @@ pub fn descriptor_math(precision: Precision) -> sys::cudnnMathType_t {
     }
 }
 
-/// The fastest admitted candidate: one that ran, with admitted math, deterministic when
-/// `deterministic`, and needing at most `workspace_limit` bytes; ties go to the earlier one
-/// (cuDNN lists them fastest first). Otherwise why every one was refused.
-pub fn choose<A: Copy>(
+/// The admitted candidate to use: one that ran, with admitted math, deterministic when
+/// `deterministic`, and needing at most `workspace_limit` bytes. Without `deterministic`, the
+/// fastest (ties go to the earlier one; cuDNN lists them fastest first). With it, the one
+/// with the lowest algorithm number (then math type), whatever the timings: a choice by
+/// measured time could differ between two processes on the same GPU, and a run resumed after
+/// `kill -9` must compute with the algorithms of the uninterrupted run to end bit-identical.
+/// Otherwise why every one was refused.
+pub fn choose<A: Copy + Ord>(
     candidates: &[Candidate<A>],
     precision: Precision,
     deterministic: bool,
@@ -184,7 +188,7 @@ pub fn choose<A: Copy>(
         };
         match reason {
             Some(reason) => refused.push(reason),
-            None if best.is_none_or(|best| candidate.time_ms < best.time_ms) => {
+            None if best.is_none_or(|best| better(candidate, &best, deterministic)) => {
                 best = Some(*candidate)
             }
             None => {}
@@ -197,6 +201,15 @@ pub fn choose<A: Copy>(
             format!("candidates refused: {}", refused.join(", "))
         }
     })
+}
+
+/// Whether admitted `candidate` is preferred to admitted `best` (see [`choose`]).
+fn better<A: Ord>(candidate: &Candidate<A>, best: &Candidate<A>, deterministic: bool) -> bool {
+    if deterministic {
+        (&candidate.algo, candidate.math as u32) < (&best.algo, best.math as u32)
+    } else {
+        candidate.time_ms < best.time_ms
+    }
 }
 
 /// A convolution's descriptors and its chosen algorithms.

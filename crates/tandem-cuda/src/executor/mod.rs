@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
-use tandem_engine::{AdamConfig, BatchNormReducer, SgdConfig};
+use tandem_engine::{AdamConfig, BatchNormReducer, OptimizerState, SgdConfig};
 use tandem_models::executor::{Executor, GradientsReady};
 use tandem_models::workspace::Plan;
 use tandem_models::{LossOptions, Model, ModelError};
@@ -44,6 +44,10 @@ pub use error::GpuError;
 use error::{driver, same_length};
 use launch::{per_element, Arg, Kernels};
 use memory::PlanStorages;
+
+/// A gradient-ready hook: called with each finished range of the flat gradients and its
+/// host values.
+pub type GradientHook<'a> = &'a mut dyn FnMut(std::ops::Range<usize>, &[f32]);
 
 /// The math of convolutions and the linear layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -65,8 +69,8 @@ pub struct GpuSettings {
     pub deterministic: bool,
 }
 
-/// The optimizer state on the device, made at the first step.
-enum OptimizerState {
+/// The optimizer state on the device, made at the first step (or loaded from the host).
+enum DeviceOptimizer {
     None,
     Sgd {
         momentum: CudaSlice<f32>,
@@ -90,7 +94,7 @@ pub struct CudaExecutor {
     params: CudaSlice<f32>,
     grads: CudaSlice<f32>,
     buffers: CudaSlice<f32>,
-    optimizer: OptimizerState,
+    optimizer: DeviceOptimizer,
     workspace: CudaSlice<u8>,
     storages: PlanStorages,
     /// Values in the flat running-statistic buffer (its device allocation holds at least one).
@@ -98,6 +102,8 @@ pub struct CudaExecutor {
     /// Host copy of the gradients, filled up to `grads_on_host` in a backward.
     host_grads: Vec<f32>,
     grads_on_host: usize,
+    /// Whether this backward reports its gradients to a hook (which reads host values).
+    gradients_to_host: bool,
     /// The label smoothing of the last loss.
     label_smoothing: f32,
     /// The first error of a method that cannot return one.
@@ -105,6 +111,16 @@ pub struct CudaExecutor {
     stream: Arc<CudaStream>,
     context: Arc<CudaContext>,
 }
+
+// SAFETY: the executor is not `Send` only because its cuDNN handle and descriptors are raw
+// pointers. It owns them alone (nothing hands them out), and `&mut self`/`&self` keep their
+// calls from running at once. CUDA, cuDNN and cuBLAS allow a handle to be used by one thread
+// after another, provided the handle's context is current on the calling thread: every entry
+// point that reaches cuDNN (`prepare`, hence `forward_train` and `forward_eval`, and
+// `backward`) binds the context first, and `cudarc` binds it for its own stream, memory and
+// launch calls. So `tandem train` may build the executor on the main thread and train on a
+// kernel thread.
+unsafe impl Send for CudaExecutor {}
 
 impl CudaExecutor {
     /// Opens GPU `settings.ordinal`, compiles our kernels (with the PTX cache in `cache`) and
@@ -157,12 +173,13 @@ impl CudaExecutor {
             params: upload(params)?,
             grads: upload(&vec![0.0; params.len()])?,
             buffers: upload(buffers)?,
-            optimizer: OptimizerState::None,
+            optimizer: DeviceOptimizer::None,
             buffer_len: buffers.len(),
             workspace: stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?,
             storages: PlanStorages::default(),
             host_grads: vec![0.0; params.len()],
             grads_on_host: 0,
+            gradients_to_host: false,
             label_smoothing: 0.0,
             error: RefCell::new(None),
             stream,
@@ -243,22 +260,25 @@ impl CudaExecutor {
     }
 
     /// The backward of the last [`CudaExecutor::forward_train`]: adds the gradients of
-    /// `loss_scale · loss` to the device gradients and reports each finished range (with
-    /// its host values) to `grad_ready`.
+    /// `loss_scale · loss` to the device gradients and, with `grad_ready`, reports each
+    /// finished range with its host values (copying it to the host and waiting for it).
+    /// Without it (one process), no gradient crosses to the host.
     pub fn backward(
         &mut self,
         model: &Model,
         plan: &Plan,
         loss_scale: f32,
         bn_sync: Option<&mut dyn BatchNormReducer>,
-        grad_ready: &mut dyn FnMut(std::ops::Range<usize>, &[f32]),
+        grad_ready: Option<GradientHook<'_>>,
     ) -> Result<(), ModelError> {
         self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))
             .map_err(device)?;
         self.grads_on_host = 0;
-        let mut ready = GradientsReady::new(grad_ready);
+        self.gradients_to_host = grad_ready.is_some();
+        let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
+        let mut ready = GradientsReady::new(grad_ready.unwrap_or(&mut ignore));
         model.backward_on(self, plan, loss_scale, bn_sync, &mut ready)?;
         self.take_error().map_err(device)
     }
@@ -317,14 +337,14 @@ impl CudaExecutor {
     /// the CPU's `Sgd` per element).
     pub fn sgd_step(&mut self, config: &SgdConfig) -> Result<(), GpuError> {
         let n = self.host_grads.len();
-        if !matches!(self.optimizer, OptimizerState::Sgd { .. }) {
+        if !matches!(self.optimizer, DeviceOptimizer::Sgd { .. }) {
             let momentum = self
                 .stream
                 .alloc_zeros::<f32>(n.max(1))
                 .map_err(driver("cuMemAllocAsync"))?;
-            self.optimizer = OptimizerState::Sgd { momentum, steps: 0 };
+            self.optimizer = DeviceOptimizer::Sgd { momentum, steps: 0 };
         }
-        let OptimizerState::Sgd { momentum, steps } = &mut self.optimizer else {
+        let DeviceOptimizer::Sgd { momentum, steps } = &mut self.optimizer else {
             return Err(GpuError::Unsupported("an optimizer state of another kind"));
         };
         let args = [
@@ -352,17 +372,17 @@ impl CudaExecutor {
     /// computed on the host in double as the CPU's `Adam` does.
     pub fn adam_step(&mut self, config: &AdamConfig) -> Result<(), GpuError> {
         let n = self.host_grads.len();
-        if !matches!(self.optimizer, OptimizerState::Adam { .. }) {
+        if !matches!(self.optimizer, DeviceOptimizer::Adam { .. }) {
             let alloc = || self.stream.alloc_zeros::<f32>(n.max(1));
             let exp_avg = alloc().map_err(driver("cuMemAllocAsync"))?;
             let exp_avg_sq = alloc().map_err(driver("cuMemAllocAsync"))?;
-            self.optimizer = OptimizerState::Adam {
+            self.optimizer = DeviceOptimizer::Adam {
                 exp_avg,
                 exp_avg_sq,
                 steps: 0,
             };
         }
-        let OptimizerState::Adam {
+        let DeviceOptimizer::Adam {
             exp_avg,
             exp_avg_sq,
             steps,
@@ -392,6 +412,83 @@ impl CudaExecutor {
         unsafe {
             self.kernels
                 .launch(&self.stream, "adam_step", per_element(n), &args)
+        }
+    }
+
+    /// The optimizer state on the device, copied to the host in the slot layout of
+    /// `tandem_engine`'s optimizers (SGD: `momentum_buffer`; Adam: `exp_avg`, `exp_avg_sq`)
+    /// with the steps taken, for a snapshot; `None` before the first step or load.
+    pub fn optimizer_state_to_host(&self) -> Result<Option<OptimizerState>, GpuError> {
+        let n = self.host_grads.len();
+        let download =
+            |name: &str, slot: &CudaSlice<f32>| -> Result<(String, Vec<f32>), GpuError> {
+                let mut values = vec![0.0; n];
+                copy_to_host("optimizer state", &self.stream, slot, &mut values)?;
+                Ok((name.to_string(), values))
+            };
+        Ok(match &self.optimizer {
+            DeviceOptimizer::None => None,
+            DeviceOptimizer::Sgd { momentum, steps } => Some(OptimizerState {
+                step: *steps,
+                slots: vec![download("momentum_buffer", momentum)?],
+            }),
+            DeviceOptimizer::Adam {
+                exp_avg,
+                exp_avg_sq,
+                steps,
+            } => Some(OptimizerState {
+                step: *steps,
+                slots: vec![
+                    download("exp_avg", exp_avg)?,
+                    download("exp_avg_sq", exp_avg_sq)?,
+                ],
+            }),
+        })
+    }
+
+    /// Makes SGD's state on the device: `steps` taken and the momentum buffer (`None`: zeros,
+    /// as for SGD without momentum), e.g. from a snapshot written on either device.
+    pub fn load_sgd_state(&mut self, steps: u64, momentum: Option<&[f32]>) -> Result<(), GpuError> {
+        let momentum = self.upload_state("momentum_buffer", momentum)?;
+        self.optimizer = DeviceOptimizer::Sgd { momentum, steps };
+        Ok(())
+    }
+
+    /// Makes Adam's state on the device: `steps` taken and both moments.
+    pub fn load_adam_state(
+        &mut self,
+        steps: u64,
+        exp_avg: &[f32],
+        exp_avg_sq: &[f32],
+    ) -> Result<(), GpuError> {
+        let exp_avg = self.upload_state("exp_avg", Some(exp_avg))?;
+        let exp_avg_sq = self.upload_state("exp_avg_sq", Some(exp_avg_sq))?;
+        self.optimizer = DeviceOptimizer::Adam {
+            exp_avg,
+            exp_avg_sq,
+            steps,
+        };
+        Ok(())
+    }
+
+    /// A device copy of one optimizer slot (one value per parameter; `None`: zeros).
+    fn upload_state(
+        &self,
+        what: &'static str,
+        values: Option<&[f32]>,
+    ) -> Result<CudaSlice<f32>, GpuError> {
+        let n = self.host_grads.len();
+        match values {
+            Some(values) if n > 0 => {
+                same_length(what, values.len(), n)?;
+                self.stream
+                    .clone_htod(values)
+                    .map_err(driver("cuMemcpyHtoDAsync"))
+            }
+            _ => self
+                .stream
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(driver("cuMemAllocAsync")),
         }
     }
 

@@ -208,12 +208,16 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Copies the device gradients up to `end` to the host mirror and reports them.
+    /// Copies the device gradients up to `end` to the host mirror and reports them, when
+    /// this backward has a hook to report to.
     pub(super) fn report(
         &mut self,
         end: usize,
         ready: &mut GradientsReady,
     ) -> Result<(), GpuError> {
+        if !self.gradients_to_host {
+            return Ok(());
+        }
         if end > self.grads_on_host {
             let range = self.grads_on_host..end;
             self.stream

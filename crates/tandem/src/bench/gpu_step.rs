@@ -1,6 +1,6 @@
 //! `tandem bench step --device cuda`: the same three lines as on the CPU, measured with the
-//! GPU executor of `tandem-cuda` (TF32, deterministic algorithms, one process). The executor
-//! has not yet run on a GPU, so the first line says it is unverified.
+//! GPU executor of `tandem-cuda` (`--precision`, TF32 by default; deterministic algorithms; one
+//! process). The executor has not yet run on a GPU, so the first line says it is unverified.
 
 use std::time::Instant;
 
@@ -19,11 +19,12 @@ pub fn run(
     steps: usize,
     optimizer: OptimizerKind,
     ordinal: usize,
+    precision: Precision,
 ) -> anyhow::Result<()> {
     let model = Model::new(spec)?;
     let settings = GpuSettings {
         ordinal,
-        precision: Precision::Tf32,
+        precision,
         deterministic: true,
     };
     let cache = PtxCache::default_dir().map(PtxCache::new);
@@ -44,7 +45,7 @@ pub fn run(
     let train_rate = timed(batch, steps, &mut exec, &mut peak_bytes, |exec| {
         exec.zero_grads()?;
         exec.forward_train(&model, &train_plan, &images, &labels, &loss, None)?;
-        exec.backward(&model, &train_plan, 1.0, None, &mut |_, _| {})?;
+        exec.backward(&model, &train_plan, 1.0, None, None)?;
         match optimizer {
             OptimizerKind::Sgd => exec.sgd_step(&sgd_config())?,
             OptimizerKind::Adam => exec.adam_step(&adam_config())?,

@@ -58,6 +58,8 @@ pub struct StepArgs {
     pub optimizer: Option<OptimizerKind>,
     #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
     pub device: tandem_cuda::DeviceRequest,
+    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
+    pub precision: Option<crate::compute::PrecisionRequest>,
     /// What carries the gradients under `launch`: auto (nccl when every rank has its own GPU
     /// and NCCL loads, else ring), nccl or ring.
     #[arg(long, value_enum, default_value_t)]
@@ -66,11 +68,8 @@ pub struct StepArgs {
 
 /// Runs the benchmark.
 pub fn run(args: StepArgs) -> anyhow::Result<()> {
-    let device = crate::device::select_for(
-        args.device,
-        crate::device::Announce::Stdout,
-        crate::device::GpuUse::ExplicitOnly,
-    )?;
+    let device = crate::device::select(args.device, crate::device::Announce::Stdout)?;
+    let precision = crate::compute::resolve_precision(args.precision, &device)?;
     let spec = args.model.to_spec()?;
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     let is_resnet18 = matches!(spec, ModelSpec::ResNet18 { .. });
@@ -88,7 +87,8 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
             "--device {}: bench step runs on a GPU in one process only (no launch, WORLD_SIZE 1)",
             args.device
         );
-        return super::gpu_step::run(&spec, batch, args.steps, optimizer_kind, ordinal);
+        let precision = precision.unwrap_or(tandem_cuda::Precision::Tf32);
+        return super::gpu_step::run(&spec, batch, args.steps, optimizer_kind, ordinal, precision);
     }
     let local_world_size = placement.as_ref().map_or(1, |place| place.local_world_size);
     let threads = args

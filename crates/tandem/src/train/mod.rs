@@ -24,15 +24,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use tandem_cuda::Device;
+use tandem_cuda::{Device, Precision};
 use tandem_data::{
     eval_shard, Augment, Batch, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
 };
-use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use tandem_engine::{AdamConfig, SgdConfig};
 use tandem_models::{BatchNormReducer, LossOptions, Model};
 
 use crate::backend::BackendRequest;
 use crate::checkpoint_info::CheckpointInfo;
+use crate::compute::{Compute, OptimizerConfig};
 use crate::data_source::{load_split, normalization, Split};
 use crate::device::Announce;
 use crate::evaluation::{evaluate, Evaluation};
@@ -54,12 +55,14 @@ use tensorboard::EventWriter;
 pub fn run(options: TrainOptions) -> anyhow::Result<()> {
     let device = options.device.unwrap_or_default();
     let device = crate::device::select(device, crate::device::Announce::Stdout)?;
+    let precision = crate::compute::resolve_precision(options.precision, &device)?;
     let backend = options.backend.unwrap_or_default();
     let settings = options.merged_with_file()?.resolve()?;
     let stop_signal = stop_signal::install()?;
     let mut trainer = Trainer::new(
         settings,
         &device,
+        precision,
         backend,
         Arc::clone(&stop_signal.requested),
     )?;
@@ -87,8 +90,10 @@ struct Trainer {
     settings: TrainSettings,
     /// The settings as given, written to `config.toml`.
     given: TrainSettings,
-    model: Model,
-    optimizer: Box<dyn Optimizer>,
+    /// The model and its optimizer on the run's device.
+    compute: Compute,
+    /// The device and precision in a few words, for the banner.
+    device: String,
     schedule: Schedule,
     train_set: Arc<Dataset>,
     test_set: Arc<Dataset>,
@@ -112,6 +117,7 @@ impl Trainer {
     fn new(
         given: TrainSettings,
         device: &Device,
+        precision: Option<Precision>,
         backend: BackendRequest,
         stop_requested: Arc<AtomicBool>,
     ) -> anyhow::Result<Self> {
@@ -161,7 +167,7 @@ impl Trainer {
         let batches_per_epoch = sampler.num_samples().div_ceil(settings.batch_size) as u64;
         let steps_per_epoch = batches_per_epoch.div_ceil(settings.grad_accum);
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
-        let optimizer = build_optimizer(&settings, model.params().len(), schedule.lr_at(0));
+        let optimizer = build_optimizer(&settings, schedule.lr_at(0));
         let normalize = normalization(&settings.data);
         let ddp = match &placement {
             Some(place) => {
@@ -181,11 +187,16 @@ impl Trainer {
             None => None,
         };
         crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
+        // A job of several processes on GPUs exchanges gradients through the host: the
+        // gradient-ready hook hands out host copies, the average goes back to the device, and
+        // the broadcasts copy the flat buffers both ways. Slow, but the same code as on the
+        // CPU, and correct; NCCL between GPUs is the next issue.
+        let compute = Compute::new(model, device, precision)?.with_optimizer(optimizer);
         let mut trainer = Trainer {
             settings,
             given,
-            model,
-            optimizer,
+            compute,
+            device: crate::compute::describe(device, precision),
             schedule,
             train_set,
             test_set,
@@ -204,7 +215,9 @@ impl Trainer {
             trainer.announce_start(resumed);
         }
         if let Some(ddp) = trainer.ddp.as_mut() {
-            ddp.broadcast_model(&mut trainer.model)?;
+            trainer
+                .compute
+                .update_host(|model| ddp.broadcast_model(model))?;
         }
         Ok(trainer)
     }
@@ -256,8 +269,9 @@ impl Trainer {
                 snapshot = self.shown(&self.settings.snapshot)
             )
         })?;
-        snapshot.restore_model(&mut self.model)?;
-        self.optimizer.load_state(&snapshot.optimizer)?;
+        self.compute
+            .update_host(|model| snapshot.restore_model(model))?;
+        self.compute.load_optimizer_state(&snapshot.optimizer)?;
         self.progress = snapshot.progress;
         self.history = snapshot.history;
         Ok(true)
@@ -268,8 +282,9 @@ impl Trainer {
         let settings = &self.settings;
         let world_size = self.world_size();
         say!(
-            "tandem {} | device: cpu | {} compute thread(s) per process | world size {world_size}",
+            "tandem {} | device: {} | {} compute thread(s) per process | world size {world_size}",
             env!("CARGO_PKG_VERSION"),
+            self.device,
             settings.threads
         );
         say!(
@@ -286,8 +301,8 @@ impl Trainer {
         );
         say!(
             "model: {} | {} parameters",
-            describe_model(&self.model),
-            group_digits(self.model.params().len())
+            describe_model(self.compute.spec()),
+            group_digits(self.compute.param_count())
         );
         say!(
             "global batch {} ({} per process x {world_size} process(es) x {} accumulated) | {} epochs",
@@ -517,9 +532,10 @@ impl Trainer {
         let loss_scale = 1.0 / micro_batches.len().max(1) as f32;
         let (height, width) = (self.train_set.height, self.train_set.width);
         let sync_bn = self.settings.sync_bn;
-        self.model.zero_grads();
+        self.compute.zero_grads()?;
         if let Some(ddp) = self.ddp.as_mut() {
-            ddp.broadcast_buffers(&mut self.model)?;
+            self.compute
+                .update_host(|model| ddp.broadcast_buffers(model))?;
         }
         let mut loss_sum = 0.0f64;
         let mut images = 0;
@@ -530,7 +546,7 @@ impl Trainer {
                 .as_ref()
                 .filter(|_| sync_bn)
                 .map(Ddp::batch_norm_reducer);
-            let loss = self.model.forward_train(
+            let loss = self.compute.forward_train(
                 &batch.images,
                 batch.len,
                 height,
@@ -545,10 +561,11 @@ impl Trainer {
             images += batch.len;
             match self.ddp.as_mut().filter(|_| last) {
                 Some(ddp) if !sync_bn => {
-                    self.model
-                        .backward(loss_scale, None, &mut |range, values| {
-                            ddp.gradients_ready(range, values)
-                        })?;
+                    self.compute.backward(
+                        loss_scale,
+                        None,
+                        Some(&mut |range, values| ddp.gradients_ready(range, values)),
+                    )?;
                 }
                 _ => {
                     let mut reducer = self
@@ -556,12 +573,12 @@ impl Trainer {
                         .as_ref()
                         .filter(|_| sync_bn)
                         .map(Ddp::batch_norm_reducer);
-                    self.model.backward(
+                    self.compute.backward(
                         loss_scale,
                         reducer
                             .as_mut()
                             .map(|reducer| reducer as &mut dyn BatchNormReducer),
-                        &mut |_, _| {},
+                        None,
                     )?;
                 }
             }
@@ -570,7 +587,8 @@ impl Trainer {
         let mut mean_loss = loss_sum / micro_batches.len().max(1) as f64;
         let mut stop = local_stop;
         if let Some(ddp) = self.ddp.as_mut() {
-            ddp.finish_gradients(self.model.grads_mut())?;
+            self.compute
+                .with_host_grads(|grads| ddp.finish_gradients(grads))?;
             let mut sums = [mean_loss, if local_stop { 1.0 } else { 0.0 }];
             ddp.sum_f64(&mut sums)?;
             mean_loss = sums[0] / ddp.world_size() as f64;
@@ -583,12 +601,8 @@ impl Trainer {
                 self.progress.step_in_epoch + 1
             );
         }
-        self.optimizer.set_lr(lr as f32);
-        if let Some(momentum) = self.schedule.momentum_at(self.progress.global_step) {
-            self.optimizer.set_momentum(momentum as f32);
-        }
-        let (params, grads) = self.model.params_and_grads_mut();
-        self.optimizer.step(params, grads);
+        let momentum = self.schedule.momentum_at(self.progress.global_step);
+        self.compute.optimizer_step(lr, momentum)?;
         Ok(StepOutcome {
             mean_loss,
             images,
@@ -606,7 +620,7 @@ impl Trainer {
             .map_or((0, 1), |ddp| (ddp.rank(), ddp.world_size()));
         let test_indices: Vec<usize> = eval_shard(self.test_set.len(), world_size, rank).collect();
         let mut evaluation = evaluate(
-            &mut self.model,
+            &mut self.compute,
             &self.test_set,
             test_indices,
             self.settings.batch_size,
@@ -690,7 +704,7 @@ impl Trainer {
     }
 
     /// Writes `epoch_N.safetensors` when due, and drops the ones past `--keep-last`.
-    fn write_epoch_checkpoint(&self, epoch_number: u64) -> anyhow::Result<()> {
+    fn write_epoch_checkpoint(&mut self, epoch_number: u64) -> anyhow::Result<()> {
         let every = self.settings.save_every;
         if every == 0 || !epoch_number.is_multiple_of(every) {
             return Ok(());
@@ -700,7 +714,7 @@ impl Trainer {
             .output_dir
             .join(format!("epoch_{epoch_number}.safetensors"));
         let metadata = self.checkpoint_metadata(self.history.last())?;
-        tandem_models::save_safetensors(&self.model, &path, &metadata)
+        tandem_models::save_safetensors(self.compute.host_model()?, &path, &metadata)
             .with_context(|| format!("cannot write checkpoint {}", path.display()))?;
         self.publish(&path);
         if self.settings.keep_last > 0 {
@@ -713,24 +727,25 @@ impl Trainer {
     }
 
     /// Writes the snapshot of the run as it stands (rank 0 only).
-    fn save_snapshot(&self) -> anyhow::Result<()> {
+    fn save_snapshot(&mut self) -> anyhow::Result<()> {
         if !self.is_leader() {
             return Ok(());
         }
+        let optimizer = self.compute.optimizer_state()?;
+        let metadata = self.checkpoint_metadata(
+            self.history
+                .last()
+                .filter(|_| self.progress.step_in_epoch == 0),
+        )?;
+        let settings = fingerprint(&self.settings, self.world_size());
         let snapshot = Snapshot::capture(
-            &self.model,
-            self.optimizer.state(),
+            self.compute.host_model()?,
+            optimizer,
             self.progress.clone(),
             self.history.clone(),
-            fingerprint(&self.settings, self.world_size()),
+            settings,
         )
-        .with_metadata(
-            self.checkpoint_metadata(
-                self.history
-                    .last()
-                    .filter(|_| self.progress.step_in_epoch == 0),
-            )?,
-        );
+        .with_metadata(metadata);
         snapshot.save(&self.settings.snapshot)?;
         self.publish(&self.settings.snapshot);
         Ok(())
@@ -822,7 +837,7 @@ impl Trainer {
     ) -> anyhow::Result<BTreeMap<String, String>> {
         CheckpointInfo::of_run(
             &self.settings,
-            &ModelArgs::from_spec(self.model.spec()),
+            &ModelArgs::from_spec(self.compute.spec()),
             &self.train_set.class_names,
             epoch,
             self.progress.global_step,
@@ -909,7 +924,7 @@ fn data_source_name(kind: crate::settings::DataKind) -> String {
 }
 
 /// The model in the words of its flags.
-fn describe_model(model: &Model) -> String {
+fn describe_model(spec: &tandem_models::ModelSpec) -> String {
     let join = |values: &[usize]| {
         values
             .iter()
@@ -917,7 +932,7 @@ fn describe_model(model: &Model) -> String {
             .collect::<Vec<_>>()
             .join(",")
     };
-    match model.spec() {
+    match spec {
         tandem_models::ModelSpec::ResNet18 { num_classes } => {
             format!("resnet18, {num_classes} classes")
         }
@@ -977,30 +992,24 @@ fn build_schedule(settings: &TrainSettings, steps_per_epoch: u64, world_size: us
     }
 }
 
-/// The optimizer the settings name, over `len` parameters.
-fn build_optimizer(settings: &TrainSettings, len: usize, lr: f64) -> Box<dyn Optimizer> {
+/// The optimizer the settings name, starting at learning rate `lr`.
+fn build_optimizer(settings: &TrainSettings, lr: f64) -> OptimizerConfig {
     match settings.optimizer {
-        OptimizerKind::Sgd => Box::new(Sgd::new(
-            len,
-            SgdConfig {
-                lr: lr as f32,
-                momentum: settings.momentum as f32,
-                dampening: 0.0,
-                nesterov: settings.nesterov,
-                weight_decay: settings.weight_decay as f32,
-            },
-        )),
-        OptimizerKind::Adam | OptimizerKind::Adamw => Box::new(Adam::new(
-            len,
-            AdamConfig {
-                lr: lr as f32,
-                beta1: settings.beta1 as f32,
-                beta2: settings.beta2 as f32,
-                eps: settings.eps as f32,
-                weight_decay: settings.weight_decay as f32,
-                decoupled: settings.optimizer == OptimizerKind::Adamw,
-            },
-        )),
+        OptimizerKind::Sgd => OptimizerConfig::Sgd(SgdConfig {
+            lr: lr as f32,
+            momentum: settings.momentum as f32,
+            dampening: 0.0,
+            nesterov: settings.nesterov,
+            weight_decay: settings.weight_decay as f32,
+        }),
+        OptimizerKind::Adam | OptimizerKind::Adamw => OptimizerConfig::Adam(AdamConfig {
+            lr: lr as f32,
+            beta1: settings.beta1 as f32,
+            beta2: settings.beta2 as f32,
+            eps: settings.eps as f32,
+            weight_decay: settings.weight_decay as f32,
+            decoupled: settings.optimizer == OptimizerKind::Adamw,
+        }),
     }
 }
 

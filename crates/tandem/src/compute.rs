@@ -1,0 +1,685 @@
+//! Where a model's steps run: [`Compute`] is the one interface `train`, `eval` and `predict`
+//! are written against, over the CPU (the model's own host buffers, exactly as before) or the
+//! GPU executor of `tandem-cuda` (device copies of the flat buffers).
+//!
+//! # Host/device crossings on the GPU
+//! Each step: the batch goes to the device; the loss (and, in evaluation, the logits) comes
+//! back; in a job of several processes, the backward copies each finished gradient range to
+//! the host for the gradient-ready hook (the executor's interface hands out host values),
+//! and with one process no gradient leaves the device. The optimizer runs on the device
+//! over the flat buffers. Parameters, running statistics and optimizer state come to the
+//! host only when asked for ([`Compute::host_model`] for checkpoints, snapshots and
+//! broadcasts, [`Compute::optimizer_state`] for snapshots), and go back after the host
+//! changed them ([`Compute::update_host`]). The snapshot format is the same flat buffers on
+//! both devices, so a run may resume on the other device.
+//!
+//! **The GPU side has not yet run on a GPU**: it compiles here and the GPU tests
+//! (`tests/gpu_train.rs`) wait for a machine with one.
+
+use anyhow::Context;
+use tandem_cuda::executor::GradientHook;
+use tandem_cuda::{CudaExecutor, Device, GpuSettings, Precision, Probe, PtxCache};
+use tandem_engine::{Adam, AdamConfig, Optimizer, OptimizerState, Sgd, SgdConfig};
+use tandem_models::workspace::{Mode, Plan};
+use tandem_models::{BatchNormReducer, LossOptions, Model, ModelSpec};
+
+/// The `--precision` flag.
+pub const PRECISION_HELP: &str = "Math of convolutions and matrix products on a GPU: fp32 (strict float32), tf32 (TF32 tensor cores, PyTorch's default on GPUs) or bf16 (not built yet) [default: tf32 on a GPU; the CPU always computes in fp32]";
+
+/// What `--precision` asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PrecisionRequest {
+    /// Strict float32.
+    Fp32,
+    /// TF32 tensor cores for convolutions and matrix products.
+    Tf32,
+    /// bfloat16 autocast (not built).
+    Bf16,
+}
+
+/// The precision a GPU computes in for `request` (default: TF32, as PyTorch on GPUs).
+/// `bf16` is an error; on the CPU the answer is `None`: it computes in fp32 whatever is
+/// asked, and a request for `tf32` gets a note saying so.
+pub fn resolve_precision(
+    request: Option<PrecisionRequest>,
+    device: &Device,
+) -> anyhow::Result<Option<Precision>> {
+    let precision = match request {
+        Some(PrecisionRequest::Bf16) => anyhow::bail!(
+            "--precision bf16 is not built yet: use --precision tf32 (the default on a GPU) or fp32"
+        ),
+        Some(PrecisionRequest::Fp32) => Precision::Fp32,
+        Some(PrecisionRequest::Tf32) | None => Precision::Tf32,
+    };
+    match device {
+        Device::Cuda { .. } => Ok(Some(precision)),
+        Device::Cpu { .. } => {
+            if request == Some(PrecisionRequest::Tf32) {
+                eprintln!("note: --precision tf32 applies to a GPU; the CPU computes in fp32");
+            }
+            Ok(None)
+        }
+    }
+}
+
+/// The device and precision in a few words, for banners: `cpu` or `cuda:0 (tf32)`.
+pub fn describe(device: &Device, precision: Option<Precision>) -> String {
+    match (device, precision) {
+        (Device::Cuda { ordinal, .. }, Some(Precision::Fp32)) => format!("cuda:{ordinal} (fp32)"),
+        (Device::Cuda { ordinal, .. }, _) => format!("cuda:{ordinal} (tf32)"),
+        (Device::Cpu { .. }, _) => "cpu".to_string(),
+    }
+}
+
+/// An optimizer's settings, whichever device runs it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OptimizerConfig {
+    /// `torch.optim.SGD`.
+    Sgd(SgdConfig),
+    /// `torch.optim.Adam` / `AdamW`.
+    Adam(AdamConfig),
+}
+
+impl OptimizerConfig {
+    /// The CPU optimizer of these settings over `len` parameters, with a zero state.
+    pub fn cpu(&self, len: usize) -> Box<dyn Optimizer> {
+        match *self {
+            OptimizerConfig::Sgd(config) => Box::new(Sgd::new(len, config)),
+            OptimizerConfig::Adam(config) => Box::new(Adam::new(len, config)),
+        }
+    }
+
+    /// Sets the learning rate, as [`Optimizer::set_lr`].
+    fn set_lr(&mut self, lr: f32) {
+        match self {
+            OptimizerConfig::Sgd(config) => config.lr = lr,
+            OptimizerConfig::Adam(config) => config.lr = lr,
+        }
+    }
+
+    /// Sets the momentum, as [`Optimizer::set_momentum`]: SGD's factor unless it has none,
+    /// Adam's `beta1`.
+    fn set_momentum(&mut self, momentum: f32) {
+        match self {
+            OptimizerConfig::Sgd(config) if config.momentum != 0.0 => config.momentum = momentum,
+            OptimizerConfig::Sgd(_) => {}
+            OptimizerConfig::Adam(config) => config.beta1 = momentum,
+        }
+    }
+}
+
+/// A model and the device its steps run on.
+pub struct Compute {
+    /// The network description and the host copies of the flat buffers (the CPU computes on
+    /// them; on the GPU they are refreshed on demand).
+    model: Model,
+    engine: Engine,
+}
+
+/// The device side of a [`Compute`].
+enum Engine {
+    /// The CPU executor inside [`Model`], and the CPU optimizer.
+    Cpu {
+        optimizer: Option<Box<dyn Optimizer>>,
+    },
+    /// The GPU executor.
+    Cuda(Box<GpuSide>),
+}
+
+/// What the GPU side keeps besides the executor.
+struct GpuSide {
+    exec: CudaExecutor,
+    /// The plans of the last training and evaluation batch shapes.
+    train_plan: Option<Plan>,
+    eval_plan: Option<Plan>,
+    /// The logits of the last evaluation forward, on the host.
+    logits: Vec<f32>,
+    /// Whether the device parameters or running statistics changed since the host copies
+    /// were made.
+    host_behind: bool,
+    /// The optimizer's settings (its state is on the device).
+    optimizer: Option<OptimizerConfig>,
+}
+
+impl Compute {
+    /// Runs `model` on `device`: on the CPU as it is; on a GPU, `model`'s parameters and
+    /// running statistics are copied to a new executor computing in `precision` (TF32 when
+    /// `None`) with deterministic algorithms.
+    pub fn new(
+        model: Model,
+        device: &Device,
+        precision: Option<Precision>,
+    ) -> anyhow::Result<Self> {
+        let engine = match device {
+            Device::Cpu { .. } => Engine::Cpu { optimizer: None },
+            Device::Cuda { ordinal, .. } => {
+                let settings = GpuSettings {
+                    ordinal: *ordinal,
+                    precision: precision.unwrap_or(Precision::Tf32),
+                    deterministic: true,
+                };
+                let cache = PtxCache::default_dir().map(PtxCache::new);
+                let exec = CudaExecutor::new(
+                    Probe::process(),
+                    settings,
+                    cache,
+                    model.params(),
+                    model.buffers(),
+                )
+                .with_context(|| format!("opening cuda:{ordinal}"))?;
+                Engine::Cuda(Box::new(GpuSide {
+                    exec,
+                    train_plan: None,
+                    eval_plan: None,
+                    logits: Vec::new(),
+                    host_behind: false,
+                    optimizer: None,
+                }))
+            }
+        };
+        Ok(Compute { model, engine })
+    }
+
+    /// Adds the optimizer of `config` (zero state) for [`Compute::optimizer_step`].
+    pub fn with_optimizer(mut self, config: OptimizerConfig) -> Self {
+        let len = self.model.params().len();
+        match &mut self.engine {
+            Engine::Cpu { optimizer } => *optimizer = Some(config.cpu(len)),
+            Engine::Cuda(gpu) => gpu.optimizer = Some(config),
+        }
+        self
+    }
+
+    /// The model's specification.
+    pub fn spec(&self) -> &ModelSpec {
+        self.model.spec()
+    }
+
+    /// The number of parameters.
+    pub fn param_count(&self) -> usize {
+        self.model.params().len()
+    }
+
+    /// The model with host buffers as they stand on the device (copied from a GPU when they
+    /// are behind), for checkpoints, snapshots and broadcasts.
+    pub fn host_model(&mut self) -> anyhow::Result<&Model> {
+        self.refresh_host()?;
+        Ok(&self.model)
+    }
+
+    /// Lets `change` change the host model (weights loaded, a snapshot restored, a broadcast
+    /// received), then copies its parameters and running statistics to the device.
+    pub fn update_host<R>(
+        &mut self,
+        change: impl FnOnce(&mut Model) -> anyhow::Result<R>,
+    ) -> anyhow::Result<R> {
+        self.refresh_host()?;
+        let result = change(&mut self.model)?;
+        if let Engine::Cuda(gpu) = &mut self.engine {
+            gpu.exec
+                .params_from_host(self.model.params(), self.model.buffers())
+                .context("copying the parameters to the GPU")?;
+        }
+        Ok(result)
+    }
+
+    /// Sets every gradient to zero.
+    pub fn zero_grads(&mut self) -> anyhow::Result<()> {
+        match &mut self.engine {
+            Engine::Cpu { .. } => self.model.zero_grads(),
+            Engine::Cuda(gpu) => gpu.exec.zero_grads().context("zeroing the GPU gradients")?,
+        }
+        Ok(())
+    }
+
+    /// Train-mode forward of NHWC `images` (`batch` of `height x width`) with `labels`:
+    /// returns the mean loss and updates the running statistics (as [`Model::forward_train`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_train(
+        &mut self,
+        images: &[f32],
+        batch: usize,
+        height: usize,
+        width: usize,
+        labels: &[u32],
+        loss: &LossOptions,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+    ) -> anyhow::Result<f32> {
+        let gpu = match &mut self.engine {
+            Engine::Cpu { .. } => {
+                return Ok(self
+                    .model
+                    .forward_train(images, batch, height, width, labels, loss, bn_sync)?)
+            }
+            Engine::Cuda(gpu) => gpu,
+        };
+        check_labels(labels, batch, self.model.spec().num_classes())?;
+        let plan = plan_for(
+            &mut gpu.train_plan,
+            &self.model,
+            Mode::Train,
+            batch,
+            height,
+            width,
+        )?;
+        let value = gpu
+            .exec
+            .forward_train(&self.model, plan, images, labels, loss, bn_sync)?;
+        // The count lives on the host, as the CPU model keeps it.
+        let tracked = self.model.num_batches_tracked();
+        self.model.set_num_batches_tracked(tracked + 1);
+        gpu.host_behind = true;
+        Ok(value)
+    }
+
+    /// Backward of the last [`Compute::forward_train`]: adds the gradients of `loss_scale ·
+    /// loss` and calls `grad_ready`, if given, with each final range and its host values (on
+    /// a GPU, only then do the gradients cross to the host during the backward).
+    pub fn backward(
+        &mut self,
+        loss_scale: f32,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+        grad_ready: Option<GradientHook<'_>>,
+    ) -> anyhow::Result<()> {
+        match &mut self.engine {
+            Engine::Cpu { .. } => {
+                let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
+                let grad_ready = grad_ready.unwrap_or(&mut ignore);
+                self.model.backward(loss_scale, bn_sync, grad_ready)?
+            }
+            Engine::Cuda(gpu) => {
+                let plan = gpu
+                    .train_plan
+                    .as_ref()
+                    .ok_or(tandem_models::ModelError::NoForward)?;
+                gpu.exec
+                    .backward(&self.model, plan, loss_scale, bn_sync, grad_ready)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Lets `change` read and replace the gradients on the host (the data-parallel average):
+    /// on a GPU they are copied to the host and back.
+    pub fn with_host_grads(
+        &mut self,
+        change: impl FnOnce(&mut [f32]) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        match &mut self.engine {
+            Engine::Cpu { .. } => change(self.model.grads_mut()),
+            Engine::Cuda(gpu) => {
+                let grads = self.model.grads_mut();
+                gpu.exec
+                    .grads_to_host(grads)
+                    .context("copying the gradients from the GPU")?;
+                change(grads)?;
+                gpu.exec
+                    .grads_from_host(grads)
+                    .context("copying the gradients to the GPU")?;
+                Ok(())
+            }
+        }
+    }
+
+    /// One optimizer step at learning rate `lr` (and `momentum`, for schedules that cycle it).
+    pub fn optimizer_step(&mut self, lr: f64, momentum: Option<f64>) -> anyhow::Result<()> {
+        match &mut self.engine {
+            Engine::Cpu { optimizer } => {
+                let optimizer = optimizer.as_mut().context("no optimizer was set up")?;
+                optimizer.set_lr(lr as f32);
+                if let Some(momentum) = momentum {
+                    optimizer.set_momentum(momentum as f32);
+                }
+                let (params, grads) = self.model.params_and_grads_mut();
+                optimizer.step(params, grads);
+            }
+            Engine::Cuda(gpu) => {
+                let config = gpu.optimizer.as_mut().context("no optimizer was set up")?;
+                config.set_lr(lr as f32);
+                if let Some(momentum) = momentum {
+                    config.set_momentum(momentum as f32);
+                }
+                match config {
+                    OptimizerConfig::Sgd(config) => gpu.exec.sgd_step(config),
+                    OptimizerConfig::Adam(config) => gpu.exec.adam_step(config),
+                }
+                .context("the optimizer step on the GPU")?;
+                gpu.host_behind = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// The optimizer's state in the CPU optimizers' layout (copied from a GPU), for a
+    /// snapshot that either device can resume.
+    pub fn optimizer_state(&mut self) -> anyhow::Result<OptimizerState> {
+        let len = self.model.params().len();
+        match &mut self.engine {
+            Engine::Cpu { optimizer } => Ok(optimizer
+                .as_ref()
+                .context("no optimizer was set up")?
+                .state()),
+            Engine::Cuda(gpu) => {
+                let config = gpu.optimizer.context("no optimizer was set up")?;
+                let state = gpu
+                    .exec
+                    .optimizer_state_to_host()
+                    .context("copying the optimizer state from the GPU")?;
+                Ok(match (state, config) {
+                    // Before the first step: the CPU optimizer's zero state.
+                    (None, config) => config.cpu(len).state(),
+                    // SGD without momentum keeps no buffer, as on the CPU.
+                    (Some(state), OptimizerConfig::Sgd(sgd)) if sgd.momentum == 0.0 => {
+                        OptimizerState {
+                            step: state.step,
+                            slots: Vec::new(),
+                        }
+                    }
+                    (Some(state), _) => state,
+                })
+            }
+        }
+    }
+
+    /// Restores an optimizer state saved by [`Compute::optimizer_state`] on either device;
+    /// a state that does not fit the optimizer (names, lengths) changes nothing.
+    pub fn load_optimizer_state(&mut self, state: &OptimizerState) -> anyhow::Result<()> {
+        let len = self.model.params().len();
+        match &mut self.engine {
+            Engine::Cpu { optimizer } => optimizer
+                .as_mut()
+                .context("no optimizer was set up")?
+                .load_state(state)?,
+            Engine::Cuda(gpu) => {
+                let config = gpu.optimizer.context("no optimizer was set up")?;
+                // The CPU optimizer checks the slots' names and lengths with its own rules.
+                config.cpu(len).load_state(state)?;
+                let slot = |name: &str| {
+                    state
+                        .slots
+                        .iter()
+                        .find(|(slot, _)| slot == name)
+                        .map(|(_, values)| values.as_slice())
+                };
+                match config {
+                    OptimizerConfig::Sgd(_) => {
+                        gpu.exec.load_sgd_state(state.step, slot("momentum_buffer"))
+                    }
+                    OptimizerConfig::Adam(_) => {
+                        let (Some(exp_avg), Some(exp_avg_sq)) =
+                            (slot("exp_avg"), slot("exp_avg_sq"))
+                        else {
+                            anyhow::bail!("the optimizer state lacks Adam's exp_avg or exp_avg_sq");
+                        };
+                        gpu.exec.load_adam_state(state.step, exp_avg, exp_avg_sq)
+                    }
+                }
+                .context("copying the optimizer state to the GPU")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Eval-mode forward of NHWC `images`; returns the logits `[batch, classes]` on the host.
+    pub fn forward_eval(
+        &mut self,
+        images: &[f32],
+        batch: usize,
+        height: usize,
+        width: usize,
+    ) -> anyhow::Result<&[f32]> {
+        match &mut self.engine {
+            Engine::Cpu { .. } => Ok(self.model.forward_eval(images, batch, height, width)?),
+            Engine::Cuda(gpu) => {
+                let plan = plan_for(
+                    &mut gpu.eval_plan,
+                    &self.model,
+                    Mode::Eval,
+                    batch,
+                    height,
+                    width,
+                )?;
+                gpu.exec
+                    .forward_eval(&self.model, plan, images, &mut gpu.logits)?;
+                Ok(&gpu.logits)
+            }
+        }
+    }
+
+    /// Copies the device parameters and running statistics to the host model when they are
+    /// behind.
+    fn refresh_host(&mut self) -> anyhow::Result<()> {
+        if let Engine::Cuda(gpu) = &mut self.engine {
+            if gpu.host_behind {
+                gpu.exec
+                    .params_to_host(self.model.params_mut())
+                    .context("copying the parameters from the GPU")?;
+                gpu.exec
+                    .buffers_to_host(self.model.buffers_mut())
+                    .context("copying the running statistics from the GPU")?;
+                gpu.host_behind = false;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The kept plan when it fits the batch, else a new one for it.
+fn plan_for<'a>(
+    kept: &'a mut Option<Plan>,
+    model: &Model,
+    mode: Mode,
+    batch: usize,
+    height: usize,
+    width: usize,
+) -> anyhow::Result<&'a Plan> {
+    if !kept
+        .as_ref()
+        .is_some_and(|plan| plan.fits(batch, height, width))
+    {
+        *kept = Some(model.plan(mode, batch, height, width)?);
+    }
+    kept.as_ref().context("no plan")
+}
+
+/// The CPU model's label checks, for the GPU: one label per image, each below `classes`.
+fn check_labels(labels: &[u32], batch: usize, classes: usize) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        labels.len() == batch,
+        "{} labels for a batch of {batch} images",
+        labels.len()
+    );
+    if let Some(sample) = labels.iter().position(|&label| label as usize >= classes) {
+        return Err(tandem_engine::EngineError::InvalidLabel {
+            sample,
+            label: labels[sample],
+            classes,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_models::ResNetBaseSpec;
+
+    fn cpu() -> Device {
+        Device::Cpu {
+            reason: "requested".to_string(),
+        }
+    }
+
+    fn gpu() -> Device {
+        Device::Cuda {
+            ordinal: 1,
+            reason: "requested".to_string(),
+        }
+    }
+
+    fn small_model() -> Model {
+        let spec = ResNetBaseSpec {
+            n_blocks: vec![1, 1],
+            n_channels: vec![4, 8],
+            bottlenecks: None,
+            ..ResNetBaseSpec::tutorial_default()
+        };
+        Model::new(&ModelSpec::ResNetBase(spec)).unwrap()
+    }
+
+    /// Images in about [-1, 1) and labels, from a fixed formula.
+    fn batch(batch: usize) -> (Vec<f32>, Vec<u32>) {
+        let images = (0..batch * 8 * 8 * 3)
+            .map(|i| ((i as u64 * 2_654_435_761) % 2003) as f32 / 1001.5 - 1.0)
+            .collect();
+        let labels = (0..batch as u32).map(|i| (i * 7 + 3) % 10).collect();
+        (images, labels)
+    }
+
+    #[test]
+    fn precision_defaults_to_tf32_on_a_gpu_and_bf16_is_refused() {
+        assert_eq!(
+            resolve_precision(None, &gpu()).unwrap(),
+            Some(Precision::Tf32)
+        );
+        assert_eq!(
+            resolve_precision(Some(PrecisionRequest::Fp32), &gpu()).unwrap(),
+            Some(Precision::Fp32)
+        );
+        assert_eq!(resolve_precision(None, &cpu()).unwrap(), None);
+        assert_eq!(
+            resolve_precision(Some(PrecisionRequest::Tf32), &cpu()).unwrap(),
+            None
+        );
+        for device in [cpu(), gpu()] {
+            let error = resolve_precision(Some(PrecisionRequest::Bf16), &device).unwrap_err();
+            assert_eq!(
+                error.to_string(),
+                "--precision bf16 is not built yet: use --precision tf32 (the default on a GPU) or fp32"
+            );
+        }
+        assert_eq!(describe(&gpu(), Some(Precision::Fp32)), "cuda:1 (fp32)");
+        assert_eq!(describe(&gpu(), None), "cuda:1 (tf32)");
+        assert_eq!(describe(&cpu(), None), "cpu");
+    }
+
+    #[test]
+    fn the_gpu_optimizer_settings_follow_the_cpu_optimizers_rules() {
+        let mut sgd = OptimizerConfig::Sgd(SgdConfig {
+            lr: 0.1,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        });
+        sgd.set_momentum(0.9);
+        sgd.set_lr(0.5);
+        let OptimizerConfig::Sgd(config) = sgd else {
+            unreachable!()
+        };
+        assert_eq!(
+            (config.lr, config.momentum),
+            (0.5, 0.0),
+            "no momentum stays none"
+        );
+        let mut adam = OptimizerConfig::Adam(AdamConfig::with_lr(0.01));
+        adam.set_momentum(0.85);
+        let OptimizerConfig::Adam(config) = adam else {
+            unreachable!()
+        };
+        assert_eq!(config.beta1, 0.85);
+    }
+
+    /// Two SGD steps through [`Compute`] on the CPU give the bits of the model and optimizer
+    /// driven directly, as the trainer did before, and the optimizer state round-trips.
+    #[test]
+    fn the_cpu_variant_computes_exactly_what_the_model_does() {
+        let config = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: true,
+            weight_decay: 5e-4,
+        };
+        let (images, labels) = batch(4);
+        let loss = LossOptions {
+            label_smoothing: 0.1,
+        };
+        let mut direct = small_model();
+        let mut optimizer = Sgd::new(direct.params().len(), config);
+        let mut compute = Compute::new(small_model(), &cpu(), None)
+            .unwrap()
+            .with_optimizer(OptimizerConfig::Sgd(config));
+        for step in 0..2 {
+            let lr = 0.1 / f64::from(step + 1);
+            direct.zero_grads();
+            let expected = direct
+                .forward_train(&images, 4, 8, 8, &labels, &loss, None)
+                .unwrap();
+            direct.backward(1.0, None, &mut |_, _| {}).unwrap();
+            optimizer.set_lr(lr as f32);
+            optimizer.set_momentum(0.8);
+            let (params, grads) = direct.params_and_grads_mut();
+            optimizer.step(params, grads);
+
+            compute.zero_grads().unwrap();
+            let got = compute
+                .forward_train(&images, 4, 8, 8, &labels, &loss, None)
+                .unwrap();
+            let mut reported = 0;
+            compute
+                .backward(1.0, None, Some(&mut |range, _| reported += range.len()))
+                .unwrap();
+            assert_eq!(reported, compute.param_count());
+            compute.optimizer_step(lr, Some(0.8)).unwrap();
+            assert_eq!(got.to_bits(), expected.to_bits(), "loss of step {step}");
+        }
+        let model = compute.host_model().unwrap();
+        assert_eq!(model.params(), direct.params());
+        assert_eq!(model.buffers(), direct.buffers());
+        assert_eq!(model.num_batches_tracked(), 2);
+        let state = compute.optimizer_state().unwrap();
+        assert_eq!(state, optimizer.state());
+        let eval = compute.forward_eval(&images, 4, 8, 8).unwrap().to_vec();
+        assert_eq!(eval, direct.forward_eval(&images, 4, 8, 8).unwrap());
+
+        let mut fresh = Compute::new(small_model(), &cpu(), None)
+            .unwrap()
+            .with_optimizer(OptimizerConfig::Sgd(config));
+        fresh.load_optimizer_state(&state).unwrap();
+        assert_eq!(fresh.optimizer_state().unwrap(), state);
+        let wrong = OptimizerState {
+            step: 1,
+            slots: vec![("exp_avg".to_string(), vec![0.0; 3])],
+        };
+        let error = fresh.load_optimizer_state(&wrong).unwrap_err();
+        assert!(error.to_string().contains("exp_avg"), "{error:#}");
+        assert_eq!(
+            fresh.optimizer_state().unwrap(),
+            state,
+            "a bad state changes nothing"
+        );
+    }
+
+    #[test]
+    fn host_changes_and_host_gradients_reach_the_cpu_model() {
+        let mut compute = Compute::new(small_model(), &cpu(), None).unwrap();
+        compute
+            .update_host(|model| {
+                model.params_mut()[0] = 7.0;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(compute.host_model().unwrap().params()[0], 7.0);
+        compute
+            .with_host_grads(|grads| {
+                grads.fill(0.25);
+                Ok(())
+            })
+            .unwrap();
+        assert!(compute.model.grads().iter().all(|&grad| grad == 0.25));
+        let error = compute.optimizer_step(0.1, None).unwrap_err();
+        assert_eq!(error.to_string(), "no optimizer was set up");
+    }
+}

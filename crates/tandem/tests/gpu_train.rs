@@ -1,0 +1,398 @@
+//! `train`, `eval` and `predict` on the GPU executor (`--device cuda`), against the same
+//! commands on the CPU: a short training run in fp32 (final weights within 2e-3 of each
+//! tensor's largest magnitude, epoch losses within 1e-3 relative), snapshots resumed on the
+//! other device, `kill -9` and resume on the GPU ending bit-identical to an uninterrupted GPU
+//! run, and `eval`/`predict` within 1e-4.
+//!
+//! Skipped with a printed reason without the CUDA driver, NVRTC, cuBLAS, cuDNN or a visible
+//! GPU (as on CI's machines); run by `scripts/gpu-check`. **It has not yet run on a GPU.**
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{
+    expect_success, read_tensors, run_bounded, synthetic_run, tandem, with_flag,
+    worst_error_per_family, SMALL_MODEL,
+};
+use tandem_cuda::device::GpuFacts;
+use tandem_cuda::Probe;
+
+const LIMIT: Duration = Duration::from_secs(120);
+/// Training images of the runs: 4 steps of 16 per epoch, 2 epochs.
+const TRAIN_IMAGES: usize = 64;
+/// Final weights and running statistics: worst error relative to each tensor's largest
+/// magnitude, per family, after 8 SGD steps in fp32 on both devices.
+const WEIGHT_TOLERANCE: f64 = 2e-3;
+/// Epoch losses (train and validation), relative.
+const LOSS_TOLERANCE: f64 = 1e-3;
+/// Evaluation loss and predicted logits, relative.
+const EVAL_TOLERANCE: f64 = 1e-4;
+
+/// Whether a GPU can be used here; prints why not.
+fn gpu_available(test: &str) -> bool {
+    let facts = GpuFacts::gather(Probe::process());
+    if let Some(missing) = facts.missing_library {
+        eprintln!("{test}: skipped, {missing}");
+        return false;
+    }
+    match facts.visible_gpus {
+        Ok(count) if count > 0 => true,
+        other => {
+            eprintln!("{test}: skipped, no GPU ({other:?})");
+            false
+        }
+    }
+}
+
+/// The training flags of the comparisons: the small model, 2 epochs of 4 steps, on `device`.
+fn run_args(output_dir: &Path, device: &str) -> Vec<String> {
+    let args = synthetic_run(output_dir, TRAIN_IMAGES);
+    let args = with_flag(args, "--batch-size", "16");
+    let args = with_flag(args, "--threads", "4");
+    let args = with_flag(args, "--device", device);
+    if device == "cpu" {
+        args
+    } else {
+        with_flag(args, "--precision", "fp32")
+    }
+}
+
+/// Runs `tandem args` to success; returns its standard output.
+fn train(args: &[String]) -> String {
+    expect_success(&run_bounded(tandem().args(args), LIMIT))
+}
+
+/// `(train_loss, val_loss)` of each epoch in the run's `metrics.jsonl`.
+fn epoch_losses(output_dir: &Path) -> Vec<(f64, f64)> {
+    let text = std::fs::read_to_string(output_dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            (
+                record["train_loss"].as_f64().unwrap(),
+                record["val_loss"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Asserts the final weights and the epoch losses of two runs agree within the tolerances.
+fn assert_runs_close(expected: &Path, actual: &Path, what: &str) {
+    let worst = worst_error_per_family(
+        &read_tensors(&expected.join("epoch_2.safetensors")),
+        &read_tensors(&actual.join("epoch_2.safetensors")),
+        |name| name.ends_with("num_batches_tracked"),
+    );
+    eprintln!("{what}: worst relative error per family {worst:?}");
+    for (family, error) in &worst {
+        assert!(
+            *error <= WEIGHT_TOLERANCE,
+            "{what}: {family} differs by {error:e} (tolerance {WEIGHT_TOLERANCE:e})"
+        );
+    }
+    let (expected, actual) = (epoch_losses(expected), epoch_losses(actual));
+    assert_eq!(expected.len(), 2, "{what}: epochs recorded");
+    assert_eq!(expected.len(), actual.len(), "{what}: epochs recorded");
+    for ((cpu_train, cpu_val), (gpu_train, gpu_val)) in expected.iter().zip(&actual) {
+        for (cpu, gpu) in [(cpu_train, gpu_train), (cpu_val, gpu_val)] {
+            let error = (cpu - gpu).abs() / cpu.abs().max(1e-12);
+            assert!(error <= LOSS_TOLERANCE, "{what}: loss {gpu} vs {cpu}");
+        }
+    }
+}
+
+#[test]
+fn training_on_the_gpu_in_fp32_matches_the_cpu() {
+    if !gpu_available("training_on_the_gpu_in_fp32_matches_the_cpu") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (cpu, gpu) = (dir.path().join("cpu"), dir.path().join("gpu"));
+    train(&run_args(&cpu, "cpu"));
+    let stdout = train(&run_args(&gpu, "cuda"));
+    let first = stdout.lines().next().unwrap_or_default();
+    assert!(first.starts_with("device: cuda:0 ("), "{stdout}");
+    assert!(
+        first.contains("GPU executor unverified on a GPU"),
+        "{first}"
+    );
+    assert!(stdout.contains("| device: cuda:0 (fp32) |"), "{stdout}");
+    assert_runs_close(&cpu, &gpu, "cuda fp32 vs cpu");
+}
+
+/// Trains `args` on `first` up to step 3 (the snapshot), then resumes on `second` to the end.
+fn train_across(output_dir: &Path, first: &str, second: &str) {
+    let stop_early = with_flag(run_args(output_dir, first), "--max-steps", "3");
+    train(&stop_early);
+    let snapshot = output_dir.join("snapshot.safetensors");
+    assert!(snapshot.exists(), "no snapshot after --max-steps");
+    let stdout = train(&run_args(output_dir, second));
+    assert!(
+        stdout.contains("Resuming training from snapshot at epoch 1, step 3"),
+        "{first} -> {second}: {stdout}"
+    );
+}
+
+#[test]
+fn a_snapshot_resumes_on_the_other_device() {
+    if !gpu_available("a_snapshot_resumes_on_the_other_device") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let straight = dir.path().join("straight");
+    train(&run_args(&straight, "cpu"));
+    for (first, second) in [("cpu", "cuda"), ("cuda", "cpu")] {
+        let across = dir.path().join(format!("{first}-{second}"));
+        train_across(&across, first, second);
+        assert_runs_close(&straight, &across, &format!("{first} then {second}"));
+    }
+}
+
+#[test]
+fn kill_9_on_the_gpu_and_resume_is_bit_identical() {
+    if !gpu_available("kill_9_on_the_gpu_and_resume_is_bit_identical") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // The default precision (TF32) with deterministic algorithms, as a user runs it.
+    let gpu_args = |out: &Path| {
+        let args = synthetic_run(out, 512);
+        let args = with_flag(args, "--batch-size", "16");
+        with_flag(args, "--device", "cuda")
+    };
+    let straight = dir.path().join("straight");
+    train(&gpu_args(&straight));
+
+    let interrupted = dir.path().join("interrupted");
+    let mut args = gpu_args(&interrupted);
+    args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
+    let mut child = tandem()
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // SIGKILL (Child::kill) as soon as a second snapshot exists, mid epoch 1.
+    let deadline = Instant::now() + LIMIT;
+    let previous = interrupted.join("snapshot.safetensors.prev");
+    while !previous.exists() {
+        assert!(Instant::now() < deadline, "no snapshot appeared");
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        !interrupted.join("epoch_2.safetensors").exists(),
+        "the run finished before it could be killed"
+    );
+    let stdout = train(&args);
+    assert!(
+        stdout.contains("Resuming training from snapshot"),
+        "{stdout}"
+    );
+    let expected = std::fs::read(straight.join("epoch_2.safetensors")).unwrap();
+    let actual = std::fs::read(interrupted.join("epoch_2.safetensors")).unwrap();
+    assert!(
+        expected == actual,
+        "the resumed GPU run's final weights differ from the uninterrupted GPU run's"
+    );
+}
+
+/// `eval --json` of `checkpoint` on `device`: the report.
+fn eval_json(checkpoint: &Path, device: &str) -> serde_json::Value {
+    let mut args: Vec<String> = vec![
+        "eval".into(),
+        "--checkpoint".into(),
+        checkpoint.display().to_string(),
+    ];
+    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
+    args.extend(
+        [
+            "--data",
+            "synthetic",
+            "--seed",
+            "7",
+            "--json",
+            "--device",
+            device,
+        ]
+        .iter()
+        .map(|arg| arg.to_string()),
+    );
+    if device != "cpu" {
+        args.extend(["--precision".to_string(), "fp32".to_string()]);
+    }
+    let stdout = expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    serde_json::from_str(stdout.trim()).unwrap()
+}
+
+/// `predict --json` of `checkpoint` on `images` on `device`: the logits per image.
+fn predict_logits(checkpoint: &Path, images: &[PathBuf], device: &str) -> Vec<Vec<f64>> {
+    let mut args: Vec<String> = vec![
+        "predict".into(),
+        "--checkpoint".into(),
+        checkpoint.display().to_string(),
+        "--json".into(),
+        "--device".into(),
+        device.into(),
+    ];
+    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
+    args.extend(images.iter().map(|path| path.display().to_string()));
+    let output = run_bounded(tandem().args(&args), LIMIT);
+    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    let stdout = expect_success(&output);
+    assert!(stderr.starts_with("device: "), "{stderr}");
+    stdout
+        .lines()
+        .map(|line| {
+            let prediction: serde_json::Value = serde_json::from_str(line).unwrap();
+            prediction["logits"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|value| value.as_f64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn eval_and_predict_on_the_gpu_match_the_cpu() {
+    if !gpu_available("eval_and_predict_on_the_gpu_match_the_cpu") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    train(&run_args(&run, "cpu"));
+    let checkpoint = run.join("epoch_2.safetensors");
+
+    let (cpu, gpu) = (
+        eval_json(&checkpoint, "cpu"),
+        eval_json(&checkpoint, "cuda"),
+    );
+    assert_eq!(cpu["samples"], gpu["samples"]);
+    let samples = cpu["samples"].as_f64().unwrap();
+    let (cpu_loss, gpu_loss) = (cpu["loss"].as_f64().unwrap(), gpu["loss"].as_f64().unwrap());
+    assert!(
+        (cpu_loss - gpu_loss).abs() <= EVAL_TOLERANCE * cpu_loss.abs(),
+        "eval loss: GPU {gpu_loss}, CPU {cpu_loss}"
+    );
+    // A sample at a near tie may change its top class; no more than one.
+    let (cpu_accuracy, gpu_accuracy) = (
+        cpu["accuracy"].as_f64().unwrap(),
+        gpu["accuracy"].as_f64().unwrap(),
+    );
+    assert!(
+        (cpu_accuracy - gpu_accuracy).abs() <= 1.0 / samples + 1e-12,
+        "accuracy: GPU {gpu_accuracy}, CPU {cpu_accuracy}"
+    );
+
+    let images: Vec<PathBuf> = (0..3)
+        .map(|index| {
+            let path = dir.path().join(format!("image_{index}.png"));
+            write_test_png(&path, index);
+            path
+        })
+        .collect();
+    let cpu = predict_logits(&checkpoint, &images, "cpu");
+    let gpu = predict_logits(&checkpoint, &images, "cuda");
+    assert_eq!(cpu.len(), images.len());
+    assert_eq!(cpu.len(), gpu.len());
+    for (image, (cpu, gpu)) in cpu.iter().zip(&gpu).enumerate() {
+        for (class, (c, g)) in cpu.iter().zip(gpu).enumerate() {
+            assert!(
+                (c - g).abs() <= EVAL_TOLERANCE * (1.0 + c.abs()),
+                "image {image}, class {class}: GPU {g}, CPU {c}"
+            );
+        }
+    }
+}
+
+/// Writes a 32x32 RGB PNG of a pattern that depends on `seed`.
+fn write_test_png(path: &Path, seed: usize) {
+    let mut raw = Vec::with_capacity(32 * (1 + 32 * 3));
+    for y in 0..32usize {
+        raw.push(0); // filter: none
+        for x in 0..32usize {
+            for channel in 0..3usize {
+                raw.push(((x * 7 + y * 13 + channel * 71 + seed * 101) % 256) as u8);
+            }
+        }
+    }
+    let mut encoder = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+    encoder.write_all(&raw).unwrap();
+    let compressed = encoder.finish().unwrap();
+    let mut header = Vec::new();
+    header.extend(32u32.to_be_bytes());
+    header.extend(32u32.to_be_bytes());
+    header.extend([8, 2, 0, 0, 0]); // 8 bits, RGB, deflate, no filter method, no interlace
+    let mut png = vec![0x89, b'P', b'N', b'G', 0x0d, 0x0a, 0x1a, 0x0a];
+    for (kind, data) in [
+        (*b"IHDR", header.as_slice()),
+        (*b"IDAT", &compressed),
+        (*b"IEND", &[][..]),
+    ] {
+        png.extend((data.len() as u32).to_be_bytes());
+        let start = png.len();
+        png.extend(kind);
+        png.extend(data);
+        let crc = crc32(&png[start..]);
+        png.extend(crc.to_be_bytes());
+    }
+    std::fs::write(path, png).unwrap();
+}
+
+/// CRC-32 (ISO 3309, as PNG chunks use it).
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = 0xffff_ffffu32;
+    for &byte in bytes {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// The comparisons' own checks, run everywhere with the CPU on both sides: a snapshot resumed
+/// on the same device meets them, eval and predict give their reports, and the test images
+/// are valid PNGs.
+#[test]
+fn the_comparisons_hold_cpu_against_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let straight = dir.path().join("straight");
+    train(&run_args(&straight, "cpu"));
+    let across = dir.path().join("across");
+    train_across(&across, "cpu", "cpu");
+    assert_runs_close(&straight, &across, "cpu then cpu");
+    let checkpoint = straight.join("epoch_2.safetensors");
+    let report = eval_json(&checkpoint, "cpu");
+    assert_eq!(report["samples"].as_u64(), Some(64));
+    let image = dir.path().join("image.png");
+    write_test_png(&image, 1);
+    let logits = predict_logits(&checkpoint, &[image], "cpu");
+    assert_eq!(logits.len(), 1);
+    assert_eq!(logits[0].len(), 10);
+}
+
+#[test]
+fn the_test_png_reads_back_as_written() {
+    // Runs everywhere: the images of the predict comparison are valid PNGs.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("image.png");
+    write_test_png(&path, 2);
+    let image = tandem_data::read_image(&path).unwrap();
+    assert_eq!((image.width, image.height), (32, 32));
+    let expected = ((5 * 7 + 4 * 13 + 71 + 2 * 101) % 256) as f32 / 255.0;
+    assert_eq!(image.pixels[(4 * 32 + 5) * 3 + 1], expected);
+}
