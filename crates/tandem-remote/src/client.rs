@@ -114,7 +114,15 @@ impl RemoteStore {
                 let bytes = self
                     .runtime
                     .block_on(store.get_range(&location, received..end))
-                    .map_err(fail)?;
+                    .map_err(|error| match fail(error) {
+                        // The body broke off, and kept breaking off through the retries.
+                        RemoteError::Request { .. } => RemoteError::Truncated {
+                            url: url.to_string(),
+                            expected: size,
+                            received,
+                        },
+                        other => other,
+                    })?;
                 if bytes.is_empty() {
                     break;
                 }

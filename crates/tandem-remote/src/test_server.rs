@@ -126,38 +126,84 @@ impl Drop for S3Server {
     }
 }
 
+/// Which way of a connection [`CuttingProxy`] cuts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// Bytes towards the server: a request body in flight (an upload).
+    Requests,
+    /// Bytes towards the client: a response body in flight (a download).
+    Responses,
+}
+
 /// A TCP proxy on loopback in front of a server that cuts the first connection carrying
-/// more than `cut_after` bytes towards the server (a request body in flight), once; every
-/// other connection is passed through whole.
+/// more than `cut_after` bytes in the direction `cut`, once, after passing exactly
+/// `cut_after` of them; every other connection is passed through whole.
 pub struct CuttingProxy {
     port: u16,
     stopped: Arc<AtomicBool>,
-    cuts: Arc<AtomicU64>,
+    cutter: Arc<Cutter>,
+}
+
+/// The cut a proxy makes: once, or on every connection.
+struct Cutter {
+    after: u64,
+    every_connection: bool,
+    done: AtomicBool,
+    cuts: AtomicU64,
+}
+
+impl Cutter {
+    /// Whether a connection that has forwarded `forwarded` bytes and now has `count` more
+    /// is to be cut.
+    fn cuts_now(&self, forwarded: u64, count: usize) -> bool {
+        forwarded + count as u64 > self.after
+            && (self.every_connection
+                || self
+                    .done
+                    .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok())
+    }
 }
 
 impl CuttingProxy {
-    /// Starts the proxy in front of `127.0.0.1:target_port`.
-    pub fn start(target_port: u16, cut_after: u64) -> CuttingProxy {
+    /// Starts the proxy in front of `127.0.0.1:target_port`, cutting one connection.
+    pub fn start(target_port: u16, cut: Cut, cut_after: u64) -> CuttingProxy {
+        CuttingProxy::start_cutting(target_port, cut, cut_after, false)
+    }
+
+    /// Starts the proxy in front of `127.0.0.1:target_port`, cutting every connection that
+    /// carries more than `cut_after` bytes the `cut` way.
+    pub fn start_cutting_all(target_port: u16, cut: Cut, cut_after: u64) -> CuttingProxy {
+        CuttingProxy::start_cutting(target_port, cut, cut_after, true)
+    }
+
+    fn start_cutting(
+        target_port: u16,
+        cut: Cut,
+        cut_after: u64,
+        every_connection: bool,
+    ) -> CuttingProxy {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port for the proxy");
         listener
             .set_nonblocking(true)
             .expect("a non-blocking listener");
         let port = listener.local_addr().expect("the proxy's address").port();
         let stopped = Arc::new(AtomicBool::new(false));
-        let cuts = Arc::new(AtomicU64::new(0));
-        let cut_done = Arc::new(AtomicBool::new(false));
+        let cutter = Arc::new(Cutter {
+            after: cut_after,
+            every_connection,
+            done: AtomicBool::new(false),
+            cuts: AtomicU64::new(0),
+        });
         {
             let stopped = Arc::clone(&stopped);
-            let cuts = Arc::clone(&cuts);
+            let cutter = Arc::clone(&cutter);
             std::thread::spawn(move || {
                 while !stopped.load(Ordering::Relaxed) {
                     match listener.accept() {
                         Ok((client, _)) => {
-                            let cut_done = Arc::clone(&cut_done);
-                            let cuts = Arc::clone(&cuts);
-                            std::thread::spawn(move || {
-                                relay(client, target_port, cut_after, &cut_done, &cuts)
-                            });
+                            let cutter = Arc::clone(&cutter);
+                            std::thread::spawn(move || relay(client, target_port, cut, cutter));
                         }
                         Err(_) => std::thread::sleep(Duration::from_millis(5)),
                     }
@@ -167,7 +213,7 @@ impl CuttingProxy {
         CuttingProxy {
             port,
             stopped,
-            cuts,
+            cutter,
         }
     }
 
@@ -178,7 +224,7 @@ impl CuttingProxy {
 
     /// How many connections the proxy has cut.
     pub fn cuts(&self) -> u64 {
-        self.cuts.load(Ordering::SeqCst)
+        self.cutter.cuts.load(Ordering::SeqCst)
     }
 }
 
@@ -188,47 +234,50 @@ impl Drop for CuttingProxy {
     }
 }
 
-/// Passes one connection through, cutting it when it is the first to exceed `cut_after`.
-fn relay(
-    client: TcpStream,
-    target_port: u16,
-    cut_after: u64,
-    cut_done: &AtomicBool,
-    cuts: &AtomicU64,
-) {
+/// Passes one connection through both ways, the `cut` way through the cutter.
+fn relay(client: TcpStream, target_port: u16, cut: Cut, cutter: Arc<Cutter>) {
     let Ok(server) = TcpStream::connect(("127.0.0.1", target_port)) else {
         return;
     };
-    let (Ok(client_reader), Ok(server_writer)) = (client.try_clone(), server.try_clone()) else {
+    let (Ok(client_back), Ok(server_back)) = (client.try_clone(), server.try_clone()) else {
         return;
     };
-    let backward = std::thread::spawn(move || copy_all(server, client));
-    let mut reader = client_reader;
-    let mut writer = server_writer;
+    let (up, down) = match cut {
+        Cut::Requests => (Some(cutter), None),
+        Cut::Responses => (None, Some(cutter)),
+    };
+    let backward = std::thread::spawn(move || pump(server_back, client_back, down));
+    pump(client, server, up);
+    let _ = backward.join();
+}
+
+/// Copies `from` to `to` until either side closes; with a cutter that has not cut yet, the
+/// byte past its limit closes both sides instead.
+fn pump(mut from: TcpStream, mut to: TcpStream, cutter: Option<Arc<Cutter>>) {
     let mut forwarded = 0u64;
     let mut buffer = [0u8; 16 * 1024];
     loop {
-        let count = match reader.read(&mut buffer) {
+        let count = match from.read(&mut buffer) {
             Ok(0) | Err(_) => break,
             Ok(count) => count,
         };
-        if forwarded + count as u64 > cut_after
-            && cut_done
-                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
+        if let Some(cutter) = cutter
+            .as_ref()
+            .filter(|cutter| cutter.cuts_now(forwarded, count))
         {
-            cuts.fetch_add(1, Ordering::SeqCst);
-            let _ = reader.shutdown(Shutdown::Both);
-            let _ = writer.shutdown(Shutdown::Both);
-            break;
+            cutter.cuts.fetch_add(1, Ordering::SeqCst);
+            let kept = (cutter.after - forwarded) as usize;
+            let _ = to.write_all(&buffer[..kept]);
+            let _ = from.shutdown(Shutdown::Both);
+            let _ = to.shutdown(Shutdown::Both);
+            return;
         }
-        if writer.write_all(&buffer[..count]).is_err() {
+        if to.write_all(&buffer[..count]).is_err() {
             break;
         }
         forwarded += count as u64;
     }
-    let _ = writer.shutdown(Shutdown::Write);
-    let _ = backward.join();
+    let _ = to.shutdown(Shutdown::Write);
 }
 
 /// Waits until `port` accepts connections, or the server exits, within [`START_LIMIT`].
@@ -244,12 +293,6 @@ fn wait_ready(child: &mut Child, port: u16) -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(20));
     }
     Err(format!("s3s-fs did not listen within {START_LIMIT:?}"))
-}
-
-/// Copies `from` to `to` until either side closes.
-fn copy_all(mut from: TcpStream, mut to: TcpStream) {
-    let _ = std::io::copy(&mut from, &mut to);
-    let _ = to.shutdown(Shutdown::Both);
 }
 
 /// `s3s-fs`, from `TANDEM_S3S_FS` or `PATH`.

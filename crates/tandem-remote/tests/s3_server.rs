@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tandem_remote::test_server::{CuttingProxy, S3Server, ACCESS_KEY, SECRET_KEY};
+use tandem_remote::test_server::{Cut, CuttingProxy, S3Server, ACCESS_KEY, SECRET_KEY};
 use tandem_remote::{Connection, ConnectionOptions, ObjectUrl, RemoteError, RemoteStore};
 
 fn url(text: &str) -> ObjectUrl {
@@ -174,7 +174,7 @@ fn an_upload_cut_mid_way_is_retried_and_leaves_no_partial_object() {
         ("single.bin", 3_000_000),
         ("multi.bin", tandem_remote::PART_BYTES + 777),
     ] {
-        let proxy = CuttingProxy::start(server.port(), 1_000_000);
+        let proxy = CuttingProxy::start(server.port(), Cut::Requests, 1_000_000);
         let store = client(
             &proxy.endpoint(),
             ACCESS_KEY,
@@ -211,5 +211,75 @@ fn an_upload_cut_mid_way_is_retried_and_leaves_no_partial_object() {
         names,
         ["multi.bin", "single.bin"],
         "nothing else in the bucket"
+    );
+}
+
+#[test]
+fn a_download_cut_mid_way_is_retried_and_lands_whole() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    let bucket = server.create_bucket("data");
+    let len = tandem_remote::PART_BYTES + 4321;
+    std::fs::write(bucket.join("batch.bin"), pattern(len)).expect("the object");
+    let proxy = CuttingProxy::start(server.port(), Cut::Responses, 3_000_000);
+    let store = client(
+        &proxy.endpoint(),
+        ACCESS_KEY,
+        SECRET_KEY,
+        Duration::from_secs(10),
+    );
+    let folder = tempfile::tempdir().expect("a temporary folder");
+    let local = folder.path().join("batch.bin");
+    let outcome = store.download(&url("s3://data/batch.bin"), &local);
+    assert_eq!(proxy.cuts(), 1, "the proxy cut a response mid-way");
+    match outcome {
+        Ok(size) => {
+            assert_eq!(size, len as u64);
+            assert!(
+                std::fs::read(&local).expect("the copy") == pattern(len),
+                "the copy is whole"
+            );
+        }
+        Err(error) => panic!("the cut download was not retried: {error}"),
+    }
+    assert_eq!(
+        std::fs::read_dir(folder.path()).expect("list").count(),
+        1,
+        "no temporary left"
+    );
+}
+
+#[test]
+fn a_download_that_keeps_breaking_off_is_a_truncated_download() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    let bucket = server.create_bucket("data");
+    let len = 2 * tandem_remote::PART_BYTES;
+    std::fs::write(bucket.join("batch.bin"), pattern(len)).expect("the object");
+    let proxy = CuttingProxy::start_cutting_all(server.port(), Cut::Responses, 2_000);
+    let store = client(
+        &proxy.endpoint(),
+        ACCESS_KEY,
+        SECRET_KEY,
+        Duration::from_secs(1),
+    );
+    let folder = tempfile::tempdir().expect("a temporary folder");
+    let error = store
+        .download(
+            &url("s3://data/batch.bin"),
+            &folder.path().join("batch.bin"),
+        )
+        .expect_err("every response breaks off");
+    assert_eq!(
+        error.to_string(),
+        format!("s3://data/batch.bin: truncated download: 0 of {len} bytes arrived")
+    );
+    assert!(proxy.cuts() >= 2, "the cut range was asked for again");
+    assert_eq!(
+        std::fs::read_dir(folder.path()).expect("list").count(),
+        0,
+        "nothing left"
     );
 }

@@ -14,7 +14,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use tandem_remote::test_server::{CuttingProxy, S3Server, ACCESS_KEY, SECRET_KEY};
+use tandem_remote::test_server::{Cut, CuttingProxy, S3Server, ACCESS_KEY, SECRET_KEY};
 
 /// Bound on one training job.
 const JOB_LIMIT: Duration = Duration::from_secs(120);
@@ -557,7 +557,7 @@ fn an_upload_cut_mid_way_is_retried_and_every_object_is_whole() {
         return;
     };
     server.create_bucket("runs");
-    let proxy = CuttingProxy::start(server.port(), 40_000);
+    let proxy = CuttingProxy::start(server.port(), Cut::Requests, 40_000);
     let scratch = tempfile::tempdir().expect("a temporary folder");
     let cache = scratch.path().join("cache");
     let output = run(
