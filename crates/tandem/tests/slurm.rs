@@ -40,6 +40,7 @@ const PROGRAMS: &[&str] = &[
     "srun",
     "sbatch",
     "scancel",
+    "scontrol",
 ];
 
 /// A daemon of the cluster, stopped (SIGTERM, then SIGKILL) when dropped.
@@ -509,6 +510,57 @@ fn sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical() {
     assert!(
         final_weights(&straight) == final_weights(&output_dir),
         "the resumed job ended with other weights than the uninterrupted one\n{job_out}"
+    );
+}
+
+#[test]
+fn sbatch_job_requeued_mid_epoch_resumes_and_ends_bit_identical() {
+    let test = "sbatch_job_requeued_mid_epoch_resumes_and_ends_bit_identical";
+    let Some(cluster) = SlurmCluster::start(test) else {
+        return;
+    };
+    let straight = cluster.path("straight");
+    let mut launch = tandem();
+    launch
+        .args(["launch", "--standalone", "--nproc-per-node", "2", "--"])
+        .args(batch_job(&straight))
+        .env_remove("TANDEM_JOB_TOKEN");
+    expect_success(&GroupJob::start(&mut launch).wait(JOB_LIMIT));
+
+    let output_dir = cluster.path("requeued");
+    let job_id = submit(&cluster, &output_dir);
+    let progress = output_dir.join("logs/rank_0.log");
+    cluster.wait_until(
+        || std::fs::read_to_string(&progress).is_ok_and(|log| log.contains("epoch 1 | step ")),
+        "the batch job's first steps",
+    );
+    // Requeued, the job is stopped as by scancel and put back in the queue, held until its
+    // begin time; releasing it at once keeps the test short.
+    expect_success(&cluster.client("scontrol", &["requeue", &job_id]));
+    cluster.wait_until(
+        || {
+            let state = cluster.client("squeue", &["--noheader", "--format=%T", "--jobs", &job_id]);
+            String::from_utf8_lossy(&state.stdout).trim() == "PENDING"
+        },
+        "the requeued job back in the queue",
+    );
+    expect_success(&cluster.client(
+        "scontrol",
+        &["update", &format!("JobId={job_id}"), "StartTime=now"],
+    ));
+    cluster.wait_for_job_end(&job_id, JOB_LIMIT);
+    let job_out = std::fs::read_to_string(cluster.path("job.out")).unwrap_or_default();
+    assert!(
+        job_out.contains("Resuming training from snapshot at epoch 1, step "),
+        "the requeued job did not resume from a mid-epoch snapshot\n{job_out}"
+    );
+    assert!(
+        job_out.ends_with("tandem launch: every worker finished successfully\n"),
+        "the requeued job did not succeed\n{job_out}"
+    );
+    assert!(
+        final_weights(&straight) == final_weights(&output_dir),
+        "the requeued job ended with other weights than the uninterrupted one\n{job_out}"
     );
 }
 
