@@ -631,3 +631,49 @@ fn an_upload_failure_that_outlasts_the_retries_stops_the_run_and_keeps_the_snaps
         "the run stopped early"
     );
 }
+
+#[test]
+fn a_launch_job_fetches_the_data_once_per_node_and_uploads_from_rank_0() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    copy_tree(
+        &shared_dir().join("data/cifar10/json-subset"),
+        &server.bucket_folder("datasets").join("json"),
+    );
+    server.create_bucket("runs");
+    let scratch = tempfile::tempdir().expect("a temporary folder");
+    let cache = scratch.path().join("cache");
+    let mut train = with_cache(&synthetic_run(Path::new("s3://runs/ddp"), 64), &cache);
+    train = with_flag(train, "--data", "json-folder");
+    train = with_flag(train, "--data-dir", "s3://datasets/json");
+    train = with_flag(train, "--max-steps", "3");
+    let mut launch = tandem_at(&server.endpoint());
+    launch
+        .args(["launch", "--standalone", "--nproc-per-node", "2", "--"])
+        .args(&train)
+        .env_remove("TANDEM_JOB_TOKEN");
+    let output = run_bounded(&mut launch, JOB_LIMIT);
+    expect_success(&output);
+    let bucket = server.bucket_folder("runs").join("ddp");
+    for name in ["config.toml", "snapshot.safetensors"] {
+        assert!(bucket.join(name).is_file(), "{name} is not in the bucket");
+    }
+    // The launcher's logs are in the run's staging folder, not in a folder named "s3:".
+    let logs = cache.join("runs/runs/ddp/logs");
+    let log_text: Vec<String> = ["rank_0.log", "rank_1.log"]
+        .iter()
+        .map(|name| std::fs::read_to_string(logs.join(name)).expect("a worker's log"))
+        .collect();
+    let fetched = log_text
+        .iter()
+        .filter(|log| log.contains("data: fetched 1202 of 1202 files"))
+        .count();
+    let reused = log_text
+        .iter()
+        .filter(|log| log.contains("holds a current copy of s3://datasets/json (1202 files)"))
+        .count();
+    assert_eq!((fetched, reused), (1, 1), "{log_text:?}");
+    assert!(!Path::new("s3:").exists());
+    assert_no_secret(&[scratch.path(), &server.bucket_folder("runs")], &output);
+}
