@@ -133,6 +133,9 @@ pub enum Cut {
     Requests,
     /// Bytes towards the client: a response body in flight (a download).
     Responses,
+    /// No bytes: the request is answered `503 Slow Down` (S3's throttling) instead of being
+    /// passed on (for requests without a body).
+    Throttle,
 }
 
 /// A TCP proxy on loopback in front of a server that cuts the first connection carrying
@@ -156,12 +159,16 @@ impl Cutter {
     /// Whether a connection that has forwarded `forwarded` bytes and now has `count` more
     /// is to be cut.
     fn cuts_now(&self, forwarded: u64, count: usize) -> bool {
-        forwarded + count as u64 > self.after
-            && (self.every_connection
-                || self
-                    .done
-                    .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_ok())
+        forwarded + count as u64 > self.after && self.cuts_this_connection()
+    }
+
+    /// Whether this cutter still cuts (always, or the first time only).
+    fn cuts_this_connection(&self) -> bool {
+        self.every_connection
+            || self
+                .done
+                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
     }
 }
 
@@ -245,10 +252,39 @@ fn relay(client: TcpStream, target_port: u16, cut: Cut, cutter: Arc<Cutter>) {
     let (up, down) = match cut {
         Cut::Requests => (Some(cutter), None),
         Cut::Responses => (None, Some(cutter)),
+        Cut::Throttle => {
+            if cutter.cuts_this_connection() {
+                cutter.cuts.fetch_add(1, Ordering::SeqCst);
+                throttle(client);
+                return;
+            }
+            (None, None)
+        }
     };
     let backward = std::thread::spawn(move || pump(server_back, client_back, down));
     pump(client, server, up);
     let _ = backward.join();
+}
+
+/// Reads a request's head and answers it as S3 does when it throttles.
+fn throttle(mut client: TcpStream) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") && head.len() < 64 * 1024 {
+        match client.read(&mut byte) {
+            Ok(1) => head.push(byte[0]),
+            _ => return,
+        }
+    }
+    let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>\
+                <Message>Please reduce your request rate.</Message></Error>";
+    let _ = write!(
+        client,
+        "HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = client.shutdown(Shutdown::Both);
 }
 
 /// Copies `from` to `to` until either side closes; with a cutter that has not cut yet, the

@@ -283,3 +283,33 @@ fn a_download_that_keeps_breaking_off_is_a_truncated_download() {
         "nothing left"
     );
 }
+
+#[test]
+fn a_throttled_request_is_retried() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    let bucket = server.create_bucket("data");
+    std::fs::write(bucket.join("small.bin"), pattern(5000)).expect("the object");
+    let proxy = CuttingProxy::start(server.port(), Cut::Throttle, 0);
+    let store = client(
+        &proxy.endpoint(),
+        ACCESS_KEY,
+        SECRET_KEY,
+        Duration::from_secs(10),
+    );
+    let folder = tempfile::tempdir().expect("a temporary folder");
+    let local = folder.path().join("small.bin");
+    assert_eq!(
+        store
+            .download(&url("s3://data/small.bin"), &local)
+            .expect("retried"),
+        5000
+    );
+    assert_eq!(
+        proxy.cuts(),
+        1,
+        "the first request was answered 503 Slow Down"
+    );
+    assert!(std::fs::read(&local).expect("the copy") == pattern(5000));
+}
