@@ -126,27 +126,26 @@ mod tests {
         deadlines.register(1, "all-reduce of gradient buckets 0-2".into(), start);
         deadlines.register(2, "broadcast of the BN buffers".into(), start + second);
         let mut done: HashSet<i32> = HashSet::new();
-        let query = |done: &HashSet<i32>| move |marker: &i32| Ok(done.contains(marker));
         // Nothing finished, within the deadline.
         assert_eq!(
-            deadlines.poll(start + 5 * second, None, query(&done)),
+            deadlines.poll(start + 5 * second, None, |marker| Ok(done.contains(marker))),
             &Verdict::Healthy
         );
         assert_eq!(deadlines.pending(), 2);
         // The second finishing first does not remove it before the first (FIFO, as one stream).
         done.insert(2);
-        deadlines.poll(start + 6 * second, None, query(&done));
+        deadlines.poll(start + 6 * second, None, |marker| Ok(done.contains(marker)));
         assert_eq!(deadlines.pending(), 2);
         done.insert(1);
         assert_eq!(
-            deadlines.poll(start + 7 * second, None, query(&done)),
+            deadlines.poll(start + 7 * second, None, |marker| Ok(done.contains(marker))),
             &Verdict::Healthy
         );
         assert_eq!(deadlines.pending(), 0);
         // A third that never finishes: healthy until its deadline, then timed out, for good.
         deadlines.register(3, "all-reduce of gradient buckets 0-2".into(), start + 8 * second);
         assert_eq!(
-            deadlines.poll(start + 17 * second, None, query(&done)),
+            deadlines.poll(start + 17 * second, None, |marker| Ok(done.contains(marker))),
             &Verdict::Healthy
         );
         let timed_out = Verdict::TimedOut {
@@ -154,12 +153,12 @@ mod tests {
             waited: 10 * second,
         };
         assert_eq!(
-            deadlines.poll(start + 18 * second, None, query(&done)),
+            deadlines.poll(start + 18 * second, None, |marker| Ok(done.contains(marker))),
             &timed_out
         );
         done.insert(3);
         assert_eq!(
-            deadlines.poll(start + 19 * second, None, query(&done)),
+            deadlines.poll(start + 19 * second, None, |marker| Ok(done.contains(marker))),
             &timed_out,
             "the verdict sticks even if the work finishes after the abort"
         );
