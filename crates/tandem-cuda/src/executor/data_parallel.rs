@@ -61,6 +61,15 @@ impl CudaExecutor {
         self.data_parallel.is_some()
     }
 
+    /// The NCCL watchdog's verdict: an error once a collective timed out or failed (the
+    /// communicator is then aborted); `Ok` without a communicator.
+    pub fn nccl_health(&self) -> Result<(), GpuError> {
+        match &self.data_parallel {
+            Some(data_parallel) => Ok(data_parallel.group.check()?),
+            None => Ok(()),
+        }
+    }
+
     /// The backward of the last training forward, as [`CudaExecutor::backward`], with each
     /// gradient bucket all-reduced through NCCL on the group's stream as soon as the
     /// backward has finished it; call [`CudaExecutor::finish_all_reduce`] after it.
