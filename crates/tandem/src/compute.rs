@@ -337,7 +337,14 @@ impl Compute {
             anyhow::bail!("NCCL needs the model on a GPU; this rank computes on the CPU");
         };
         gpu.exec
-            .join_nccl(Probe::process(), unique_id, rank, world_size, timeout, buckets)
+            .join_nccl(
+                Probe::process(),
+                unique_id,
+                rank,
+                world_size,
+                timeout,
+                buckets,
+            )
             .with_context(|| {
                 format!("rank {rank} cannot join the NCCL communicator of {world_size} rank(s)")
             })

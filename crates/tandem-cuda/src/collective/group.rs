@@ -130,7 +130,9 @@ impl Communicator {
             (ncclResult_t::ncclSuccess, ncclResult_t::ncclSuccess) => None,
             #[allow(unreachable_patterns)]
             (ncclResult_t::ncclSuccess, ncclResult_t::ncclInProgress) => None,
-            (ncclResult_t::ncclSuccess, status) => Some(format!("ncclCommGetAsyncError: {status:?}")),
+            (ncclResult_t::ncclSuccess, status) => {
+                Some(format!("ncclCommGetAsyncError: {status:?}"))
+            }
             (call, _) => Some(format!("ncclCommGetAsyncError itself failed: {call:?}")),
         }
     }
@@ -174,8 +176,9 @@ impl NcclGroup {
         probe.require(Library::Driver)?;
         probe.require(Library::Nccl)?;
         let as_int = |what: &str, value: usize| {
-            i32::try_from(value)
-                .map_err(|_| CollectiveError::Invalid(format!("{what} {value} does not fit NCCL's int")))
+            i32::try_from(value).map_err(|_| {
+                CollectiveError::Invalid(format!("{what} {value} does not fit NCCL's int"))
+            })
         };
         let (nranks, rank_int) = (as_int("world size", world_size)?, as_int("rank", rank)?);
         if rank >= world_size {
@@ -200,7 +203,12 @@ impl NcclGroup {
                         // context of the executor's GPU is current on this thread, so the
                         // communicator is made on that GPU.
                         unsafe {
-                            cudarc::nccl::result::comm_init_rank(raw.as_mut_ptr(), nranks, id, rank_int)
+                            cudarc::nccl::result::comm_init_rank(
+                                raw.as_mut_ptr(),
+                                nranks,
+                                id,
+                                rank_int,
+                            )
                         }
                         .map_err(nccl("ncclCommInitRank"))?;
                         // SAFETY: initialized by the successful call above.
@@ -226,7 +234,11 @@ impl NcclGroup {
             deadlines: Mutex::new(Deadlines::new(timeout)),
             stop: AtomicBool::new(false),
         });
-        let watchdog = spawn_watchdog(Arc::clone(context), Arc::clone(&communicator), Arc::clone(&watch))?;
+        let watchdog = spawn_watchdog(
+            Arc::clone(context),
+            Arc::clone(&communicator),
+            Arc::clone(&watch),
+        )?;
         Ok(NcclGroup {
             rank,
             world_size,
@@ -255,7 +267,11 @@ impl NcclGroup {
     /// The watchdog's verdict as an error: a collective that timed out or failed (the
     /// communicator is then aborted and every later collective is refused).
     pub fn check(&self) -> Result<(), CollectiveError> {
-        let deadlines = self.watch.deadlines.lock().unwrap_or_else(PoisonError::into_inner);
+        let deadlines = self
+            .watch
+            .deadlines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         match Option::<CollectiveError>::from(deadlines.verdict()) {
             Some(error) => Err(error),
             None => Ok(()),
@@ -267,7 +283,9 @@ impl NcclGroup {
     pub fn wait_for(&self, compute: &CudaStream) -> Result<(), CollectiveError> {
         self.check()?;
         let event = record(compute)?;
-        self.stream.wait(&event).map_err(driver("cuStreamWaitEvent"))
+        self.stream
+            .wait(&event)
+            .map_err(driver("cuStreamWaitEvent"))
     }
 
     /// Makes `compute` wait for the collectives queued so far on the group's stream, and
@@ -290,7 +308,11 @@ impl NcclGroup {
     /// # Safety
     /// `base` must address a device float buffer of the group's GPU holding at least
     /// `range.end` values, alive until the group's stream has run the collective.
-    pub unsafe fn all_reduce_sum(&self, base: u64, range: Range<usize>) -> Result<(), CollectiveError> {
+    pub unsafe fn all_reduce_sum(
+        &self,
+        base: u64,
+        range: Range<usize>,
+    ) -> Result<(), CollectiveError> {
         self.check()?;
         if range.is_empty() {
             return Ok(());
@@ -318,7 +340,11 @@ impl NcclGroup {
     ///
     /// # Safety
     /// As [`NcclGroup::all_reduce_sum`], for `0..len`.
-    pub unsafe fn broadcast_from_rank0(&self, base: u64, len: usize) -> Result<(), CollectiveError> {
+    pub unsafe fn broadcast_from_rank0(
+        &self,
+        base: u64,
+        len: usize,
+    ) -> Result<(), CollectiveError> {
         self.check()?;
         if len == 0 {
             return Ok(());
@@ -371,9 +397,14 @@ fn spawn_watchdog(
             let _ = context.bind_to_thread();
             while !watch.stop.load(Ordering::SeqCst) {
                 let async_error = communicator.async_error();
-                let mut deadlines = watch.deadlines.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut deadlines = watch
+                    .deadlines
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
                 let verdict = deadlines.poll(Instant::now(), async_error, |event| {
-                    event.try_is_complete().map_err(|status| format!("cuEventQuery: {status:?}"))
+                    event
+                        .try_is_complete()
+                        .map_err(|status| format!("cuEventQuery: {status:?}"))
                 });
                 if *verdict != Verdict::Healthy {
                     communicator.abort();
@@ -383,7 +414,9 @@ fn spawn_watchdog(
                 std::thread::sleep(WATCH_INTERVAL);
             }
         })
-        .map_err(|error| CollectiveError::Invalid(format!("cannot start the NCCL watchdog: {error}")))
+        .map_err(|error| {
+            CollectiveError::Invalid(format!("cannot start the NCCL watchdog: {error}"))
+        })
 }
 
 /// An event recorded on `stream` (no timing).

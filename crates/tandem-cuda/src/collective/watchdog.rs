@@ -143,9 +143,17 @@ mod tests {
         );
         assert_eq!(deadlines.pending(), 0);
         // A third that never finishes: healthy until its deadline, then timed out, for good.
-        deadlines.register(3, "all-reduce of gradient buckets 0-2".into(), start + 8 * second);
+        deadlines.register(
+            3,
+            "all-reduce of gradient buckets 0-2".into(),
+            start + 8 * second,
+        );
         assert_eq!(
-            deadlines.poll(start + 17 * second, None, |marker| Ok(done.contains(marker))),
+            deadlines.poll(
+                start + 17 * second,
+                None,
+                |marker| Ok(done.contains(marker))
+            ),
             &Verdict::Healthy
         );
         let timed_out = Verdict::TimedOut {
@@ -153,12 +161,20 @@ mod tests {
             waited: 10 * second,
         };
         assert_eq!(
-            deadlines.poll(start + 18 * second, None, |marker| Ok(done.contains(marker))),
+            deadlines.poll(
+                start + 18 * second,
+                None,
+                |marker| Ok(done.contains(marker))
+            ),
             &timed_out
         );
         done.insert(3);
         assert_eq!(
-            deadlines.poll(start + 19 * second, None, |marker| Ok(done.contains(marker))),
+            deadlines.poll(
+                start + 19 * second,
+                None,
+                |marker| Ok(done.contains(marker))
+            ),
             &timed_out,
             "the verdict sticks even if the work finishes after the abort"
         );
@@ -179,6 +195,9 @@ mod tests {
             deadlines.poll(start, None, |_| Err("CUDA_ERROR_LAUNCH_FAILED".into())),
             &Verdict::Failed("broadcast of the parameters: CUDA_ERROR_LAUNCH_FAILED".into())
         );
-        assert_eq!(deadlines.verdict(), &Verdict::Failed("broadcast of the parameters: CUDA_ERROR_LAUNCH_FAILED".into()));
+        assert_eq!(
+            deadlines.verdict(),
+            &Verdict::Failed("broadcast of the parameters: CUDA_ERROR_LAUNCH_FAILED".into())
+        );
     }
 }

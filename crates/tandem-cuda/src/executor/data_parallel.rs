@@ -102,14 +102,21 @@ impl CudaExecutor {
         self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
-        let data_parallel = self.data_parallel.as_mut().ok_or(GpuError::NoCommunicator)?;
+        let data_parallel = self
+            .data_parallel
+            .as_mut()
+            .ok_or(GpuError::NoCommunicator)?;
         let rest = data_parallel.cursor.rest();
         let count = data_parallel.cursor.buckets().len();
         self.all_reduce_buckets(rest)?;
-        let data_parallel = self.data_parallel.as_ref().ok_or(GpuError::NoCommunicator)?;
-        data_parallel
-            .group
-            .hand_back(&self.stream, format!("all-reduce of the gradients ({count} buckets)"))?;
+        let data_parallel = self
+            .data_parallel
+            .as_ref()
+            .ok_or(GpuError::NoCommunicator)?;
+        data_parallel.group.hand_back(
+            &self.stream,
+            format!("all-reduce of the gradients ({count} buckets)"),
+        )?;
         Ok(())
     }
 
@@ -129,7 +136,10 @@ impl CudaExecutor {
         self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
-        let data_parallel = self.data_parallel.as_ref().ok_or(GpuError::NoCommunicator)?;
+        let data_parallel = self
+            .data_parallel
+            .as_ref()
+            .ok_or(GpuError::NoCommunicator)?;
         let group = &data_parallel.group;
         group.wait_for(&self.stream)?;
         let mut what = Vec::new();
@@ -154,7 +164,10 @@ impl CudaExecutor {
     /// Called by the backward with the end of the gradients that are final: queues the
     /// all-reduce of the buckets now complete.
     pub(super) fn all_reduce_finished(&mut self, end: usize) -> Result<(), GpuError> {
-        let data_parallel = self.data_parallel.as_mut().ok_or(GpuError::NoCommunicator)?;
+        let data_parallel = self
+            .data_parallel
+            .as_mut()
+            .ok_or(GpuError::NoCommunicator)?;
         let finished = data_parallel.cursor.finished_up_to(end);
         self.all_reduce_buckets(finished)
     }
@@ -165,7 +178,10 @@ impl CudaExecutor {
         if indices.is_empty() {
             return Ok(());
         }
-        let data_parallel = self.data_parallel.as_ref().ok_or(GpuError::NoCommunicator)?;
+        let data_parallel = self
+            .data_parallel
+            .as_ref()
+            .ok_or(GpuError::NoCommunicator)?;
         let group = &data_parallel.group;
         group.wait_for(&self.stream)?;
         let base = address(&self.grads, &self.stream);

@@ -41,11 +41,11 @@ use crate::probe::{Library, Probe};
 use crate::ptx_cache::PtxCache;
 use conv::AlgorithmCache;
 use cudnn::CudnnHandle;
+pub use data_parallel::DeviceDataParallel;
 pub use error::GpuError;
 use error::{driver, same_length};
 use launch::{per_element, Arg, Kernels};
 use memory::PlanStorages;
-pub use data_parallel::DeviceDataParallel;
 
 /// A gradient-ready hook: called with each finished range of the flat gradients and its
 /// host values.

@@ -42,7 +42,7 @@ use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSetting
 use ddp::Ddp;
 use history::{write_history, EpochRecord};
 use mirror::{localize, Mirror};
-use placement::find_placement;
+use placement::find_placement_of;
 use run_lock::{host_name, RunLock};
 use schedule::Schedule;
 use snapshot::{load_latest, Progress, Snapshot};
@@ -121,7 +121,8 @@ impl Trainer {
         backend: BackendRequest,
         stop_requested: Arc<AtomicBool>,
     ) -> anyhow::Result<Self> {
-        let placement = find_placement(&given.placement_flags)?;
+        // An explicit --backend nccl under a launcher takes the data-parallel path even alone.
+        let placement = find_placement_of(&given.placement_flags, backend == BackendRequest::Nccl)?;
         let (rank, world_size, local_world_size) = placement.as_ref().map_or((0, 1, 1), |place| {
             (place.rank, place.world_size, place.local_world_size)
         });
@@ -203,6 +204,12 @@ impl Trainer {
                 timeout,
                 ddp.buckets(),
             )?;
+            if ddp.rank() == 0 {
+                say!(
+                    "gradients: averaged by NCCL on the GPUs in {} buckets as backward finishes them",
+                    ddp.buckets().len()
+                );
+            }
         }
         let mut trainer = Trainer {
             settings,
