@@ -210,7 +210,7 @@ fn two_processes_sharing_the_gpu_on_the_ring_match_one_with_twice_the_batch() {
 
 /// A two-worker GPU job on the ring with a snapshot every step.
 fn two_worker_job(output_dir: &Path, extra: &[&str]) -> Vec<String> {
-    let train = short_run(output_dir, 512, 16, 2, "cuda");
+    let train = short_run(output_dir, 256, 16, 2, "cuda");
     let train = with_flag(train, "--backend", "ring");
     let mut train = with_flag(train, "--threads", "2");
     train.extend(extra.iter().map(|arg| arg.to_string()));
