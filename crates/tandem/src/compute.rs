@@ -6,7 +6,9 @@
 //! Each step: the batch goes to the device; the loss (and, in evaluation, the logits) comes
 //! back; in a job of several processes, the backward copies each finished gradient range to
 //! the host for the gradient-ready hook (the executor's interface hands out host values),
-//! and with one process no gradient leaves the device. The optimizer runs on the device
+//! and with one process no gradient leaves the device; with the NCCL backend
+//! ([`Compute::join_nccl`]) the gradients are averaged on the device and none crosses either.
+//! The optimizer runs on the device
 //! over the flat buffers. Parameters, running statistics and optimizer state come to the
 //! host only when asked for ([`Compute::host_model`] for checkpoints, snapshots and
 //! broadcasts, [`Compute::optimizer_state`] for snapshots), and go back after the host
