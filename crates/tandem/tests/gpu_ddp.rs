@@ -7,7 +7,8 @@
 //!   after them) ends with the same bytes as the same run without DDP;
 //! - two processes sharing the GPU with `--backend ring --sync-bn` end, after a few steps,
 //!   as close to one process with twice the batch as two single-process runs that differ only
-//!   in rounding (the same run on the GPU and on the CPU) are to each other (factor 2);
+//!   in rounding (the same run on the GPU and on the CPU) are to each other (factor 2, and
+//!   at least the CPU comparison's 1e-4);
 //! - `kill -9` of one of two GPU workers: the launcher restarts the round, the workers resume,
 //!   and the final weights are bit-identical to an uninterrupted run;
 //! - a worker stopped with SIGSTOP ends every rank within the collective timeout, and the
@@ -31,8 +32,10 @@ use tandem_cuda::device::GpuFacts;
 use tandem_cuda::{Library, Probe};
 
 const LIMIT: Duration = Duration::from_secs(100);
-/// Below this, a difference between two runs is float noise whatever the reference says.
-const NOISE_FLOOR: f64 = 1e-6;
+/// Below this, a difference between two and one processes is accepted whatever the rounding
+/// reference says: the tolerance of the same comparison on the CPU (`tests/ddp_e2e.rs`),
+/// where two processes differ from one by about 1e-6 after 4 steps of this run.
+const NOISE_FLOOR: f64 = 1e-4;
 
 /// Whether a GPU can be used here (and libnccl, with `nccl`); prints why not.
 fn gpu_available(test: &str, nccl: bool) -> bool {
@@ -203,14 +206,14 @@ fn two_processes_sharing_the_gpu_on_the_ring_match_one_with_twice_the_batch() {
         assert!(
             *error <= allowed,
             "{family}: two processes differ from one by {error:e}, more than {allowed:e} \
-             (twice the GPU-CPU rounding difference)"
+             (twice the GPU-CPU rounding difference, at least {NOISE_FLOOR:e})"
         );
     }
 }
 
-/// A two-worker GPU job on the ring with a snapshot every step.
-fn two_worker_job(output_dir: &Path, extra: &[&str]) -> Vec<String> {
-    let train = short_run(output_dir, 256, 16, 2, "cuda");
+/// A two-worker GPU job on the ring of `epochs` epochs of 8 steps, with `extra` flags.
+fn two_worker_job(output_dir: &Path, epochs: usize, extra: &[&str]) -> Vec<String> {
+    let train = short_run(output_dir, 256, 16, epochs, "cuda");
     let train = with_flag(train, "--backend", "ring");
     let mut train = with_flag(train, "--threads", "2");
     train.extend(extra.iter().map(|arg| arg.to_string()));
@@ -256,11 +259,11 @@ fn kill_9_of_one_of_two_gpu_workers_restarts_and_ends_bit_identical() {
     }
     let dir = tempfile::tempdir().unwrap();
     let straight = dir.path().join("straight");
-    let job = two_worker_job(&straight, &["--snapshot-every-steps", "1"]);
+    let job = two_worker_job(&straight, 2, &["--snapshot-every-steps", "1"]);
     expect_success(&run_bounded(&mut launch_command(2, 0, &[], &job), LIMIT));
 
     let killed = dir.path().join("killed");
-    let job = two_worker_job(&killed, &["--snapshot-every-steps", "1"]);
+    let job = two_worker_job(&killed, 2, &["--snapshot-every-steps", "1"]);
     let mut launcher = Launcher::spawn(
         launch_command(2, 2, &["--stop-grace-seconds", "5"], &job),
         dir.path(),
@@ -309,7 +312,7 @@ fn a_stopped_gpu_worker_ends_every_rank_within_the_timeout_and_is_named() {
     }
     let dir = tempfile::tempdir().unwrap();
     let output = dir.path().join("run");
-    let job = two_worker_job(&output, &["--collective-timeout", "2", "--epochs", "50"]);
+    let job = two_worker_job(&output, 50, &["--collective-timeout", "2"]);
     let mut launcher = Launcher::spawn(
         launch_command(2, 0, &["--stop-grace-seconds", "60"], &job),
         dir.path(),
