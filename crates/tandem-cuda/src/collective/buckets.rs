@@ -51,9 +51,90 @@ impl BucketCursor {
     }
 }
 
+/// One step of the work queued for finished buckets, in queue order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BucketOp {
+    /// The collectives' stream waits for an event recorded on the compute stream (after the
+    /// backward kernels that finished the buckets).
+    WaitForCompute,
+    /// In-place sum over the ranks of a range of the gradients, on the collectives' stream.
+    AllReduceSum(Range<usize>),
+    /// Division of a summed range by the world size, on the collectives' stream.
+    DivideByWorld(Range<usize>),
+    /// The compute stream waits for an event recorded on the collectives' stream, which the
+    /// watchdog gives the timeout to finish.
+    HandBack,
+}
+
+/// The work to queue for the buckets numbered `indices` of `buckets` (one wait for the
+/// compute stream, then each bucket's sum and, with several ranks, its division by the world
+/// size; one rank's sum is its own value, which a division by 1 would not change), ending
+/// with the hand-back to the compute stream when `last` (the end of the backward).
+pub fn bucket_ops(
+    buckets: &[Range<usize>],
+    indices: Range<usize>,
+    world_size: usize,
+    last: bool,
+) -> Vec<BucketOp> {
+    let mut ops = Vec::new();
+    if !indices.is_empty() {
+        ops.push(BucketOp::WaitForCompute);
+        for bucket in &buckets[indices] {
+            ops.push(BucketOp::AllReduceSum(bucket.clone()));
+            if world_size > 1 {
+                ops.push(BucketOp::DivideByWorld(bucket.clone()));
+            }
+        }
+    }
+    if last {
+        ops.push(BucketOp::HandBack);
+    }
+    ops
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_backward_queues_each_bucket_after_the_compute_stream_and_hands_back_once() {
+        let buckets = vec![0..3, 3..7, 7..10];
+        let mut cursor = BucketCursor::new(buckets.clone());
+        // Backward reports 4, then 10; the end of the backward hands back.
+        let mut queued = Vec::new();
+        for end in [4, 10] {
+            let finished = cursor.finished_up_to(end);
+            queued.extend(bucket_ops(&buckets, finished, 2, false));
+        }
+        queued.extend(bucket_ops(&buckets, cursor.rest(), 2, true));
+        use BucketOp::*;
+        assert_eq!(
+            queued,
+            vec![
+                WaitForCompute,
+                AllReduceSum(0..3),
+                DivideByWorld(0..3),
+                WaitForCompute,
+                AllReduceSum(3..7),
+                DivideByWorld(3..7),
+                AllReduceSum(7..10),
+                DivideByWorld(7..10),
+                HandBack,
+            ]
+        );
+        // One rank: no division; a backward that reported nothing sends every bucket at the end.
+        assert_eq!(
+            bucket_ops(&buckets, cursor.rest(), 1, true),
+            vec![
+                WaitForCompute,
+                AllReduceSum(0..3),
+                AllReduceSum(3..7),
+                AllReduceSum(7..10),
+                HandBack,
+            ]
+        );
+        assert_eq!(bucket_ops(&buckets, 3..3, 2, false), Vec::new());
+    }
 
     #[test]
     fn buckets_are_handed_out_once_in_order_as_backward_reports() {

@@ -11,6 +11,6 @@ pub mod buckets;
 mod group;
 pub mod watchdog;
 
-pub use buckets::BucketCursor;
+pub use buckets::{bucket_ops, BucketCursor, BucketOp};
 pub use group::{CollectiveError, NcclGroup};
 pub use watchdog::{Deadlines, Verdict};

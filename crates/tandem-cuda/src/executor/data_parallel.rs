@@ -20,7 +20,7 @@ use tandem_models::{BatchNormReducer, Model, ModelError};
 
 use super::launch::{per_element, Arg};
 use super::{address, at, device, driver, CudaExecutor, GpuError};
-use crate::collective::{BucketCursor, NcclGroup};
+use crate::collective::{bucket_ops, BucketCursor, BucketOp, NcclGroup};
 use crate::nccl::UNIQUE_ID_BYTES;
 use crate::probe::Probe;
 
@@ -107,17 +107,7 @@ impl CudaExecutor {
             .as_mut()
             .ok_or(GpuError::NoCommunicator)?;
         let rest = data_parallel.cursor.rest();
-        let count = data_parallel.cursor.buckets().len();
-        self.all_reduce_buckets(rest)?;
-        let data_parallel = self
-            .data_parallel
-            .as_ref()
-            .ok_or(GpuError::NoCommunicator)?;
-        data_parallel.group.hand_back(
-            &self.stream,
-            format!("all-reduce of the gradients ({count} buckets)"),
-        )?;
-        Ok(())
+        self.all_reduce_buckets(rest, true)
     }
 
     /// Gives every rank rank 0's parameters and running statistics (the start, a resume).
@@ -169,42 +159,50 @@ impl CudaExecutor {
             .as_mut()
             .ok_or(GpuError::NoCommunicator)?;
         let finished = data_parallel.cursor.finished_up_to(end);
-        self.all_reduce_buckets(finished)
+        self.all_reduce_buckets(finished, false)
     }
 
-    /// Queues, on the group's stream after the compute stream's work so far, the average
-    /// over the ranks of the buckets numbered `indices`.
-    fn all_reduce_buckets(&mut self, indices: Range<usize>) -> Result<(), GpuError> {
-        if indices.is_empty() {
-            return Ok(());
-        }
+    /// Queues the work of [`bucket_ops`] for the buckets numbered `indices`: on the group's
+    /// stream after the compute stream's work so far, their average over the ranks; with
+    /// `last`, the compute stream's wait for it.
+    fn all_reduce_buckets(&mut self, indices: Range<usize>, last: bool) -> Result<(), GpuError> {
         let data_parallel = self
             .data_parallel
             .as_ref()
             .ok_or(GpuError::NoCommunicator)?;
         let group = &data_parallel.group;
-        group.wait_for(&self.stream)?;
-        let base = address(&self.grads, &self.stream);
+        let buckets = data_parallel.cursor.buckets();
         let world_size = group.world_size();
-        for bucket in &data_parallel.cursor.buckets()[indices] {
-            // SAFETY: `check_buckets` made every bucket lie inside the gradient buffer (one
-            // float per parameter, on this GPU, alive as long as the executor; the compute
-            // stream waits for the group's stream before the optimizer reads it).
-            unsafe { group.all_reduce_sum(base, bucket.clone())? };
-            // The sum of one rank is its own value: dividing by 1 would change nothing.
-            if world_size > 1 {
-                let n = bucket.len();
-                let args = [
-                    Arg::Ptr(at(base, bucket.start)),
-                    Arg::I64(n as i64),
-                    Arg::F32(world_size as f32),
-                ];
-                // SAFETY: divide_in_place(float*, long long, float) over the bucket's `n`
-                // floats, queued on the group's stream after its all-reduce.
-                unsafe {
-                    self.kernels
-                        .launch(group.stream(), "divide_in_place", per_element(n), &args)?
-                };
+        let base = address(&self.grads, &self.stream);
+        for op in bucket_ops(buckets, indices, world_size, last) {
+            match op {
+                BucketOp::WaitForCompute => group.wait_for(&self.stream)?,
+                // SAFETY: `check_buckets` made every bucket lie inside the gradient buffer (one
+                // float per parameter, on this GPU, alive as long as the executor; the compute
+                // stream waits for the group's stream before the optimizer reads it).
+                BucketOp::AllReduceSum(bucket) => unsafe { group.all_reduce_sum(base, bucket)? },
+                BucketOp::DivideByWorld(bucket) => {
+                    let n = bucket.len();
+                    let args = [
+                        Arg::Ptr(at(base, bucket.start)),
+                        Arg::I64(n as i64),
+                        Arg::F32(world_size as f32),
+                    ];
+                    // SAFETY: divide_in_place(float*, long long, float) over the bucket's
+                    // `n` floats, queued on the group's stream after its all-reduce.
+                    unsafe {
+                        self.kernels.launch(
+                            group.stream(),
+                            "divide_in_place",
+                            per_element(n),
+                            &args,
+                        )?
+                    };
+                }
+                BucketOp::HandBack => group.hand_back(
+                    &self.stream,
+                    format!("all-reduce of the gradients ({} buckets)", buckets.len()),
+                )?,
             }
         }
         Ok(())
