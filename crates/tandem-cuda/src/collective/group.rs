@@ -93,38 +93,95 @@ impl From<&Verdict> for Option<CollectiveError> {
 }
 
 /// The communicator, shared by the group and its watchdog thread.
+///
+/// The owner's NCCL calls and the watchdog's abort exclude each other through `state`: a
+/// call starts only on a communicator not aborted, and the watchdog aborts only between
+/// calls, or during a call that has been blocked inside NCCL for [`BLOCKED_GRACE`] (NCCL's
+/// documented way out of a call stuck on a dead peer, e.g. connecting at the first
+/// collective), so the handle is never used after NCCL freed it.
 struct Communicator {
     raw: ncclComm_t,
-    /// Set once `ncclCommAbort` ran (by the watchdog or on drop); nothing uses `raw` after.
-    aborted: AtomicBool,
+    state: Mutex<CallState>,
 }
 
-// SAFETY: `ncclComm_t` is a pointer to NCCL's communicator. NCCL allows
-// `ncclCommGetAsyncError` and `ncclCommAbort` from another thread while the owning thread
-// enqueues collectives (PyTorch's watchdog does exactly that); every other call is made by the
-// group's owner alone, through `&self` methods that one thread uses at a time.
+/// Whether the communicator was aborted, and the owner's NCCL call in progress.
+#[derive(Default)]
+struct CallState {
+    aborted: bool,
+    in_call: Option<(&'static str, Instant)>,
+}
+
+/// How long a call must have been inside NCCL before the watchdog aborts under it.
+const BLOCKED_GRACE: Duration = Duration::from_millis(200);
+
+// SAFETY: `ncclComm_t` is a pointer to NCCL's communicator. The owner's calls and the
+// watchdog's `ncclCommAbort` are serialized by `state` except for a call blocked inside NCCL,
+// which NCCL allows to be aborted from another thread; `ncclCommGetAsyncError` runs on the
+// watchdog thread, which alone aborts, and NCCL allows it concurrently with the owner's calls
+// (PyTorch's watchdog does the same).
 unsafe impl Send for Communicator {}
 // SAFETY: as above.
 unsafe impl Sync for Communicator {}
 
 impl Communicator {
-    /// Aborts the communicator once; later calls do nothing.
-    fn abort(&self) {
-        if !self.aborted.swap(true, Ordering::SeqCst) {
-            // SAFETY: `raw` came from a successful `ncclCommInitRank` and, guarded by
-            // `aborted`, is aborted exactly once and never used afterwards.
-            let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
-        }
+    fn state(&self) -> std::sync::MutexGuard<'_, CallState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The communicator's asynchronous error, if it has one.
+    /// Runs the owner's NCCL call `name` on the communicator, unless it was aborted.
+    fn call<T>(
+        &self,
+        name: &'static str,
+        call: impl FnOnce(ncclComm_t) -> Result<T, CollectiveError>,
+    ) -> Result<T, CollectiveError> {
+        {
+            let mut state = self.state();
+            if state.aborted {
+                return Err(CollectiveError::Failed(format!(
+                    "{name} after the communicator was aborted"
+                )));
+            }
+            state.in_call = Some((name, Instant::now()));
+        }
+        let result = call(self.raw);
+        self.state().in_call = None;
+        result
+    }
+
+    /// The owner's call that has been inside NCCL for longer than `timeout` at `now`.
+    fn blocked_call(&self, now: Instant, timeout: Duration) -> Option<(&'static str, Duration)> {
+        let (name, since) = self.state().in_call?;
+        let waited = now.saturating_duration_since(since);
+        (waited >= timeout).then_some((name, waited))
+    }
+
+    /// Aborts the communicator unless a call has just entered NCCL (then the next look
+    /// will); returns whether it is aborted.
+    fn abort_when_safe(&self, now: Instant) -> bool {
+        let mut state = self.state();
+        if state.aborted {
+            return true;
+        }
+        if let Some((_, since)) = state.in_call {
+            if now.saturating_duration_since(since) < BLOCKED_GRACE {
+                return false;
+            }
+        }
+        // SAFETY: `raw` came from a successful `ncclCommInitRank`; `aborted` (under the
+        // lock) makes this the only abort, and no call starts on it afterwards.
+        let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
+        state.aborted = true;
+        true
+    }
+
+    /// The communicator's asynchronous error, if it has one (called by the watchdog only).
     fn async_error(&self) -> Option<String> {
-        if self.aborted.load(Ordering::SeqCst) {
+        if self.state().aborted {
             return None;
         }
         let mut status = ncclResult_t::ncclSuccess;
-        // SAFETY: `raw` is a live communicator (not aborted, checked above; only the watchdog
-        // aborts while the group lives, and it is the caller), `status` a valid out-pointer.
+        // SAFETY: `raw` is a live communicator: only this (the watchdog's) thread aborts it
+        // while the group lives, and it was not aborted; `status` is a valid out-pointer.
         let call = unsafe { cudarc::nccl::sys::ncclCommGetAsyncError(self.raw, &mut status) };
         match (call, status) {
             (ncclResult_t::ncclSuccess, ncclResult_t::ncclSuccess) => None,
@@ -140,8 +197,14 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        // Abort rather than destroy: destroy waits for the peers, which may be gone.
-        self.abort();
+        // Abort rather than destroy: destroy waits for the peers, which may be gone. Nothing
+        // else holds the communicator any more (the watchdog has stopped).
+        let mut state = self.state();
+        if !state.aborted {
+            // SAFETY: as in `abort_when_safe`; the last holder is letting it go.
+            let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
+            state.aborted = true;
+        }
     }
 }
 
@@ -228,7 +291,7 @@ impl NcclGroup {
         };
         let communicator = Arc::new(Communicator {
             raw,
-            aborted: AtomicBool::new(false),
+            state: Mutex::new(CallState::default()),
         });
         let watch = Arc::new(Watch {
             deadlines: Mutex::new(Deadlines::new(timeout)),
@@ -238,6 +301,7 @@ impl NcclGroup {
             Arc::clone(context),
             Arc::clone(&communicator),
             Arc::clone(&watch),
+            timeout,
         )?;
         Ok(NcclGroup {
             rank,
@@ -318,20 +382,24 @@ impl NcclGroup {
             return Ok(());
         }
         let pointer = float_at(base, range.start);
-        // SAFETY: the caller's contract: `range` lies inside the buffer at `base`; in place
-        // (send = receive) is allowed by NCCL; the stream is the group's, on the group's GPU.
-        unsafe {
-            cudarc::nccl::result::all_reduce(
-                pointer as *const std::ffi::c_void,
-                pointer as *mut std::ffi::c_void,
-                range.len(),
-                ncclDataType_t::ncclFloat32,
-                ncclRedOp_t::ncclSum,
-                self.communicator.raw,
-                self.stream.cu_stream() as _,
-            )
-        }
-        .map_err(nccl("ncclAllReduce"))?;
+        let stream = self.stream.cu_stream();
+        self.communicator.call("ncclAllReduce", |comm| {
+            // SAFETY: the caller's contract: `range` lies inside the buffer at `base`; in
+            // place (send = receive) is allowed by NCCL; the stream is the group's, on the
+            // group's GPU; `comm` is live (not aborted, checked by `call`).
+            unsafe {
+                cudarc::nccl::result::all_reduce(
+                    pointer as *const std::ffi::c_void,
+                    pointer as *mut std::ffi::c_void,
+                    range.len(),
+                    ncclDataType_t::ncclFloat32,
+                    ncclRedOp_t::ncclSum,
+                    comm,
+                    stream as _,
+                )
+            }
+            .map_err(nccl("ncclAllReduce"))
+        })?;
         Ok(())
     }
 
@@ -349,19 +417,23 @@ impl NcclGroup {
         if len == 0 {
             return Ok(());
         }
-        // SAFETY: the caller's contract; in place broadcast (send = receive) is allowed.
-        unsafe {
-            cudarc::nccl::result::broadcast(
-                base as *const std::ffi::c_void,
-                base as *mut std::ffi::c_void,
-                len,
-                ncclDataType_t::ncclFloat32,
-                0,
-                self.communicator.raw,
-                self.stream.cu_stream() as _,
-            )
-        }
-        .map_err(nccl("ncclBroadcast"))?;
+        let stream = self.stream.cu_stream();
+        self.communicator.call("ncclBroadcast", |comm| {
+            // SAFETY: the caller's contract; in place broadcast (send = receive) is allowed;
+            // `comm` is live (not aborted, checked by `call`).
+            unsafe {
+                cudarc::nccl::result::broadcast(
+                    base as *const std::ffi::c_void,
+                    base as *mut std::ffi::c_void,
+                    len,
+                    ncclDataType_t::ncclFloat32,
+                    0,
+                    comm,
+                    stream as _,
+                )
+            }
+            .map_err(nccl("ncclBroadcast"))
+        })?;
         Ok(())
     }
 }
@@ -384,33 +456,40 @@ struct RawComm(ncclComm_t);
 unsafe impl Send for RawComm {}
 
 /// Starts the watchdog: every [`WATCH_INTERVAL`] it asks the communicator for an asynchronous
-/// error and queries the oldest pending events; on a timeout or failure it aborts the
-/// communicator (so NCCL's kernels return and the streams waiting on them go on).
+/// error, looks for an owner's call blocked inside NCCL past `timeout`, and queries the oldest
+/// pending events; on a timeout or failure it aborts the communicator (so NCCL's kernels and
+/// calls return and the streams waiting on them go on).
 fn spawn_watchdog(
     context: Arc<CudaContext>,
     communicator: Arc<Communicator>,
     watch: Arc<Watch>,
+    timeout: Duration,
 ) -> Result<JoinHandle<()>, CollectiveError> {
     std::thread::Builder::new()
         .name("nccl-watchdog".into())
         .spawn(move || {
             let _ = context.bind_to_thread();
             while !watch.stop.load(Ordering::SeqCst) {
+                let now = Instant::now();
                 let async_error = communicator.async_error();
+                let blocked = communicator.blocked_call(now, timeout);
                 let mut deadlines = watch
                     .deadlines
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner);
-                let verdict = deadlines.poll(Instant::now(), async_error, |event| {
+                if let Some((call, waited)) = blocked {
+                    deadlines.time_out(format!("{call} (blocked inside NCCL)"), waited);
+                }
+                let verdict = deadlines.poll(now, async_error, |event| {
                     event
                         .try_is_complete()
                         .map_err(|status| format!("cuEventQuery: {status:?}"))
                 });
-                if *verdict != Verdict::Healthy {
-                    communicator.abort();
+                let failed = *verdict != Verdict::Healthy;
+                drop(deadlines);
+                if failed && communicator.abort_when_safe(Instant::now()) {
                     return;
                 }
-                drop(deadlines);
                 std::thread::sleep(WATCH_INTERVAL);
             }
         })

@@ -74,6 +74,14 @@ impl<T> Deadlines<T> {
         &self.verdict
     }
 
+    /// Records a time-out found outside the pending list (a call blocked inside NCCL), unless
+    /// an earlier verdict stands.
+    pub fn time_out(&mut self, what: String, waited: Duration) {
+        if self.verdict == Verdict::Healthy {
+            self.verdict = Verdict::TimedOut { what, waited };
+        }
+    }
+
     /// Looks at the pending collectives at `now`: `async_error` is the communicator's own
     /// error, if it reported one; `finished` says whether a marker's work is done (or why it
     /// cannot say). Finished ones are dropped, oldest first; the first failure sticks.
@@ -195,9 +203,30 @@ mod tests {
             deadlines.poll(start, None, |_| Err("CUDA_ERROR_LAUNCH_FAILED".into())),
             &Verdict::Failed("broadcast of the parameters: CUDA_ERROR_LAUNCH_FAILED".into())
         );
+        let failed =
+            Verdict::Failed("broadcast of the parameters: CUDA_ERROR_LAUNCH_FAILED".into());
+        assert_eq!(deadlines.verdict(), &failed);
+        // A later time-out does not replace the first verdict.
+        deadlines.time_out(
+            "ncclAllReduce (blocked inside NCCL)".into(),
+            Duration::from_secs(11),
+        );
+        assert_eq!(deadlines.verdict(), &failed);
+    }
+
+    #[test]
+    fn a_blocked_call_times_out_a_healthy_group() {
+        let mut deadlines: Deadlines<()> = Deadlines::new(Duration::from_secs(10));
+        deadlines.time_out(
+            "ncclBroadcast (blocked inside NCCL)".into(),
+            Duration::from_secs(10),
+        );
         assert_eq!(
-            deadlines.verdict(),
-            &Verdict::Failed("broadcast of the parameters: CUDA_ERROR_LAUNCH_FAILED".into())
+            deadlines.poll(Instant::now(), None, |_| Ok(true)),
+            &Verdict::TimedOut {
+                what: "ncclBroadcast (blocked inside NCCL)".into(),
+                waited: Duration::from_secs(10),
+            }
         );
     }
 }
