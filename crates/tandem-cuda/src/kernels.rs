@@ -29,6 +29,7 @@ kernel_files!(
     "optimizers",
     "augment",
     "bias",
+    "collective",
 );
 
 /// The kernel file called `name`.

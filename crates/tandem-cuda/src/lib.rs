@@ -5,10 +5,12 @@
 //! - [`device`]: the rules of `--device auto|cpu|cuda|cuda:N` and of the GPU a local rank takes;
 //! - [`kernels`] and [`compile`]: the CUDA C kernel files and their compilation to PTX with
 //!   NVRTC, cached on disk by [`ptx_cache`];
+//! - [`collective`]: NCCL between GPU ranks ([`NcclGroup`]), bounded by a watchdog;
 //! - [`executor`]: the GPU executor ([`CudaExecutor`]) over cuDNN, cuBLAS and our kernels,
 //!   which implements `tandem_models::Executor`; **it has not yet run on a GPU**.
 
 pub mod arch;
+pub mod collective;
 pub mod compile;
 pub mod device;
 pub mod executor;
@@ -18,6 +20,7 @@ pub mod probe;
 pub mod ptx_cache;
 
 pub use arch::GpuArch;
+pub use collective::{CollectiveError, NcclGroup};
 pub use compile::{CompileError, CompiledKernel, Compiler};
 pub use device::{Device, DeviceError, DeviceRequest, GpuFacts};
 pub use executor::{CudaExecutor, GpuError, GpuSettings, Precision};

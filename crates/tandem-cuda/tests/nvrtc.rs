@@ -125,3 +125,25 @@ fn compiled_ptx_is_stored_in_the_cache_and_read_back() {
     assert!(error.is_none() && second.from_cache);
     assert_eq!(second.ptx, first.ptx);
 }
+
+/// The data-parallel average's last step divides exactly (IEEE round-to-nearest, as the
+/// host ring's `sum / world`), not with an approximate or multiply-by-reciprocal division.
+#[test]
+fn the_gradient_average_divides_exactly() {
+    let Some(probe) = common::probe_with_nvrtc("the_gradient_average_divides_exactly") else {
+        return;
+    };
+    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
+    let kernel = tandem_cuda::kernels::kernel("collective").expect("collective.cu");
+    let (compiled, _) = compiler
+        .compile(kernel)
+        .unwrap_or_else(|error| panic!("{error}"));
+    assert!(compiled.ptx.contains("div.rn.f32"), "{}", compiled.ptx);
+    for inexact in ["div.approx", "div.full", "rcp."] {
+        assert!(
+            !compiled.ptx.contains(inexact),
+            "{inexact} in {}",
+            compiled.ptx
+        );
+    }
+}

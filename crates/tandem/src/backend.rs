@@ -8,9 +8,10 @@
 //! - `auto`: `nccl` when every rank has its own GPU and every rank found libnccl, else `ring`.
 //!
 //! Every rank publishes where it computes ([`RankDevice`]) through the job's store and decides
-//! with [`decide`] on the same table, so every rank reaches the same choice. There is no GPU
-//! executor yet, so ranks are on the CPU and the backend is `ring`; a choice of `nccl` ends in
-//! an error that says so instead of pretending.
+//! with [`decide`] on the same table, so every rank reaches the same choice. With `nccl` the
+//! trainer joins an NCCL communicator on each rank's GPU (`tandem_cuda::NcclGroup`) and
+//! averages the gradients there; **that path has not run on a GPU** (see the tandem-cuda
+//! README).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -278,26 +279,25 @@ fn list_ranks(ranks: &[usize]) -> String {
 /// Chooses the backend of this job and prints `backend: ...`: with `ddp` (a job of several
 /// processes) from every rank's record gathered through the store; without it only an
 /// explicit `--backend nccl` is checked (against this process's device), as a job of one
-/// process has no gradients to exchange. The only backend that runs today is `ring` (on GPUs,
-/// through the host): a choice of `nccl` is an error, as its process group is not built yet.
+/// process has no gradients to exchange (the answer is then `None`: nothing to carry).
 pub fn choose(
     request: BackendRequest,
     device: &Device,
     ddp: Option<&Ddp>,
     announce: Announce,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Option<Backend>> {
     let local = RankDevice::local(device);
     let ranks = match ddp {
         Some(ddp) => gather(ddp, &local)?,
         None if request == BackendRequest::Nccl => vec![local],
-        None => return Ok(()),
+        None => return Ok(None),
     };
     let choice = decide(request, &ranks)?;
     match announce {
         Announce::Stdout => say!("backend: {choice}"),
         Announce::Stderr => eprintln!("backend: {choice}"),
     }
-    check_runnable(&choice, request)
+    Ok(ddp.map(|_| choice.backend))
 }
 
 /// Every rank's record, in rank order.
@@ -315,17 +315,6 @@ fn gather(ddp: &Ddp, local: &RankDevice) -> anyhow::Result<Vec<RankDevice>> {
             })
         })
         .collect()
-}
-
-/// An error for a backend this build cannot run.
-fn check_runnable(choice: &BackendChoice, request: BackendRequest) -> anyhow::Result<()> {
-    match choice.backend {
-        Backend::Ring => Ok(()),
-        Backend::Nccl => bail!(
-            "--backend {request}: the NCCL process group is not built yet; use --backend ring, \
-             which carries the GPUs' gradients through the host"
-        ),
-    }
 }
 
 #[cfg(test)]
@@ -469,25 +458,28 @@ mod tests {
     }
 
     #[test]
-    fn nccl_where_possible_does_not_pretend_to_run() {
+    fn nccl_is_chosen_where_every_rank_has_its_own_gpu_and_libnccl() {
         let ranks = [gpu("a", 0, "0"), gpu("a", 1, "1")];
         for request in [BackendRequest::Auto, BackendRequest::Nccl] {
-            let choice = decide(request, &ranks).unwrap();
-            assert_eq!(choice.backend, Backend::Nccl);
-            assert_eq!(
-                check_runnable(&choice, request).unwrap_err().to_string(),
-                format!(
-                    "--backend {request}: the NCCL process group is not built yet; use \
-                     --backend ring, which carries the GPUs' gradients through the host"
-                )
-            );
+            assert_eq!(decide(request, &ranks).unwrap().backend, Backend::Nccl);
         }
         assert_eq!(
             line(BackendRequest::Nccl, &ranks),
             "backend: nccl (requested)"
         );
-        let ring = decide(BackendRequest::Ring, &ranks).unwrap();
-        assert!(check_runnable(&ring, BackendRequest::Ring).is_ok());
+        // One GPU rank alone (world size 1 under launch): NCCL runs on it.
+        assert_eq!(
+            line(BackendRequest::Nccl, &ranks[..1]),
+            "backend: nccl (requested)"
+        );
+        assert_eq!(
+            line(BackendRequest::Auto, &ranks[..1]),
+            "backend: nccl (auto: each of the 1 rank(s) has its own GPU and found libnccl)"
+        );
+        assert_eq!(
+            decide(BackendRequest::Ring, &ranks).unwrap().backend,
+            Backend::Ring
+        );
     }
 
     #[test]

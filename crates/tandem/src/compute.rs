@@ -6,7 +6,9 @@
 //! Each step: the batch goes to the device; the loss (and, in evaluation, the logits) comes
 //! back; in a job of several processes, the backward copies each finished gradient range to
 //! the host for the gradient-ready hook (the executor's interface hands out host values),
-//! and with one process no gradient leaves the device. The optimizer runs on the device
+//! and with one process no gradient leaves the device; with the NCCL backend
+//! ([`Compute::join_nccl`]) the gradients are averaged on the device and none crosses either.
+//! The optimizer runs on the device
 //! over the flat buffers. Parameters, running statistics and optimizer state come to the
 //! host only when asked for ([`Compute::host_model`] for checkpoints, snapshots and
 //! broadcasts, [`Compute::optimizer_state`] for snapshots), and go back after the host
@@ -319,6 +321,92 @@ impl Compute {
                 Ok(())
             }
         }
+    }
+
+    /// Joins the NCCL communicator of a job whose backend is `nccl` (a GPU each rank): the
+    /// gradients are then averaged on the device in `buckets` by
+    /// [`Compute::backward_all_reduced`] and [`Compute::finish_all_reduce`], and the
+    /// broadcasts run on the device. An error on the CPU.
+    pub fn join_nccl(
+        &mut self,
+        unique_id: &[u8; tandem_cuda::nccl::UNIQUE_ID_BYTES],
+        rank: usize,
+        world_size: usize,
+        timeout: std::time::Duration,
+        buckets: Vec<std::ops::Range<usize>>,
+    ) -> anyhow::Result<()> {
+        let Engine::Cuda(gpu) = &mut self.engine else {
+            anyhow::bail!("NCCL needs the model on a GPU; this rank computes on the CPU");
+        };
+        gpu.exec
+            .join_nccl(
+                Probe::process(),
+                unique_id,
+                rank,
+                world_size,
+                timeout,
+                buckets,
+            )
+            .with_context(|| {
+                format!("rank {rank} cannot join the NCCL communicator of {world_size} rank(s)")
+            })
+    }
+
+    /// Whether the gradients and broadcasts go through NCCL on the device.
+    pub fn uses_nccl(&self) -> bool {
+        matches!(&self.engine, Engine::Cuda(gpu) if gpu.exec.has_nccl())
+    }
+
+    /// The NCCL collective that timed out or failed, if one did (the communicator is then
+    /// aborted).
+    pub fn nccl_failure(&self) -> Option<String> {
+        match &self.engine {
+            Engine::Cuda(gpu) => gpu.exec.nccl_health().err().map(|error| error.to_string()),
+            Engine::Cpu { .. } => None,
+        }
+    }
+
+    /// Backward of the last [`Compute::forward_train`] with each gradient bucket averaged
+    /// over the ranks through NCCL as soon as it is final (nothing crosses to the host); call
+    /// [`Compute::finish_all_reduce`] after it.
+    pub fn backward_all_reduced(
+        &mut self,
+        loss_scale: f32,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+    ) -> anyhow::Result<()> {
+        let Engine::Cuda(gpu) = &mut self.engine else {
+            anyhow::bail!("NCCL needs the model on a GPU");
+        };
+        let plan = gpu
+            .train_plan
+            .as_ref()
+            .ok_or(tandem_models::ModelError::NoForward)?;
+        gpu.exec
+            .backward_all_reduced(&self.model, plan, loss_scale, bn_sync)?;
+        Ok(())
+    }
+
+    /// Averages the gradient buckets the backward did not hand to NCCL (all of them after a
+    /// plain [`Compute::backward`]) and orders the optimizer after the average.
+    pub fn finish_all_reduce(&mut self) -> anyhow::Result<()> {
+        let Engine::Cuda(gpu) = &mut self.engine else {
+            anyhow::bail!("NCCL needs the model on a GPU");
+        };
+        Ok(gpu.exec.finish_all_reduce()?)
+    }
+
+    /// Gives every rank rank 0's running statistics, and with `params` its parameters,
+    /// through NCCL on the device.
+    pub fn broadcast_on_device(&mut self, params: bool) -> anyhow::Result<()> {
+        let Engine::Cuda(gpu) = &mut self.engine else {
+            anyhow::bail!("NCCL needs the model on a GPU");
+        };
+        match params {
+            true => gpu.exec.broadcast_params_and_buffers()?,
+            false => gpu.exec.broadcast_buffers()?,
+        }
+        gpu.host_behind = true;
+        Ok(())
     }
 
     /// One optimizer step at learning rate `lr` (and `momentum`, for schedules that cycle it).

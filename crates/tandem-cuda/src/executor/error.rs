@@ -87,6 +87,12 @@ pub enum GpuError {
     /// SyncBatchNorm's reducer failed.
     #[error("SyncBatchNorm all-reduce failed: {0}")]
     BatchNormSync(String),
+    /// An NCCL collective between the GPU ranks failed or timed out.
+    #[error(transparent)]
+    Collective(#[from] crate::collective::CollectiveError),
+    /// A data-parallel method was called before [`super::CudaExecutor::join_nccl`].
+    #[error("the GPU executor has not joined an NCCL communicator")]
+    NoCommunicator,
 }
 
 /// Maps a driver error to [`GpuError::Driver`] naming `call`.

@@ -40,6 +40,7 @@ const FUNCTIONS: &[(&str, &[&str])] = &[
     ),
     ("optimizers", &["sgd_step", "adam_step"]),
     ("bias", &["bias_add", "add_channel_sums"]),
+    ("collective", &["divide_in_place"]),
 ];
 
 /// One kernel argument, by value (device pointers as their addresses; a null pointer is 0).

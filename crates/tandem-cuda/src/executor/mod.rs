@@ -17,6 +17,7 @@
 
 pub mod conv;
 pub mod cudnn;
+mod data_parallel;
 pub mod error;
 pub mod launch;
 pub mod linear;
@@ -40,6 +41,7 @@ use crate::probe::{Library, Probe};
 use crate::ptx_cache::PtxCache;
 use conv::AlgorithmCache;
 use cudnn::CudnnHandle;
+pub use data_parallel::DeviceDataParallel;
 pub use error::GpuError;
 use error::{driver, same_length};
 use launch::{per_element, Arg, Kernels};
@@ -108,6 +110,10 @@ pub struct CudaExecutor {
     label_smoothing: f32,
     /// The first error of a method that cannot return one.
     error: RefCell<Option<GpuError>>,
+    /// The NCCL group and gradient buckets, once joined (a job of several GPU ranks).
+    data_parallel: Option<DeviceDataParallel>,
+    /// Whether this backward all-reduces its finished buckets through `data_parallel`.
+    all_reducing: bool,
     stream: Arc<CudaStream>,
     context: Arc<CudaContext>,
 }
@@ -182,6 +188,8 @@ impl CudaExecutor {
             gradients_to_host: false,
             label_smoothing: 0.0,
             error: RefCell::new(None),
+            data_parallel: None,
+            all_reducing: false,
             stream,
             context,
         })
@@ -277,6 +285,20 @@ impl CudaExecutor {
             .map_err(device)?;
         self.grads_on_host = 0;
         self.gradients_to_host = grad_ready.is_some();
+        self.all_reducing = false;
+        self.backward_reporting(model, plan, loss_scale, bn_sync, grad_ready)
+    }
+
+    /// The model's backward walk, reporting each finished range to `grad_ready` or, when
+    /// `all_reducing` is set, to the NCCL buckets.
+    fn backward_reporting(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        loss_scale: f32,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+        grad_ready: Option<GradientHook<'_>>,
+    ) -> Result<(), ModelError> {
         let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
         let mut ready = GradientsReady::new(grad_ready.unwrap_or(&mut ignore));
         model.backward_on(self, plan, loss_scale, bn_sync, &mut ready)?;

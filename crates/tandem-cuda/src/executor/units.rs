@@ -209,12 +209,16 @@ impl CudaExecutor {
     }
 
     /// Copies the device gradients up to `end` to the host mirror and reports them, when
-    /// this backward has a hook to report to.
+    /// this backward has a hook to report to; in a backward that all-reduces through NCCL,
+    /// queues the buckets that are now complete instead (nothing crosses to the host).
     pub(super) fn report(
         &mut self,
         end: usize,
         ready: &mut GradientsReady,
     ) -> Result<(), GpuError> {
+        if self.all_reducing {
+            return self.all_reduce_finished(end);
+        }
         if !self.gradients_to_host {
             return Ok(());
         }

@@ -134,6 +134,12 @@ impl Ddp {
         let params = self.comm.broadcast_f32(model.params().to_vec(), 0).wait()?;
         model.params_mut().copy_from_slice(&params);
         self.broadcast_buffers(model)?;
+        self.agree_on_batches_tracked(model)
+    }
+
+    /// Gives every rank the largest `num_batches_tracked` of the ranks (the part of
+    /// [`Ddp::broadcast_model`] that stays on the host when NCCL broadcasts the buffers).
+    pub fn agree_on_batches_tracked(&mut self, model: &mut Model) -> anyhow::Result<()> {
         let count = self
             .comm
             .all_reduce_i64(vec![model.num_batches_tracked() as i64], ReduceOp::Max)
@@ -153,6 +159,48 @@ impl Ddp {
             .wait()?;
         model.buffers_mut().copy_from_slice(&buffers);
         Ok(())
+    }
+
+    /// The gradient buckets, in the order backward finishes them (for the NCCL group, which
+    /// all-reduces the same ranges on the device).
+    pub fn buckets(&self) -> Vec<Range<usize>> {
+        self.buckets.clone()
+    }
+
+    /// Rank 0's NCCL unique id, made by rank 0 (only after the probe found libnccl) and
+    /// carried to the others through the job's store under this round's prefix, waiting at
+    /// most `timeout` for it.
+    pub fn nccl_unique_id(
+        &self,
+        timeout: Duration,
+    ) -> anyhow::Result<[u8; tandem_cuda::nccl::UNIQUE_ID_BYTES]> {
+        let rank = self.rank();
+        let made = match rank {
+            0 => Some(
+                tandem_cuda::nccl::create_unique_id(tandem_cuda::Probe::process())
+                    .context("rank 0 cannot make the NCCL unique id")?,
+            ),
+            _ => None,
+        };
+        let id = self.comm.run(move |group| match made {
+            Some(id) => {
+                tandem_dist::publish_nccl_unique_id(group.store(), group.prefix(), &id)?;
+                Ok(id)
+            }
+            None => tandem_dist::receive_nccl_unique_id(group.store(), group.prefix(), timeout),
+        })?;
+        Ok(id)
+    }
+
+    /// After an NCCL collective timed out: which peer stopped answering, as the ring's own
+    /// failure report names it (a barrier that the stalled rank does not join times out
+    /// within the collective timeout, and the ranks waiting on it blame it through the
+    /// store). `None` when the barrier passes or names no one.
+    pub fn name_stalled_peer(&self) -> Option<String> {
+        match self.comm.run(|group| group.barrier()) {
+            Ok(()) => None,
+            Err(error) => Some(error.to_string()),
+        }
     }
 
     /// Gives every rank rank 0's bytes (a snapshot on resume).

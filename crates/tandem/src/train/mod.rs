@@ -31,7 +31,7 @@ use tandem_data::{
 use tandem_engine::{AdamConfig, SgdConfig};
 use tandem_models::{BatchNormReducer, LossOptions, Model};
 
-use crate::backend::BackendRequest;
+use crate::backend::{Backend, BackendRequest};
 use crate::checkpoint_info::CheckpointInfo;
 use crate::compute::{Compute, OptimizerConfig};
 use crate::data_source::{load_split, normalization, Split};
@@ -42,7 +42,7 @@ use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSetting
 use ddp::Ddp;
 use history::{write_history, EpochRecord};
 use mirror::{localize, Mirror};
-use placement::find_placement;
+use placement::find_placement_of;
 use run_lock::{host_name, RunLock};
 use schedule::Schedule;
 use snapshot::{load_latest, Progress, Snapshot};
@@ -121,7 +121,8 @@ impl Trainer {
         backend: BackendRequest,
         stop_requested: Arc<AtomicBool>,
     ) -> anyhow::Result<Self> {
-        let placement = find_placement(&given.placement_flags)?;
+        // An explicit --backend nccl under a launcher takes the data-parallel path even alone.
+        let placement = find_placement_of(&given.placement_flags, backend == BackendRequest::Nccl)?;
         let (rank, world_size, local_world_size) = placement.as_ref().map_or((0, 1, 1), |place| {
             (place.rank, place.world_size, place.local_world_size)
         });
@@ -186,12 +187,30 @@ impl Trainer {
             }
             None => None,
         };
-        crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
-        // A job of several processes on GPUs exchanges gradients through the host: the
-        // gradient-ready hook hands out host copies, the average goes back to the device, and
-        // the broadcasts copy the flat buffers both ways. Slow, but the same code as on the
-        // CPU, and correct; NCCL between GPUs is the next issue.
-        let compute = Compute::new(model, device, precision)?.with_optimizer(optimizer);
+        let backend = crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
+        // On the ring, a job of several processes on GPUs exchanges gradients through the
+        // host: the gradient-ready hook hands out host copies, the average goes back to the
+        // device, and the broadcasts copy the flat buffers both ways (the CPU's code). With
+        // NCCL the gradients, parameters and running statistics stay on the device; the
+        // snapshot on resume, the batch count, SyncBatchNorm and the metrics stay on the ring.
+        let mut compute = Compute::new(model, device, precision)?.with_optimizer(optimizer);
+        if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
+            let timeout = Duration::from_secs_f64(settings.collective_timeout);
+            let unique_id = ddp.nccl_unique_id(timeout)?;
+            compute.join_nccl(
+                &unique_id,
+                ddp.rank(),
+                ddp.world_size(),
+                timeout,
+                ddp.buckets(),
+            )?;
+            if ddp.rank() == 0 {
+                say!(
+                    "gradients: averaged by NCCL on the GPUs in {} buckets as backward finishes them",
+                    ddp.buckets().len()
+                );
+            }
+        }
         let mut trainer = Trainer {
             settings,
             given,
@@ -215,9 +234,16 @@ impl Trainer {
             trainer.announce_start(resumed);
         }
         if let Some(ddp) = trainer.ddp.as_mut() {
-            trainer
-                .compute
-                .update_host(|model| ddp.broadcast_model(model))?;
+            if trainer.compute.uses_nccl() {
+                trainer.compute.broadcast_on_device(true)?;
+                trainer
+                    .compute
+                    .update_host(|model| ddp.agree_on_batches_tracked(model))?;
+            } else {
+                trainer
+                    .compute
+                    .update_host(|model| ddp.broadcast_model(model))?;
+            }
         }
         Ok(trainer)
     }
@@ -524,18 +550,35 @@ impl Trainer {
     }
 
     /// One optimizer step over `micro_batches` (one, or `--grad-accum` of them): forward,
-    /// backward, gradient averaging over the ranks, update.
+    /// backward, gradient averaging over the ranks, update. When an NCCL collective timed
+    /// out, the error also names the peer that stopped answering, as the ring finds it.
     fn train_step(&mut self, micro_batches: &[Batch], lr: f64) -> anyhow::Result<StepOutcome> {
+        let outcome = self.averaged_step(micro_batches, lr);
+        outcome.map_err(|error| match (&self.ddp, self.compute.nccl_failure()) {
+            (Some(ddp), Some(_)) => match ddp.name_stalled_peer() {
+                Some(peer) => error.context(format!("the ring's view of the failure: {peer}")),
+                None => error,
+            },
+            _ => error,
+        })
+    }
+
+    /// [`Trainer::train_step`]'s work.
+    fn averaged_step(&mut self, micro_batches: &[Batch], lr: f64) -> anyhow::Result<StepOutcome> {
         let loss_options = LossOptions {
             label_smoothing: self.settings.label_smoothing as f32,
         };
         let loss_scale = 1.0 / micro_batches.len().max(1) as f32;
         let (height, width) = (self.train_set.height, self.train_set.width);
         let sync_bn = self.settings.sync_bn;
+        let nccl = self.compute.uses_nccl();
         self.compute.zero_grads()?;
-        if let Some(ddp) = self.ddp.as_mut() {
-            self.compute
-                .update_host(|model| ddp.broadcast_buffers(model))?;
+        match self.ddp.as_mut() {
+            Some(_) if nccl => self.compute.broadcast_on_device(false)?,
+            Some(ddp) => self
+                .compute
+                .update_host(|model| ddp.broadcast_buffers(model))?,
+            None => {}
         }
         let mut loss_sum = 0.0f64;
         let mut images = 0;
@@ -560,6 +603,9 @@ impl Trainer {
             loss_sum += loss as f64;
             images += batch.len;
             match self.ddp.as_mut().filter(|_| last) {
+                Some(_) if nccl && !sync_bn => {
+                    self.compute.backward_all_reduced(loss_scale, None)?;
+                }
                 Some(ddp) if !sync_bn => {
                     self.compute.backward(
                         loss_scale,
@@ -587,8 +633,12 @@ impl Trainer {
         let mut mean_loss = loss_sum / micro_batches.len().max(1) as f64;
         let mut stop = local_stop;
         if let Some(ddp) = self.ddp.as_mut() {
-            self.compute
-                .with_host_grads(|grads| ddp.finish_gradients(grads))?;
+            match nccl {
+                true => self.compute.finish_all_reduce()?,
+                false => self
+                    .compute
+                    .with_host_grads(|grads| ddp.finish_gradients(grads))?,
+            }
             let mut sums = [mean_loss, if local_stop { 1.0 } else { 0.0 }];
             ddp.sum_f64(&mut sums)?;
             mean_loss = sums[0] / ddp.world_size() as f64;

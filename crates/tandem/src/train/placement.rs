@@ -13,6 +13,17 @@ use crate::train::ddp::WorkerPlacement;
 
 /// The worker's place in the job, or `None` for a job of one process.
 pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPlacement>> {
+    find_placement_of(flags, false)
+}
+
+/// [`find_placement`], but with `keep_world_of_one` a job of one process that a launcher
+/// started (its environment names the store) keeps its place, so that it trains through the
+/// data-parallel path (`--backend nccl` at world size 1, as PyTorch's DDP under `torchrun
+/// --nproc-per-node 1`).
+pub fn find_placement_of(
+    flags: &PlacementFlags,
+    keep_world_of_one: bool,
+) -> anyhow::Result<Option<WorkerPlacement>> {
     let env = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
     let cluster = tandem_dist::cluster::WorkerEnv::from_env()
         .context("cannot read this worker's place in the job from the environment")?;
@@ -20,7 +31,12 @@ pub fn find_placement(flags: &PlacementFlags) -> anyhow::Result<Option<WorkerPla
         Some(world_size) => world_size,
         None => cluster.as_ref().map_or(1, |worker| worker.world_size),
     };
-    if world_size <= 1 {
+    let launched_alone = world_size == 1
+        && keep_world_of_one
+        && cluster
+            .as_ref()
+            .is_some_and(|worker| worker.master_addr.is_some());
+    if world_size <= 1 && !launched_alone {
         return Ok(None);
     }
     let rank = match (flags.rank, &cluster) {

@@ -1,0 +1,250 @@
+//! Data parallelism on the device: the executor's gradients all-reduced through NCCL bucket
+//! by bucket as the backward pass finishes them, and its parameters and running statistics
+//! broadcast from rank 0, without the host.
+//!
+//! Ordering, with no host wait inside a step: when the backward has finished one or more
+//! buckets, an event recorded on the compute stream makes the group's stream wait, then the
+//! group's stream sums each bucket over the ranks (`ncclAllReduce`, in place) and divides it
+//! by the world size (`divide_in_place`, as the host ring finishes its mean) while the compute
+//! stream goes on with the earlier layers. At the end of the backward,
+//! [`CudaExecutor::finish_all_reduce`] queues the buckets left, and the compute stream waits on
+//! an event recorded after them, so the optimizer reads the averaged gradients. Each such
+//! hand-back is registered with the group's watchdog, which aborts the communicator when it
+//! does not finish within the timeout; the next call then returns the error.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use tandem_models::workspace::Plan;
+use tandem_models::{BatchNormReducer, Model, ModelError};
+
+use super::launch::{per_element, Arg};
+use super::{address, at, device, driver, CudaExecutor, GpuError};
+use crate::collective::{bucket_ops, BucketCursor, BucketOp, NcclGroup};
+use crate::nccl::UNIQUE_ID_BYTES;
+use crate::probe::Probe;
+
+/// The NCCL group of a GPU rank and its gradient buckets.
+pub struct DeviceDataParallel {
+    group: NcclGroup,
+    cursor: BucketCursor,
+}
+
+impl CudaExecutor {
+    /// Joins the NCCL communicator of `world_size` ranks as `rank` with rank 0's `unique_id`
+    /// on this executor's GPU (waiting at most `timeout` for the others, and giving each later
+    /// collective as long), with the gradients all-reduced in `buckets` (contiguous ranges of
+    /// the flat gradients, in order, covering them).
+    pub fn join_nccl(
+        &mut self,
+        probe: &Probe,
+        unique_id: &[u8; UNIQUE_ID_BYTES],
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        buckets: Vec<Range<usize>>,
+    ) -> Result<(), GpuError> {
+        check_buckets(&buckets, self.host_grads.len())?;
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let group = NcclGroup::join(probe, &self.context, unique_id, rank, world_size, timeout)?;
+        self.data_parallel = Some(DeviceDataParallel {
+            group,
+            cursor: BucketCursor::new(buckets),
+        });
+        Ok(())
+    }
+
+    /// Whether this executor joined an NCCL communicator.
+    pub fn has_nccl(&self) -> bool {
+        self.data_parallel.is_some()
+    }
+
+    /// The NCCL watchdog's verdict: an error once a collective timed out or failed (the
+    /// communicator is then aborted); `Ok` without a communicator.
+    pub fn nccl_health(&self) -> Result<(), GpuError> {
+        match &self.data_parallel {
+            Some(data_parallel) => Ok(data_parallel.group.check()?),
+            None => Ok(()),
+        }
+    }
+
+    /// The backward of the last training forward, as [`CudaExecutor::backward`], with each
+    /// gradient bucket all-reduced through NCCL on the group's stream as soon as the
+    /// backward has finished it; call [`CudaExecutor::finish_all_reduce`] after it.
+    pub fn backward_all_reduced(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        loss_scale: f32,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+    ) -> Result<(), ModelError> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))
+            .map_err(device)?;
+        if self.data_parallel.is_none() {
+            return Err(device(GpuError::NoCommunicator));
+        }
+        self.grads_on_host = 0;
+        self.gradients_to_host = false;
+        self.all_reducing = true;
+        let walked = self.backward_reporting(model, plan, loss_scale, bn_sync, None);
+        self.all_reducing = false;
+        walked
+    }
+
+    /// Queues the all-reduce of every bucket the backward has not handed out (all of them
+    /// after a backward without [`CudaExecutor::backward_all_reduced`], e.g. with
+    /// SyncBatchNorm) and makes the compute stream wait for the averaged gradients.
+    pub fn finish_all_reduce(&mut self) -> Result<(), GpuError> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let data_parallel = self
+            .data_parallel
+            .as_mut()
+            .ok_or(GpuError::NoCommunicator)?;
+        let rest = data_parallel.cursor.rest();
+        self.all_reduce_buckets(rest, true)
+    }
+
+    /// Gives every rank rank 0's parameters and running statistics (the start, a resume).
+    pub fn broadcast_params_and_buffers(&mut self) -> Result<(), GpuError> {
+        self.broadcast_from_rank0(true)
+    }
+
+    /// Gives every rank rank 0's running statistics (each step, as PyTorch's
+    /// `broadcast_buffers`).
+    pub fn broadcast_buffers(&mut self) -> Result<(), GpuError> {
+        self.broadcast_from_rank0(false)
+    }
+
+    /// Broadcasts the running statistics, and the parameters with `params`, from rank 0.
+    fn broadcast_from_rank0(&mut self, params: bool) -> Result<(), GpuError> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let data_parallel = self
+            .data_parallel
+            .as_ref()
+            .ok_or(GpuError::NoCommunicator)?;
+        let group = &data_parallel.group;
+        group.wait_for(&self.stream)?;
+        let mut what = Vec::new();
+        if params {
+            let base = address(&self.params, &self.stream);
+            // SAFETY: the parameter buffer holds `host_grads.len()` floats (one per
+            // parameter) on this GPU and lives as long as the executor, which outlives the
+            // hand-back below that the compute stream waits on.
+            unsafe { group.broadcast_from_rank0(base, self.host_grads.len())? };
+            what.push("the parameters");
+        }
+        if self.buffer_len > 0 {
+            let base = address(&self.buffers, &self.stream);
+            // SAFETY: the running-statistic buffer holds `buffer_len` floats; as above.
+            unsafe { group.broadcast_from_rank0(base, self.buffer_len)? };
+            what.push("the running statistics");
+        }
+        group.hand_back(&self.stream, format!("broadcast of {}", what.join(" and ")))?;
+        Ok(())
+    }
+
+    /// Called by the backward with the end of the gradients that are final: queues the
+    /// all-reduce of the buckets now complete.
+    pub(super) fn all_reduce_finished(&mut self, end: usize) -> Result<(), GpuError> {
+        let data_parallel = self
+            .data_parallel
+            .as_mut()
+            .ok_or(GpuError::NoCommunicator)?;
+        let finished = data_parallel.cursor.finished_up_to(end);
+        self.all_reduce_buckets(finished, false)
+    }
+
+    /// Queues the work of [`bucket_ops`] for the buckets numbered `indices`: on the group's
+    /// stream after the compute stream's work so far, their average over the ranks; with
+    /// `last`, the compute stream's wait for it.
+    fn all_reduce_buckets(&mut self, indices: Range<usize>, last: bool) -> Result<(), GpuError> {
+        let data_parallel = self
+            .data_parallel
+            .as_ref()
+            .ok_or(GpuError::NoCommunicator)?;
+        let group = &data_parallel.group;
+        let buckets = data_parallel.cursor.buckets();
+        let world_size = group.world_size();
+        let base = address(&self.grads, &self.stream);
+        for op in bucket_ops(buckets, indices, world_size, last) {
+            match op {
+                BucketOp::WaitForCompute => group.wait_for(&self.stream)?,
+                // SAFETY: `check_buckets` made every bucket lie inside the gradient buffer (one
+                // float per parameter, on this GPU, alive as long as the executor; the compute
+                // stream waits for the group's stream before the optimizer reads it).
+                BucketOp::AllReduceSum(bucket) => unsafe { group.all_reduce_sum(base, bucket)? },
+                BucketOp::DivideByWorld(bucket) => {
+                    let n = bucket.len();
+                    let args = [
+                        Arg::Ptr(at(base, bucket.start)),
+                        Arg::I64(n as i64),
+                        Arg::F32(world_size as f32),
+                    ];
+                    // SAFETY: divide_in_place(float*, long long, float) over the bucket's
+                    // `n` floats, queued on the group's stream after its all-reduce.
+                    unsafe {
+                        self.kernels.launch(
+                            group.stream(),
+                            "divide_in_place",
+                            per_element(n),
+                            &args,
+                        )?
+                    };
+                }
+                BucketOp::HandBack => group.hand_back(
+                    &self.stream,
+                    format!("all-reduce of the gradients ({} buckets)", buckets.len()),
+                )?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `Ok` when `buckets` are contiguous ranges from 0 covering exactly `len` gradients.
+fn check_buckets(buckets: &[Range<usize>], len: usize) -> Result<(), GpuError> {
+    let mut end = 0;
+    for bucket in buckets {
+        if bucket.start != end || bucket.end < bucket.start {
+            return Err(GpuError::Unsupported(
+                "gradient buckets that are not contiguous from 0",
+            ));
+        }
+        end = bucket.end;
+    }
+    if end != len {
+        return Err(GpuError::Length {
+            what: "gradient buckets",
+            found: end,
+            expected: len,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_must_cover_the_gradients_contiguously() {
+        assert!(check_buckets(&[0..3, 3..7, 7..10], 10).is_ok());
+        assert!(check_buckets(&[], 0).is_ok());
+        assert_eq!(
+            check_buckets(&[0..3, 4..10], 10).unwrap_err().to_string(),
+            "the GPU executor does not support gradient buckets that are not contiguous from 0 yet"
+        );
+        assert_eq!(
+            check_buckets(&[0..3, 3..7], 10).unwrap_err().to_string(),
+            "gradient buckets has 7 values, the device buffer holds 10"
+        );
+    }
+}

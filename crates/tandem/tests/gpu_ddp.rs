@@ -1,0 +1,341 @@
+//! Data parallelism on the GPU through the real binary under `tandem launch`, as far as one
+//! GPU allows (the reference GPU machine has one; NCCL refuses two ranks on one GPU, so NCCL
+//! runs here only at world size 1, and every test of two ranks uses the ring through the host):
+//!
+//! - `--backend nccl` at world size 1 through the whole DDP path (device broadcasts, gradient
+//!   buckets all-reduced on NCCL's stream as backward finishes them, the optimizer ordered
+//!   after them) ends with the same bytes as the same run without DDP;
+//! - two processes sharing the GPU with `--backend ring --sync-bn` end, after a few steps,
+//!   as close to one process with twice the batch as two single-process runs that differ only
+//!   in rounding (the same run on the GPU and on the CPU) are to each other (factor 2, and
+//!   at least the CPU comparison's 1e-4);
+//! - `kill -9` of one of two GPU workers: the launcher restarts the round, the workers resume,
+//!   and the final weights are bit-identical to an uninterrupted run;
+//! - a worker stopped with SIGSTOP ends every rank within the collective timeout, and the
+//!   launcher names it.
+//!
+//! Skipped with a printed reason without the CUDA libraries, a visible GPU (and, for NCCL,
+//! libnccl), as on CI's machines; run by `scripts/gpu-check`. **It has not yet run on a GPU.**
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{
+    children, expect_success, read_tensors, run_bounded, synthetic_run, tandem, with_flag,
+    worst_error_per_family, Launcher,
+};
+use tandem_cuda::device::GpuFacts;
+use tandem_cuda::{Library, Probe};
+
+const LIMIT: Duration = Duration::from_secs(100);
+/// Below this, a difference between two and one processes is accepted whatever the rounding
+/// reference says: the tolerance of the same comparison on the CPU (`tests/ddp_e2e.rs`),
+/// where two processes differ from one by about 1e-6 after 4 steps of this run.
+const NOISE_FLOOR: f64 = 1e-4;
+
+/// Whether a GPU can be used here (and libnccl, with `nccl`); prints why not.
+fn gpu_available(test: &str, nccl: bool) -> bool {
+    let facts = GpuFacts::gather(Probe::process());
+    if let Some(missing) = facts.missing_library {
+        eprintln!("{test}: skipped, {missing}");
+        return false;
+    }
+    if nccl {
+        if let Err(missing) = Probe::process().get(Library::Nccl) {
+            eprintln!("{test}: skipped, {missing}");
+            return false;
+        }
+    }
+    match facts.visible_gpus {
+        Ok(count) if count > 0 => true,
+        other => {
+            eprintln!("{test}: skipped, no GPU ({other:?})");
+            false
+        }
+    }
+}
+
+/// `tandem launch --standalone --nproc-per-node N --max-restarts R [launch_flags] -- train`.
+fn launch_command(
+    nproc: usize,
+    restarts: usize,
+    launch_flags: &[&str],
+    train: &[String],
+) -> Command {
+    let mut command = tandem();
+    command.args([
+        "launch",
+        "--standalone",
+        "--nproc-per-node",
+        &nproc.to_string(),
+        "--max-restarts",
+        &restarts.to_string(),
+    ]);
+    command.args(launch_flags).arg("--").args(train);
+    command
+}
+
+/// A short run of the small model on `device` (`--precision fp32` on a GPU).
+fn short_run(
+    output_dir: &Path,
+    samples: usize,
+    batch: usize,
+    epochs: usize,
+    device: &str,
+) -> Vec<String> {
+    let args = synthetic_run(output_dir, samples);
+    let args = with_flag(args, "--batch-size", &batch.to_string());
+    let args = with_flag(args, "--epochs", &epochs.to_string());
+    let args = with_flag(args, "--device", device);
+    match device {
+        "cpu" => args,
+        _ => with_flag(args, "--precision", "fp32"),
+    }
+}
+
+/// The worst relative error per tensor family between two checkpoints.
+fn worst(expected: &Path, actual: &Path) -> BTreeMap<String, f64> {
+    worst_error_per_family(&read_tensors(expected), &read_tensors(actual), |name| {
+        name.ends_with("num_batches_tracked")
+    })
+}
+
+/// The NCCL run at world size 1 against the same run without DDP, on `device` with
+/// `backend`: the final weights' bytes, and the launched run's `backend:` line.
+fn world_size_1_against_no_ddp(device: &str, backend: &str) -> (bool, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let (alone, launched) = (dir.path().join("alone"), dir.path().join("launched"));
+    expect_success(&run_bounded(
+        tandem().args(short_run(&alone, 64, 16, 2, device)),
+        LIMIT,
+    ));
+    let train = with_flag(
+        short_run(&launched, 64, 16, 2, device),
+        "--backend",
+        backend,
+    );
+    let stdout = expect_success(&run_bounded(&mut launch_command(1, 0, &[], &train), LIMIT));
+    let same = std::fs::read(alone.join("epoch_2.safetensors")).unwrap()
+        == std::fs::read(launched.join("epoch_2.safetensors")).unwrap();
+    (same, stdout)
+}
+
+#[test]
+fn nccl_at_world_size_1_ends_with_the_bytes_of_no_ddp() {
+    if !gpu_available("nccl_at_world_size_1_ends_with_the_bytes_of_no_ddp", true) {
+        return;
+    }
+    let (same, stdout) = world_size_1_against_no_ddp("cuda", "nccl");
+    assert!(stdout.contains("backend: nccl (requested)"), "{stdout}");
+    assert!(
+        stdout.contains("gradients: averaged by NCCL on the GPUs in "),
+        "{stdout}"
+    );
+    assert!(
+        same,
+        "--backend nccl at world size 1 ended with other weights than the run without DDP\n{stdout}"
+    );
+}
+
+/// Runs everywhere, on the CPU: the comparison of the NCCL test holds for a job of one
+/// process under `launch` (ring), and `--backend nccl` there takes the data-parallel path (the
+/// ranks' records are gathered through the store) and is refused naming the CPU.
+#[test]
+fn the_world_size_1_comparison_holds_on_the_cpu_and_nccl_there_is_refused() {
+    let (same, _) = world_size_1_against_no_ddp("cpu", "ring");
+    assert!(
+        same,
+        "a job of one process under launch ended with other weights"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let train = with_flag(short_run(dir.path(), 64, 16, 1, "cpu"), "--backend", "nccl");
+    let output = run_bounded(&mut launch_command(1, 0, &[], &train), LIMIT);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!output.status.success(), "{text}");
+    assert!(
+        text.contains(
+            "--backend nccl: every rank is on the CPU, and NCCL needs a GPU for each rank \
+             (use --backend ring or auto)"
+        ),
+        "{text}"
+    );
+}
+
+#[test]
+fn two_processes_sharing_the_gpu_on_the_ring_match_one_with_twice_the_batch() {
+    if !gpu_available(
+        "two_processes_sharing_the_gpu_on_the_ring_match_one_with_twice_the_batch",
+        false,
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name);
+    // 64 images, 4 steps of 16 in one epoch: compared early, before rounding grows.
+    let parallel = short_run(&path("parallel"), 64, 8, 1, "cuda");
+    let parallel = with_flag(parallel, "--backend", "ring");
+    let mut parallel = with_flag(parallel, "--threads", "2");
+    parallel.push("--sync-bn".into());
+    let stdout = expect_success(&run_bounded(
+        &mut launch_command(2, 0, &[], &parallel),
+        LIMIT,
+    ));
+    assert!(stdout.contains("backend: ring (requested)"), "{stdout}");
+    for (name, device) in [("alone-gpu", "cuda"), ("alone-cpu", "cpu")] {
+        expect_success(&run_bounded(
+            tandem().args(short_run(&path(name), 64, 16, 1, device)),
+            LIMIT,
+        ));
+    }
+    let checkpoint = |name: &str| path(name).join("epoch_1.safetensors");
+    let rounding = worst(&checkpoint("alone-gpu"), &checkpoint("alone-cpu"));
+    let parallel = worst(&checkpoint("alone-gpu"), &checkpoint("parallel"));
+    eprintln!(
+        "GPU against CPU, one process: {rounding:?}\ntwo GPU processes against one: {parallel:?}"
+    );
+    for (family, error) in &parallel {
+        let allowed = (2.0 * rounding.get(family).copied().unwrap_or(0.0)).max(NOISE_FLOOR);
+        assert!(
+            *error <= allowed,
+            "{family}: two processes differ from one by {error:e}, more than {allowed:e} \
+             (twice the GPU-CPU rounding difference, at least {NOISE_FLOOR:e})"
+        );
+    }
+}
+
+/// A two-worker GPU job on the ring of `epochs` epochs of 8 steps, with `extra` flags.
+fn two_worker_job(output_dir: &Path, epochs: usize, extra: &[&str]) -> Vec<String> {
+    let train = short_run(output_dir, 256, 16, epochs, "cuda");
+    let train = with_flag(train, "--backend", "ring");
+    let mut train = with_flag(train, "--threads", "2");
+    train.extend(extra.iter().map(|arg| arg.to_string()));
+    train
+}
+
+/// The process id of the launcher's worker of `rank` (from its environment's `RANK`).
+fn worker(launcher: &Launcher, rank: usize) -> u32 {
+    let wanted = format!("RANK={rank}");
+    children(launcher.pid())
+        .into_iter()
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| {
+                environ
+                    .split(|&byte| byte == 0)
+                    .any(|entry| entry == wanted.as_bytes())
+            })
+        })
+        .unwrap_or_else(|| panic!("no worker of rank {rank}"))
+}
+
+/// Waits until rank 0's log shows step 2 of training.
+fn wait_for_training(output_dir: &Path, launcher: &mut Launcher) {
+    let deadline = Instant::now() + LIMIT;
+    let log = output_dir.join("logs/rank_0.log");
+    while !std::fs::read_to_string(&log).is_ok_and(|text| text.contains("step 2")) {
+        assert!(
+            !launcher.has_exited() && Instant::now() < deadline,
+            "the workers never trained:\n{}",
+            launcher.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn kill_9_of_one_of_two_gpu_workers_restarts_and_ends_bit_identical() {
+    if !gpu_available(
+        "kill_9_of_one_of_two_gpu_workers_restarts_and_ends_bit_identical",
+        false,
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let straight = dir.path().join("straight");
+    let job = two_worker_job(&straight, 2, &["--snapshot-every-steps", "1"]);
+    expect_success(&run_bounded(&mut launch_command(2, 0, &[], &job), LIMIT));
+
+    let killed = dir.path().join("killed");
+    let job = two_worker_job(&killed, 2, &["--snapshot-every-steps", "1"]);
+    let mut launcher = Launcher::spawn(
+        launch_command(2, 2, &["--stop-grace-seconds", "5"], &job),
+        dir.path(),
+        "killed",
+    );
+    // SIGKILL one worker once a second snapshot exists, mid epoch 1.
+    let deadline = Instant::now() + LIMIT;
+    while !killed.join("snapshot.safetensors.prev").exists() {
+        assert!(
+            Instant::now() < deadline,
+            "no snapshot appeared\n{}",
+            launcher.stderr()
+        );
+        assert!(
+            !launcher.has_exited(),
+            "the job ended early\n{}",
+            launcher.stderr()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let victim = worker(&launcher, 1);
+    // SAFETY: plain kill(2) of a child process id just read.
+    assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+    let status = launcher.wait(LIMIT);
+    let output = format!("{}{}", launcher.stdout(), launcher.stderr());
+    assert!(status.success(), "{output}");
+    assert!(
+        output.contains("SIGKILL"),
+        "no killed worker reported\n{output}"
+    );
+    let expected = std::fs::read(straight.join("epoch_2.safetensors")).unwrap();
+    let actual = std::fs::read(killed.join("epoch_2.safetensors")).unwrap();
+    assert!(
+        expected == actual,
+        "the restarted GPU job's final weights differ from the uninterrupted one's\n{output}"
+    );
+}
+
+#[test]
+fn a_stopped_gpu_worker_ends_every_rank_within_the_timeout_and_is_named() {
+    if !gpu_available(
+        "a_stopped_gpu_worker_ends_every_rank_within_the_timeout_and_is_named",
+        false,
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("run");
+    let job = two_worker_job(&output, 50, &["--collective-timeout", "2"]);
+    let mut launcher = Launcher::spawn(
+        launch_command(2, 0, &["--stop-grace-seconds", "60"], &job),
+        dir.path(),
+        "stopped",
+    );
+    wait_for_training(&output, &mut launcher);
+    let stuck = worker(&launcher, 1);
+    let stopped_at = Instant::now();
+    // SAFETY: plain kill(2) of a child process id just read.
+    assert_eq!(unsafe { libc::kill(stuck as i32, libc::SIGSTOP) }, 0);
+    let status = launcher.wait(LIMIT);
+    let waited = stopped_at.elapsed();
+    let stderr = launcher.stderr();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("root cause: rank 1 (node 0, local rank 1) was stopped"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("rank 0 reported: rank 1 ("), "{stderr}");
+    // The 2 s timeout, the launcher's look at the stopped worker, and the GPU processes'
+    // exit; without the kill the launcher would wait the 60 s grace.
+    assert!(
+        waited < Duration::from_secs(40),
+        "took {waited:?}\n{stderr}"
+    );
+}
