@@ -134,8 +134,8 @@ impl Mirror {
         }
     }
 
-    /// Queues `--keep-last` in the bucket: the epoch checkpoints beside `any_checkpoint`
-    /// but the last `keep` are deleted there.
+    /// Queues `--keep-last` in the bucket: the epoch checkpoints in the object prefix of the
+    /// staged `output_dir`, but the last `keep`, are deleted there.
     pub fn prune_checkpoints(&self, output_dir: &Path, keep: usize) {
         if let Some(prefix) = self.url_of(output_dir) {
             self.uploader.prune_checkpoints(prefix, keep);
