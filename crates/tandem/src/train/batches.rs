@@ -6,7 +6,6 @@
 //! `batch_size`, the last one partial, `start_batch` skipped on resume), so both sources
 //! give every step the same samples.
 
-use std::iter::Peekable;
 use std::sync::Arc;
 
 use tandem_data::{Batch, Dataset, Loader};
@@ -117,8 +116,8 @@ impl Iterator for IndexBatches {
 pub enum EpochBatches {
     /// The CPU loader.
     Host {
-        /// Its batches.
-        loader: Peekable<Loader>,
+        /// Its batches (boxed: a loader is large beside the indices).
+        loader: Box<Loader>,
         /// Batches of the whole epoch.
         num_batches: usize,
     },
@@ -131,7 +130,7 @@ impl EpochBatches {
     pub fn host(loader: Loader) -> Self {
         EpochBatches::Host {
             num_batches: loader.num_batches(),
-            loader: loader.peekable(),
+            loader: Box::new(loader),
         }
     }
 
