@@ -935,10 +935,7 @@ impl Trainer {
 
 /// The training augmentation of `settings`: pad-4 random crop and horizontal flip, or none.
 fn train_augment(settings: &TrainSettings) -> Option<Augment> {
-    settings.augment.then_some(Augment {
-        random_crop_padding: Some(4),
-        horizontal_flip: true,
-    })
+    settings.augment.then_some(Augment::crop_and_flip())
 }
 
 /// Whether `TANDEM_HOST_BATCHES=1` asks a GPU run to take its batches from the CPU loader
