@@ -383,3 +383,42 @@ fn a_missing_library_is_an_error_naming_it_not_a_panic() {
         "{error}"
     );
 }
+
+/// The device dataset's host checks: the pixels must fill the shape, indices must fit the
+/// kernel's `unsigned int` and lie below the dataset size (the kernel does not check them).
+#[test]
+fn the_device_dataset_checks_its_shape_and_indices() {
+    use tandem_cuda::executor::DatasetShape;
+    let shape = DatasetShape {
+        len: 3,
+        height: 2,
+        width: 2,
+        channels: 3,
+    };
+    assert_eq!(shape.image_len(), 12);
+    shape.check(36).unwrap();
+    assert_eq!(
+        shape.check(35).unwrap_err().to_string(),
+        "dataset pixels has 35 values, the device buffer holds 36"
+    );
+    assert_eq!(shape.device_indices(&[2, 0, 2]).unwrap(), vec![2, 0, 2]);
+    assert_eq!(
+        shape.device_indices(&[0, 3]).unwrap_err().to_string(),
+        "batch index 3, expected below the dataset size 3"
+    );
+    let huge = DatasetShape {
+        len: 1 << 33,
+        ..shape
+    };
+    assert!(matches!(
+        huge.check(huge.len * 12),
+        Err(GpuError::TooLarge {
+            what: "dataset images",
+            ..
+        })
+    ));
+    assert!(matches!(
+        huge.device_indices(&[1 << 32]),
+        Err(GpuError::IndexOutOfRange { .. })
+    ));
+}

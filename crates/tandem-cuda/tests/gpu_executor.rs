@@ -250,3 +250,154 @@ fn two_adamw_steps_over_the_same_buffers_match_the_cpu_bit_for_bit() {
         }
     }
 }
+
+/// A CIFAR-shaped uint8 training set of `images` images with labels below 10.
+fn byte_dataset(images: usize) -> tandem_data::Dataset {
+    tandem_data::Dataset {
+        images: tandem_data::Pixels::U8(
+            (0..images * SIDE * SIDE * 3)
+                .map(|i| ((i as u64 * 2_654_435_761) % 251) as u8)
+                .collect(),
+        ),
+        labels: (0..images as u32).map(|i| (i * 3 + 1) % 10).collect(),
+        height: SIDE,
+        width: SIDE,
+        channels: 3,
+        num_classes: 10,
+        class_names: Vec::new(),
+    }
+}
+
+/// The training set on the device gives, for the same (seed, epoch, indices), the CPU loader's
+/// batches bit for bit (with and without augmentation and normalization, the last batch
+/// partial), and a training forward of a gathered batch gives the loss of the same batch sent
+/// from the host, bit for bit (same input bits, same GPU work).
+#[test]
+fn device_assembled_batches_equal_the_cpu_loaders() {
+    let Some(probe) = gpu_probe("device_assembled_batches_equal_the_cpu_loaders") else {
+        return;
+    };
+    use tandem_cuda::executor::{AugmentSettings, DatasetShape};
+    use tandem_data::{Augment, Loader, LoaderOptions, Normalize, IMAGENET_NORMALIZE};
+    let dataset = std::sync::Arc::new(byte_dataset(21));
+    let tandem_data::Pixels::U8(pixels) = &dataset.images else {
+        unreachable!()
+    };
+    let shape = DatasetShape {
+        len: dataset.len(),
+        height: SIDE,
+        width: SIDE,
+        channels: 3,
+    };
+    let model = seed_004();
+    let mut exec =
+        CudaExecutor::new(probe, settings(), None, model.params(), model.buffers()).unwrap();
+    let sampler = tandem_data::DistributedSampler::new(21, 2, 1, true, 9, false).unwrap();
+    let cases: [(Option<Augment>, Option<Normalize>); 3] = [
+        (Some(Augment::crop_and_flip()), Some(IMAGENET_NORMALIZE)),
+        (Some(Augment::crop_and_flip()), None),
+        (None, None),
+    ];
+    for (augment, normalize) in cases {
+        let (seed, epoch) = (41u64, 2u64);
+        let plain = augment.unwrap_or_default();
+        let values = normalize.unwrap_or(Normalize {
+            mean: [0.0; 3],
+            std: [1.0; 3],
+        });
+        let settings = AugmentSettings {
+            crop_padding: plain.random_crop_padding.unwrap_or(0),
+            horizontal_flip: plain.horizontal_flip,
+            mean: values.mean,
+            std: values.std,
+            seed,
+        };
+        let mut device = exec.upload_dataset(pixels, shape, settings).unwrap();
+        let loader = Loader::new(
+            dataset.clone(),
+            sampler.indices(epoch),
+            LoaderOptions {
+                batch_size: 4,
+                augment,
+                normalize,
+                seed,
+                epoch,
+                threads: 0,
+                ..LoaderOptions::default()
+            },
+        )
+        .unwrap();
+        let mut batches = 0;
+        for batch in loader {
+            let batch = batch.unwrap();
+            let gathered = exec
+                .gather_to_host(&mut device, &batch.indices, epoch)
+                .unwrap();
+            assert_eq!(gathered.len(), batch.images.len());
+            for (i, (gpu, cpu)) in gathered.iter().zip(&batch.images).enumerate() {
+                assert_eq!(
+                    gpu.to_bits(),
+                    cpu.to_bits(),
+                    "{augment:?} {normalize:?} batch {} value {i}: GPU {gpu} CPU {cpu}",
+                    batch.batch_index
+                );
+            }
+            batches += 1;
+        }
+        assert_eq!(batches, 3, "11 samples in batches of 4, the last partial");
+    }
+
+    // A gathered training forward against the same batch from the host.
+    let indices = [20usize, 3, 3, 0, 17, 9, 11, 5];
+    let settings = AugmentSettings {
+        crop_padding: 4,
+        horizontal_flip: true,
+        mean: IMAGENET_NORMALIZE.mean,
+        std: IMAGENET_NORMALIZE.std,
+        seed: 5,
+    };
+    let mut device = exec.upload_dataset(pixels, shape, settings).unwrap();
+    let host_images = exec.gather_to_host(&mut device, &indices, 1).unwrap();
+    let labels: Vec<u32> = indices.iter().map(|&i| dataset.labels[i]).collect();
+    let loss = LossOptions::default();
+    let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
+    let from_host = exec
+        .forward_train(&model, &plan, &host_images, &labels, &loss, None)
+        .unwrap();
+    let mut host_logits = Vec::new();
+    exec.logits_to_host(&mut host_logits);
+    let gathered = exec
+        .forward_train_gathered(
+            &model,
+            &plan,
+            &mut device,
+            &indices,
+            1,
+            &labels,
+            &loss,
+            None,
+        )
+        .unwrap();
+    let mut gathered_logits = Vec::new();
+    exec.logits_to_host(&mut gathered_logits);
+    assert_eq!(gathered.to_bits(), from_host.to_bits(), "loss");
+    assert_eq!(gathered_logits, host_logits, "logits");
+    let error = exec
+        .forward_train_gathered(
+            &model,
+            &plan,
+            &mut device,
+            &[21; BATCH],
+            1,
+            &labels,
+            &loss,
+            None,
+        )
+        .unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("batch index 21, expected below the dataset size 21"),
+        "{error}"
+    );
+}

@@ -3,7 +3,8 @@
 //! GPU executor of `tandem-cuda` (device copies of the flat buffers).
 //!
 //! # Host/device crossings on the GPU
-//! Each step: the batch goes to the device; the loss (and, in evaluation, the logits) comes
+//! Each step: the batch goes to the device (or, once the training set is in GPU memory
+//! ([`Compute::upload_train_set`]), only its sample indices, and the device assembles it); the loss (and, in evaluation, the logits) comes
 //! back; in a job of several processes, the backward copies each finished gradient range to
 //! the host for the gradient-ready hook (the executor's interface hands out host values),
 //! and with one process no gradient leaves the device; with the NCCL backend
@@ -19,8 +20,9 @@
 //! (`tests/gpu_train.rs`) wait for a machine with one.
 
 use anyhow::Context;
-use tandem_cuda::executor::GradientHook;
+use tandem_cuda::executor::{AugmentSettings, DatasetShape, DeviceDataset, GradientHook};
 use tandem_cuda::{CudaExecutor, Device, GpuSettings, Precision, Probe, PtxCache};
+use tandem_data::{Augment, Dataset, Normalize, Pixels};
 use tandem_engine::{Adam, AdamConfig, Optimizer, OptimizerState, Sgd, SgdConfig};
 use tandem_models::workspace::{Mode, Plan};
 use tandem_models::{BatchNormReducer, LossOptions, Model, ModelSpec};
@@ -71,6 +73,21 @@ pub fn describe(device: &Device, precision: Option<Precision>) -> String {
         (Device::Cuda { ordinal, .. }, _) => format!("cuda:{ordinal} (tf32)"),
         (Device::Cpu { .. }, _) => "cpu".to_string(),
     }
+}
+
+/// The images of one training micro-batch.
+#[derive(Clone, Copy, Debug)]
+pub enum TrainImages<'a> {
+    /// NHWC floats on the host (the CPU loader's batch).
+    Host(&'a [f32]),
+    /// The training set's images `indices`, assembled on the GPU with the augmentation draws
+    /// of `epoch` (after [`Compute::upload_train_set`]).
+    OnDevice {
+        /// Dataset indices, in batch order.
+        indices: &'a [usize],
+        /// The epoch of the draws.
+        epoch: u64,
+    },
 }
 
 /// An optimizer's settings, whichever device runs it.
@@ -141,6 +158,8 @@ struct GpuSide {
     host_behind: bool,
     /// The optimizer's settings (its state is on the device).
     optimizer: Option<OptimizerConfig>,
+    /// The training set in GPU memory, once uploaded.
+    train_set: Option<DeviceDataset>,
 }
 
 impl Compute {
@@ -176,6 +195,7 @@ impl Compute {
                     logits: Vec::new(),
                     host_behind: false,
                     optimizer: None,
+                    train_set: None,
                 }))
             }
         };
@@ -225,6 +245,46 @@ impl Compute {
         Ok(result)
     }
 
+    /// On a GPU, copies `dataset`'s uint8 pixels to the device once, so that training batches
+    /// are assembled there ([`TrainImages::OnDevice`]) with `augment`, `normalize` and `seed`
+    /// as the CPU loader would. Returns the bytes uploaded, or `None` where batches stay on
+    /// the host: on the CPU, and for float pixels (synthetic data).
+    pub fn upload_train_set(
+        &mut self,
+        dataset: &Dataset,
+        augment: Option<Augment>,
+        normalize: Option<Normalize>,
+        seed: u64,
+    ) -> anyhow::Result<Option<usize>> {
+        let (Engine::Cuda(gpu), Pixels::U8(pixels)) = (&mut self.engine, &dataset.images) else {
+            return Ok(None);
+        };
+        let augment = augment.unwrap_or_default();
+        let normalize = normalize.unwrap_or(Normalize {
+            mean: [0.0; 3],
+            std: [1.0; 3],
+        });
+        let shape = DatasetShape {
+            len: dataset.len(),
+            height: dataset.height,
+            width: dataset.width,
+            channels: dataset.channels,
+        };
+        let settings = AugmentSettings {
+            crop_padding: augment.random_crop_padding.unwrap_or(0),
+            horizontal_flip: augment.horizontal_flip,
+            mean: normalize.mean,
+            std: normalize.std,
+            seed,
+        };
+        gpu.train_set = Some(
+            gpu.exec
+                .upload_dataset(pixels, shape, settings)
+                .context("copying the training set to the GPU")?,
+        );
+        Ok(Some(pixels.len()))
+    }
+
     /// Sets every gradient to zero.
     pub fn zero_grads(&mut self) -> anyhow::Result<()> {
         match &mut self.engine {
@@ -234,12 +294,13 @@ impl Compute {
         Ok(())
     }
 
-    /// Train-mode forward of NHWC `images` (`batch` of `height x width`) with `labels`:
-    /// returns the mean loss and updates the running statistics (as [`Model::forward_train`]).
+    /// Train-mode forward of NHWC `images` (`batch` of `height x width`; host floats, or the
+    /// images the GPU assembles from the uploaded training set) with `labels`: returns the
+    /// mean loss and updates the running statistics (as [`Model::forward_train`]).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_train(
         &mut self,
-        images: &[f32],
+        images: TrainImages<'_>,
         batch: usize,
         height: usize,
         width: usize,
@@ -247,13 +308,16 @@ impl Compute {
         loss: &LossOptions,
         bn_sync: Option<&mut dyn BatchNormReducer>,
     ) -> anyhow::Result<f32> {
-        let gpu = match &mut self.engine {
-            Engine::Cpu { .. } => {
+        let gpu = match (&mut self.engine, images) {
+            (Engine::Cpu { .. }, TrainImages::Host(images)) => {
                 return Ok(self
                     .model
                     .forward_train(images, batch, height, width, labels, loss, bn_sync)?)
             }
-            Engine::Cuda(gpu) => gpu,
+            (Engine::Cpu { .. }, TrainImages::OnDevice { .. }) => {
+                anyhow::bail!("images on the device need the model on a GPU")
+            }
+            (Engine::Cuda(gpu), _) => gpu,
         };
         check_labels(labels, batch, self.model.spec().num_classes())?;
         let plan = plan_for(
@@ -264,9 +328,28 @@ impl Compute {
             height,
             width,
         )?;
-        let value = gpu
-            .exec
-            .forward_train(&self.model, plan, images, labels, loss, bn_sync)?;
+        let value = match images {
+            TrainImages::Host(images) => {
+                gpu.exec
+                    .forward_train(&self.model, plan, images, labels, loss, bn_sync)?
+            }
+            TrainImages::OnDevice { indices, epoch } => {
+                let train_set = gpu
+                    .train_set
+                    .as_mut()
+                    .context("the training set was not copied to the GPU")?;
+                gpu.exec.forward_train_gathered(
+                    &self.model,
+                    plan,
+                    train_set,
+                    indices,
+                    epoch,
+                    labels,
+                    loss,
+                    bn_sync,
+                )?
+            }
+        };
         // The count lives on the host, as the CPU model keeps it.
         let tracked = self.model.num_batches_tracked();
         self.model.set_num_batches_tracked(tracked + 1);
@@ -713,7 +796,7 @@ mod tests {
 
             compute.zero_grads().unwrap();
             let got = compute
-                .forward_train(&images, 4, 8, 8, &labels, &loss, None)
+                .forward_train(TrainImages::Host(&images), 4, 8, 8, &labels, &loss, None)
                 .unwrap();
             let mut reported = 0;
             compute

@@ -2,7 +2,8 @@
 //! commands on the CPU: a short training run in fp32 (final weights within 2e-3 of each
 //! tensor's largest magnitude, epoch losses within 1e-3 relative), snapshots resumed on the
 //! other device, `kill -9` and resume on the GPU ending bit-identical to an uninterrupted GPU
-//! run, and `eval`/`predict` within 1e-4.
+//! run, `eval`/`predict` within 1e-4, and the training set in GPU memory (batches assembled
+//! there) ending bit-identical to the same GPU run fed the CPU loader's batches.
 //!
 //! Skipped with a printed reason without the CUDA driver, NVRTC, cuBLAS, cuDNN or a visible
 //! GPU (as on CI's machines); run by `scripts/gpu-check`. **It has not yet run on a GPU.**
@@ -204,6 +205,102 @@ fn kill_9_on_the_gpu_and_resume_is_bit_identical() {
     );
 }
 
+/// A CIFAR-10 binary folder of `train` training and `test` test records (deterministic bytes;
+/// data_batch_2..5 empty), so that the run's training set is uint8 pixels the GPU can hold.
+fn write_cifar_bin(dir: &Path, train: usize, test: usize) {
+    let record = |index: usize| {
+        let mut bytes = vec![(index * 7 % 10) as u8];
+        bytes.extend((0..3072).map(|i| ((i * 31 + index * 17) % 256) as u8));
+        bytes
+    };
+    std::fs::create_dir_all(dir).unwrap();
+    let records = |range: std::ops::Range<usize>| range.flat_map(record).collect::<Vec<u8>>();
+    std::fs::write(dir.join("data_batch_1.bin"), records(0..train)).unwrap();
+    for batch in 2..=5 {
+        std::fs::write(dir.join(format!("data_batch_{batch}.bin")), b"").unwrap();
+    }
+    std::fs::write(dir.join("test_batch.bin"), records(train..train + test)).unwrap();
+}
+
+/// Training flags on the CIFAR folder `data`: the small model, 2 epochs of 2 steps of 2
+/// micro-batches of 16 (the last one 12), augmented, on `device` (fp32 on a GPU).
+fn cifar_run_args(output_dir: &Path, data: &Path, device: &str) -> Vec<String> {
+    let mut args: Vec<String> = vec!["train".into()];
+    args.extend(common::SMALL_MODEL.iter().map(|arg| arg.to_string()));
+    for (flag, value) in [
+        ("--data", "cifar10-bin"),
+        ("--epochs", "2"),
+        ("--batch-size", "16"),
+        ("--grad-accum", "2"),
+        ("--optimizer", "sgd"),
+        ("--momentum", "0.9"),
+        ("--lr", "0.05"),
+        ("--threads", "4"),
+        ("--seed", "11"),
+        ("--device", device),
+    ] {
+        args.extend([flag.to_string(), value.to_string()]);
+    }
+    args.extend(["--data-dir".to_string(), data.display().to_string()]);
+    args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
+    match device {
+        "cpu" => args,
+        _ => with_flag(args, "--precision", "fp32"),
+    }
+}
+
+const DATA_ON_GPU: &str = "data: the training set is in GPU memory";
+
+/// The device data path (training set in GPU memory, batches gathered and augmented there)
+/// ends with the bytes of `epoch_2.safetensors` of the same GPU run fed the CPU loader's
+/// batches (`TANDEM_HOST_BATCHES=1`): the augmentation is bit-identical and the GPU work the
+/// same. Stopped after one step and resumed (mid-epoch, with --grad-accum), it ends the same
+/// again; and it ends within the CPU comparison's tolerances of the CPU run.
+#[test]
+fn training_with_the_data_on_the_gpu_matches_host_batches() {
+    if !gpu_available("training_with_the_data_on_the_gpu_matches_host_batches") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("cifar");
+    write_cifar_bin(&data, 60, 32);
+    let (device, host, cpu) = (
+        dir.path().join("device"),
+        dir.path().join("host"),
+        dir.path().join("cpu"),
+    );
+    let stdout = train(&cifar_run_args(&device, &data, "cuda"));
+    assert!(stdout.contains(DATA_ON_GPU), "{stdout}");
+    let stdout = expect_success(&run_bounded(
+        tandem()
+            .args(cifar_run_args(&host, &data, "cuda"))
+            .env("TANDEM_HOST_BATCHES", "1"),
+        LIMIT,
+    ));
+    assert!(!stdout.contains(DATA_ON_GPU), "{stdout}");
+    let final_weights = |run: &Path| std::fs::read(run.join("epoch_2.safetensors")).unwrap();
+    assert!(
+        final_weights(&device) == final_weights(&host),
+        "the GPU run with the data on the GPU differs from the one fed host batches"
+    );
+
+    let resumed = dir.path().join("resumed");
+    let args = cifar_run_args(&resumed, &data, "cuda");
+    train(&with_flag(args.clone(), "--max-steps", "1"));
+    let stdout = train(&args);
+    assert!(
+        stdout.contains("Resuming training from snapshot at epoch 1, step 1"),
+        "{stdout}"
+    );
+    assert!(
+        final_weights(&device) == final_weights(&resumed),
+        "the resumed run with the data on the GPU differs from the uninterrupted one"
+    );
+
+    train(&cifar_run_args(&cpu, &data, "cpu"));
+    assert_runs_close(&cpu, &device, "data on the GPU vs cpu");
+}
+
 /// `eval --json` of `checkpoint` on `device`: the report.
 fn eval_json(checkpoint: &Path, device: &str) -> serde_json::Value {
     let mut args: Vec<String> = vec![
@@ -375,6 +472,12 @@ fn the_comparisons_hold_cpu_against_cpu() {
     let across = dir.path().join("across");
     train_across(&across, "cpu", "cpu");
     assert_runs_close(&straight, &across, "cpu then cpu");
+    let data = dir.path().join("cifar");
+    write_cifar_bin(&data, 60, 32);
+    let cifar = dir.path().join("cifar-run");
+    let stdout = train(&cifar_run_args(&cifar, &data, "cpu"));
+    assert!(!stdout.contains(DATA_ON_GPU), "{stdout}");
+    assert_eq!(epoch_losses(&cifar).len(), 2, "the CIFAR fixture trains");
     let checkpoint = straight.join("epoch_2.safetensors");
     let report = eval_json(&checkpoint, "cpu");
     assert_eq!(report["samples"].as_u64(), Some(64));

@@ -78,6 +78,14 @@ pub enum GpuError {
         /// The length the device buffer (or the plan) has.
         expected: usize,
     },
+    /// A batch names an image the dataset on the device does not have.
+    #[error("batch index {index}, expected below the dataset size {len}")]
+    IndexOutOfRange {
+        /// The index asked for.
+        index: usize,
+        /// The number of images on the device.
+        len: usize,
+    },
     /// A setting the GPU executor does not support yet.
     #[error("the GPU executor does not support {0} yet")]
     Unsupported(&'static str),

@@ -41,6 +41,7 @@ const FUNCTIONS: &[(&str, &[&str])] = &[
     ("optimizers", &["sgd_step", "adam_step"]),
     ("bias", &["bias_add", "add_channel_sums"]),
     ("collective", &["divide_in_place"]),
+    ("augment", &["augment_draws", "augment_apply"]),
 ];
 
 /// One kernel argument, by value (device pointers as their addresses; a null pointer is 0).
@@ -52,6 +53,8 @@ pub enum Arg {
     I32(i32),
     /// `long long`.
     I64(i64),
+    /// `unsigned long long`.
+    U64(u64),
     /// `float`.
     F32(f32),
     /// `double`.
@@ -119,6 +122,7 @@ impl Kernels {
                 Arg::Ptr(value) => builder.arg(value),
                 Arg::I32(value) => builder.arg(value),
                 Arg::I64(value) => builder.arg(value),
+                Arg::U64(value) => builder.arg(value),
                 Arg::F32(value) => builder.arg(value),
                 Arg::F64(value) => builder.arg(value),
             };

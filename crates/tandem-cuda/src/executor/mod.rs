@@ -18,6 +18,7 @@
 pub mod conv;
 pub mod cudnn;
 mod data_parallel;
+pub mod dataset;
 pub mod error;
 pub mod launch;
 pub mod linear;
@@ -42,6 +43,7 @@ use crate::ptx_cache::PtxCache;
 use conv::AlgorithmCache;
 use cudnn::CudnnHandle;
 pub use data_parallel::DeviceDataParallel;
+pub use dataset::{AugmentSettings, DatasetShape, DeviceDataset};
 pub use error::GpuError;
 use error::{driver, same_length};
 use launch::{per_element, Arg, Kernels};
@@ -245,6 +247,18 @@ impl CudaExecutor {
         check_batch(plan, images, Some(labels)).map_err(device)?;
         self.prepare(plan).map_err(device)?;
         self.images_from_host(images);
+        self.forward_train_loaded(model, plan, labels, loss, bn_sync)
+    }
+
+    /// The training forward of the images already in the prepared plan's input.
+    fn forward_train_loaded(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        labels: &[u32],
+        loss: &LossOptions,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+    ) -> Result<f32, ModelError> {
         model.forward_on(self, plan, bn_sync)?;
         let value = self.loss_forward(labels, loss.label_smoothing)?;
         self.take_error().map_err(device)?;

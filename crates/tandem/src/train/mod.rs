@@ -5,6 +5,7 @@
 //! function of the seed, the epoch and the step, so a run resumed from a snapshot taken at
 //! any step continues with exactly the numbers the uninterrupted run would have had.
 
+pub mod batches;
 pub mod ddp;
 pub mod fresh_start;
 pub mod history;
@@ -26,7 +27,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use tandem_cuda::{Device, Precision};
 use tandem_data::{
-    eval_shard, Augment, Batch, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
+    eval_shard, Augment, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
 };
 use tandem_engine::{AdamConfig, SgdConfig};
 use tandem_models::{BatchNormReducer, LossOptions, Model};
@@ -39,6 +40,7 @@ use crate::device::Announce;
 use crate::evaluation::{evaluate, Evaluation};
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
+use batches::{EpochBatches, IndexBatches, MicroBatch};
 use ddp::Ddp;
 use history::{write_history, EpochRecord};
 use mirror::{localize, Mirror};
@@ -99,6 +101,8 @@ struct Trainer {
     test_set: Arc<Dataset>,
     sampler: DistributedSampler,
     normalize: Option<Normalize>,
+    /// Whether the training set is in GPU memory and batches are assembled there.
+    batches_on_device: bool,
     progress: Progress,
     history: Vec<EpochRecord>,
     ddp: Option<Ddp>,
@@ -211,6 +215,21 @@ impl Trainer {
                 );
             }
         }
+        let batches_on_device = match host_batches_requested() {
+            true => None,
+            false => compute.upload_train_set(
+                &train_set,
+                train_augment(&settings),
+                normalize,
+                settings.seed,
+            )?,
+        };
+        if let (Some(bytes), 0) = (batches_on_device, rank) {
+            say!(
+                "data: the training set is in GPU memory ({:.1} MB); batches are assembled there",
+                bytes as f64 / 1e6
+            );
+        }
         let mut trainer = Trainer {
             settings,
             given,
@@ -221,6 +240,7 @@ impl Trainer {
             test_set,
             sampler,
             normalize,
+            batches_on_device: batches_on_device.is_some(),
             progress: Progress::default(),
             history: Vec::new(),
             ddp,
@@ -444,25 +464,8 @@ impl Trainer {
     fn run_epoch(&mut self) -> anyhow::Result<EpochEnd> {
         let epoch = self.progress.epoch;
         let accumulation = self.settings.grad_accum as usize;
-        let loader = Loader::new(
-            Arc::clone(&self.train_set),
-            self.sampler.indices(epoch),
-            LoaderOptions {
-                batch_size: self.settings.batch_size,
-                drop_last: false,
-                augment: self.settings.augment.then_some(Augment {
-                    random_crop_padding: Some(4),
-                    horizontal_flip: true,
-                }),
-                normalize: self.normalize,
-                seed: self.settings.seed,
-                epoch,
-                threads: self.settings.loader_threads,
-                prefetch: 2 * self.settings.loader_threads + accumulation,
-                start_batch: self.progress.step_in_epoch as usize * accumulation,
-            },
-        )?;
-        let steps_in_epoch = loader.num_batches().div_ceil(accumulation) as u64;
+        let mut batches = self.epoch_batches(epoch)?;
+        let steps_in_epoch = batches.num_batches().div_ceil(accumulation) as u64;
         let mut bar = self
             .is_leader()
             .then(|| ProgressLine::new(epoch + 1, steps_in_epoch, self.progress.step_in_epoch));
@@ -471,16 +474,7 @@ impl Trainer {
         let mut images_this_session = 0usize;
         let mut log_window = (Instant::now(), 0usize);
         let mut lr = self.schedule.lr_at(self.progress.global_step);
-        let mut micro_batches = Vec::with_capacity(accumulation);
-        let mut loader = loader.peekable();
-        while loader.peek().is_some() {
-            micro_batches.clear();
-            while micro_batches.len() < accumulation {
-                match loader.next() {
-                    Some(batch) => micro_batches.push(batch?),
-                    None => break,
-                }
-            }
+        while let Some(micro_batches) = batches.next_step(accumulation)? {
             lr = self.schedule.lr_at(self.progress.global_step);
             let outcome = self.train_step(&micro_batches, lr)?;
             images_this_session += outcome.images * self.world_size();
@@ -549,10 +543,43 @@ impl Trainer {
         Ok(EpochEnd::Completed)
     }
 
+    /// The batches of the rest of `epoch`: the CPU loader's, or their indices when the GPU
+    /// assembles them; the same samples either way.
+    fn epoch_batches(&self, epoch: u64) -> anyhow::Result<EpochBatches> {
+        let accumulation = self.settings.grad_accum as usize;
+        let start_batch = self.progress.step_in_epoch as usize * accumulation;
+        let indices = self.sampler.indices(epoch);
+        if self.batches_on_device {
+            let batches = IndexBatches::new(
+                Arc::clone(&self.train_set),
+                indices,
+                self.settings.batch_size,
+                start_batch,
+            )?;
+            return Ok(EpochBatches::Device(batches));
+        }
+        let loader = Loader::new(
+            Arc::clone(&self.train_set),
+            indices,
+            LoaderOptions {
+                batch_size: self.settings.batch_size,
+                drop_last: false,
+                augment: train_augment(&self.settings),
+                normalize: self.normalize,
+                seed: self.settings.seed,
+                epoch,
+                threads: self.settings.loader_threads,
+                prefetch: 2 * self.settings.loader_threads + accumulation,
+                start_batch,
+            },
+        )?;
+        Ok(EpochBatches::host(loader))
+    }
+
     /// One optimizer step over `micro_batches` (one, or `--grad-accum` of them): forward,
     /// backward, gradient averaging over the ranks, update. When an NCCL collective timed
     /// out, the error also names the peer that stopped answering, as the ring finds it.
-    fn train_step(&mut self, micro_batches: &[Batch], lr: f64) -> anyhow::Result<StepOutcome> {
+    fn train_step(&mut self, micro_batches: &[MicroBatch], lr: f64) -> anyhow::Result<StepOutcome> {
         let outcome = self.averaged_step(micro_batches, lr);
         outcome.map_err(|error| match (&self.ddp, self.compute.nccl_failure()) {
             (Some(ddp), Some(_)) => match ddp.name_stalled_peer() {
@@ -564,7 +591,11 @@ impl Trainer {
     }
 
     /// [`Trainer::train_step`]'s work.
-    fn averaged_step(&mut self, micro_batches: &[Batch], lr: f64) -> anyhow::Result<StepOutcome> {
+    fn averaged_step(
+        &mut self,
+        micro_batches: &[MicroBatch],
+        lr: f64,
+    ) -> anyhow::Result<StepOutcome> {
         let loss_options = LossOptions {
             label_smoothing: self.settings.label_smoothing as f32,
         };
@@ -590,18 +621,18 @@ impl Trainer {
                 .filter(|_| sync_bn)
                 .map(Ddp::batch_norm_reducer);
             let loss = self.compute.forward_train(
-                &batch.images,
-                batch.len,
+                batch.images(self.progress.epoch),
+                batch.len(),
                 height,
                 width,
-                &batch.labels,
+                batch.labels(),
                 &loss_options,
                 reducer
                     .as_mut()
                     .map(|reducer| reducer as &mut dyn BatchNormReducer),
             )?;
             loss_sum += loss as f64;
-            images += batch.len;
+            images += batch.len();
             match self.ddp.as_mut().filter(|_| last) {
                 Some(_) if nccl && !sync_bn => {
                     self.compute.backward_all_reduced(loss_scale, None)?;
@@ -900,6 +931,17 @@ impl Trainer {
             .max_steps
             .is_some_and(|max_steps| self.progress.global_step >= max_steps)
     }
+}
+
+/// The training augmentation of `settings`: pad-4 random crop and horizontal flip, or none.
+fn train_augment(settings: &TrainSettings) -> Option<Augment> {
+    settings.augment.then_some(Augment::crop_and_flip())
+}
+
+/// Whether `TANDEM_HOST_BATCHES=1` asks a GPU run to take its batches from the CPU loader
+/// (the reference of the device data path's test) instead of assembling them on the GPU.
+fn host_batches_requested() -> bool {
+    std::env::var_os("TANDEM_HOST_BATCHES").is_some_and(|value| value == "1")
 }
 
 /// `--fresh`: moves the folder's previous run aside and says where. A worker restarted by

@@ -1,0 +1,307 @@
+//! A training set in GPU memory: its uint8 NHWC pixels go to the device once
+//! ([`CudaExecutor::upload_dataset`]); each batch is then assembled on the device from its
+//! sample indices (a few bytes each cross to the device) by `kernels/augment.cu`: the pad-4
+//! crop and flip drawn from (seed, epoch, sample index) exactly as the CPU loader draws them,
+//! and the normalization, written straight into the executor's input slot
+//! ([`CudaExecutor::forward_train_gathered`]) or, for tests, into a buffer brought to the host
+//! ([`CudaExecutor::gather_to_host`]).
+//!
+//! The labels stay on the host (4 bytes a sample, the size of the indices): the loss copies
+//! them to the device as before, and the host names a bad label's sample.
+
+use cudarc::driver::CudaSlice;
+use tandem_engine::BatchNormReducer;
+use tandem_models::workspace::Plan;
+use tandem_models::{LossOptions, Model, ModelError};
+
+use super::error::{driver, int, same_length};
+use super::launch::{per_element, Arg};
+use super::{address, device, CudaExecutor, GpuError};
+
+/// How a batch's images are augmented and normalized: the CPU loader's `Augment`,
+/// `Normalize` and seed, as plain values (this crate does not depend on `tandem-data`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AugmentSettings {
+    /// Zero padding of the random crop (0: no crop draws).
+    pub crop_padding: usize,
+    /// Whether to draw a horizontal flip.
+    pub horizontal_flip: bool,
+    /// `(value - mean[c % 3]) / std[c % 3]`; `[0; 3]` and `[1; 3]` leave `byte / 255`.
+    pub mean: [f32; 3],
+    /// See `mean`.
+    pub std: [f32; 3],
+    /// The seed of the draws.
+    pub seed: u64,
+}
+
+/// The shape of a dataset's pixels: `len` images of `height x width x channels` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DatasetShape {
+    /// Number of images.
+    pub len: usize,
+    /// Rows of an image.
+    pub height: usize,
+    /// Columns of an image.
+    pub width: usize,
+    /// Values of a pixel.
+    pub channels: usize,
+}
+
+impl DatasetShape {
+    /// Values of one image.
+    pub fn image_len(&self) -> usize {
+        self.height * self.width * self.channels
+    }
+
+    /// Checks that `pixels` values fill the shape and that the kernel's `unsigned int` indices
+    /// and `int` sizes can address it.
+    pub fn check(&self, pixels: usize) -> Result<(), GpuError> {
+        same_length(
+            "dataset pixels",
+            pixels,
+            self.len.saturating_mul(self.image_len()),
+        )?;
+        if u32::try_from(self.len).is_err() {
+            return Err(GpuError::TooLarge {
+                what: "dataset images",
+                value: self.len,
+            });
+        }
+        for (what, value) in [
+            ("image height", self.height),
+            ("image width", self.width),
+            ("image channels", self.channels),
+        ] {
+            int(what, value)?;
+        }
+        Ok(())
+    }
+
+    /// `indices` as the kernel's `unsigned int`s, each checked below `len` (the kernel reads
+    /// image `indices[s]` without a bound check).
+    pub fn device_indices(&self, indices: &[usize]) -> Result<Vec<u32>, GpuError> {
+        indices
+            .iter()
+            .map(|&index| match u32::try_from(index) {
+                Ok(value) if index < self.len => Ok(value),
+                _ => Err(GpuError::IndexOutOfRange {
+                    index,
+                    len: self.len,
+                }),
+            })
+            .collect()
+    }
+}
+
+/// A dataset's pixels on one executor's GPU, and the small buffers of a batch's assembly.
+pub struct DeviceDataset {
+    shape: DatasetShape,
+    settings: AugmentSettings,
+    /// All images, uint8 NHWC.
+    pixels: CudaSlice<u8>,
+    /// `settings.mean` and `settings.std`.
+    mean: CudaSlice<f32>,
+    std: CudaSlice<f32>,
+    /// The batch's sample indices (grown to the largest batch).
+    indices: CudaSlice<u32>,
+    /// Three ints per sample: crop top, crop left, flip.
+    draws: CudaSlice<i32>,
+}
+
+impl DeviceDataset {
+    /// The shape of the uploaded pixels.
+    pub fn shape(&self) -> DatasetShape {
+        self.shape
+    }
+}
+
+impl CudaExecutor {
+    /// Copies `pixels` (uint8 NHWC images of `shape`) to this executor's GPU, once, for
+    /// batches assembled there with `settings`.
+    pub fn upload_dataset(
+        &self,
+        pixels: &[u8],
+        shape: DatasetShape,
+        settings: AugmentSettings,
+    ) -> Result<DeviceDataset, GpuError> {
+        shape.check(pixels.len())?;
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let stream = &self.stream;
+        let upload_pixels = match pixels.is_empty() {
+            true => stream.alloc_zeros(1),
+            false => stream.clone_htod(pixels),
+        };
+        Ok(DeviceDataset {
+            shape,
+            settings,
+            pixels: upload_pixels.map_err(driver("cuMemcpyHtoDAsync"))?,
+            mean: stream
+                .clone_htod(&settings.mean)
+                .map_err(driver("cuMemcpyHtoDAsync"))?,
+            std: stream
+                .clone_htod(&settings.std)
+                .map_err(driver("cuMemcpyHtoDAsync"))?,
+            indices: stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?,
+            draws: stream.alloc_zeros(3).map_err(driver("cuMemAllocAsync"))?,
+        })
+    }
+
+    /// A training forward (as [`CudaExecutor::forward_train`]) of the images `indices` of
+    /// `dataset`, augmented with the draws of `epoch` and normalized on the device into the
+    /// plan's input; `labels` are theirs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_train_gathered(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        dataset: &mut DeviceDataset,
+        indices: &[usize],
+        epoch: u64,
+        labels: &[u32],
+        loss: &LossOptions,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+    ) -> Result<f32, ModelError> {
+        same_length("batch indices", indices.len(), plan.batch).map_err(device)?;
+        same_length("labels", labels.len(), plan.batch).map_err(device)?;
+        let shape = dataset.shape;
+        let plan_image = (plan.height, plan.width, plan.stem.shape.in_channels);
+        if (shape.height, shape.width, shape.channels) != plan_image {
+            return Err(device(GpuError::Length {
+                what: "dataset image values",
+                found: shape.image_len(),
+                expected: plan_image.0 * plan_image.1 * plan_image.2,
+            }));
+        }
+        self.prepare(plan).map_err(device)?;
+        let images = {
+            let storage = self.storage().map_err(device)?;
+            let slot = &storage.slots[storage.images];
+            (address(slot, &self.stream), slot.len())
+        };
+        self.gather(dataset, indices, epoch, images)
+            .map_err(device)?;
+        self.forward_train_loaded(model, plan, labels, loss, bn_sync)
+    }
+
+    /// The batch `indices` of `dataset` with the draws of `epoch`, assembled on the device
+    /// and copied to the host (NHWC floats), as the CPU loader would deliver it.
+    pub fn gather_to_host(
+        &mut self,
+        dataset: &mut DeviceDataset,
+        indices: &[usize],
+        epoch: u64,
+    ) -> Result<Vec<f32>, GpuError> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let len = indices.len() * dataset.shape.image_len();
+        let output: CudaSlice<f32> = self
+            .stream
+            .alloc_zeros(len.max(1))
+            .map_err(driver("cuMemAllocAsync"))?;
+        self.gather(
+            dataset,
+            indices,
+            epoch,
+            (address(&output, &self.stream), output.len()),
+        )?;
+        let mut host = self
+            .stream
+            .clone_dtoh(&output)
+            .map_err(driver("cuMemcpyDtoHAsync"))?;
+        host.truncate(len);
+        Ok(host)
+    }
+
+    /// Writes the batch `indices` of `dataset` (draws of `epoch`) to the `capacity` floats at
+    /// `output`, on the executor's stream.
+    fn gather(
+        &self,
+        dataset: &mut DeviceDataset,
+        indices: &[usize],
+        epoch: u64,
+        (output, capacity): (u64, usize),
+    ) -> Result<(), GpuError> {
+        let shape = dataset.shape;
+        let batch = indices.len();
+        let values = batch * shape.image_len();
+        if values > capacity {
+            return Err(GpuError::Length {
+                what: "gathered images",
+                found: values,
+                expected: capacity,
+            });
+        }
+        if batch == 0 {
+            return Ok(());
+        }
+        let host_indices = shape.device_indices(indices)?;
+        if dataset.indices.len() < batch {
+            dataset.indices = self
+                .stream
+                .alloc_zeros(batch)
+                .map_err(driver("cuMemAllocAsync"))?;
+            dataset.draws = self
+                .stream
+                .alloc_zeros(3 * batch)
+                .map_err(driver("cuMemAllocAsync"))?;
+        }
+        self.stream
+            .memcpy_htod(&host_indices, &mut dataset.indices.slice_mut(..batch))
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        let settings = dataset.settings;
+        let stream = &self.stream;
+        let (pixels, indices_address, draws, mean, std) = (
+            address(&dataset.pixels, stream),
+            address(&dataset.indices, stream),
+            address(&dataset.draws, stream),
+            address(&dataset.mean, stream),
+            address(&dataset.std, stream),
+        );
+        let batch_int = int("batch", batch)?;
+        let padding = int("crop padding", settings.crop_padding)?;
+        // SAFETY: augment_draws(const unsigned*, int, u64, u64, int, int, int*): one thread per
+        // sample reads indices[s] and writes draws[3s..3s+3]; both hold at least `batch`
+        // (3 * batch) elements. augment_apply(const unsigned char*, const unsigned*, const int*,
+        // int, int, int, int, int, const float*, const float*, float*): one thread per output
+        // value, writing output[i] for i < batch * image_len ≤ capacity (checked above) and
+        // reading image indices[s] < len (checked by `device_indices`) of the pixels, which
+        // hold len * image_len bytes (checked at upload), and mean/std of 3 floats (c % 3).
+        // Every buffer lives in `dataset` or the caller's storage, which outlive the stream's
+        // work: the next use of either is ordered after it on this one stream.
+        unsafe {
+            self.launch(
+                "augment_draws",
+                per_element(batch),
+                &[
+                    Arg::Ptr(indices_address),
+                    Arg::I32(batch_int),
+                    Arg::U64(settings.seed),
+                    Arg::U64(epoch),
+                    Arg::I32(padding),
+                    Arg::I32(i32::from(settings.horizontal_flip)),
+                    Arg::Ptr(draws),
+                ],
+            )?;
+            self.launch(
+                "augment_apply",
+                per_element(values),
+                &[
+                    Arg::Ptr(pixels),
+                    Arg::Ptr(indices_address),
+                    Arg::Ptr(draws),
+                    Arg::I32(batch_int),
+                    Arg::I32(int("image height", shape.height)?),
+                    Arg::I32(int("image width", shape.width)?),
+                    Arg::I32(int("image channels", shape.channels)?),
+                    Arg::I32(padding),
+                    Arg::Ptr(mean),
+                    Arg::Ptr(std),
+                    Arg::Ptr(output),
+                ],
+            )
+        }
+    }
+}
