@@ -458,12 +458,9 @@ fn submit(cluster: &SlurmCluster, output_dir: &Path) -> String {
         .to_string()
 }
 
-#[test]
-fn sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical() {
-    let test = "sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical";
-    let Some(cluster) = SlurmCluster::start(test) else {
-        return;
-    };
+/// The batch job run straight through under `tandem launch` (no Slurm), into
+/// `CLUSTER/straight`: the weights an interrupted job must end with.
+fn straight_run(cluster: &SlurmCluster) -> PathBuf {
     let straight = cluster.path("straight");
     let mut launch = tandem();
     launch
@@ -471,15 +468,48 @@ fn sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical() {
         .args(batch_job(&straight))
         .env_remove("TANDEM_JOB_TOKEN");
     expect_success(&GroupJob::start(&mut launch).wait(JOB_LIMIT));
+    straight
+}
 
-    let output_dir = cluster.path("cancelled");
-    let job_id = submit(&cluster, &output_dir);
-    // Cancel once the workers report their first steps of epoch 1.
+/// Submits the batch job into `output_dir` and waits until its workers report their first
+/// steps of epoch 1; returns the job's id.
+fn submit_and_wait_for_first_steps(cluster: &SlurmCluster, output_dir: &Path) -> String {
+    let job_id = submit(cluster, output_dir);
     let progress = output_dir.join("logs/rank_0.log");
     cluster.wait_until(
         || std::fs::read_to_string(&progress).is_ok_and(|log| log.contains("epoch 1 | step ")),
         "the batch job's first steps",
     );
+    job_id
+}
+
+/// Fails unless the job's output says it resumed from a mid-epoch snapshot and succeeded,
+/// and its weights are those of `straight`.
+fn assert_resumed_bit_identical(cluster: &SlurmCluster, straight: &Path, output_dir: &Path) {
+    let job_out = std::fs::read_to_string(cluster.path("job.out")).unwrap_or_default();
+    assert!(
+        job_out.contains("Resuming training from snapshot at epoch 1, step "),
+        "the job did not resume from a mid-epoch snapshot\n{job_out}"
+    );
+    assert!(
+        job_out.ends_with("tandem launch: every worker finished successfully\n"),
+        "the resumed job did not succeed\n{job_out}"
+    );
+    assert!(
+        final_weights(straight) == final_weights(output_dir),
+        "the resumed job ended with other weights than the uninterrupted one\n{job_out}"
+    );
+}
+
+#[test]
+fn sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical() {
+    let test = "sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical";
+    let Some(cluster) = SlurmCluster::start(test) else {
+        return;
+    };
+    let straight = straight_run(&cluster);
+    let output_dir = cluster.path("cancelled");
+    let job_id = submit_and_wait_for_first_steps(&cluster, &output_dir);
     expect_success(&cluster.client("scancel", &[&job_id]));
     cluster.wait_for_job_end(&job_id, Duration::from_secs(KILL_WAIT_SECONDS + 30));
 
@@ -498,19 +528,7 @@ fn sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical() {
 
     let job_id = submit(&cluster, &output_dir);
     cluster.wait_for_job_end(&job_id, JOB_LIMIT);
-    let job_out = std::fs::read_to_string(cluster.path("job.out")).unwrap_or_default();
-    assert!(
-        job_out.ends_with("tandem launch: every worker finished successfully\n"),
-        "the resubmitted job did not succeed\n{job_out}"
-    );
-    assert!(
-        job_out.contains("Resuming training from snapshot at epoch 1"),
-        "{job_out}"
-    );
-    assert!(
-        final_weights(&straight) == final_weights(&output_dir),
-        "the resumed job ended with other weights than the uninterrupted one\n{job_out}"
-    );
+    assert_resumed_bit_identical(&cluster, &straight, &output_dir);
 }
 
 #[test]
@@ -519,21 +537,9 @@ fn sbatch_job_requeued_mid_epoch_resumes_and_ends_bit_identical() {
     let Some(cluster) = SlurmCluster::start(test) else {
         return;
     };
-    let straight = cluster.path("straight");
-    let mut launch = tandem();
-    launch
-        .args(["launch", "--standalone", "--nproc-per-node", "2", "--"])
-        .args(batch_job(&straight))
-        .env_remove("TANDEM_JOB_TOKEN");
-    expect_success(&GroupJob::start(&mut launch).wait(JOB_LIMIT));
-
+    let straight = straight_run(&cluster);
     let output_dir = cluster.path("requeued");
-    let job_id = submit(&cluster, &output_dir);
-    let progress = output_dir.join("logs/rank_0.log");
-    cluster.wait_until(
-        || std::fs::read_to_string(&progress).is_ok_and(|log| log.contains("epoch 1 | step ")),
-        "the batch job's first steps",
-    );
+    let job_id = submit_and_wait_for_first_steps(&cluster, &output_dir);
     // Requeued, the job is stopped as by scancel and put back in the queue, held until its
     // begin time; releasing it at once keeps the test short.
     expect_success(&cluster.client("scontrol", &["requeue", &job_id]));
@@ -549,19 +555,7 @@ fn sbatch_job_requeued_mid_epoch_resumes_and_ends_bit_identical() {
         &["update", &format!("JobId={job_id}"), "StartTime=now"],
     ));
     cluster.wait_for_job_end(&job_id, JOB_LIMIT);
-    let job_out = std::fs::read_to_string(cluster.path("job.out")).unwrap_or_default();
-    assert!(
-        job_out.contains("Resuming training from snapshot at epoch 1, step "),
-        "the requeued job did not resume from a mid-epoch snapshot\n{job_out}"
-    );
-    assert!(
-        job_out.ends_with("tandem launch: every worker finished successfully\n"),
-        "the requeued job did not succeed\n{job_out}"
-    );
-    assert!(
-        final_weights(&straight) == final_weights(&output_dir),
-        "the requeued job ended with other weights than the uninterrupted one\n{job_out}"
-    );
+    assert_resumed_bit_identical(&cluster, &straight, &output_dir);
 }
 
 /// What `scancel` does to a `tandem launch` job, without Slurm: SIGTERM to every process at
