@@ -174,20 +174,7 @@ impl Compute {
         let engine = match device {
             Device::Cpu { .. } => Engine::Cpu { optimizer: None },
             Device::Cuda { ordinal, .. } => {
-                let settings = GpuSettings {
-                    ordinal: *ordinal,
-                    precision: precision.unwrap_or(Precision::Tf32),
-                    deterministic: true,
-                };
-                let cache = PtxCache::default_dir().map(PtxCache::new);
-                let exec = CudaExecutor::new(
-                    Probe::process(),
-                    settings,
-                    cache,
-                    model.params(),
-                    model.buffers(),
-                )
-                .with_context(|| format!("opening cuda:{ordinal}"))?;
+                let exec = open_executor(&model, *ordinal, precision.unwrap_or(Precision::Tf32))?;
                 Engine::Cuda(Box::new(GpuSide {
                     exec,
                     train_plan: None,
@@ -633,6 +620,29 @@ impl Compute {
         }
         Ok(())
     }
+}
+
+/// The GPU executor on GPU `ordinal`, holding `model`'s parameters and buffers, with
+/// deterministic algorithms and `precision`.
+pub fn open_executor(
+    model: &Model,
+    ordinal: usize,
+    precision: Precision,
+) -> anyhow::Result<CudaExecutor> {
+    let settings = GpuSettings {
+        ordinal,
+        precision,
+        deterministic: true,
+    };
+    let cache = PtxCache::default_dir().map(PtxCache::new);
+    CudaExecutor::new(
+        Probe::process(),
+        settings,
+        cache,
+        model.params(),
+        model.buffers(),
+    )
+    .with_context(|| format!("opening cuda:{ordinal}"))
 }
 
 /// The kept plan when it fits the batch, else a new one for it.

@@ -4,8 +4,7 @@
 
 use std::time::Instant;
 
-use anyhow::Context;
-use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe, PtxCache};
+use tandem_cuda::{CudaExecutor, Precision};
 use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model, ModelSpec};
 
@@ -22,20 +21,7 @@ pub fn run(
     precision: Precision,
 ) -> anyhow::Result<()> {
     let model = Model::new(spec)?;
-    let settings = GpuSettings {
-        ordinal,
-        precision,
-        deterministic: true,
-    };
-    let cache = PtxCache::default_dir().map(PtxCache::new);
-    let mut exec = CudaExecutor::new(
-        Probe::process(),
-        settings,
-        cache,
-        model.params(),
-        model.buffers(),
-    )
-    .with_context(|| format!("opening cuda:{ordinal}"))?;
+    let mut exec = crate::compute::open_executor(&model, ordinal, precision)?;
     let (images, labels) = random_batch(spec, batch);
     let train_plan = model.plan(Mode::Train, batch, IMAGE_SIZE, IMAGE_SIZE)?;
     let eval_plan = model.plan(Mode::Eval, batch, IMAGE_SIZE, IMAGE_SIZE)?;
