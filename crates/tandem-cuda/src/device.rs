@@ -169,6 +169,23 @@ impl GpuFacts {
     }
 }
 
+/// Why no GPU can be used here with `libraries` (the driver is always needed): the first
+/// missing library, or no visible GPU; `None` when one can. For tests that skip without a
+/// GPU, saying why.
+pub fn why_no_gpu(probe: &Probe, libraries: &[Library]) -> Option<String> {
+    let missing = std::iter::once(Library::Driver)
+        .chain(libraries.iter().copied())
+        .find_map(|library| probe.get(library).err());
+    if let Some(missing) = missing {
+        return Some(missing.to_string());
+    }
+    match count_gpus() {
+        Ok(count) if count > 0 => None,
+        Ok(_) => Some("no GPU is visible".to_string()),
+        Err(error) => Some(format!("no GPU ({error})")),
+    }
+}
+
 /// The driver's device count; call only after the probe found the driver.
 fn count_gpus() -> Result<usize, String> {
     cudarc::driver::result::init().map_err(|error| format!("cuInit failed: {error:?}"))?;

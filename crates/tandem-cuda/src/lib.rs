@@ -22,7 +22,7 @@ pub mod ptx_cache;
 pub use arch::GpuArch;
 pub use collective::{CollectiveError, NcclGroup};
 pub use compile::{CompileError, CompiledKernel, Compiler};
-pub use device::{Device, DeviceError, DeviceRequest, GpuFacts};
+pub use device::{why_no_gpu, Device, DeviceError, DeviceRequest, GpuFacts};
 pub use executor::{CudaExecutor, GpuError, GpuSettings, Precision};
 pub use kernels::{KernelSource, KERNELS};
 pub use probe::{Library, MissingLibrary, Probe, SearchPath};

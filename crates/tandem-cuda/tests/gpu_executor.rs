@@ -17,23 +17,10 @@ const SIDE: usize = 32;
 /// The probe, when the driver, NVRTC, cuBLAS, cuDNN and a GPU are there; else prints why.
 fn gpu_probe(test: &str) -> Option<&'static Probe> {
     let probe = Probe::process();
-    for library in [
-        Library::Driver,
-        Library::Nvrtc,
-        Library::Cublas,
-        Library::Cudnn,
-    ] {
-        if let Err(missing) = probe.get(library) {
-            eprintln!("{test}: skipped, {missing}");
-            return None;
-        }
-    }
-    let count =
-        cudarc::driver::result::init().and_then(|()| cudarc::driver::result::device::get_count());
-    match count {
-        Ok(count) if count > 0 => Some(probe),
-        other => {
-            eprintln!("{test}: skipped, no GPU ({other:?})");
+    match tandem_cuda::why_no_gpu(probe, &[Library::Nvrtc, Library::Cublas, Library::Cudnn]) {
+        None => Some(probe),
+        Some(reason) => {
+            eprintln!("{test}: skipped, {reason}");
             None
         }
     }

@@ -23,18 +23,9 @@ impl Gpu {
     /// The GPU, or `None` (after printing why) when there is none to test on.
     fn open(test: &str) -> Option<Gpu> {
         let probe = common::probe_with_nvrtc(test)?;
-        if let Err(missing) = probe.get(Library::Driver) {
-            eprintln!("{test}: skipped, {missing}");
+        if let Some(reason) = tandem_cuda::why_no_gpu(probe, &[Library::Nvrtc]) {
+            eprintln!("{test}: skipped, {reason}");
             return None;
-        }
-        let count = cudarc::driver::result::init()
-            .and_then(|()| cudarc::driver::result::device::get_count());
-        match count {
-            Ok(count) if count > 0 => {}
-            other => {
-                eprintln!("{test}: skipped, no GPU ({other:?})");
-                return None;
-            }
         }
         let context = CudaContext::new(0).expect("cannot open GPU 0");
         let (major, minor) = context.compute_capability().expect("compute capability");

@@ -28,7 +28,7 @@ use common::{
     children, expect_success, read_tensors, run_bounded, synthetic_run, tandem, with_flag,
     worst_error_per_family, Launcher,
 };
-use tandem_cuda::device::GpuFacts;
+use tandem_cuda::device::REQUIRED_LIBRARIES;
 use tandem_cuda::{Library, Probe};
 
 const LIMIT: Duration = Duration::from_secs(100);
@@ -39,21 +39,14 @@ const NOISE_FLOOR: f64 = 1e-4;
 
 /// Whether a GPU can be used here (and libnccl, with `nccl`); prints why not.
 fn gpu_available(test: &str, nccl: bool) -> bool {
-    let facts = GpuFacts::gather(Probe::process());
-    if let Some(missing) = facts.missing_library {
-        eprintln!("{test}: skipped, {missing}");
-        return false;
-    }
+    let mut libraries = REQUIRED_LIBRARIES.to_vec();
     if nccl {
-        if let Err(missing) = Probe::process().get(Library::Nccl) {
-            eprintln!("{test}: skipped, {missing}");
-            return false;
-        }
+        libraries.push(Library::Nccl);
     }
-    match facts.visible_gpus {
-        Ok(count) if count > 0 => true,
-        other => {
-            eprintln!("{test}: skipped, no GPU ({other:?})");
+    match tandem_cuda::why_no_gpu(Probe::process(), &libraries) {
+        None => true,
+        Some(reason) => {
+            eprintln!("{test}: skipped, {reason}");
             false
         }
     }

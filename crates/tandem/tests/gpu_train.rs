@@ -18,7 +18,7 @@ use common::{
     expect_success, read_tensors, run_bounded, synthetic_run, tandem, with_flag,
     worst_error_per_family, SMALL_MODEL,
 };
-use tandem_cuda::device::GpuFacts;
+use tandem_cuda::device::REQUIRED_LIBRARIES;
 use tandem_cuda::Probe;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -34,15 +34,10 @@ const EVAL_TOLERANCE: f64 = 1e-4;
 
 /// Whether a GPU can be used here; prints why not.
 fn gpu_available(test: &str) -> bool {
-    let facts = GpuFacts::gather(Probe::process());
-    if let Some(missing) = facts.missing_library {
-        eprintln!("{test}: skipped, {missing}");
-        return false;
-    }
-    match facts.visible_gpus {
-        Ok(count) if count > 0 => true,
-        other => {
-            eprintln!("{test}: skipped, no GPU ({other:?})");
+    match tandem_cuda::why_no_gpu(Probe::process(), &REQUIRED_LIBRARIES) {
+        None => true,
+        Some(reason) => {
+            eprintln!("{test}: skipped, {reason}");
             false
         }
     }
