@@ -43,6 +43,24 @@ fn good_client(server: &S3Server) -> RemoteStore {
     )
 }
 
+/// A client that reaches the server through `proxy`, retrying for `retry` at most.
+fn proxied_client(proxy: &CuttingProxy, retry: Duration) -> RemoteStore {
+    client(&proxy.endpoint(), ACCESS_KEY, SECRET_KEY, retry)
+}
+
+/// A server whose bucket `data` holds the object `name` of `len` pattern bytes.
+fn server_with_object(name: &str, len: usize) -> Option<S3Server> {
+    let server = S3Server::start()?;
+    let bucket = server.create_bucket("data");
+    std::fs::write(bucket.join(name), pattern(len)).expect("the object");
+    Some(server)
+}
+
+/// How many entries `folder` holds.
+fn entries_in(folder: &std::path::Path) -> usize {
+    std::fs::read_dir(folder).expect("list").count()
+}
+
 /// Bytes that differ at every position, so a misplaced part cannot go unnoticed.
 fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|index| (index * 31 % 251) as u8).collect()
@@ -156,11 +174,7 @@ fn each_failure_is_its_named_error() {
         "{message}"
     );
     assert!(!target.exists(), "no file is left by failed downloads");
-    assert_eq!(
-        std::fs::read_dir(folder.path()).expect("list").count(),
-        0,
-        "nor a temporary"
-    );
+    assert_eq!(entries_in(folder.path()), 0, "nor a temporary");
 }
 
 #[test]
@@ -175,12 +189,7 @@ fn an_upload_cut_mid_way_is_retried_and_leaves_no_partial_object() {
         ("multi.bin", tandem_remote::PART_BYTES + 777),
     ] {
         let proxy = CuttingProxy::start(server.port(), Cut::Requests, 1_000_000);
-        let store = client(
-            &proxy.endpoint(),
-            ACCESS_KEY,
-            SECRET_KEY,
-            Duration::from_secs(10),
-        );
+        let store = proxied_client(&proxy, Duration::from_secs(10));
         let local = folder.path().join(name);
         std::fs::write(&local, pattern(len)).expect("the local file");
         let object = url(&format!("s3://runs/{name}"));
@@ -216,19 +225,12 @@ fn an_upload_cut_mid_way_is_retried_and_leaves_no_partial_object() {
 
 #[test]
 fn a_download_cut_mid_way_is_retried_and_lands_whole() {
-    let Some(server) = S3Server::start() else {
+    let len = tandem_remote::PART_BYTES + 4321;
+    let Some(server) = server_with_object("batch.bin", len) else {
         return;
     };
-    let bucket = server.create_bucket("data");
-    let len = tandem_remote::PART_BYTES + 4321;
-    std::fs::write(bucket.join("batch.bin"), pattern(len)).expect("the object");
     let proxy = CuttingProxy::start(server.port(), Cut::Responses, 3_000_000);
-    let store = client(
-        &proxy.endpoint(),
-        ACCESS_KEY,
-        SECRET_KEY,
-        Duration::from_secs(10),
-    );
+    let store = proxied_client(&proxy, Duration::from_secs(10));
     let folder = tempfile::tempdir().expect("a temporary folder");
     let local = folder.path().join("batch.bin");
     let outcome = store.download(&url("s3://data/batch.bin"), &local);
@@ -243,28 +245,17 @@ fn a_download_cut_mid_way_is_retried_and_lands_whole() {
         }
         Err(error) => panic!("the cut download was not retried: {error}"),
     }
-    assert_eq!(
-        std::fs::read_dir(folder.path()).expect("list").count(),
-        1,
-        "no temporary left"
-    );
+    assert_eq!(entries_in(folder.path()), 1, "no temporary left");
 }
 
 #[test]
 fn a_download_that_keeps_breaking_off_is_a_truncated_download() {
-    let Some(server) = S3Server::start() else {
+    let len = 2 * tandem_remote::PART_BYTES;
+    let Some(server) = server_with_object("batch.bin", len) else {
         return;
     };
-    let bucket = server.create_bucket("data");
-    let len = 2 * tandem_remote::PART_BYTES;
-    std::fs::write(bucket.join("batch.bin"), pattern(len)).expect("the object");
     let proxy = CuttingProxy::start_cutting_all(server.port(), Cut::Responses, 2_000);
-    let store = client(
-        &proxy.endpoint(),
-        ACCESS_KEY,
-        SECRET_KEY,
-        Duration::from_secs(1),
-    );
+    let store = proxied_client(&proxy, Duration::from_secs(1));
     let folder = tempfile::tempdir().expect("a temporary folder");
     let error = store
         .download(
@@ -277,27 +268,16 @@ fn a_download_that_keeps_breaking_off_is_a_truncated_download() {
         format!("s3://data/batch.bin: truncated download: 0 of {len} bytes arrived")
     );
     assert!(proxy.cuts() >= 2, "the cut range was asked for again");
-    assert_eq!(
-        std::fs::read_dir(folder.path()).expect("list").count(),
-        0,
-        "nothing left"
-    );
+    assert_eq!(entries_in(folder.path()), 0, "nothing left");
 }
 
 #[test]
 fn a_throttled_request_is_retried() {
-    let Some(server) = S3Server::start() else {
+    let Some(server) = server_with_object("small.bin", 5000) else {
         return;
     };
-    let bucket = server.create_bucket("data");
-    std::fs::write(bucket.join("small.bin"), pattern(5000)).expect("the object");
     let proxy = CuttingProxy::start(server.port(), Cut::Throttle, 0);
-    let store = client(
-        &proxy.endpoint(),
-        ACCESS_KEY,
-        SECRET_KEY,
-        Duration::from_secs(10),
-    );
+    let store = proxied_client(&proxy, Duration::from_secs(10));
     let folder = tempfile::tempdir().expect("a temporary folder");
     let local = folder.path().join("small.bin");
     assert_eq!(
