@@ -116,7 +116,7 @@ impl Storage {
             && info.e_tag.is_some()
             && cached_tag.as_deref() == info.e_tag.as_deref();
         if !current {
-            self.store.download(url, &local)?;
+            self.store.download_listed(url, info.size, &local)?;
             if let Some(tag) = &info.e_tag {
                 crate::files::write_atomically(&tag_path, tag.as_bytes())?;
             }

@@ -148,19 +148,18 @@ impl Mirror {
         let Some(url) = self.url_of(local) else {
             return Ok(None);
         };
-        if self
+        let Some(info) = self
             .storage
             .store
             .head(&url)
             .with_context(|| format!("cannot look for the snapshot {url}"))?
-            .is_none()
-        {
+        else {
             return Ok(None);
-        }
+        };
         let fetched = sidecar(local, "from-bucket");
         self.storage
             .store
-            .download(&url, &fetched)
+            .download_listed(&url, info.size, &fetched)
             .with_context(|| format!("cannot fetch the snapshot {url}"))?;
         Ok(Some(fetched))
     }
