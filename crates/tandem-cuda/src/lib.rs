@@ -18,6 +18,7 @@ pub mod kernels;
 pub mod nccl;
 pub mod probe;
 pub mod ptx_cache;
+pub mod ptx_params;
 
 pub use arch::GpuArch;
 pub use collective::{CollectiveError, NcclGroup};

@@ -21,6 +21,16 @@ fn entry_points(source: &str) -> Vec<&str> {
         .collect()
 }
 
+/// The number of parameters in the C declaration of kernel `entry`.
+fn c_parameter_count(source: &str, entry: &str) -> usize {
+    let declaration = format!("extern \"C\" __global__ void {entry}(");
+    let start = source.find(&declaration).unwrap() + declaration.len();
+    let list = &source[start..start + source[start..].find(')').unwrap()];
+    list.split(',')
+        .filter(|param| !param.trim().is_empty())
+        .count()
+}
+
 #[test]
 fn every_kernel_file_compiles_for_sm_90() {
     let Some(probe) = common::probe_with_nvrtc("every_kernel_file_compiles_for_sm_90") else {
@@ -56,9 +66,18 @@ fn every_kernel_file_compiles_for_sm_90() {
         let entries = entry_points(kernel.source);
         assert!(!entries.is_empty(), "{}: no kernels", kernel.name);
         for entry in entries {
+            let params = tandem_cuda::ptx_params::entry_params(&compiled.ptx, entry)
+                .unwrap_or_else(|| panic!("{}: no PTX entry for {entry}", kernel.name));
+            // What a launch is checked against: one known kind per C parameter.
+            assert_eq!(
+                params.len(),
+                c_parameter_count(kernel.source, entry),
+                "{}: {entry}'s PTX parameters",
+                kernel.name
+            );
             assert!(
-                compiled.ptx.contains(&format!(".entry {entry}(")),
-                "{}: no PTX entry for {entry}",
+                !params.contains(&tandem_cuda::ptx_params::ParamKind::Other),
+                "{}: {entry} has a parameter a launch cannot fill: {params:?}",
                 kernel.name
             );
         }

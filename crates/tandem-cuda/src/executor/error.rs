@@ -34,6 +34,16 @@ pub enum GpuError {
         /// The driver's status.
         status: DriverError,
     },
+    /// A launch's arguments do not match its kernel's parameters (read from the PTX).
+    #[error("kernel {kernel}: launched with {found}, its parameters are {expected}")]
+    KernelArguments {
+        /// The kernel's name.
+        kernel: &'static str,
+        /// The parameters its PTX declares.
+        expected: String,
+        /// The arguments of the launch.
+        found: String,
+    },
     /// A cuDNN call failed.
     #[error("cuDNN: {call} failed: {status:?}")]
     Cudnn {

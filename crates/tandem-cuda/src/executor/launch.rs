@@ -9,6 +9,7 @@ use cudarc::nvrtc::Ptx;
 use super::error::GpuError;
 use crate::compile::Compiler;
 use crate::kernels::KERNELS;
+use crate::ptx_params::{describe, entry_params, ParamKind};
 
 /// Every kernel the executor launches, by file.
 const FUNCTIONS: &[(&str, &[&str])] = &[
@@ -61,9 +62,27 @@ pub enum Arg {
     F64(f64),
 }
 
+impl Arg {
+    /// The PTX parameter kind this argument fills.
+    pub fn kind(&self) -> ParamKind {
+        match self {
+            Arg::Ptr(_) | Arg::I64(_) | Arg::U64(_) => ParamKind::Int64,
+            Arg::I32(_) => ParamKind::Int32,
+            Arg::F32(_) => ParamKind::Float32,
+            Arg::F64(_) => ParamKind::Float64,
+        }
+    }
+}
+
+/// A loaded kernel and its parameter list, read from its PTX.
+struct Function {
+    function: CudaFunction,
+    params: Vec<ParamKind>,
+}
+
 /// The loaded kernels.
 pub struct Kernels {
-    functions: HashMap<&'static str, CudaFunction>,
+    functions: HashMap<&'static str, Function>,
 }
 
 impl Kernels {
@@ -77,6 +96,17 @@ impl Kernels {
             };
             // A cache that cannot be written does not stop the compilation.
             let (compiled, _cache_error) = compiler.compile(source)?;
+            let params_of = |name: &'static str| {
+                entry_params(&compiled.ptx, name).ok_or(GpuError::KernelArguments {
+                    kernel: name,
+                    expected: "an entry in its module's PTX".to_string(),
+                    found: String::new(),
+                })
+            };
+            let params: Vec<Vec<ParamKind>> = names
+                .iter()
+                .map(|&name| params_of(name))
+                .collect::<Result<_, _>>()?;
             let module = context
                 .load_module(Ptx::from_src(compiled.ptx))
                 .map_err(|status| GpuError::Kernel {
@@ -84,7 +114,7 @@ impl Kernels {
                     call: "cuModuleLoadData",
                     status,
                 })?;
-            for &name in names {
+            for (&name, params) in names.iter().zip(params) {
                 let function = module
                     .load_function(name)
                     .map_err(|status| GpuError::Kernel {
@@ -92,7 +122,7 @@ impl Kernels {
                         call: "cuModuleGetFunction",
                         status,
                     })?;
-                functions.insert(name, function);
+                functions.insert(name, Function { function, params });
             }
         }
         Ok(Kernels { functions })
@@ -111,11 +141,12 @@ impl Kernels {
         config: LaunchConfig,
         args: &[Arg],
     ) -> Result<(), GpuError> {
-        let Some(function) = self.functions.get(name) else {
+        let Some(Function { function, params }) = self.functions.get(name) else {
             return Err(GpuError::Unsupported(
                 "launching a kernel that was not loaded",
             ));
         };
+        check_arguments(name, params, args)?;
         let mut builder = stream.launch_builder(function);
         for arg in args {
             match arg {
@@ -136,6 +167,24 @@ impl Kernels {
                 status,
             })
     }
+}
+
+/// `Ok` when `args` fill `params` one for one, else [`GpuError::KernelArguments`] naming
+/// both lists.
+pub fn check_arguments(
+    kernel: &'static str,
+    params: &[ParamKind],
+    args: &[Arg],
+) -> Result<(), GpuError> {
+    let found: Vec<ParamKind> = args.iter().map(Arg::kind).collect();
+    if found == params {
+        return Ok(());
+    }
+    Err(GpuError::KernelArguments {
+        kernel,
+        expected: describe(params),
+        found: describe(&found),
+    })
 }
 
 /// The file's name as a `'static` string for errors.
@@ -162,5 +211,28 @@ pub fn column_sums(channels: usize, row_blocks: usize) -> LaunchConfig {
         grid_dim: (channels.div_ceil(32).max(1) as u32, row_blocks as u32, 1),
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_must_fill_the_parameters_one_for_one() {
+        use ParamKind::*;
+        let params = [Int64, Int64, Float32];
+        let right = [Arg::Ptr(16), Arg::I64(3), Arg::F32(2.0)];
+        assert!(check_arguments("divide_in_place", &params, &right).is_ok());
+        let swapped = [Arg::Ptr(16), Arg::F32(2.0), Arg::I64(3)];
+        let error = check_arguments("divide_in_place", &params, &swapped).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "kernel divide_in_place: launched with (64-bit int or pointer, float, 64-bit int or \
+             pointer), its parameters are (64-bit int or pointer, 64-bit int or pointer, float)"
+        );
+        let short = [Arg::Ptr(16), Arg::I32(3), Arg::F32(2.0)];
+        assert!(check_arguments("divide_in_place", &params, &short).is_err());
+        assert!(check_arguments("divide_in_place", &params, &right[..2]).is_err());
     }
 }
