@@ -152,7 +152,9 @@ export TANDEM_PTX_CACHE=$WORK/ptx-cache
 
 # CUDA libraries: PyTorch's pip packages (nvidia/*/lib), the toolkit and the driver's folders.
 # cudarc looks for libnccl.so but the wheel has libnccl.so.2: a folder of unversioned links
-# (last in the list) supplies such names.
+# (last in the list) supplies such names. It must be on LD_LIBRARY_PATH too: cudarc's dlopen of
+# the bare name reuses an already-loaded library only when that name is its SONAME
+# (libnccl.so.2), so the probe's load by full path does not make `libnccl.so` resolve.
 site=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)
 library_dirs=()
 for dir in "$site"/nvidia/*/lib /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
@@ -171,7 +173,7 @@ for dir in "${library_dirs[@]}"; do
 done
 joined=$(printf '%s:' "${library_dirs[@]}")
 export TANDEM_CUDA_LIBRARY_PATH=${joined}$aliases
-export LD_LIBRARY_PATH=${joined%:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export LD_LIBRARY_PATH=${joined}${aliases}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 say "CUDA library folders: ${library_dirs[*]:-none found}"
 
 if command -v nvidia-smi >/dev/null; then

@@ -14,8 +14,9 @@
 //   forward totals:  [count, sum x per channel..., sum x^2 per channel...]   (double)
 //   backward totals: [sum dy per channel..., sum dy*xhat per channel...]     (double)
 //
-// Launch: *_partial with blockDim (CHANNEL_LANES, ROW_LANES), gridDim (ceil(channels /
-// CHANNEL_LANES), ceil(rows / rows_per_block)); per-channel kernels with one thread per channel.
+// Launch: *_partial with blockDim (CHANNEL_LANES, ROW_LANES), gridDim (ceil(rows /
+// rows_per_block), ceil(channels / CHANNEL_LANES)): the row blocks on x, whose limit is 2^31 - 1
+// blocks rather than y's 65,535; per-channel kernels with one thread per channel.
 
 #define CHANNEL_LANES 32
 #define ROW_LANES 8
@@ -43,8 +44,8 @@ __device__ double sum_row_lanes(double value, double lanes[ROW_LANES][CHANNEL_LA
 extern "C" __global__ void bn_stats_partial(const float* x, int rows, int channels,
                                             int rows_per_block, double* partials) {
     __shared__ double lanes[ROW_LANES][CHANNEL_LANES];
-    int c = blockIdx.x * CHANNEL_LANES + threadIdx.x;
-    int first = blockIdx.y * rows_per_block;
+    int c = blockIdx.y * CHANNEL_LANES + threadIdx.x;
+    int first = blockIdx.x * rows_per_block;
     int last = min(first + rows_per_block, rows);
     double sum = 0.0, sum_sq = 0.0;
     if (c < channels) {
@@ -57,7 +58,7 @@ extern "C" __global__ void bn_stats_partial(const float* x, int rows, int channe
     sum = sum_row_lanes(sum, lanes);
     sum_sq = sum_row_lanes(sum_sq, lanes);
     if (threadIdx.y == 0 && c < channels) {
-        double* out = partials + (long long)blockIdx.y * 2 * channels;
+        double* out = partials + (long long)blockIdx.x * 2 * channels;
         out[c] = sum;
         out[channels + c] = sum_sq;
     }
@@ -131,8 +132,8 @@ extern "C" __global__ void bn_backward_partial(const float* dy, const float* rel
                                                const float* invstd, int rows, int channels,
                                                int rows_per_block, double* partials) {
     __shared__ double lanes[ROW_LANES][CHANNEL_LANES];
-    int c = blockIdx.x * CHANNEL_LANES + threadIdx.x;
-    int first = blockIdx.y * rows_per_block;
+    int c = blockIdx.y * CHANNEL_LANES + threadIdx.x;
+    int first = blockIdx.x * rows_per_block;
     int last = min(first + rows_per_block, rows);
     double sum_dy = 0.0, sum_dy_xhat = 0.0;
     if (c < channels) {
@@ -147,7 +148,7 @@ extern "C" __global__ void bn_backward_partial(const float* dy, const float* rel
     sum_dy = sum_row_lanes(sum_dy, lanes);
     sum_dy_xhat = sum_row_lanes(sum_dy_xhat, lanes);
     if (threadIdx.y == 0 && c < channels) {
-        double* out = partials + (long long)blockIdx.y * 2 * channels;
+        double* out = partials + (long long)blockIdx.x * 2 * channels;
         out[c] = sum_dy;
         out[channels + c] = sum_dy_xhat;
     }

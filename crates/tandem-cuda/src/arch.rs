@@ -16,10 +16,12 @@ impl GpuArch {
     /// The H100 and H200.
     pub const SM_90: GpuArch = GpuArch { major: 9, minor: 0 };
 
-    /// NVRTC's option for PTX of this architecture (`compute_90`: PTX, which the driver
-    /// finishes for the GPU it loads on).
+    /// NVRTC's option for machine code of this architecture (`sm_90`). The executor loads
+    /// that CUBIN rather than PTX: a driver refuses PTX of a newer ISA than its own CUDA
+    /// version (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`, as when PyTorch's wheels bring an NVRTC
+    /// newer than the driver), while a CUBIN of the same major version loads.
     pub fn nvrtc_option(self) -> String {
-        format!("--gpu-architecture=compute_{}{}", self.major, self.minor)
+        format!("--gpu-architecture=sm_{}{}", self.major, self.minor)
     }
 }
 

@@ -1,4 +1,4 @@
-//! CUDA C to PTX with NVRTC, cached on disk.
+//! CUDA C to machine code (CUBIN, with its PTX) with NVRTC, cached on disk.
 //!
 //! NVRTC is called through `cudarc` only after the probe found `libnvrtc`; a missing library
 //! is a [`CompileError::Nvrtc`] naming it, and a source that does not compile returns NVRTC's
@@ -57,11 +57,13 @@ pub enum CompileError {
     },
 }
 
-/// PTX of one kernel file.
+/// One kernel file compiled for one architecture.
 #[derive(Debug, Clone)]
 pub struct CompiledKernel {
-    /// The PTX text.
+    /// The PTX text (what the launches are checked against, and what tests inspect).
     pub ptx: String,
+    /// The machine code the executor loads.
+    pub cubin: Vec<u8>,
     /// Whether it came from the disk cache.
     pub from_cache: bool,
     /// Time spent in NVRTC (zero from the cache).
@@ -87,7 +89,7 @@ impl Compiler {
         cache: Option<PtxCache>,
     ) -> Result<Compiler, CompileError> {
         let nvrtc = probe.require(Library::Nvrtc)?;
-        let identity = format!("nvrtc {} {}", nvrtc.version, OPTIONS.join(" "));
+        let identity = format!("nvrtc {} {} cubin", nvrtc.version, OPTIONS.join(" "));
         Ok(Compiler {
             arch,
             cache,
@@ -100,9 +102,9 @@ impl Compiler {
         self.arch
     }
 
-    /// The PTX of `kernel`: from the cache when an entry for the same source, compiler and
+    /// `kernel` compiled: from the cache when an entry for the same source, compiler and
     /// architecture is there, else compiled and stored. A cache that cannot be written is
-    /// returned as the second value, beside the PTX, as it does not stop the compilation.
+    /// returned as the second value, beside the result, as it does not stop the compilation.
     pub fn compile(
         &self,
         kernel: &KernelSource,
@@ -113,9 +115,10 @@ impl Compiler {
             arch: self.arch,
             compiler: &self.identity,
         };
-        if let Some(ptx) = self.cache.as_ref().and_then(|cache| cache.load(&key)) {
+        if let Some((ptx, cubin)) = self.cache.as_ref().and_then(|cache| cache.load(&key)) {
             let compiled = CompiledKernel {
                 ptx,
+                cubin,
                 from_cache: true,
                 compile_time: Duration::ZERO,
                 warnings: String::new(),
@@ -123,14 +126,15 @@ impl Compiler {
             return Ok((compiled, None));
         }
         let started = Instant::now();
-        let (ptx, warnings) = compile_with_nvrtc(kernel.name, kernel.source, self.arch)?;
+        let (ptx, cubin, warnings) = compile_with_nvrtc(kernel.name, kernel.source, self.arch)?;
         let compile_time = started.elapsed();
         let cache_error = self
             .cache
             .as_ref()
-            .and_then(|cache| cache.store(&key, &ptx).err());
+            .and_then(|cache| cache.store(&key, &ptx, &cubin).err());
         let compiled = CompiledKernel {
             ptx,
+            cubin,
             from_cache: false,
             compile_time,
             warnings,
@@ -139,13 +143,13 @@ impl Compiler {
     }
 }
 
-/// One NVRTC compilation, to PTX and NVRTC's log; the caller has checked that the probe found
-/// `libnvrtc`.
+/// One NVRTC compilation, to PTX, CUBIN and NVRTC's log; the caller has checked that the
+/// probe found `libnvrtc`.
 fn compile_with_nvrtc(
     name: &str,
     source: &str,
     arch: GpuArch,
-) -> Result<(String, String), CompileError> {
+) -> Result<(String, Vec<u8>, String), CompileError> {
     let nul = || CompileError::NulInSource {
         kernel: name.to_string(),
     };
@@ -172,9 +176,10 @@ fn compile_with_nvrtc(
     let result = match compiled {
         Ok(()) => {
             // SAFETY: as above; the program compiled.
-            unsafe { nvrtc::get_ptx(program) }
-                .map(|ptx| (c_chars_to_string(&ptx), log))
-                .map_err(call_error("nvrtcGetPTX"))
+            let ptx = unsafe { nvrtc::get_ptx(program) }.map_err(call_error("nvrtcGetPTX"));
+            // SAFETY: as above.
+            let cubin = unsafe { get_cubin(program) }.map_err(call_error("nvrtcGetCUBIN"));
+            ptx.and_then(|ptx| Ok((c_chars_to_string(&ptx), cubin?, log)))
         }
         Err(status) => Err(CompileError::Compilation {
             kernel: name.to_string(),
@@ -186,6 +191,23 @@ fn compile_with_nvrtc(
     // SAFETY: the program is not used after this.
     let _ = unsafe { nvrtc::destroy_program(program) };
     result
+}
+
+/// The CUBIN of a compiled program (cudarc 0.19 wraps only the PTX getter).
+///
+/// # Safety
+/// `program` must have been created and compiled for a real architecture (`sm_XY`), and not
+/// destroyed.
+unsafe fn get_cubin(
+    program: cudarc::nvrtc::sys::nvrtcProgram,
+) -> Result<Vec<u8>, nvrtc::NvrtcError> {
+    let mut size = 0usize;
+    // SAFETY: the caller's contract; `size` is a valid out-pointer.
+    unsafe { cudarc::nvrtc::sys::nvrtcGetCUBINSize(program, &mut size) }.result()?;
+    let mut cubin = vec![0u8; size];
+    // SAFETY: `cubin` holds the `size` bytes NVRTC said it writes.
+    unsafe { cudarc::nvrtc::sys::nvrtcGetCUBIN(program, cubin.as_mut_ptr().cast()) }.result()?;
+    Ok(cubin)
 }
 
 /// Text from NVRTC's NUL-terminated character buffer.

@@ -7,8 +7,12 @@
 //!
 //! Folders listed in `TANDEM_CUDA_LIBRARY_PATH` (colon-separated) are tried before the system's
 //! search: a library found there is loaded by its full path first, so that `cudarc`'s later
-//! `dlopen` by bare name finds the already-loaded library by its SONAME. What the probe reports
-//! as found is what that bare-name `dlopen` resolved, which is the file `cudarc` will use.
+//! `dlopen` by bare name finds the already-loaded library, which `dlopen` does only when the
+//! bare name is the library's SONAME (`libnvrtc.so.13`, `libcudnn.so.9`, `libcuda.so.1`). NCCL's
+//! SONAME is `libnccl.so.2`, a name `cudarc` 0.19 never asks for: its `libnccl.so` must resolve
+//! through `LD_LIBRARY_PATH` or the linker cache (a link `libnccl.so -> libnccl.so.2` in a
+//! folder on `LD_LIBRARY_PATH`). What the probe reports as found is what that bare-name
+//! `dlopen` resolved, which is the file `cudarc` will use.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::fmt;
@@ -303,8 +307,10 @@ fn probe_library(library: Library, search: &SearchPath) -> Result<FoundLibrary, 
         // Loaded from a folder by a name that `cudarc`'s bare names do not reach.
         let path = loaded_path(library, handle).unwrap_or_default();
         errors.push(format!(
-            "{} loaded, but its SONAME is none of the names cudarc asks for",
-            path.display()
+            "{} loaded, but its SONAME is none of the names cudarc asks for \
+             (put a link named {} to it in a folder on LD_LIBRARY_PATH)",
+            path.display(),
+            library.usual_name()
         ));
     }
     let dlopen_error = errors

@@ -1,6 +1,6 @@
-//! Compiled PTX on disk, keyed by what determines it: the kernel source, the GPU architecture,
-//! the compiler's version and its options. A changed source or compiler misses the cache
-//! rather than loading stale PTX.
+//! Compiled kernels on disk (the PTX and the CUBIN of each file), keyed by what determines
+//! them: the kernel source, the GPU architecture, the compiler's version and its options. A
+//! changed source or compiler misses the cache rather than loading stale code.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -59,7 +59,8 @@ impl CacheKey<'_> {
             .collect()
     }
 
-    /// The file name of the entry: `{kernel}-{arch}-{digest}.ptx`.
+    /// The file name of the entry's PTX: `{kernel}-{arch}-{digest}.ptx`; its CUBIN is the
+    /// same name ending in `.cubin`.
     pub fn file_name(&self) -> String {
         format!("{}-{}-{}.ptx", self.kernel, self.arch, self.digest())
     }
@@ -91,19 +92,35 @@ impl PtxCache {
         var("HOME").map(|home| Path::new(&home).join(".cache/tandem/ptx"))
     }
 
-    /// The file of an entry.
+    /// The PTX file of an entry.
     pub fn path(&self, key: &CacheKey) -> PathBuf {
         self.dir.join(key.file_name())
     }
 
-    /// The cached PTX of `key`, if there is a readable entry.
-    pub fn load(&self, key: &CacheKey) -> Option<String> {
-        std::fs::read_to_string(self.path(key)).ok()
+    /// The CUBIN file of an entry.
+    pub fn cubin_path(&self, key: &CacheKey) -> PathBuf {
+        self.path(key).with_extension("cubin")
     }
 
-    /// Stores the PTX of `key`: written to a temporary file in the folder, flushed to disk and
-    /// renamed into place, so a reader sees the whole entry or none.
-    pub fn store(&self, key: &CacheKey, ptx: &str) -> Result<PathBuf, CacheError> {
+    /// The cached PTX and CUBIN of `key`, if both files are readable.
+    pub fn load(&self, key: &CacheKey) -> Option<(String, Vec<u8>)> {
+        let ptx = std::fs::read_to_string(self.path(key)).ok()?;
+        let cubin = std::fs::read(self.cubin_path(key)).ok()?;
+        Some((ptx, cubin))
+    }
+
+    /// Stores the PTX and CUBIN of `key`, the CUBIN first: each is written to a temporary
+    /// file in the folder, flushed to disk and renamed into place, so a reader sees whole
+    /// files, and a PTX file only once its CUBIN is there. Returns the PTX file's path.
+    pub fn store(&self, key: &CacheKey, ptx: &str, cubin: &[u8]) -> Result<PathBuf, CacheError> {
+        self.store_file(&self.cubin_path(key), cubin)?;
+        let path = self.path(key);
+        self.store_file(&path, ptx.as_bytes())?;
+        Ok(path)
+    }
+
+    /// Writes `bytes` to `path` in the folder through a temporary file, fsync and rename.
+    fn store_file(&self, path: &Path, bytes: &[u8]) -> Result<(), CacheError> {
         let error = |path: &Path, what| {
             let path = path.to_path_buf();
             move |source| CacheError { path, what, source }
@@ -111,12 +128,11 @@ impl PtxCache {
         std::fs::create_dir_all(&self.dir).map_err(error(&self.dir, "cannot create the folder"))?;
         let mut file = tempfile::NamedTempFile::new_in(&self.dir)
             .map_err(error(&self.dir, "cannot create a temporary file"))?;
-        file.write_all(ptx.as_bytes())
+        file.write_all(bytes)
             .and_then(|()| file.as_file().sync_all())
             .map_err(error(file.path(), "cannot write"))?;
-        let path = self.path(key);
-        file.persist(&path)
-            .map_err(|persist| error(&path, "cannot rename into place")(persist.error))?;
-        Ok(path)
+        file.persist(path)
+            .map_err(|persist| error(path, "cannot rename into place")(persist.error))?;
+        Ok(())
     }
 }

@@ -39,7 +39,7 @@ impl Gpu {
             .map(|kernel| {
                 let (compiled, _) = compiler.compile(kernel).unwrap_or_else(|e| panic!("{e}"));
                 let module = context
-                    .load_module(Ptx::from_src(compiled.ptx))
+                    .load_module(Ptx::from_binary(compiled.cubin))
                     .unwrap_or_else(|e| panic!("{}: {e:?}", kernel.name));
                 (kernel.name, module)
             })
@@ -389,14 +389,8 @@ fn batch_norm_statistics_and_backward_match_f64_references() {
     let x = values(rows * channels, 6);
     let dy = values(rows * channels, 7);
     let row_blocks = rows.div_ceil(rows_per_block);
-    let grid = |rows_per_block: usize| LaunchConfig {
-        grid_dim: (
-            channels.div_ceil(32) as u32,
-            rows.div_ceil(rows_per_block) as u32,
-            1,
-        ),
-        block_dim: (32, 8, 1),
-        shared_mem_bytes: 0,
+    let grid = |rows_per_block: usize| {
+        tandem_cuda::executor::launch::column_sums(channels, rows.div_ceil(rows_per_block))
     };
     let (r, c, rpb, blocks) = (
         rows as i32,

@@ -55,6 +55,12 @@ fn every_kernel_file_compiles_for_sm_90() {
             "{}: PTX for another target",
             kernel.name
         );
+        // What the executor loads: an ELF object of machine code for sm_90.
+        assert!(
+            compiled.cubin.starts_with(b"\x7fELF"),
+            "{}: the CUBIN is not an ELF object",
+            kernel.name
+        );
         if BIT_IDENTICAL_TO_THE_CPU.contains(&kernel.name) {
             // The premise of their bit-identity: no float multiply-add was contracted.
             assert!(
@@ -138,11 +144,13 @@ fn compiled_ptx_is_stored_in_the_cache_and_read_back() {
         .unwrap()
         .map(|entry| entry.unwrap().file_name().into_string().unwrap())
         .collect();
-    assert_eq!(files.len(), 1, "{files:?}");
-    assert!(files[0].starts_with("pooling-sm_90-") && files[0].ends_with(".ptx"));
+    assert_eq!(files.len(), 2, "{files:?}");
+    assert!(files.iter().all(|file| file.starts_with("pooling-sm_90-")
+        && (file.ends_with(".ptx") || file.ends_with(".cubin"))));
     let (second, error) = compiler.compile(pooling).unwrap();
     assert!(error.is_none() && second.from_cache);
     assert_eq!(second.ptx, first.ptx);
+    assert_eq!(second.cubin, first.cubin);
 }
 
 /// The data-parallel average's last step divides exactly (IEEE round-to-nearest, as the

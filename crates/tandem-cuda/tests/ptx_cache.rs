@@ -42,24 +42,32 @@ fn a_stored_entry_is_read_back_and_leaves_no_temporary_file() {
     let cache = PtxCache::new(folder.path().join("nested/ptx"));
     let entry = key("source", GpuArch::SM_90, "nvrtc 13.0");
     assert_eq!(cache.load(&entry), None);
-    let path = cache
-        .store(&entry, ".version 9.0\n.target sm_90\n")
-        .unwrap();
+    let ptx = ".version 9.0\n.target sm_90\n";
+    let cubin = [0x7f, b'E', b'L', b'F', 0, 1];
+    let path = cache.store(&entry, ptx, &cubin).unwrap();
     assert_eq!(path, cache.path(&entry));
-    assert_eq!(
-        cache.load(&entry).as_deref(),
-        Some(".version 9.0\n.target sm_90\n")
-    );
+    assert_eq!(cache.load(&entry), Some((ptx.to_string(), cubin.to_vec())));
     assert_eq!(
         cache.load(&key("other", GpuArch::SM_90, "nvrtc 13.0")),
         None
     );
-    let files = std::fs::read_dir(&cache.dir).unwrap().count();
-    assert_eq!(files, 1);
+    let mut files: Vec<String> = std::fs::read_dir(&cache.dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    let ptx_name = entry.file_name();
+    assert_eq!(files, [ptx_name.replace(".ptx", ".cubin"), ptx_name]);
     // Storing again replaces the entry in place.
-    cache.store(&entry, "new").unwrap();
-    assert_eq!(cache.load(&entry).as_deref(), Some("new"));
-    assert_eq!(std::fs::read_dir(&cache.dir).unwrap().count(), 1);
+    cache.store(&entry, "new", b"bin").unwrap();
+    assert_eq!(
+        cache.load(&entry),
+        Some(("new".to_string(), b"bin".to_vec()))
+    );
+    assert_eq!(std::fs::read_dir(&cache.dir).unwrap().count(), 2);
+    // An entry missing its CUBIN (e.g. written by a build that kept only PTX) is a miss.
+    std::fs::remove_file(cache.cubin_path(&entry)).unwrap();
+    assert_eq!(cache.load(&entry), None);
 }
 
 #[test]
@@ -69,7 +77,7 @@ fn a_cache_folder_that_cannot_be_made_is_an_error_naming_it() {
     std::fs::write(&file, b"").unwrap();
     let cache = PtxCache::new(file.join("ptx"));
     let error = cache
-        .store(&key("s", GpuArch::SM_90, "c"), "ptx")
+        .store(&key("s", GpuArch::SM_90, "c"), "ptx", b"cubin")
         .unwrap_err()
         .to_string();
     assert!(
@@ -85,10 +93,7 @@ fn architectures_parse_and_print_as_nvrtc_names_them() {
     let blackwell = "sm_120".parse::<GpuArch>().unwrap();
     assert_eq!((blackwell.major, blackwell.minor), (12, 0));
     assert_eq!(blackwell.to_string(), "sm_120");
-    assert_eq!(
-        GpuArch::SM_90.nvrtc_option(),
-        "--gpu-architecture=compute_90"
-    );
+    assert_eq!(GpuArch::SM_90.nvrtc_option(), "--gpu-architecture=sm_90");
     for bad in ["90", "sm_9", "sm_", "sm_9a", "compute_90"] {
         let error = bad.parse::<GpuArch>().unwrap_err().to_string();
         assert!(error.contains(bad) && error.contains("sm_XY"), "{error}");

@@ -277,7 +277,13 @@ impl NcclGroup {
                         // SAFETY: initialized by the successful call above.
                         Ok(RawComm(unsafe { raw.assume_init() }))
                     });
-                let _ = sender.send(joined);
+                // Nobody waits any more (the join timed out): a communicator made after all
+                // would leak, holding its GPU memory and network connections.
+                if let Err(std::sync::mpsc::SendError(Ok(late))) = sender.send(joined) {
+                    // SAFETY: `late.0` was made by ncclCommInitRank above and nothing else holds
+                    // it.
+                    let _ = unsafe { cudarc::nccl::result::comm_abort(late.0) };
+                }
             })
             .map_err(|error| CollectiveError::Invalid(format!("cannot start a thread: {error}")))?;
         let raw = match receiver.recv_timeout(timeout) {

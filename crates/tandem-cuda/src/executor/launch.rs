@@ -108,7 +108,7 @@ impl Kernels {
                 .map(|&name| params_of(name))
                 .collect::<Result<_, _>>()?;
             let module = context
-                .load_module(Ptx::from_src(compiled.ptx))
+                .load_module(Ptx::from_binary(compiled.cubin))
                 .map_err(|status| GpuError::Kernel {
                     kernel: file_name(file),
                     call: "cuModuleLoadData",
@@ -205,10 +205,11 @@ pub fn per_element(n: usize) -> LaunchConfig {
 }
 
 /// `bn_stats_partial`/`bn_backward_partial`'s launch: blocks of 32 channels by 8 row lanes,
-/// one block row per `rows_per_block` rows.
+/// one block per `rows_per_block` rows (on the grid's x, which holds 2^31 - 1 blocks) and 32
+/// channels (on y).
 pub fn column_sums(channels: usize, row_blocks: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (channels.div_ceil(32).max(1) as u32, row_blocks as u32, 1),
+        grid_dim: (row_blocks as u32, channels.div_ceil(32).max(1) as u32, 1),
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     }
