@@ -58,9 +58,15 @@ cp target/release/tandem "$stage/tandem"
     printf 'commit\t%s%s\n' "$(git rev-parse --short HEAD)" "$(git diff --quiet HEAD -- crates Cargo.toml Cargo.lock || echo ' (with uncommitted changes)')"
     printf 'tandem_path\t%s\n' "$ROOT/target/release/tandem"
 } >"$stage/manifest.tsv"
-python3 - "$json" "$ROOT" "${!TESTS[@]}" >>"$stage/manifest.tsv" <<'PY'
+python3 - "$json" "$LIST" "${!TESTS[@]}" >>"$stage/manifest.tsv" <<'PY'
 import json, os, sys
-path, root, wanted = sys.argv[1], sys.argv[2], set(sys.argv[3:])
+path, listed, wanted = sys.argv[1], sys.argv[2], set(sys.argv[3:])
+# run.sh runs the tests in this order: the list's order first (the cheapest and most telling
+# first), then the unlisted gpu*.rs, tandem-cuda's before the binary's.
+order = [" ".join(line.split()) for line in open(listed) if line.strip() and not line.startswith("#")]
+def rank(key):
+    package = key.split()[0]
+    return (order.index(key) if key in order else len(order), package != "tandem-cuda", key)
 found = {}
 for line in open(path):
     message = json.loads(line)
@@ -75,7 +81,7 @@ for line in open(path):
 missing = wanted - found.keys()
 if missing:
     sys.exit(f"pack.sh: no test executable for {sorted(missing)}")
-for key in sorted(found):
+for key in sorted(found, key=rank):
     package, test = key.split()
     print(f"test\t{package}\t{test}\ttests/{package}__{test}\t{found[key]}")
 PY

@@ -175,6 +175,10 @@ joined=$(printf '%s:' "${library_dirs[@]}")
 export TANDEM_CUDA_LIBRARY_PATH=${joined}$aliases
 export LD_LIBRARY_PATH=${joined}${aliases}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 say "CUDA library folders: ${library_dirs[*]:-none found}"
+# The NVRTC that compiles the kernels (its CUBIN must suit the driver's CUDA major version).
+say "NVRTC: $(for dir in "${library_dirs[@]}"; do ls "$dir"/libnvrtc.so.* 2>/dev/null; done | head -n 2 | one_line)"
+# An NCCL join or collective that fails then says why.
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 if command -v nvidia-smi >/dev/null; then
     gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -n 1 | one_line)
