@@ -134,6 +134,34 @@ fn the_fastest_admitted_algorithm_is_chosen_or_when_deterministic_the_lowest() {
 }
 
 #[test]
+fn deterministic_forward_prefers_precomputed_implicit_gemm_whatever_the_numbers() {
+    use cudarc::cudnn::sys::cudnnConvolutionFwdAlgo_t::*;
+    let forward = |algo, time_ms| Candidate {
+        algo,
+        ran: true,
+        time_ms,
+        memory: 0,
+        deterministic: true,
+        math: CUDNN_FMA_MATH,
+    };
+    let candidates = [
+        forward(CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, 0.1),
+        forward(CUDNN_CONVOLUTION_FWD_ALGO_GEMM, 0.05),
+        forward(CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM, 0.3),
+    ];
+    let chosen = choose(&candidates, Precision::Fp32, true, 1 << 30).unwrap();
+    assert_eq!(
+        chosen.algo,
+        CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM
+    );
+    // Without it, implicit GEMM comes next, before the higher numbers.
+    let chosen = choose(&candidates[..2], Precision::Fp32, true, 1 << 30).unwrap();
+    assert_eq!(chosen.algo, CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM);
+    let chosen = choose(&candidates, Precision::Fp32, false, 1 << 30).unwrap();
+    assert_eq!(chosen.algo, CUDNN_CONVOLUTION_FWD_ALGO_GEMM);
+}
+
+#[test]
 fn fp32_refuses_tensor_core_math_and_says_why_nothing_fits() {
     let tensor_ops = [
         Candidate {

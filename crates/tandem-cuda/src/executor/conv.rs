@@ -159,14 +159,54 @@ pub fn descriptor_math(precision: Precision) -> sys::cudnnMathType_t {
     }
 }
 
+/// The fixed order in which deterministic mode prefers a direction's algorithms: lower first.
+pub trait DeterministicOrder: Copy {
+    /// The algorithm's place in the order.
+    fn rank(self) -> u32;
+}
+
+impl DeterministicOrder for sys::cudnnConvolutionFwdAlgo_t {
+    /// `IMPLICIT_PRECOMP_GEMM` first (PyTorch's deterministic forward, and much faster than
+    /// `IMPLICIT_GEMM`, which comes second), then by number.
+    fn rank(self) -> u32 {
+        use sys::cudnnConvolutionFwdAlgo_t::*;
+        match self {
+            CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM => 0,
+            CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM => 1,
+            other => other as u32 + 1,
+        }
+    }
+}
+
+impl DeterministicOrder for sys::cudnnConvolutionBwdDataAlgo_t {
+    /// By number (`ALGO_1`, PyTorch's deterministic choice, is the first deterministic one).
+    fn rank(self) -> u32 {
+        self as u32
+    }
+}
+
+impl DeterministicOrder for sys::cudnnConvolutionBwdFilterAlgo_t {
+    /// By number (`ALGO_1`, PyTorch's deterministic choice, is the first deterministic one).
+    fn rank(self) -> u32 {
+        self as u32
+    }
+}
+
+impl DeterministicOrder for u32 {
+    /// An algorithm number is its own rank (for tests of [`choose`]).
+    fn rank(self) -> u32 {
+        self
+    }
+}
+
 /// The admitted candidate to use: one that ran, with admitted math, deterministic when
 /// `deterministic`, and needing at most `workspace_limit` bytes. Without `deterministic`, the
-/// fastest (ties go to the earlier one; cuDNN lists them fastest first). With it, the one
-/// with the lowest algorithm number (then math type), whatever the timings: a choice by
-/// measured time could differ between two processes on the same GPU, and a run resumed after
-/// `kill -9` must compute with the algorithms of the uninterrupted run to end bit-identical.
-/// Otherwise why every one was refused.
-pub fn choose<A: Copy + Ord>(
+/// fastest (ties go to the earlier one; cuDNN lists them fastest first). With it, the first in
+/// the direction's [`DeterministicOrder`] (then by math type), whatever the timings: a choice
+/// by measured time could differ between two processes on the same GPU, and a run resumed
+/// after `kill -9` must compute with the algorithms of the uninterrupted run to end
+/// bit-identical. Otherwise why every one was refused.
+pub fn choose<A: DeterministicOrder>(
     candidates: &[Candidate<A>],
     precision: Precision,
     deterministic: bool,
@@ -204,9 +244,13 @@ pub fn choose<A: Copy + Ord>(
 }
 
 /// Whether admitted `candidate` is preferred to admitted `best` (see [`choose`]).
-fn better<A: Ord>(candidate: &Candidate<A>, best: &Candidate<A>, deterministic: bool) -> bool {
+fn better<A: DeterministicOrder>(
+    candidate: &Candidate<A>,
+    best: &Candidate<A>,
+    deterministic: bool,
+) -> bool {
     if deterministic {
-        (&candidate.algo, candidate.math as u32) < (&best.algo, best.math as u32)
+        (candidate.algo.rank(), candidate.math as u32) < (best.algo.rank(), best.math as u32)
     } else {
         candidate.time_ms < best.time_ms
     }

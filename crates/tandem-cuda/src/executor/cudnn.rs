@@ -156,8 +156,10 @@ impl CudnnHandle {
     }
 }
 
-/// At least as many algorithms as any direction has (forward has 8).
-const ALGORITHMS: usize = 8;
+/// Room for twice as many results as any direction has algorithms (forward has 8): were cuDNN
+/// to list an algorithm once per math type, a shorter list would be cut by measured time, and
+/// deterministic mode's choice (which must not depend on timings) could see another set.
+const ALGORITHMS: usize = 16;
 
 fn candidate<A>(
     algo: A,
