@@ -17,8 +17,8 @@ use tandem_cuda::executor::linear::{bf16_types, math_mode, Gemm, LinearShape};
 use tandem_cuda::executor::memory::{
     row_blocks, Bf16ScratchSizes, StatePart, StorageSizes, ROWS_PER_BLOCK,
 };
-use tandem_cuda::executor::AdamScalars;
-use tandem_cuda::{CudaExecutor, GpuError, GpuSettings, Precision, Probe, SearchPath};
+use tandem_cuda::executor::{precision_supported, AdamScalars};
+use tandem_cuda::{CudaExecutor, GpuArch, GpuError, GpuSettings, Precision, Probe, SearchPath};
 use tandem_engine::shape::Conv2dShape;
 use tandem_engine::AdamConfig;
 use tandem_models::workspace::Mode;
@@ -227,6 +227,28 @@ fn bf16_runs_bfloat16_operands_with_float32_accumulation() {
     assert_eq!(
         math_mode(Precision::Fp32),
         cublasMath_t::CUBLAS_PEDANTIC_MATH
+    );
+}
+
+#[test]
+fn bf16_needs_an_ampere_gpu_and_says_so() {
+    let volta = GpuArch { major: 7, minor: 0 };
+    assert!(!precision_supported(Precision::Bf16, volta));
+    assert!(precision_supported(
+        Precision::Bf16,
+        GpuArch { major: 8, minor: 0 }
+    ));
+    assert!(precision_supported(Precision::Bf16, GpuArch::SM_90));
+    for precision in [Precision::Fp32, Precision::Tf32] {
+        assert!(precision_supported(precision, volta));
+    }
+    let error = GpuError::Bf16NeedsAmpere {
+        ordinal: 1,
+        arch: volta,
+    };
+    assert_eq!(
+        error.to_string(),
+        "--precision bf16 needs a GPU of compute capability 8.0 (Ampere) or later; cuda:1 is sm_70"
     );
 }
 

@@ -165,6 +165,12 @@ impl CudaExecutor {
             major: major as u32,
             minor: minor as u32,
         };
+        if !precision_supported(settings.precision, arch) {
+            return Err(GpuError::Bf16NeedsAmpere {
+                ordinal: settings.ordinal,
+                arch,
+            });
+        }
         let compiler = Compiler::new(probe, arch, cache)?;
         let kernels = Kernels::load(&context, &compiler)?;
         let stream = context.default_stream();
@@ -584,6 +590,12 @@ impl AdamScalars {
             sq_weight: (1.0 - f64::from(config.beta2)) as f32,
         }
     }
+}
+
+/// Whether a GPU of `arch` computes in `precision`: bfloat16 tensor cores, and cuDNN's
+/// bfloat16 convolutions, start with compute capability 8.0 (Ampere).
+pub fn precision_supported(precision: Precision, arch: GpuArch) -> bool {
+    precision != Precision::Bf16 || arch.major >= 8
 }
 
 /// Checks that `images` (and `labels`) have the lengths of `plan`'s batch.
