@@ -14,8 +14,8 @@
 //! narrowed at every call anyway. The backward narrows the convolution's input again rather
 //! than keeping the forward's bfloat16 copy, so the scratch stays one set for the whole plan.
 //!
-//! This first bf16 therefore moves more memory than PyTorch's (bfloat16 activations in
-//! memory, channels_last): its speed is not PyTorch's autocast's.
+//! This first bf16 therefore moves more memory per step than PyTorch's design (bfloat16
+//! activations in memory, channels_last); its speed is unmeasured.
 
 use tandem_engine::shape::Conv2dShape;
 
