@@ -30,6 +30,7 @@ kernel_files!(
     "augment",
     "bias",
     "collective",
+    "convert",
 );
 
 /// The kernel file called `name`.

@@ -10,6 +10,7 @@
 //!   which implements `tandem_models::Executor`; **it has not yet run on a GPU**.
 
 pub mod arch;
+pub mod bf16;
 pub mod collective;
 pub mod compile;
 pub mod device;

@@ -5,14 +5,20 @@
 
 use std::collections::HashSet;
 
+use cudarc::cudnn::sys::cudnnDataType_t::{CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT};
 use cudarc::cudnn::sys::cudnnMathType_t::{
     CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH, CUDNN_TENSOR_OP_MATH,
 };
-use tandem_cuda::executor::conv::{choose, nhwc_strides, Candidate, ConvGeometry, ConvKey};
-use tandem_cuda::executor::linear::{Gemm, LinearShape};
-use tandem_cuda::executor::memory::{row_blocks, StatePart, StorageSizes, ROWS_PER_BLOCK};
-use tandem_cuda::executor::AdamScalars;
-use tandem_cuda::{CudaExecutor, GpuError, GpuSettings, Precision, Probe, SearchPath};
+use tandem_cuda::executor::conv::{
+    choose, compute_type, descriptor_math, math_allowed, nhwc_strides, operand_type, Candidate,
+    ConvGeometry, ConvKey,
+};
+use tandem_cuda::executor::linear::{bf16_types, math_mode, Gemm, LinearShape};
+use tandem_cuda::executor::memory::{
+    row_blocks, Bf16ScratchSizes, StatePart, StorageSizes, ROWS_PER_BLOCK,
+};
+use tandem_cuda::executor::{precision_supported, AdamScalars};
+use tandem_cuda::{CudaExecutor, GpuArch, GpuError, GpuSettings, Precision, Probe, SearchPath};
 use tandem_engine::shape::Conv2dShape;
 use tandem_engine::AdamConfig;
 use tandem_models::workspace::Mode;
@@ -206,10 +212,118 @@ fn the_algorithm_cache_keys_on_shape_and_settings() {
         ConvKey::new(&other_batch, Precision::Fp32, true),
         ConvKey::new(&other_stride, Precision::Fp32, true),
         ConvKey::new(&base, Precision::Tf32, true),
+        ConvKey::new(&base, Precision::Bf16, true),
+        ConvKey::new(&base, Precision::Bf16, false),
         ConvKey::new(&base, Precision::Fp32, false),
     ] {
         assert!(keys.insert(different), "{different:?} collides");
     }
+}
+
+#[test]
+fn bf16_runs_bfloat16_operands_with_float32_accumulation() {
+    use cudarc::cudnn::sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION;
+    // cuDNN: bfloat16 tensors and filters, a float32 convolution (PSEUDO_BFLOAT16_CONFIG),
+    // tensor cores asked for; the other precisions keep float32 everywhere.
+    assert_eq!(operand_type(Precision::Bf16), CUDNN_DATA_BFLOAT16);
+    assert_eq!(compute_type(Precision::Bf16), CUDNN_DATA_FLOAT);
+    assert_eq!(descriptor_math(Precision::Bf16), CUDNN_TENSOR_OP_MATH);
+    for precision in [Precision::Fp32, Precision::Tf32] {
+        assert_eq!(operand_type(precision), CUDNN_DATA_FLOAT);
+        assert_eq!(compute_type(precision), CUDNN_DATA_FLOAT);
+    }
+    // Tensor-core and FMA math are admitted; a conversion cuDNN would make itself is not.
+    for math in [CUDNN_FMA_MATH, CUDNN_DEFAULT_MATH, CUDNN_TENSOR_OP_MATH] {
+        assert!(math_allowed(Precision::Bf16, math), "{math:?}");
+    }
+    for precision in [Precision::Fp32, Precision::Tf32, Precision::Bf16] {
+        assert!(!math_allowed(
+            precision,
+            CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION
+        ));
+    }
+    // cuBLAS: bfloat16 A and B, float32 C, float32 compute, default math (tensor cores).
+    use cudarc::cublas::sys::{cublasComputeType_t, cublasMath_t, cudaDataType};
+    let types = bf16_types();
+    assert_eq!(types.operands, cudaDataType::CUDA_R_16BF);
+    assert_eq!(types.output, cudaDataType::CUDA_R_32F);
+    assert_eq!(types.compute, cublasComputeType_t::CUBLAS_COMPUTE_32F);
+    assert_eq!(
+        math_mode(Precision::Bf16),
+        cublasMath_t::CUBLAS_DEFAULT_MATH
+    );
+    assert_eq!(
+        math_mode(Precision::Fp32),
+        cublasMath_t::CUBLAS_PEDANTIC_MATH
+    );
+}
+
+#[test]
+fn bf16_needs_an_ampere_gpu_and_says_so() {
+    let volta = GpuArch { major: 7, minor: 0 };
+    assert!(!precision_supported(Precision::Bf16, volta));
+    assert!(precision_supported(
+        Precision::Bf16,
+        GpuArch { major: 8, minor: 0 }
+    ));
+    assert!(precision_supported(Precision::Bf16, GpuArch::SM_90));
+    for precision in [Precision::Fp32, Precision::Tf32] {
+        assert!(precision_supported(precision, volta));
+    }
+    let error = GpuError::Bf16NeedsAmpere {
+        ordinal: 1,
+        arch: volta,
+    };
+    assert_eq!(
+        error.to_string(),
+        "--precision bf16 needs a GPU of compute capability 8.0 (Ampere) or later; cuda:1 is sm_70"
+    );
+}
+
+#[test]
+fn bf16_scratch_holds_the_largest_operand_of_each_role() {
+    let model = seed_004_small();
+    let plan = model.plan(Mode::Train, 4, 8, 8).unwrap();
+    let scratch = Bf16ScratchSizes::new(&plan);
+    let units: Vec<_> = plan.unit_plans().collect();
+    let largest =
+        |len: fn(&Conv2dShape) -> usize| units.iter().map(|unit| len(&unit.shape)).max().unwrap();
+    let linear_input = 4 * plan.final_channels;
+    let linear_weight = plan.classes * plan.final_channels;
+    assert_eq!(
+        scratch.input,
+        largest(Conv2dShape::input_len).max(linear_input)
+    );
+    assert_eq!(
+        scratch.output,
+        largest(Conv2dShape::output_len).max(4 * plan.classes)
+    );
+    assert_eq!(
+        scratch.filter,
+        largest(Conv2dShape::weight_len).max(linear_weight)
+    );
+    // Only bf16 allocates them: 2 bytes an element.
+    let fp32 = StorageSizes::new(&plan, Precision::Fp32);
+    let bf16 = StorageSizes::new(&plan, Precision::Bf16);
+    assert_eq!(fp32.bf16, Bf16ScratchSizes::default());
+    assert_eq!(StorageSizes::new(&plan, Precision::Tf32), fp32);
+    assert_eq!(bf16.bf16, scratch);
+    assert_eq!(bf16.bytes() - fp32.bytes(), 2 * scratch.len());
+    // A model whose linear weight outgrows every filter: the filter scratch follows it.
+    let wide_head = Model::new(&ModelSpec::ResNetBase(ResNetBaseSpec {
+        n_blocks: vec![1],
+        n_channels: vec![4],
+        bottlenecks: None,
+        first_kernel_size: 3,
+        img_channels: 3,
+        num_classes: 1000,
+    }))
+    .unwrap();
+    let plan = wide_head.plan(Mode::Eval, 2, 4, 4).unwrap();
+    assert_eq!(
+        Bf16ScratchSizes::new(&plan).filter,
+        1000 * plan.final_channels
+    );
 }
 
 /// Column-major `C = op(A) op(B) + beta C`, as cuBLAS's SGEMM defines it (float sums in
@@ -324,7 +438,7 @@ fn seed_004_small() -> Model {
 fn storage_sizes_follow_the_plan() {
     let model = seed_004_small();
     let plan = model.plan(Mode::Train, 4, 8, 8).unwrap();
-    let sizes = StorageSizes::new(&plan);
+    let sizes = StorageSizes::new(&plan, Precision::Fp32);
     assert_eq!(sizes.slots, plan.slot_lens);
     assert_eq!(sizes.grad_len, plan.grad_len);
     assert_eq!(sizes.logits, 4 * 10);
@@ -358,7 +472,7 @@ fn storage_sizes_follow_the_plan() {
     assert_eq!(row_blocks(ROWS_PER_BLOCK), 1);
     assert_eq!(row_blocks(ROWS_PER_BLOCK + 1), 2);
 
-    let eval = StorageSizes::new(&model.plan(Mode::Eval, 4, 8, 8).unwrap());
+    let eval = StorageSizes::new(&model.plan(Mode::Eval, 4, 8, 8).unwrap(), Precision::Fp32);
     assert_eq!((eval.grad_len, eval.grad_pooled), (0, 0));
     assert!(eval.bytes() < sizes.bytes());
 }

@@ -9,8 +9,14 @@ use std::time::Instant;
 use tandem_cuda::{CompileError, Compiler, GpuArch, KernelSource, PtxCache, KERNELS};
 
 /// Kernel files whose float results are claimed bit-identical to the CPU engine's.
-const BIT_IDENTICAL_TO_THE_CPU: [&str; 5] =
-    ["epilogue", "pooling", "optimizers", "augment", "batchnorm"];
+const BIT_IDENTICAL_TO_THE_CPU: [&str; 6] = [
+    "epilogue",
+    "pooling",
+    "optimizers",
+    "augment",
+    "batchnorm",
+    "convert",
+];
 
 /// The names of the `extern "C" __global__` functions of a kernel file.
 fn entry_points(source: &str) -> Vec<&str> {
@@ -173,4 +179,39 @@ fn the_gradient_average_divides_exactly() {
             compiled.ptx
         );
     }
+}
+
+/// The bf16 conversions round on the bits with integer arithmetic, so that the host reference
+/// (`tandem_cuda::bf16`) is theirs bit for bit: no hardware bfloat16 conversion, and one float
+/// operation in all, the widening add.
+#[test]
+fn the_bf16_conversions_round_with_integer_arithmetic() {
+    let Some(probe) =
+        common::probe_with_nvrtc("the_bf16_conversions_round_with_integer_arithmetic")
+    else {
+        return;
+    };
+    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
+    let kernel = tandem_cuda::kernels::kernel("convert").expect("convert.cu");
+    let (compiled, _) = compiler
+        .compile(kernel)
+        .unwrap_or_else(|error| panic!("{error}"));
+    let ptx = &compiled.ptx;
+    for entry in ["float_to_bf16", "bf16_to_float", "bf16_add_to_float"] {
+        assert!(
+            ptx.contains(&format!(".entry {entry}(")),
+            "{entry} in {ptx}"
+        );
+    }
+    assert!(!ptx.contains("cvt.rn.bf16"), "{ptx}");
+    let float_ops: Vec<&str> = ptx
+        .lines()
+        .map(str::trim)
+        .filter(|line| {
+            line.contains(".f32") && !line.starts_with("ld.") && !line.starts_with("st.")
+        })
+        .filter(|line| !line.starts_with("mov.") && !line.starts_with(".reg"))
+        .collect();
+    assert_eq!(float_ops.len(), 1, "{float_ops:?}");
+    assert!(float_ops[0].starts_with("add.rn.f32"), "{float_ops:?}");
 }

@@ -28,7 +28,7 @@ use tandem_models::workspace::{Mode, Plan};
 use tandem_models::{BatchNormReducer, LossOptions, Model, ModelSpec};
 
 /// The `--precision` flag.
-pub const PRECISION_HELP: &str = "Math of convolutions and matrix products on a GPU: fp32 (strict float32), tf32 (TF32 tensor cores, PyTorch's default on GPUs) or bf16 (not built yet) [default: tf32 on a GPU; the CPU always computes in fp32]";
+pub const PRECISION_HELP: &str = "Math of convolutions and matrix products on a GPU: fp32 (strict float32), tf32 (TF32 tensor cores, PyTorch's default on GPUs) or bf16 (PyTorch autocast's rules: bfloat16 operands with float32 accumulation for convolutions and the linear layer; batch norm, loss, optimizer and master weights in float32) [default: tf32 on a GPU; the CPU always computes in fp32]";
 
 /// What `--precision` asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -37,41 +37,64 @@ pub enum PrecisionRequest {
     Fp32,
     /// TF32 tensor cores for convolutions and matrix products.
     Tf32,
-    /// bfloat16 autocast (not built).
+    /// bfloat16 autocast: bfloat16 convolutions and linear layer, float32 accumulation.
     Bf16,
 }
 
-/// The precision a GPU computes in for `request` (default: TF32, as PyTorch on GPUs).
-/// `bf16` is an error; on the CPU the answer is `None`: it computes in fp32 whatever is
-/// asked, and a request for `tf32` gets a note saying so.
-pub fn resolve_precision(
-    request: Option<PrecisionRequest>,
-    device: &Device,
-) -> anyhow::Result<Option<Precision>> {
-    let precision = match request {
-        Some(PrecisionRequest::Bf16) => anyhow::bail!(
-            "--precision bf16 is not built yet: use --precision tf32 (the default on a GPU) or fp32"
-        ),
+/// The precision a GPU computes in for `request`: the one asked for, else TF32 (PyTorch's
+/// default on GPUs).
+pub fn gpu_precision(request: Option<PrecisionRequest>) -> Precision {
+    match request {
         Some(PrecisionRequest::Fp32) => Precision::Fp32,
         Some(PrecisionRequest::Tf32) | None => Precision::Tf32,
-    };
+        Some(PrecisionRequest::Bf16) => Precision::Bf16,
+    }
+}
+
+/// The precision the device computes in for `request`: on a GPU [`gpu_precision`]; on the CPU
+/// `None`: it computes in fp32 whatever is asked, and a request for `tf32` or `bf16` gets a
+/// note saying so.
+pub fn resolve_precision(request: Option<PrecisionRequest>, device: &Device) -> Option<Precision> {
     match device {
-        Device::Cuda { .. } => Ok(Some(precision)),
+        Device::Cuda { .. } => Some(gpu_precision(request)),
         Device::Cpu { .. } => {
-            if request == Some(PrecisionRequest::Tf32) {
-                eprintln!("note: --precision tf32 applies to a GPU; the CPU computes in fp32");
+            if let Some(note) = cpu_precision_note(request) {
+                eprintln!("{note}");
             }
-            Ok(None)
+            None
         }
+    }
+}
+
+/// The note a CPU run prints for `request`: none for fp32 or no request.
+fn cpu_precision_note(request: Option<PrecisionRequest>) -> Option<String> {
+    let name = match request? {
+        PrecisionRequest::Fp32 => return None,
+        PrecisionRequest::Tf32 => "tf32",
+        PrecisionRequest::Bf16 => "bf16",
+    };
+    Some(format!(
+        "note: --precision {name} applies to a GPU; the CPU computes in fp32"
+    ))
+}
+
+/// The name of `precision` as `--precision` spells it.
+pub fn precision_name(precision: Precision) -> &'static str {
+    match precision {
+        Precision::Fp32 => "fp32",
+        Precision::Tf32 => "tf32",
+        Precision::Bf16 => "bf16",
     }
 }
 
 /// The device and precision in a few words, for banners: `cpu` or `cuda:0 (tf32)`.
 pub fn describe(device: &Device, precision: Option<Precision>) -> String {
-    match (device, precision) {
-        (Device::Cuda { ordinal, .. }, Some(Precision::Fp32)) => format!("cuda:{ordinal} (fp32)"),
-        (Device::Cuda { ordinal, .. }, _) => format!("cuda:{ordinal} (tf32)"),
-        (Device::Cpu { .. }, _) => "cpu".to_string(),
+    match device {
+        Device::Cuda { ordinal, .. } => {
+            let precision = precision.unwrap_or(Precision::Tf32);
+            format!("cuda:{ordinal} ({})", precision_name(precision))
+        }
+        Device::Cpu { .. } => "cpu".to_string(),
     }
 }
 
@@ -719,28 +742,29 @@ mod tests {
     }
 
     #[test]
-    fn precision_defaults_to_tf32_on_a_gpu_and_bf16_is_refused() {
-        assert_eq!(
-            resolve_precision(None, &gpu()).unwrap(),
-            Some(Precision::Tf32)
-        );
-        assert_eq!(
-            resolve_precision(Some(PrecisionRequest::Fp32), &gpu()).unwrap(),
-            Some(Precision::Fp32)
-        );
-        assert_eq!(resolve_precision(None, &cpu()).unwrap(), None);
-        assert_eq!(
-            resolve_precision(Some(PrecisionRequest::Tf32), &cpu()).unwrap(),
-            None
-        );
-        for device in [cpu(), gpu()] {
-            let error = resolve_precision(Some(PrecisionRequest::Bf16), &device).unwrap_err();
-            assert_eq!(
-                error.to_string(),
-                "--precision bf16 is not built yet: use --precision tf32 (the default on a GPU) or fp32"
-            );
+    fn precision_defaults_to_tf32_on_a_gpu_and_the_cpu_computes_in_fp32() {
+        assert_eq!(resolve_precision(None, &gpu()), Some(Precision::Tf32));
+        for (request, precision) in [
+            (PrecisionRequest::Fp32, Precision::Fp32),
+            (PrecisionRequest::Tf32, Precision::Tf32),
+            (PrecisionRequest::Bf16, Precision::Bf16),
+        ] {
+            assert_eq!(resolve_precision(Some(request), &gpu()), Some(precision));
+            assert_eq!(resolve_precision(Some(request), &cpu()), None);
         }
+        assert_eq!(resolve_precision(None, &cpu()), None);
+        assert_eq!(cpu_precision_note(None), None);
+        assert_eq!(cpu_precision_note(Some(PrecisionRequest::Fp32)), None);
+        assert_eq!(
+            cpu_precision_note(Some(PrecisionRequest::Bf16)).as_deref(),
+            Some("note: --precision bf16 applies to a GPU; the CPU computes in fp32")
+        );
+        assert_eq!(
+            cpu_precision_note(Some(PrecisionRequest::Tf32)).as_deref(),
+            Some("note: --precision tf32 applies to a GPU; the CPU computes in fp32")
+        );
         assert_eq!(describe(&gpu(), Some(Precision::Fp32)), "cuda:1 (fp32)");
+        assert_eq!(describe(&gpu(), Some(Precision::Bf16)), "cuda:1 (bf16)");
         assert_eq!(describe(&gpu(), None), "cuda:1 (tf32)");
         assert_eq!(describe(&cpu(), None), "cpu");
     }

@@ -3,7 +3,9 @@
 
 use anyhow::Context;
 use tandem_cuda::device::{resolve, Device, DeviceRequest, GpuFacts};
-use tandem_cuda::Probe;
+use tandem_cuda::{Precision, Probe};
+
+use crate::compute::PrecisionRequest;
 
 /// The `--device` flag.
 pub const DEVICE_HELP: &str = "Where to compute: auto (a GPU when the CUDA driver, libraries and a GPU are found, else the CPU), cpu, cuda (under `launch`, local rank r takes GPU r modulo the visible ones) or cuda:N";
@@ -26,11 +28,16 @@ pub fn announce_for_json(json: bool) -> Announce {
     }
 }
 
-/// Decides the device of this process and prints `device: ... (reason)` first. `cuda` without
-/// what it needs is an error saying what is missing; `auto` takes a GPU when one can be used,
-/// else the CPU, saying why. A GPU's line says that the GPU executor is unverified: it has not
-/// yet run on a GPU.
-pub fn select(request: DeviceRequest, announce: Announce) -> anyhow::Result<Device> {
+/// Decides the device of this process and the precision it computes in, and prints
+/// `device: ... (reason)` first. `cuda` without what it needs is an error saying what is
+/// missing; `auto` takes a GPU when one can be used, else the CPU, saying why. A GPU's line
+/// names its precision and says that the GPU executor is unverified: it has not yet run on a
+/// GPU. The precision is `None` on the CPU (see [`crate::compute::resolve_precision`]).
+pub fn select(
+    request: DeviceRequest,
+    precision: Option<PrecisionRequest>,
+    announce: Announce,
+) -> anyhow::Result<(Device, Option<Precision>)> {
     let device = match request {
         // The CPU needs no probe: nothing CUDA is loaded.
         DeviceRequest::Cpu => resolve(request, &GpuFacts::not_probed(), None)?,
@@ -44,22 +51,27 @@ pub fn select(request: DeviceRequest, announce: Announce) -> anyhow::Result<Devi
             let facts = GpuFacts::gather(Probe::process());
             let device = resolve(request, &facts, local_rank)
                 .with_context(|| format!("--device {request}"))?;
-            unverified_gpu(device)
+            unverified_gpu(device, crate::compute::gpu_precision(precision))
         }
     };
     match announce {
         Announce::Stdout => say!("device: {device}"),
         Announce::Stderr => eprintln!("device: {device}"),
     }
-    Ok(device)
+    let precision = crate::compute::resolve_precision(precision, &device);
+    Ok((device, precision))
 }
 
-/// A GPU's reason with the note that the GPU executor has not yet run on a GPU.
-fn unverified_gpu(device: Device) -> Device {
+/// A GPU's reason with its precision and the note that the GPU executor has not yet run on
+/// a GPU.
+fn unverified_gpu(device: Device, precision: Precision) -> Device {
     match device {
         Device::Cuda { ordinal, reason } => Device::Cuda {
             ordinal,
-            reason: format!("{reason}; GPU executor unverified on a GPU"),
+            reason: format!(
+                "{reason}; precision {}; GPU executor unverified on a GPU",
+                crate::compute::precision_name(precision)
+            ),
         },
         device => device,
     }
@@ -76,12 +88,12 @@ mod tests {
             reason: "first of 2 visible GPU(s)".to_string(),
         };
         assert_eq!(
-            unverified_gpu(found).to_string(),
-            "cuda:1 (first of 2 visible GPU(s); GPU executor unverified on a GPU)"
+            unverified_gpu(found, Precision::Bf16).to_string(),
+            "cuda:1 (first of 2 visible GPU(s); precision bf16; GPU executor unverified on a GPU)"
         );
         let cpu = Device::Cpu {
             reason: "requested".to_string(),
         };
-        assert_eq!(unverified_gpu(cpu.clone()), cpu);
+        assert_eq!(unverified_gpu(cpu.clone(), Precision::Tf32), cpu);
     }
 }

@@ -52,8 +52,11 @@ pub struct EvalArgs {
 /// Runs `tandem eval`.
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
-    let device = crate::device::select(args.device, crate::device::announce_for_json(args.json))?;
-    let precision = crate::compute::resolve_precision(args.precision, &device)?;
+    let (device, precision) = crate::device::select(
+        args.device,
+        args.precision,
+        crate::device::announce_for_json(args.json),
+    )?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
     let checkpoint = crate::remote::local_copy(&args.storage, &args.checkpoint)?;
     let info = read_checkpoint_info(&checkpoint)?;

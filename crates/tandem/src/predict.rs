@@ -71,8 +71,8 @@ struct Prediction {
 /// Runs `tandem predict`.
 pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     // Standard output carries the predictions alone, one line per image.
-    let device = crate::device::select(args.device, crate::device::Announce::Stderr)?;
-    let precision = crate::compute::resolve_precision(args.precision, &device)?;
+    let (device, precision) =
+        crate::device::select(args.device, args.precision, crate::device::Announce::Stderr)?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
     let checkpoint = crate::remote::local_copy(&args.storage, &args.checkpoint)?;
     let info = read_checkpoint_info(&checkpoint)?;

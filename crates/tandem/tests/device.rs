@@ -13,10 +13,20 @@ const LIMIT: Duration = Duration::from_secs(120);
 /// libraries are searched for in `library_path` first (an empty folder, named in the errors);
 /// with one, in the places this test was given.
 fn bench_step(device: &str, library_path: &std::path::Path) -> std::process::Output {
+    bench_step_with(device, library_path, &[])
+}
+
+/// [`bench_step`] with `extra` flags.
+fn bench_step_with(
+    device: &str,
+    library_path: &std::path::Path,
+    extra: &[&str],
+) -> std::process::Output {
     let mut command = tandem();
     command
         .args(["bench", "step", "--model", "resnet-base", "--batch", "2"])
         .args(["--steps", "1", "--threads", "1", "--device", device])
+        .args(extra)
         .env_remove("CUDA_VISIBLE_DEVICES");
     if !gpu_here() {
         command.env("TANDEM_CUDA_LIBRARY_PATH", library_path);
@@ -78,6 +88,7 @@ fn cuda_runs_on_a_gpu_or_fails_with_the_reason_instead_of_pretending() {
                 first.starts_with(&format!("device: cuda:0 ({reason}")),
                 "{text}"
             );
+            assert!(first.contains("; precision tf32; "), "{first}");
             assert!(text.contains("peak memory: "), "{text}");
             continue;
         }
@@ -110,26 +121,20 @@ fn train_eval_and_predict_take_the_device_flags() {
         args.extend(["--max-steps".to_string(), "1".to_string()]);
         run_bounded(tandem().args(&args), LIMIT)
     };
-    // bf16 is refused by name, after the device line.
-    let output = train(&["--device", "cpu", "--precision", "bf16"]);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert!(
-        stderr.contains(
-            "--precision bf16 is not built yet: use --precision tf32 (the default on a GPU) or fp32"
-        ),
-        "{stderr}"
-    );
-    // On the CPU, tf32 is a note, and the run is the CPU's.
-    let output = train(&["--device", "cpu", "--precision", "tf32"]);
-    let stdout = expect_success(&output);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains("note: --precision tf32 applies to a GPU; the CPU computes in fp32"),
-        "{stderr}"
-    );
-    assert_eq!(stdout.lines().next(), Some("device: cpu (requested)"));
-    assert!(stdout.contains("| device: cpu |"), "{stdout}");
+    // On the CPU, tf32 and bf16 are a note, and the run is the CPU's.
+    for precision in ["bf16", "tf32"] {
+        let output = train(&["--device", "cpu", "--precision", precision]);
+        let stdout = expect_success(&output);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(&format!(
+                "note: --precision {precision} applies to a GPU; the CPU computes in fp32"
+            )),
+            "{stderr}"
+        );
+        assert_eq!(stdout.lines().next(), Some("device: cpu (requested)"));
+        assert!(stdout.contains("| device: cpu |"), "{stdout}");
+    }
     let checkpoint = out.join("snapshot.safetensors").display().to_string();
     let mut eval_args = vec!["eval", "--checkpoint", &checkpoint, "--json"];
     eval_args.extend(common::SMALL_MODEL);
@@ -157,6 +162,40 @@ fn train_eval_and_predict_take_the_device_flags() {
     assert!(stderr.starts_with("device: "), "{stderr}");
     let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(report["samples"].as_u64(), Some(64));
+}
+
+#[test]
+fn bench_step_takes_bf16_and_names_it_first() {
+    let empty = tempfile::tempdir().unwrap();
+    if gpu_here() {
+        // On a GPU: the bf16 step runs, and the first line names its precision.
+        let text = expect_success(&bench_step_with(
+            "cuda",
+            empty.path(),
+            &["--precision", "bf16"],
+        ));
+        let first = text.lines().next().unwrap_or_default();
+        assert!(first.starts_with("device: cuda:0 ("), "{text}");
+        assert!(first.contains("; precision bf16; "), "{first}");
+        assert!(
+            text.contains("train: ") && text.contains("peak memory: "),
+            "{text}"
+        );
+    }
+    // On the CPU: a note, and the CPU's step.
+    let output = bench_step_with("cpu", empty.path(), &["--precision", "bf16"]);
+    let text = expect_success(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        text.lines().next(),
+        Some("device: cpu (requested)"),
+        "{text}"
+    );
+    assert!(
+        stderr.contains("note: --precision bf16 applies to a GPU; the CPU computes in fp32"),
+        "{stderr}"
+    );
+    assert!(text.contains("train: "), "{text}");
 }
 
 #[test]

@@ -3,7 +3,8 @@
 //! tensor's largest magnitude, epoch losses within 1e-3 relative), snapshots resumed on the
 //! other device, `kill -9` and resume on the GPU ending bit-identical to an uninterrupted GPU
 //! run, `eval`/`predict` within 1e-4, and the training set in GPU memory (batches assembled
-//! there) ending bit-identical to the same GPU run fed the CPU loader's batches.
+//! there) ending bit-identical to the same GPU run fed the CPU loader's batches; and a
+//! `--precision bf16` run whose epoch losses stay within 2e-2 of the fp32 GPU run's.
 //!
 //! Skipped with a printed reason without the CUDA driver, NVRTC, cuBLAS, cuDNN or a visible
 //! GPU (as on CI's machines); run by `scripts/gpu-check`. **It has not yet run on a GPU.**
@@ -117,6 +118,40 @@ fn training_on_the_gpu_in_fp32_matches_the_cpu() {
     );
     assert!(stdout.contains("| device: cuda:0 (fp32) |"), "{stdout}");
     assert_runs_close(&cpu, &gpu, "cuda fp32 vs cpu");
+}
+
+/// Epoch losses of a bf16 run against the same run in fp32 on the GPU, relative: the bound
+/// of one bf16 step's loss (`tandem-cuda/tests/gpu_bf16.rs`, where it is derived from
+/// bfloat16's 2^-9 rounding), kept for 8 SGD steps of the small model, whose losses move by
+/// far more than that from step to step, so a bf16 run that learned differently shows.
+const BF16_LOSS_TOLERANCE: f64 = 2e-2;
+
+#[test]
+fn training_in_bf16_stays_within_tolerance_of_fp32() {
+    if !gpu_available("training_in_bf16_stays_within_tolerance_of_fp32") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (fp32, bf16) = (dir.path().join("fp32"), dir.path().join("bf16"));
+    train(&run_args(&fp32, "cuda"));
+    let bf16_args = with_flag(run_args(&bf16, "cuda"), "--precision", "bf16");
+    let stdout = train(&bf16_args);
+    let first = stdout.lines().next().unwrap_or_default();
+    assert!(first.contains("; precision bf16; "), "{first}");
+    assert!(stdout.contains("| device: cuda:0 (bf16) |"), "{stdout}");
+    let (expected, actual) = (epoch_losses(&fp32), epoch_losses(&bf16));
+    assert_eq!(expected.len(), 2, "epochs recorded");
+    assert_eq!(actual.len(), 2, "epochs recorded");
+    for ((fp32_train, fp32_val), (bf16_train, bf16_val)) in expected.iter().zip(&actual) {
+        for (fp32, bf16) in [(fp32_train, bf16_train), (fp32_val, bf16_val)] {
+            let error = (fp32 - bf16).abs() / fp32.abs().max(1e-12);
+            eprintln!("bf16 loss {bf16} vs fp32 {fp32}: relative error {error:e}");
+            assert!(
+                error <= BF16_LOSS_TOLERANCE,
+                "bf16 loss {bf16} vs fp32 {fp32} (relative error {error:e})"
+            );
+        }
+    }
 }
 
 /// Trains `args` on `first` up to step 3 (the snapshot), then resumes on `second` to the end.

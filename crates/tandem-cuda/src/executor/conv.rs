@@ -138,25 +138,45 @@ pub struct Candidate<A> {
     pub math: sys::cudnnMathType_t,
 }
 
-/// Whether `precision` admits math `math`: fp32 only plain FMA; tf32 also tensor cores
-/// (TF32), never conversion to half precision.
+/// Whether `precision` admits math `math`: fp32 only plain FMA; tf32 and bf16 also tensor
+/// cores (TF32 on float32 operands, bfloat16 ones on bfloat16 operands), never a conversion
+/// cuDNN would make on its own (`CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION`: float32 to half).
 pub fn math_allowed(precision: Precision, math: sys::cudnnMathType_t) -> bool {
     use sys::cudnnMathType_t::*;
     match precision {
         Precision::Fp32 => math == CUDNN_FMA_MATH,
-        Precision::Tf32 => matches!(
+        Precision::Tf32 | Precision::Bf16 => matches!(
             math,
             CUDNN_FMA_MATH | CUDNN_DEFAULT_MATH | CUDNN_TENSOR_OP_MATH
         ),
     }
 }
 
-/// The math type a convolution descriptor is set to before measuring under `precision`.
+/// The math type a convolution descriptor is set to before measuring under `precision`:
+/// bf16 asks for tensor cores outright (their bfloat16 path is the point of it).
 pub fn descriptor_math(precision: Precision) -> sys::cudnnMathType_t {
     match precision {
         Precision::Fp32 => sys::cudnnMathType_t::CUDNN_FMA_MATH,
         Precision::Tf32 => sys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+        Precision::Bf16 => sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
     }
+}
+
+/// The data type of a convolution's input, filter and output (and their gradients) under
+/// `precision`: float32, or bfloat16 for bf16 (the operands `autocast.rs` narrows).
+pub fn operand_type(precision: Precision) -> sys::cudnnDataType_t {
+    match precision {
+        Precision::Fp32 | Precision::Tf32 => sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+        Precision::Bf16 => sys::cudnnDataType_t::CUDNN_DATA_BFLOAT16,
+    }
+}
+
+/// The compute (accumulation) type of the convolution descriptor: float32 under every
+/// precision. With bfloat16 operands that is cuDNN's `PSEUDO_BFLOAT16_CONFIG` (x, w, y
+/// bfloat16, the convolution float), the configuration its legacy API supports for
+/// bfloat16 in all three directions; `TRUE` bfloat16 accumulation is not one it offers.
+pub fn compute_type(_precision: Precision) -> sys::cudnnDataType_t {
+    sys::cudnnDataType_t::CUDNN_DATA_FLOAT
 }
 
 /// The fixed order in which deterministic mode prefers a direction's algorithms: lower first.
@@ -291,10 +311,11 @@ impl ConvPlan {
         deterministic: bool,
     ) -> Result<Self, GpuError> {
         let geometry = ConvGeometry::new(shape)?;
-        let input = TensorDescriptor::new(geometry.input, geometry.input_strides)?;
-        let output = TensorDescriptor::new(geometry.output, geometry.output_strides)?;
-        let filter = FilterDescriptor::new(geometry.filter)?;
-        let conv = ConvDescriptor::new(geometry.padding, geometry.stride)?;
+        let operands = operand_type(precision);
+        let input = TensorDescriptor::new(geometry.input, geometry.input_strides, operands)?;
+        let output = TensorDescriptor::new(geometry.output, geometry.output_strides, operands)?;
+        let filter = FilterDescriptor::new(geometry.filter, operands)?;
+        let conv = ConvDescriptor::new(geometry.padding, geometry.stride, compute_type(precision))?;
         conv.set_math(descriptor_math(precision))?;
         let refused = |direction, reason| GpuError::NoAlgorithm {
             direction,
@@ -401,15 +422,17 @@ impl ConvPlan {
         .map_err(cudnn("cudnnConvolutionBackwardData"))
     }
 
-    /// `filter gradient += correlation(input, output gradient)`.
+    /// `filter gradient (+)= correlation(input, output gradient)`: added to when
+    /// `accumulate` (the float32 gradient buffer), else overwritten (a bfloat16 scratch).
     pub fn backward_filter(
         &self,
         handle: &CudnnHandle,
         buffers: &ConvBuffers,
+        accumulate: bool,
     ) -> Result<(), GpuError> {
         self.conv.set_math(self.backward_filter.math)?;
-        let (alpha, beta) = (1.0f32, 1.0f32);
-        // SAFETY: as in `forward`; `filter` is the filter gradient range of this layer.
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        // SAFETY: as in `forward`; `filter` is the filter gradient of this layer.
         unsafe {
             sys::cudnnConvolutionBackwardFilter(
                 handle.raw(),
@@ -459,6 +482,17 @@ impl AlgorithmCache {
                 Ok(entry.insert(ConvPlan::measure(handle, shape, precision, deterministic)?))
             }
         }
+    }
+
+    /// The plan of `shape` measured before under the settings, if any.
+    pub fn get(
+        &self,
+        shape: &Conv2dShape,
+        precision: Precision,
+        deterministic: bool,
+    ) -> Option<&ConvPlan> {
+        self.plans
+            .get(&ConvKey::new(shape, precision, deterministic))
     }
 
     /// Shapes measured so far.

@@ -186,25 +186,22 @@ impl Drop for CudnnHandle {
     }
 }
 
-/// A 4-d float tensor descriptor with explicit strides.
+/// A 4-d tensor descriptor with explicit strides.
 pub struct TensorDescriptor(sys::cudnnTensorDescriptor_t);
 
 impl TensorDescriptor {
-    /// `[n, c, h, w]` with `strides` (see [`super::conv::nhwc_strides`]).
-    pub fn new(dims: [c_int; 4], strides: [c_int; 4]) -> Result<Self, GpuError> {
+    /// `[n, c, h, w]` of `data_type` with `strides` (see [`super::conv::nhwc_strides`]).
+    pub fn new(
+        dims: [c_int; 4],
+        strides: [c_int; 4],
+        data_type: sys::cudnnDataType_t,
+    ) -> Result<Self, GpuError> {
         let desc = TensorDescriptor(
             result::create_tensor_descriptor().map_err(cudnn("cudnnCreateTensorDescriptor"))?,
         );
         // SAFETY: the descriptor was just created.
-        unsafe {
-            result::set_tensor4d_descriptor_ex(
-                desc.0,
-                sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
-                dims,
-                strides,
-            )
-        }
-        .map_err(cudnn("cudnnSetTensor4dDescriptorEx"))?;
+        unsafe { result::set_tensor4d_descriptor_ex(desc.0, data_type, dims, strides) }
+            .map_err(cudnn("cudnnSetTensor4dDescriptorEx"))?;
         Ok(desc)
     }
 
@@ -221,12 +218,12 @@ impl Drop for TensorDescriptor {
     }
 }
 
-/// A float filter descriptor in cuDNN's NHWC filter format (KRSC, the engine's OHWI).
+/// A filter descriptor in cuDNN's NHWC filter format (KRSC, the engine's OHWI).
 pub struct FilterDescriptor(sys::cudnnFilterDescriptor_t);
 
 impl FilterDescriptor {
-    /// `[k, c, r, s]`.
-    pub fn new(dims: [c_int; 4]) -> Result<Self, GpuError> {
+    /// `[k, c, r, s]` of `data_type`.
+    pub fn new(dims: [c_int; 4], data_type: sys::cudnnDataType_t) -> Result<Self, GpuError> {
         let desc = FilterDescriptor(
             result::create_filter_descriptor().map_err(cudnn("cudnnCreateFilterDescriptor"))?,
         );
@@ -234,7 +231,7 @@ impl FilterDescriptor {
         unsafe {
             result::set_filter4d_descriptor(
                 desc.0,
-                sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+                data_type,
                 sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
                 dims,
             )
@@ -256,12 +253,16 @@ impl Drop for FilterDescriptor {
     }
 }
 
-/// A 2-d cross-correlation (PyTorch's convolution) in float, no dilation.
+/// A 2-d cross-correlation (PyTorch's convolution), no dilation.
 pub struct ConvDescriptor(sys::cudnnConvolutionDescriptor_t);
 
 impl ConvDescriptor {
-    /// Equal padding and stride on both axes.
-    pub fn new(padding: c_int, stride: c_int) -> Result<Self, GpuError> {
+    /// Equal padding and stride on both axes, computing (accumulating) in `compute_type`.
+    pub fn new(
+        padding: c_int,
+        stride: c_int,
+        compute_type: sys::cudnnDataType_t,
+    ) -> Result<Self, GpuError> {
         let desc = ConvDescriptor(
             result::create_convolution_descriptor()
                 .map_err(cudnn("cudnnCreateConvolutionDescriptor"))?,
@@ -277,7 +278,7 @@ impl ConvDescriptor {
                 1,
                 1,
                 sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
-                sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+                compute_type,
             )
         }
         .map_err(cudnn("cudnnSetConvolution2dDescriptor"))?;

@@ -99,6 +99,14 @@ pub enum GpuError {
     /// A setting the GPU executor does not support yet.
     #[error("the GPU executor does not support {0} yet")]
     Unsupported(&'static str),
+    /// `--precision bf16` on a GPU without bfloat16 tensor cores.
+    #[error("--precision bf16 needs a GPU of compute capability 8.0 (Ampere) or later; cuda:{ordinal} is {arch}")]
+    Bf16NeedsAmpere {
+        /// The GPU's ordinal.
+        ordinal: usize,
+        /// Its architecture.
+        arch: crate::arch::GpuArch,
+    },
     /// A step method was called before [`super::CudaExecutor::prepare`] for its plan.
     #[error("the GPU executor has no storage for this plan (call prepare first)")]
     NotPrepared,

@@ -43,6 +43,10 @@ const FUNCTIONS: &[(&str, &[&str])] = &[
     ("bias", &["bias_add", "add_channel_sums"]),
     ("collective", &["divide_in_place"]),
     ("augment", &["augment_draws", "augment_apply"]),
+    (
+        "convert",
+        &["float_to_bf16", "bf16_to_float", "bf16_add_to_float"],
+    ),
 ];
 
 /// One kernel argument, by value (device pointers as their addresses; a null pointer is 0).

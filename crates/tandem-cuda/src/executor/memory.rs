@@ -7,6 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use tandem_models::workspace::{Mode, Plan};
 
 use super::error::{driver, GpuError};
+use super::Precision;
 
 /// Rows a block of the two-pass column sums (`bn_stats_partial`, `bn_backward_partial`)
 /// adds; fixed, so that the order of every sum depends only on the shape.
@@ -60,6 +61,47 @@ impl BatchNormStateLayout {
     }
 }
 
+/// The bfloat16 scratch buffers of [`Precision::Bf16`], in elements: each convolution and the
+/// linear layer narrow their float32 operands into them and widen their bfloat16 results out
+/// of them (`executor/autocast.rs`). One set serves every layer in turn (all run on one
+/// stream), so each is as large as the largest operand of its role.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Bf16ScratchSizes {
+    /// A convolution's input (and its gradient), the linear layer's input (pooled features).
+    pub input: usize,
+    /// A convolution's output (and its gradient), the linear layer's output gradient.
+    pub output: usize,
+    /// A convolution's filter (and its gradient), the linear layer's weight.
+    pub filter: usize,
+}
+
+impl Bf16ScratchSizes {
+    /// The largest operands of `plan`'s convolutions and linear layer in each role.
+    pub fn new(plan: &Plan) -> Self {
+        let mut sizes = Bf16ScratchSizes {
+            input: plan.batch * plan.final_channels,
+            output: plan.batch * plan.classes,
+            filter: plan.classes * plan.final_channels,
+        };
+        for unit in plan.unit_plans() {
+            sizes.input = sizes.input.max(unit.shape.input_len());
+            sizes.output = sizes.output.max(unit.shape.output_len());
+            sizes.filter = sizes.filter.max(unit.shape.weight_len());
+        }
+        sizes
+    }
+
+    /// Elements in all.
+    pub fn len(&self) -> usize {
+        self.input + self.output + self.filter
+    }
+
+    /// Whether there are none (other precisions).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// The sizes of every device allocation of a plan, in elements.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StorageSizes {
@@ -81,11 +123,13 @@ pub struct StorageSizes {
     pub totals: usize,
     /// The largest backward coefficients: `3 * channels` floats.
     pub coefficients: usize,
+    /// The bfloat16 scratch buffers (all zero unless the precision is bf16).
+    pub bf16: Bf16ScratchSizes,
 }
 
 impl StorageSizes {
-    /// The sizes `plan` needs.
-    pub fn new(plan: &Plan) -> Self {
+    /// The sizes `plan` needs computing in `precision`.
+    pub fn new(plan: &Plan, precision: Precision) -> Self {
         let train = plan.mode == Mode::Train;
         let mut partials = row_blocks(plan.batch) * 2 * plan.classes;
         let mut channels = plan.classes;
@@ -108,6 +152,10 @@ impl StorageSizes {
             partials,
             totals: 1 + 2 * channels,
             coefficients: 3 * channels,
+            bf16: match precision {
+                Precision::Bf16 => Bf16ScratchSizes::new(plan),
+                Precision::Fp32 | Precision::Tf32 => Bf16ScratchSizes::default(),
+            },
         }
     }
 
@@ -121,7 +169,7 @@ impl StorageSizes {
             + self.bn_state.len
             + self.coefficients;
         let doubles = self.partials + self.totals + self.logits;
-        floats * 4 + doubles * 8
+        floats * 4 + doubles * 8 + self.bf16.len() * 2
     }
 }
 
@@ -165,10 +213,22 @@ pub struct DeviceStorage {
     pub totals: CudaSlice<f64>,
     /// Backward coefficients of a batch norm.
     pub coefficients: CudaSlice<f32>,
+    /// The bfloat16 scratch buffers, with bf16 precision.
+    pub bf16: Option<Bf16Scratch>,
     /// Per unit: the count of values its batch statistics were taken over (all processes).
     pub counts: Vec<f64>,
     /// Host copy of the totals, for SyncBatchNorm's reducer.
     pub host_totals: Vec<f64>,
+}
+
+/// The bfloat16 scratch buffers (see [`Bf16ScratchSizes`]), as bits.
+pub struct Bf16Scratch {
+    /// Inputs and their gradients.
+    pub input: CudaSlice<u16>,
+    /// Outputs and their gradients.
+    pub output: CudaSlice<u16>,
+    /// Filters, weights and their gradients.
+    pub filter: CudaSlice<u16>,
 }
 
 /// `len` zeros on the device (at least one element: the driver refuses empty allocations).
@@ -182,9 +242,22 @@ fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 }
 
 impl DeviceStorage {
-    /// Allocates the storage of `plan` on `stream`'s device, zeroed.
-    pub fn new(stream: &Arc<CudaStream>, plan: &Plan) -> Result<Self, GpuError> {
-        let sizes = StorageSizes::new(plan);
+    /// Allocates the storage of `plan` computing in `precision` on `stream`'s device, zeroed.
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        plan: &Plan,
+        precision: Precision,
+    ) -> Result<Self, GpuError> {
+        let sizes = StorageSizes::new(plan, precision);
+        let bf16 = if sizes.bf16.is_empty() {
+            None
+        } else {
+            Some(Bf16Scratch {
+                input: zeros(stream, sizes.bf16.input)?,
+                output: zeros(stream, sizes.bf16.output)?,
+                filter: zeros(stream, sizes.bf16.filter)?,
+            })
+        };
         let slots = sizes
             .slots
             .iter()
@@ -213,6 +286,7 @@ impl DeviceStorage {
             partials: zeros(stream, sizes.partials)?,
             totals: zeros(stream, sizes.totals)?,
             coefficients: zeros(stream, sizes.coefficients)?,
+            bf16,
             counts: vec![0.0; plan.units],
             host_totals: Vec::with_capacity(sizes.totals),
             images: plan.images,
@@ -242,8 +316,13 @@ impl Default for PlanStorages {
 
 impl PlanStorages {
     /// Makes `plan`'s storage the active one, allocating it unless the kept storage of its
-    /// mode has its batch shape.
-    pub fn activate(&mut self, stream: &Arc<CudaStream>, plan: &Plan) -> Result<(), GpuError> {
+    /// mode has its batch shape (an executor's precision never changes).
+    pub fn activate(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        plan: &Plan,
+        precision: Precision,
+    ) -> Result<(), GpuError> {
         let kept = match plan.mode {
             Mode::Train => &mut self.train,
             Mode::Eval => &mut self.eval,
@@ -252,7 +331,7 @@ impl PlanStorages {
         if kept.as_ref().map(|storage| storage.shape) != Some(shape) {
             // The old storage is freed before the new one is allocated.
             *kept = None;
-            *kept = Some(DeviceStorage::new(stream, plan)?);
+            *kept = Some(DeviceStorage::new(stream, plan, precision)?);
         }
         self.active = plan.mode;
         Ok(())

@@ -1,7 +1,8 @@
 //! The GPU executor: [`CudaExecutor`] runs a [`Plan`] of the shared network description on
 //! one GPU through the [`Executor`] interface of `tandem-models`: convolutions through cuDNN
 //! ([`conv`]), the linear layer through cuBLAS ([`linear`]), and our NVRTC-compiled kernels
-//! for batch norm, the fused epilogue, pooling, the loss, biases and the optimizers.
+//! for batch norm, the fused epilogue, pooling, the loss, biases and the optimizers; in
+//! bfloat16 ([`Precision::Bf16`]) the convolutions and GEMMs go through `autocast.rs`.
 //!
 //! The flat parameter, gradient and running-statistic buffers live on the GPU; the host sees
 //! them through [`CudaExecutor::params_to_host`] and the like, and the backward copies each
@@ -15,6 +16,7 @@
 //! **Unverified on a GPU:** this compiles and its host-side pieces are tested, but it has not
 //! run on a GPU (see the crate's README).
 
+mod autocast;
 pub mod conv;
 pub mod cudnn;
 mod data_parallel;
@@ -60,6 +62,12 @@ pub enum Precision {
     Fp32,
     /// TF32 tensor cores for convolutions and matmuls (PyTorch's default on GPUs).
     Tf32,
+    /// PyTorch autocast's bfloat16: convolutions and the linear layer take bfloat16 operands
+    /// and accumulate in float32; everything else (batch norm, the loss, the optimizer, the
+    /// master weights, the activations in memory) stays float32. Each convolution and GEMM
+    /// narrows its float32 operands to bfloat16 scratch buffers and widens its result back
+    /// (`autocast.rs`).
+    Bf16,
 }
 
 /// The executor's settings.
@@ -157,6 +165,12 @@ impl CudaExecutor {
             major: major as u32,
             minor: minor as u32,
         };
+        if !precision_supported(settings.precision, arch) {
+            return Err(GpuError::Bf16NeedsAmpere {
+                ordinal: settings.ordinal,
+                arch,
+            });
+        }
         let compiler = Compiler::new(probe, arch, cache)?;
         let kernels = Kernels::load(&context, &compiler)?;
         let stream = context.default_stream();
@@ -203,7 +217,8 @@ impl CudaExecutor {
         self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
-        self.storages.activate(&self.stream, plan)?;
+        self.storages
+            .activate(&self.stream, plan, self.settings.precision)?;
         let mut workspace = 0;
         for unit in plan.unit_plans() {
             let measured = self.algorithms.get_or_measure(
@@ -575,6 +590,12 @@ impl AdamScalars {
             sq_weight: (1.0 - f64::from(config.beta2)) as f32,
         }
     }
+}
+
+/// Whether a GPU of `arch` computes in `precision`: bfloat16 tensor cores, and cuDNN's
+/// bfloat16 convolutions, start with compute capability 8.0 (Ampere).
+pub fn precision_supported(precision: Precision, arch: GpuArch) -> bool {
+    precision != Precision::Bf16 || arch.major >= 8
 }
 
 /// Checks that `images` (and `labels`) have the lengths of `plan`'s batch.

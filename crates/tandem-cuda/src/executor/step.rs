@@ -8,6 +8,7 @@ use tandem_models::executor::{
 use tandem_models::workspace::{Slot, UnitPlan};
 use tandem_models::{Head, ModelError};
 
+use super::autocast::{GemmOperand, Role};
 use super::error::driver;
 use super::launch::{per_element, Arg};
 use super::linear::LinearShape;
@@ -165,17 +166,22 @@ impl Executor for CudaExecutor {
                 inputs: head.in_features,
                 outputs: head.classes,
             };
-            // SAFETY: weight [classes, in_features], pooled [batch, in_features], logits
-            // [batch, classes], as the forward GEMM addresses them.
-            unsafe {
-                super::linear::run(
-                    &exec.blas,
-                    &shape.forward()?,
-                    at(params, head.weight.start),
-                    pooled,
-                    logits,
-                )
-            }?;
+            // weight [classes, in_features], pooled [batch, in_features], logits [batch,
+            // classes], as the forward GEMM addresses them.
+            exec.linear_gemm(
+                &shape.forward()?,
+                GemmOperand {
+                    address: at(params, head.weight.start),
+                    len: head.weight.len(),
+                    role: Role::Filter,
+                },
+                GemmOperand {
+                    address: pooled,
+                    len: batch * head.in_features,
+                    role: Role::Input,
+                },
+                logits,
+            )?;
             exec.bias_add(
                 logits,
                 at(params, head.bias.start),

@@ -3,17 +3,19 @@
 //! column sums and biases they share; plus the plumbing of device addresses and kept errors.
 
 use cudarc::driver::{CudaStream, LaunchConfig};
+use tandem_engine::shape::Conv2dShape;
 use tandem_engine::BatchNormReducer;
 use tandem_models::executor::{GradBuffer, GradTarget, GradientsReady, Unit, UnitGrad};
 use tandem_models::workspace::{Slot, UnitPlan};
 use tandem_models::{Head, ModelError};
 
-use super::conv::ConvBuffers;
+use super::autocast::{ConvBackward, GemmOperand, Role};
+use super::conv::{ConvBuffers, ConvPlan};
 use super::error::driver;
 #[cfg(doc)]
 use super::launch::Kernels;
 use super::launch::{column_sums, per_element, Arg};
-use super::linear::{self, LinearShape};
+use super::linear::LinearShape;
 use super::memory::{row_blocks, DeviceStorage, StatePart, ROWS_PER_BLOCK};
 use super::{address, at, device, CudaExecutor, GpuError};
 #[cfg(doc)]
@@ -173,6 +175,14 @@ impl CudaExecutor {
         }
     }
 
+    /// The plan of the convolution of `shape` under the executor's settings, which
+    /// [`CudaExecutor::prepare`] measured for every convolution of the active plan.
+    pub(super) fn conv_plan(&self, shape: &Conv2dShape) -> Result<&ConvPlan, GpuError> {
+        self.algorithms
+            .get(shape, self.settings.precision, self.settings.deterministic)
+            .ok_or(GpuError::NotPrepared)
+    }
+
     /// `output slot = conv(input slot) [+ bias]`.
     pub(super) fn conv_forward(&mut self, unit: Unit, output: Slot) -> Result<(), GpuError> {
         let shape = unit.plan.shape;
@@ -186,14 +196,10 @@ impl CudaExecutor {
             )
         };
         let workspace_len = self.workspace.len();
-        let plan = self.algorithms.get_or_measure(
-            &self.cudnn,
+        let plan = self.conv_plan(&shape)?;
+        self.convolve_forward(
+            plan,
             &shape,
-            self.settings.precision,
-            self.settings.deterministic,
-        )?;
-        plan.forward(
-            &self.cudnn,
             &ConvBuffers {
                 input,
                 filter: at(params, unit.conv.weight.start),
@@ -434,33 +440,19 @@ impl CudaExecutor {
             GradTarget::Accumulate(buffer) => Some((self.addresses()?.grad(buffer), true)),
         };
         let workspace = (address(&self.workspace, &self.stream), self.workspace.len());
-        let conv_plan = self.algorithms.get_or_measure(
-            &self.cudnn,
+        let conv_plan = self.conv_plan(&plan.shape)?;
+        self.convolve_backward(
+            conv_plan,
             &plan.shape,
-            self.settings.precision,
-            self.settings.deterministic,
-        )?;
-        conv_plan.backward_filter(
-            &self.cudnn,
-            &ConvBuffers {
+            &ConvBackward {
                 input,
-                filter: at(grads, conv.weight.start),
-                output: dz,
+                filter: at(params, conv.weight.start),
+                grad_output: dz,
+                grad_filter: at(grads, conv.weight.start),
+                grad_input: target,
                 workspace,
             },
         )?;
-        if let Some((grad_input, accumulate)) = target {
-            conv_plan.backward_data(
-                &self.cudnn,
-                &ConvBuffers {
-                    input: grad_input,
-                    filter: at(params, conv.weight.start),
-                    output: dz,
-                    workspace,
-                },
-                accumulate,
-            )?;
-        }
         self.report(conv.param_range().end, ready)
     }
 
@@ -514,28 +506,36 @@ impl CudaExecutor {
                 ],
             )?;
         }
-        // SAFETY: pooled is [batch, inputs], grad_logits [batch, outputs], the weight
-        // gradient range [outputs, inputs], as the GEMMs address them.
-        unsafe {
-            linear::run(
-                &self.blas,
-                &shape.weight_gradient()?,
-                pooled,
-                grad_logits,
-                at(grads, head.weight.start),
-            )?;
-        }
+        // pooled is [batch, inputs], grad_logits [batch, outputs], the weight gradient range
+        // [outputs, inputs], grad_pooled [batch, inputs], as the GEMMs address them.
+        let pooled = GemmOperand {
+            address: pooled,
+            len: batch * head.in_features,
+            role: Role::Input,
+        };
+        let grad_logits_operand = GemmOperand {
+            address: grad_logits,
+            len: batch * classes,
+            role: Role::Output,
+        };
+        let weight = GemmOperand {
+            address: at(params, head.weight.start),
+            len: head.weight.len(),
+            role: Role::Filter,
+        };
+        self.linear_gemm(
+            &shape.weight_gradient()?,
+            pooled,
+            grad_logits_operand,
+            at(grads, head.weight.start),
+        )?;
         self.bias_gradient(grad_logits, batch, classes, at(grads, head.bias.start))?;
-        // SAFETY: the weight is [outputs, inputs]; grad_pooled holds batch * inputs floats.
-        unsafe {
-            linear::run(
-                &self.blas,
-                &shape.input_gradient()?,
-                at(params, head.weight.start),
-                grad_logits,
-                grad_pooled,
-            )?;
-        }
+        self.linear_gemm(
+            &shape.input_gradient()?,
+            weight,
+            grad_logits_operand,
+            grad_pooled,
+        )?;
         self.report(head.bias.end, ready)?;
         let pixels = features.shape.out_height() * features.shape.out_width();
         // SAFETY: average_pool_backward(const float*, int, int, int, float*): the target

@@ -68,8 +68,8 @@ pub struct StepArgs {
 
 /// Runs the benchmark.
 pub fn run(args: StepArgs) -> anyhow::Result<()> {
-    let device = crate::device::select(args.device, crate::device::Announce::Stdout)?;
-    let precision = crate::compute::resolve_precision(args.precision, &device)?;
+    let (device, precision) =
+        crate::device::select(args.device, args.precision, crate::device::Announce::Stdout)?;
     let spec = args.model.to_spec()?;
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     let is_resnet18 = matches!(spec, ModelSpec::ResNet18 { .. });

@@ -56,8 +56,8 @@ use tensorboard::EventWriter;
 /// SIGINT, 143 after SIGTERM) when a stop request ended it, once its snapshot is written.
 pub fn run(options: TrainOptions) -> anyhow::Result<()> {
     let device = options.device.unwrap_or_default();
-    let device = crate::device::select(device, crate::device::Announce::Stdout)?;
-    let precision = crate::compute::resolve_precision(options.precision, &device)?;
+    let (device, precision) =
+        crate::device::select(device, options.precision, crate::device::Announce::Stdout)?;
     let backend = options.backend.unwrap_or_default();
     let settings = options.merged_with_file()?.resolve()?;
     let stop_signal = stop_signal::install()?;

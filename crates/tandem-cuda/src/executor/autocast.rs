@@ -1,0 +1,280 @@
+//! The convolutions and the linear layer's GEMMs in the executor's precision. In fp32 and
+//! tf32 they run on the float32 buffers directly. In bf16 (PyTorch autocast's rules) every
+//! activation, weight and gradient stays float32 in memory, and each call narrows its float32
+//! operands into the plan's bfloat16 scratch buffers (`kernels/convert.cu`, round to nearest
+//! even), runs cuDNN or cuBLAS on them with float32 accumulation, and widens a bfloat16
+//! result back into its float32 target: the forward output overwritten, the weight gradient
+//! added to the flat gradient buffer (as fp32's `beta = 1` adds it), the input gradient
+//! overwritten or added as the walk asks.
+//!
+//! The weights are narrowed at each convolution, not once per step after the optimizer: a
+//! bfloat16 copy kept across calls would go stale at every write to the parameters (the
+//! optimizers, `params_from_host`, the broadcasts, a resume), each of which would have to
+//! know of it, while narrowing a filter costs one pass over it, small beside the activations
+//! narrowed at every call anyway. The backward narrows the convolution's input again rather
+//! than keeping the forward's bfloat16 copy, so the scratch stays one set for the whole plan.
+//!
+//! This first bf16 therefore moves more memory per step than PyTorch's design (bfloat16
+//! activations in memory, channels_last); its speed is unmeasured.
+
+use tandem_engine::shape::Conv2dShape;
+
+use super::conv::{ConvBuffers, ConvPlan};
+use super::launch::{per_element, Arg};
+use super::linear::{self, Gemm};
+use super::{address, CudaExecutor, GpuError, Precision};
+
+/// One bfloat16 scratch buffer: its device address and its element count.
+#[derive(Clone, Copy, Debug)]
+struct Buffer {
+    address: u64,
+    len: usize,
+}
+
+/// The bfloat16 scratch buffers of the active plan.
+#[derive(Clone, Copy, Debug)]
+struct Scratch {
+    input: Buffer,
+    output: Buffer,
+    filter: Buffer,
+}
+
+/// Which bfloat16 scratch buffer a GEMM operand is narrowed into (see
+/// `memory::Bf16ScratchSizes` for what each holds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Role {
+    /// The layer's input (pooled features).
+    Input,
+    /// The layer's output gradient.
+    Output,
+    /// The layer's weight.
+    Filter,
+}
+
+/// One float32 operand of a GEMM: its address, its element count and its role.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GemmOperand {
+    pub(super) address: u64,
+    pub(super) len: usize,
+    pub(super) role: Role,
+}
+
+/// The float32 buffers of a unit convolution's backward.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ConvBackward {
+    /// The forward's input.
+    pub(super) input: u64,
+    /// The filter.
+    pub(super) filter: u64,
+    /// The output gradient.
+    pub(super) grad_output: u64,
+    /// The filter gradient (added to).
+    pub(super) grad_filter: u64,
+    /// The input gradient and whether it is added to, when one is wanted.
+    pub(super) grad_input: Option<(u64, bool)>,
+    /// The workspace and its size in bytes.
+    pub(super) workspace: (u64, usize),
+}
+
+impl CudaExecutor {
+    /// The scratch buffers' addresses in bf16, `None` in the other precisions.
+    fn bf16_scratch(&self) -> Result<Option<Scratch>, GpuError> {
+        if self.settings.precision != Precision::Bf16 {
+            return Ok(None);
+        }
+        let Some(scratch) = &self.storage()?.bf16 else {
+            return Err(GpuError::Unsupported(
+                "bf16 without its scratch buffers (a plan prepared in another precision)",
+            ));
+        };
+        let buffer = |slice: &cudarc::driver::CudaSlice<u16>| Buffer {
+            address: address(slice, &self.stream),
+            len: slice.len(),
+        };
+        Ok(Some(Scratch {
+            input: buffer(&scratch.input),
+            output: buffer(&scratch.output),
+            filter: buffer(&scratch.filter),
+        }))
+    }
+
+    /// `to[..n] = bfloat16(from[..n])`.
+    fn narrow(&self, from: u64, to: Buffer, n: usize) -> Result<(), GpuError> {
+        fits(to, n)?;
+        // SAFETY: float_to_bf16(const float*, long long, unsigned short*): `from` holds n
+        // floats (the caller's operand), `to` at least n bfloat16s (checked above).
+        unsafe {
+            self.launch(
+                "float_to_bf16",
+                per_element(n),
+                &[Arg::Ptr(from), Arg::I64(n as i64), Arg::Ptr(to.address)],
+            )
+        }
+    }
+
+    /// `to[..n] (+)= float(from[..n])`: added when `add`, else overwritten.
+    fn widen(&self, from: Buffer, to: u64, n: usize, add: bool) -> Result<(), GpuError> {
+        fits(from, n)?;
+        let kernel = if add {
+            "bf16_add_to_float"
+        } else {
+            "bf16_to_float"
+        };
+        // SAFETY: bf16_to_float and bf16_add_to_float(const unsigned short*, long long,
+        // float*): `from` holds n bfloat16s, `to` n floats.
+        unsafe {
+            self.launch(
+                kernel,
+                per_element(n),
+                &[Arg::Ptr(from.address), Arg::I64(n as i64), Arg::Ptr(to)],
+            )
+        }
+    }
+
+    /// `buffers.output = conv(buffers.input, buffers.filter)` of `shape` with `plan`.
+    pub(super) fn convolve_forward(
+        &self,
+        plan: &ConvPlan,
+        shape: &Conv2dShape,
+        buffers: &ConvBuffers,
+    ) -> Result<(), GpuError> {
+        let Some(scratch) = self.bf16_scratch()? else {
+            return plan.forward(&self.cudnn, buffers);
+        };
+        self.narrow(buffers.input, scratch.input, shape.input_len())?;
+        self.narrow(buffers.filter, scratch.filter, shape.weight_len())?;
+        plan.forward(
+            &self.cudnn,
+            &ConvBuffers {
+                input: scratch.input.address,
+                filter: scratch.filter.address,
+                output: scratch.output.address,
+                workspace: buffers.workspace,
+            },
+        )?;
+        self.widen(scratch.output, buffers.output, shape.output_len(), false)
+    }
+
+    /// The filter gradient (added to `grad_filter`) and, when asked, the input gradient of
+    /// the convolution of `shape` with `plan`.
+    pub(super) fn convolve_backward(
+        &self,
+        plan: &ConvPlan,
+        shape: &Conv2dShape,
+        buffers: &ConvBackward,
+    ) -> Result<(), GpuError> {
+        let Some(scratch) = self.bf16_scratch()? else {
+            plan.backward_filter(
+                &self.cudnn,
+                &ConvBuffers {
+                    input: buffers.input,
+                    filter: buffers.grad_filter,
+                    output: buffers.grad_output,
+                    workspace: buffers.workspace,
+                },
+                true,
+            )?;
+            if let Some((grad_input, accumulate)) = buffers.grad_input {
+                plan.backward_data(
+                    &self.cudnn,
+                    &ConvBuffers {
+                        input: grad_input,
+                        filter: buffers.filter,
+                        output: buffers.grad_output,
+                        workspace: buffers.workspace,
+                    },
+                    accumulate,
+                )?;
+            }
+            return Ok(());
+        };
+        // The output gradient is narrowed once for both directions; the input's scratch
+        // serves the input, then its gradient, and the filter's the gradient, then the filter.
+        self.narrow(buffers.grad_output, scratch.output, shape.output_len())?;
+        self.narrow(buffers.input, scratch.input, shape.input_len())?;
+        plan.backward_filter(
+            &self.cudnn,
+            &ConvBuffers {
+                input: scratch.input.address,
+                filter: scratch.filter.address,
+                output: scratch.output.address,
+                workspace: buffers.workspace,
+            },
+            false,
+        )?;
+        self.widen(
+            scratch.filter,
+            buffers.grad_filter,
+            shape.weight_len(),
+            true,
+        )?;
+        let Some((grad_input, accumulate)) = buffers.grad_input else {
+            return Ok(());
+        };
+        self.narrow(buffers.filter, scratch.filter, shape.weight_len())?;
+        plan.backward_data(
+            &self.cudnn,
+            &ConvBuffers {
+                input: scratch.input.address,
+                filter: scratch.filter.address,
+                output: scratch.output.address,
+                workspace: buffers.workspace,
+            },
+            false,
+        )?;
+        self.widen(scratch.input, grad_input, shape.input_len(), accumulate)
+    }
+
+    /// One of the linear layer's GEMMs, `c (+)= op(a) · op(b)` with float32 `c`: SGEMM, or in
+    /// bf16 `cublasGemmEx` on `a` and `b` narrowed into their roles' scratch buffers.
+    pub(super) fn linear_gemm(
+        &self,
+        gemm: &Gemm,
+        a: GemmOperand,
+        b: GemmOperand,
+        c: u64,
+    ) -> Result<(), GpuError> {
+        let Some(scratch) = self.bf16_scratch()? else {
+            // SAFETY: the caller's operands hold what the GEMM addresses (see
+            // `linear::LinearShape`), on the executor's stream.
+            return unsafe { linear::run(&self.blas, gemm, a.address, b.address, c) };
+        };
+        let into = |role| match role {
+            Role::Input => scratch.input,
+            Role::Output => scratch.output,
+            Role::Filter => scratch.filter,
+        };
+        if a.role == b.role {
+            return Err(GpuError::Unsupported(
+                "two GEMM operands in one scratch buffer",
+            ));
+        }
+        self.narrow(a.address, into(a.role), a.len)?;
+        self.narrow(b.address, into(b.role), b.len)?;
+        // SAFETY: the scratch buffers hold the narrowed operands (`narrow` checked that they
+        // fit); `c` as for SGEMM.
+        unsafe {
+            linear::run_bf16(
+                &self.blas,
+                gemm,
+                into(a.role).address,
+                into(b.role).address,
+                c,
+            )
+        }
+    }
+}
+
+/// `Ok` when `buffer` holds at least `n` elements (the plan's scratch sizes cover every
+/// operand; this keeps a launch from running past one that does not).
+fn fits(buffer: Buffer, n: usize) -> Result<(), GpuError> {
+    if n <= buffer.len {
+        Ok(())
+    } else {
+        Err(GpuError::Length {
+            what: "a bfloat16 operand",
+            found: n,
+            expected: buffer.len,
+        })
+    }
+}
