@@ -147,3 +147,51 @@ fn the_gradient_average_divides_exactly() {
         );
     }
 }
+
+/// The parameter types of PTX entry `entry` (e.g. `u64`, `f32`), in order.
+fn entry_parameters<'a>(ptx: &'a str, entry: &str) -> Vec<&'a str> {
+    let start = ptx
+        .find(&format!(".entry {entry}("))
+        .unwrap_or_else(|| panic!("no PTX entry for {entry}"));
+    let list = &ptx[start..];
+    let list = &list[..list.find(')').expect("the end of the parameter list")];
+    list.split(".param .")
+        .skip(1)
+        .filter_map(|parameter| parameter.split_whitespace().next())
+        .collect()
+}
+
+/// The optimizers and the augmentation's draws read every per-step scalar (learning rate,
+/// bias corrections, first-step flag, epoch) through a pointer into the step-scalar buffer,
+/// so that a captured step replays with the next step's values; their PTX takes no float or
+/// int by value but the sizes, and holds no contracted multiply-add (bit-identity to the CPU).
+#[test]
+fn per_step_scalars_are_read_through_a_pointer() {
+    let Some(probe) = common::probe_with_nvrtc("per_step_scalars_are_read_through_a_pointer")
+    else {
+        return;
+    };
+    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
+    let compile = |name: &str| {
+        let kernel = tandem_cuda::kernels::kernel(name).expect("kernel file");
+        let (compiled, _) = compiler
+            .compile(kernel)
+            .unwrap_or_else(|error| panic!("{error}"));
+        assert!(
+            !compiled.ptx.contains("fma.rn.f32"),
+            "{name}: contracted FMA"
+        );
+        compiled.ptx
+    };
+    let optimizers = compile("optimizers");
+    // params, grads, momentum_buffer, n, scalars.
+    assert_eq!(entry_parameters(&optimizers, "sgd_step"), ["u64"; 5]);
+    // params, grads, exp_avg, exp_avg_sq, n, scalars.
+    assert_eq!(entry_parameters(&optimizers, "adam_step"), ["u64"; 6]);
+    let augment = compile("augment");
+    // indices, batch, seed, epoch (a pointer), padding, flip, draws.
+    assert_eq!(
+        entry_parameters(&augment, "augment_draws"),
+        ["u64", "u32", "u64", "u64", "u32", "u32", "u64"]
+    );
+}
