@@ -947,6 +947,40 @@ mod tests {
         );
     }
 
+    /// The CPU never runs whole steps (its steps stay the separate calls, bit for bit as
+    /// before), whatever the conditions, and says nothing about CUDA graphs.
+    #[test]
+    fn whole_steps_are_a_gpu_matter() {
+        let mut compute = Compute::new(small_model(), &cpu(), None)
+            .unwrap()
+            .with_optimizer(OptimizerConfig::Adam(AdamConfig::with_lr(0.01)));
+        let single = StepConditions {
+            micro_batches: 1,
+            data_parallel: false,
+            sync_bn: false,
+            nccl: false,
+        };
+        assert!(!compute.whole_steps(&single));
+        let (images, labels) = batch(4);
+        let error = compute
+            .train_step(
+                TrainImages::Host(&images),
+                4,
+                8,
+                8,
+                &labels,
+                &LossOptions::default(),
+                0.1,
+                None,
+            )
+            .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "a whole training step needs the model on a GPU"
+        );
+        assert_eq!(compute.host_model().unwrap().num_batches_tracked(), 0);
+    }
+
     #[test]
     fn host_changes_and_host_gradients_reach_the_cpu_model() {
         let mut compute = Compute::new(small_model(), &cpu(), None).unwrap();

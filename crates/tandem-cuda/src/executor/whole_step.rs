@@ -294,14 +294,16 @@ impl CudaExecutor {
         let body = self.step_body(model, plan, dataset);
         let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
         let kept = self.take_error();
-        body.map_err(|error| format!("a call of the step cannot be captured: {error}"))?;
-        kept.map_err(|error| format!("a call of the step cannot be captured: {error}"))?;
+        // `prepare` searched for every convolution's algorithms before the capture, so a miss
+        // of the cache here would be a shape outside the plan.
         if self.algorithms.len() != algorithms {
             return Err("a convolution algorithm was searched for during capture".to_string());
         }
         if self.generation != generation {
             return Err("device memory was freed during capture".to_string());
         }
+        body.map_err(|error| format!("a call of the step cannot be captured: {error}"))?;
+        kept.map_err(|error| format!("a call of the step cannot be captured: {error}"))?;
         let graph = ended
             .map_err(|status| format!("cuStreamEndCapture/cuGraphInstantiate failed: {status:?}"))?
             .ok_or_else(|| "cuStreamEndCapture captured no graph".to_string())?;
