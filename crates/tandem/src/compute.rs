@@ -10,7 +10,10 @@
 //! and with one process no gradient leaves the device; with the NCCL backend
 //! ([`Compute::join_nccl`]) the gradients are averaged on the device and none crosses either.
 //! The optimizer runs on the device
-//! over the flat buffers. Parameters, running statistics and optimizer state come to the
+//! over the flat buffers. A step of one micro-batch in one process is one
+//! [`Compute::train_step`]: its inputs and per-step scalars go to the device first, the loss
+//! comes back after the update (one wait per step), and the GPU replays it as a CUDA graph
+//! after its first two runs (`TANDEM_CUDA_GRAPHS=0` turns that off). Parameters, running statistics and optimizer state come to the
 //! host only when asked for ([`Compute::host_model`] for checkpoints, snapshots and
 //! broadcasts, [`Compute::optimizer_state`] for snapshots), and go back after the host
 //! changed them ([`Compute::update_host`]). The snapshot format is the same flat buffers on

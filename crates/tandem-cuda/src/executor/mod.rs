@@ -8,6 +8,9 @@
 //! finished gradient range to a host mirror before reporting it (the interface's gradient-ready
 //! hook hands out host values).
 //!
+//! [`CudaExecutor::train_step`] runs a whole single-process training step, eagerly or as a
+//! CUDA graph with the same result (`whole_step.rs`, `graph.rs`, `scalars.rs`).
+//!
 //! The interface's methods that cannot return an error (CUDA reports most errors at a later
 //! call anyway) keep the first error; every later call does nothing, and the next method that
 //! returns a `Result` (and [`CudaExecutor::take_error`]) returns it.

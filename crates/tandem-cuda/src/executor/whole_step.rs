@@ -20,7 +20,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use std::sync::Arc;
 use tandem_engine::{AdamConfig, SgdConfig};
-use tandem_models::executor::GradientsReady;
+use tandem_models::executor::{Executor, GradientsReady};
 use tandem_models::workspace::Plan;
 use tandem_models::{LossOptions, Model, ModelError};
 
@@ -227,12 +227,8 @@ impl CudaExecutor {
         let optimizer = self.next_optimizer_scalars(step.optimizer)?;
         let (epoch, dataset) = match step.images {
             StepImages::Host(images) => {
-                let stream = self.stream.clone();
-                let storage = self.storages.active_mut().ok_or(GpuError::NotPrepared)?;
-                let slot = &mut storage.slots[storage.images];
-                stream
-                    .memcpy_htod(images, &mut slot.slice_mut(..images.len()))
-                    .map_err(driver("cuMemcpyHtoDAsync"))?;
+                self.images_from_host(images);
+                self.take_error()?;
                 (0, None)
             }
             StepImages::Gathered {
