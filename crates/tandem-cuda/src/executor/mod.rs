@@ -664,7 +664,8 @@ fn device(error: GpuError) -> ModelError {
 }
 
 /// The device address of `slice`. Every launch and library call runs on the executor's one
-/// stream, in order, so the event `cudarc` records for cross-stream use is not needed.
+/// stream, in order, and the executor's context tracks no events (`CudaExecutor::new`), so
+/// this neither waits on nor records one (nothing that a stream capture would refuse).
 fn address<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     let (pointer, _record) = slice.device_ptr(stream);
     pointer
