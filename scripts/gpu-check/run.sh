@@ -263,8 +263,14 @@ if section_on bench; then
         read -r -a tandem_flags <<<"$(tandem_flags_of "$tandem")"
         run_step "tandem-$id" 120 20 "$TANDEM" bench step --device "$TANDEM_DEVICE" \
             --steps "$BENCH_STEPS" "${tandem_flags[@]}"
+        # Whether the timed steps replayed a CUDA graph (`graphs: on; ...` or `graphs: off (why)`).
+        [ "$STEP_STATUS" = ok ] && STEP_NOTE=$(grep -m1 '^graphs:' "$STEP_OUT" | one_line)
         record_bench "$id" tandem "bench step --device $TANDEM_DEVICE ${tandem_flags[*]}"
         DEVICE_LINE=${DEVICE_LINE:-$(grep -m1 '^device:' "$STEP_OUT" | one_line)}
+        # The same steps eagerly: what capturing the whole step as a CUDA graph gains.
+        run_step "tandem-$id-eager" 120 20 env TANDEM_CUDA_GRAPHS=0 "$TANDEM" bench step \
+            --device "$TANDEM_DEVICE" --steps "$BENCH_STEPS" "${tandem_flags[@]}"
+        record_bench "$id" tandem "bench step --device $TANDEM_DEVICE ${tandem_flags[*]} (TANDEM_CUDA_GRAPHS=0)"
         for_each_variant "$line" plain
     done
 fi

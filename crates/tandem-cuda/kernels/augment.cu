@@ -6,7 +6,9 @@
 // padding pixel is -mean[c] / std[c], as the CPU's shift. The outputs are bit-identical.
 //
 // Launch: augment_draws with one thread per sample; augment_apply with one thread per output
-// value (batch * height * width * channels).
+// value (batch * height * width * channels). The epoch is read from device memory (the
+// executor's step-scalar buffer), so that a step captured as a CUDA graph replays with the
+// next epoch's draws.
 
 typedef unsigned long long u64;
 
@@ -48,10 +50,10 @@ __device__ u64 below(u64* state, u64 bound) {
 // Draw::for_sample: draws[3 * s] = top, [3 * s + 1] = left, [3 * s + 2] = flip (0 or 1) for
 // the dataset image indices[s]. padding == 0: no crop draws; flip == 0: no flip draw.
 extern "C" __global__ void augment_draws(const unsigned int* indices, int batch, u64 seed,
-                                         u64 epoch, int padding, int flip, int* draws) {
+                                         const u64* epoch, int padding, int flip, int* draws) {
     int s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= batch) return;
-    u64 state = sample_rng(seed, STREAM_AUGMENT, epoch, (u64)indices[s]);
+    u64 state = sample_rng(seed, STREAM_AUGMENT, *epoch, (u64)indices[s]);
     int top = 0, left = 0;
     if (padding > 0) {
         top = (int)below(&state, 2 * (u64)padding + 1);

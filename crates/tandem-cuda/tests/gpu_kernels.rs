@@ -10,6 +10,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
+use tandem_cuda::executor::scalars::{AdamStepScalars, OptimizerScalars, SgdScalars};
 use tandem_cuda::{Compiler, GpuArch, Library, KERNELS};
 use tandem_engine::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 
@@ -114,20 +115,19 @@ fn sgd_steps_match_the_cpu_bit_for_bit() {
         let grads = values(n, 10 + round);
         sgd.step(&mut cpu_params, &grads);
         let device_grads = gpu.upload(&grads);
-        let (count, first) = (n as i64, i32::from(round == 0));
+        let count = n as i64;
+        // The executor's layout of the step's scalars (`struct SgdScalars`).
+        let scalars = OptimizerScalars::Sgd(SgdScalars::new(&config, round)).bytes();
+        let scalars = gpu.upload(&scalars);
         let mut launch = gpu.stream.launch_builder(&step);
         launch
             .arg(&mut params)
             .arg(&device_grads)
             .arg(&mut buffer)
             .arg(&count)
-            .arg(&config.lr)
-            .arg(&config.momentum)
-            .arg(&config.dampening)
-            .arg(&config.weight_decay)
-            .arg(&1i32)
-            .arg(&first);
-        // SAFETY: the arguments match sgd_step's parameters and the buffers hold n floats.
+            .arg(&scalars);
+        // SAFETY: the arguments match sgd_step's parameters, the buffers hold n floats and
+        // the scalars the 24 bytes of SgdScalars.
         unsafe { launch.launch(per_element(n)) }.expect("sgd_step");
     }
     assert_bits_equal(&gpu.download(&params), &cpu_params, "sgd params");
@@ -156,17 +156,11 @@ fn adam_and_adamw_steps_match_the_cpu_bit_for_bit() {
         for step in 1..=2u64 {
             let grads = values(n, 20 + step);
             adam.step(&mut cpu_params, &grads);
-            // The host scalars, as optim.rs computes them.
-            let lr = f64::from(config.lr);
-            let bias_correction1 = 1.0 - f64::from(config.beta1).powf(step as f64);
-            let bias_correction2 = 1.0 - f64::from(config.beta2).powf(step as f64);
-            let step_size = (lr / bias_correction1) as f32;
-            let bias_correction2_sqrt = bias_correction2.sqrt() as f32;
-            let decay_factor = (1.0 - lr * f64::from(config.weight_decay)) as f32;
-            let lerp_weight = (1.0 - f64::from(config.beta1)) as f32;
-            let sq_weight = (1.0 - f64::from(config.beta2)) as f32;
+            // The host scalars, as optim.rs computes them, in the executor's layout.
+            let scalars = OptimizerScalars::Adam(AdamStepScalars::new(&config, step)).bytes();
+            let scalars = gpu.upload(&scalars);
             let device_grads = gpu.upload(&grads);
-            let (count, decoupled_flag) = (n as i64, i32::from(decoupled));
+            let count = n as i64;
             let mut launch = gpu.stream.launch_builder(&step_kernel);
             launch
                 .arg(&mut params)
@@ -174,16 +168,9 @@ fn adam_and_adamw_steps_match_the_cpu_bit_for_bit() {
                 .arg(&mut exp_avg)
                 .arg(&mut exp_avg_sq)
                 .arg(&count)
-                .arg(&step_size)
-                .arg(&config.beta2)
-                .arg(&bias_correction2_sqrt)
-                .arg(&config.eps)
-                .arg(&config.weight_decay)
-                .arg(&decay_factor)
-                .arg(&lerp_weight)
-                .arg(&sq_weight)
-                .arg(&decoupled_flag);
-            // SAFETY: the arguments match adam_step's parameters; the buffers hold n floats.
+                .arg(&scalars);
+            // SAFETY: the arguments match adam_step's parameters; the buffers hold n floats
+            // and the scalars the 36 bytes of AdamScalars.
             unsafe { launch.launch(per_element(n)) }.expect("adam_step");
         }
         assert_bits_equal(&gpu.download(&params), &cpu_params, "adam params");
@@ -346,17 +333,19 @@ fn augmented_batches_equal_the_cpu_loaders() {
     let device_indices = gpu.upload(&indices);
     let mut draws = gpu.upload(&vec![0i32; 3 * indices.len()]);
     let batch = indices.len() as i32;
+    let device_epoch = gpu.upload(&[epoch]);
     let draw = gpu.function("augment", "augment_draws");
     let mut launch = gpu.stream.launch_builder(&draw);
     launch
         .arg(&device_indices)
         .arg(&batch)
         .arg(&seed)
-        .arg(&epoch)
+        .arg(&device_epoch)
         .arg(&4i32)
         .arg(&1i32)
         .arg(&mut draws);
-    // SAFETY: the arguments match augment_draws'; draws holds 3 ints per sample.
+    // SAFETY: the arguments match augment_draws' (the epoch through a pointer); draws holds
+    // 3 ints per sample.
     unsafe { launch.launch(per_element(indices.len())) }.expect("draws");
     let (mean, std) = (gpu.upload(&normalize.mean), gpu.upload(&normalize.std));
     let mut output = gpu.upload(&vec![0f32; cpu.len()]);

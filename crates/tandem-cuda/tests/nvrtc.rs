@@ -215,3 +215,125 @@ fn the_bf16_conversions_round_with_integer_arithmetic() {
     assert_eq!(float_ops.len(), 1, "{float_ops:?}");
     assert!(float_ops[0].starts_with("add.rn.f32"), "{float_ops:?}");
 }
+
+/// The optimizers and the augmentation's draws read every per-step scalar (learning rate,
+/// bias corrections, first-step flag, epoch) through a pointer into the step-scalar buffer,
+/// so that a captured step replays with the next step's values; their PTX takes no float or
+/// int by value but the sizes, and holds no contracted multiply-add (bit-identity to the CPU).
+#[test]
+fn per_step_scalars_are_read_through_a_pointer() {
+    let Some(probe) = common::probe_with_nvrtc("per_step_scalars_are_read_through_a_pointer")
+    else {
+        return;
+    };
+    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
+    let compile = |name: &str| {
+        let kernel = tandem_cuda::kernels::kernel(name).expect("kernel file");
+        let (compiled, _) = compiler
+            .compile(kernel)
+            .unwrap_or_else(|error| panic!("{error}"));
+        assert!(
+            !compiled.ptx.contains("fma.rn.f32"),
+            "{name}: contracted FMA"
+        );
+        compiled.ptx
+    };
+    use tandem_cuda::ptx_params::{entry_params, ParamKind::*};
+    let params = |ptx: &str, entry: &str| entry_params(ptx, entry).expect("the PTX entry");
+    let optimizers = compile("optimizers");
+    // params, grads, momentum_buffer, n, scalars.
+    assert_eq!(params(&optimizers, "sgd_step"), [Int64; 5]);
+    // params, grads, exp_avg, exp_avg_sq, n, scalars.
+    assert_eq!(params(&optimizers, "adam_step"), [Int64; 6]);
+    let augment = compile("augment");
+    // indices, batch, seed, epoch (a pointer), padding, flip, draws.
+    assert_eq!(
+        params(&augment, "augment_draws"),
+        [Int64, Int32, Int64, Int64, Int32, Int32, Int64]
+    );
+}
+
+/// The C structs the optimizer kernels read from the step-scalar buffer have the layout the
+/// host writes (`executor::scalars`, whose unit tests fix the byte of each field): their
+/// sizes, their fields in this order (aggregate initialization follows declaration order;
+/// all fields are 4 bytes, so no padding), and room in the buffer after the epoch; checked by
+/// NVRTC's `static_assert`s, which a wrong size fails.
+#[test]
+fn the_scalar_structs_have_the_hosts_layout() {
+    let Some(probe) = common::probe_with_nvrtc("the_scalar_structs_have_the_hosts_layout") else {
+        return;
+    };
+    use tandem_cuda::executor::scalars::{
+        AdamStepScalars, OptimizerScalars, SgdScalars, OPTIMIZER_OFFSET, STEP_SCALARS_BYTES,
+    };
+    use tandem_engine::{AdamConfig, SgdConfig};
+    let sgd_config = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+    };
+    let sgd = OptimizerScalars::Sgd(SgdScalars::new(&sgd_config, 0))
+        .bytes()
+        .len();
+    let adam = OptimizerScalars::Adam(AdamStepScalars::new(&AdamConfig::with_lr(0.1), 1))
+        .bytes()
+        .len();
+    let in_order = |name: &str, fields: &[&str]| {
+        let values: Vec<String> = (0..fields.len()).map(|k| k.to_string()).collect();
+        let checks: Vec<String> = fields
+            .iter()
+            .enumerate()
+            .map(|(k, field)| format!("{name}_order.{field} == {k}"))
+            .collect();
+        format!(
+            "constexpr {name} {name}_order{{{}}};\nstatic_assert({}, \"{name} field order\");\n",
+            values.join(", "),
+            checks.join(" && ")
+        )
+    };
+    let order = in_order(
+        "SgdScalars",
+        &[
+            "lr",
+            "momentum",
+            "dampening",
+            "weight_decay",
+            "nesterov",
+            "first_step",
+        ],
+    ) + &in_order(
+        "AdamScalars",
+        &[
+            "step_size",
+            "beta2",
+            "bias_correction2_sqrt",
+            "eps",
+            "weight_decay",
+            "decay_factor",
+            "lerp_weight",
+            "sq_weight",
+            "decoupled",
+        ],
+    );
+    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
+    let optimizers = tandem_cuda::kernels::kernel("optimizers").expect("optimizers.cu");
+    let checked = |sgd_size: usize| {
+        let source = format!(
+            "{}\n{order}static_assert(sizeof(SgdScalars) == {sgd_size}, \"SgdScalars size\");\n\
+             static_assert(sizeof(AdamScalars) == {adam}, \"AdamScalars size\");\n\
+             static_assert({OPTIMIZER_OFFSET} % alignof(AdamScalars) == 0, \"alignment\");\n\
+             static_assert({OPTIMIZER_OFFSET} + sizeof(AdamScalars) <= {STEP_SCALARS_BYTES}, \"room\");\n",
+            optimizers.source
+        );
+        let kernel = KernelSource {
+            name: "optimizers_layout",
+            source: Box::leak(source.into_boxed_str()),
+        };
+        compiler.compile(&kernel).map(|_| ())
+    };
+    checked(sgd).unwrap_or_else(|error| panic!("{error}"));
+    let error = checked(sgd + 4).unwrap_err();
+    assert!(error.to_string().contains("SgdScalars size"), "{error}");
+}

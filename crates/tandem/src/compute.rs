@@ -10,7 +10,10 @@
 //! and with one process no gradient leaves the device; with the NCCL backend
 //! ([`Compute::join_nccl`]) the gradients are averaged on the device and none crosses either.
 //! The optimizer runs on the device
-//! over the flat buffers. Parameters, running statistics and optimizer state come to the
+//! over the flat buffers. A step of one micro-batch in one process is one
+//! [`Compute::train_step`]: its inputs and per-step scalars go to the device first, the loss
+//! comes back after the update (one wait per step), and the GPU replays it as a CUDA graph
+//! after its first two runs (`TANDEM_CUDA_GRAPHS=0` turns that off). Parameters, running statistics and optimizer state come to the
 //! host only when asked for ([`Compute::host_model`] for checkpoints, snapshots and
 //! broadcasts, [`Compute::optimizer_state`] for snapshots), and go back after the host
 //! changed them ([`Compute::update_host`]). The snapshot format is the same flat buffers on
@@ -20,7 +23,11 @@
 //! (`tests/gpu_train.rs`) wait for a machine with one.
 
 use anyhow::Context;
-use tandem_cuda::executor::{AugmentSettings, DatasetShape, DeviceDataset, GradientHook};
+use tandem_cuda::executor::graph::{StepConditions, StepRun};
+use tandem_cuda::executor::{
+    AugmentSettings, DatasetShape, DeviceDataset, GradientHook, StepImages, StepOptimizer,
+    TrainStep,
+};
 use tandem_cuda::{CudaExecutor, Device, GpuSettings, Precision, Probe, PtxCache};
 use tandem_data::{Augment, Dataset, Normalize, Pixels};
 use tandem_engine::{Adam, AdamConfig, Optimizer, OptimizerState, Sgd, SgdConfig};
@@ -183,6 +190,8 @@ struct GpuSide {
     optimizer: Option<OptimizerConfig>,
     /// The training set in GPU memory, once uploaded.
     train_set: Option<DeviceDataset>,
+    /// Whether the note saying why CUDA graphs are off was printed.
+    graphs_off_noted: bool,
 }
 
 impl Compute {
@@ -206,6 +215,7 @@ impl Compute {
                     host_behind: false,
                     optimizer: None,
                     train_set: None,
+                    graphs_off_noted: false,
                 }))
             }
         };
@@ -365,6 +375,95 @@ impl Compute {
         self.model.set_num_batches_tracked(tracked + 1);
         gpu.host_behind = true;
         Ok(value)
+    }
+
+    /// Whether a training step of `conditions` runs as one [`Compute::train_step`] (a GPU
+    /// step of one micro-batch in one process, which the executor captures as a CUDA graph);
+    /// otherwise the step runs through `forward_train`, `backward` and `optimizer_step`, and
+    /// on a GPU the first such step prints why it is not captured.
+    pub fn whole_steps(&mut self, conditions: &StepConditions) -> bool {
+        let Engine::Cuda(gpu) = &mut self.engine else {
+            return false;
+        };
+        match conditions.refusal() {
+            None => true,
+            Some(reason) => {
+                note_graphs_off(&mut gpu.graphs_off_noted, &reason.to_string());
+                false
+            }
+        }
+    }
+
+    /// One whole training step on the GPU: gradients zeroed, train-mode forward of `images`
+    /// with `labels`, backward, and the optimizer at learning rate `lr` (and `momentum`);
+    /// returns the mean loss, read after the update. The GPU runs it eagerly or as a CUDA graph
+    /// with the same result; the first captured step of each batch shape prints a note, and
+    /// so does the first step after graphs were turned off (with the reason).
+    #[allow(clippy::too_many_arguments)]
+    pub fn train_step(
+        &mut self,
+        images: TrainImages<'_>,
+        batch: usize,
+        height: usize,
+        width: usize,
+        labels: &[u32],
+        loss: &LossOptions,
+        lr: f64,
+        momentum: Option<f64>,
+    ) -> anyhow::Result<f32> {
+        let Engine::Cuda(gpu) = &mut self.engine else {
+            anyhow::bail!("a whole training step needs the model on a GPU");
+        };
+        let gpu = &mut **gpu;
+        check_labels(labels, batch, self.model.spec().num_classes())?;
+        let config = gpu.optimizer.as_mut().context("no optimizer was set up")?;
+        config.set_lr(lr as f32);
+        if let Some(momentum) = momentum {
+            config.set_momentum(momentum as f32);
+        }
+        let config = *config;
+        let plan = plan_for(
+            &mut gpu.train_plan,
+            &self.model,
+            Mode::Train,
+            batch,
+            height,
+            width,
+        )?;
+        let images = match images {
+            TrainImages::Host(images) => StepImages::Host(images),
+            TrainImages::OnDevice { indices, epoch } => StepImages::Gathered {
+                dataset: gpu
+                    .train_set
+                    .as_mut()
+                    .context("the training set was not copied to the GPU")?,
+                indices,
+                epoch,
+            },
+        };
+        let optimizer = match &config {
+            OptimizerConfig::Sgd(config) => StepOptimizer::Sgd(config),
+            OptimizerConfig::Adam(config) => StepOptimizer::Adam(config),
+        };
+        let step = TrainStep {
+            images,
+            labels,
+            loss,
+            optimizer,
+        };
+        let outcome = gpu.exec.train_step(&self.model, plan, step)?;
+        let tracked = self.model.num_batches_tracked();
+        self.model.set_num_batches_tracked(tracked + 1);
+        gpu.host_behind = true;
+        if let Some(reason) = &outcome.graphs_off {
+            note_graphs_off(&mut gpu.graphs_off_noted, reason);
+        }
+        if outcome.run == StepRun::Capture {
+            eprintln!(
+                "note: CUDA graphs on: training steps of {batch} images of {height}x{width} replay one captured graph"
+            );
+        }
+        Ok(outcome.loss)
     }
 
     /// Backward of the last [`Compute::forward_train`]: adds the gradients of `loss_scale ·
@@ -686,6 +785,14 @@ fn plan_for<'a>(
     kept.as_ref().context("no plan")
 }
 
+/// Prints `note: CUDA graphs off: {reason}` unless a note was printed (`noted`).
+fn note_graphs_off(noted: &mut bool, reason: &str) {
+    if !*noted {
+        eprintln!("note: CUDA graphs off: {reason}");
+        *noted = true;
+    }
+}
+
 /// The CPU model's label checks, for the GPU: one label per image, each below `classes`.
 fn check_labels(labels: &[u32], batch: usize, classes: usize) -> anyhow::Result<()> {
     anyhow::ensure!(
@@ -865,6 +972,40 @@ mod tests {
             state,
             "a bad state changes nothing"
         );
+    }
+
+    /// The CPU never runs whole steps (its steps stay the separate calls, bit for bit as
+    /// before), whatever the conditions, and says nothing about CUDA graphs.
+    #[test]
+    fn whole_steps_are_a_gpu_matter() {
+        let mut compute = Compute::new(small_model(), &cpu(), None)
+            .unwrap()
+            .with_optimizer(OptimizerConfig::Adam(AdamConfig::with_lr(0.01)));
+        let single = StepConditions {
+            micro_batches: 1,
+            data_parallel: false,
+            sync_bn: false,
+            nccl: false,
+        };
+        assert!(!compute.whole_steps(&single));
+        let (images, labels) = batch(4);
+        let error = compute
+            .train_step(
+                TrainImages::Host(&images),
+                4,
+                8,
+                8,
+                &labels,
+                &LossOptions::default(),
+                0.1,
+                None,
+            )
+            .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "a whole training step needs the model on a GPU"
+        );
+        assert_eq!(compute.host_model().unwrap().num_batches_tracked(), 0);
     }
 
     #[test]

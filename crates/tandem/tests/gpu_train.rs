@@ -2,8 +2,9 @@
 //! commands on the CPU: a short training run in fp32 (final weights within 2e-3 of each
 //! tensor's largest magnitude, epoch losses within 1e-3 relative), snapshots resumed on the
 //! other device, `kill -9` and resume on the GPU ending bit-identical to an uninterrupted GPU
-//! run, `eval`/`predict` within 1e-4, and the training set in GPU memory (batches assembled
-//! there) ending bit-identical to the same GPU run fed the CPU loader's batches; and a
+//! run, `eval`/`predict` within 1e-4, the training set in GPU memory (batches assembled
+//! there) ending bit-identical to the same GPU run fed the CPU loader's batches, training
+//! steps replayed as CUDA graphs ending bit-identical to `TANDEM_CUDA_GRAPHS=0`, and a
 //! `--precision bf16` run whose epoch losses stay within 2e-2 of the fp32 GPU run's.
 //!
 //! Skipped with a printed reason without the CUDA driver, NVRTC, cuBLAS, cuDNN or a visible
@@ -329,6 +330,63 @@ fn training_with_the_data_on_the_gpu_matches_host_batches() {
 
     train(&cifar_run_args(&cpu, &data, "cpu"));
     assert_runs_close(&cpu, &device, "data on the GPU vs cpu");
+}
+
+/// Whole training steps captured as CUDA graphs (one micro-batch, one process; the epoch's
+/// last, partial batch a graph of its own) end with the bytes of `epoch_2.safetensors` of the
+/// same run with `TANDEM_CUDA_GRAPHS=0`, with the data on the GPU and fed from the host; the
+/// notes say which runs used graphs.
+#[test]
+fn training_steps_as_cuda_graphs_match_eager_steps() {
+    if !gpu_available("training_steps_as_cuda_graphs_match_eager_steps") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("cifar");
+    // 60 images in batches of 16: three full batches and one of 12 an epoch.
+    write_cifar_bin(&data, 60, 32);
+    let final_weights = |run: &Path| std::fs::read(run.join("epoch_2.safetensors")).unwrap();
+    for host_batches in [false, true] {
+        let mut weights = Vec::new();
+        for graphs in ["1", "0"] {
+            let output_dir = dir.path().join(format!("run-{host_batches}-{graphs}"));
+            let args = with_flag(
+                cifar_run_args(&output_dir, &data, "cuda"),
+                "--grad-accum",
+                "1",
+            );
+            let mut command = tandem();
+            command.args(&args).env("TANDEM_CUDA_GRAPHS", graphs);
+            if host_batches {
+                command.env("TANDEM_HOST_BATCHES", "1");
+            }
+            let output = run_bounded(&mut command, LIMIT);
+            expect_success(&output);
+            let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+            let captured = [16, 12].map(|batch| {
+                format!(
+                    "note: CUDA graphs on: training steps of {batch} images of 32x32 replay one captured graph"
+                )
+            });
+            if graphs == "1" {
+                for note in &captured {
+                    assert!(stderr.contains(note.as_str()), "{note}\n{stderr}");
+                }
+                assert!(!stderr.contains("CUDA graphs off"), "{stderr}");
+            } else {
+                assert!(
+                    stderr.contains("note: CUDA graphs off: TANDEM_CUDA_GRAPHS=0"),
+                    "{stderr}"
+                );
+                assert!(!stderr.contains("CUDA graphs on"), "{stderr}");
+            }
+            weights.push(final_weights(&output_dir));
+        }
+        assert!(
+            weights[0] == weights[1],
+            "graphed and eager runs differ (host batches: {host_batches})"
+        );
+    }
 }
 
 /// `eval --json` of `checkpoint` on `device`: the report.

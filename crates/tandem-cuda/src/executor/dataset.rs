@@ -8,6 +8,12 @@
 //!
 //! The labels stay on the host (4 bytes a sample, the size of the indices): the loss copies
 //! them to the device as before, and the host names a bad label's sample.
+//!
+//! A batch is assembled in two parts so that a training step can be captured as a CUDA graph:
+//! its indices and epoch are copied to fixed device buffers first ([`CudaExecutor::load_indices`],
+//! the epoch into the step-scalar buffer), then the kernels read them ([`CudaExecutor::augment`]).
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::CudaSlice;
 use tandem_engine::BatchNormReducer;
@@ -16,7 +22,11 @@ use tandem_models::{LossOptions, Model, ModelError};
 
 use super::error::{driver, int, same_length};
 use super::launch::{per_element, Arg};
+use super::scalars::EPOCH_OFFSET;
 use super::{address, device, CudaExecutor, GpuError};
+
+/// The id of the next uploaded dataset.
+static NEXT_DATASET_ID: AtomicU64 = AtomicU64::new(1);
 
 /// How a batch's images are augmented and normalized: the CPU loader's `Augment`,
 /// `Normalize` and seed, as plain values (this crate does not depend on `tandem-data`).
@@ -95,6 +105,8 @@ impl DatasetShape {
 
 /// A dataset's pixels on one executor's GPU, and the small buffers of a batch's assembly.
 pub struct DeviceDataset {
+    /// Unique in the process (the key of the CUDA graphs of steps that read it).
+    id: u64,
     shape: DatasetShape,
     settings: AugmentSettings,
     /// All images, uint8 NHWC.
@@ -112,6 +124,11 @@ impl DeviceDataset {
     /// The shape of the uploaded pixels.
     pub fn shape(&self) -> DatasetShape {
         self.shape
+    }
+
+    /// Its id, unique in the process.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 }
 
@@ -134,6 +151,7 @@ impl CudaExecutor {
             false => stream.clone_htod(pixels),
         };
         Ok(DeviceDataset {
+            id: NEXT_DATASET_ID.fetch_add(1, Ordering::Relaxed),
             shape,
             settings,
             pixels: upload_pixels.map_err(driver("cuMemcpyHtoDAsync"))?,
@@ -163,26 +181,20 @@ impl CudaExecutor {
         loss: &LossOptions,
         bn_sync: Option<&mut dyn BatchNormReducer>,
     ) -> Result<f32, ModelError> {
-        same_length("batch indices", indices.len(), plan.batch).map_err(device)?;
         same_length("labels", labels.len(), plan.batch).map_err(device)?;
-        let shape = dataset.shape;
-        let plan_image = (plan.height, plan.width, plan.stem.shape.in_channels);
-        if (shape.height, shape.width, shape.channels) != plan_image {
-            return Err(device(GpuError::Length {
-                what: "dataset image values",
-                found: shape.image_len(),
-                expected: plan_image.0 * plan_image.1 * plan_image.2,
-            }));
-        }
+        check_gathered_batch(plan, dataset, indices).map_err(device)?;
         self.prepare(plan).map_err(device)?;
-        let images = {
-            let storage = self.storage().map_err(device)?;
-            let slot = &storage.slots[storage.images];
-            (address(slot, &self.stream), slot.len())
-        };
+        let images = self.input_slot().map_err(device)?;
         self.gather(dataset, indices, epoch, images)
             .map_err(device)?;
         self.forward_train_loaded(model, plan, labels, loss, bn_sync)
+    }
+
+    /// The address and length of the active storage's image slot.
+    pub(super) fn input_slot(&self) -> Result<(u64, usize), GpuError> {
+        let storage = self.storage()?;
+        let slot = &storage.slots[storage.images];
+        Ok((address(slot, &self.stream), slot.len()))
     }
 
     /// The batch `indices` of `dataset` with the draws of `epoch`, assembled on the device
@@ -218,14 +230,56 @@ impl CudaExecutor {
     /// Writes the batch `indices` of `dataset` (draws of `epoch`) to the `capacity` floats at
     /// `output`, on the executor's stream.
     fn gather(
-        &self,
+        &mut self,
         dataset: &mut DeviceDataset,
         indices: &[usize],
         epoch: u64,
+        output: (u64, usize),
+    ) -> Result<(), GpuError> {
+        self.load_indices(dataset, indices)?;
+        self.write_scalars(EPOCH_OFFSET, &epoch.to_le_bytes())?;
+        self.augment(dataset, indices.len(), output)
+    }
+
+    /// Copies the batch's `indices` (checked below the dataset's size) to the dataset's index
+    /// buffer, grown first if the batch is larger than any before (a new generation: a
+    /// captured step addresses the old buffer).
+    pub(super) fn load_indices(
+        &mut self,
+        dataset: &mut DeviceDataset,
+        indices: &[usize],
+    ) -> Result<(), GpuError> {
+        let batch = indices.len();
+        if batch == 0 {
+            return Ok(());
+        }
+        let host_indices = dataset.shape.device_indices(indices)?;
+        if dataset.indices.len() < batch {
+            dataset.indices = self
+                .stream
+                .alloc_zeros(batch)
+                .map_err(driver("cuMemAllocAsync"))?;
+            dataset.draws = self
+                .stream
+                .alloc_zeros(3 * batch)
+                .map_err(driver("cuMemAllocAsync"))?;
+            self.generation += 1;
+        }
+        self.stream
+            .memcpy_htod(&host_indices, &mut dataset.indices.slice_mut(..batch))
+            .map_err(driver("cuMemcpyHtoDAsync"))
+    }
+
+    /// The augmentation kernels: the `batch` images whose indices [`Self::load_indices`]
+    /// copied, with the draws of the epoch in the step-scalar buffer, written to the
+    /// `capacity` floats at `output` (no host work: capturable).
+    pub(super) fn augment(
+        &self,
+        dataset: &DeviceDataset,
+        batch: usize,
         (output, capacity): (u64, usize),
     ) -> Result<(), GpuError> {
         let shape = dataset.shape;
-        let batch = indices.len();
         let values = batch * shape.image_len();
         if values > capacity {
             return Err(GpuError::Length {
@@ -237,20 +291,13 @@ impl CudaExecutor {
         if batch == 0 {
             return Ok(());
         }
-        let host_indices = shape.device_indices(indices)?;
         if dataset.indices.len() < batch {
-            dataset.indices = self
-                .stream
-                .alloc_zeros(batch)
-                .map_err(driver("cuMemAllocAsync"))?;
-            dataset.draws = self
-                .stream
-                .alloc_zeros(3 * batch)
-                .map_err(driver("cuMemAllocAsync"))?;
+            return Err(GpuError::Length {
+                what: "loaded batch indices",
+                found: dataset.indices.len(),
+                expected: batch,
+            });
         }
-        self.stream
-            .memcpy_htod(&host_indices, &mut dataset.indices.slice_mut(..batch))
-            .map_err(driver("cuMemcpyHtoDAsync"))?;
         let settings = dataset.settings;
         let stream = &self.stream;
         let (pixels, indices_address, draws, mean, std) = (
@@ -262,10 +309,12 @@ impl CudaExecutor {
         );
         let batch_int = int("batch", batch)?;
         let padding = int("crop padding", settings.crop_padding)?;
-        // SAFETY: augment_draws(const unsigned*, int, u64, u64, int, int, int*): one thread per
-        // sample reads indices[s] and writes draws[3s..3s+3]; both hold at least `batch`
-        // (3 * batch) elements. augment_apply(const unsigned char*, const unsigned*, const int*,
-        // int, int, int, int, int, const float*, const float*, float*): one thread per output
+        // SAFETY: augment_draws(const unsigned*, int, u64, const u64*, int, int, int*): one
+        // thread per sample reads the epoch (8 bytes at its offset of the step scalars) and
+        // indices[s] and writes draws[3s..3s+3]; both hold at least `batch` (3 * batch)
+        // elements (checked above). augment_apply(const unsigned char*, const unsigned*,
+        // const int*, int, int, int, int, int, const float*, const float*, float*): one
+        // thread per output
         // value, writing output[i] for i < batch * image_len ≤ capacity (checked above) and
         // reading image indices[s] < len (checked by `device_indices`) of the pixels, which
         // hold len * image_len bytes (checked at upload), and mean/std of 3 floats (c % 3).
@@ -279,7 +328,7 @@ impl CudaExecutor {
                     Arg::Ptr(indices_address),
                     Arg::I32(batch_int),
                     Arg::U64(settings.seed),
-                    Arg::U64(epoch),
+                    Arg::Ptr(self.scalars_at(EPOCH_OFFSET)),
                     Arg::I32(padding),
                     Arg::I32(i32::from(settings.horizontal_flip)),
                     Arg::Ptr(draws),
@@ -304,4 +353,24 @@ impl CudaExecutor {
             )
         }
     }
+}
+
+/// Checks a gathered batch against `plan`: one index per image, and the dataset's image shape
+/// the plan's.
+pub(super) fn check_gathered_batch(
+    plan: &Plan,
+    dataset: &DeviceDataset,
+    indices: &[usize],
+) -> Result<(), GpuError> {
+    same_length("batch indices", indices.len(), plan.batch)?;
+    let shape = dataset.shape;
+    let plan_image = (plan.height, plan.width, plan.stem.shape.in_channels);
+    if (shape.height, shape.width, shape.channels) != plan_image {
+        return Err(GpuError::Length {
+            what: "dataset image values",
+            found: shape.image_len(),
+            expected: plan_image.0 * plan_image.1 * plan_image.2,
+        });
+    }
+    Ok(())
 }

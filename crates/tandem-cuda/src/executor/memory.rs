@@ -296,10 +296,15 @@ impl DeviceStorage {
     }
 }
 
-/// The storage of the last training plan and of the last evaluation plan (as the CPU model
-/// keeps one workspace of each), and which one the step in progress uses.
+/// Training batch shapes whose storage is kept: an epoch's full batches and its last, partial
+/// one, so that neither frees the other's storage (which a captured step addresses).
+const KEPT_TRAINING_SHAPES: usize = 2;
+
+/// The storages of the last two training batch shapes and of the last evaluation plan (as the
+/// CPU model keeps a workspace of each), and which one the step in progress uses.
 pub struct PlanStorages {
-    train: Option<DeviceStorage>,
+    /// The most recently used last.
+    train: Vec<DeviceStorage>,
     eval: Option<DeviceStorage>,
     active: Mode,
 }
@@ -307,7 +312,7 @@ pub struct PlanStorages {
 impl Default for PlanStorages {
     fn default() -> Self {
         PlanStorages {
-            train: None,
+            train: Vec::new(),
             eval: None,
             active: Mode::Train,
         }
@@ -315,32 +320,43 @@ impl Default for PlanStorages {
 }
 
 impl PlanStorages {
-    /// Makes `plan`'s storage the active one, allocating it unless the kept storage of its
-    /// mode has its batch shape (an executor's precision never changes).
+    /// Makes `plan`'s storage the active one, allocating it unless a kept storage of its mode
+    /// has its batch shape. Returns whether a training storage was freed (a CUDA graph of a
+    /// training step may have addressed it).
     pub fn activate(
         &mut self,
         stream: &Arc<CudaStream>,
         plan: &Plan,
         precision: Precision,
-    ) -> Result<(), GpuError> {
-        let kept = match plan.mode {
-            Mode::Train => &mut self.train,
-            Mode::Eval => &mut self.eval,
-        };
+    ) -> Result<bool, GpuError> {
         let shape = (plan.mode, plan.batch, plan.height, plan.width);
-        if kept.as_ref().map(|storage| storage.shape) != Some(shape) {
-            // The old storage is freed before the new one is allocated.
-            *kept = None;
-            *kept = Some(DeviceStorage::new(stream, plan, precision)?);
-        }
         self.active = plan.mode;
-        Ok(())
+        if plan.mode == Mode::Eval {
+            if self.eval.as_ref().map(|storage| storage.shape) != Some(shape) {
+                // The old storage is freed before the new one is allocated.
+                self.eval = None;
+                self.eval = Some(DeviceStorage::new(stream, plan, precision)?);
+            }
+            return Ok(false);
+        }
+        if let Some(kept) = self.train.iter().position(|storage| storage.shape == shape) {
+            let storage = self.train.remove(kept);
+            self.train.push(storage);
+            return Ok(false);
+        }
+        let freed = self.train.len() >= KEPT_TRAINING_SHAPES;
+        if freed {
+            self.train.remove(0);
+        }
+        self.train
+            .push(DeviceStorage::new(stream, plan, precision)?);
+        Ok(freed)
     }
 
     /// The active storage, if it was allocated.
     pub fn active(&self) -> Option<&DeviceStorage> {
         match self.active {
-            Mode::Train => self.train.as_ref(),
+            Mode::Train => self.train.last(),
             Mode::Eval => self.eval.as_ref(),
         }
     }
@@ -348,7 +364,7 @@ impl PlanStorages {
     /// The active storage, mutably.
     pub fn active_mut(&mut self) -> Option<&mut DeviceStorage> {
         match self.active {
-            Mode::Train => self.train.as_mut(),
+            Mode::Train => self.train.last_mut(),
             Mode::Eval => self.eval.as_mut(),
         }
     }

@@ -9,6 +9,9 @@
 //! finished gradient range to a host mirror before reporting it (the interface's gradient-ready
 //! hook hands out host values).
 //!
+//! [`CudaExecutor::train_step`] runs a whole single-process training step, eagerly or as a
+//! CUDA graph with the same result (`whole_step.rs`, `graph.rs`, `scalars.rs`).
+//!
 //! The interface's methods that cannot return an error (CUDA reports most errors at a later
 //! call anyway) keep the first error; every later call does nothing, and the next method that
 //! returns a `Result` (and [`CudaExecutor::take_error`]) returns it.
@@ -22,17 +25,20 @@ pub mod cudnn;
 mod data_parallel;
 pub mod dataset;
 pub mod error;
+pub mod graph;
 pub mod launch;
 pub mod linear;
 pub mod memory;
+pub mod scalars;
 mod step;
 mod units;
+mod whole_step;
 
 use std::cell::RefCell;
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use tandem_engine::{AdamConfig, BatchNormReducer, OptimizerState, SgdConfig};
 use tandem_models::executor::{Executor, GradientsReady};
 use tandem_models::workspace::Plan;
@@ -48,8 +54,14 @@ pub use data_parallel::DeviceDataParallel;
 pub use dataset::{AugmentSettings, DatasetShape, DeviceDataset};
 pub use error::GpuError;
 use error::{driver, same_length};
+use graph::{GraphSchedule, OptimizerKind};
 use launch::{per_element, Arg, Kernels};
 use memory::PlanStorages;
+pub use scalars::AdamScalars;
+use scalars::{
+    AdamStepScalars, OptimizerScalars, SgdScalars, OPTIMIZER_OFFSET, STEP_SCALARS_BYTES,
+};
+pub use whole_step::{StepImages, StepOptimizer, StepOutcome, TrainStep};
 
 /// A gradient-ready hook: called with each finished range of the flat gradients and its
 /// host values.
@@ -108,7 +120,17 @@ pub struct CudaExecutor {
     buffers: CudaSlice<f32>,
     optimizer: DeviceOptimizer,
     workspace: CudaSlice<u8>,
+    /// cuBLAS's workspace, set explicitly (stream capture cannot allocate one); only cuBLAS
+    /// reads it, so it is kept here until the handle is gone (`blas` is dropped first).
+    #[allow(dead_code)]
+    blas_workspace: CudaSlice<u8>,
+    /// The per-step scalars the optimizer and augmentation kernels read (`scalars`).
+    step_scalars: CudaSlice<u8>,
     storages: PlanStorages,
+    /// The captured training steps.
+    graphs: GraphSchedule<CudaGraph>,
+    /// How many times an allocation a captured step may address was freed (see `graph`).
+    generation: u64,
     /// Values in the flat running-statistic buffer (its device allocation holds at least one).
     buffer_len: usize,
     /// Host copy of the gradients, filled up to `grads_on_host` in a backward.
@@ -158,6 +180,14 @@ impl CudaExecutor {
             probe.require(library)?;
         }
         let context = CudaContext::new(settings.ordinal).map_err(driver("CudaContext::new"))?;
+        // SAFETY: before any allocation, so no slice of this context records events. The
+        // contract (ordering between streams is ours) holds: every launch, copy and library
+        // call runs on the executor's one stream, in order, and the NCCL group's stream orders
+        // itself against it with events of its own (`NcclGroup::wait_for`/`hand_back`). With
+        // tracking on, the second stream below would make every `device_ptr` wait on and
+        // record per-slice events, which inside a stream capture would wait on events
+        // recorded outside it.
+        unsafe { context.disable_event_tracking() };
         let (major, minor) = context
             .compute_capability()
             .map_err(driver("cuDeviceGetAttribute(compute capability)"))?;
@@ -173,10 +203,15 @@ impl CudaExecutor {
         }
         let compiler = Compiler::new(probe, arch, cache)?;
         let kernels = Kernels::load(&context, &compiler)?;
-        let stream = context.default_stream();
+        // A stream of our own: the legacy default stream cannot be captured into a graph.
+        let stream = context.new_stream().map_err(driver("cuStreamCreate"))?;
         let cudnn = CudnnHandle::new(&stream)?;
         let blas = CudaBlas::new(stream.clone()).map_err(error::cublas("cublasCreate_v2"))?;
         linear::set_math_mode(&blas, settings.precision)?;
+        let blas_workspace = whole_step::set_blas_workspace(&blas, &stream)?;
+        let graphs_off =
+            (!graph::graphs_requested(std::env::var(graph::GRAPHS_ENV).ok().as_deref()))
+                .then(|| format!("{}=0", graph::GRAPHS_ENV));
         let upload = |values: &[f32]| -> Result<CudaSlice<f32>, GpuError> {
             if values.is_empty() {
                 stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))
@@ -198,7 +233,13 @@ impl CudaExecutor {
             optimizer: DeviceOptimizer::None,
             buffer_len: buffers.len(),
             workspace: stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?,
+            blas_workspace,
+            step_scalars: stream
+                .alloc_zeros(STEP_SCALARS_BYTES)
+                .map_err(driver("cuMemAllocAsync"))?,
             storages: PlanStorages::default(),
+            graphs: GraphSchedule::new(graphs_off),
+            generation: 0,
             host_grads: vec![0.0; params.len()],
             grads_on_host: 0,
             gradients_to_host: false,
@@ -217,8 +258,12 @@ impl CudaExecutor {
         self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
-        self.storages
-            .activate(&self.stream, plan, self.settings.precision)?;
+        if self
+            .storages
+            .activate(&self.stream, plan, self.settings.precision)?
+        {
+            self.generation += 1;
+        }
         let mut workspace = 0;
         for unit in plan.unit_plans() {
             let measured = self.algorithms.get_or_measure(
@@ -234,6 +279,7 @@ impl CudaExecutor {
                 .stream
                 .alloc_zeros(workspace)
                 .map_err(driver("cuMemAllocAsync"))?;
+            self.generation += 1;
         }
         Ok(())
     }
@@ -387,82 +433,136 @@ impl CudaExecutor {
     /// One step of PyTorch's SGD over the flat device buffers (`sgd_step`, bit-identical to
     /// the CPU's `Sgd` per element).
     pub fn sgd_step(&mut self, config: &SgdConfig) -> Result<(), GpuError> {
-        let n = self.host_grads.len();
-        if !matches!(self.optimizer, DeviceOptimizer::Sgd { .. }) {
-            let momentum = self
-                .stream
-                .alloc_zeros::<f32>(n.max(1))
-                .map_err(driver("cuMemAllocAsync"))?;
-            self.optimizer = DeviceOptimizer::Sgd { momentum, steps: 0 };
-        }
-        let DeviceOptimizer::Sgd { momentum, steps } = &mut self.optimizer else {
-            return Err(GpuError::Unsupported("an optimizer state of another kind"));
-        };
-        let args = [
-            Arg::Ptr(address(&self.params, &self.stream)),
-            Arg::Ptr(address(&self.grads, &self.stream)),
-            Arg::Ptr(address(momentum, &self.stream)),
-            Arg::I64(n as i64),
-            Arg::F32(config.lr),
-            Arg::F32(config.momentum),
-            Arg::F32(config.dampening),
-            Arg::F32(config.weight_decay),
-            Arg::I32(i32::from(config.nesterov)),
-            Arg::I32(i32::from(*steps == 0)),
-        ];
-        *steps += 1;
-        // SAFETY: sgd_step(float*, const float*, float*, long long, float x4, int, int); the
-        // three buffers hold n floats each.
-        unsafe {
-            self.kernels
-                .launch(&self.stream, "sgd_step", per_element(n), &args)
-        }
+        let scalars = self.next_optimizer_scalars(StepOptimizer::Sgd(config))?;
+        self.write_scalars(OPTIMIZER_OFFSET, &scalars.bytes())?;
+        self.launch_optimizer()
     }
 
     /// One step of PyTorch's Adam or AdamW over the flat device buffers; the scalars are
     /// computed on the host in double as the CPU's `Adam` does.
     pub fn adam_step(&mut self, config: &AdamConfig) -> Result<(), GpuError> {
+        let scalars = self.next_optimizer_scalars(StepOptimizer::Adam(config))?;
+        self.write_scalars(OPTIMIZER_OFFSET, &scalars.bytes())?;
+        self.launch_optimizer()
+    }
+
+    /// Counts a step of `optimizer` and returns its scalars, making its (zero) state on the
+    /// device first if the state is of another kind or missing (a freed state counts as a new
+    /// generation).
+    fn next_optimizer_scalars(
+        &mut self,
+        optimizer: StepOptimizer<'_>,
+    ) -> Result<OptimizerScalars, GpuError> {
         let n = self.host_grads.len();
-        if !matches!(self.optimizer, DeviceOptimizer::Adam { .. }) {
-            let alloc = || self.stream.alloc_zeros::<f32>(n.max(1));
-            let exp_avg = alloc().map_err(driver("cuMemAllocAsync"))?;
-            let exp_avg_sq = alloc().map_err(driver("cuMemAllocAsync"))?;
-            self.optimizer = DeviceOptimizer::Adam {
-                exp_avg,
-                exp_avg_sq,
-                steps: 0,
-            };
-        }
-        let DeviceOptimizer::Adam {
-            exp_avg,
-            exp_avg_sq,
-            steps,
-        } = &mut self.optimizer
-        else {
-            return Err(GpuError::Unsupported("an optimizer state of another kind"));
+        let kind = optimizer.kind();
+        let kept = match &self.optimizer {
+            DeviceOptimizer::None => None,
+            DeviceOptimizer::Sgd { .. } => Some(OptimizerKind::Sgd),
+            DeviceOptimizer::Adam { .. } => Some(OptimizerKind::Adam),
         };
-        *steps += 1;
-        let scalars = AdamScalars::new(config, *steps);
-        let args = [
+        if kept != Some(kind) {
+            let alloc = || {
+                self.stream
+                    .alloc_zeros::<f32>(n.max(1))
+                    .map_err(driver("cuMemAllocAsync"))
+            };
+            let fresh = match kind {
+                OptimizerKind::Sgd => DeviceOptimizer::Sgd {
+                    momentum: alloc()?,
+                    steps: 0,
+                },
+                OptimizerKind::Adam => DeviceOptimizer::Adam {
+                    exp_avg: alloc()?,
+                    exp_avg_sq: alloc()?,
+                    steps: 0,
+                },
+            };
+            self.replace_optimizer(fresh);
+        }
+        match (&mut self.optimizer, optimizer) {
+            (DeviceOptimizer::Sgd { steps, .. }, StepOptimizer::Sgd(config)) => {
+                let scalars = SgdScalars::new(config, *steps);
+                *steps += 1;
+                Ok(OptimizerScalars::Sgd(scalars))
+            }
+            (DeviceOptimizer::Adam { steps, .. }, StepOptimizer::Adam(config)) => {
+                *steps += 1;
+                Ok(OptimizerScalars::Adam(AdamStepScalars::new(config, *steps)))
+            }
+            _ => Err(GpuError::Unsupported("an optimizer state of another kind")),
+        }
+    }
+
+    /// Replaces the optimizer state; freeing a device state is a new generation.
+    fn replace_optimizer(&mut self, state: DeviceOptimizer) {
+        if !matches!(self.optimizer, DeviceOptimizer::None) {
+            self.generation += 1;
+        }
+        self.optimizer = state;
+    }
+
+    /// Copies `bytes` into the step-scalar buffer at `offset` (on the stream: kernels queued
+    /// before read the old values).
+    fn write_scalars(&mut self, offset: usize, bytes: &[u8]) -> Result<(), GpuError> {
+        self.stream
+            .memcpy_htod(
+                bytes,
+                &mut self.step_scalars.slice_mut(offset..offset + bytes.len()),
+            )
+            .map_err(driver("cuMemcpyHtoDAsync"))
+    }
+
+    /// The device address of the step-scalar buffer's byte `offset`.
+    fn scalars_at(&self, offset: usize) -> u64 {
+        address(&self.step_scalars, &self.stream) + offset as u64
+    }
+
+    /// Launches the optimizer kernel of the device state over the flat buffers, with the
+    /// scalars in the step-scalar buffer.
+    fn launch_optimizer(&self) -> Result<(), GpuError> {
+        let n = self.host_grads.len();
+        let scalars = Arg::Ptr(self.scalars_at(OPTIMIZER_OFFSET));
+        let (params, grads) = (
             Arg::Ptr(address(&self.params, &self.stream)),
             Arg::Ptr(address(&self.grads, &self.stream)),
-            Arg::Ptr(address(exp_avg, &self.stream)),
-            Arg::Ptr(address(exp_avg_sq, &self.stream)),
-            Arg::I64(n as i64),
-            Arg::F32(scalars.step_size),
-            Arg::F32(config.beta2),
-            Arg::F32(scalars.bias_correction2_sqrt),
-            Arg::F32(config.eps),
-            Arg::F32(config.weight_decay),
-            Arg::F32(scalars.decay_factor),
-            Arg::F32(scalars.lerp_weight),
-            Arg::F32(scalars.sq_weight),
-            Arg::I32(i32::from(config.decoupled)),
-        ];
-        // SAFETY: adam_step's 14 parameters in order; the four buffers hold n floats each.
-        unsafe {
-            self.kernels
-                .launch(&self.stream, "adam_step", per_element(n), &args)
+        );
+        match &self.optimizer {
+            DeviceOptimizer::None => Err(GpuError::Unsupported("an optimizer step without state")),
+            DeviceOptimizer::Sgd { momentum, .. } => {
+                let args = [
+                    params,
+                    grads,
+                    Arg::Ptr(address(momentum, &self.stream)),
+                    Arg::I64(n as i64),
+                    scalars,
+                ];
+                // SAFETY: sgd_step(float*, const float*, float*, long long, const SgdScalars*);
+                // the three buffers hold n floats each, the scalars 24 bytes at their offset.
+                unsafe {
+                    self.kernels
+                        .launch(&self.stream, "sgd_step", per_element(n), &args)
+                }
+            }
+            DeviceOptimizer::Adam {
+                exp_avg,
+                exp_avg_sq,
+                ..
+            } => {
+                let args = [
+                    params,
+                    grads,
+                    Arg::Ptr(address(exp_avg, &self.stream)),
+                    Arg::Ptr(address(exp_avg_sq, &self.stream)),
+                    Arg::I64(n as i64),
+                    scalars,
+                ];
+                // SAFETY: adam_step(float*, const float*, float*, float*, long long, const
+                // AdamScalars*); the four buffers hold n floats each, the scalars 36 bytes.
+                unsafe {
+                    self.kernels
+                        .launch(&self.stream, "adam_step", per_element(n), &args)
+                }
+            }
         }
     }
 
@@ -501,7 +601,7 @@ impl CudaExecutor {
     /// as for SGD without momentum), e.g. from a snapshot written on either device.
     pub fn load_sgd_state(&mut self, steps: u64, momentum: Option<&[f32]>) -> Result<(), GpuError> {
         let momentum = self.upload_state("momentum_buffer", momentum)?;
-        self.optimizer = DeviceOptimizer::Sgd { momentum, steps };
+        self.replace_optimizer(DeviceOptimizer::Sgd { momentum, steps });
         Ok(())
     }
 
@@ -514,11 +614,11 @@ impl CudaExecutor {
     ) -> Result<(), GpuError> {
         let exp_avg = self.upload_state("exp_avg", Some(exp_avg))?;
         let exp_avg_sq = self.upload_state("exp_avg_sq", Some(exp_avg_sq))?;
-        self.optimizer = DeviceOptimizer::Adam {
+        self.replace_optimizer(DeviceOptimizer::Adam {
             exp_avg,
             exp_avg_sq,
             steps,
-        };
+        });
         Ok(())
     }
 
@@ -561,37 +661,6 @@ impl CudaExecutor {
     }
 }
 
-/// Adam's host-computed scalars at step `step` (1-based), in double as the CPU's `Adam`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamScalars {
-    /// `lr / (1 - beta1^t)`.
-    pub step_size: f32,
-    /// `sqrt(1 - beta2^t)`.
-    pub bias_correction2_sqrt: f32,
-    /// `1 - lr * weight_decay` (AdamW).
-    pub decay_factor: f32,
-    /// `1 - beta1`.
-    pub lerp_weight: f32,
-    /// `1 - beta2`.
-    pub sq_weight: f32,
-}
-
-impl AdamScalars {
-    /// The scalars of `config` at step `step`.
-    pub fn new(config: &AdamConfig, step: u64) -> Self {
-        let lr = f64::from(config.lr);
-        let bias_correction1 = 1.0 - f64::from(config.beta1).powf(step as f64);
-        let bias_correction2 = 1.0 - f64::from(config.beta2).powf(step as f64);
-        AdamScalars {
-            step_size: (lr / bias_correction1) as f32,
-            bias_correction2_sqrt: bias_correction2.sqrt() as f32,
-            decay_factor: (1.0 - lr * f64::from(config.weight_decay)) as f32,
-            lerp_weight: (1.0 - f64::from(config.beta1)) as f32,
-            sq_weight: (1.0 - f64::from(config.beta2)) as f32,
-        }
-    }
-}
-
 /// Whether a GPU of `arch` computes in `precision`: bfloat16 tensor cores, and cuDNN's
 /// bfloat16 convolutions, start with compute capability 8.0 (Ampere).
 pub fn precision_supported(precision: Precision, arch: GpuArch) -> bool {
@@ -618,7 +687,8 @@ fn device(error: GpuError) -> ModelError {
 }
 
 /// The device address of `slice`. Every launch and library call runs on the executor's one
-/// stream, in order, so the event `cudarc` records for cross-stream use is not needed.
+/// stream, in order, and the executor's context tracks no events (`CudaExecutor::new`), so
+/// this neither waits on nor records one (nothing that a stream capture would refuse).
 fn address<T>(slice: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     let (pointer, _record) = slice.device_ptr(stream);
     pointer

@@ -278,33 +278,46 @@ impl Executor for CudaExecutor {
 }
 
 impl CudaExecutor {
-    /// The loss on the device: probabilities kept for the backward, the mean loss copied to
-    /// the host (this waits for the forward to finish).
+    /// The loss on the device: labels in, probabilities kept for the backward, the mean loss
+    /// copied to the host (this waits for the forward to finish).
     fn loss_on_device(&mut self, labels: &[u32], label_smoothing: f32) -> Result<f32, ModelError> {
+        self.load_labels(labels).map_err(device)?;
+        self.loss_kernels(label_smoothing).map_err(device)?;
+        self.read_loss(labels)
+    }
+
+    /// Copies `labels` to the active storage and clears its bad-label record, before a step.
+    pub(super) fn load_labels(&mut self, labels: &[u32]) -> Result<(), GpuError> {
         let stream = self.stream.clone();
         let Some(storage) = self.storages.active_mut() else {
-            return Err(device(GpuError::NotPrepared));
+            return Err(GpuError::NotPrepared);
         };
         let batch = labels.len();
-        super::error::same_length("labels", batch, storage.shape.1).map_err(device)?;
-        let classes = storage.sizes.logits / batch.max(1);
+        super::error::same_length("labels", batch, storage.shape.1)?;
         stream
             .memcpy_htod(labels, &mut storage.labels.slice_mut(..batch))
-            .map_err(driver("cuMemcpyHtoDAsync"))
-            .map_err(device)?;
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
         stream
             .memcpy_htod(&[i32::MAX], &mut storage.bad_sample)
             .map_err(driver("cuMemcpyHtoDAsync"))
-            .map_err(device)?;
-        let storage = &*storage;
+    }
+
+    /// The loss kernels over the active storage's logits and labels: probabilities, each
+    /// sample's loss, the mean (no host work: capturable).
+    pub(super) fn loss_kernels(&mut self, label_smoothing: f32) -> Result<(), GpuError> {
+        self.label_smoothing = label_smoothing;
+        let stream = &self.stream;
+        let storage = self.storage()?;
+        let batch = storage.shape.1;
+        let classes = storage.sizes.logits / batch.max(1);
         let pointer = |slice: u64| Arg::Ptr(slice);
         let (logits, labels_address, probabilities, sample_loss, bad_sample, loss) = (
-            address(&storage.logits, &stream),
-            address(&storage.labels, &stream),
-            address(&storage.probabilities, &stream),
-            address(&storage.sample_loss, &stream),
-            address(&storage.bad_sample, &stream),
-            address(&storage.loss, &stream),
+            address(&storage.logits, stream),
+            address(&storage.labels, stream),
+            address(&storage.probabilities, stream),
+            address(&storage.sample_loss, stream),
+            address(&storage.bad_sample, stream),
+            address(&storage.loss, stream),
         );
         // SAFETY: cross_entropy_rows(const float*, const unsigned*, int, int, float, float*,
         // double*, int*): logits and probabilities hold batch * classes floats, sample_loss
@@ -323,31 +336,27 @@ impl CudaExecutor {
                     pointer(sample_loss),
                     pointer(bad_sample),
                 ],
-            )
-            .map_err(device)?;
+            )?;
             self.launch(
                 "cross_entropy_mean",
                 per_element(1),
                 &[pointer(sample_loss), Arg::I32(batch as i32), pointer(loss)],
             )
-            .map_err(device)?;
         }
+    }
+
+    /// Waits for the queued work and reads the mean loss of the active storage; a label out
+    /// of range (recorded by the loss kernel) is the CPU's `InvalidLabel` error naming its
+    /// sample among `labels`.
+    pub(super) fn read_loss(&self, labels: &[u32]) -> Result<f32, ModelError> {
+        let stream = &self.stream;
         let storage = self.storage().map_err(device)?;
+        let classes = storage.sizes.logits / labels.len().max(1);
         let mut bad = [i32::MAX];
         stream
             .memcpy_dtoh(&storage.bad_sample, &mut bad)
             .map_err(driver("cuMemcpyDtoHAsync"))
             .map_err(device)?;
-        if let Ok(sample) = usize::try_from(bad[0]) {
-            if sample < batch {
-                return Err(tandem_engine::EngineError::InvalidLabel {
-                    sample,
-                    label: labels[sample],
-                    classes,
-                }
-                .into());
-            }
-        }
         let mut value = [0f32];
         stream
             .memcpy_dtoh(&storage.loss, &mut value)
@@ -357,6 +366,16 @@ impl CudaExecutor {
             .synchronize()
             .map_err(driver("cuStreamSynchronize"))
             .map_err(device)?;
+        if let Ok(sample) = usize::try_from(bad[0]) {
+            if let Some(&label) = labels.get(sample) {
+                return Err(tandem_engine::EngineError::InvalidLabel {
+                    sample,
+                    label,
+                    classes,
+                }
+                .into());
+            }
+        }
         Ok(value[0])
     }
 }

@@ -1,17 +1,23 @@
 //! `tandem bench step --device cuda`: the same three lines as on the CPU, measured with the
 //! GPU executor of `tandem-cuda` (`--precision`, TF32 by default; deterministic algorithms; one
-//! process). The executor has not yet run on a GPU, so the first line says it is unverified.
+//! process), and a `graphs:` line saying whether the timed training steps replayed a CUDA
+//! graph (`TANDEM_CUDA_GRAPHS=0` turns capture off, as in `train`). The executor has not yet
+//! run on a GPU, so the first line says it is unverified.
 
 use std::time::Instant;
 
+use tandem_cuda::executor::graph::StepRun;
+use tandem_cuda::executor::{StepImages, StepOptimizer, TrainStep};
 use tandem_cuda::{CudaExecutor, Precision};
 use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model, ModelSpec};
 
 use super::step::{adam_config, random_batch, sgd_config, OptimizerKind, IMAGE_SIZE};
 
-/// Runs the benchmark on GPU `ordinal`: `train:`, `eval:` and `peak memory:` (the most GPU
-/// memory in use after the warm-up and after each timed phase, from `cuMemGetInfo`).
+/// Runs the benchmark on GPU `ordinal`: `train:`, `eval:`, `peak memory:` (the most GPU
+/// memory in use after the warm-up and after each timed phase, from `cuMemGetInfo`) and
+/// `graphs:`. A training step is the executor's whole step (`train_step`): two warm-up steps
+/// (the eager first run and the capture), then the timed ones.
 pub fn run(
     spec: &ModelSpec,
     batch: usize,
@@ -27,17 +33,29 @@ pub fn run(
     let eval_plan = model.plan(Mode::Eval, batch, IMAGE_SIZE, IMAGE_SIZE)?;
     let loss = LossOptions::default();
     let mut peak_bytes = 0;
-
-    let train_rate = timed(batch, steps, &mut exec, &mut peak_bytes, |exec| {
-        exec.zero_grads()?;
-        exec.forward_train(&model, &train_plan, &images, &labels, &loss, None)?;
-        exec.backward(&model, &train_plan, 1.0, None, None)?;
-        match optimizer {
-            OptimizerKind::Sgd => exec.sgd_step(&sgd_config())?,
-            OptimizerKind::Adam => exec.adam_step(&adam_config())?,
-        }
+    let (sgd, adam) = (sgd_config(), adam_config());
+    let step_optimizer = match optimizer {
+        OptimizerKind::Sgd => StepOptimizer::Sgd(&sgd),
+        OptimizerKind::Adam => StepOptimizer::Adam(&adam),
+    };
+    let mut runs = Vec::new();
+    let mut graphs_off = None;
+    let mut train_step = |exec: &mut CudaExecutor| -> anyhow::Result<()> {
+        let step = TrainStep {
+            images: StepImages::Host(&images),
+            labels: &labels,
+            loss: &loss,
+            optimizer: step_optimizer,
+        };
+        let outcome = exec.train_step(&model, &train_plan, step)?;
+        runs.push(outcome.run);
+        graphs_off = graphs_off.take().or(outcome.graphs_off);
         Ok(())
-    })?;
+    };
+    // The first run is eager; the second is captured when graphs are on.
+    train_step(&mut exec)?;
+    let train_rate = timed(batch, steps, &mut exec, &mut peak_bytes, &mut train_step)?;
+    let timed_runs = runs.split_off(runs.len().saturating_sub(steps));
     let mut logits = Vec::new();
     let eval_rate = timed(batch, steps, &mut exec, &mut peak_bytes, |exec| {
         exec.forward_eval(&model, &eval_plan, &images, &mut logits)?;
@@ -46,7 +64,26 @@ pub fn run(
     say!("train: {train_rate:.1} img/s");
     say!("eval: {eval_rate:.1} img/s");
     say!("peak memory: {} MB", peak_bytes / (1024 * 1024));
+    say!("{}", graphs_line(&timed_runs, graphs_off.as_deref()));
     Ok(())
+}
+
+/// The `graphs:` line: whether each timed training step replayed a captured graph.
+fn graphs_line(timed_runs: &[StepRun], off: Option<&str>) -> String {
+    let replayed = timed_runs
+        .iter()
+        .filter(|run| **run == StepRun::Replay)
+        .count();
+    match off {
+        Some(reason) => format!("graphs: off ({reason}); the timed training steps ran eagerly"),
+        None if replayed == timed_runs.len() => {
+            "graphs: on; every timed training step replayed one captured CUDA graph".to_string()
+        }
+        None => format!(
+            "graphs: {replayed} of {} timed training steps replayed a captured CUDA graph",
+            timed_runs.len()
+        ),
+    }
 }
 
 /// Runs `step` once to warm up (storage allocated, algorithms measured, kernels loaded), then

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tandem_cuda::executor::graph::StepConditions;
 use tandem_cuda::{Device, Precision};
 use tandem_data::{
     eval_shard, Augment, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
@@ -603,6 +604,17 @@ impl Trainer {
         let (height, width) = (self.train_set.height, self.train_set.width);
         let sync_bn = self.settings.sync_bn;
         let nccl = self.compute.uses_nccl();
+        let conditions = StepConditions {
+            micro_batches: micro_batches.len(),
+            data_parallel: self.ddp.is_some(),
+            sync_bn: sync_bn && self.ddp.is_some(),
+            nccl,
+        };
+        if let [batch] = micro_batches {
+            if self.compute.whole_steps(&conditions) {
+                return self.whole_step(batch, lr);
+            }
+        }
         self.compute.zero_grads()?;
         match self.ddp.as_mut() {
             Some(_) if nccl => self.compute.broadcast_on_device(false)?,
@@ -687,6 +699,42 @@ impl Trainer {
         Ok(StepOutcome {
             mean_loss,
             images,
+            stop,
+        })
+    }
+
+    /// [`Trainer::averaged_step`] of one micro-batch in one process on a GPU: one
+    /// [`Compute::train_step`] (captured as a CUDA graph after its first run). The loss is
+    /// read after the update, so a non-finite loss stops the run after that step's update
+    /// rather than before it (the run ends with the same error and writes nothing).
+    fn whole_step(&mut self, batch: &MicroBatch, lr: f64) -> anyhow::Result<StepOutcome> {
+        let loss_options = LossOptions {
+            label_smoothing: self.settings.label_smoothing as f32,
+        };
+        let (height, width) = (self.train_set.height, self.train_set.width);
+        let momentum = self.schedule.momentum_at(self.progress.global_step);
+        let loss = self.compute.train_step(
+            batch.images(self.progress.epoch),
+            batch.len(),
+            height,
+            width,
+            batch.labels(),
+            &loss_options,
+            lr,
+            momentum,
+        )?;
+        let stop = self.stop_requested.load(Ordering::Relaxed);
+        let mean_loss = f64::from(loss);
+        if !mean_loss.is_finite() {
+            bail!(
+                "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
+                self.progress.epoch + 1,
+                self.progress.step_in_epoch + 1
+            );
+        }
+        Ok(StepOutcome {
+            mean_loss,
+            images: batch.len(),
             stop,
         })
     }

@@ -1,0 +1,412 @@
+//! Whole training steps as CUDA graphs: which steps may be captured ([`StepConditions`]), the
+//! key a graph is kept under ([`GraphKey`]), and when a step of a key runs eagerly, is
+//! captured or replays its graph ([`GraphSchedule`]). Pure host logic, tested without a GPU;
+//! the executor's side is `whole_step.rs`.
+//!
+//! The first step of a key runs eagerly (cuDNN's algorithm search, the storage's allocation
+//! and every other lazy setup happen then), the second is captured and its graph launched, and
+//! later ones replay it. A graph addresses the device allocations it was captured with, so the
+//! executor counts the times it freed one a graph may address (a training storage, the
+//! workspace, the optimizer state, a dataset's index buffer) as its *generation*; a graph of
+//! an older generation is dropped and the step captured again. Any failure to capture or
+//! instantiate turns graphs off for the rest of the run, with its reason.
+
+use std::collections::HashMap;
+use std::fmt;
+
+/// The environment variable that turns capture off (`0`, `false`, `off` or `no`).
+pub const GRAPHS_ENV: &str = "TANDEM_CUDA_GRAPHS";
+
+/// Whether the value of [`GRAPHS_ENV`] leaves CUDA graphs on (unset: on).
+pub fn graphs_requested(value: Option<&str>) -> bool {
+    !matches!(
+        value
+            .map(|value| value.trim().to_ascii_lowercase())
+            .as_deref(),
+        Some("0" | "false" | "off" | "no")
+    )
+}
+
+/// What a training step involves, as far as capturing it is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepConditions {
+    /// Micro-batches of the step (`--grad-accum`).
+    pub micro_batches: usize,
+    /// Whether the step averages gradients with other processes.
+    pub data_parallel: bool,
+    /// Whether batch-norm statistics are summed across processes.
+    pub sync_bn: bool,
+    /// Whether the executor joined an NCCL group.
+    pub nccl: bool,
+}
+
+/// Why a step is not a single-process whole step that may be captured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotWholeStep {
+    /// Several processes: the gradients cross the host (or NCCL) inside the step.
+    DataParallel,
+    /// SyncBatchNorm: statistics cross the host inside the step.
+    SyncBatchNorm,
+    /// An NCCL group (a second stream, collectives inside the step).
+    Nccl,
+    /// Gradient accumulation over this many micro-batches.
+    MicroBatches(usize),
+}
+
+impl fmt::Display for NotWholeStep {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotWholeStep::DataParallel => {
+                write!(f, "data-parallel steps average gradients through the host")
+            }
+            NotWholeStep::SyncBatchNorm => {
+                write!(f, "--sync-bn sums batch statistics through the host")
+            }
+            NotWholeStep::Nccl => write!(f, "steps with NCCL collectives are not captured yet"),
+            NotWholeStep::MicroBatches(count) => write!(
+                f,
+                "--grad-accum {count}: steps of several micro-batches are not captured"
+            ),
+        }
+    }
+}
+
+impl StepConditions {
+    /// `None` when the step is a single-process step of one micro-batch (the executor's
+    /// `train_step`, eager or graphed), else the first reason it is not.
+    pub fn refusal(&self) -> Option<NotWholeStep> {
+        if self.nccl {
+            Some(NotWholeStep::Nccl)
+        } else if self.sync_bn {
+            Some(NotWholeStep::SyncBatchNorm)
+        } else if self.data_parallel {
+            Some(NotWholeStep::DataParallel)
+        } else if self.micro_batches != 1 {
+            Some(NotWholeStep::MicroBatches(self.micro_batches))
+        } else {
+            None
+        }
+    }
+}
+
+/// Which optimizer kernel a step ends with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OptimizerKind {
+    /// `sgd_step`.
+    Sgd,
+    /// `adam_step`.
+    Adam,
+}
+
+/// Where a step's images come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ImagesKey {
+    /// Copied from the host into the input slot before the step.
+    Host,
+    /// Assembled on the device from the dataset with this id (its pixels, augmentation
+    /// settings and buffers are that dataset's).
+    Gathered {
+        /// `DeviceDataset`'s unique id.
+        dataset: u64,
+    },
+}
+
+/// What a captured step's kernels and their by-value arguments depend on. Everything else a
+/// step reads (the learning rate, the optimizer's scalars, the epoch, the labels, the images
+/// or their indices) is in device buffers written before each launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    /// Images of the batch.
+    pub batch: usize,
+    /// Rows of an image.
+    pub height: usize,
+    /// Columns of an image.
+    pub width: usize,
+    /// The optimizer kernel.
+    pub optimizer: OptimizerKind,
+    /// The loss's label smoothing, as bits (a by-value kernel argument).
+    pub label_smoothing_bits: u32,
+    /// Where the images come from.
+    pub images: ImagesKey,
+}
+
+/// How one step runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepRun {
+    /// Its kernels are launched one by one.
+    Eager,
+    /// It is captured as a graph, which is then launched.
+    Capture,
+    /// Its key's graph is launched.
+    Replay,
+}
+
+/// The state of one key.
+enum Entry<G> {
+    /// Run eagerly once.
+    Seen,
+    /// Captured at `generation`.
+    Captured { generation: u64, graph: G },
+}
+
+/// The graphs of the keys seen so far, and whether graphs are off (and why). `G` is the
+/// executor's graph (a plain value in the tests).
+pub struct GraphSchedule<G> {
+    entries: HashMap<GraphKey, Entry<G>>,
+    off: Option<String>,
+    off_reported: bool,
+}
+
+impl<G> GraphSchedule<G> {
+    /// A schedule with graphs on, or off with `off`'s reason.
+    pub fn new(off: Option<String>) -> Self {
+        GraphSchedule {
+            entries: HashMap::new(),
+            off,
+            off_reported: false,
+        }
+    }
+
+    /// How the next step of `key` runs, with the device allocations at `generation`: eagerly
+    /// the first time (and whenever graphs are off), captured the second time or when its
+    /// graph is older than `generation` (the stale graph is dropped), replayed after.
+    pub fn next_run(&mut self, key: &GraphKey, generation: u64) -> StepRun {
+        if self.off.is_some() {
+            return StepRun::Eager;
+        }
+        match self.entries.get(key) {
+            None => {
+                self.entries.insert(*key, Entry::Seen);
+                StepRun::Eager
+            }
+            Some(Entry::Seen) => StepRun::Capture,
+            Some(Entry::Captured {
+                generation: captured,
+                ..
+            }) if *captured == generation => StepRun::Replay,
+            Some(Entry::Captured { .. }) => {
+                self.entries.insert(*key, Entry::Seen);
+                StepRun::Capture
+            }
+        }
+    }
+
+    /// Keeps `graph`, captured for `key` at `generation`.
+    pub fn store(&mut self, key: GraphKey, generation: u64, graph: G) {
+        self.entries
+            .insert(key, Entry::Captured { generation, graph });
+    }
+
+    /// The graph of `key`, if captured.
+    pub fn graph(&self, key: &GraphKey) -> Option<&G> {
+        match self.entries.get(key) {
+            Some(Entry::Captured { graph, .. }) => Some(graph),
+            _ => None,
+        }
+    }
+
+    /// Turns graphs off for good with `reason`, dropping every graph (the first reason
+    /// stays).
+    pub fn turn_off(&mut self, reason: String) {
+        self.entries.clear();
+        self.off.get_or_insert(reason);
+    }
+
+    /// Why graphs are off, once (for the one note a run prints); `None` while they are on
+    /// and after the reason was taken.
+    pub fn take_off_reason(&mut self) -> Option<String> {
+        if self.off_reported {
+            return None;
+        }
+        let reason = self.off.clone()?;
+        self.off_reported = true;
+        Some(reason)
+    }
+
+    /// Whether graphs are on.
+    pub fn is_on(&self) -> bool {
+        self.off.is_none()
+    }
+
+    /// Graphs kept.
+    pub fn captured(&self) -> usize {
+        self.entries
+            .values()
+            .filter(|entry| matches!(entry, Entry::Captured { .. }))
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(batch: usize) -> GraphKey {
+        GraphKey {
+            batch,
+            height: 32,
+            width: 32,
+            optimizer: OptimizerKind::Sgd,
+            label_smoothing_bits: 0.1f32.to_bits(),
+            images: ImagesKey::Gathered { dataset: 1 },
+        }
+    }
+
+    #[test]
+    fn the_environment_variable_turns_graphs_off_only_when_it_says_so() {
+        assert!(graphs_requested(None));
+        for on in ["1", "", "yes", "true", "on"] {
+            assert!(graphs_requested(Some(on)), "{on:?}");
+        }
+        for off in ["0", "false", "OFF", " no ", "False"] {
+            assert!(!graphs_requested(Some(off)), "{off:?}");
+        }
+    }
+
+    #[test]
+    fn only_single_process_steps_of_one_micro_batch_are_whole_steps() {
+        let plain = StepConditions {
+            micro_batches: 1,
+            data_parallel: false,
+            sync_bn: false,
+            nccl: false,
+        };
+        assert_eq!(plain.refusal(), None);
+        let cases = [
+            (
+                StepConditions {
+                    micro_batches: 2,
+                    ..plain
+                },
+                NotWholeStep::MicroBatches(2),
+                "--grad-accum 2: steps of several micro-batches are not captured",
+            ),
+            (
+                StepConditions {
+                    data_parallel: true,
+                    ..plain
+                },
+                NotWholeStep::DataParallel,
+                "data-parallel steps average gradients through the host",
+            ),
+            (
+                StepConditions {
+                    data_parallel: true,
+                    sync_bn: true,
+                    micro_batches: 3,
+                    ..plain
+                },
+                NotWholeStep::SyncBatchNorm,
+                "--sync-bn sums batch statistics through the host",
+            ),
+            (
+                StepConditions {
+                    data_parallel: true,
+                    nccl: true,
+                    ..plain
+                },
+                NotWholeStep::Nccl,
+                "steps with NCCL collectives are not captured yet",
+            ),
+        ];
+        for (conditions, reason, message) in cases {
+            assert_eq!(conditions.refusal(), Some(reason), "{conditions:?}");
+            assert_eq!(reason.to_string(), message);
+        }
+    }
+
+    #[test]
+    fn every_setting_a_kernel_takes_by_value_distinguishes_keys() {
+        let base = key(256);
+        let variants = [
+            GraphKey { batch: 80, ..base },
+            GraphKey { height: 28, ..base },
+            GraphKey { width: 28, ..base },
+            GraphKey {
+                optimizer: OptimizerKind::Adam,
+                ..base
+            },
+            GraphKey {
+                label_smoothing_bits: 0.0f32.to_bits(),
+                ..base
+            },
+            GraphKey {
+                images: ImagesKey::Host,
+                ..base
+            },
+            GraphKey {
+                images: ImagesKey::Gathered { dataset: 2 },
+                ..base
+            },
+        ];
+        let mut keys = std::collections::HashSet::from([base]);
+        for variant in variants {
+            assert!(keys.insert(variant), "{variant:?} equals another key");
+        }
+    }
+
+    #[test]
+    fn a_key_runs_eagerly_then_is_captured_then_replays() {
+        let mut schedule = GraphSchedule::new(None);
+        assert_eq!(schedule.next_run(&key(256), 0), StepRun::Eager);
+        assert_eq!(schedule.next_run(&key(256), 0), StepRun::Capture);
+        schedule.store(key(256), 0, "graph 256");
+        for _ in 0..3 {
+            assert_eq!(schedule.next_run(&key(256), 0), StepRun::Replay);
+        }
+        assert_eq!(schedule.graph(&key(256)), Some(&"graph 256"));
+        // The epoch's last, partial batch is a key of its own; the full batch's graph stays.
+        assert_eq!(schedule.next_run(&key(80), 0), StepRun::Eager);
+        assert_eq!(schedule.next_run(&key(256), 0), StepRun::Replay);
+        assert_eq!(schedule.next_run(&key(80), 0), StepRun::Capture);
+        schedule.store(key(80), 0, "graph 80");
+        assert_eq!(schedule.captured(), 2);
+        assert!(schedule.is_on());
+        assert_eq!(schedule.take_off_reason(), None);
+    }
+
+    #[test]
+    fn a_graph_older_than_the_allocations_is_captured_again() {
+        let mut schedule = GraphSchedule::new(None);
+        schedule.next_run(&key(256), 0);
+        schedule.next_run(&key(256), 0);
+        schedule.store(key(256), 0, 1);
+        assert_eq!(schedule.next_run(&key(256), 1), StepRun::Capture);
+        assert_eq!(
+            schedule.graph(&key(256)),
+            None,
+            "the stale graph is dropped"
+        );
+        schedule.store(key(256), 1, 2);
+        assert_eq!(schedule.next_run(&key(256), 1), StepRun::Replay);
+        assert_eq!(schedule.graph(&key(256)), Some(&2));
+    }
+
+    #[test]
+    fn a_failure_turns_graphs_off_for_good_with_its_first_reason_reported_once() {
+        let mut schedule = GraphSchedule::new(None);
+        schedule.next_run(&key(256), 0);
+        schedule.next_run(&key(256), 0);
+        schedule.store(key(256), 0, ());
+        schedule.turn_off("cuStreamEndCapture failed".to_string());
+        schedule.turn_off("a later failure".to_string());
+        assert!(!schedule.is_on());
+        assert_eq!(schedule.captured(), 0);
+        for _ in 0..3 {
+            assert_eq!(schedule.next_run(&key(256), 0), StepRun::Eager);
+        }
+        assert_eq!(
+            schedule.take_off_reason().as_deref(),
+            Some("cuStreamEndCapture failed")
+        );
+        assert_eq!(schedule.take_off_reason(), None);
+
+        let mut disabled = GraphSchedule::<()>::new(Some("TANDEM_CUDA_GRAPHS=0".to_string()));
+        assert_eq!(disabled.next_run(&key(8), 0), StepRun::Eager);
+        assert_eq!(disabled.next_run(&key(8), 0), StepRun::Eager);
+        assert_eq!(
+            disabled.take_off_reason().as_deref(),
+            Some("TANDEM_CUDA_GRAPHS=0")
+        );
+    }
+}

@@ -1,0 +1,311 @@
+//! A whole single-process training step ([`CudaExecutor::train_step`]): zeroed gradients,
+//! forward, loss, backward and optimizer, run eagerly or as a CUDA graph (see `graph.rs`).
+//!
+//! The step is split so that the same kernels run on the same inputs either way:
+//! 1. *inputs*, on the host: the storage is prepared (allocation, cuDNN's algorithm search),
+//!    the optimizer's state made, and the images (or their dataset indices), the labels, the
+//!    cleared bad-label record and the step's scalars (epoch, optimizer) are copied into fixed
+//!    device buffers;
+//! 2. *body*, device work only: no host copy, allocation, synchronization or per-step
+//!    by-value argument; this is what is captured and replayed;
+//! 3. *result*: one synchronization, the loss and the bad-label record read back.
+//!
+//! Nothing in the body touches a `cudarc` event: the executor's context does not track them
+//! (`CudaExecutor::new`), so `device_ptr` neither waits on nor records one. Capture is in
+//! `THREAD_LOCAL` mode: the executor is driven by one thread, and no other thread's legal
+//! CUDA calls (e.g. a future NCCL watchdog's `cuEventQuery`) can invalidate its capture.
+
+use cudarc::cublas::{sys as cublas_sys, CudaBlas};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
+use std::sync::Arc;
+use tandem_engine::{AdamConfig, SgdConfig};
+use tandem_models::executor::{Executor, GradientsReady};
+use tandem_models::workspace::Plan;
+use tandem_models::{LossOptions, Model, ModelError};
+
+use super::dataset::{check_gathered_batch, DeviceDataset};
+use super::error::{cublas, driver, same_length};
+use super::graph::{GraphKey, ImagesKey, OptimizerKind, StepRun};
+use super::scalars::{StepScalars, STEP_SCALARS_BYTES};
+use super::{address, check_batch, device, CudaExecutor, GpuError};
+
+/// Bytes of cuBLAS's workspace: 32 MiB, what cuBLAS recommends for Hopper (and PyTorch's
+/// default there); the head's GEMMs need far less.
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Where a step's images come from.
+pub enum StepImages<'a> {
+    /// NHWC floats on the host, copied into the input slot before the step.
+    Host(&'a [f32]),
+    /// The images `indices` of `dataset`, assembled on the device with the draws of `epoch`.
+    Gathered {
+        /// The training set on the device.
+        dataset: &'a mut DeviceDataset,
+        /// Dataset indices, in batch order.
+        indices: &'a [usize],
+        /// The epoch of the augmentation draws.
+        epoch: u64,
+    },
+}
+
+/// The optimizer that ends a step, with its settings at this step.
+#[derive(Clone, Copy, Debug)]
+pub enum StepOptimizer<'a> {
+    /// SGD.
+    Sgd(&'a SgdConfig),
+    /// Adam or AdamW.
+    Adam(&'a AdamConfig),
+}
+
+impl StepOptimizer<'_> {
+    /// The kernel it runs.
+    pub fn kind(&self) -> OptimizerKind {
+        match self {
+            StepOptimizer::Sgd(_) => OptimizerKind::Sgd,
+            StepOptimizer::Adam(_) => OptimizerKind::Adam,
+        }
+    }
+}
+
+/// One training step of one micro-batch in one process.
+pub struct TrainStep<'a> {
+    /// The batch's images.
+    pub images: StepImages<'a>,
+    /// Their labels.
+    pub labels: &'a [u32],
+    /// The loss's settings.
+    pub loss: &'a LossOptions,
+    /// The optimizer and its settings at this step.
+    pub optimizer: StepOptimizer<'a>,
+}
+
+/// What a step returned and how it ran.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOutcome {
+    /// The batch's mean loss (before the update).
+    pub loss: f32,
+    /// Eagerly, captured (and launched), or replayed.
+    pub run: StepRun,
+    /// Why CUDA graphs are off, on the first step after they were turned off (by
+    /// `TANDEM_CUDA_GRAPHS=0` or a failure to capture); `None` otherwise.
+    pub graphs_off: Option<String>,
+}
+
+/// Gives `blas` a workspace of its own (stream capture cannot allocate cuBLAS's default one).
+/// The workspace must outlive the handle; `cublasSetStream` would reset it, and nothing calls
+/// it after this.
+pub(super) fn set_blas_workspace(
+    blas: &CudaBlas,
+    stream: &Arc<CudaStream>,
+) -> Result<CudaSlice<u8>, GpuError> {
+    let workspace = stream
+        .alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)
+        .map_err(driver("cuMemAllocAsync"))?;
+    let pointer = address(&workspace, stream);
+    // SAFETY: the handle is valid for the life of `blas`; the workspace holds
+    // BLAS_WORKSPACE_BYTES bytes on the handle's device and is kept by the executor, which
+    // drops `blas` first.
+    unsafe {
+        cublas_sys::cublasSetWorkspace_v2(
+            *blas.handle(),
+            pointer as *mut std::ffi::c_void,
+            BLAS_WORKSPACE_BYTES,
+        )
+    }
+    .result()
+    .map_err(cublas("cublasSetWorkspace_v2"))?;
+    Ok(workspace)
+}
+
+impl CudaExecutor {
+    /// One training step of `model` on `plan`'s batch: gradients zeroed, forward, loss,
+    /// backward, optimizer step; returns the loss. The running statistics, parameters and
+    /// optimizer state on the device are updated (the caller counts the step in
+    /// `num_batches_tracked`). The first step of a key (batch shape, optimizer, label
+    /// smoothing, image source) runs eagerly, the second is captured as a CUDA graph and the
+    /// later ones replay it, unless graphs are off; a failure to capture turns them off and
+    /// the step runs eagerly, with the same result.
+    pub fn train_step(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        step: TrainStep<'_>,
+    ) -> Result<StepOutcome, ModelError> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))
+            .map_err(device)?;
+        same_length("labels", step.labels.len(), plan.batch).map_err(device)?;
+        let images_key = match &step.images {
+            StepImages::Host(images) => {
+                check_batch(plan, images, None).map_err(device)?;
+                ImagesKey::Host
+            }
+            StepImages::Gathered {
+                dataset, indices, ..
+            } => {
+                check_gathered_batch(plan, dataset, indices).map_err(device)?;
+                ImagesKey::Gathered {
+                    dataset: dataset.id(),
+                }
+            }
+        };
+        let key = GraphKey {
+            batch: plan.batch,
+            height: plan.height,
+            width: plan.width,
+            optimizer: step.optimizer.kind(),
+            label_smoothing_bits: step.loss.label_smoothing.to_bits(),
+            images: images_key,
+        };
+        if self.data_parallel.is_some() {
+            self.graphs
+                .turn_off("steps with NCCL collectives are not captured yet".to_string());
+        }
+        let labels = step.labels;
+        let gathered = self.load_step_inputs(plan, step).map_err(device)?;
+        let dataset = gathered.as_deref();
+        let run = match self.graphs.next_run(&key, self.generation) {
+            StepRun::Eager => {
+                self.step_body(model, plan, dataset)?;
+                StepRun::Eager
+            }
+            StepRun::Capture => match self.capture_and_launch(model, plan, dataset) {
+                Ok(graph) => {
+                    self.graphs.store(key, self.generation, graph);
+                    StepRun::Capture
+                }
+                Err(reason) => {
+                    self.graphs.turn_off(reason);
+                    self.step_body(model, plan, dataset)?;
+                    StepRun::Eager
+                }
+            },
+            StepRun::Replay => {
+                let graph = self.graphs.graph(&key).ok_or_else(|| {
+                    device(GpuError::Unsupported(
+                        "replaying a graph that was not captured",
+                    ))
+                })?;
+                graph
+                    .launch()
+                    .map_err(driver("cuGraphLaunch"))
+                    .map_err(device)?;
+                StepRun::Replay
+            }
+        };
+        let loss = self.read_loss(labels)?;
+        Ok(StepOutcome {
+            loss,
+            run,
+            graphs_off: self.graphs.take_off_reason(),
+        })
+    }
+
+    /// Turns the capture of training steps on or off, whatever `TANDEM_CUDA_GRAPHS` said
+    /// (for tests comparing both in one process). Either way every graph is dropped and the
+    /// schedule starts afresh: the next step of each key runs eagerly.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs =
+            super::graph::GraphSchedule::new((!on).then(|| "turned off by the caller".to_string()));
+    }
+
+    /// Whether captured training steps are on.
+    pub fn graphs_on(&self) -> bool {
+        self.graphs.is_on()
+    }
+
+    /// The inputs phase of [`Self::train_step`]: everything on the host and every copy to
+    /// the device, before the body. Returns the dataset of a gathered batch for the body.
+    fn load_step_inputs<'a>(
+        &mut self,
+        plan: &Plan,
+        step: TrainStep<'a>,
+    ) -> Result<Option<&'a mut DeviceDataset>, GpuError> {
+        self.prepare(plan)?;
+        let optimizer = self.next_optimizer_scalars(step.optimizer)?;
+        let (epoch, dataset) = match step.images {
+            StepImages::Host(images) => {
+                self.images_from_host(images);
+                self.take_error()?;
+                (0, None)
+            }
+            StepImages::Gathered {
+                dataset,
+                indices,
+                epoch,
+            } => {
+                self.load_indices(dataset, indices)?;
+                (epoch, Some(dataset))
+            }
+        };
+        self.load_labels(step.labels)?;
+        self.label_smoothing = step.loss.label_smoothing;
+        let scalars = StepScalars { epoch, optimizer }.bytes();
+        debug_assert_eq!(scalars.len(), STEP_SCALARS_BYTES);
+        self.write_scalars(0, &scalars)?;
+        Ok(dataset)
+    }
+
+    /// The device work of a step (see the module's documentation): what is captured.
+    fn step_body(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        dataset: Option<&DeviceDataset>,
+    ) -> Result<(), ModelError> {
+        self.zero_grads().map_err(device)?;
+        if let Some(dataset) = dataset {
+            let images = self.input_slot().map_err(device)?;
+            self.augment(dataset, plan.batch, images).map_err(device)?;
+        }
+        model.forward_on(self, plan, None)?;
+        self.take_error().map_err(device)?;
+        self.loss_kernels(self.label_smoothing).map_err(device)?;
+        self.grads_on_host = 0;
+        self.gradients_to_host = false;
+        self.all_reducing = false;
+        let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
+        let mut ready = GradientsReady::new(&mut ignore);
+        model.backward_on(self, plan, 1.0, None, &mut ready)?;
+        self.take_error().map_err(device)?;
+        self.launch_optimizer().map_err(device)
+    }
+
+    /// Captures the step's body as a graph, instantiates and launches it (the captured work
+    /// has not run). On any failure the capture is ended, its error cleared, and the reason
+    /// returned: nothing of the body ran, and the caller runs it eagerly.
+    fn capture_and_launch(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        dataset: Option<&DeviceDataset>,
+    ) -> Result<CudaGraph, String> {
+        let algorithms = self.algorithms.len();
+        let generation = self.generation;
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|status| format!("cuStreamBeginCapture failed: {status:?}"))?;
+        let body = self.step_body(model, plan, dataset);
+        let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        let kept = self.take_error();
+        // `prepare` searched for every convolution's algorithms before the capture, so a miss
+        // of the cache here would be a shape outside the plan.
+        if self.algorithms.len() != algorithms {
+            return Err("a convolution algorithm was searched for during capture".to_string());
+        }
+        if self.generation != generation {
+            return Err("device memory was freed during capture".to_string());
+        }
+        body.map_err(|error| format!("a call of the step cannot be captured: {error}"))?;
+        kept.map_err(|error| format!("a call of the step cannot be captured: {error}"))?;
+        let graph = ended
+            .map_err(|status| format!("cuStreamEndCapture/cuGraphInstantiate failed: {status:?}"))?
+            .ok_or_else(|| "cuStreamEndCapture captured no graph".to_string())?;
+        graph
+            .launch()
+            .map_err(|status| format!("cuGraphLaunch of the new graph failed: {status:?}"))?;
+        Ok(graph)
+    }
+}
