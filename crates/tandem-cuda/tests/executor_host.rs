@@ -515,7 +515,7 @@ fn a_missing_library_is_an_error_naming_it_not_a_panic() {
         precision: Precision::Fp32,
         deterministic: true,
     };
-    let error = match CudaExecutor::new(&probe, settings, None, &[1.0], &[]) {
+    let error = match CudaExecutor::new(&probe, settings, None, &seed_004_small()) {
         Ok(_) => panic!("an executor without libraries"),
         Err(error) => error,
     };
@@ -563,4 +563,29 @@ fn the_device_dataset_checks_its_shape_and_indices() {
         huge.device_indices(&[1 << 32]),
         Err(GpuError::IndexOutOfRange { .. })
     ));
+}
+
+/// The device buffers' offset aligns every convolution filter of the tutorial models (whose
+/// 10-class head leaves each filter at 2 mod 4 floats in the shared layout).
+#[test]
+fn the_flat_buffers_offset_aligns_every_filter_of_the_tutorial_models() {
+    use tandem_cuda::executor::flat::aligning_offset;
+    use tandem_models::TensorKind;
+    for model in [
+        seed_004_small(),
+        Model::new(&ModelSpec::ResNet18 { num_classes: 10 }).unwrap(),
+        Model::new(&ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default())).unwrap(),
+    ] {
+        let filters: Vec<usize> = model
+            .tensors()
+            .iter()
+            .filter(|tensor| tensor.kind == TensorKind::Param && tensor.shape.len() == 4)
+            .map(|tensor| tensor.offset)
+            .collect();
+        assert!(filters.len() >= 4);
+        assert!(filters.iter().all(|start| start % 4 == 2), "{filters:?}");
+        let offset = aligning_offset(filters.iter().copied());
+        assert_eq!(offset, 2);
+        assert!(filters.iter().all(|start| (start + offset) % 4 == 0));
+    }
 }

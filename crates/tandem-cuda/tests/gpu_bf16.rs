@@ -200,7 +200,7 @@ fn bf16_executor(probe: &Probe, model: &Model) -> CudaExecutor {
         precision: Precision::Bf16,
         deterministic: true,
     };
-    CudaExecutor::new(probe, settings, None, model.params(), model.buffers()).unwrap()
+    CudaExecutor::new(probe, settings, None, model).unwrap()
 }
 
 /// Cosine similarity and norm ratio of `found` to `expected`, in f64.

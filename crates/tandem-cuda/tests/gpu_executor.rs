@@ -84,8 +84,7 @@ fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
         .unwrap();
 
     let model = seed_004();
-    let mut exec =
-        CudaExecutor::new(probe, settings(), None, model.params(), model.buffers()).unwrap();
+    let mut exec = CudaExecutor::new(probe, settings(), None, &model).unwrap();
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
     let gpu_loss = exec
         .forward_train(&model, &plan, &images, &labels, &loss, None)
@@ -279,8 +278,7 @@ fn device_assembled_batches_equal_the_cpu_loaders() {
         channels: 3,
     };
     let model = seed_004();
-    let mut exec =
-        CudaExecutor::new(probe, settings(), None, model.params(), model.buffers()).unwrap();
+    let mut exec = CudaExecutor::new(probe, settings(), None, &model).unwrap();
     let sampler = tandem_data::DistributedSampler::new(21, 2, 1, true, 9, false).unwrap();
     let cases: [(Option<Augment>, Option<Normalize>); 3] = [
         (Some(Augment::crop_and_flip()), Some(IMAGENET_NORMALIZE)),
@@ -439,8 +437,7 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
     };
     let model = seed_004();
     let open = |graphs: bool| {
-        let mut exec =
-            CudaExecutor::new(probe, settings(), None, model.params(), model.buffers()).unwrap();
+        let mut exec = CudaExecutor::new(probe, settings(), None, &model).unwrap();
         exec.set_graphs(graphs);
         exec
     };

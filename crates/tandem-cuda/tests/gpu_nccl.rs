@@ -51,7 +51,7 @@ fn executor(probe: &Probe, model: &Model) -> CudaExecutor {
         precision: Precision::Fp32,
         deterministic: true,
     };
-    CudaExecutor::new(probe, settings, None, model.params(), model.buffers()).unwrap()
+    CudaExecutor::new(probe, settings, None, model).unwrap()
 }
 
 /// Deterministic images in about [-1, 1) and labels.

@@ -757,14 +757,8 @@ pub fn open_executor(
         deterministic: true,
     };
     let cache = PtxCache::default_dir().map(PtxCache::new);
-    CudaExecutor::new(
-        Probe::process(),
-        settings,
-        cache,
-        model.params(),
-        model.buffers(),
-    )
-    .with_context(|| format!("opening cuda:{ordinal}"))
+    CudaExecutor::new(Probe::process(), settings, cache, model)
+        .with_context(|| format!("opening cuda:{ordinal}"))
 }
 
 /// The kept plan when it fits the batch, else a new one for it.

@@ -134,7 +134,7 @@ impl CudaExecutor {
         group.wait_for(&self.stream)?;
         let mut what = Vec::new();
         if params {
-            let base = address(&self.params, &self.stream);
+            let base = self.params.address(&self.stream);
             // SAFETY: the parameter buffer holds `host_grads.len()` floats (one per
             // parameter) on this GPU and lives as long as the executor, which outlives the
             // hand-back below that the compute stream waits on.
@@ -173,7 +173,7 @@ impl CudaExecutor {
         let group = &data_parallel.group;
         let buckets = data_parallel.cursor.buckets();
         let world_size = group.world_size();
-        let base = address(&self.grads, &self.stream);
+        let base = self.grads.address(&self.stream);
         for op in bucket_ops(buckets, indices, world_size, last) {
             match op {
                 BucketOp::WaitForCompute => group.wait_for(&self.stream)?,

@@ -116,6 +116,8 @@ pub struct DeviceDataset {
     std: CudaSlice<f32>,
     /// The batch's sample indices (grown to the largest batch).
     indices: CudaSlice<u32>,
+    /// The host side of their last copy.
+    host_indices: Vec<u32>,
     /// Three ints per sample: crop top, crop left, flip.
     draws: CudaSlice<i32>,
 }
@@ -162,6 +164,7 @@ impl CudaExecutor {
                 .clone_htod(&settings.std)
                 .map_err(driver("cuMemcpyHtoDAsync"))?,
             indices: stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?,
+            host_indices: Vec::new(),
             draws: stream.alloc_zeros(3).map_err(driver("cuMemAllocAsync"))?,
         })
     }
@@ -223,6 +226,8 @@ impl CudaExecutor {
             .stream
             .clone_dtoh(&output)
             .map_err(driver("cuMemcpyDtoHAsync"))?;
+        // A copy to pageable memory may still be running when the call returns.
+        self.synchronize()?;
         host.truncate(len);
         Ok(host)
     }
@@ -253,7 +258,9 @@ impl CudaExecutor {
         if batch == 0 {
             return Ok(());
         }
-        let host_indices = dataset.shape.device_indices(indices)?;
+        // Kept in the dataset: a copy from pageable memory may read its source after the call
+        // returns.
+        dataset.host_indices = dataset.shape.device_indices(indices)?;
         if dataset.indices.len() < batch {
             dataset.indices = self
                 .stream
@@ -266,7 +273,10 @@ impl CudaExecutor {
             self.generation += 1;
         }
         self.stream
-            .memcpy_htod(&host_indices, &mut dataset.indices.slice_mut(..batch))
+            .memcpy_htod(
+                &dataset.host_indices,
+                &mut dataset.indices.slice_mut(..batch),
+            )
             .map_err(driver("cuMemcpyHtoDAsync"))
     }
 

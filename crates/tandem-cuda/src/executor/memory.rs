@@ -353,6 +353,18 @@ impl PlanStorages {
         Ok(freed)
     }
 
+    /// Makes the storage of the last training forward active again for its backward, if it
+    /// is `plan`'s (an evaluation may have run in between); `false` when it is not.
+    pub fn resume_training(&mut self, plan: &Plan) -> bool {
+        let shape = (plan.mode, plan.batch, plan.height, plan.width);
+        let last = self.train.last().map(|storage| storage.shape);
+        if plan.mode != Mode::Train || last != Some(shape) {
+            return false;
+        }
+        self.active = Mode::Train;
+        true
+    }
+
     /// The active storage, if it was allocated.
     pub fn active(&self) -> Option<&DeviceStorage> {
         match self.active {

@@ -25,6 +25,7 @@ pub mod cudnn;
 mod data_parallel;
 pub mod dataset;
 pub mod error;
+pub mod flat;
 pub mod graph;
 pub mod launch;
 pub mod linear;
@@ -35,14 +36,15 @@ mod units;
 mod whole_step;
 
 use std::cell::RefCell;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, CudaView, DevicePtr};
 use tandem_engine::{AdamConfig, BatchNormReducer, OptimizerState, SgdConfig};
 use tandem_models::executor::{Executor, GradientsReady};
 use tandem_models::workspace::Plan;
-use tandem_models::{LossOptions, Model, ModelError};
+use tandem_models::{LossOptions, Model, ModelError, TensorKind};
 
 use crate::arch::GpuArch;
 use crate::compile::Compiler;
@@ -54,6 +56,7 @@ pub use data_parallel::DeviceDataParallel;
 pub use dataset::{AugmentSettings, DatasetShape, DeviceDataset};
 pub use error::GpuError;
 use error::{driver, same_length};
+use flat::FlatBuffer;
 use graph::{GraphSchedule, OptimizerKind};
 use launch::{per_element, Arg, Kernels};
 use memory::PlanStorages;
@@ -111,12 +114,14 @@ enum DeviceOptimizer {
 pub struct CudaExecutor {
     // Handles first: they are dropped before the stream and context they use.
     cudnn: CudnnHandle,
-    blas: CudaBlas,
+    /// Dropped by hand (in `CudaExecutor`'s `Drop`): cudarc's own drop panics when the handle
+    /// cannot be destroyed, as after a sticky CUDA error.
+    blas: ManuallyDrop<CudaBlas>,
     kernels: Kernels,
     algorithms: AlgorithmCache,
     settings: GpuSettings,
-    params: CudaSlice<f32>,
-    grads: CudaSlice<f32>,
+    params: FlatBuffer,
+    grads: FlatBuffer,
     buffers: CudaSlice<f32>,
     optimizer: DeviceOptimizer,
     workspace: CudaSlice<u8>,
@@ -126,6 +131,9 @@ pub struct CudaExecutor {
     blas_workspace: CudaSlice<u8>,
     /// The per-step scalars the optimizer and augmentation kernels read (`scalars`).
     step_scalars: CudaSlice<u8>,
+    /// The host side of the step-scalar copies: a copy from pageable memory may read its
+    /// source after the call returns, so the source outlives the call.
+    host_scalars: Box<[u8; STEP_SCALARS_BYTES]>,
     storages: PlanStorages,
     /// The captured training steps.
     graphs: GraphSchedule<CudaGraph>,
@@ -162,15 +170,23 @@ unsafe impl Send for CudaExecutor {}
 
 impl CudaExecutor {
     /// Opens GPU `settings.ordinal`, compiles our kernels (with the PTX cache in `cache`) and
-    /// copies `params` and `buffers` (a model's flat buffers) to it. Every library it calls
+    /// copies `model`'s flat parameters and buffers to it (the parameters and gradients placed
+    /// so that its convolution filters are 16-byte aligned, [`flat`]). Every library it calls
     /// must have been found by `probe`: a missing one is an error naming it, never a panic.
     pub fn new(
         probe: &Probe,
         settings: GpuSettings,
         cache: Option<PtxCache>,
-        params: &[f32],
-        buffers: &[f32],
+        model: &Model,
     ) -> Result<Self, GpuError> {
+        let (params, buffers) = (model.params(), model.buffers());
+        let offset = flat::aligning_offset(
+            model
+                .tensors()
+                .iter()
+                .filter(|tensor| tensor.kind == TensorKind::Param && tensor.shape.len() == 4)
+                .map(|tensor| tensor.offset),
+        );
         for library in [
             Library::Driver,
             Library::Nvrtc,
@@ -223,12 +239,12 @@ impl CudaExecutor {
         };
         Ok(CudaExecutor {
             cudnn,
-            blas,
+            blas: ManuallyDrop::new(blas),
             kernels,
             algorithms: AlgorithmCache::default(),
             settings,
-            params: upload(params)?,
-            grads: upload(&vec![0.0; params.len()])?,
+            params: FlatBuffer::upload(&stream, params, offset)?,
+            grads: FlatBuffer::zeros(&stream, params.len(), offset)?,
             buffers: upload(buffers)?,
             optimizer: DeviceOptimizer::None,
             buffer_len: buffers.len(),
@@ -237,6 +253,7 @@ impl CudaExecutor {
             step_scalars: stream
                 .alloc_zeros(STEP_SCALARS_BYTES)
                 .map_err(driver("cuMemAllocAsync"))?,
+            host_scalars: Box::new([0; STEP_SCALARS_BYTES]),
             storages: PlanStorages::default(),
             graphs: GraphSchedule::new(graphs_off),
             generation: 0,
@@ -374,6 +391,10 @@ impl CudaExecutor {
         bn_sync: Option<&mut dyn BatchNormReducer>,
         grad_ready: Option<GradientHook<'_>>,
     ) -> Result<(), ModelError> {
+        // An evaluation since the forward would have left its storage active.
+        if !self.storages.resume_training(plan) {
+            return Err(ModelError::NoForward);
+        }
         let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
         let mut ready = GradientsReady::new(grad_ready.unwrap_or(&mut ignore));
         model.backward_on(self, plan, loss_scale, bn_sync, &mut ready)?;
@@ -382,24 +403,23 @@ impl CudaExecutor {
 
     /// Sets every device gradient to zero.
     pub fn zero_grads(&mut self) -> Result<(), GpuError> {
-        self.stream
-            .memset_zeros(&mut self.grads)
-            .map_err(driver("cuMemsetD8Async"))
+        self.grads.zero(&self.stream)
     }
 
     /// Copies the device parameters into `params`.
     pub fn params_to_host(&self, params: &mut [f32]) -> Result<(), GpuError> {
-        copy_to_host("parameters", &self.stream, &self.params, params)
+        copy_to_host("parameters", &self.stream, self.params.values(), params)
     }
 
     /// Copies the device gradients into `grads`.
     pub fn grads_to_host(&self, grads: &mut [f32]) -> Result<(), GpuError> {
-        copy_to_host("gradients", &self.stream, &self.grads, grads)
+        copy_to_host("gradients", &self.stream, self.grads.values(), grads)
     }
 
     /// Copies the device running statistics into `buffers`.
     pub fn buffers_to_host(&self, buffers: &mut [f32]) -> Result<(), GpuError> {
-        copy_to_host("running statistics", &self.stream, &self.buffers, buffers)
+        let values = self.buffers.slice(..self.buffer_len);
+        copy_to_host("running statistics", &self.stream, values, buffers)
     }
 
     /// Replaces the device parameters and running statistics (a checkpoint, a broadcast).
@@ -408,7 +428,7 @@ impl CudaExecutor {
         same_length("running statistics", buffers.len(), self.buffer_len)?;
         if !params.is_empty() {
             self.stream
-                .memcpy_htod(params, &mut self.params.slice_mut(..params.len()))
+                .memcpy_htod(params, &mut self.params.values_mut())
                 .map_err(driver("cuMemcpyHtoDAsync"))?;
         }
         if !buffers.is_empty() {
@@ -426,7 +446,7 @@ impl CudaExecutor {
             return Ok(());
         }
         self.stream
-            .memcpy_htod(grads, &mut self.grads.slice_mut(..grads.len()))
+            .memcpy_htod(grads, &mut self.grads.values_mut())
             .map_err(driver("cuMemcpyHtoDAsync"))
     }
 
@@ -504,10 +524,12 @@ impl CudaExecutor {
     /// Copies `bytes` into the step-scalar buffer at `offset` (on the stream: kernels queued
     /// before read the old values).
     fn write_scalars(&mut self, offset: usize, bytes: &[u8]) -> Result<(), GpuError> {
+        let range = offset..offset + bytes.len();
+        self.host_scalars[range.clone()].copy_from_slice(bytes);
         self.stream
             .memcpy_htod(
-                bytes,
-                &mut self.step_scalars.slice_mut(offset..offset + bytes.len()),
+                &self.host_scalars[range.clone()],
+                &mut self.step_scalars.slice_mut(range),
             )
             .map_err(driver("cuMemcpyHtoDAsync"))
     }
@@ -523,8 +545,8 @@ impl CudaExecutor {
         let n = self.host_grads.len();
         let scalars = Arg::Ptr(self.scalars_at(OPTIMIZER_OFFSET));
         let (params, grads) = (
-            Arg::Ptr(address(&self.params, &self.stream)),
-            Arg::Ptr(address(&self.grads, &self.stream)),
+            Arg::Ptr(self.params.address(&self.stream)),
+            Arg::Ptr(self.grads.address(&self.stream)),
         );
         match &self.optimizer {
             DeviceOptimizer::None => Err(GpuError::Unsupported("an optimizer step without state")),
@@ -574,7 +596,12 @@ impl CudaExecutor {
         let download =
             |name: &str, slot: &CudaSlice<f32>| -> Result<(String, Vec<f32>), GpuError> {
                 let mut values = vec![0.0; n];
-                copy_to_host("optimizer state", &self.stream, slot, &mut values)?;
+                copy_to_host(
+                    "optimizer state",
+                    &self.stream,
+                    slot.slice(..n),
+                    &mut values,
+                )?;
                 Ok((name.to_string(), values))
             };
         Ok(match &self.optimizer {
@@ -667,6 +694,27 @@ pub fn precision_supported(precision: Precision, arch: GpuArch) -> bool {
     precision != Precision::Bf16 || arch.major >= 8
 }
 
+impl Drop for CudaExecutor {
+    /// Ends the NCCL group first (its stream may still use the flat buffers, which the fields'
+    /// own drops free), waits for the stream, then destroys the cuBLAS handle without
+    /// panicking when the context is broken; the other fields drop after this, in order.
+    fn drop(&mut self) {
+        self.data_parallel = None;
+        let healthy = self.context.bind_to_thread().is_ok() && self.stream.synchronize().is_ok();
+        if healthy {
+            // SAFETY: `blas` is not used after this.
+            unsafe { ManuallyDrop::drop(&mut self.blas) };
+        } else {
+            // After a sticky error cuBLAS may refuse to destroy its handle, which cudarc's drop
+            // turns into a panic that would bury the error being reported; the handle (and
+            // the stream reference it holds) is given up instead.
+            // SAFETY: the handle is destroyed once, here, and `blas` is never used or dropped
+            // after this (its `ManuallyDrop` is not dropped again).
+            let _ = unsafe { cudarc::cublas::result::destroy_handle(*self.blas.handle()) };
+        }
+    }
+}
+
 /// Checks that `images` (and `labels`) have the lengths of `plan`'s batch.
 fn check_batch(plan: &Plan, images: &[f32], labels: Option<&[u32]>) -> Result<(), GpuError> {
     let channels = plan.stem.shape.in_channels;
@@ -699,10 +747,11 @@ fn at(base: u64, offset: usize) -> u64 {
     base + (offset * std::mem::size_of::<f32>()) as u64
 }
 
+/// Copies `source` into `target` (of its length) and waits for the copy.
 fn copy_to_host(
     what: &'static str,
     stream: &Arc<CudaStream>,
-    source: &CudaSlice<f32>,
+    source: CudaView<'_, f32>,
     target: &mut [f32],
 ) -> Result<(), GpuError> {
     same_length(what, target.len(), source.len())?;
@@ -710,7 +759,7 @@ fn copy_to_host(
         return Ok(());
     }
     stream
-        .memcpy_dtoh(&source.slice(..target.len()), target)
+        .memcpy_dtoh(&source, target)
         .map_err(driver("cuMemcpyDtoHAsync"))?;
     stream.synchronize().map_err(driver("cuStreamSynchronize"))
 }

@@ -15,6 +15,10 @@ use super::linear::LinearShape;
 use super::memory::StatePart;
 use super::{address, at, device, CudaExecutor, GpuError};
 
+/// The bad-label record's value before the loss kernel: no sample. A `static`, because a copy
+/// from pageable memory may read its source after the call returns.
+static NO_BAD_SAMPLE: [i32; 1] = [i32::MAX];
+
 impl Executor for CudaExecutor {
     fn images_from_host(&mut self, images: &[f32]) {
         self.run(|exec| {
@@ -85,7 +89,7 @@ impl Executor for CudaExecutor {
             let (plan, bn) = (unit.plan, unit.bn);
             let channels = plan.shape.out_channels;
             let (params, buffers) = (
-                address(&exec.params, &exec.stream),
+                exec.params.address(&exec.stream),
                 address(&exec.buffers, &exec.stream),
             );
             let (invstd, scale, shift) = {
@@ -137,7 +141,7 @@ impl Executor for CudaExecutor {
         self.run(|exec| {
             let batch = features.shape.batch;
             let pixels = features.shape.out_height() * features.shape.out_width();
-            let params = address(&exec.params, &exec.stream);
+            let params = exec.params.address(&exec.stream);
             let (input, pooled, logits) = {
                 let addresses = exec.addresses()?;
                 (
@@ -206,6 +210,8 @@ impl Executor for CudaExecutor {
                 .stream
                 .clone_dtoh(&storage.logits.slice(..storage.sizes.logits))
                 .map_err(driver("cuMemcpyDtoHAsync"))?;
+            // A copy to pageable memory may still be running when the call returns.
+            self.synchronize()?;
             *logits = host;
             Ok(())
         });
@@ -298,7 +304,7 @@ impl CudaExecutor {
             .memcpy_htod(labels, &mut storage.labels.slice_mut(..batch))
             .map_err(driver("cuMemcpyHtoDAsync"))?;
         stream
-            .memcpy_htod(&[i32::MAX], &mut storage.bad_sample)
+            .memcpy_htod(&NO_BAD_SAMPLE, &mut storage.bad_sample)
             .map_err(driver("cuMemcpyHtoDAsync"))
     }
 

@@ -191,7 +191,7 @@ impl CudaExecutor {
             (
                 addresses.slot(unit.plan.input),
                 addresses.slot(output),
-                address(&self.params, &self.stream),
+                self.params.address(&self.stream),
                 address(&self.workspace, &self.stream),
             )
         };
@@ -231,10 +231,7 @@ impl CudaExecutor {
         if end > self.grads_on_host {
             let range = self.grads_on_host..end;
             self.stream
-                .memcpy_dtoh(
-                    &self.grads.slice(range.clone()),
-                    &mut self.host_grads[range],
-                )
+                .memcpy_dtoh(&self.grads.view(range.clone()), &mut self.host_grads[range])
                 .map_err(driver("cuMemcpyDtoHAsync"))?;
             self.synchronize()?;
             self.grads_on_host = end;
@@ -299,7 +296,7 @@ impl CudaExecutor {
         }
         let addresses = self.addresses().map_err(device)?;
         let (params, buffers) = (
-            address(&self.params, &self.stream),
+            self.params.address(&self.stream),
             address(&self.buffers, &self.stream),
         );
         let bn = unit.bn;
@@ -336,8 +333,8 @@ impl CudaExecutor {
         let rows = len / channels.max(1);
         let blocks = row_blocks(rows);
         let (params, grads) = (
-            address(&self.params, &self.stream),
-            address(&self.grads, &self.stream),
+            self.params.address(&self.stream),
+            self.grads.address(&self.stream),
         );
         let (dy, relu_out, z, mean, invstd, partials, totals, dz) = {
             let addresses = self.addresses()?;
@@ -473,8 +470,8 @@ impl CudaExecutor {
             outputs: classes,
         };
         let (params, grads) = (
-            address(&self.params, &self.stream),
-            address(&self.grads, &self.stream),
+            self.params.address(&self.stream),
+            self.grads.address(&self.stream),
         );
         let (probabilities, labels, grad_logits, pooled, grad_pooled, into_address, smoothing) = {
             let addresses = self.addresses()?;
