@@ -216,6 +216,10 @@ ROWS=(
     "base-b1024|seed-004 model, batch 1024, train (tf32)|--model resnet-base --batch 1024|train 1.0|eager=;eager-cl=--channels-last;compile-cl-bf16=--channels-last --amp bf16 --compile default --mode train"
 )
 
+# The rows where Tandem also runs with `--algorithms fastest` (the cost of determinism, beside
+# PyTorch's `eager-cl-deterministic`).
+DETERMINISM_ROWS="base-b256 r18-b128"
+
 model_of() { awk '{ for (i = 1; i < NF; i++) if ($i == "--model") print $(i + 1) }' <<<"$1"; }
 batch_of() { awk '{ for (i = 1; i < NF; i++) if ($i == "--batch") print $(i + 1) }' <<<"$1"; }
 
@@ -271,6 +275,12 @@ if section_on bench; then
         run_step "tandem-$id-eager" 120 20 env TANDEM_CUDA_GRAPHS=0 "$TANDEM" bench step \
             --device "$TANDEM_DEVICE" --steps "$BENCH_STEPS" "${tandem_flags[@]}"
         record_bench "$id" tandem "bench step --device $TANDEM_DEVICE ${tandem_flags[*]} (TANDEM_CUDA_GRAPHS=0)"
+        # What determinism costs: the fastest measured cuDNN algorithms instead.
+        if [[ " $DETERMINISM_ROWS " == *" $id "* ]]; then
+            run_step "tandem-$id-fastest" 120 20 "$TANDEM" bench step --device "$TANDEM_DEVICE" \
+                --steps "$BENCH_STEPS" "${tandem_flags[@]}" --algorithms fastest
+            record_bench "$id" tandem "bench step --device $TANDEM_DEVICE ${tandem_flags[*]} --algorithms fastest"
+        fi
         for_each_variant "$line" plain
     done
 fi
@@ -327,11 +337,12 @@ if section_on compile; then
 fi
 
 # --- Report -------------------------------------------------------------------------------
-# ratio ROW COLUMN(train|eval): Tandem's figure over PyTorch's best in this run, and that best.
+# ratio ROW COLUMN(train|eval): Tandem's figure (its first row: the default settings) over
+# PyTorch's best in this run, and that best.
 ratio() {
     awk -F'\t' -v row="$1" -v col="$2" '
         $1 == row { v = (col == "train") ? $4 : $5
-                    if ($2 == "tandem") t = v
+                    if ($2 == "tandem" && !seen) { t = v; seen = 1 }
                     else if (v != "" && v + 0 > best) { best = v + 0; name = $3 } }
         END { if (best == 0) print "no PyTorch figure"
               else if (t == "") printf "no Tandem figure (PyTorch best %.1f, %s)", best, name

@@ -48,6 +48,40 @@ pub enum PrecisionRequest {
     Bf16,
 }
 
+/// The `--algorithms` flag.
+pub const ALGORITHMS_HELP: &str = "cuDNN convolution algorithms on a GPU: deterministic (the same bits on every run, so a run resumed after a crash ends bit-identical to an uninterrupted one) or fastest (the fastest measured, like PyTorch's cudnn.benchmark without cudnn.deterministic: results may differ in the last bits between runs) [default: deterministic; the CPU is always deterministic]";
+
+/// Which cuDNN convolution algorithms a GPU may use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Algorithms {
+    /// Only algorithms cuDNN declares deterministic, chosen in a fixed order.
+    #[default]
+    Deterministic,
+    /// The fastest measured algorithm.
+    Fastest,
+}
+
+/// How a GPU computes: the precision of convolutions and matrix products, and the
+/// convolution algorithms it may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuMath {
+    /// `--precision`.
+    pub precision: Precision,
+    /// `--algorithms`.
+    pub algorithms: Algorithms,
+}
+
+impl std::fmt::Display for GpuMath {
+    /// `tf32`, or `tf32, fastest algorithms`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(precision_name(self.precision))?;
+        match self.algorithms {
+            Algorithms::Deterministic => Ok(()),
+            Algorithms::Fastest => f.write_str(", fastest algorithms"),
+        }
+    }
+}
+
 /// The precision a GPU computes in for `request`: the one asked for, else TF32 (PyTorch's
 /// default on GPUs).
 pub fn gpu_precision(request: Option<PrecisionRequest>) -> Precision {
@@ -58,15 +92,26 @@ pub fn gpu_precision(request: Option<PrecisionRequest>) -> Precision {
     }
 }
 
-/// The precision the device computes in for `request`: on a GPU [`gpu_precision`]; on the CPU
-/// `None`: it computes in fp32 whatever is asked, and a request for `tf32` or `bf16` gets a
-/// note saying so.
-pub fn resolve_precision(request: Option<PrecisionRequest>, device: &Device) -> Option<Precision> {
+/// How the device computes for `precision` and `algorithms`: on a GPU [`gpu_precision`] and
+/// the algorithms asked for; on the CPU `None`: it computes in fp32, deterministically,
+/// whatever is asked, and a request for `tf32`, `bf16` or the fastest algorithms gets a note
+/// saying so.
+pub fn resolve_math(
+    precision: Option<PrecisionRequest>,
+    algorithms: Algorithms,
+    device: &Device,
+) -> Option<GpuMath> {
     match device {
-        Device::Cuda { .. } => Some(gpu_precision(request)),
+        Device::Cuda { .. } => Some(GpuMath {
+            precision: gpu_precision(precision),
+            algorithms,
+        }),
         Device::Cpu { .. } => {
-            if let Some(note) = cpu_precision_note(request) {
+            if let Some(note) = cpu_precision_note(precision) {
                 eprintln!("{note}");
+            }
+            if algorithms == Algorithms::Fastest {
+                eprintln!("note: --algorithms fastest applies to a GPU; the CPU is deterministic");
             }
             None
         }
@@ -94,12 +139,15 @@ pub fn precision_name(precision: Precision) -> &'static str {
     }
 }
 
-/// The device and precision in a few words, for banners: `cpu` or `cuda:0 (tf32)`.
-pub fn describe(device: &Device, precision: Option<Precision>) -> String {
+/// The device and how it computes in a few words, for banners: `cpu` or `cuda:0 (tf32)`.
+pub fn describe(device: &Device, math: Option<GpuMath>) -> String {
     match device {
         Device::Cuda { ordinal, .. } => {
-            let precision = precision.unwrap_or(Precision::Tf32);
-            format!("cuda:{ordinal} ({})", precision_name(precision))
+            let math = math.unwrap_or(GpuMath {
+                precision: Precision::Tf32,
+                algorithms: Algorithms::Deterministic,
+            });
+            format!("cuda:{ordinal} ({math})")
         }
         Device::Cpu { .. } => "cpu".to_string(),
     }
@@ -196,17 +244,17 @@ struct GpuSide {
 
 impl Compute {
     /// Runs `model` on `device`: on the CPU as it is; on a GPU, `model`'s parameters and
-    /// running statistics are copied to a new executor computing in `precision` (TF32 when
-    /// `None`) with deterministic algorithms.
-    pub fn new(
-        model: Model,
-        device: &Device,
-        precision: Option<Precision>,
-    ) -> anyhow::Result<Self> {
+    /// running statistics are copied to a new executor computing as `math` says (TF32 with
+    /// deterministic algorithms when `None`).
+    pub fn new(model: Model, device: &Device, math: Option<GpuMath>) -> anyhow::Result<Self> {
         let engine = match device {
             Device::Cpu { .. } => Engine::Cpu { optimizer: None },
             Device::Cuda { ordinal, .. } => {
-                let exec = open_executor(&model, *ordinal, precision.unwrap_or(Precision::Tf32))?;
+                let math = math.unwrap_or(GpuMath {
+                    precision: Precision::Tf32,
+                    algorithms: Algorithms::Deterministic,
+                });
+                let exec = open_executor(&model, *ordinal, math)?;
                 Engine::Cuda(Box::new(GpuSide {
                     exec,
                     train_plan: None,
@@ -744,17 +792,13 @@ impl Compute {
     }
 }
 
-/// The GPU executor on GPU `ordinal`, holding `model`'s parameters and buffers, with
-/// deterministic algorithms and `precision`.
-pub fn open_executor(
-    model: &Model,
-    ordinal: usize,
-    precision: Precision,
-) -> anyhow::Result<CudaExecutor> {
+/// The GPU executor on GPU `ordinal`, holding `model`'s parameters and buffers, computing
+/// as `math` says.
+pub fn open_executor(model: &Model, ordinal: usize, math: GpuMath) -> anyhow::Result<CudaExecutor> {
     let settings = GpuSettings {
         ordinal,
-        precision,
-        deterministic: true,
+        precision: math.precision,
+        deterministic: math.algorithms == Algorithms::Deterministic,
     };
     let cache = PtxCache::default_dir().map(PtxCache::new);
     CudaExecutor::new(Probe::process(), settings, cache, model)
@@ -844,16 +888,31 @@ mod tests {
 
     #[test]
     fn precision_defaults_to_tf32_on_a_gpu_and_the_cpu_computes_in_fp32() {
-        assert_eq!(resolve_precision(None, &gpu()), Some(Precision::Tf32));
+        let math = |precision, algorithms| {
+            Some(GpuMath {
+                precision,
+                algorithms,
+            })
+        };
+        let deterministic = Algorithms::Deterministic;
+        assert_eq!(
+            resolve_math(None, deterministic, &gpu()),
+            math(Precision::Tf32, deterministic)
+        );
         for (request, precision) in [
             (PrecisionRequest::Fp32, Precision::Fp32),
             (PrecisionRequest::Tf32, Precision::Tf32),
             (PrecisionRequest::Bf16, Precision::Bf16),
         ] {
-            assert_eq!(resolve_precision(Some(request), &gpu()), Some(precision));
-            assert_eq!(resolve_precision(Some(request), &cpu()), None);
+            for algorithms in [Algorithms::Deterministic, Algorithms::Fastest] {
+                assert_eq!(
+                    resolve_math(Some(request), algorithms, &gpu()),
+                    math(precision, algorithms)
+                );
+                assert_eq!(resolve_math(Some(request), algorithms, &cpu()), None);
+            }
         }
-        assert_eq!(resolve_precision(None, &cpu()), None);
+        assert_eq!(resolve_math(None, deterministic, &cpu()), None);
         assert_eq!(cpu_precision_note(None), None);
         assert_eq!(cpu_precision_note(Some(PrecisionRequest::Fp32)), None);
         assert_eq!(
@@ -864,8 +923,14 @@ mod tests {
             cpu_precision_note(Some(PrecisionRequest::Tf32)).as_deref(),
             Some("note: --precision tf32 applies to a GPU; the CPU computes in fp32")
         );
-        assert_eq!(describe(&gpu(), Some(Precision::Fp32)), "cuda:1 (fp32)");
-        assert_eq!(describe(&gpu(), Some(Precision::Bf16)), "cuda:1 (bf16)");
+        assert_eq!(
+            describe(&gpu(), math(Precision::Fp32, deterministic)),
+            "cuda:1 (fp32)"
+        );
+        assert_eq!(
+            describe(&gpu(), math(Precision::Bf16, Algorithms::Fastest)),
+            "cuda:1 (bf16, fastest algorithms)"
+        );
         assert_eq!(describe(&gpu(), None), "cuda:1 (tf32)");
         assert_eq!(describe(&cpu(), None), "cpu");
     }

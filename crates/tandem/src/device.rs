@@ -3,9 +3,9 @@
 
 use anyhow::Context;
 use tandem_cuda::device::{resolve, Device, DeviceRequest, GpuFacts};
-use tandem_cuda::{Precision, Probe};
+use tandem_cuda::Probe;
 
-use crate::compute::PrecisionRequest;
+use crate::compute::{Algorithms, GpuMath, PrecisionRequest};
 
 /// The `--device` flag.
 pub const DEVICE_HELP: &str = "Where to compute: auto (a GPU when the CUDA driver, libraries and a GPU are found, else the CPU), cpu, cuda (under `launch`, local rank r takes GPU r modulo the visible ones) or cuda:N";
@@ -28,16 +28,17 @@ pub fn announce_for_json(json: bool) -> Announce {
     }
 }
 
-/// Decides the device of this process and the precision it computes in, and prints
-/// `device: ... (reason)` first. `cuda` without what it needs is an error saying what is
-/// missing; `auto` takes a GPU when one can be used, else the CPU, saying why. A GPU's line
-/// names its precision and says that the GPU executor is unverified: it has not yet run on a
-/// GPU. The precision is `None` on the CPU (see [`crate::compute::resolve_precision`]).
+/// Decides the device of this process and how it computes, and prints `device: ... (reason)`
+/// first. `cuda` without what it needs is an error saying what is missing; `auto` takes a GPU
+/// when one can be used, else the CPU, saying why. A GPU's line names its precision and
+/// algorithms and says that the GPU executor is unverified: it has not yet run on a GPU. The
+/// math is `None` on the CPU (see [`crate::compute::resolve_math`]).
 pub fn select(
     request: DeviceRequest,
     precision: Option<PrecisionRequest>,
+    algorithms: Algorithms,
     announce: Announce,
-) -> anyhow::Result<(Device, Option<Precision>)> {
+) -> anyhow::Result<(Device, Option<GpuMath>)> {
     let device = match request {
         // The CPU needs no probe: nothing CUDA is loaded.
         DeviceRequest::Cpu => resolve(request, &GpuFacts::not_probed(), None)?,
@@ -51,26 +52,34 @@ pub fn select(
             let facts = GpuFacts::gather(Probe::process());
             let device = resolve(request, &facts, local_rank)
                 .with_context(|| format!("--device {request}"))?;
-            unverified_gpu(device, crate::compute::gpu_precision(precision))
+            let math = GpuMath {
+                precision: crate::compute::gpu_precision(precision),
+                algorithms,
+            };
+            unverified_gpu(device, math)
         }
     };
     match announce {
         Announce::Stdout => say!("device: {device}"),
         Announce::Stderr => eprintln!("device: {device}"),
     }
-    let precision = crate::compute::resolve_precision(precision, &device);
-    Ok((device, precision))
+    let math = crate::compute::resolve_math(precision, algorithms, &device);
+    Ok((device, math))
 }
 
-/// A GPU's reason with its precision and the note that the GPU executor has not yet run on
-/// a GPU.
-fn unverified_gpu(device: Device, precision: Precision) -> Device {
+/// A GPU's reason with its precision and algorithms and the note that the GPU executor has
+/// not yet run on a GPU.
+fn unverified_gpu(device: Device, math: GpuMath) -> Device {
+    let algorithms = match math.algorithms {
+        Algorithms::Deterministic => "deterministic",
+        Algorithms::Fastest => "fastest",
+    };
     match device {
         Device::Cuda { ordinal, reason } => Device::Cuda {
             ordinal,
             reason: format!(
-                "{reason}; precision {}; GPU executor unverified on a GPU",
-                crate::compute::precision_name(precision)
+                "{reason}; precision {}, {algorithms} algorithms; GPU executor unverified on a GPU",
+                crate::compute::precision_name(math.precision)
             ),
         },
         device => device,
@@ -80,6 +89,7 @@ fn unverified_gpu(device: Device, precision: Precision) -> Device {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tandem_cuda::Precision;
 
     #[test]
     fn a_gpu_says_its_executor_is_unverified() {
@@ -87,13 +97,33 @@ mod tests {
             ordinal: 1,
             reason: "first of 2 visible GPU(s)".to_string(),
         };
+        let math = |precision, algorithms| GpuMath {
+            precision,
+            algorithms,
+        };
         assert_eq!(
-            unverified_gpu(found, Precision::Bf16).to_string(),
-            "cuda:1 (first of 2 visible GPU(s); precision bf16; GPU executor unverified on a GPU)"
+            unverified_gpu(
+                found.clone(),
+                math(Precision::Bf16, Algorithms::Deterministic)
+            )
+            .to_string(),
+            "cuda:1 (first of 2 visible GPU(s); precision bf16, deterministic algorithms; GPU \
+             executor unverified on a GPU)"
+        );
+        assert_eq!(
+            unverified_gpu(found, math(Precision::Tf32, Algorithms::Fastest)).to_string(),
+            "cuda:1 (first of 2 visible GPU(s); precision tf32, fastest algorithms; GPU executor \
+             unverified on a GPU)"
         );
         let cpu = Device::Cpu {
             reason: "requested".to_string(),
         };
-        assert_eq!(unverified_gpu(cpu.clone(), Precision::Tf32), cpu);
+        assert_eq!(
+            unverified_gpu(
+                cpu.clone(),
+                math(Precision::Tf32, Algorithms::Deterministic)
+            ),
+            cpu
+        );
     }
 }

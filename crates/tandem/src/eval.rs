@@ -52,9 +52,10 @@ pub struct EvalArgs {
 /// Runs `tandem eval`.
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be at least 1");
-    let (device, precision) = crate::device::select(
+    let (device, math) = crate::device::select(
         args.device,
         args.precision,
+        crate::compute::Algorithms::Deterministic,
         crate::device::announce_for_json(args.json),
     )?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
@@ -65,7 +66,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     data.settings = crate::remote::local_data(&args.storage, data.settings)?;
     let mut model = Model::new(&spec)?;
     crate::weights::load_weights(&mut model, &checkpoint)?;
-    let mut compute = Compute::new(model, &device, precision)?;
+    let mut compute = Compute::new(model, &device, math)?;
     for warning in &data.warnings {
         eprintln!("warning: {warning}");
     }

@@ -71,8 +71,12 @@ struct Prediction {
 /// Runs `tandem predict`.
 pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     // Standard output carries the predictions alone, one line per image.
-    let (device, precision) =
-        crate::device::select(args.device, args.precision, crate::device::Announce::Stderr)?;
+    let (device, math) = crate::device::select(
+        args.device,
+        args.precision,
+        crate::compute::Algorithms::Deterministic,
+        crate::device::Announce::Stderr,
+    )?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
     let checkpoint = crate::remote::local_copy(&args.storage, &args.checkpoint)?;
     let info = read_checkpoint_info(&checkpoint)?;
@@ -84,7 +88,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     let class_names = info.map(|info| info.class_names).unwrap_or_default();
     let mut model = Model::new(&spec)?;
     crate::weights::load_weights(&mut model, &checkpoint)?;
-    let mut compute = Compute::new(model, &device, precision)?;
+    let mut compute = Compute::new(model, &device, math)?;
     for path in &args.images {
         let image = tandem_data::read_image(path)?;
         let mut pixels = image.pixels;

@@ -275,6 +275,9 @@ pub struct TrainOptions {
     #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
     #[serde(skip)]
     pub precision: Option<crate::compute::PrecisionRequest>,
+    #[arg(long, value_enum, help = crate::compute::ALGORITHMS_HELP)]
+    #[serde(skip)]
+    pub algorithms: Option<crate::compute::Algorithms>,
     /// What carries the gradients in a job of several processes: auto (nccl when every rank
     /// has its own GPU and NCCL loads, else ring), nccl or ring [default: auto].
     #[arg(long, value_enum)]
@@ -613,6 +616,7 @@ mod tests {
             // Placement, like the rank: not a setting of the run (a run may resume elsewhere).
             device: None,
             precision: None,
+            algorithms: None,
             init_method: None,
             backend: None,
             rank: None,

@@ -88,7 +88,10 @@ fn cuda_runs_on_a_gpu_or_fails_with_the_reason_instead_of_pretending() {
                 first.starts_with(&format!("device: cuda:0 ({reason}")),
                 "{text}"
             );
-            assert!(first.contains("; precision tf32; "), "{first}");
+            assert!(
+                first.contains("; precision tf32, deterministic algorithms; "),
+                "{first}"
+            );
             assert!(text.contains("peak memory: "), "{text}");
             continue;
         }
@@ -176,7 +179,10 @@ fn bench_step_takes_bf16_and_names_it_first() {
         ));
         let first = text.lines().next().unwrap_or_default();
         assert!(first.starts_with("device: cuda:0 ("), "{text}");
-        assert!(first.contains("; precision bf16; "), "{first}");
+        assert!(
+            first.contains("; precision bf16, deterministic algorithms; "),
+            "{first}"
+        );
         assert!(
             text.contains("train: ") && text.contains("peak memory: "),
             "{text}"
@@ -205,6 +211,42 @@ fn a_bad_device_value_is_refused_by_the_parser() {
     assert!(!output.status.success());
     assert!(
         stderr.contains("device `gpu` is not one of auto, cpu, cuda, cuda:N"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bench_step_takes_the_fastest_algorithms_and_names_them_first() {
+    let empty = tempfile::tempdir().unwrap();
+    if gpu_here() {
+        // On a GPU: the step runs with the fastest measured algorithms, said first.
+        let text = expect_success(&bench_step_with(
+            "cuda",
+            empty.path(),
+            &["--algorithms", "fastest"],
+        ));
+        let first = text.lines().next().unwrap_or_default();
+        assert!(
+            first.contains("; precision tf32, fastest algorithms; "),
+            "{first}"
+        );
+        assert!(text.contains("train: "), "{text}");
+    }
+    // On the CPU: a note, and the CPU's (deterministic) step.
+    let output = bench_step_with("cpu", empty.path(), &["--algorithms", "fastest"]);
+    let text = expect_success(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(text.lines().next(), Some("device: cpu (requested)"));
+    assert!(
+        stderr.contains("note: --algorithms fastest applies to a GPU; the CPU is deterministic"),
+        "{stderr}"
+    );
+    let output = bench_step_with("cpu", empty.path(), &["--algorithms", "fast"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("invalid value 'fast' for '--algorithms")
+            && stderr.contains("deterministic, fastest"),
         "{stderr}"
     );
 }

@@ -138,7 +138,10 @@ fn training_in_bf16_stays_within_tolerance_of_fp32() {
     let bf16_args = with_flag(run_args(&bf16, "cuda"), "--precision", "bf16");
     let stdout = train(&bf16_args);
     let first = stdout.lines().next().unwrap_or_default();
-    assert!(first.contains("; precision bf16; "), "{first}");
+    assert!(
+        first.contains("; precision bf16, deterministic algorithms; "),
+        "{first}"
+    );
     assert!(stdout.contains("| device: cuda:0 (bf16) |"), "{stdout}");
     let (expected, actual) = (epoch_losses(&fp32), epoch_losses(&bf16));
     assert_eq!(expected.len(), 2, "epochs recorded");

@@ -8,11 +8,12 @@ use std::time::Instant;
 
 use tandem_cuda::executor::graph::StepRun;
 use tandem_cuda::executor::{StepImages, StepOptimizer, TrainStep};
-use tandem_cuda::{CudaExecutor, Precision};
+use tandem_cuda::CudaExecutor;
 use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model, ModelSpec};
 
 use super::step::{adam_config, random_batch, sgd_config, OptimizerKind, IMAGE_SIZE};
+use crate::compute::GpuMath;
 
 /// Runs the benchmark on GPU `ordinal`: `train:`, `eval:`, `peak memory:` (the most GPU
 /// memory in use after the warm-up and after each timed phase, from `cuMemGetInfo`) and
@@ -24,10 +25,10 @@ pub fn run(
     steps: usize,
     optimizer: OptimizerKind,
     ordinal: usize,
-    precision: Precision,
+    math: GpuMath,
 ) -> anyhow::Result<()> {
     let model = Model::new(spec)?;
-    let mut exec = crate::compute::open_executor(&model, ordinal, precision)?;
+    let mut exec = crate::compute::open_executor(&model, ordinal, math)?;
     let (images, labels) = random_batch(spec, batch);
     let train_plan = model.plan(Mode::Train, batch, IMAGE_SIZE, IMAGE_SIZE)?;
     let eval_plan = model.plan(Mode::Eval, batch, IMAGE_SIZE, IMAGE_SIZE)?;

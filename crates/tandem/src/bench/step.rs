@@ -60,6 +60,8 @@ pub struct StepArgs {
     pub device: tandem_cuda::DeviceRequest,
     #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
     pub precision: Option<crate::compute::PrecisionRequest>,
+    #[arg(long, value_enum, default_value_t, help = crate::compute::ALGORITHMS_HELP)]
+    pub algorithms: crate::compute::Algorithms,
     /// What carries the gradients under `launch`: auto (nccl when every rank has its own GPU
     /// and NCCL loads, else ring), nccl or ring.
     #[arg(long, value_enum, default_value_t)]
@@ -68,8 +70,12 @@ pub struct StepArgs {
 
 /// Runs the benchmark.
 pub fn run(args: StepArgs) -> anyhow::Result<()> {
-    let (device, precision) =
-        crate::device::select(args.device, args.precision, crate::device::Announce::Stdout)?;
+    let (device, math) = crate::device::select(
+        args.device,
+        args.precision,
+        args.algorithms,
+        crate::device::Announce::Stdout,
+    )?;
     let spec = args.model.to_spec()?;
     anyhow::ensure!(args.steps > 0, "--steps must be at least 1");
     let is_resnet18 = matches!(spec, ModelSpec::ResNet18 { .. });
@@ -87,8 +93,8 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
             "--device {}: bench step runs on a GPU in one process only (no launch, WORLD_SIZE 1)",
             args.device
         );
-        let precision = precision.unwrap_or(tandem_cuda::Precision::Tf32);
-        return super::gpu_step::run(&spec, batch, args.steps, optimizer_kind, ordinal, precision);
+        let math = math.context("a GPU computes with a precision and algorithms")?;
+        return super::gpu_step::run(&spec, batch, args.steps, optimizer_kind, ordinal, math);
     }
     let local_world_size = placement.as_ref().map_or(1, |place| place.local_world_size);
     let threads = args

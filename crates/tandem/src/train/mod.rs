@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tandem_cuda::executor::graph::StepConditions;
-use tandem_cuda::{Device, Precision};
+use tandem_cuda::Device;
 use tandem_data::{
     eval_shard, Augment, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
 };
@@ -35,7 +35,7 @@ use tandem_models::{BatchNormReducer, LossOptions, Model};
 
 use crate::backend::{Backend, BackendRequest};
 use crate::checkpoint_info::CheckpointInfo;
-use crate::compute::{Compute, OptimizerConfig};
+use crate::compute::{Compute, GpuMath, OptimizerConfig};
 use crate::data_source::{load_split, normalization, Split};
 use crate::device::Announce;
 use crate::evaluation::{evaluate, Evaluation};
@@ -57,15 +57,19 @@ use tensorboard::EventWriter;
 /// SIGINT, 143 after SIGTERM) when a stop request ended it, once its snapshot is written.
 pub fn run(options: TrainOptions) -> anyhow::Result<()> {
     let device = options.device.unwrap_or_default();
-    let (device, precision) =
-        crate::device::select(device, options.precision, crate::device::Announce::Stdout)?;
+    let (device, math) = crate::device::select(
+        device,
+        options.precision,
+        options.algorithms.unwrap_or_default(),
+        crate::device::Announce::Stdout,
+    )?;
     let backend = options.backend.unwrap_or_default();
     let settings = options.merged_with_file()?.resolve()?;
     let stop_signal = stop_signal::install()?;
     let mut trainer = Trainer::new(
         settings,
         &device,
-        precision,
+        math,
         backend,
         Arc::clone(&stop_signal.requested),
     )?;
@@ -122,7 +126,7 @@ impl Trainer {
     fn new(
         given: TrainSettings,
         device: &Device,
-        precision: Option<Precision>,
+        math: Option<GpuMath>,
         backend: BackendRequest,
         stop_requested: Arc<AtomicBool>,
     ) -> anyhow::Result<Self> {
@@ -198,7 +202,7 @@ impl Trainer {
         // device, and the broadcasts copy the flat buffers both ways (the CPU's code). With
         // NCCL the gradients, parameters and running statistics stay on the device; the
         // snapshot on resume, the batch count, SyncBatchNorm and the metrics stay on the ring.
-        let mut compute = Compute::new(model, device, precision)?.with_optimizer(optimizer);
+        let mut compute = Compute::new(model, device, math)?.with_optimizer(optimizer);
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
             let timeout = Duration::from_secs_f64(settings.collective_timeout);
             let unique_id = ddp.nccl_unique_id(timeout)?;
@@ -235,7 +239,7 @@ impl Trainer {
             settings,
             given,
             compute,
-            device: crate::compute::describe(device, precision),
+            device: crate::compute::describe(device, math),
             schedule,
             train_set,
             test_set,
