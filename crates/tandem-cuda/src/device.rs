@@ -29,25 +29,40 @@ pub enum DeviceRequest {
     Cuda(Option<usize>),
 }
 
-/// A `--device` value that is none of `auto`, `cpu`, `cuda`, `cuda:N`.
+/// A `--device` value that is none of `auto`, `cpu`, `cuda`, `cuda:N` (or `gpu`, `gpu:N`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("device `{0}` is not one of auto, cpu, cuda, cuda:N (N a GPU number such as 0)")]
-pub struct BadDeviceRequest(pub String);
+pub enum BadDeviceRequest {
+    /// Not a device name at all.
+    #[error("device `{0}` is not one of auto, cpu, cuda, cuda:N (N a GPU number such as 0)")]
+    Unknown(String),
+    /// The DDP tutorial's Ascend NPU, which Tandem does not run on.
+    #[error(
+        "device `{0}`: Tandem does not run on Ascend NPUs (the DDP tutorial's npu with hccl); \
+         use cuda (NVIDIA GPUs, with nccl) or cpu"
+    )]
+    Npu(String),
+}
 
 impl FromStr for DeviceRequest {
     type Err = BadDeviceRequest;
 
+    /// `auto`, `cpu`, `cuda`, `cuda:N`; also `gpu` and `gpu:N`, the DDP tutorial's name for
+    /// `cuda`.
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         match text {
             "auto" => Ok(DeviceRequest::Auto),
             "cpu" => Ok(DeviceRequest::Cpu),
-            "cuda" => Ok(DeviceRequest::Cuda(None)),
+            "cuda" | "gpu" => Ok(DeviceRequest::Cuda(None)),
+            _ if text == "npu" || text.starts_with("npu:") => {
+                Err(BadDeviceRequest::Npu(text.to_string()))
+            }
             _ => text
                 .strip_prefix("cuda:")
+                .or_else(|| text.strip_prefix("gpu:"))
                 .filter(|digits| !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
                 .and_then(|digits| digits.parse().ok())
                 .map(|ordinal| DeviceRequest::Cuda(Some(ordinal)))
-                .ok_or_else(|| BadDeviceRequest(text.to_string())),
+                .ok_or_else(|| BadDeviceRequest::Unknown(text.to_string())),
         }
     }
 }

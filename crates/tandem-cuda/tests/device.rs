@@ -48,7 +48,28 @@ fn device_values_parse_and_print() {
         assert_eq!(text.parse::<DeviceRequest>().unwrap(), request);
         assert_eq!(request.to_string(), text);
     }
-    for bad in ["gpu", "cuda:", "cuda:-1", "cuda:x", "CUDA", "cuda:+1", ""] {
+    // The DDP tutorial's `--device gpu` means cuda.
+    assert_eq!(
+        "gpu".parse::<DeviceRequest>(),
+        Ok(DeviceRequest::Cuda(None))
+    );
+    assert_eq!(
+        "gpu:3".parse::<DeviceRequest>(),
+        Ok(DeviceRequest::Cuda(Some(3)))
+    );
+    for npu in ["npu", "npu:0"] {
+        let error = npu.parse::<DeviceRequest>().unwrap_err().to_string();
+        assert_eq!(
+            error,
+            format!(
+                "device `{npu}`: Tandem does not run on Ascend NPUs (the DDP tutorial's npu with \
+                 hccl); use cuda (NVIDIA GPUs, with nccl) or cpu"
+            )
+        );
+    }
+    for bad in [
+        "gpus", "gpu:", "cuda:", "cuda:-1", "cuda:x", "CUDA", "cuda:+1", "",
+    ] {
         let error = bad.parse::<DeviceRequest>().unwrap_err().to_string();
         assert!(
             error.contains(&format!("`{bad}`")) && error.contains("auto, cpu, cuda, cuda:N"),

@@ -8,7 +8,7 @@ use tandem_cuda::Probe;
 use crate::compute::{Algorithms, GpuMath, PrecisionRequest};
 
 /// The `--device` flag.
-pub const DEVICE_HELP: &str = "Where to compute: auto (a GPU when the CUDA driver, libraries and a GPU are found, else the CPU), cpu, cuda (under `launch`, local rank r takes GPU r modulo the visible ones) or cuda:N";
+pub const DEVICE_HELP: &str = "Where to compute: auto (a GPU when the CUDA driver, libraries and a GPU are found, else the CPU), cpu, cuda (under `launch`, local rank r takes GPU r modulo the visible ones) or cuda:N; gpu and gpu:N, the DDP tutorial's names, mean cuda and cuda:N";
 
 /// Where the `device:` line goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

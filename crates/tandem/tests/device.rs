@@ -206,11 +206,18 @@ fn bench_step_takes_bf16_and_names_it_first() {
 
 #[test]
 fn a_bad_device_value_is_refused_by_the_parser() {
-    let output = run_bounded(tandem().args(["bench", "step", "--device", "gpu"]), LIMIT);
+    let output = run_bounded(tandem().args(["bench", "step", "--device", "gpus"]), LIMIT);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
     assert!(
-        stderr.contains("device `gpu` is not one of auto, cpu, cuda, cuda:N"),
+        stderr.contains("device `gpus` is not one of auto, cpu, cuda, cuda:N"),
+        "{stderr}"
+    );
+    let output = run_bounded(tandem().args(["bench", "step", "--device", "npu"]), LIMIT);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("Tandem does not run on Ascend NPUs"),
         "{stderr}"
     );
 }
