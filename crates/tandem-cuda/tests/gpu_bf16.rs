@@ -65,7 +65,7 @@ impl Converter {
         let source = tandem_cuda::kernels::kernel("convert").expect("convert.cu");
         let (compiled, _) = compiler.compile(source).unwrap_or_else(|e| panic!("{e}"));
         let module = context
-            .load_module(Ptx::from_src(compiled.ptx))
+            .load_module(Ptx::from_binary(compiled.cubin))
             .expect("loading convert.cu");
         Converter {
             stream: context.default_stream(),

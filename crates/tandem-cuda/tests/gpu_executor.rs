@@ -492,6 +492,9 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
                     },
                 )
                 .unwrap();
+            if let Some(reason) = &outcome.graphs_off {
+                eprintln!("graphs off: {reason}");
+            }
             losses.push(outcome.loss);
             runs.push(outcome.run);
         }
@@ -561,6 +564,9 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
                     },
                 )
                 .unwrap();
+            if let Some(reason) = &outcome.graphs_off {
+                eprintln!("graphs off: {reason}");
+            }
             losses.push(outcome.loss);
             adam_runs.push(outcome.run);
         }

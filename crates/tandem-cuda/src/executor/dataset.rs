@@ -152,7 +152,7 @@ impl CudaExecutor {
             true => stream.alloc_zeros(1),
             false => stream.clone_htod(pixels),
         };
-        Ok(DeviceDataset {
+        let dataset = DeviceDataset {
             id: NEXT_DATASET_ID.fetch_add(1, Ordering::Relaxed),
             shape,
             settings,
@@ -166,7 +166,11 @@ impl CudaExecutor {
             indices: stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?,
             host_indices: Vec::new(),
             draws: stream.alloc_zeros(3).map_err(driver("cuMemAllocAsync"))?,
-        })
+        };
+        // The sources of these copies (the caller's pixels, `settings`) may be gone when a
+        // copy from pageable memory reads them; this runs once per data set.
+        self.synchronize()?;
+        Ok(dataset)
     }
 
     /// A training forward (as [`CudaExecutor::forward_train`]) of the images `indices` of
