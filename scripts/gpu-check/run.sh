@@ -342,7 +342,7 @@ fi
 ratio() {
     awk -F'\t' -v row="$1" -v col="$2" '
         $1 == row { v = (col == "train") ? $4 : $5
-                    if ($2 == "tandem" && !seen) { t = v; seen = 1 }
+                    if ($2 == "tandem") { if (!seen) { t = v; seen = 1 } }
                     else if (v != "" && v + 0 > best) { best = v + 0; name = $3 } }
         END { if (best == 0) print "no PyTorch figure"
               else if (t == "") printf "no Tandem figure (PyTorch best %.1f, %s)", best, name
