@@ -16,12 +16,12 @@
 //! CUDA calls (e.g. a future NCCL watchdog's `cuEventQuery`) can invalidate its capture.
 
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use std::sync::Arc;
 use tandem_engine::{AdamConfig, SgdConfig};
 use tandem_models::executor::{Executor, GradientsReady};
-use tandem_models::workspace::Plan;
+use tandem_models::workspace::{Mode, Plan};
 use tandem_models::{LossOptions, Model, ModelError};
 
 use super::dataset::{check_gathered_batch, DeviceDataset};
@@ -136,6 +136,11 @@ impl CudaExecutor {
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))
             .map_err(device)?;
+        if plan.mode != Mode::Train {
+            return Err(device(GpuError::Unsupported(
+                "a training step with an evaluation plan",
+            )));
+        }
         same_length("labels", step.labels.len(), plan.batch).map_err(device)?;
         let images_key = match &step.images {
             StepImages::Host(images) => {
@@ -276,6 +281,26 @@ impl CudaExecutor {
     /// Captures the step's body as a graph, instantiates and launches it (the captured work
     /// has not run). On any failure the capture is ended, its error cleared, and the reason
     /// returned: nothing of the body ran, and the caller runs it eagerly.
+    /// Ends a capture that cudarc's `end_capture` left open (it returns early, before
+    /// `cuStreamEndCapture`, when the context recorded an error), discarding what was
+    /// captured, so that the eager fallback runs on a stream that is not capturing.
+    fn end_open_capture(&self) {
+        let status = self.stream.capture_status();
+        if status == Ok(CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE) {
+            return;
+        }
+        // SAFETY: the executor's own live stream; the partial graph it returns is not used,
+        // only destroyed, once.
+        unsafe {
+            if let Ok(graph) = cudarc::driver::result::stream::end_capture(self.stream.cu_stream())
+            {
+                if !graph.is_null() {
+                    let _ = cudarc::driver::result::graph::destroy(graph);
+                }
+            }
+        }
+    }
+
     fn capture_and_launch(
         &mut self,
         model: &Model,
@@ -289,6 +314,9 @@ impl CudaExecutor {
             .map_err(|status| format!("cuStreamBeginCapture failed: {status:?}"))?;
         let body = self.step_body(model, plan, dataset);
         let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        if ended.is_err() {
+            self.end_open_capture();
+        }
         let kept = self.take_error();
         // `prepare` searched for every convolution's algorithms before the capture, so a miss
         // of the cache here would be a shape outside the plan.
