@@ -144,14 +144,7 @@ pub struct GpuFacts {
     pub visible_gpus: Result<usize, String>,
     /// `CUDA_VISIBLE_DEVICES`, for messages.
     pub visible_devices: VisibleDevices,
-    /// Whether this build has a GPU executor to run on the GPU it picks.
-    pub gpu_executor_built: bool,
 }
-
-/// Whether this build can compute on a GPU: `train`, `eval`, `predict` and `bench step` run
-/// on the GPU executor (`crate::executor`), which has not yet been verified on a GPU (the
-/// binary's `device:` line says so).
-pub const GPU_EXECUTOR_BUILT: bool = true;
 
 impl GpuFacts {
     /// Facts that look at nothing, for `--device cpu`: no library is loaded and no GPU counted.
@@ -160,7 +153,6 @@ impl GpuFacts {
             missing_library: None,
             visible_gpus: Err("not probed".to_string()),
             visible_devices: VisibleDevices::All,
-            gpu_executor_built: GPU_EXECUTOR_BUILT,
         }
     }
 
@@ -179,7 +171,6 @@ impl GpuFacts {
             missing_library,
             visible_gpus,
             visible_devices,
-            gpu_executor_built: GPU_EXECUTOR_BUILT,
         }
     }
 }
@@ -253,15 +244,6 @@ pub enum DeviceError {
         /// The visible GPUs (at least one).
         visible: usize,
     },
-    /// Everything is there but the GPU executor.
-    #[error(
-        "the libraries and cuda:{ordinal} were found, but the GPU executor is not built yet: \
-         Tandem cannot train or evaluate on a GPU in this version (use --device cpu)"
-    )]
-    ExecutorNotBuilt {
-        /// The GPU that would have been used.
-        ordinal: usize,
-    },
 }
 
 impl DeviceError {
@@ -274,9 +256,6 @@ impl DeviceError {
                 missing.library,
                 missing.library.usual_name()
             ),
-            DeviceError::ExecutorNotBuilt { ordinal } => {
-                format!("cuda:{ordinal} was found, but the GPU executor is not built yet")
-            }
             other => other.to_string(),
         }
     }
@@ -335,8 +314,5 @@ fn pick_gpu(
         ),
         (None, None) => (0, format!("first of {visible} visible GPU(s)")),
     };
-    if !facts.gpu_executor_built {
-        return Err(DeviceError::ExecutorNotBuilt { ordinal });
-    }
     Ok(Device::Cuda { ordinal, reason })
 }

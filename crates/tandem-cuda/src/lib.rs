@@ -3,7 +3,7 @@
 //! - [`probe`]: finds the CUDA libraries (driver, NVRTC, cuBLAS, cuDNN, NCCL) once, before any
 //!   call into `cudarc`, which would panic on a missing one;
 //! - [`device`]: the rules of `--device auto|cpu|cuda|cuda:N` and of the GPU a local rank takes;
-//! - [`kernels`] and [`compile`]: the CUDA C kernel files and their compilation to PTX with
+//! - [`kernels`] and [`compile`]: the CUDA C kernel files and their compilation to machine code (and PTX) with
 //!   NVRTC, cached on disk by [`ptx_cache`];
 //! - [`collective`]: NCCL between GPU ranks ([`NcclGroup`]), bounded by a watchdog;
 //! - [`executor`]: the GPU executor ([`CudaExecutor`]) over cuDNN, cuBLAS and our kernels,
