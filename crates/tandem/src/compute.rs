@@ -22,6 +22,8 @@
 //! **The GPU side has not yet run on a GPU**: it compiles here and the GPU tests
 //! (`tests/gpu_train.rs`) wait for a machine with one.
 
+use std::sync::Arc;
+
 use anyhow::Context;
 use tandem_cuda::executor::graph::{StepConditions, StepRun};
 use tandem_cuda::executor::{
@@ -238,6 +240,9 @@ struct GpuSide {
     optimizer: Option<OptimizerConfig>,
     /// The training set in GPU memory, once uploaded.
     train_set: Option<DeviceDataset>,
+    /// The test set in GPU memory, once uploaded, with the address of the host data set it
+    /// copies (so that only its evaluations use it).
+    eval_set: Option<(DeviceDataset, usize)>,
     /// Whether the note saying why CUDA graphs are off was printed.
     graphs_off_noted: bool,
 }
@@ -263,6 +268,7 @@ impl Compute {
                     host_behind: false,
                     optimizer: None,
                     train_set: None,
+                    eval_set: None,
                     graphs_off_noted: false,
                 }))
             }
@@ -324,6 +330,82 @@ impl Compute {
         normalize: Option<Normalize>,
         seed: u64,
     ) -> anyhow::Result<Option<usize>> {
+        let Some((uploaded, bytes)) = self
+            .upload(dataset, augment, normalize, seed)
+            .context("copying the training set to the GPU")?
+        else {
+            return Ok(None);
+        };
+        if let Engine::Cuda(gpu) = &mut self.engine {
+            gpu.train_set = Some(uploaded);
+        }
+        Ok(Some(bytes))
+    }
+
+    /// Copies the uint8 pixels of `dataset` (a test split) to the GPU once, so that
+    /// [`crate::evaluation::evaluate`] of it assembles and normalizes its batches there as the
+    /// CPU loader would ([`Compute::forward_eval_on_device`]). Returns the bytes uploaded, or
+    /// `None` where its batches stay on the host: on the CPU, and for float pixels.
+    pub fn upload_eval_set(
+        &mut self,
+        dataset: &Arc<Dataset>,
+        normalize: Option<Normalize>,
+    ) -> anyhow::Result<Option<usize>> {
+        let Some((uploaded, bytes)) = self
+            .upload(dataset, None, normalize, 0)
+            .context("copying the test set to the GPU")?
+        else {
+            return Ok(None);
+        };
+        if let Engine::Cuda(gpu) = &mut self.engine {
+            gpu.eval_set = Some((uploaded, Arc::as_ptr(dataset) as usize));
+        }
+        Ok(Some(bytes))
+    }
+
+    /// Whether evaluations of `dataset` run from its copy in GPU memory.
+    pub fn evaluates_on_device(&self, dataset: &Arc<Dataset>) -> bool {
+        matches!(&self.engine, Engine::Cuda(gpu)
+            if gpu.eval_set.as_ref().map(|(_, source)| *source) == Some(Arc::as_ptr(dataset) as usize))
+    }
+
+    /// Evaluation forward of the images `indices` of the test set in GPU memory (see
+    /// [`Compute::upload_eval_set`]), `height x width` each; returns the logits.
+    pub fn forward_eval_on_device(
+        &mut self,
+        indices: &[usize],
+        height: usize,
+        width: usize,
+    ) -> anyhow::Result<&[f32]> {
+        let Engine::Cuda(gpu) = &mut self.engine else {
+            anyhow::bail!("the test set is in GPU memory only with the model on a GPU");
+        };
+        let (eval_set, _) = gpu
+            .eval_set
+            .as_mut()
+            .context("the test set was not copied to the GPU")?;
+        let plan = plan_for(
+            &mut gpu.eval_plan,
+            &self.model,
+            Mode::Eval,
+            indices.len(),
+            height,
+            width,
+        )?;
+        gpu.exec
+            .forward_eval_gathered(&self.model, plan, eval_set, indices, &mut gpu.logits)?;
+        Ok(&gpu.logits)
+    }
+
+    /// `dataset`'s uint8 pixels on the GPU with `augment`, `normalize` and `seed` for the
+    /// device's batch assembly, and the bytes copied; `None` on the CPU and for float pixels.
+    fn upload(
+        &mut self,
+        dataset: &Dataset,
+        augment: Option<Augment>,
+        normalize: Option<Normalize>,
+        seed: u64,
+    ) -> anyhow::Result<Option<(DeviceDataset, usize)>> {
         let (Engine::Cuda(gpu), Pixels::U8(pixels)) = (&mut self.engine, &dataset.images) else {
             return Ok(None);
         };
@@ -345,12 +427,8 @@ impl Compute {
             std: normalize.std,
             seed,
         };
-        gpu.train_set = Some(
-            gpu.exec
-                .upload_dataset(pixels, shape, settings)
-                .context("copying the training set to the GPU")?,
-        );
-        Ok(Some(pixels.len()))
+        let uploaded = gpu.exec.upload_dataset(pixels, shape, settings)?;
+        Ok(Some((uploaded, pixels.len())))
     }
 
     /// Sets every gradient to zero.
@@ -1035,6 +1113,31 @@ mod tests {
 
     /// The CPU never runs whole steps (its steps stay the separate calls, bit for bit as
     /// before), whatever the conditions, and says nothing about CUDA graphs.
+    #[test]
+    fn the_cpu_keeps_its_data_on_the_host() {
+        let mut compute = Compute::new(small_model(), &cpu(), None).unwrap();
+        let test_set = Arc::new(Dataset {
+            images: Pixels::U8(vec![7; 2 * 8 * 8 * 3]),
+            labels: vec![0, 1],
+            height: 8,
+            width: 8,
+            channels: 3,
+            num_classes: 10,
+            class_names: Vec::new(),
+        });
+        assert_eq!(compute.upload_eval_set(&test_set, None).unwrap(), None);
+        assert_eq!(
+            compute.upload_train_set(&test_set, None, None, 0).unwrap(),
+            None
+        );
+        assert!(!compute.evaluates_on_device(&test_set));
+        let error = compute.forward_eval_on_device(&[0, 1], 8, 8).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "the test set is in GPU memory only with the model on a GPU"
+        );
+    }
+
     #[test]
     fn whole_steps_are_a_gpu_matter() {
         let mut compute = Compute::new(small_model(), &cpu(), None)

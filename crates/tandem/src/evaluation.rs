@@ -169,6 +169,15 @@ pub fn evaluate(
 ) -> anyhow::Result<Evaluation> {
     let classes = compute.spec().num_classes();
     let mut evaluation = Evaluation::new(classes);
+    if compute.evaluates_on_device(dataset) {
+        // The pixels are in GPU memory: only the indices cross, and the GPU normalizes.
+        for batch in indices.chunks(batch_size.max(1)) {
+            let labels: Vec<u32> = batch.iter().map(|&index| dataset.labels[index]).collect();
+            let logits = compute.forward_eval_on_device(batch, dataset.height, dataset.width)?;
+            evaluation.add_batch(logits, &labels);
+        }
+        return Ok(evaluation);
+    }
     let loader = Loader::new(
         Arc::clone(dataset),
         indices,

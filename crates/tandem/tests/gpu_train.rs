@@ -284,11 +284,12 @@ fn cifar_run_args(output_dir: &Path, data: &Path, device: &str) -> Vec<String> {
 }
 
 const DATA_ON_GPU: &str = "data: the training set is in GPU memory";
+const TEST_SET_ON_GPU: &str = "data: the test set is in GPU memory";
 
 /// The device data path (training set in GPU memory, batches gathered and augmented there)
 /// ends with the bytes of `epoch_2.safetensors` of the same GPU run fed the CPU loader's
 /// batches (`TANDEM_HOST_BATCHES=1`): the augmentation is bit-identical and the GPU work the
-/// same. Stopped after one step and resumed (mid-epoch, with --grad-accum), it ends the same
+/// same; its evaluations, from the test set in GPU memory, give the same losses. Stopped after one step and resumed (mid-epoch, with --grad-accum), it ends the same
 /// again; and it ends within the CPU comparison's tolerances of the CPU run.
 #[test]
 fn training_with_the_data_on_the_gpu_matches_host_batches() {
@@ -305,6 +306,7 @@ fn training_with_the_data_on_the_gpu_matches_host_batches() {
     );
     let stdout = train(&cifar_run_args(&device, &data, "cuda"));
     assert!(stdout.contains(DATA_ON_GPU), "{stdout}");
+    assert!(stdout.contains(TEST_SET_ON_GPU), "{stdout}");
     let stdout = expect_success(&run_bounded(
         tandem()
             .args(cifar_run_args(&host, &data, "cuda"))
@@ -312,11 +314,14 @@ fn training_with_the_data_on_the_gpu_matches_host_batches() {
         LIMIT,
     ));
     assert!(!stdout.contains(DATA_ON_GPU), "{stdout}");
+    assert!(!stdout.contains(TEST_SET_ON_GPU), "{stdout}");
     let final_weights = |run: &Path| std::fs::read(run.join("epoch_2.safetensors")).unwrap();
     assert!(
         final_weights(&device) == final_weights(&host),
         "the GPU run with the data on the GPU differs from the one fed host batches"
     );
+    // The evaluations from GPU memory normalize as the CPU loader does: the same losses.
+    assert_eq!(epoch_losses(&device), epoch_losses(&host));
 
     let resumed = dir.path().join("resumed");
     let args = cifar_run_args(&resumed, &data, "cuda");

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cudarc::driver::CudaSlice;
 use tandem_engine::BatchNormReducer;
 use tandem_models::workspace::Plan;
+use tandem_models::Executor;
 use tandem_models::{LossOptions, Model, ModelError};
 
 use super::error::{driver, int, same_length};
@@ -198,6 +199,31 @@ impl CudaExecutor {
     }
 
     /// The address and length of the active storage's image slot.
+    /// An evaluation forward (as [`CudaExecutor::forward_eval`]) of the images `indices` of
+    /// `dataset`, normalized on the device into the plan's input (the data set must have been
+    /// uploaded without crop or flip), with the logits copied to `logits`.
+    pub fn forward_eval_gathered(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        dataset: &mut DeviceDataset,
+        indices: &[usize],
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
+        if dataset.settings.crop_padding != 0 || dataset.settings.horizontal_flip {
+            return Err(device(GpuError::Unsupported(
+                "evaluating a data set uploaded with augmentation",
+            )));
+        }
+        check_gathered_batch(plan, dataset, indices).map_err(device)?;
+        self.prepare(plan).map_err(device)?;
+        let images = self.input_slot().map_err(device)?;
+        self.gather(dataset, indices, 0, images).map_err(device)?;
+        model.forward_on(self, plan, None)?;
+        self.logits_to_host(logits);
+        self.take_error().map_err(device)
+    }
+
     pub(super) fn input_slot(&self) -> Result<(u64, usize), GpuError> {
         let storage = self.storage()?;
         let slot = &storage.slots[storage.images];

@@ -235,6 +235,16 @@ impl Trainer {
                 bytes as f64 / 1e6
             );
         }
+        let eval_on_device = match batches_on_device {
+            Some(_) => compute.upload_eval_set(&test_set, normalize)?,
+            None => None,
+        };
+        if let (Some(bytes), 0) = (eval_on_device, rank) {
+            say!(
+                "data: the test set is in GPU memory ({:.1} MB); evaluation batches are assembled there",
+                bytes as f64 / 1e6
+            );
+        }
         let mut trainer = Trainer {
             settings,
             given,
