@@ -13,13 +13,13 @@
 #                  $GPU_CHECK_TANDEM_DEVICE (default cpu), to check the script itself
 #   --budget S     seconds for the whole run (default 450; steps that do not fit are skipped)
 #   --seeds N      time-to-accuracy seeds on each side (default 5)
-#   --only LIST    comma-separated sections of tests,bench,tta,compile (default all)
+#   --only LIST    comma-separated sections of tests,bench,tta,ddp,compile (default all)
 # environment: PYTHON (default python3), OUT (default a temporary folder), GPU_CHECK_DRY_RUN=1
 set -uo pipefail
 
 BUDGET=450
 SEEDS=5
-ONLY=tests,bench,tta,compile
+ONLY=tests,bench,tta,ddp,compile
 DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
 PYTHON=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
@@ -55,11 +55,13 @@ printf 'row\twho\tvariant\ttrain\teval\tpeak_mb\tstatus\tnote\n' >"$RESULTS"
 DATA_DIR=$CARRY/shared/data/cifar10
 DATA=$DATA_DIR/cifar-10-batches-bin
 EPOCHS=15
+DDP_EPOCHS=2
 BENCH_STEPS=100
 if [ "$DRY_RUN" = 1 ]; then
     TANDEM_DEVICE=${GPU_CHECK_TANDEM_DEVICE:-cpu}
     TORCH_DEVICE=cpu
     EPOCHS=1
+    DDP_EPOCHS=1
     BENCH_STEPS=1
     BATCH_OVERRIDE=8
 else
@@ -329,6 +331,33 @@ if section_on tta; then
     fi
 fi
 
+# --- Data-parallel overhead (issue 13) -----------------------------------------------------
+# The same training three ways, images per second of the last epoch (metrics.jsonl): one
+# process; under launch with NCCL at world size 1 (the whole DDP path: buckets, broadcasts;
+# target within 5% of the first); two processes sharing the GPU on the ring (reported beside
+# it, not a target: they share one card).
+ddp_rows=()
+if section_on ddp; then
+    ddp_args=(--device "$TANDEM_DEVICE" --model resnet-base --data cifar10-bin --data-dir "$DATA_DIR"
+        --epochs "$DDP_EPOCHS" --batch-size 256 --optimizer sgd --momentum 0.9 --lr 0.1
+        --log-every-steps 0 --seed 0)
+    for variant in one-process nccl-world-1 ring-2-processes; do
+        dir=$WORK/ddp/$variant
+        case $variant in
+            one-process) run_step "ddp-$variant" 120 30 "$TANDEM" train "${ddp_args[@]}" --output-dir "$dir" ;;
+            nccl-world-1) run_step "ddp-$variant" 120 30 "$TANDEM" launch --nproc-per-node 1 -- \
+                train "${ddp_args[@]}" --backend nccl --output-dir "$dir" ;;
+            ring-2-processes) run_step "ddp-$variant" 150 40 "$TANDEM" launch --nproc-per-node 2 -- \
+                train "${ddp_args[@]}" --backend ring --output-dir "$dir" ;;
+        esac
+        rate=$(tail -n 1 "$dir/metrics.jsonl" 2>/dev/null |
+            "$PYTHON" -c 'import json, sys; print(f'{json.load(sys.stdin)["images_per_second"]:.1f}')' 2>/dev/null)
+        graphs=$(grep -m1 'CUDA graphs' "$STEP_OUT" | one_line)
+        record ddp tandem "$variant" "$rate" "" "" "$STEP_STATUS" "${STEP_NOTE:-$graphs}"
+        ddp_rows+=("| $variant | ${rate:-none} | $STEP_STATUS${STEP_NOTE:+: $STEP_NOTE} | ${graphs:-no graphs note} |")
+    done
+fi
+
 # --- torch.compile rows (last: each compiles for a minute or more) ------------------------
 if section_on compile; then
     for line in "${ROWS[@]}"; do
@@ -404,6 +433,17 @@ tta_comparison() {
         printf '%s\n' "${tta_rows[@]}"
         echo
         echo "Tandem / PyTorch, same run: $(tta_comparison) (target: time at most 0.33x, mean accuracy within 0.5 points)"
+    fi
+    if section_on ddp; then
+        echo
+        echo "## Data-parallel overhead: seed-004 model, batch 256, $DDP_EPOCHS epochs, images/s of the last epoch"
+        echo
+        echo "| run | images/s | status | CUDA graphs |"
+        echo "| --- | --- | --- | --- |"
+        printf '%s\n' "${ddp_rows[@]}"
+        echo
+        echo "NCCL at world size 1 / one process: $(awk -F'\t' '$1 == "ddp" && $4 != "" { r[$3] = $4 }
+            END { if (r["one-process"] && r["nccl-world-1"]) printf "%.3f", r["nccl-world-1"] / r["one-process"]; else print "no figure" }' "$RESULTS") (target: at least 0.95)"
     fi
     skipped=$(grep -c ': skipped: ' "$LOG")
     echo
