@@ -351,7 +351,7 @@ if section_on ddp; then
                 train "${ddp_args[@]}" --backend ring --output-dir "$dir" ;;
         esac
         rate=$(tail -n 1 "$dir/metrics.jsonl" 2>/dev/null |
-            "$PYTHON" -c 'import json, sys; print(f'{json.load(sys.stdin)["images_per_second"]:.1f}')' 2>/dev/null)
+            "$PYTHON" -c 'import json, sys; print(round(json.load(sys.stdin)["images_per_second"], 1))' 2>/dev/null)
         graphs=$(grep -m1 'CUDA graphs' "$STEP_OUT" | one_line)
         record ddp tandem "$variant" "$rate" "" "" "$STEP_STATUS" "${STEP_NOTE:-$graphs}"
         ddp_rows+=("| $variant | ${rate:-none} | $STEP_STATUS${STEP_NOTE:+: $STEP_NOTE} | ${graphs:-no graphs note} |")
