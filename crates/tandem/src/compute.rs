@@ -10,8 +10,9 @@
 //! and with one process no gradient leaves the device; with the NCCL backend
 //! ([`Compute::join_nccl`]) the gradients are averaged on the device and none crosses either.
 //! The optimizer runs on the device
-//! over the flat buffers. A step of one micro-batch in one process is one
-//! [`Compute::train_step`]: its inputs and per-step scalars go to the device first, the loss
+//! over the flat buffers. A step of one micro-batch without SyncBatchNorm, in one process or
+//! through NCCL, is one [`Compute::train_step`]: its inputs and per-step scalars go to the
+//! device first, the loss
 //! comes back after the update (one wait per step), and the GPU replays it as a CUDA graph
 //! after its first two runs (`TANDEM_CUDA_GRAPHS=0` turns that off). Parameters, running statistics and optimizer state come to the
 //! host only when asked for ([`Compute::host_model`] for checkpoints, snapshots and
@@ -378,7 +379,8 @@ impl Compute {
     }
 
     /// Whether a training step of `conditions` runs as one [`Compute::train_step`] (a GPU
-    /// step of one micro-batch in one process, which the executor captures as a CUDA graph);
+    /// step of one micro-batch without SyncBatchNorm, in one process or with its gradients
+    /// averaged through NCCL, which the executor captures as a CUDA graph);
     /// otherwise the step runs through `forward_train`, `backward` and `optimizer_step`, and
     /// on a GPU the first such step prints why it is not captured.
     pub fn whole_steps(&mut self, conditions: &StepConditions) -> bool {
@@ -395,7 +397,8 @@ impl Compute {
     }
 
     /// One whole training step on the GPU: gradients zeroed, train-mode forward of `images`
-    /// with `labels`, backward, and the optimizer at learning rate `lr` (and `momentum`);
+    /// with `labels`, backward (with NCCL joined, the gradients averaged over the ranks
+    /// bucket by bucket), and the optimizer at learning rate `lr` (and `momentum`);
     /// returns the mean loss, read after the update. The GPU runs it eagerly or as a CUDA graph
     /// with the same result; the first captured step of each batch shape prints a note, and
     /// so does the first step after graphs were turned off (with the reason).

@@ -672,9 +672,6 @@ impl Trainer {
                 }
             }
         }
-        let local_stop = self.stop_requested.load(Ordering::Relaxed);
-        let mut mean_loss = loss_sum / micro_batches.len().max(1) as f64;
-        let mut stop = local_stop;
         if let Some(ddp) = self.ddp.as_mut() {
             match nccl {
                 true => self.compute.finish_all_reduce()?,
@@ -682,11 +679,9 @@ impl Trainer {
                     .compute
                     .with_host_grads(|grads| ddp.finish_gradients(grads))?,
             }
-            let mut sums = [mean_loss, if local_stop { 1.0 } else { 0.0 }];
-            ddp.sum_f64(&mut sums)?;
-            mean_loss = sums[0] / ddp.world_size() as f64;
-            stop = sums[1] > 0.0;
         }
+        let (mean_loss, stop) =
+            self.over_the_ranks(loss_sum / micro_batches.len().max(1) as f64)?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -703,16 +698,23 @@ impl Trainer {
         })
     }
 
-    /// [`Trainer::averaged_step`] of one micro-batch in one process on a GPU: one
-    /// [`Compute::train_step`] (captured as a CUDA graph after its first run). The loss is
-    /// read after the update, so a non-finite loss stops the run after that step's update
-    /// rather than before it (the run ends with the same error and writes nothing).
+    /// [`Trainer::averaged_step`] of one micro-batch on a GPU, in one process or with the
+    /// gradients averaged through NCCL: one [`Compute::train_step`] (captured as a CUDA graph
+    /// after its first run, the bucket all-reduces inside it). With NCCL, rank 0's running
+    /// statistics are broadcast before it, eagerly, as the other NCCL steps do (outside the
+    /// graph: the broadcast keeps its own deadline with the watchdog and the graph stays the
+    /// body of the step alone). The loss is read after the update, so a non-finite loss stops
+    /// the run after that step's update rather than before it (the run ends with the same
+    /// error and writes nothing).
     fn whole_step(&mut self, batch: &MicroBatch, lr: f64) -> anyhow::Result<StepOutcome> {
         let loss_options = LossOptions {
             label_smoothing: self.settings.label_smoothing as f32,
         };
         let (height, width) = (self.train_set.height, self.train_set.width);
         let momentum = self.schedule.momentum_at(self.progress.global_step);
+        if self.ddp.is_some() {
+            self.compute.broadcast_on_device(false)?;
+        }
         let loss = self.compute.train_step(
             batch.images(self.progress.epoch),
             batch.len(),
@@ -723,8 +725,7 @@ impl Trainer {
             lr,
             momentum,
         )?;
-        let stop = self.stop_requested.load(Ordering::Relaxed);
-        let mean_loss = f64::from(loss);
+        let (mean_loss, stop) = self.over_the_ranks(f64::from(loss))?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -737,6 +738,19 @@ impl Trainer {
             images: batch.len(),
             stop,
         })
+    }
+
+    /// This rank's mean loss of the step and whether to stop, as the job's: the mean loss
+    /// over the ranks and whether any rank was asked to stop (summed on the host ring); this
+    /// rank's own without DDP.
+    fn over_the_ranks(&mut self, mean_loss: f64) -> anyhow::Result<(f64, bool)> {
+        let local_stop = self.stop_requested.load(Ordering::Relaxed);
+        let Some(ddp) = self.ddp.as_mut() else {
+            return Ok((mean_loss, local_stop));
+        };
+        let mut sums = [mean_loss, if local_stop { 1.0 } else { 0.0 }];
+        ddp.sum_f64(&mut sums)?;
+        Ok((sums[0] / ddp.world_size() as f64, sums[1] > 0.0))
     }
 
     /// Evaluates, records and prints the epoch, and writes checkpoint and snapshot.
