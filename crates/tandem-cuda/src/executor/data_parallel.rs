@@ -94,14 +94,24 @@ impl CudaExecutor {
     }
 
     /// Takes the captured graphs out and destroys them, before the NCCL group whose
-    /// collectives they hold goes (NCCL's resources of a captured collective are released
-    /// through the communicator); after an abort, when the communicator is gone, they are
+    /// collectives they hold goes: NCCL releases a captured collective's resources through
+    /// the communicator once the graph is destroyed and its launches finished, so with a group
+    /// the stream is drained first. After an abort, when the communicator is gone, they are
     /// leaked instead (the run is ending with the error).
     pub(super) fn release_graphs(&mut self) {
         let graphs = self.graphs.take_graphs();
-        if self.nccl_health().is_err() {
-            std::mem::forget(graphs);
+        if graphs.is_empty() {
+            return;
         }
+        if self.has_nccl() {
+            // Bounded: a launch stuck on a dead peer is aborted by the watchdog.
+            let drained = self.stream.synchronize().is_ok();
+            if !drained || self.nccl_health().is_err() {
+                std::mem::forget(graphs);
+                return;
+            }
+        }
+        drop(graphs);
     }
 
     /// The NCCL watchdog's verdict: an error once a collective timed out or failed (the

@@ -12,8 +12,9 @@
 //!    by-value argument; this is what is captured and replayed;
 //! 3. *result*: one synchronization, the loss and the bad-label record read back.
 //!
-//! Nothing in the body touches a `cudarc` event: the executor's context does not track them
-//! (`CudaExecutor::new`), so `device_ptr` neither waits on nor records one. Capture is in
+//! Nothing in the body touches a `cudarc` event but the NCCL group's own (below): the
+//! executor's context does not track them (`CudaExecutor::new`), so `device_ptr` neither
+//! waits on nor records one. Capture is in
 //! `THREAD_LOCAL` mode: the executor is driven by one thread, and no other thread's legal
 //! CUDA calls (e.g. the NCCL watchdog's `cuEventQuery` of earlier steps' events) can
 //! invalidate its capture.
