@@ -972,7 +972,8 @@ mod tests {
     }
 
     /// The CPU never runs whole steps (its steps stay the separate calls, bit for bit as
-    /// before), whatever the conditions, and says nothing about CUDA graphs.
+    /// before), whatever the conditions (a step the GPU would capture with its NCCL
+    /// all-reduces included), and says nothing about CUDA graphs.
     #[test]
     fn whole_steps_are_a_gpu_matter() {
         let mut compute = Compute::new(small_model(), &cpu(), None)
@@ -985,6 +986,13 @@ mod tests {
             nccl: false,
         };
         assert!(!compute.whole_steps(&single));
+        let through_nccl = StepConditions {
+            data_parallel: true,
+            nccl: true,
+            ..single
+        };
+        assert_eq!(through_nccl.refusal(), None);
+        assert!(!compute.whole_steps(&through_nccl));
         let (images, labels) = batch(4);
         let error = compute
             .train_step(
