@@ -193,6 +193,8 @@ struct GpuSide {
     train_set: Option<DeviceDataset>,
     /// Whether the note saying why CUDA graphs are off was printed.
     graphs_off_noted: bool,
+    /// Whether the last [`Compute::train_step`] was captured or replayed as a CUDA graph.
+    last_step_graphed: bool,
 }
 
 impl Compute {
@@ -217,6 +219,7 @@ impl Compute {
                     optimizer: None,
                     train_set: None,
                     graphs_off_noted: false,
+                    last_step_graphed: false,
                 }))
             }
         };
@@ -461,12 +464,19 @@ impl Compute {
         if let Some(reason) = &outcome.graphs_off {
             note_graphs_off(&mut gpu.graphs_off_noted, reason);
         }
+        gpu.last_step_graphed = outcome.run != StepRun::Eager;
         if outcome.run == StepRun::Capture {
             eprintln!(
                 "note: CUDA graphs on: training steps of {batch} images of {height}x{width} replay one captured graph"
             );
         }
         Ok(outcome.loss)
+    }
+
+    /// Whether the last [`Compute::train_step`] ran as a CUDA graph (captured or replayed);
+    /// `false` on the CPU.
+    pub fn last_step_graphed(&self) -> bool {
+        matches!(&self.engine, Engine::Cuda(gpu) if gpu.last_step_graphed)
     }
 
     /// Backward of the last [`Compute::forward_train`]: adds the gradients of `loss_scale ·

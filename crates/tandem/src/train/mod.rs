@@ -42,7 +42,7 @@ use crate::evaluation::{evaluate, Evaluation};
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use batches::{EpochBatches, IndexBatches, MicroBatch};
-use ddp::Ddp;
+use ddp::{graphs_agree, Ddp};
 use history::{write_history, EpochRecord};
 use mirror::{localize, Mirror};
 use placement::find_placement_of;
@@ -681,7 +681,7 @@ impl Trainer {
             }
         }
         let (mean_loss, stop) =
-            self.over_the_ranks(loss_sum / micro_batches.len().max(1) as f64)?;
+            self.over_the_ranks(loss_sum / micro_batches.len().max(1) as f64, None)?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -725,7 +725,8 @@ impl Trainer {
             lr,
             momentum,
         )?;
-        let (mean_loss, stop) = self.over_the_ranks(f64::from(loss))?;
+        let graphed = self.compute.last_step_graphed();
+        let (mean_loss, stop) = self.over_the_ranks(f64::from(loss), Some(graphed))?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -742,14 +743,25 @@ impl Trainer {
 
     /// This rank's mean loss of the step and whether to stop, as the job's: the mean loss
     /// over the ranks and whether any rank was asked to stop (summed on the host ring); this
-    /// rank's own without DDP.
-    fn over_the_ranks(&mut self, mean_loss: f64) -> anyhow::Result<(f64, bool)> {
+    /// rank's own without DDP. With `graphed` (a whole step through NCCL: whether this rank
+    /// ran it as a CUDA graph), the ranks that did are counted too, and an error says so when
+    /// not all or none did (NCCL requires every rank's collectives captured alike).
+    fn over_the_ranks(
+        &mut self,
+        mean_loss: f64,
+        graphed: Option<bool>,
+    ) -> anyhow::Result<(f64, bool)> {
         let local_stop = self.stop_requested.load(Ordering::Relaxed);
         let Some(ddp) = self.ddp.as_mut() else {
             return Ok((mean_loss, local_stop));
         };
-        let mut sums = [mean_loss, if local_stop { 1.0 } else { 0.0 }];
+        let flag = |on: bool| if on { 1.0 } else { 0.0 };
+        let mut sums = vec![mean_loss, flag(local_stop)];
+        sums.extend(graphed.map(flag));
         ddp.sum_f64(&mut sums)?;
+        if let Some(&graphed_ranks) = sums.get(2) {
+            graphs_agree(graphed_ranks, ddp.world_size())?;
+        }
         Ok((sums[0] / ddp.world_size() as f64, sums[1] > 0.0))
     }
 
