@@ -1,18 +1,23 @@
 //! The executor's NCCL group on one GPU (NCCL refuses two ranks on one GPU, so only world
 //! size 1 runs on the reference machine): a backward whose buckets are all-reduced on NCCL's
 //! stream leaves the gradients of a plain backward bit for bit, and the device broadcasts
-//! leave the parameters and running statistics as they were; a communicator of two ranks
-//! whose second rank never joins ends in an error within the timeout, not a hang.
+//! leave the parameters and running statistics as they were; whole training steps through
+//! the group, captured as a CUDA graph with their bucket all-reduces and replayed, end with
+//! the bits of the same steps run eagerly and of steps without NCCL; a communicator of two
+//! ranks whose second rank never joins ends in an error within the timeout, not a hang.
 //!
 //! Skipped with a printed reason without a driver, the CUDA libraries, libnccl or a GPU (as
 //! on CI's machines); **it has not yet run on a GPU**.
 
 use std::time::{Duration, Instant};
 
+use tandem_cuda::executor::graph::StepRun;
+use tandem_cuda::executor::{StepImages, StepOptimizer, TrainStep};
 use tandem_cuda::nccl::create_unique_id;
 use tandem_cuda::{
     CollectiveError, CudaExecutor, GpuError, GpuSettings, Library, Precision, Probe,
 };
+use tandem_engine::SgdConfig;
 use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model, ModelSpec, ResNetBaseSpec};
 
@@ -56,10 +61,17 @@ fn executor(probe: &Probe, model: &Model) -> CudaExecutor {
 
 /// Deterministic images in about [-1, 1) and labels.
 fn batch() -> (Vec<f32>, Vec<u32>) {
+    batch_of(0)
+}
+
+/// Deterministic images in about [-1, 1) and labels, different for each `step`.
+fn batch_of(step: u64) -> (Vec<f32>, Vec<u32>) {
     let images = (0..BATCH * SIDE * SIDE * 3)
-        .map(|i| ((i as u64 * 2_654_435_761) % 2003) as f32 / 1001.5 - 1.0)
+        .map(|i| ((i as u64 * 2_654_435_761 + step * 7919) % 2003) as f32 / 1001.5 - 1.0)
         .collect();
-    let labels = (0..BATCH as u32).map(|i| (i * 7 + 3) % 10).collect();
+    let labels = (0..BATCH as u32)
+        .map(|i| (i * 7 + 3 + step as u32) % 10)
+        .collect();
     (images, labels)
 }
 
@@ -123,6 +135,110 @@ fn a_world_of_one_through_nccl_leaves_every_bit_as_without_it() {
         plain.0.iter().any(|&grad| grad != 0.0),
         "no gradient at all"
     );
+}
+
+/// What `STEPS` whole steps left: the losses, parameters and running statistics (as bits),
+/// and how each step ran.
+struct WholeSteps {
+    losses: Vec<u32>,
+    params: Vec<u32>,
+    buffers: Vec<u32>,
+    runs: Vec<StepRun>,
+}
+
+const STEPS: u64 = 5;
+
+/// `STEPS` whole training steps (`train_step`, SGD with momentum, the learning rate changing,
+/// host batches) with the executor's graphs on or off, through a world-size-1 NCCL group
+/// (rank 0's running statistics broadcast before each step, as the trainer does) or alone.
+fn whole_steps(probe: &Probe, through_nccl: bool, graphs: bool) -> WholeSteps {
+    let model = model();
+    let mut exec = executor(probe, &model);
+    exec.set_graphs(graphs);
+    if through_nccl {
+        let id = create_unique_id(probe).unwrap();
+        let len = model.params().len();
+        exec.join_nccl(probe, &id, 0, 1, Duration::from_secs(30), buckets(len))
+            .unwrap();
+        exec.broadcast_params_and_buffers().unwrap();
+    }
+    let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
+    let loss = LossOptions {
+        label_smoothing: 0.1,
+    };
+    let (mut losses, mut runs) = (Vec::new(), Vec::new());
+    for step in 0..STEPS {
+        let (images, labels) = batch_of(step);
+        let config = SgdConfig {
+            lr: 0.05 / (step + 1) as f32,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 5e-4,
+        };
+        if through_nccl {
+            exec.broadcast_buffers().unwrap();
+        }
+        let outcome = exec
+            .train_step(
+                &model,
+                &plan,
+                TrainStep {
+                    images: StepImages::Host(&images),
+                    labels: &labels,
+                    loss: &loss,
+                    optimizer: StepOptimizer::Sgd(&config),
+                },
+            )
+            .unwrap();
+        losses.push(outcome.loss.to_bits());
+        runs.push(outcome.run);
+    }
+    exec.synchronize().unwrap();
+    exec.nccl_health().unwrap();
+    let mut params = vec![0.0f32; model.params().len()];
+    let mut buffers = vec![0.0f32; model.buffers().len()];
+    exec.params_to_host(&mut params).unwrap();
+    exec.buffers_to_host(&mut buffers).unwrap();
+    WholeSteps {
+        losses,
+        params: params.iter().map(|value| value.to_bits()).collect(),
+        buffers: buffers.iter().map(|value| value.to_bits()).collect(),
+        runs,
+    }
+}
+
+#[test]
+fn whole_steps_through_nccl_as_a_cuda_graph_equal_eager_ones_bit_for_bit() {
+    let Some(probe) =
+        gpu_probe("whole_steps_through_nccl_as_a_cuda_graph_equal_eager_ones_bit_for_bit")
+    else {
+        return;
+    };
+    use StepRun::{Capture, Eager, Replay};
+    let graphed = whole_steps(probe, true, true);
+    let eager = whole_steps(probe, true, false);
+    let alone = whole_steps(probe, false, true);
+    assert_eq!(graphed.runs, [Eager, Capture, Replay, Replay, Replay]);
+    assert_eq!(eager.runs, [Eager; STEPS as usize]);
+    assert_eq!(alone.runs, graphed.runs);
+    for (name, other) in [("eager through NCCL", &eager), ("without NCCL", &alone)] {
+        assert_eq!(graphed.losses, other.losses, "losses against {name}");
+        assert!(
+            graphed.params == other.params,
+            "parameters differ from {name}"
+        );
+        assert!(
+            graphed.buffers == other.buffers,
+            "running statistics differ from {name}"
+        );
+    }
+    let initial: Vec<u32> = model()
+        .params()
+        .iter()
+        .map(|value| value.to_bits())
+        .collect();
+    assert!(graphed.params != initial, "the steps changed nothing");
 }
 
 #[test]

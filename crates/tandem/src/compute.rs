@@ -10,8 +10,9 @@
 //! and with one process no gradient leaves the device; with the NCCL backend
 //! ([`Compute::join_nccl`]) the gradients are averaged on the device and none crosses either.
 //! The optimizer runs on the device
-//! over the flat buffers. A step of one micro-batch in one process is one
-//! [`Compute::train_step`]: its inputs and per-step scalars go to the device first, the loss
+//! over the flat buffers. A step of one micro-batch without SyncBatchNorm, in one process or
+//! through NCCL, is one [`Compute::train_step`]: its inputs and per-step scalars go to the
+//! device first, the loss
 //! comes back after the update (one wait per step), and the GPU replays it as a CUDA graph
 //! after its first two runs (`TANDEM_CUDA_GRAPHS=0` turns that off). Parameters, running statistics and optimizer state come to the
 //! host only when asked for ([`Compute::host_model`] for checkpoints, snapshots and
@@ -245,6 +246,8 @@ struct GpuSide {
     eval_set: Option<(DeviceDataset, usize)>,
     /// Whether the note saying why CUDA graphs are off was printed.
     graphs_off_noted: bool,
+    /// Whether the last [`Compute::train_step`] was captured or replayed as a CUDA graph.
+    last_step_graphed: bool,
 }
 
 impl Compute {
@@ -270,6 +273,7 @@ impl Compute {
                     train_set: None,
                     eval_set: None,
                     graphs_off_noted: false,
+                    last_step_graphed: false,
                 }))
             }
         };
@@ -504,7 +508,8 @@ impl Compute {
     }
 
     /// Whether a training step of `conditions` runs as one [`Compute::train_step`] (a GPU
-    /// step of one micro-batch in one process, which the executor captures as a CUDA graph);
+    /// step of one micro-batch without SyncBatchNorm, in one process or with its gradients
+    /// averaged through NCCL, which the executor captures as a CUDA graph);
     /// otherwise the step runs through `forward_train`, `backward` and `optimizer_step`, and
     /// on a GPU the first such step prints why it is not captured.
     pub fn whole_steps(&mut self, conditions: &StepConditions) -> bool {
@@ -521,7 +526,8 @@ impl Compute {
     }
 
     /// One whole training step on the GPU: gradients zeroed, train-mode forward of `images`
-    /// with `labels`, backward, and the optimizer at learning rate `lr` (and `momentum`);
+    /// with `labels`, backward (with NCCL joined, the gradients averaged over the ranks
+    /// bucket by bucket), and the optimizer at learning rate `lr` (and `momentum`);
     /// returns the mean loss, read after the update. The GPU runs it eagerly or as a CUDA graph
     /// with the same result; the first captured step of each batch shape prints a note, and
     /// so does the first step after graphs were turned off (with the reason).
@@ -584,12 +590,19 @@ impl Compute {
         if let Some(reason) = &outcome.graphs_off {
             note_graphs_off(&mut gpu.graphs_off_noted, reason);
         }
+        gpu.last_step_graphed = outcome.run != StepRun::Eager;
         if outcome.run == StepRun::Capture {
             eprintln!(
                 "note: CUDA graphs on: training steps of {batch} images of {height}x{width} replay one captured graph"
             );
         }
         Ok(outcome.loss)
+    }
+
+    /// Whether the last [`Compute::train_step`] ran as a CUDA graph (captured or replayed);
+    /// `false` on the CPU.
+    pub fn last_step_graphed(&self) -> bool {
+        matches!(&self.engine, Engine::Cuda(gpu) if gpu.last_step_graphed)
     }
 
     /// Backward of the last [`Compute::forward_train`]: adds the gradients of `loss_scale ·
@@ -1112,7 +1125,8 @@ mod tests {
     }
 
     /// The CPU never runs whole steps (its steps stay the separate calls, bit for bit as
-    /// before), whatever the conditions, and says nothing about CUDA graphs.
+    /// before), whatever the conditions (a step the GPU would capture with its NCCL
+    /// all-reduces included), and says nothing about CUDA graphs.
     #[test]
     fn the_cpu_keeps_its_data_on_the_host() {
         let mut compute = Compute::new(small_model(), &cpu(), None).unwrap();
@@ -1150,6 +1164,13 @@ mod tests {
             nccl: false,
         };
         assert!(!compute.whole_steps(&single));
+        let through_nccl = StepConditions {
+            data_parallel: true,
+            nccl: true,
+            ..single
+        };
+        assert_eq!(through_nccl.refusal(), None);
+        assert!(!compute.whole_steps(&through_nccl));
         let (images, labels) = batch(4);
         let error = compute
             .train_step(

@@ -4,7 +4,9 @@
 //!
 //! - `--backend nccl` at world size 1 through the whole DDP path (device broadcasts, gradient
 //!   buckets all-reduced on NCCL's stream as backward finishes them, the optimizer ordered
-//!   after them) ends with the same bytes as the same run without DDP;
+//!   after them) ends with the same bytes as the same run without DDP; its steps are captured
+//!   as CUDA graphs with their all-reduces (the note says so) and end with the bytes of the
+//!   same job with `TANDEM_CUDA_GRAPHS=0`;
 //! - two processes sharing the GPU with `--backend ring --sync-bn` end, after a few steps,
 //!   as close to one process with twice the batch as two single-process runs that differ only
 //!   in rounding (the same run on the GPU and on the CPU) are to each other (factor 2, and
@@ -131,6 +133,55 @@ fn nccl_at_world_size_1_ends_with_the_bytes_of_no_ddp() {
     assert!(
         same,
         "--backend nccl at world size 1 ended with other weights than the run without DDP\n{stdout}"
+    );
+}
+
+/// `--backend nccl` at world size 1 (one micro-batch, no SyncBatchNorm): each step is one
+/// whole step with its bucket all-reduces, captured as a CUDA graph after its first run; the
+/// final weights are the bytes of the same job with `TANDEM_CUDA_GRAPHS=0`, which runs every
+/// step eagerly.
+#[test]
+fn nccl_steps_as_cuda_graphs_end_with_the_bytes_of_eager_steps() {
+    if !gpu_available(
+        "nccl_steps_as_cuda_graphs_end_with_the_bytes_of_eager_steps",
+        true,
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut weights = Vec::new();
+    for graphs in ["1", "0"] {
+        let output_dir = dir.path().join(format!("graphs-{graphs}"));
+        let train = with_flag(
+            short_run(&output_dir, 64, 16, 2, "cuda"),
+            "--backend",
+            "nccl",
+        );
+        let output = run_bounded(
+            launch_command(1, 0, &[], &train).env("TANDEM_CUDA_GRAPHS", graphs),
+            LIMIT,
+        );
+        let stdout = expect_success(&output);
+        let text = format!("{stdout}{}", String::from_utf8_lossy(&output.stderr));
+        assert!(text.contains("backend: nccl (requested)"), "{text}");
+        if graphs == "1" {
+            assert!(
+                text.contains("note: CUDA graphs on: training steps of 16 images of "),
+                "{text}"
+            );
+            assert!(!text.contains("CUDA graphs off"), "{text}");
+        } else {
+            assert!(
+                text.contains("note: CUDA graphs off: TANDEM_CUDA_GRAPHS=0"),
+                "{text}"
+            );
+            assert!(!text.contains("CUDA graphs on"), "{text}");
+        }
+        weights.push(std::fs::read(output_dir.join("epoch_2.safetensors")).unwrap());
+    }
+    assert!(
+        weights[0] == weights[1],
+        "the NCCL job's graphed and eager steps ended with other weights"
     );
 }
 

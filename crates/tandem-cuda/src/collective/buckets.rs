@@ -45,6 +45,12 @@ impl BucketCursor {
         rest
     }
 
+    /// Starts a backward afresh, forgetting what an earlier one that failed half-way handed
+    /// out (so that every rank's next backward issues its collectives from the first bucket).
+    pub fn restart(&mut self) {
+        self.next = 0;
+    }
+
     /// Whether this backward has handed out no bucket yet.
     pub fn at_start(&self) -> bool {
         self.next == 0
@@ -153,6 +159,11 @@ mod tests {
         assert_eq!(cursor.finished_up_to(5), 0..1);
         assert_eq!(cursor.rest(), 1..3);
         assert_eq!(cursor.rest(), 0..3, "a backward that reported nothing");
+        // A backward that failed after handing out a bucket: the next one starts over.
+        assert_eq!(cursor.finished_up_to(7), 0..2);
+        cursor.restart();
+        assert!(cursor.at_start());
+        assert_eq!(cursor.finished_up_to(3), 0..1);
     }
 
     #[test]

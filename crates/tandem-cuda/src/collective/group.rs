@@ -337,12 +337,7 @@ impl NcclGroup {
     /// The watchdog's verdict as an error: a collective that timed out or failed (the
     /// communicator is then aborted and every later collective is refused).
     pub fn check(&self) -> Result<(), CollectiveError> {
-        let deadlines = self
-            .watch
-            .deadlines
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        match Option::<CollectiveError>::from(deadlines.verdict()) {
+        match Option::<CollectiveError>::from(self.deadlines().verdict()) {
             Some(error) => Err(error),
             None => Ok(()),
         }
@@ -355,7 +350,10 @@ impl NcclGroup {
         let event = record(compute)?;
         self.stream
             .wait(&event)
-            .map_err(driver("cuStreamWaitEvent"))
+            .map_err(driver("cuStreamWaitEvent"))?;
+        // Inside a capture the event is kept until the capture ended; else dropped here.
+        drop(self.deadlines().hold_while_capturing(event));
+        Ok(())
     }
 
     /// Makes `compute` wait for the collectives queued so far on the group's stream, and
@@ -364,12 +362,55 @@ impl NcclGroup {
         self.check()?;
         let event = record(&self.stream)?;
         compute.wait(&event).map_err(driver("cuStreamWaitEvent"))?;
+        self.deadlines().register(event, what, Instant::now());
+        Ok(())
+    }
+
+    /// Gives the work queued so far on `compute` (a whole training step, its collectives
+    /// included) the timeout to finish: an event recorded there now, registered with the
+    /// watchdog as `what`. This is what bounds a step whose collectives were captured in a
+    /// CUDA graph, whose own events mark nothing when the graph is launched.
+    pub fn watch(&self, compute: &CudaStream, what: String) -> Result<(), CollectiveError> {
+        self.check()?;
+        let event = record(compute)?;
+        self.deadlines().register(event, what, Instant::now());
+        Ok(())
+    }
+
+    /// Starts a stream capture of the compute stream (which this group's stream joins
+    /// through [`NcclGroup::wait_for`] and leaves through [`NcclGroup::hand_back`]): until
+    /// [`NcclGroup::end_capture`] the group's events are kept, not watched; querying one
+    /// would invalidate the capture, and none marks anything when the graph runs.
+    pub fn begin_capture(&self) {
+        self.deadlines().begin_capture();
+    }
+
+    /// Ends the capture's bookkeeping once the stream capture has ended: the events recorded
+    /// inside it are destroyed.
+    pub fn end_capture(&self) {
+        let held = self.deadlines().end_capture();
+        drop(held);
+    }
+
+    /// Launches a CUDA graph holding this group's collectives through `launch`, unless the
+    /// communicator was aborted: the graph's NCCL kernels address the communicator's
+    /// resources, which the abort frees, and the abort waits while the launch is queued.
+    pub fn launch_captured(
+        &self,
+        launch: impl FnOnce() -> Result<(), DriverError>,
+    ) -> Result<(), CollectiveError> {
+        self.check()?;
+        self.communicator.call("cuGraphLaunch", |_| {
+            launch().map_err(driver("cuGraphLaunch"))
+        })
+    }
+
+    /// The watchdog's deadlines.
+    fn deadlines(&self) -> std::sync::MutexGuard<'_, Deadlines<CudaEvent>> {
         self.watch
             .deadlines
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .register(event, what, Instant::now());
-        Ok(())
     }
 
     /// Queues the sum over the ranks of the floats `range` of the device buffer at `base`,

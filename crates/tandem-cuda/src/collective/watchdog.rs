@@ -7,6 +7,13 @@
 //! `cuEventQuery` of an event recorded after the collectives, and `ncclCommGetAsyncError`),
 //! and on [`Verdict::TimedOut`] or [`Verdict::Failed`] the communicator is aborted. The
 //! verdict sticks: after a failure every later look returns it again.
+//!
+//! Inside a stream capture (a training step recorded as a CUDA graph) the events the group
+//! records mark nothing when the graph is later launched, and querying one would invalidate
+//! the capture; so between [`Deadlines::begin_capture`] and [`Deadlines::end_capture`]
+//! registered markers are only held (kept alive until the capture ended) and never looked at.
+//! A captured step is bounded instead by one marker recorded after each launch of its graph
+//! and registered like any other.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -42,6 +49,8 @@ pub struct Deadlines<T> {
     timeout: Duration,
     pending: VecDeque<Pending<T>>,
     verdict: Verdict,
+    /// `Some` during a stream capture: the markers recorded inside it.
+    captured: Option<Vec<T>>,
 }
 
 impl<T> Deadlines<T> {
@@ -51,17 +60,51 @@ impl<T> Deadlines<T> {
             timeout,
             pending: VecDeque::new(),
             verdict: Verdict::Healthy,
+            captured: None,
         }
     }
 
-    /// Registers a collective enqueued at `now`, to finish by `now + timeout`.
+    /// Registers a collective enqueued at `now`, to finish by `now + timeout`; during a
+    /// capture the marker is only held (see the module's documentation).
     pub fn register(&mut self, marker: T, what: String, now: Instant) {
+        if let Some(captured) = self.captured.as_mut() {
+            captured.push(marker);
+            return;
+        }
         self.pending.push_back(Pending {
             marker,
             what,
             started: now,
             deadline: now + self.timeout,
         });
+    }
+
+    /// Keeps `marker` (an event that ordered the group's stream after the compute stream) until
+    /// the capture ends, when one is in progress; else hands it back, for the caller to drop.
+    pub fn hold_while_capturing(&mut self, marker: T) -> Option<T> {
+        match self.captured.as_mut() {
+            Some(captured) => {
+                captured.push(marker);
+                None
+            }
+            None => Some(marker),
+        }
+    }
+
+    /// Starts a stream capture: markers registered from now on are held, not watched.
+    pub fn begin_capture(&mut self) {
+        self.captured.get_or_insert_with(Vec::new);
+    }
+
+    /// Ends the capture: returns the markers held during it (to be dropped once the capture
+    /// has ended on the device side); registrations are watched again.
+    pub fn end_capture(&mut self) -> Vec<T> {
+        self.captured.take().unwrap_or_default()
+    }
+
+    /// Whether a capture is in progress.
+    pub fn capturing(&self) -> bool {
+        self.captured.is_some()
     }
 
     /// The number of collectives not yet seen finished.
@@ -212,6 +255,52 @@ mod tests {
             Duration::from_secs(11),
         );
         assert_eq!(deadlines.verdict(), &failed);
+    }
+
+    #[test]
+    fn markers_of_a_capture_are_held_unwatched_and_each_launch_gets_a_deadline() {
+        let start = Instant::now();
+        let second = Duration::from_secs(1);
+        let mut deadlines = Deadlines::new(10 * second);
+        // An eager step before the capture: its hand-back is watched.
+        deadlines.register(1, "all-reduce of the gradients (3 buckets)".into(), start);
+        assert_eq!(deadlines.hold_while_capturing(100), Some(100));
+        deadlines.begin_capture();
+        assert!(deadlines.capturing());
+        assert_eq!(deadlines.hold_while_capturing(101), None);
+        deadlines.register(2, "all-reduce of the gradients (3 buckets)".into(), start);
+        assert_eq!(deadlines.pending(), 1, "nothing of the capture is pending");
+        // The watchdog looks meanwhile: only the eager marker is queried, never a captured one.
+        let mut queried = Vec::new();
+        let verdict = deadlines
+            .poll(start + second, None, |marker| {
+                queried.push(*marker);
+                Ok(true)
+            })
+            .clone();
+        assert_eq!(verdict, Verdict::Healthy);
+        assert_eq!(queried, vec![1]);
+        assert_eq!(deadlines.end_capture(), vec![101, 2]);
+        assert!(!deadlines.capturing());
+        assert_eq!(deadlines.end_capture(), Vec::<i32>::new());
+        // Each launch of the graph registers one marker after the whole step.
+        let step = "all-reduce of the gradients inside a training step's CUDA graph";
+        deadlines.register(3, step.into(), start + 2 * second);
+        deadlines.register(4, step.into(), start + 3 * second);
+        assert_eq!(deadlines.pending(), 2);
+        assert_eq!(
+            deadlines.poll(start + 4 * second, None, |marker| Ok(*marker == 3)),
+            &Verdict::Healthy
+        );
+        assert_eq!(deadlines.pending(), 1);
+        // The second launch never finishes (a dead peer inside the graph): timed out, named.
+        assert_eq!(
+            deadlines.poll(start + 13 * second, None, |_| Ok(false)),
+            &Verdict::TimedOut {
+                what: step.into(),
+                waited: 10 * second,
+            }
+        );
     }
 
     #[test]

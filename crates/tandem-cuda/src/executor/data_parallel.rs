@@ -10,7 +10,9 @@
 //! [`CudaExecutor::finish_all_reduce`] queues the buckets left, and the compute stream waits on
 //! an event recorded after them, so the optimizer reads the averaged gradients. Each such
 //! hand-back is registered with the group's watchdog, which aborts the communicator when it
-//! does not finish within the timeout; the next call then returns the error.
+//! does not finish within the timeout; the next call then returns the error. A whole step
+//! (`whole_step.rs`) runs the same work inside its body, captured in a CUDA graph after its
+//! first run, and registers one deadline after each step.
 
 use std::ops::Range;
 use std::time::Duration;
@@ -18,6 +20,7 @@ use std::time::Duration;
 use tandem_models::workspace::Plan;
 use tandem_models::{BatchNormReducer, Model, ModelError};
 
+use super::graph::StepRun;
 use super::launch::{per_element, Arg};
 use super::{address, at, device, driver, CudaExecutor, GpuError};
 use crate::collective::{bucket_ops, BucketCursor, BucketOp, NcclGroup};
@@ -49,6 +52,8 @@ impl CudaExecutor {
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
         let group = NcclGroup::join(probe, &self.context, unique_id, rank, world_size, timeout)?;
+        // Graphs captured with an earlier group's collectives must not outlive it.
+        self.release_graphs();
         self.data_parallel = Some(DeviceDataParallel {
             group,
             cursor: BucketCursor::new(buckets),
@@ -59,6 +64,54 @@ impl CudaExecutor {
     /// Whether this executor joined an NCCL communicator.
     pub fn has_nccl(&self) -> bool {
         self.data_parallel.is_some()
+    }
+
+    /// The NCCL group, once joined.
+    pub(super) fn nccl_group(&self) -> Option<&NcclGroup> {
+        self.data_parallel
+            .as_ref()
+            .map(|data_parallel| &data_parallel.group)
+    }
+
+    /// Tells the NCCL group (if any) that a stream capture of the compute stream starts
+    /// (`true`) or has ended (`false`): see `NcclGroup::begin_capture`.
+    pub(super) fn nccl_capture(&self, capturing: bool) {
+        if let Some(group) = self.nccl_group() {
+            match capturing {
+                true => group.begin_capture(),
+                false => group.end_capture(),
+            }
+        }
+    }
+
+    /// After a whole step that ran as `run`: with an NCCL group, gives everything queued on
+    /// the compute stream (the step, its collectives included) the timeout to finish.
+    pub(super) fn watch_step(&self, run: StepRun) -> Result<(), GpuError> {
+        if let Some(group) = self.nccl_group() {
+            group.watch(&self.stream, step_deadline_name(run))?;
+        }
+        Ok(())
+    }
+
+    /// Takes the captured graphs out and destroys them, before the NCCL group whose
+    /// collectives they hold goes: NCCL releases a captured collective's resources through
+    /// the communicator once the graph is destroyed and its launches finished, so with a group
+    /// the stream is drained first. After an abort, when the communicator is gone, they are
+    /// leaked instead (the run is ending with the error).
+    pub(super) fn release_graphs(&mut self) {
+        let graphs = self.graphs.take_graphs();
+        if graphs.is_empty() {
+            return;
+        }
+        if self.has_nccl() {
+            // Bounded: a launch stuck on a dead peer is aborted by the watchdog.
+            let drained = self.stream.synchronize().is_ok();
+            if !drained || self.nccl_health().is_err() {
+                std::mem::forget(graphs);
+                return;
+            }
+        }
+        drop(graphs);
     }
 
     /// The NCCL watchdog's verdict: an error once a collective timed out or failed (the
@@ -84,15 +137,24 @@ impl CudaExecutor {
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))
             .map_err(device)?;
-        if self.data_parallel.is_none() {
-            return Err(device(GpuError::NoCommunicator));
-        }
+        self.restart_buckets().map_err(device)?;
         self.grads_on_host = 0;
         self.gradients_to_host = false;
         self.all_reducing = true;
         let walked = self.backward_reporting(model, plan, loss_scale, bn_sync, None);
         self.all_reducing = false;
         walked
+    }
+
+    /// Starts the bucket cursor over for a backward that all-reduces (see
+    /// `BucketCursor::restart`).
+    pub(super) fn restart_buckets(&mut self) -> Result<(), GpuError> {
+        let data_parallel = self
+            .data_parallel
+            .as_mut()
+            .ok_or(GpuError::NoCommunicator)?;
+        data_parallel.cursor.restart();
+        Ok(())
     }
 
     /// Queues the all-reduce of every bucket the backward has not handed out (all of them
@@ -209,6 +271,16 @@ impl CudaExecutor {
     }
 }
 
+/// What a step's deadline is called in the error when it passes.
+fn step_deadline_name(run: StepRun) -> String {
+    let how = match run {
+        StepRun::Eager => "run eagerly",
+        StepRun::Capture => "just captured as a CUDA graph",
+        StepRun::Replay => "replayed from a CUDA graph",
+    };
+    format!("all-reduce of the gradients inside a training step ({how})")
+}
+
 /// `Ok` when `buckets` are contiguous ranges from 0 covering exactly `len` gradients.
 fn check_buckets(buckets: &[Range<usize>], len: usize) -> Result<(), GpuError> {
     let mut end = 0;
@@ -233,6 +305,28 @@ fn check_buckets(buckets: &[Range<usize>], len: usize) -> Result<(), GpuError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_deadline_says_how_the_step_ran() {
+        assert_eq!(
+            step_deadline_name(StepRun::Replay),
+            "all-reduce of the gradients inside a training step (replayed from a CUDA graph)"
+        );
+        assert_eq!(
+            step_deadline_name(StepRun::Eager),
+            "all-reduce of the gradients inside a training step (run eagerly)"
+        );
+        let timed_out = crate::collective::CollectiveError::TimedOut {
+            what: step_deadline_name(StepRun::Capture),
+            waited: Duration::from_secs(2),
+        };
+        assert_eq!(
+            timed_out.to_string(),
+            "NCCL all-reduce of the gradients inside a training step (just captured as a CUDA \
+             graph) did not finish within 2s (--collective-timeout): a peer stopped answering; \
+             the communicator was aborted"
+        );
+    }
 
     #[test]
     fn buckets_must_cover_the_gradients_contiguously() {

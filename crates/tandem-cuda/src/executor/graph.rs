@@ -40,15 +40,13 @@ pub struct StepConditions {
     pub nccl: bool,
 }
 
-/// Why a step is not a single-process whole step that may be captured.
+/// Why a step is not a whole step that may be captured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NotWholeStep {
-    /// Several processes: the gradients cross the host (or NCCL) inside the step.
+    /// Several processes on the host ring: the gradients cross the host inside the step.
     DataParallel,
     /// SyncBatchNorm: statistics cross the host inside the step.
     SyncBatchNorm,
-    /// An NCCL group (a second stream, collectives inside the step).
-    Nccl,
     /// Gradient accumulation over this many micro-batches.
     MicroBatches(usize),
 }
@@ -62,7 +60,6 @@ impl fmt::Display for NotWholeStep {
             NotWholeStep::SyncBatchNorm => {
                 write!(f, "--sync-bn sums batch statistics through the host")
             }
-            NotWholeStep::Nccl => write!(f, "steps with NCCL collectives are not captured yet"),
             NotWholeStep::MicroBatches(count) => write!(
                 f,
                 "--grad-accum {count}: steps of several micro-batches are not captured"
@@ -72,14 +69,13 @@ impl fmt::Display for NotWholeStep {
 }
 
 impl StepConditions {
-    /// `None` when the step is a single-process step of one micro-batch (the executor's
-    /// `train_step`, eager or graphed), else the first reason it is not.
+    /// `None` when the step is one micro-batch without SyncBatchNorm, in one process or
+    /// with its gradients averaged through NCCL (the executor's `train_step`, eager or
+    /// graphed, the bucket all-reduces inside it), else the first reason it is not.
     pub fn refusal(&self) -> Option<NotWholeStep> {
-        if self.nccl {
-            Some(NotWholeStep::Nccl)
-        } else if self.sync_bn {
+        if self.sync_bn {
             Some(NotWholeStep::SyncBatchNorm)
-        } else if self.data_parallel {
+        } else if self.data_parallel && !self.nccl {
             Some(NotWholeStep::DataParallel)
         } else if self.micro_batches != 1 {
             Some(NotWholeStep::MicroBatches(self.micro_batches))
@@ -228,6 +224,18 @@ impl<G> GraphSchedule<G> {
         self.off.is_none()
     }
 
+    /// Takes every graph out of the schedule (graphs stay on or off as they were; each key
+    /// runs eagerly next), so that the caller decides when and whether they are destroyed.
+    pub fn take_graphs(&mut self) -> Vec<G> {
+        self.entries
+            .drain()
+            .filter_map(|(_, entry)| match entry {
+                Entry::Captured { graph, .. } => Some(graph),
+                Entry::Seen => None,
+            })
+            .collect()
+    }
+
     /// Graphs kept.
     pub fn captured(&self) -> usize {
         self.entries
@@ -264,7 +272,7 @@ mod tests {
     }
 
     #[test]
-    fn only_single_process_steps_of_one_micro_batch_are_whole_steps() {
+    fn steps_of_one_micro_batch_alone_or_through_nccl_are_whole_steps() {
         let plain = StepConditions {
             micro_batches: 1,
             data_parallel: false,
@@ -272,6 +280,12 @@ mod tests {
             nccl: false,
         };
         assert_eq!(plain.refusal(), None);
+        let nccl = StepConditions {
+            data_parallel: true,
+            nccl: true,
+            ..plain
+        };
+        assert_eq!(nccl.refusal(), None, "the common DDP step through NCCL");
         let cases = [
             (
                 StepConditions {
@@ -301,12 +315,19 @@ mod tests {
             ),
             (
                 StepConditions {
-                    data_parallel: true,
-                    nccl: true,
-                    ..plain
+                    sync_bn: true,
+                    ..nccl
                 },
-                NotWholeStep::Nccl,
-                "steps with NCCL collectives are not captured yet",
+                NotWholeStep::SyncBatchNorm,
+                "--sync-bn sums batch statistics through the host",
+            ),
+            (
+                StepConditions {
+                    micro_batches: 4,
+                    ..nccl
+                },
+                NotWholeStep::MicroBatches(4),
+                "--grad-accum 4: steps of several micro-batches are not captured",
             ),
         ];
         for (conditions, reason, message) in cases {
@@ -363,6 +384,14 @@ mod tests {
         assert_eq!(schedule.captured(), 2);
         assert!(schedule.is_on());
         assert_eq!(schedule.take_off_reason(), None);
+        // Taking the graphs out (before the NCCL group they use goes) starts every key over.
+        let mut taken = schedule.take_graphs();
+        taken.sort();
+        assert_eq!(taken, vec!["graph 256", "graph 80"]);
+        assert_eq!(schedule.captured(), 0);
+        assert!(schedule.is_on());
+        assert_eq!(schedule.next_run(&key(256), 0), StepRun::Eager);
+        assert_eq!(schedule.next_run(&key(256), 0), StepRun::Capture);
     }
 
     #[test]

@@ -695,10 +695,12 @@ pub fn precision_supported(precision: Precision, arch: GpuArch) -> bool {
 }
 
 impl Drop for CudaExecutor {
-    /// Ends the NCCL group first (its stream may still use the flat buffers, which the fields'
-    /// own drops free), waits for the stream, then destroys the cuBLAS handle without
-    /// panicking when the context is broken; the other fields drop after this, in order.
+    /// Destroys the captured graphs (they may hold the NCCL group's collectives), ends the
+    /// NCCL group (its stream may still use the flat buffers, which the fields' own drops
+    /// free), waits for the stream, then destroys the cuBLAS handle without panicking when
+    /// the context is broken; the other fields drop after this, in order.
     fn drop(&mut self) {
+        self.release_graphs();
         self.data_parallel = None;
         let healthy = self.context.bind_to_thread().is_ok() && self.stream.synchronize().is_ok();
         if healthy {

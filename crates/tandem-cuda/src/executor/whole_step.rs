@@ -1,5 +1,7 @@
-//! A whole single-process training step ([`CudaExecutor::train_step`]): zeroed gradients,
-//! forward, loss, backward and optimizer, run eagerly or as a CUDA graph (see `graph.rs`).
+//! A whole training step ([`CudaExecutor::train_step`]): zeroed gradients, forward, loss,
+//! backward (with an NCCL group joined, each finished gradient bucket all-reduced on the
+//! group's stream, as `data_parallel.rs` does eagerly) and optimizer, run eagerly or as a CUDA
+//! graph (see `graph.rs`).
 //!
 //! The step is split so that the same kernels run on the same inputs either way:
 //! 1. *inputs*, on the host: the storage is prepared (allocation, cuDNN's algorithm search),
@@ -10,10 +12,23 @@
 //!    by-value argument; this is what is captured and replayed;
 //! 3. *result*: one synchronization, the loss and the bad-label record read back.
 //!
-//! Nothing in the body touches a `cudarc` event: the executor's context does not track them
-//! (`CudaExecutor::new`), so `device_ptr` neither waits on nor records one. Capture is in
+//! Nothing in the body touches a `cudarc` event but the NCCL group's own (below): the
+//! executor's context does not track them (`CudaExecutor::new`), so `device_ptr` neither
+//! waits on nor records one. Capture is in
 //! `THREAD_LOCAL` mode: the executor is driven by one thread, and no other thread's legal
-//! CUDA calls (e.g. a future NCCL watchdog's `cuEventQuery`) can invalidate its capture.
+//! CUDA calls (e.g. the NCCL watchdog's `cuEventQuery` of earlier steps' events) can
+//! invalidate its capture.
+//!
+//! With NCCL (version 2.9 or later captures collectives) the group's stream joins the capture
+//! through the event it waits on, recorded on the capturing stream, and rejoins it through the
+//! event the compute stream waits on at the end of the backward; the bucket sums (and
+//! divisions by the world size) are nodes of the graph, ordered by those events as eagerly.
+//! Inside the capture the group holds its events and registers none with the watchdog (a
+//! query would invalidate the capture, and they mark nothing at a launch); after every step,
+//! eager or launched, one event recorded on the compute stream after the whole step is the
+//! step's deadline, so a peer that stops answering inside a graph still ends in
+//! `ncclCommAbort` and a named error within the timeout. A graph is launched only on a
+//! communicator that was not aborted (its NCCL kernels address the communicator).
 
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
@@ -125,7 +140,10 @@ impl CudaExecutor {
     /// `num_batches_tracked`). The first step of a key (batch shape, optimizer, label
     /// smoothing, image source) runs eagerly, the second is captured as a CUDA graph and the
     /// later ones replay it, unless graphs are off; a failure to capture turns them off and
-    /// the step runs eagerly, with the same result.
+    /// the step runs eagerly, with the same result. With an NCCL group joined, the backward
+    /// averages each finished gradient bucket over the ranks inside the step (captured with
+    /// it), the end of the step is given the collective timeout, and a collective that timed
+    /// out or failed is the step's error.
     pub fn train_step(
         &mut self,
         model: &Model,
@@ -164,10 +182,6 @@ impl CudaExecutor {
             label_smoothing_bits: step.loss.label_smoothing.to_bits(),
             images: images_key,
         };
-        if self.data_parallel.is_some() {
-            self.graphs
-                .turn_off("steps with NCCL collectives are not captured yet".to_string());
-        }
         let labels = step.labels;
         let gathered = self.load_step_inputs(plan, step).map_err(device)?;
         let dataset = gathered.as_deref();
@@ -176,11 +190,8 @@ impl CudaExecutor {
                 self.step_body(model, plan, dataset)?;
                 StepRun::Eager
             }
-            StepRun::Capture => match self.capture_and_launch(model, plan, dataset) {
-                Ok(graph) => {
-                    self.graphs.store(key, self.generation, graph);
-                    StepRun::Capture
-                }
+            StepRun::Capture => match self.capture_and_launch(model, plan, dataset, &key) {
+                Ok(()) => StepRun::Capture,
                 Err(reason) => {
                     self.graphs.turn_off(reason);
                     self.step_body(model, plan, dataset)?;
@@ -193,14 +204,16 @@ impl CudaExecutor {
                         "replaying a graph that was not captured",
                     ))
                 })?;
-                graph
-                    .launch()
-                    .map_err(driver("cuGraphLaunch"))
-                    .map_err(device)?;
+                self.launch_graph(graph).map_err(device)?;
                 StepRun::Replay
             }
         };
-        let loss = self.read_loss(labels)?;
+        self.watch_step(run).map_err(device)?;
+        let loss = self.read_loss(labels);
+        // A collective that timed out or failed is the step's error (the loss read after the
+        // abort is meaningless).
+        self.nccl_health().map_err(device)?;
+        let loss = loss?;
         Ok(StepOutcome {
             loss,
             run,
@@ -270,17 +283,22 @@ impl CudaExecutor {
         self.loss_kernels(self.label_smoothing).map_err(device)?;
         self.grads_on_host = 0;
         self.gradients_to_host = false;
-        self.all_reducing = false;
+        self.all_reducing = self.has_nccl();
+        if self.all_reducing {
+            self.restart_buckets().map_err(device)?;
+        }
         let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
         let mut ready = GradientsReady::new(&mut ignore);
-        model.backward_on(self, plan, 1.0, None, &mut ready)?;
+        let walked = model.backward_on(self, plan, 1.0, None, &mut ready);
+        self.all_reducing = false;
+        walked?;
         self.take_error().map_err(device)?;
+        if self.has_nccl() {
+            self.finish_all_reduce().map_err(device)?;
+        }
         self.launch_optimizer().map_err(device)
     }
 
-    /// Captures the step's body as a graph, instantiates and launches it (the captured work
-    /// has not run). On any failure the capture is ended, its error cleared, and the reason
-    /// returned: nothing of the body ran, and the caller runs it eagerly.
     /// Ends a capture that cudarc's `end_capture` left open (it returns early, before
     /// `cuStreamEndCapture`, when the context recorded an error), discarding what was
     /// captured, so that the eager fallback runs on a stream that is not capturing.
@@ -301,22 +319,33 @@ impl CudaExecutor {
         }
     }
 
+    /// Captures the step's body as a graph, instantiates and launches it (the captured work
+    /// had not run), and keeps it under `key`. On any failure the capture is ended, its error
+    /// cleared, and the reason returned: nothing of the body ran (a failed launch ran
+    /// nothing either), and the caller runs it eagerly.
     fn capture_and_launch(
         &mut self,
         model: &Model,
         plan: &Plan,
         dataset: Option<&DeviceDataset>,
-    ) -> Result<CudaGraph, String> {
+        key: &GraphKey,
+    ) -> Result<(), String> {
         let algorithms = self.algorithms.len();
         let generation = self.generation;
-        self.stream
+        self.nccl_capture(true);
+        if let Err(status) = self
+            .stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|status| format!("cuStreamBeginCapture failed: {status:?}"))?;
+        {
+            self.nccl_capture(false);
+            return Err(format!("cuStreamBeginCapture failed: {status:?}"));
+        }
         let body = self.step_body(model, plan, dataset);
         let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
         if ended.is_err() {
             self.end_open_capture();
         }
+        self.nccl_capture(false);
         let kept = self.take_error();
         // `prepare` searched for every convolution's algorithms before the capture, so a miss
         // of the cache here would be a shape outside the plan.
@@ -331,9 +360,18 @@ impl CudaExecutor {
         let graph = ended
             .map_err(|status| format!("cuStreamEndCapture/cuGraphInstantiate failed: {status:?}"))?
             .ok_or_else(|| "cuStreamEndCapture captured no graph".to_string())?;
-        graph
-            .launch()
-            .map_err(|status| format!("cuGraphLaunch of the new graph failed: {status:?}"))?;
-        Ok(graph)
+        self.launch_graph(&graph)
+            .map_err(|error| format!("the first launch of the new graph failed: {error}"))?;
+        self.graphs.store(*key, self.generation, graph);
+        Ok(())
+    }
+
+    /// Launches `graph` on the executor's stream; with an NCCL group, through the group,
+    /// which refuses once its communicator was aborted.
+    fn launch_graph(&self, graph: &CudaGraph) -> Result<(), GpuError> {
+        match self.nccl_group() {
+            Some(group) => Ok(group.launch_captured(|| graph.launch())?),
+            None => graph.launch().map_err(driver("cuGraphLaunch")),
+        }
     }
 }

@@ -42,7 +42,7 @@ use crate::evaluation::{evaluate, Evaluation};
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use batches::{EpochBatches, IndexBatches, MicroBatch};
-use ddp::Ddp;
+use ddp::{graphs_agree, Ddp};
 use history::{write_history, EpochRecord};
 use mirror::{localize, Mirror};
 use placement::find_placement_of;
@@ -686,9 +686,6 @@ impl Trainer {
                 }
             }
         }
-        let local_stop = self.stop_requested.load(Ordering::Relaxed);
-        let mut mean_loss = loss_sum / micro_batches.len().max(1) as f64;
-        let mut stop = local_stop;
         if let Some(ddp) = self.ddp.as_mut() {
             match nccl {
                 true => self.compute.finish_all_reduce()?,
@@ -696,11 +693,9 @@ impl Trainer {
                     .compute
                     .with_host_grads(|grads| ddp.finish_gradients(grads))?,
             }
-            let mut sums = [mean_loss, if local_stop { 1.0 } else { 0.0 }];
-            ddp.sum_f64(&mut sums)?;
-            mean_loss = sums[0] / ddp.world_size() as f64;
-            stop = sums[1] > 0.0;
         }
+        let (mean_loss, stop) =
+            self.over_the_ranks(loss_sum / micro_batches.len().max(1) as f64, None)?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -717,16 +712,23 @@ impl Trainer {
         })
     }
 
-    /// [`Trainer::averaged_step`] of one micro-batch in one process on a GPU: one
-    /// [`Compute::train_step`] (captured as a CUDA graph after its first run). The loss is
-    /// read after the update, so a non-finite loss stops the run after that step's update
-    /// rather than before it (the run ends with the same error and writes nothing).
+    /// [`Trainer::averaged_step`] of one micro-batch on a GPU, in one process or with the
+    /// gradients averaged through NCCL: one [`Compute::train_step`] (captured as a CUDA graph
+    /// after its first run, the bucket all-reduces inside it). With NCCL, rank 0's running
+    /// statistics are broadcast before it, eagerly, as the other NCCL steps do (outside the
+    /// graph: the broadcast keeps its own deadline with the watchdog and the graph stays the
+    /// body of the step alone). The loss is read after the update, so a non-finite loss stops
+    /// the run after that step's update rather than before it (the run ends with the same
+    /// error and writes nothing).
     fn whole_step(&mut self, batch: &MicroBatch, lr: f64) -> anyhow::Result<StepOutcome> {
         let loss_options = LossOptions {
             label_smoothing: self.settings.label_smoothing as f32,
         };
         let (height, width) = (self.train_set.height, self.train_set.width);
         let momentum = self.schedule.momentum_at(self.progress.global_step);
+        if self.ddp.is_some() {
+            self.compute.broadcast_on_device(false)?;
+        }
         let loss = self.compute.train_step(
             batch.images(self.progress.epoch),
             batch.len(),
@@ -737,8 +739,8 @@ impl Trainer {
             lr,
             momentum,
         )?;
-        let stop = self.stop_requested.load(Ordering::Relaxed);
-        let mean_loss = f64::from(loss);
+        let graphed = self.compute.last_step_graphed();
+        let (mean_loss, stop) = self.over_the_ranks(f64::from(loss), Some(graphed))?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -751,6 +753,30 @@ impl Trainer {
             images: batch.len(),
             stop,
         })
+    }
+
+    /// This rank's mean loss of the step and whether to stop, as the job's: the mean loss
+    /// over the ranks and whether any rank was asked to stop (summed on the host ring); this
+    /// rank's own without DDP. With `graphed` (a whole step through NCCL: whether this rank
+    /// ran it as a CUDA graph), the ranks that did are counted too, and an error says so when
+    /// not all or none did (NCCL requires every rank's collectives captured alike).
+    fn over_the_ranks(
+        &mut self,
+        mean_loss: f64,
+        graphed: Option<bool>,
+    ) -> anyhow::Result<(f64, bool)> {
+        let local_stop = self.stop_requested.load(Ordering::Relaxed);
+        let Some(ddp) = self.ddp.as_mut() else {
+            return Ok((mean_loss, local_stop));
+        };
+        let flag = |on: bool| if on { 1.0 } else { 0.0 };
+        let mut sums = vec![mean_loss, flag(local_stop)];
+        sums.extend(graphed.map(flag));
+        ddp.sum_f64(&mut sums)?;
+        if let Some(&graphed_ranks) = sums.get(2) {
+            graphs_agree(graphed_ranks, ddp.world_size())?;
+        }
+        Ok((sums[0] / ddp.world_size() as f64, sums[1] > 0.0))
     }
 
     /// Evaluates, records and prints the epoch, and writes checkpoint and snapshot.
