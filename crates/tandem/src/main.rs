@@ -102,10 +102,13 @@ fn main() {
 fn report_fatal_error(error: &anyhow::Error) {
     use tandem_dist::cluster::contract::{WorkerErrorRecord, ERROR_FILE_ENV};
     let rank = worker_rank();
-    match rank.filter(|rank| *rank != 0) {
-        Some(rank) => eprintln!("[rank {rank}] error: {error:#}"),
-        None => eprintln!("error: {error:#}"),
-    }
+    let line = match rank.filter(|rank| *rank != 0) {
+        Some(rank) => format!("[rank {rank}] error: {error:#}\n"),
+        None => format!("error: {error:#}\n"),
+    };
+    // One write: `eprintln!` writes its pieces one by one to the unbuffered stderr, and the
+    // lines of ranks sharing a terminal or pipe (mpirun, srun) would interleave mid-line.
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
     if let Some(path) = std::env::var_os(ERROR_FILE_ENV) {
         let record = WorkerErrorRecord::now(rank, format!("{error:#}"));
         if let Err(write_error) =
