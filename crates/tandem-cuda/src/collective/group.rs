@@ -158,19 +158,24 @@ impl Communicator {
     /// Aborts the communicator unless a call has just entered NCCL (then the next look
     /// will); returns whether it is aborted.
     fn abort_when_safe(&self, now: Instant) -> bool {
-        let mut state = self.state();
-        if state.aborted {
-            return true;
-        }
-        if let Some((_, since)) = state.in_call {
-            if now.saturating_duration_since(since) < BLOCKED_GRACE {
-                return false;
+        {
+            let mut state = self.state();
+            if state.aborted {
+                return true;
             }
+            if let Some((_, since)) = state.in_call {
+                if now.saturating_duration_since(since) < BLOCKED_GRACE {
+                    return false;
+                }
+            }
+            state.aborted = true;
         }
-        // SAFETY: `raw` came from a successful `ncclCommInitRank`; `aborted` (under the
-        // lock) makes this the only abort, and no call starts on it afterwards.
+        // Outside the lock: with captured graphs alive the abort blocks until the owner
+        // destroys them, and an owner's call waiting for the lock would never get there.
+        // SAFETY: `raw` came from a successful `ncclCommInitRank`; `aborted`, set under the
+        // lock above, makes this the only abort, and no owner's call starts after it (a call
+        // already inside NCCL is one NCCL allows an abort beside).
         let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
-        state.aborted = true;
         true
     }
 

@@ -94,22 +94,22 @@ impl CudaExecutor {
     }
 
     /// Takes the captured graphs out and destroys them, before the NCCL group whose
-    /// collectives they hold goes: NCCL releases a captured collective's resources through
-    /// the communicator once the graph is destroyed and its launches finished, so with a group
-    /// the stream is drained first. After an abort, when the communicator is gone, they are
-    /// leaked instead (the run is ending with the error).
+    /// collectives they hold goes. Always, after an abort too: NCCL's abort and destroy wait
+    /// until every graph holding the communicator's collectives is destroyed
+    /// (`commDestroySync` in NCCL's `init.cc` polls until the graphs' persistent references
+    /// die), so a graph kept alive would hang the watchdog's abort and the group's drop. A
+    /// graph still running is freed when it completes (`cuGraphExecDestroy`); its NCCL
+    /// kernels return once the communicator is aborted. Only a broken context (a sticky
+    /// error), where destroying may fail and NCCL's destroy gives up before that wait, leaks
+    /// them.
     pub(super) fn release_graphs(&mut self) {
         let graphs = self.graphs.take_graphs();
         if graphs.is_empty() {
             return;
         }
-        if self.has_nccl() {
-            // Bounded: a launch stuck on a dead peer is aborted by the watchdog.
-            let drained = self.stream.synchronize().is_ok();
-            if !drained || self.nccl_health().is_err() {
-                std::mem::forget(graphs);
-                return;
-            }
+        if self.context.bind_to_thread().is_err() {
+            std::mem::forget(graphs);
+            return;
         }
         drop(graphs);
     }
