@@ -246,8 +246,8 @@ struct GpuSide {
     eval_set: Option<(DeviceDataset, usize)>,
     /// Whether the note saying why CUDA graphs are off was printed.
     graphs_off_noted: bool,
-    /// Whether the last [`Compute::train_step`] was captured or replayed as a CUDA graph.
-    last_step_graphed: bool,
+    /// How the last [`Compute::train_step`] ran: eagerly, captured or replayed.
+    last_step_run: Option<StepRun>,
 }
 
 impl Compute {
@@ -273,7 +273,7 @@ impl Compute {
                     train_set: None,
                     eval_set: None,
                     graphs_off_noted: false,
-                    last_step_graphed: false,
+                    last_step_run: None,
                 }))
             }
         };
@@ -590,7 +590,7 @@ impl Compute {
         if let Some(reason) = &outcome.graphs_off {
             note_graphs_off(&mut gpu.graphs_off_noted, reason);
         }
-        gpu.last_step_graphed = outcome.run != StepRun::Eager;
+        gpu.last_step_run = Some(outcome.run);
         if outcome.run == StepRun::Capture {
             eprintln!(
                 "note: CUDA graphs on: training steps of {batch} images of {height}x{width} replay one captured graph"
@@ -599,10 +599,13 @@ impl Compute {
         Ok(outcome.loss)
     }
 
-    /// Whether the last [`Compute::train_step`] ran as a CUDA graph (captured or replayed);
-    /// `false` on the CPU.
-    pub fn last_step_graphed(&self) -> bool {
-        matches!(&self.engine, Engine::Cuda(gpu) if gpu.last_step_graphed)
+    /// How the last [`Compute::train_step`] ran (eagerly, captured, replayed); `None` on the
+    /// CPU.
+    pub fn last_step_run(&self) -> Option<StepRun> {
+        match &self.engine {
+            Engine::Cuda(gpu) => gpu.last_step_run,
+            Engine::Cpu { .. } => None,
+        }
     }
 
     /// Backward of the last [`Compute::forward_train`]: adds the gradients of `loss_scale ·

@@ -315,18 +315,35 @@ impl BatchNormReducer for DdpBatchNormReducer<'_> {
     }
 }
 
-/// `Ok` when the `graphed_ranks` (summed flags) that ran a whole step through NCCL as a CUDA
-/// graph are none or all of `world_size`: NCCL requires whether a collective is captured to
-/// be the same on every rank, and a graph launched against another rank's eager collectives
-/// may hang or fail. A capture that failed on some ranks only (each falls back to eager steps
-/// with a note) is the likely cause.
-pub fn graphs_agree(graphed_ranks: f64, world_size: usize) -> anyhow::Result<()> {
-    let graphed = graphed_ranks.round() as usize;
+/// `Ok` when the ranks that ran a whole step through NCCL as a CUDA graph (`graphed_ranks`,
+/// summed flags), and those that captured a new graph for it (`captured_ranks`), are each
+/// none or all of `world_size`: NCCL requires whether a collective is captured to be the same
+/// on every rank, and every rank to launch graphs from the same collective capture; a graph
+/// launched against another rank's eager collectives, or beside another capture, may hang or
+/// compute wrongly. A capture that failed on some ranks only (each falls back to eager steps
+/// with a note), or a graph captured again on some ranks only (their workspace grew), is the
+/// likely cause.
+pub fn graphs_agree(
+    graphed_ranks: f64,
+    captured_ranks: f64,
+    world_size: usize,
+) -> anyhow::Result<()> {
+    let (graphed, captured) = (
+        graphed_ranks.round() as usize,
+        captured_ranks.round() as usize,
+    );
     anyhow::ensure!(
         graphed == 0 || graphed == world_size,
         "{graphed} of the {world_size} ranks ran this training step as a CUDA graph and the \
          others eagerly, but NCCL requires every rank to capture its collectives alike (a \
          capture failed on some rank: see its note); run with TANDEM_CUDA_GRAPHS=0"
+    );
+    anyhow::ensure!(
+        captured == 0 || captured == world_size,
+        "{captured} of the {world_size} ranks captured a new CUDA graph for this training step \
+         and the others replayed an earlier one, but NCCL requires every rank to launch graphs \
+         of the same capture (the ranks' convolution workspaces differ); run with \
+         TANDEM_CUDA_GRAPHS=0"
     );
     Ok(())
 }
@@ -337,11 +354,18 @@ mod tests {
 
     #[test]
     fn the_ranks_must_all_or_none_run_a_step_as_a_cuda_graph() {
-        assert!(graphs_agree(0.0, 4).is_ok());
-        assert!(graphs_agree(4.0, 4).is_ok());
-        assert!(graphs_agree(1.0, 1).is_ok());
+        assert!(graphs_agree(0.0, 0.0, 4).is_ok());
+        assert!(graphs_agree(4.0, 0.0, 4).is_ok());
+        assert!(graphs_agree(4.0, 4.0, 4).is_ok());
+        assert!(graphs_agree(1.0, 1.0, 1).is_ok());
         assert_eq!(
-            graphs_agree(3.0, 4).unwrap_err().to_string(),
+            graphs_agree(4.0, 1.0, 4).unwrap_err().to_string(),
+            "1 of the 4 ranks captured a new CUDA graph for this training step and the others \
+             replayed an earlier one, but NCCL requires every rank to launch graphs of the same \
+             capture (the ranks' convolution workspaces differ); run with TANDEM_CUDA_GRAPHS=0"
+        );
+        assert_eq!(
+            graphs_agree(3.0, 0.0, 4).unwrap_err().to_string(),
             "3 of the 4 ranks ran this training step as a CUDA graph and the others eagerly, \
              but NCCL requires every rank to capture its collectives alike (a capture failed \
              on some rank: see its note); run with TANDEM_CUDA_GRAPHS=0"

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use tandem_cuda::executor::graph::StepConditions;
+use tandem_cuda::executor::graph::{StepConditions, StepRun};
 use tandem_cuda::Device;
 use tandem_data::{
     eval_shard, Augment, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
@@ -739,8 +739,8 @@ impl Trainer {
             lr,
             momentum,
         )?;
-        let graphed = self.compute.last_step_graphed();
-        let (mean_loss, stop) = self.over_the_ranks(f64::from(loss), Some(graphed))?;
+        let run = self.compute.last_step_run();
+        let (mean_loss, stop) = self.over_the_ranks(f64::from(loss), run)?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -757,13 +757,14 @@ impl Trainer {
 
     /// This rank's mean loss of the step and whether to stop, as the job's: the mean loss
     /// over the ranks and whether any rank was asked to stop (summed on the host ring); this
-    /// rank's own without DDP. With `graphed` (a whole step through NCCL: whether this rank
-    /// ran it as a CUDA graph), the ranks that did are counted too, and an error says so when
-    /// not all or none did (NCCL requires every rank's collectives captured alike).
+    /// rank's own without DDP. With `run` (a whole step through NCCL: how this rank ran it),
+    /// the ranks that ran it as a CUDA graph, and those that captured a new one, are counted
+    /// too, and an error says so when not all or none did (NCCL requires every rank's
+    /// collectives captured alike, and launched from the same capture).
     fn over_the_ranks(
         &mut self,
         mean_loss: f64,
-        graphed: Option<bool>,
+        run: Option<StepRun>,
     ) -> anyhow::Result<(f64, bool)> {
         let local_stop = self.stop_requested.load(Ordering::Relaxed);
         let Some(ddp) = self.ddp.as_mut() else {
@@ -771,10 +772,12 @@ impl Trainer {
         };
         let flag = |on: bool| if on { 1.0 } else { 0.0 };
         let mut sums = vec![mean_loss, flag(local_stop)];
-        sums.extend(graphed.map(flag));
+        if let Some(run) = run {
+            sums.extend([flag(run != StepRun::Eager), flag(run == StepRun::Capture)]);
+        }
         ddp.sum_f64(&mut sums)?;
-        if let Some(&graphed_ranks) = sums.get(2) {
-            graphs_agree(graphed_ranks, ddp.world_size())?;
+        if let [_, _, graphed_ranks, captured_ranks] = sums[..] {
+            graphs_agree(graphed_ranks, captured_ranks, ddp.world_size())?;
         }
         Ok((sums[0] / ddp.world_size() as f64, sums[1] > 0.0))
     }
