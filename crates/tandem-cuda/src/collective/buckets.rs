@@ -73,23 +73,18 @@ pub enum BucketOp {
 }
 
 /// The work to queue for the buckets numbered `indices` of `buckets` (one wait for the
-/// compute stream, then each bucket's sum and, with several ranks, its division by the world
-/// size; one rank's sum is its own value, which a division by 1 would not change), ending
-/// with the hand-back to the compute stream when `last` (the end of the backward).
-pub fn bucket_ops(
-    buckets: &[Range<usize>],
-    indices: Range<usize>,
-    world_size: usize,
-    last: bool,
-) -> Vec<BucketOp> {
+/// compute stream, then each bucket's sum and its division by the world size), ending with
+/// the hand-back to the compute stream when `last` (the end of the backward). One rank
+/// divides too: by 1, which changes no bit, and its NCCL sum is a no-op, so the division is
+/// what puts work on the collectives' stream (and into a captured step) at world size 1, the
+/// only NCCL a machine with one GPU can run.
+pub fn bucket_ops(buckets: &[Range<usize>], indices: Range<usize>, last: bool) -> Vec<BucketOp> {
     let mut ops = Vec::new();
     if !indices.is_empty() {
         ops.push(BucketOp::WaitForCompute);
         for bucket in &buckets[indices] {
             ops.push(BucketOp::AllReduceSum(bucket.clone()));
-            if world_size > 1 {
-                ops.push(BucketOp::DivideByWorld(bucket.clone()));
-            }
+            ops.push(BucketOp::DivideByWorld(bucket.clone()));
         }
     }
     if last {
@@ -110,9 +105,9 @@ mod tests {
         let mut queued = Vec::new();
         for end in [4, 10] {
             let finished = cursor.finished_up_to(end);
-            queued.extend(bucket_ops(&buckets, finished, 2, false));
+            queued.extend(bucket_ops(&buckets, finished, false));
         }
-        queued.extend(bucket_ops(&buckets, cursor.rest(), 2, true));
+        queued.extend(bucket_ops(&buckets, cursor.rest(), true));
         use BucketOp::*;
         assert_eq!(
             queued,
@@ -128,18 +123,21 @@ mod tests {
                 HandBack,
             ]
         );
-        // One rank: no division; a backward that reported nothing sends every bucket at the end.
+        // A backward that reported nothing sends every bucket at the end.
         assert_eq!(
-            bucket_ops(&buckets, cursor.rest(), 1, true),
+            bucket_ops(&buckets, cursor.rest(), true),
             vec![
                 WaitForCompute,
                 AllReduceSum(0..3),
+                DivideByWorld(0..3),
                 AllReduceSum(3..7),
+                DivideByWorld(3..7),
                 AllReduceSum(7..10),
+                DivideByWorld(7..10),
                 HandBack,
             ]
         );
-        assert_eq!(bucket_ops(&buckets, 3..3, 2, false), Vec::new());
+        assert_eq!(bucket_ops(&buckets, 3..3, false), Vec::new());
     }
 
     #[test]

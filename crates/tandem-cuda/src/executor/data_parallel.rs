@@ -236,7 +236,7 @@ impl CudaExecutor {
         let buckets = data_parallel.cursor.buckets();
         let world_size = group.world_size();
         let base = self.grads.address(&self.stream);
-        for op in bucket_ops(buckets, indices, world_size, last) {
+        for op in bucket_ops(buckets, indices, last) {
             match op {
                 BucketOp::WaitForCompute => group.wait_for(&self.stream)?,
                 // SAFETY: `check_buckets` made every bucket lie inside the gradient buffer (one
