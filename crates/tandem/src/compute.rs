@@ -23,7 +23,7 @@
 //! **The GPU side has not yet run on a GPU**: it compiles here and the GPU tests
 //! (`tests/gpu_train.rs`) wait for a machine with one.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use anyhow::Context;
 use tandem_cuda::executor::graph::{StepConditions, StepRun};
@@ -241,9 +241,9 @@ struct GpuSide {
     optimizer: Option<OptimizerConfig>,
     /// The training set in GPU memory, once uploaded.
     train_set: Option<DeviceDataset>,
-    /// The test set in GPU memory, once uploaded, with the address of the host data set it
-    /// copies (so that only its evaluations use it).
-    eval_set: Option<(DeviceDataset, usize)>,
+    /// The test set in GPU memory, once uploaded, with the host data set it copies (so that
+    /// only its evaluations use it; the `Weak` keeps its address from being reused).
+    eval_set: Option<(DeviceDataset, Weak<Dataset>)>,
     /// Whether the note saying why CUDA graphs are off was printed.
     graphs_off_noted: bool,
     /// How the last [`Compute::train_step`] ran: eagerly, captured or replayed.
@@ -362,7 +362,7 @@ impl Compute {
             return Ok(None);
         };
         if let Engine::Cuda(gpu) = &mut self.engine {
-            gpu.eval_set = Some((uploaded, Arc::as_ptr(dataset) as usize));
+            gpu.eval_set = Some((uploaded, Arc::downgrade(dataset)));
         }
         Ok(Some(bytes))
     }
@@ -370,7 +370,7 @@ impl Compute {
     /// Whether evaluations of `dataset` run from its copy in GPU memory.
     pub fn evaluates_on_device(&self, dataset: &Arc<Dataset>) -> bool {
         matches!(&self.engine, Engine::Cuda(gpu)
-            if gpu.eval_set.as_ref().map(|(_, source)| *source) == Some(Arc::as_ptr(dataset) as usize))
+            if gpu.eval_set.as_ref().is_some_and(|(_, source)| source.ptr_eq(&Arc::downgrade(dataset))))
     }
 
     /// Evaluation forward of the images `indices` of the test set in GPU memory (see
