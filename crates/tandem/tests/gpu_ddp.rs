@@ -27,7 +27,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    children, expect_success, read_tensors, run_bounded, synthetic_run, tandem, with_flag,
+    expect_success, read_tensors, run_bounded, synthetic_run, tandem, with_flag,
     worst_error_per_family, Launcher,
 };
 use tandem_cuda::device::REQUIRED_LIBRARIES;
@@ -264,21 +264,6 @@ fn two_worker_job(output_dir: &Path, epochs: usize, extra: &[&str]) -> Vec<Strin
     train
 }
 
-/// The process id of the launcher's worker of `rank` (from its environment's `RANK`).
-fn worker(launcher: &Launcher, rank: usize) -> u32 {
-    let wanted = format!("RANK={rank}");
-    children(launcher.pid())
-        .into_iter()
-        .find(|pid| {
-            std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| {
-                environ
-                    .split(|&byte| byte == 0)
-                    .any(|entry| entry == wanted.as_bytes())
-            })
-        })
-        .unwrap_or_else(|| panic!("no worker of rank {rank}"))
-}
-
 /// Waits until rank 0's log shows step 2 of training.
 fn wait_for_training(output_dir: &Path, launcher: &mut Launcher) {
     let deadline = Instant::now() + LIMIT;
@@ -328,7 +313,7 @@ fn kill_9_of_one_of_two_gpu_workers_restarts_and_ends_bit_identical() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    let victim = worker(&launcher, 1);
+    let victim = launcher.worker(1);
     // SAFETY: plain kill(2) of a child process id just read.
     assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
     let status = launcher.wait(LIMIT);
@@ -363,7 +348,7 @@ fn a_stopped_gpu_worker_ends_every_rank_within_the_timeout_and_is_named() {
         "stopped",
     );
     wait_for_training(&output, &mut launcher);
-    let stuck = worker(&launcher, 1);
+    let stuck = launcher.worker(1);
     let stopped_at = Instant::now();
     // SAFETY: plain kill(2) of a child process id just read.
     assert_eq!(unsafe { libc::kill(stuck as i32, libc::SIGSTOP) }, 0);

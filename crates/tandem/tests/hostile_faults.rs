@@ -65,21 +65,6 @@ impl Launcher {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-
-    /// The worker of rank `rank`, from the environment of the launcher's children.
-    fn worker(&self, rank: usize) -> u32 {
-        let wanted = format!("RANK={rank}");
-        children(self.pid())
-            .into_iter()
-            .find(|pid| {
-                std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| {
-                    environ
-                        .split(|&byte| byte == 0)
-                        .any(|entry| entry == wanted.as_bytes())
-                })
-            })
-            .unwrap_or_else(|| panic!("no worker of rank {rank}"))
-    }
 }
 
 /// A training job of many short epochs: long enough to strike in the middle.

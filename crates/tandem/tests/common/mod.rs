@@ -255,6 +255,21 @@ impl Launcher {
         }
     }
 
+    /// The process id of its worker of `rank` (from the worker's environment's `RANK`).
+    pub fn worker(&self, rank: usize) -> u32 {
+        let wanted = format!("RANK={rank}");
+        children(self.pid())
+            .into_iter()
+            .find(|pid| {
+                std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| {
+                    environ
+                        .split(|&byte| byte == 0)
+                        .any(|entry| entry == wanted.as_bytes())
+                })
+            })
+            .unwrap_or_else(|| panic!("no worker of rank {rank}"))
+    }
+
     /// What it has written to standard error so far.
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(&self.stderr).unwrap_or_default()
