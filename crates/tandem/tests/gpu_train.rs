@@ -14,11 +14,11 @@ mod common;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{
-    expect_success, read_tensors, run_bounded, synthetic_run, tandem, with_flag,
-    worst_error_per_family, SMALL_MODEL,
+    expect_success, kill_after_second_snapshot, read_tensors, run_bounded, synthetic_run, tandem,
+    with_flag, worst_error_per_family, SMALL_MODEL,
 };
 use tandem_cuda::device::REQUIRED_LIBRARIES;
 use tandem_cuda::Probe;
@@ -204,28 +204,8 @@ fn kill_9_on_the_gpu_and_resume_is_bit_identical() {
     let interrupted = dir.path().join("interrupted");
     let mut args = gpu_args(&interrupted);
     args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
-    let mut child = tandem()
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    // SIGKILL (Child::kill) as soon as a second snapshot exists, mid epoch 1.
-    let deadline = Instant::now() + LIMIT;
-    let previous = interrupted.join("snapshot.safetensors.prev");
-    while !previous.exists() {
-        assert!(Instant::now() < deadline, "no snapshot appeared");
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    assert!(
-        !interrupted.join("epoch_2.safetensors").exists(),
-        "the run finished before it could be killed"
-    );
+    // SIGKILL as soon as a second snapshot exists, mid epoch 1.
+    kill_after_second_snapshot(&args, &interrupted, LIMIT);
     let stdout = train(&args);
     assert!(
         stdout.contains("Resuming training from snapshot"),

@@ -146,31 +146,8 @@ fn resume_after_kill_mid_epoch_is_bit_identical() {
     let interrupted = dir.path().join("interrupted");
     let mut args = synthetic_run(&interrupted, 1024);
     args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
-    let mut child = tandem()
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
     // Kill as soon as a mid-epoch snapshot (step 2 of epoch 1) exists.
-    let deadline = std::time::Instant::now() + LIMIT;
-    let snapshot = interrupted.join("snapshot.safetensors");
-    while !snapshot
-        .with_file_name("snapshot.safetensors.prev")
-        .exists()
-    {
-        assert!(std::time::Instant::now() < deadline, "no snapshot appeared");
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    assert!(
-        !interrupted.join("epoch_2.safetensors").exists(),
-        "the run finished before it could be killed"
-    );
+    kill_after_second_snapshot(&args, &interrupted, LIMIT);
     let resumed = run_bounded(tandem().args(&args), LIMIT);
     let stdout = expect_success(&resumed);
     assert!(

@@ -194,6 +194,38 @@ pub fn worst_error_per_family(
     worst
 }
 
+/// Runs `tandem args` (a training run writing to `output_dir` with `--snapshot-every-steps
+/// 1`) and kills it with SIGKILL as soon as its second snapshot exists (the first moved to
+/// `snapshot.safetensors.prev`), mid epoch 1, waiting at most `limit`; asserts that the run
+/// had not finished.
+pub fn kill_after_second_snapshot(args: &[String], output_dir: &Path, limit: Duration) {
+    let mut child = tandem()
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the tandem binary");
+    let deadline = Instant::now() + limit;
+    let previous = output_dir.join("snapshot.safetensors.prev");
+    while !previous.exists() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("no second snapshot appeared within {limit:?}");
+        }
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        !output_dir.join("epoch_2.safetensors").exists(),
+        "the run finished before it could be killed"
+    );
+}
+
 /// The process ids of `parent`'s children.
 pub fn children(parent: u32) -> Vec<u32> {
     let tasks = Path::new("/proc").join(parent.to_string()).join("task");
