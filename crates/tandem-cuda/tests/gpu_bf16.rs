@@ -9,12 +9,13 @@ mod common;
 
 use std::sync::Arc;
 
+use common::{formula_batch, gpu_probe, seed_004};
 use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use tandem_cuda::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
-use tandem_cuda::{Compiler, CudaExecutor, GpuArch, GpuSettings, Library, Precision, Probe};
+use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe};
 use tandem_models::workspace::Mode;
-use tandem_models::{Executor, LossOptions, Model, ModelSpec, ResNetBaseSpec};
+use tandem_models::{Executor, LossOptions, Model};
 
 const BATCH: usize = 8;
 const SIDE: usize = 32;
@@ -35,18 +36,6 @@ const GRADIENT_COSINE: f64 = 0.99;
 /// The bf16 gradient vector's norm against the CPU's, relative.
 const GRADIENT_NORM_TOLERANCE: f64 = 5e-2;
 
-/// The probe, when the driver, NVRTC, cuBLAS, cuDNN and a GPU are there; else prints why.
-fn gpu_probe(test: &str) -> Option<&'static Probe> {
-    let probe = common::probe_with_nvrtc(test)?;
-    match tandem_cuda::why_no_gpu(probe, &[Library::Nvrtc, Library::Cublas, Library::Cudnn]) {
-        None => Some(probe),
-        Some(reason) => {
-            eprintln!("{test}: skipped, {reason}");
-            None
-        }
-    }
-}
-
 /// `convert.cu` loaded on GPU 0.
 struct Converter {
     stream: Arc<CudaStream>,
@@ -56,12 +45,7 @@ struct Converter {
 impl Converter {
     fn open(probe: &Probe) -> Converter {
         let context = CudaContext::new(0).expect("cannot open GPU 0");
-        let (major, minor) = context.compute_capability().expect("compute capability");
-        let arch = GpuArch {
-            major: major as u32,
-            minor: minor as u32,
-        };
-        let compiler = Compiler::new(probe, arch, None).expect("NVRTC");
+        let compiler = common::compiler_for(probe, &context);
         let source = tandem_cuda::kernels::kernel("convert").expect("convert.cu");
         let (compiled, _) = compiler.compile(source).unwrap_or_else(|e| panic!("{e}"));
         let module = context
@@ -136,8 +120,10 @@ fn narrowing_inputs() -> Vec<f32> {
 
 #[test]
 fn the_conversion_kernels_equal_the_host_reference_bit_for_bit() {
-    let Some(probe) = gpu_probe("the_conversion_kernels_equal_the_host_reference_bit_for_bit")
-    else {
+    let Some(probe) = gpu_probe(
+        "the_conversion_kernels_equal_the_host_reference_bit_for_bit",
+        &[],
+    ) else {
         return;
     };
     let gpu = Converter::open(probe);
@@ -181,19 +167,6 @@ fn the_conversion_kernels_equal_the_host_reference_bit_for_bit() {
     }
 }
 
-fn seed_004() -> Model {
-    Model::new(&ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default())).unwrap()
-}
-
-/// Deterministic images in about [-1, 1) and labels (as `gpu_executor.rs`).
-fn batch() -> (Vec<f32>, Vec<u32>) {
-    let images = (0..BATCH * SIDE * SIDE * 3)
-        .map(|i| ((i as u64 * 2_654_435_761) % 2003) as f32 / 1001.5 - 1.0)
-        .collect();
-    let labels = (0..BATCH as u32).map(|i| (i * 7 + 3) % 10).collect();
-    (images, labels)
-}
-
 fn bf16_executor(probe: &Probe, model: &Model) -> CudaExecutor {
     let settings = GpuSettings {
         ordinal: 0,
@@ -220,11 +193,13 @@ fn cosine_and_norm_ratio(found: &[f32], expected: &[f32]) -> (f64, f64) {
 
 #[test]
 fn a_bf16_training_step_is_within_bf16_tolerances_of_the_fp32_cpu() {
-    let Some(probe) = gpu_probe("a_bf16_training_step_is_within_bf16_tolerances_of_the_fp32_cpu")
-    else {
+    let Some(probe) = gpu_probe(
+        "a_bf16_training_step_is_within_bf16_tolerances_of_the_fp32_cpu",
+        &[],
+    ) else {
         return;
     };
-    let (images, labels) = batch();
+    let (images, labels) = formula_batch(BATCH, SIDE, 0);
     let loss = LossOptions {
         label_smoothing: 0.1,
     };
@@ -265,10 +240,10 @@ fn a_bf16_training_step_is_within_bf16_tolerances_of_the_fp32_cpu() {
 
 #[test]
 fn two_bf16_backwards_accumulate_exactly_twice_one() {
-    let Some(probe) = gpu_probe("two_bf16_backwards_accumulate_exactly_twice_one") else {
+    let Some(probe) = gpu_probe("two_bf16_backwards_accumulate_exactly_twice_one", &[]) else {
         return;
     };
-    let (images, labels) = batch();
+    let (images, labels) = formula_batch(BATCH, SIDE, 0);
     let loss = LossOptions::default();
     let model = seed_004();
     let mut exec = bf16_executor(probe, &model);

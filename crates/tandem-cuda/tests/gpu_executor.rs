@@ -6,40 +6,18 @@
 //! bit for bit. Skipped with a printed reason without a driver, the CUDA libraries or a GPU
 //! (as on CI's machines); it has not yet run on a GPU.
 
+mod common;
+
 use std::ops::Range;
 
-use tandem_cuda::{CudaExecutor, GpuSettings, Library, Precision, Probe};
+use common::{formula_batch, gpu_probe, seed_004};
+use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe};
 use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tandem_models::workspace::Mode;
-use tandem_models::{Executor, LossOptions, Model, ModelSpec, ResNetBaseSpec};
+use tandem_models::{Executor, LossOptions, Model};
 
 const BATCH: usize = 8;
 const SIDE: usize = 32;
-
-/// The probe, when the driver, NVRTC, cuBLAS, cuDNN and a GPU are there; else prints why.
-fn gpu_probe(test: &str) -> Option<&'static Probe> {
-    let probe = Probe::process();
-    match tandem_cuda::why_no_gpu(probe, &[Library::Nvrtc, Library::Cublas, Library::Cudnn]) {
-        None => Some(probe),
-        Some(reason) => {
-            eprintln!("{test}: skipped, {reason}");
-            None
-        }
-    }
-}
-
-fn seed_004() -> Model {
-    Model::new(&ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default())).unwrap()
-}
-
-/// Deterministic images in about [-1, 1) and labels.
-fn batch() -> (Vec<f32>, Vec<u32>) {
-    let images = (0..BATCH * SIDE * SIDE * 3)
-        .map(|i| ((i as u64 * 2_654_435_761) % 2003) as f32 / 1001.5 - 1.0)
-        .collect();
-    let labels = (0..BATCH as u32).map(|i| (i * 7 + 3) % 10).collect();
-    (images, labels)
-}
 
 fn assert_close(gpu: &[f32], cpu: &[f32], tolerance: f32, what: &str) {
     assert_eq!(gpu.len(), cpu.len(), "{what}: lengths");
@@ -71,7 +49,7 @@ fn settings() -> GpuSettings {
 /// One forward and backward on both devices; returns the GPU executor and the CPU model
 /// after it, having compared the loss, logits, gradients, statistics and ready ranges.
 fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
-    let (images, labels) = batch();
+    let (images, labels) = formula_batch(BATCH, SIDE, 0);
     let loss = LossOptions {
         label_smoothing: 0.1,
     };
@@ -123,7 +101,7 @@ fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
 
 #[test]
 fn a_training_step_matches_the_cpu_in_fp32() {
-    let Some(probe) = gpu_probe("a_training_step_matches_the_cpu_in_fp32") else {
+    let Some(probe) = gpu_probe("a_training_step_matches_the_cpu_in_fp32", &[]) else {
         return;
     };
     one_step(probe);
@@ -131,7 +109,7 @@ fn a_training_step_matches_the_cpu_in_fp32() {
 
 #[test]
 fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
-    let Some(probe) = gpu_probe("two_sgd_steps_then_an_evaluation_match_the_cpu") else {
+    let Some(probe) = gpu_probe("two_sgd_steps_then_an_evaluation_match_the_cpu", &[]) else {
         return;
     };
     let (mut exec, mut cpu, model) = one_step(probe);
@@ -143,7 +121,7 @@ fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
         weight_decay: 5e-4,
     };
     let mut sgd = Sgd::new(cpu.params().len(), config);
-    let (images, labels) = batch();
+    let (images, labels) = formula_batch(BATCH, SIDE, 0);
     for round in 0..2 {
         if round > 0 {
             cpu.zero_grads();
@@ -204,8 +182,10 @@ fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
 
 #[test]
 fn two_adamw_steps_over_the_same_buffers_match_the_cpu_bit_for_bit() {
-    let Some(probe) = gpu_probe("two_adamw_steps_over_the_same_buffers_match_the_cpu_bit_for_bit")
-    else {
+    let Some(probe) = gpu_probe(
+        "two_adamw_steps_over_the_same_buffers_match_the_cpu_bit_for_bit",
+        &[],
+    ) else {
         return;
     };
     let (mut exec, mut cpu, _model) = one_step(probe);
@@ -262,7 +242,7 @@ fn byte_dataset(images: usize) -> tandem_data::Dataset {
 /// from the host, bit for bit (same input bits, same GPU work).
 #[test]
 fn device_assembled_batches_equal_the_cpu_loaders() {
-    let Some(probe) = gpu_probe("device_assembled_batches_equal_the_cpu_loaders") else {
+    let Some(probe) = gpu_probe("device_assembled_batches_equal_the_cpu_loaders", &[]) else {
         return;
     };
     use tandem_cuda::executor::{AugmentSettings, DatasetShape};
@@ -411,7 +391,7 @@ fn bits(values: &[f32]) -> Vec<u32> {
 /// each key eagerly, then captured, then replayed.
 #[test]
 fn graphed_steps_equal_eager_steps_bit_for_bit() {
-    let Some(probe) = gpu_probe("graphed_steps_equal_eager_steps_bit_for_bit") else {
+    let Some(probe) = gpu_probe("graphed_steps_equal_eager_steps_bit_for_bit", &[]) else {
         return;
     };
     use tandem_cuda::executor::graph::StepRun;
@@ -542,7 +522,7 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
     }
 
     // AdamW on host images: a new optimizer state (a new generation) and new keys.
-    let (images, labels) = batch();
+    let (images, labels) = formula_batch(BATCH, SIDE, 0);
     let mut adam_runs = Vec::new();
     for step in 0..4 {
         let config = AdamConfig {

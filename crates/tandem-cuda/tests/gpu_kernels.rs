@@ -11,7 +11,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use tandem_cuda::executor::scalars::{AdamStepScalars, OptimizerScalars, SgdScalars};
-use tandem_cuda::{Compiler, GpuArch, Library, KERNELS};
+use tandem_cuda::{Library, KERNELS};
 use tandem_engine::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 
 /// A context on GPU 0 with every kernel file loaded.
@@ -29,12 +29,7 @@ impl Gpu {
             return None;
         }
         let context = CudaContext::new(0).expect("cannot open GPU 0");
-        let (major, minor) = context.compute_capability().expect("compute capability");
-        let arch = GpuArch {
-            major: major as u32,
-            minor: minor as u32,
-        };
-        let compiler = Compiler::new(probe, arch, None).expect("NVRTC");
+        let compiler = common::compiler_for(probe, &context);
         let modules = KERNELS
             .iter()
             .map(|kernel| {

@@ -9,8 +9,11 @@
 //! Skipped with a printed reason without a driver, the CUDA libraries, libnccl or a GPU (as
 //! on CI's machines); **it has not yet run on a GPU**.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::{formula_batch, gpu_probe, seed_004};
 use tandem_cuda::executor::graph::StepRun;
 use tandem_cuda::executor::{StepImages, StepOptimizer, TrainStep};
 use tandem_cuda::nccl::create_unique_id;
@@ -19,33 +22,13 @@ use tandem_cuda::{
 };
 use tandem_engine::SgdConfig;
 use tandem_models::workspace::Mode;
-use tandem_models::{LossOptions, Model, ModelSpec, ResNetBaseSpec};
+use tandem_models::{LossOptions, Model};
 
 const BATCH: usize = 8;
 const SIDE: usize = 32;
 
-/// The probe, when the driver, NVRTC, cuBLAS, cuDNN, NCCL and a GPU are there; else prints why.
-fn gpu_probe(test: &str) -> Option<&'static Probe> {
-    let probe = Probe::process();
-    match tandem_cuda::why_no_gpu(
-        probe,
-        &[
-            Library::Nvrtc,
-            Library::Cublas,
-            Library::Cudnn,
-            Library::Nccl,
-        ],
-    ) {
-        None => Some(probe),
-        Some(reason) => {
-            eprintln!("{test}: skipped, {reason}");
-            None
-        }
-    }
-}
-
 fn model() -> Model {
-    let mut model = Model::new(&ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default())).unwrap();
+    let mut model = seed_004();
     model.init_default(5);
     model
 }
@@ -57,22 +40,6 @@ fn executor(probe: &Probe, model: &Model) -> CudaExecutor {
         deterministic: true,
     };
     CudaExecutor::new(probe, settings, None, model).unwrap()
-}
-
-/// Deterministic images in about [-1, 1) and labels.
-fn batch() -> (Vec<f32>, Vec<u32>) {
-    batch_of(0)
-}
-
-/// Deterministic images in about [-1, 1) and labels, different for each `step`.
-fn batch_of(step: u64) -> (Vec<f32>, Vec<u32>) {
-    let images = (0..BATCH * SIDE * SIDE * 3)
-        .map(|i| ((i as u64 * 2_654_435_761 + step * 7919) % 2003) as f32 / 1001.5 - 1.0)
-        .collect();
-    let labels = (0..BATCH as u32)
-        .map(|i| (i * 7 + 3 + step as u32) % 10)
-        .collect();
-    (images, labels)
 }
 
 /// Small buckets over `len` gradients, so that many are all-reduced during the backward.
@@ -96,7 +63,7 @@ fn one_step(probe: &Probe, through_nccl: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>)
         exec.broadcast_params_and_buffers().unwrap();
     }
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
-    let (images, labels) = batch();
+    let (images, labels) = formula_batch(BATCH, SIDE, 0);
     let loss = LossOptions::default();
     exec.zero_grads().unwrap();
     if through_nccl {
@@ -122,8 +89,10 @@ fn one_step(probe: &Probe, through_nccl: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>)
 
 #[test]
 fn a_world_of_one_through_nccl_leaves_every_bit_as_without_it() {
-    let Some(probe) = gpu_probe("a_world_of_one_through_nccl_leaves_every_bit_as_without_it")
-    else {
+    let Some(probe) = gpu_probe(
+        "a_world_of_one_through_nccl_leaves_every_bit_as_without_it",
+        &[Library::Nccl],
+    ) else {
         return;
     };
     let plain = one_step(probe, false);
@@ -168,7 +137,7 @@ fn whole_steps(probe: &Probe, through_nccl: bool, graphs: bool) -> WholeSteps {
     };
     let (mut losses, mut runs) = (Vec::new(), Vec::new());
     for step in 0..STEPS {
-        let (images, labels) = batch_of(step);
+        let (images, labels) = formula_batch(BATCH, SIDE, step);
         let config = SgdConfig {
             lr: 0.05 / (step + 1) as f32,
             momentum: 0.9,
@@ -210,9 +179,10 @@ fn whole_steps(probe: &Probe, through_nccl: bool, graphs: bool) -> WholeSteps {
 
 #[test]
 fn whole_steps_through_nccl_as_a_cuda_graph_equal_eager_ones_bit_for_bit() {
-    let Some(probe) =
-        gpu_probe("whole_steps_through_nccl_as_a_cuda_graph_equal_eager_ones_bit_for_bit")
-    else {
+    let Some(probe) = gpu_probe(
+        "whole_steps_through_nccl_as_a_cuda_graph_equal_eager_ones_bit_for_bit",
+        &[Library::Nccl],
+    ) else {
         return;
     };
     use StepRun::{Capture, Eager, Replay};
@@ -243,7 +213,10 @@ fn whole_steps_through_nccl_as_a_cuda_graph_equal_eager_ones_bit_for_bit() {
 
 #[test]
 fn a_rank_that_never_joins_ends_the_join_within_the_timeout() {
-    let Some(probe) = gpu_probe("a_rank_that_never_joins_ends_the_join_within_the_timeout") else {
+    let Some(probe) = gpu_probe(
+        "a_rank_that_never_joins_ends_the_join_within_the_timeout",
+        &[Library::Nccl],
+    ) else {
         return;
     };
     let model = model();

@@ -1,4 +1,6 @@
-//! Helpers shared by the tests of tandem-cuda.
+//! Helpers shared by the tests of tandem-cuda (each test file uses some of them).
+
+#![allow(dead_code)]
 
 use tandem_cuda::{Library, Probe};
 
@@ -20,4 +22,50 @@ pub fn probe_with_nvrtc(test: &str) -> Option<&'static Probe> {
             None
         }
     }
+}
+
+/// The probe, when the driver, NVRTC, cuBLAS, cuDNN, `extra` and a GPU are there; otherwise
+/// prints why and returns `None` (the test skips).
+pub fn gpu_probe(test: &str, extra: &[Library]) -> Option<&'static Probe> {
+    let probe = Probe::process();
+    let mut libraries = vec![Library::Nvrtc, Library::Cublas, Library::Cudnn];
+    libraries.extend_from_slice(extra);
+    match tandem_cuda::why_no_gpu(probe, &libraries) {
+        None => Some(probe),
+        Some(reason) => {
+            eprintln!("{test}: skipped, {reason}");
+            None
+        }
+    }
+}
+
+/// The torchrun tutorial's model (seed 004) with PyTorch's default initialization.
+pub fn seed_004() -> tandem_models::Model {
+    use tandem_models::{Model, ModelSpec, ResNetBaseSpec};
+    Model::new(&ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default())).unwrap()
+}
+
+/// `batch` deterministic `side x side` RGB images in about [-1, 1) and their labels, different
+/// for each `step`.
+pub fn formula_batch(batch: usize, side: usize, step: u64) -> (Vec<f32>, Vec<u32>) {
+    let images = (0..batch * side * side * 3)
+        .map(|i| ((i as u64 * 2_654_435_761 + step * 7919) % 2003) as f32 / 1001.5 - 1.0)
+        .collect();
+    let labels = (0..batch as u32)
+        .map(|i| (i * 7 + 3 + step as u32) % 10)
+        .collect();
+    (images, labels)
+}
+
+/// The NVRTC compiler for the architecture of `context`'s GPU.
+pub fn compiler_for(
+    probe: &Probe,
+    context: &std::sync::Arc<cudarc::driver::CudaContext>,
+) -> tandem_cuda::Compiler {
+    let (major, minor) = context.compute_capability().expect("compute capability");
+    let arch = tandem_cuda::GpuArch {
+        major: major as u32,
+        minor: minor as u32,
+    };
+    tandem_cuda::Compiler::new(probe, arch, None).expect("NVRTC")
 }
