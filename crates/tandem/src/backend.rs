@@ -295,7 +295,7 @@ pub fn choose(
     let choice = decide(request, &ranks)?;
     match announce {
         Announce::Stdout => say!("backend: {choice}"),
-        Announce::Stderr => eprintln!("backend: {choice}"),
+        Announce::Stderr => tell!("backend: {choice}"),
     }
     Ok(ddp.map(|_| choice.backend))
 }

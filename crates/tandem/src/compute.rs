@@ -111,10 +111,10 @@ pub fn resolve_math(
         }),
         Device::Cpu { .. } => {
             if let Some(note) = cpu_precision_note(precision) {
-                eprintln!("{note}");
+                tell!("{note}");
             }
             if algorithms == Algorithms::Fastest {
-                eprintln!("note: --algorithms fastest applies to a GPU; the CPU is deterministic");
+                tell!("note: --algorithms fastest applies to a GPU; the CPU is deterministic");
             }
             None
         }
@@ -592,7 +592,7 @@ impl Compute {
         }
         gpu.last_step_run = Some(outcome.run);
         if outcome.run == StepRun::Capture {
-            eprintln!(
+            tell!(
                 "note: CUDA graphs on: training steps of {batch} images of {height}x{width} replay one captured graph"
             );
         }
@@ -920,7 +920,7 @@ fn plan_for<'a>(
 /// Prints `note: CUDA graphs off: {reason}` unless a note was printed (`noted`).
 fn note_graphs_off(noted: &mut bool, reason: &str) {
     if !*noted {
-        eprintln!("note: CUDA graphs off: {reason}");
+        tell!("note: CUDA graphs off: {reason}");
         *noted = true;
     }
 }

@@ -61,7 +61,7 @@ pub fn select(
     };
     match announce {
         Announce::Stdout => say!("device: {device}"),
-        Announce::Stderr => eprintln!("device: {device}"),
+        Announce::Stderr => tell!("device: {device}"),
     }
     let math = crate::compute::resolve_math(precision, algorithms, &device);
     Ok((device, math))

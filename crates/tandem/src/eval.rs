@@ -68,7 +68,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     crate::weights::load_weights(&mut model, &checkpoint)?;
     let mut compute = Compute::new(model, &device, math)?;
     for warning in &data.warnings {
-        eprintln!("warning: {warning}");
+        tell!("warning: {warning}");
     }
     let test_set = match (
         load_split(&data.settings, data.seed, Split::Test),

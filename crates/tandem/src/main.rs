@@ -13,6 +13,17 @@ macro_rules! say {
     }};
 }
 
+/// Prints a line to standard error like `eprintln!`, but in one write: `eprintln!` writes its
+/// pieces one by one to the unbuffered stderr, and the lines of ranks sharing a terminal or
+/// pipe (mpirun, srun) would interleave mid-line. A closed stderr drops the line.
+macro_rules! tell {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let line = format!("{}\n", format_args!($($arg)*));
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    }};
+}
+
 mod backend;
 mod bench;
 mod checkpoint_info;
@@ -72,7 +83,7 @@ fn main() {
     let cli = Cli::try_parse().unwrap_or_else(|error| {
         let words: Vec<String> = std::env::args().collect();
         if let Some(hint) = launch::missing_separator_hint(&words, &error) {
-            eprintln!("error: {hint}");
+            tell!("error: {hint}");
             std::process::exit(2);
         }
         error.exit()
@@ -102,19 +113,16 @@ fn main() {
 fn report_fatal_error(error: &anyhow::Error) {
     use tandem_dist::cluster::contract::{WorkerErrorRecord, ERROR_FILE_ENV};
     let rank = worker_rank();
-    let line = match rank.filter(|rank| *rank != 0) {
-        Some(rank) => format!("[rank {rank}] error: {error:#}\n"),
-        None => format!("error: {error:#}\n"),
-    };
-    // One write: `eprintln!` writes its pieces one by one to the unbuffered stderr, and the
-    // lines of ranks sharing a terminal or pipe (mpirun, srun) would interleave mid-line.
-    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+    match rank.filter(|rank| *rank != 0) {
+        Some(rank) => tell!("[rank {rank}] error: {error:#}"),
+        None => tell!("error: {error:#}"),
+    }
     if let Some(path) = std::env::var_os(ERROR_FILE_ENV) {
         let record = WorkerErrorRecord::now(rank, format!("{error:#}"));
         if let Err(write_error) =
             files::write_atomically(std::path::Path::new(&path), record.to_json().as_bytes())
         {
-            eprintln!(
+            tell!(
                 "warning: cannot record the error in {}: {write_error:#}",
                 path.to_string_lossy()
             );

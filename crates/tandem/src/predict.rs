@@ -83,7 +83,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     let spec = model_for(&args.model, info.as_ref(), &checkpoint)?;
     let (normalization, warning) = normalization_for(args.mean, args.std, info.as_ref())?;
     if let Some(warning) = warning {
-        eprintln!("warning: {warning}");
+        tell!("warning: {warning}");
     }
     let class_names = info.map(|info| info.class_names).unwrap_or_default();
     let mut model = Model::new(&spec)?;

@@ -475,5 +475,5 @@ fn every_worker_succeeded(reports: &[Option<NodeReport>]) -> bool {
 
 /// Prints one line of the launcher's own, marked as such.
 pub fn say(message: &str) {
-    eprintln!("tandem launch: {message}");
+    tell!("tandem launch: {message}");
 }

@@ -144,13 +144,13 @@ pub fn fetch_data(storage: &Storage, url: &ObjectUrl) -> anyhow::Result<PathBuf>
     fetch_all(storage, &missing, manifest, &manifest_path)
         .with_context(|| format!("cannot fetch the data set from {url}"))?;
     if fetched == 0 {
-        eprintln!(
+        tell!(
             "data: {} holds a current copy of {url} ({} files)",
             folder.display(),
             objects.len()
         );
     } else {
-        eprintln!(
+        tell!(
             "data: fetched {fetched} of {} files ({:.1} MB) from {url} into {}",
             objects.len(),
             fetched_bytes as f64 / 1e6,
@@ -270,7 +270,7 @@ fn wait_for_turn(lock_path: &Path, url: &ObjectUrl) -> anyhow::Result<std::fs::F
         .with_context(|| format!("cannot lock {}", lock_path.display()))?
     {
         if noticed.elapsed() >= WAIT_NOTICE {
-            eprintln!("data: waiting for another process of this node to fetch {url}");
+            tell!("data: waiting for another process of this node to fetch {url}");
             noticed = Instant::now();
         }
         std::thread::sleep(Duration::from_millis(100));

@@ -466,7 +466,7 @@ impl Trainer {
         }
         for folder in folders {
             for path in crate::files::remove_stale_temporaries(&folder)? {
-                eprintln!(
+                tell!(
                     "removed {}, left by a writer that is no longer running",
                     path.display()
                 );
@@ -537,7 +537,7 @@ impl Trainer {
                         RunEnd::StoppedOnRequest => "Stopped on request".to_string(),
                         _ => format!("Stopped after --max-steps {}", self.progress.global_step),
                     };
-                    eprintln!(
+                    tell!(
                         "{reason} at epoch {}, step {}; the snapshot is {}",
                         epoch + 1,
                         self.progress.step_in_epoch,
@@ -955,7 +955,7 @@ impl Trainer {
         let from_bucket = match (from_bucket, &local) {
             (Ok(snapshot), _) => snapshot,
             (Err(error), Some(_)) => {
-                eprintln!("warning: {shown} in the bucket is damaged ({error:#}); resuming from the staged copy");
+                tell!("warning: {shown} in the bucket is damaged ({error:#}); resuming from the staged copy");
                 return Ok(local);
             }
             (Err(error), None) => {
@@ -1327,9 +1327,10 @@ impl ProgressLine {
             None => {
                 let every = (self.total_steps / 10).max(1);
                 if step.is_multiple_of(every) || step == self.total_steps {
-                    eprintln!(
+                    tell!(
                         "epoch {} | step {step}/{} | loss {loss:.4} | {rate:.0} img/s",
-                        self.epoch_number, self.total_steps
+                        self.epoch_number,
+                        self.total_steps
                     );
                 }
             }

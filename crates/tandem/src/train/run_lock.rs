@@ -81,7 +81,7 @@ impl RunLock {
             );
         }
         if let Some(stale) = previous {
-            eprintln!(
+            tell!(
                 "note: taking over the lock of {}: its run ({stale}) is no longer running",
                 output_dir.display()
             );

@@ -281,7 +281,7 @@ pub fn load_latest(path: &Path) -> anyhow::Result<Option<Snapshot>> {
         match Snapshot::load(candidate) {
             Ok(snapshot) => {
                 if let Some(error) = &first_error {
-                    eprintln!(
+                    tell!(
                         "warning: {error:#}; resuming from {} instead",
                         candidate.display()
                     );
