@@ -1,18 +1,13 @@
-//! `--precision bf16` on a GPU: the conversion kernels of `convert.cu` bit-equal to the host
-//! reference (`tandem_cuda::bf16`) on odd lengths and on every bfloat16; one training step of
-//! the seed-004 model in bf16 against the fp32 CPU executor within bf16 tolerances; and two
-//! backwards accumulating exactly twice one (the bfloat16 gradients are added into the float32
-//! ones as fp32 adds them). Skipped with a printed reason without the driver, the CUDA
-//! libraries or a GPU (as on CI's machines); **it has not yet run on a GPU**.
+//! `--precision bf16` on a GPU: one training step of the seed-004 model in bf16 against the
+//! fp32 CPU executor within bf16 tolerances; and two backwards accumulating exactly twice one
+//! (the bfloat16 gradients are added into the float32 ones as fp32 adds them). The conversion
+//! kernels of `convert.cu` are checked with the other kernels (`gpu_kernels.rs`,
+//! `kernels_on_cpu.rs`). Skipped with a printed reason without the driver, the CUDA libraries
+//! or a GPU (as on CI's machines); **it has not yet run on a GPU**.
 
 mod common;
 
-use std::sync::Arc;
-
 use common::{formula_batch, gpu_probe, seed_004};
-use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::Ptx;
-use tandem_cuda::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
 use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe};
 use tandem_models::workspace::Mode;
 use tandem_models::{Executor, LossOptions, Model};
@@ -35,137 +30,6 @@ const LOSS_TOLERANCE: f32 = 2e-2;
 const GRADIENT_COSINE: f64 = 0.99;
 /// The bf16 gradient vector's norm against the CPU's, relative.
 const GRADIENT_NORM_TOLERANCE: f64 = 5e-2;
-
-/// `convert.cu` loaded on GPU 0.
-struct Converter {
-    stream: Arc<CudaStream>,
-    module: Arc<CudaModule>,
-}
-
-impl Converter {
-    fn open(probe: &Probe) -> Converter {
-        let context = CudaContext::new(0).expect("cannot open GPU 0");
-        let compiler = common::compiler_for(probe, &context);
-        let source = tandem_cuda::kernels::kernel("convert").expect("convert.cu");
-        let (compiled, _) = compiler.compile(source).unwrap_or_else(|e| panic!("{e}"));
-        let module = context
-            .load_module(Ptx::from_binary(compiled.cubin))
-            .expect("loading convert.cu");
-        Converter {
-            stream: context.default_stream(),
-            module,
-        }
-    }
-
-    /// Runs `kernel(input, n, output)` over `input` into `output`, and returns `output`.
-    fn run<I, O>(&self, kernel: &str, input: &[I], output: &[O]) -> Vec<O>
-    where
-        I: cudarc::driver::DeviceRepr,
-        O: cudarc::driver::DeviceRepr + Default + Clone,
-    {
-        let function = self.module.load_function(kernel).expect(kernel);
-        let input_device = self.stream.clone_htod(input).expect("upload");
-        let mut output_device: CudaSlice<O> = self.stream.clone_htod(output).expect("upload");
-        let n = input.len() as i64;
-        let mut launch = self.stream.launch_builder(&function);
-        launch.arg(&input_device).arg(&n).arg(&mut output_device);
-        let config = LaunchConfig {
-            grid_dim: (input.len().div_ceil(256) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: (const input*, long long, output*) as convert.cu's kernels take them; both
-        // buffers hold n elements.
-        unsafe { launch.launch(config) }.expect(kernel);
-        self.stream.clone_dtoh(&output_device).expect("download")
-    }
-}
-
-/// An odd count of floats: the cases of the host reference's tests, then a spread of bit
-/// patterns over all of float32 (every sign, exponent, NaN and subnormal region).
-fn narrowing_inputs() -> Vec<f32> {
-    let mut values: Vec<f32> = [
-        0x3f80_8000u32,
-        0x3f81_8000,
-        0x3f80_8001,
-        0x3f80_7fff,
-        0xbf80_8000,
-        0x3fff_ffff,
-        0x7f7f_8000,
-        0x7f7f_7fff,
-        0x7f7f_ffff,
-        0xff7f_ffff,
-        0x7f80_0000,
-        0xff80_0000,
-        0x7fc0_0000,
-        0x7f80_0001,
-        0xff80_0001,
-        0x7fa0_0000,
-        0x0000_0001,
-        0x8000_0001,
-        0x0000_8000,
-        0x0000_8001,
-        0x0001_8000,
-        0x007f_ffff,
-        0x0000_0000,
-        0x8000_0000,
-    ]
-    .into_iter()
-    .map(f32::from_bits)
-    .collect();
-    values.extend((0..100_003u32).map(|i| f32::from_bits(i.wrapping_mul(42_943))));
-    assert!(!values.len().is_multiple_of(2), "an odd count");
-    values
-}
-
-#[test]
-fn the_conversion_kernels_equal_the_host_reference_bit_for_bit() {
-    let Some(probe) = gpu_probe(
-        "the_conversion_kernels_equal_the_host_reference_bit_for_bit",
-        &[],
-    ) else {
-        return;
-    };
-    let gpu = Converter::open(probe);
-    let inputs = narrowing_inputs();
-    let narrowed = gpu.run("float_to_bf16", &inputs, &vec![0u16; inputs.len()]);
-    for (i, (&value, &bits)) in inputs.iter().zip(&narrowed).enumerate() {
-        assert_eq!(
-            bits,
-            f32_to_bf16_bits(value),
-            "float_to_bf16[{i}] of {:#010x}",
-            value.to_bits()
-        );
-    }
-    // Every bfloat16 but the last (an odd count), widened exactly.
-    let every: Vec<u16> = (0..u16::MAX).collect();
-    let widened = gpu.run("bf16_to_float", &every, &vec![0f32; every.len()]);
-    for (&bits, &value) in every.iter().zip(&widened) {
-        assert_eq!(
-            value.to_bits(),
-            bf16_bits_to_f32(bits).to_bits(),
-            "{bits:#06x}"
-        );
-    }
-    // The widening add is one IEEE float add (NaN payloads aside, which the GPU may not keep).
-    let finite: Vec<u16> = every
-        .iter()
-        .copied()
-        .filter(|&bits| !bf16_bits_to_f32(bits).is_nan())
-        .collect();
-    let targets: Vec<f32> = (0..finite.len())
-        .map(|i| (i as f32 * 0.37).sin() * 3.0)
-        .collect();
-    let sums = gpu.run("bf16_add_to_float", &finite, &targets);
-    for (i, ((&bits, &target), &sum)) in finite.iter().zip(&targets).zip(&sums).enumerate() {
-        let expected = target + bf16_bits_to_f32(bits);
-        if expected.is_nan() {
-            assert!(sum.is_nan(), "bf16_add_to_float[{i}]");
-        } else {
-            assert_eq!(sum.to_bits(), expected.to_bits(), "bf16_add_to_float[{i}]");
-        }
-    }
-}
 
 fn bf16_executor(probe: &Probe, model: &Model) -> CudaExecutor {
     let settings = GpuSettings {

@@ -12,7 +12,7 @@ use crate::kernels::KERNELS;
 use crate::ptx_params::{describe, entry_params, ParamKind};
 
 /// Every kernel the executor launches, by file.
-const FUNCTIONS: &[(&str, &[&str])] = &[
+pub const FUNCTIONS: &[(&str, &[&str])] = &[
     (
         "batchnorm",
         &[

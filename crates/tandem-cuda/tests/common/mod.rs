@@ -2,6 +2,9 @@
 
 #![allow(dead_code)]
 
+pub mod gpu_rig;
+pub mod kernel_checks;
+
 use tandem_cuda::{Library, Probe};
 
 /// Environment variable that turns a missing NVRTC from a skip into a failure (CI sets it).

@@ -1,0 +1,75 @@
+//! GPU 0 as a [`Rig`] for the kernel checks: every kernel compiled and loaded as the executor
+//! loads them ([`Kernels`]), launched with the executor's argument check.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig};
+use tandem_cuda::executor::launch::{Arg, Kernels};
+use tandem_cuda::Library;
+
+use super::kernel_checks::Rig;
+
+/// GPU 0's default stream, the loaded kernels, and the buffers made so far (freed with it).
+pub struct GpuRig {
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    buffers: HashMap<u64, CudaSlice<u8>>,
+}
+
+impl GpuRig {
+    /// The GPU, or `None` (after printing why) when there is none to test on.
+    pub fn open(test: &str) -> Option<GpuRig> {
+        let probe = super::probe_with_nvrtc(test)?;
+        if let Some(reason) = tandem_cuda::why_no_gpu(probe, &[Library::Nvrtc]) {
+            eprintln!("{test}: skipped, {reason}");
+            return None;
+        }
+        let context = cudarc::driver::CudaContext::new(0).expect("cannot open GPU 0");
+        let compiler = super::compiler_for(probe, &context);
+        let kernels = Kernels::load(&context, &compiler).unwrap_or_else(|e| panic!("{e}"));
+        Some(GpuRig {
+            stream: context.default_stream(),
+            kernels,
+            buffers: HashMap::new(),
+        })
+    }
+}
+
+impl Rig for GpuRig {
+    fn upload_bytes(&mut self, bytes: &[u8]) -> u64 {
+        let slice = if bytes.is_empty() {
+            self.stream.alloc_zeros::<u8>(1)
+        } else {
+            self.stream.clone_htod(bytes)
+        }
+        .expect("upload");
+        let address = {
+            let (address, _record) = slice.device_ptr(&self.stream);
+            address
+        };
+        self.buffers.insert(address, slice);
+        address
+    }
+
+    fn download_bytes(&mut self, address: u64, len: usize) -> Vec<u8> {
+        let slice = &self.buffers[&address];
+        let mut bytes = vec![0u8; len];
+        self.stream
+            .memcpy_dtoh(&slice.slice(..len), &mut bytes)
+            .expect("download");
+        self.stream.synchronize().expect("download");
+        bytes
+    }
+
+    fn launch(&mut self, name: &'static str, config: LaunchConfig, args: &[Arg]) {
+        // SAFETY: the arguments are checked against the kernel's PTX parameters; every pointer
+        // is a buffer of this rig, sized by the check for this launch, and the rig keeps its
+        // buffers until it is dropped, after the synchronize below.
+        unsafe { self.kernels.launch(&self.stream, name, config, args) }
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        self.stream
+            .synchronize()
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+    }
+}

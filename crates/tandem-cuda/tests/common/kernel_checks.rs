@@ -1,0 +1,880 @@
+//! The CUDA kernels against the CPU engine and loader, on odd shapes, written once over a
+//! [`Rig`]: `gpu_kernels.rs` runs them on a GPU, `kernels_on_cpu.rs` runs the same kernel
+//! sources compiled for the CPU (so CI checks the kernels' arithmetic and indexing without a
+//! GPU). Launches go through the executor's [`Arg`] list and launch shapes, and both rigs check
+//! the arguments against the kernel's parameter list before launching.
+
+use std::marker::PhantomData;
+
+use cudarc::driver::LaunchConfig;
+use tandem_cuda::executor::launch::{column_sums, per_element, Arg};
+use tandem_cuda::executor::scalars::{AdamStepScalars, OptimizerScalars, SgdScalars};
+use tandem_engine::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+
+/// An element type that may cross to a rig as its bytes: a plain number, no padding.
+pub trait Plain: Copy + Default + 'static {}
+impl Plain for u8 {}
+impl Plain for u16 {}
+impl Plain for i32 {}
+impl Plain for u32 {}
+impl Plain for u64 {}
+impl Plain for f32 {}
+impl Plain for f64 {}
+
+/// The bytes of `values`.
+pub fn bytes_of<T: Plain>(values: &[T]) -> &[u8] {
+    // SAFETY: `Plain` types have no padding and every bit pattern of their bytes is readable.
+    unsafe { std::slice::from_raw_parts(values.as_ptr().cast(), std::mem::size_of_val(values)) }
+}
+
+/// `bytes` read back as `T`s (`bytes.len()` a multiple of `T`'s size).
+pub fn values_of<T: Plain>(bytes: &[u8]) -> Vec<T> {
+    let size = std::mem::size_of::<T>();
+    assert_eq!(
+        bytes.len() % size,
+        0,
+        "{} bytes are not whole values",
+        bytes.len()
+    );
+    let mut values = vec![T::default(); bytes.len() / size];
+    // SAFETY: `values` holds exactly `bytes.len()` bytes, and every bit pattern is a valid
+    // `Plain` value.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), values.as_mut_ptr().cast(), bytes.len())
+    };
+    values
+}
+
+/// A buffer of `T`s that a rig holds: its address as kernels see it, and its length.
+pub struct Buffer<T> {
+    address: u64,
+    len: usize,
+    _element: PhantomData<T>,
+}
+
+impl<T: Plain> Buffer<T> {
+    /// A rig's buffer of `len` values at `address`.
+    pub fn new(address: u64, len: usize) -> Self {
+        Buffer {
+            address,
+            len,
+            _element: PhantomData,
+        }
+    }
+
+    /// The buffer as a kernel argument.
+    pub fn arg(&self) -> Arg {
+        Arg::Ptr(self.address)
+    }
+
+    /// Its address.
+    pub fn address(&self) -> u64 {
+        self.address
+    }
+
+    /// Its size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+}
+
+/// Where the kernels run: memory, copies and launches by kernel name.
+pub trait Rig {
+    /// A new buffer holding `bytes`, and its address.
+    fn upload_bytes(&mut self, bytes: &[u8]) -> u64;
+
+    /// The `len` bytes at `address` (a buffer this rig made).
+    fn download_bytes(&mut self, address: u64, len: usize) -> Vec<u8>;
+
+    /// Runs kernel `name` over `config` with `args` and waits for it; panics with the
+    /// kernel's name when the arguments do not fit its parameters or the launch fails.
+    fn launch(&mut self, name: &'static str, config: LaunchConfig, args: &[Arg]);
+
+    /// A new buffer holding `values`.
+    fn upload<T: Plain>(&mut self, values: &[T]) -> Buffer<T> {
+        let address = self.upload_bytes(bytes_of(values));
+        Buffer::new(address, values.len())
+    }
+
+    /// A new buffer of `len` zeros.
+    fn zeros<T: Plain>(&mut self, len: usize) -> Buffer<T> {
+        self.upload(&vec![T::default(); len])
+    }
+
+    /// The values of `buffer`.
+    fn download<T: Plain>(&mut self, buffer: &Buffer<T>) -> Vec<T> {
+        values_of(&self.download_bytes(buffer.address(), buffer.byte_len()))
+    }
+}
+
+/// Deterministic values in about [-1, 1).
+fn values(len: usize, salt: u64) -> Vec<f32> {
+    let mut rng = tandem_data::SampleRng::new(salt, 0, 0, 0);
+    (0..len)
+        .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        .collect()
+}
+
+fn assert_bits_equal(device: &[f32], cpu: &[f32], what: &str) {
+    assert_eq!(device.len(), cpu.len(), "{what}: lengths");
+    for (i, (d, c)) in device.iter().zip(cpu).enumerate() {
+        assert_eq!(d.to_bits(), c.to_bits(), "{what}[{i}]: kernel {d} CPU {c}");
+    }
+}
+
+/// Two SGD steps (Nesterov, weight decay) of `sgd_step` equal the CPU optimizer's bit for bit.
+pub fn sgd_steps_match_the_cpu_bit_for_bit(rig: &mut impl Rig) {
+    let n = 1237;
+    let config = SgdConfig {
+        lr: 0.05,
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: true,
+        weight_decay: 5e-4,
+    };
+    let mut cpu_params = values(n, 1);
+    let mut sgd = Sgd::new(n, config);
+    let params = rig.upload(&cpu_params);
+    let buffer = rig.zeros::<f32>(n);
+    for round in 0..2 {
+        let grads = values(n, 10 + round);
+        sgd.step(&mut cpu_params, &grads);
+        let device_grads = rig.upload(&grads);
+        // The executor's layout of the step's scalars (`struct SgdScalars`).
+        let scalars = rig.upload(&OptimizerScalars::Sgd(SgdScalars::new(&config, round)).bytes());
+        rig.launch(
+            "sgd_step",
+            per_element(n),
+            &[
+                params.arg(),
+                device_grads.arg(),
+                buffer.arg(),
+                Arg::I64(n as i64),
+                scalars.arg(),
+            ],
+        );
+    }
+    assert_bits_equal(&rig.download(&params), &cpu_params, "sgd params");
+    let state = sgd.state();
+    assert_bits_equal(&rig.download(&buffer), &state.slots[0].1, "momentum buffer");
+}
+
+/// Two steps of `adam_step`, as Adam and as AdamW, equal the CPU optimizer's bit for bit.
+pub fn adam_and_adamw_steps_match_the_cpu_bit_for_bit(rig: &mut impl Rig) {
+    let n = 1001;
+    for decoupled in [false, true] {
+        let config = AdamConfig {
+            weight_decay: 1e-2,
+            decoupled,
+            ..AdamConfig::with_lr(1e-3)
+        };
+        let mut cpu_params = values(n, 2);
+        let mut adam = Adam::new(n, config);
+        let params = rig.upload(&cpu_params);
+        let exp_avg = rig.zeros::<f32>(n);
+        let exp_avg_sq = rig.zeros::<f32>(n);
+        for step in 1..=2u64 {
+            let grads = values(n, 20 + step);
+            adam.step(&mut cpu_params, &grads);
+            // The host scalars, as optim.rs computes them, in the executor's layout.
+            let scalars =
+                rig.upload(&OptimizerScalars::Adam(AdamStepScalars::new(&config, step)).bytes());
+            let device_grads = rig.upload(&grads);
+            rig.launch(
+                "adam_step",
+                per_element(n),
+                &[
+                    params.arg(),
+                    device_grads.arg(),
+                    exp_avg.arg(),
+                    exp_avg_sq.arg(),
+                    Arg::I64(n as i64),
+                    scalars.arg(),
+                ],
+            );
+        }
+        assert_bits_equal(&rig.download(&params), &cpu_params, "adam params");
+        let state = adam.state();
+        assert_bits_equal(&rig.download(&exp_avg), &state.slots[0].1, "exp_avg");
+        assert_bits_equal(&rig.download(&exp_avg_sq), &state.slots[1].1, "exp_avg_sq");
+    }
+}
+
+/// Global average pooling and its backward equal the CPU head's bit for bit.
+pub fn average_pooling_matches_the_cpu_bit_for_bit(rig: &mut impl Rig) {
+    let (batch, pixels, channels) = (3, 49, 37);
+    let input = values(batch * pixels * channels, 3);
+    let mut cpu = vec![0f32; batch * channels];
+    tandem_engine::head::average_pool_forward(&input, pixels, channels, &mut cpu);
+    let device_input = rig.upload(&input);
+    let output = rig.zeros::<f32>(batch * channels);
+    let shape = [batch, pixels, channels].map(|n| Arg::I32(n as i32));
+    rig.launch(
+        "average_pool_forward",
+        per_element(batch * channels),
+        &[
+            device_input.arg(),
+            shape[0],
+            shape[1],
+            shape[2],
+            output.arg(),
+        ],
+    );
+    assert_bits_equal(&rig.download(&output), &cpu, "pooled");
+
+    let grad = values(batch * channels, 4);
+    let mut cpu_grad = vec![0f32; input.len()];
+    tandem_engine::head::average_pool_backward(&grad, pixels, channels, &mut cpu_grad);
+    let device_grad = rig.upload(&grad);
+    let grad_input = rig.zeros::<f32>(input.len());
+    rig.launch(
+        "average_pool_backward",
+        per_element(input.len()),
+        &[
+            device_grad.arg(),
+            shape[0],
+            shape[1],
+            shape[2],
+            grad_input.arg(),
+        ],
+    );
+    assert_bits_equal(&rig.download(&grad_input), &cpu_grad, "pool gradient");
+}
+
+/// Cross-entropy with label smoothing: loss, probabilities and gradient within 1e-6 of the
+/// CPU head's; a label out of range is reported by the first sample that has one.
+pub fn cross_entropy_matches_the_cpu(rig: &mut impl Rig) {
+    let (batch, classes, smoothing) = (13usize, 10usize, 0.1f32);
+    let logits: Vec<f32> = values(batch * classes, 5).iter().map(|v| v * 4.0).collect();
+    let labels: Vec<u32> = (0..batch as u32)
+        .map(|s| (s * 7) % classes as u32)
+        .collect();
+    let mut cpu_probs = vec![0f32; logits.len()];
+    let cpu_loss =
+        tandem_engine::head::cross_entropy_forward(&logits, &labels, smoothing, &mut cpu_probs)
+            .unwrap();
+    let mut cpu_grad = vec![0f32; logits.len()];
+    tandem_engine::head::cross_entropy_backward(&cpu_probs, &labels, smoothing, 1.0, &mut cpu_grad);
+
+    let (b, k) = (Arg::I32(batch as i32), Arg::I32(classes as i32));
+    let device_logits = rig.upload(&logits);
+    let probs = rig.zeros::<f32>(logits.len());
+    let loss = rig.zeros::<f32>(1);
+    let grad = rig.zeros::<f32>(logits.len());
+    let device_labels = rig.upload(&labels);
+    let (sample_loss, bad_sample) = cross_entropy_rows(
+        rig,
+        &device_logits,
+        &device_labels,
+        (batch, classes, smoothing),
+        &probs,
+    );
+    rig.launch(
+        "cross_entropy_mean",
+        per_element(1),
+        &[sample_loss.arg(), b, loss.arg()],
+    );
+    rig.launch(
+        "cross_entropy_backward",
+        per_element(logits.len()),
+        &[
+            probs.arg(),
+            device_labels.arg(),
+            b,
+            k,
+            Arg::F32(smoothing),
+            Arg::F32(1.0),
+            grad.arg(),
+        ],
+    );
+    assert_eq!(rig.download(&bad_sample), vec![i32::MAX], "no bad label");
+    let device_loss = rig.download(&loss)[0];
+    assert!(
+        (device_loss - cpu_loss).abs() <= 1e-6 * cpu_loss.abs(),
+        "loss: kernel {device_loss} CPU {cpu_loss}"
+    );
+    for (what, device_values, cpu_values) in [
+        ("probabilities", rig.download(&probs), &cpu_probs),
+        ("gradient", rig.download(&grad), &cpu_grad),
+    ] {
+        for (d, c) in device_values.iter().zip(cpu_values) {
+            assert!((d - c).abs() <= 1e-6, "{what}: kernel {d} CPU {c}");
+        }
+    }
+
+    // Labels 10 and 12 are out of range: the first such sample, 4, is reported.
+    let mut bad_labels = labels.clone();
+    bad_labels[9] = 12;
+    bad_labels[4] = classes as u32;
+    let device_bad_labels = rig.upload(&bad_labels);
+    let (_, bad_sample) = cross_entropy_rows(
+        rig,
+        &device_logits,
+        &device_bad_labels,
+        (batch, classes, smoothing),
+        &probs,
+    );
+    assert_eq!(
+        rig.download(&bad_sample),
+        vec![4],
+        "first sample with a bad label"
+    );
+}
+
+/// Launches `cross_entropy_rows` and returns its per-sample losses and bad-sample index.
+fn cross_entropy_rows(
+    rig: &mut impl Rig,
+    logits: &Buffer<f32>,
+    labels: &Buffer<u32>,
+    (batch, classes, smoothing): (usize, usize, f32),
+    probs: &Buffer<f32>,
+) -> (Buffer<f64>, Buffer<i32>) {
+    let sample_loss = rig.zeros::<f64>(batch);
+    let bad_sample = rig.upload(&[i32::MAX]);
+    rig.launch(
+        "cross_entropy_rows",
+        per_element(batch),
+        &[
+            logits.arg(),
+            labels.arg(),
+            Arg::I32(batch as i32),
+            Arg::I32(classes as i32),
+            Arg::F32(smoothing),
+            probs.arg(),
+            sample_loss.arg(),
+            bad_sample.arg(),
+        ],
+    );
+    (sample_loss, bad_sample)
+}
+
+/// Random crop (padding 4), flip and normalization of `augment_draws` + `augment_apply`
+/// equal the CPU loader's pixels bit for bit, for the same (seed, epoch, index).
+pub fn augmented_batches_equal_the_cpu_loaders(rig: &mut impl Rig) {
+    let (height, width, channels) = (7usize, 9usize, 3usize);
+    let images = 11usize;
+    let bytes: Vec<u8> = (0..images * height * width * channels)
+        .map(|i| (i * 37 % 256) as u8)
+        .collect();
+    let dataset = tandem_data::Dataset {
+        images: tandem_data::Pixels::U8(bytes.clone()),
+        labels: vec![0; images],
+        height,
+        width,
+        channels,
+        num_classes: 1,
+        class_names: vec!["only".to_string()],
+    };
+    let augment = tandem_data::Augment::crop_and_flip();
+    let normalize = tandem_data::IMAGENET_NORMALIZE;
+    let (seed, epoch) = (1234u64, 3u64);
+    let indices: Vec<u32> = vec![10, 0, 5, 5, 7];
+    let image_len = height * width * channels;
+    let mut cpu = vec![0f32; indices.len() * image_len];
+    for (s, &index) in indices.iter().enumerate() {
+        tandem_data::transform_image(
+            &dataset,
+            index as usize,
+            &augment,
+            Some(&normalize),
+            seed,
+            epoch,
+            &mut cpu[s * image_len..(s + 1) * image_len],
+        );
+    }
+    let device_images = rig.upload(&bytes);
+    let device_indices = rig.upload(&indices);
+    let draws = rig.zeros::<i32>(3 * indices.len());
+    let batch = Arg::I32(indices.len() as i32);
+    // The epoch goes through a pointer, so that a captured step replays with the next epoch.
+    let device_epoch = rig.upload(&[epoch]);
+    rig.launch(
+        "augment_draws",
+        per_element(indices.len()),
+        &[
+            device_indices.arg(),
+            batch,
+            Arg::U64(seed),
+            device_epoch.arg(),
+            Arg::I32(4),
+            Arg::I32(1),
+            draws.arg(),
+        ],
+    );
+    let (mean, std) = (rig.upload(&normalize.mean), rig.upload(&normalize.std));
+    let output = rig.zeros::<f32>(cpu.len());
+    let [h, w, c] = [height, width, channels].map(|n| Arg::I32(n as i32));
+    rig.launch(
+        "augment_apply",
+        per_element(cpu.len()),
+        &[
+            device_images.arg(),
+            device_indices.arg(),
+            draws.arg(),
+            batch,
+            h,
+            w,
+            c,
+            Arg::I32(4),
+            mean.arg(),
+            std.arg(),
+            output.arg(),
+        ],
+    );
+    assert_bits_equal(&rig.download(&output), &cpu, "augmented pixels");
+}
+
+/// Batch-norm statistics (two passes, fixed order), the training coefficients and running
+/// statistics, and the backward (sums, coefficients, input gradient) against the CPU engine
+/// and an f64 reference.
+pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut impl Rig) {
+    use tandem_engine::batchnorm::{
+        train_statistics_from_sums, BatchNormParams, BatchNormScratch, BatchNormState,
+    };
+    let (rows, channels, rows_per_block) = (301usize, 37usize, 64usize);
+    let x = values(rows * channels, 6);
+    let dy = values(rows * channels, 7);
+    let row_blocks = rows.div_ceil(rows_per_block);
+    let (r, c, rpb, blocks) = (
+        Arg::I32(rows as i32),
+        Arg::I32(channels as i32),
+        Arg::I32(rows_per_block as i32),
+        Arg::I32(row_blocks as i32),
+    );
+    let device_x = rig.upload(&x);
+    let partials = rig.zeros::<f64>(row_blocks * 2 * channels);
+    let totals = rig.zeros::<f64>(1 + 2 * channels);
+    rig.launch(
+        "bn_stats_partial",
+        column_sums(channels, row_blocks),
+        &[device_x.arg(), r, c, rpb, partials.arg()],
+    );
+    rig.launch(
+        "bn_stats_finish",
+        per_element(channels),
+        &[partials.arg(), blocks, r, c, totals.arg()],
+    );
+    let totals_host = rig.download(&totals);
+    assert_eq!(totals_host[0], rows as f64);
+    let x_ref = &x;
+    let column = |c: usize| (0..rows).map(move |row| f64::from(x_ref[row * channels + c]));
+    for ch in 0..channels {
+        let (sum, sum_sq) = column(ch).fold((0.0, 0.0), |(s, q), v| (s + v, q + v * v));
+        assert!((totals_host[1 + ch] - sum).abs() <= 1e-12 * (1.0 + sum.abs()));
+        assert!((totals_host[1 + channels + ch] - sum_sq).abs() <= 1e-12 * (1.0 + sum_sq));
+    }
+    // The same sums again: the order is fixed by rows_per_block alone, not by scheduling.
+    let again = rig.zeros::<f64>(row_blocks * 2 * channels);
+    rig.launch(
+        "bn_stats_partial",
+        column_sums(channels, row_blocks),
+        &[device_x.arg(), r, c, rpb, again.arg()],
+    );
+    assert_eq!(rig.download(&again), rig.download(&partials));
+
+    // Training coefficients and running statistics: the CPU's formulas in double, bit for bit
+    // from the same totals.
+    let weight: Vec<f32> = (0..channels).map(|ch| 0.5 + 0.01 * ch as f32).collect();
+    let bias: Vec<f32> = (0..channels).map(|ch| 0.1 - 0.003 * ch as f32).collect();
+    let (device_weight, device_bias) = (rig.upload(&weight), rig.upload(&bias));
+    let (mut cpu_running_mean, mut cpu_running_var) = (values(channels, 14), values(channels, 15));
+    for var in &mut cpu_running_var {
+        *var = var.abs() + 0.5;
+    }
+    let running_mean = rig.upload(&cpu_running_mean);
+    let running_var = rig.upload(&cpu_running_var);
+    let [mean, invstd, scale, shift] = [(); 4].map(|()| rig.zeros::<f32>(channels));
+    rig.launch(
+        "bn_train_coefficients",
+        per_element(channels),
+        &[
+            totals.arg(),
+            c,
+            device_weight.arg(),
+            device_bias.arg(),
+            running_mean.arg(),
+            running_var.arg(),
+            mean.arg(),
+            invstd.arg(),
+            scale.arg(),
+            shift.arg(),
+        ],
+    );
+    let mut cpu_state = BatchNormState::new(channels);
+    let params = BatchNormParams {
+        weight: &weight,
+        bias: &bias,
+    };
+    train_statistics_from_sums(
+        rows,
+        &totals_host[1..],
+        &params,
+        &mut cpu_running_mean,
+        &mut cpu_running_var,
+        &mut cpu_state,
+        None,
+        &mut BatchNormScratch::default(),
+    )
+    .unwrap();
+    for (what, buffer, cpu) in [
+        ("mean", &mean, &cpu_state.mean),
+        ("invstd", &invstd, &cpu_state.invstd),
+        ("scale", &scale, &cpu_state.scale),
+        ("shift", &shift, &cpu_state.shift),
+        ("running_mean", &running_mean, &cpu_running_mean),
+        ("running_var", &running_var, &cpu_running_var),
+    ] {
+        assert_bits_equal(&rig.download(buffer), cpu, what);
+    }
+
+    // The backward against an f64 reference.
+    let device_dy = rig.upload(&dy);
+    let backward_partials = rig.zeros::<f64>(row_blocks * 2 * channels);
+    let backward_totals = rig.zeros::<f64>(2 * channels);
+    let (grad_weight, grad_bias) = (rig.zeros::<f32>(channels), rig.zeros::<f32>(channels));
+    let no_relu = Arg::Ptr(0);
+    rig.launch(
+        "bn_backward_partial",
+        column_sums(channels, row_blocks),
+        &[
+            device_dy.arg(),
+            no_relu,
+            device_x.arg(),
+            mean.arg(),
+            invstd.arg(),
+            r,
+            c,
+            rpb,
+            backward_partials.arg(),
+        ],
+    );
+    rig.launch(
+        "bn_backward_finish",
+        per_element(channels),
+        &[
+            backward_partials.arg(),
+            blocks,
+            c,
+            backward_totals.arg(),
+            grad_weight.arg(),
+            grad_bias.arg(),
+        ],
+    );
+    let coefficients = rig.zeros::<f32>(3 * channels);
+    rig.launch(
+        "bn_backward_coefficients",
+        per_element(channels),
+        &[
+            backward_totals.arg(),
+            Arg::F64(rows as f64),
+            c,
+            device_weight.arg(),
+            invstd.arg(),
+            coefficients.arg(),
+        ],
+    );
+    let dx = rig.zeros::<f32>(x.len());
+    rig.launch(
+        "bn_backward_input",
+        per_element(x.len()),
+        &[
+            device_dy.arg(),
+            no_relu,
+            device_x.arg(),
+            mean.arg(),
+            invstd.arg(),
+            coefficients.arg(),
+            Arg::I64(x.len() as i64),
+            c,
+            dx.arg(),
+        ],
+    );
+    let dx = rig.download(&dx);
+    let grad_weight = rig.download(&grad_weight);
+    let grad_bias = rig.download(&grad_bias);
+    for ch in 0..channels {
+        let mean = column(ch).sum::<f64>() / rows as f64;
+        let variance = column(ch).map(|v| (v - mean) * (v - mean)).sum::<f64>() / rows as f64;
+        let invstd = 1.0 / (variance + 1e-5).sqrt();
+        let xhat = |row: usize| (f64::from(x[row * channels + ch]) - mean) * invstd;
+        let g = |row: usize| f64::from(dy[row * channels + ch]);
+        let mean_dy = (0..rows).map(g).sum::<f64>() / rows as f64;
+        let mean_dy_xhat = (0..rows).map(|row| g(row) * xhat(row)).sum::<f64>() / rows as f64;
+        let close = |got: f32, expected: f64| {
+            (f64::from(got) - expected).abs() <= 1e-4 * (1.0 + expected.abs())
+        };
+        assert!(
+            close(grad_bias[ch], mean_dy * rows as f64),
+            "grad_bias[{ch}]"
+        );
+        assert!(
+            close(grad_weight[ch], mean_dy_xhat * rows as f64),
+            "grad_weight[{ch}]"
+        );
+        for row in 0..rows {
+            let expected =
+                f64::from(weight[ch]) * invstd * (g(row) - mean_dy - xhat(row) * mean_dy_xhat);
+            let got = dx[row * channels + ch];
+            assert!(
+                close(got, expected),
+                "dx[{row}, {ch}]: kernel {got} f64 {expected}"
+            );
+        }
+    }
+}
+
+/// Eval-mode coefficients from running statistics equal the CPU's `eval_statistics`.
+pub fn batch_norm_eval_coefficients_match_the_cpu_bit_for_bit(rig: &mut impl Rig) {
+    use tandem_engine::batchnorm::{eval_statistics, BatchNormParams, BatchNormState};
+    let channels = 45;
+    let (weight, bias) = (values(channels, 16), values(channels, 17));
+    let running_mean = values(channels, 18);
+    let running_var: Vec<f32> = values(channels, 19).iter().map(|v| v.abs() * 3.0).collect();
+    let mut cpu = BatchNormState::new(channels);
+    let params = BatchNormParams {
+        weight: &weight,
+        bias: &bias,
+    };
+    eval_statistics(&params, &running_mean, &running_var, &mut cpu);
+    let inputs = [&weight, &bias, &running_mean, &running_var].map(|v| rig.upload(v));
+    let [invstd, scale, shift] = [(); 3].map(|()| rig.zeros::<f32>(channels));
+    rig.launch(
+        "bn_eval_coefficients",
+        per_element(channels),
+        &[
+            Arg::I32(channels as i32),
+            inputs[0].arg(),
+            inputs[1].arg(),
+            inputs[2].arg(),
+            inputs[3].arg(),
+            invstd.arg(),
+            scale.arg(),
+            shift.arg(),
+        ],
+    );
+    assert_bits_equal(&rig.download(&invstd), &cpu.invstd, "invstd");
+    assert_bits_equal(&rig.download(&scale), &cpu.scale, "scale");
+    assert_bits_equal(&rig.download(&shift), &cpu.shift, "shift");
+}
+
+/// `bn_apply` (no residual, identity, projection; with and without ReLU) equals the CPU
+/// formula bit for bit; `relu_backward` equals the CPU's.
+pub fn the_fused_epilogue_matches_the_cpu_bit_for_bit(rig: &mut impl Rig) {
+    let (rows, channels) = (29usize, 19usize);
+    let n = rows * channels;
+    let (x, s) = (values(n, 8), values(n, 9));
+    let (scale, shift) = (values(channels, 10), values(channels, 11));
+    let (scale2, shift2) = (values(channels, 12), values(channels, 13));
+    let device = [&x, &s, &scale, &shift, &scale2, &shift2].map(|v| rig.upload(v));
+    for kind in 0..3i32 {
+        for relu in [false, true] {
+            let expected: Vec<f32> = (0..n)
+                .map(|i| {
+                    let c = i % channels;
+                    let value = x[i] * scale[c] + shift[c];
+                    let value = match kind {
+                        0 => value,
+                        1 => value + s[i],
+                        _ => value + (s[i] * scale2[c] + shift2[c]),
+                    };
+                    if relu {
+                        value.max(0.0)
+                    } else {
+                        value
+                    }
+                })
+                .collect();
+            let out = rig.zeros::<f32>(n);
+            rig.launch(
+                "bn_apply",
+                per_element(n),
+                &[
+                    device[0].arg(),
+                    device[2].arg(),
+                    device[3].arg(),
+                    device[1].arg(),
+                    device[4].arg(),
+                    device[5].arg(),
+                    Arg::I32(kind),
+                    Arg::I32(relu.into()),
+                    Arg::I64(n as i64),
+                    Arg::I32(channels as i32),
+                    out.arg(),
+                ],
+            );
+            let what = format!("epilogue kind {kind} relu {relu}");
+            assert_bits_equal(&rig.download(&out), &expected, &what);
+        }
+    }
+
+    let mut cpu_grad = values(n, 20);
+    let grad_out = rig.upload(&cpu_grad);
+    tandem_engine::batchnorm::relu_backward_in_place(&mut cpu_grad, &x);
+    let grad_in = rig.zeros::<f32>(n);
+    rig.launch(
+        "relu_backward",
+        per_element(n),
+        &[
+            grad_out.arg(),
+            device[0].arg(),
+            Arg::I64(n as i64),
+            grad_in.arg(),
+        ],
+    );
+    assert_bits_equal(&rig.download(&grad_in), &cpu_grad, "relu backward");
+}
+
+/// The linear layer's `bias_add` and `add_channel_sums`, and the gradient average's
+/// `divide_in_place`, against the same float operations on the host.
+pub fn bias_and_division_kernels_match_the_host_bit_for_bit(rig: &mut impl Rig) {
+    let (rows, channels) = (23usize, 10usize);
+    let n = rows * channels;
+    let (x, bias) = (values(n, 21), values(channels, 22));
+    let device_x = rig.upload(&x);
+    let device_bias = rig.upload(&bias);
+    rig.launch(
+        "bias_add",
+        per_element(n),
+        &[
+            device_x.arg(),
+            device_bias.arg(),
+            Arg::I64(n as i64),
+            Arg::I32(channels as i32),
+        ],
+    );
+    let expected: Vec<f32> = (0..n).map(|i| x[i] + bias[i % channels]).collect();
+    assert_bits_equal(&rig.download(&device_x), &expected, "bias_add");
+
+    // totals as the column sums leave them: [count, sums...]; the sums are added to grad_bias.
+    let totals: Vec<f64> = std::iter::once(rows as f64)
+        .chain((0..channels).map(|c| 0.1 + c as f64 / 3.0))
+        .collect();
+    let device_totals = rig.upload(&totals);
+    let grad_bias = rig.upload(&bias);
+    rig.launch(
+        "add_channel_sums",
+        per_element(channels),
+        &[
+            device_totals.arg(),
+            Arg::I32(channels as i32),
+            grad_bias.arg(),
+        ],
+    );
+    let expected: Vec<f32> = (0..channels)
+        .map(|c| bias[c] + totals[1 + c] as f32)
+        .collect();
+    assert_bits_equal(&rig.download(&grad_bias), &expected, "add_channel_sums");
+
+    let world_size = 3.0f32;
+    rig.launch(
+        "divide_in_place",
+        per_element(n),
+        &[device_x.arg(), Arg::I64(n as i64), Arg::F32(world_size)],
+    );
+    let expected: Vec<f32> = (0..n)
+        .map(|i| (x[i] + bias[i % channels]) / world_size)
+        .collect();
+    assert_bits_equal(&rig.download(&device_x), &expected, "divide_in_place");
+}
+
+/// An odd count of floats: the cases of the host reference's tests, then a spread of bit
+/// patterns over all of float32 (every sign, exponent, NaN and subnormal region).
+fn narrowing_inputs() -> Vec<f32> {
+    let mut values: Vec<f32> = [
+        0x3f80_8000u32,
+        0x3f81_8000,
+        0x3f80_8001,
+        0x3f80_7fff,
+        0xbf80_8000,
+        0x3fff_ffff,
+        0x7f7f_8000,
+        0x7f7f_7fff,
+        0x7f7f_ffff,
+        0xff7f_ffff,
+        0x7f80_0000,
+        0xff80_0000,
+        0x7fc0_0000,
+        0x7f80_0001,
+        0xff80_0001,
+        0x7fa0_0000,
+        0x0000_0001,
+        0x8000_0001,
+        0x0000_8000,
+        0x0000_8001,
+        0x0001_8000,
+        0x007f_ffff,
+        0x0000_0000,
+        0x8000_0000,
+    ]
+    .into_iter()
+    .map(f32::from_bits)
+    .collect();
+    values.extend((0..100_003u32).map(|i| f32::from_bits(i.wrapping_mul(42_943))));
+    assert!(!values.len().is_multiple_of(2), "an odd count");
+    values
+}
+
+/// `convert.cu`'s narrowing, widening and widening add equal the host reference
+/// (`tandem_cuda::bf16`) bit for bit, on an odd count and on every bfloat16.
+pub fn conversion_kernels_equal_the_host_reference_bit_for_bit(rig: &mut impl Rig) {
+    use tandem_cuda::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
+    let inputs = narrowing_inputs();
+    let narrowed = convert(rig, "float_to_bf16", &inputs, &vec![0u16; inputs.len()]);
+    for (i, (&value, &bits)) in inputs.iter().zip(&narrowed).enumerate() {
+        assert_eq!(
+            bits,
+            f32_to_bf16_bits(value),
+            "float_to_bf16[{i}] of {:#010x}",
+            value.to_bits()
+        );
+    }
+    // Every bfloat16 but the last (an odd count), widened exactly.
+    let every: Vec<u16> = (0..u16::MAX).collect();
+    let widened = convert(rig, "bf16_to_float", &every, &vec![0f32; every.len()]);
+    for (&bits, &value) in every.iter().zip(&widened) {
+        assert_eq!(
+            value.to_bits(),
+            bf16_bits_to_f32(bits).to_bits(),
+            "{bits:#06x}"
+        );
+    }
+    // The widening add is one IEEE float add (NaN payloads aside, which the GPU may not keep).
+    let finite: Vec<u16> = every
+        .iter()
+        .copied()
+        .filter(|&bits| !bf16_bits_to_f32(bits).is_nan())
+        .collect();
+    let targets: Vec<f32> = (0..finite.len())
+        .map(|i| (i as f32 * 0.37).sin() * 3.0)
+        .collect();
+    let sums = convert(rig, "bf16_add_to_float", &finite, &targets);
+    for (i, ((&bits, &target), &sum)) in finite.iter().zip(&targets).zip(&sums).enumerate() {
+        let expected = target + bf16_bits_to_f32(bits);
+        if expected.is_nan() {
+            assert!(sum.is_nan(), "bf16_add_to_float[{i}]");
+        } else {
+            assert_eq!(sum.to_bits(), expected.to_bits(), "bf16_add_to_float[{i}]");
+        }
+    }
+}
+
+/// Runs `kernel(input, n, output)` of `convert.cu` over `input` into `output`, and returns
+/// `output`.
+fn convert<I: Plain, O: Plain>(
+    rig: &mut impl Rig,
+    kernel: &'static str,
+    input: &[I],
+    output: &[O],
+) -> Vec<O> {
+    let (input_device, output_device) = (rig.upload(input), rig.upload(output));
+    rig.launch(
+        kernel,
+        per_element(input.len()),
+        &[
+            input_device.arg(),
+            Arg::I64(input.len() as i64),
+            output_device.arg(),
+        ],
+    );
+    rig.download(&output_device)
+}
