@@ -5,7 +5,10 @@
 //   pass 1 (*_partial): block (channel group, row block) sums its rows in double, each thread
 //           over rows ty, ty + ROW_LANES, ... in order; the ROW_LANES lanes are then added in
 //           lane order into one partial per (row block, channel);
-//   pass 2 (*_finish):  one thread per channel adds the row blocks' partials in block order.
+//   pass 2 (*_finish):  block (channel group): lane ty adds the partials of row blocks ty,
+//           ty + ROW_LANES, ... in order, and the lanes are added in lane order, as in pass 1
+//           (one thread per channel looping over every row block would wait on one load after
+//           another: 512 of them for a 32x32 layer at batch 128).
 // The result depends only on the shape and the launch's rows_per_block, never on scheduling.
 // The CPU engine splits rows by worker thread instead, so the two devices agree to rounding of
 // the double sums (about 1e-16 relative), not bit for bit.
@@ -16,7 +19,8 @@
 //
 // Launch: *_partial with blockDim (CHANNEL_LANES, ROW_LANES), gridDim (ceil(rows /
 // rows_per_block), ceil(channels / CHANNEL_LANES)): the row blocks on x, whose limit is 2^31 - 1
-// blocks rather than y's 65,535; per-channel kernels with one thread per channel.
+// blocks rather than y's 65,535; *_finish with the same blocks and one row block on x;
+// per-channel kernels with one thread per channel.
 
 #define CHANNEL_LANES 32
 #define ROW_LANES 8
@@ -64,19 +68,26 @@ extern "C" __global__ void bn_stats_partial(const float* x, int rows, int channe
     }
 }
 
-// Pass 2 of the statistics: totals = [rows, sum x..., sum x^2...], row blocks added in order.
+// Pass 2 of the statistics: totals = [rows, sum x..., sum x^2...], the row blocks' partials
+// added in the fixed order of the header.
 extern "C" __global__ void bn_stats_finish(const double* partials, int row_blocks, int rows,
                                            int channels, double* totals) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c == 0) totals[0] = (double)rows;
-    if (c >= channels) return;
+    __shared__ double lanes[ROW_LANES][CHANNEL_LANES];
+    int c = blockIdx.y * CHANNEL_LANES + threadIdx.x;
+    if (c == 0 && threadIdx.y == 0) totals[0] = (double)rows;
     double sum = 0.0, sum_sq = 0.0;
-    for (int block = 0; block < row_blocks; block++) {
-        sum += partials[(long long)block * 2 * channels + c];
-        sum_sq += partials[(long long)block * 2 * channels + channels + c];
+    if (c < channels) {
+        for (int block = threadIdx.y; block < row_blocks; block += ROW_LANES) {
+            sum += partials[(long long)block * 2 * channels + c];
+            sum_sq += partials[(long long)block * 2 * channels + channels + c];
+        }
     }
-    totals[1 + c] = sum;
-    totals[1 + channels + c] = sum_sq;
+    sum = sum_row_lanes(sum, lanes);
+    sum_sq = sum_row_lanes(sum_sq, lanes);
+    if (threadIdx.y == 0 && c < channels) {
+        totals[1 + c] = sum;
+        totals[1 + channels + c] = sum_sq;
+    }
 }
 
 // Training-mode coefficients from the (possibly all-reduced) totals, in double as the CPU's
@@ -154,23 +165,30 @@ extern "C" __global__ void bn_backward_partial(const float* dy, const float* rel
     }
 }
 
-// Pass 2 of the backward sums: totals = [sum dy..., sum dy*xhat...] in row-block order, and the
-// local sums added to the parameter gradients (grad_bias += sum dy, grad_weight += sum dy*xhat),
-// before any all-reduce of the totals, as the CPU does.
+// Pass 2 of the backward sums: totals = [sum dy..., sum dy*xhat...], the row blocks' partials
+// added in the fixed order of the header, and the local sums added to the parameter gradients
+// (grad_bias += sum dy, grad_weight += sum dy*xhat), before any all-reduce of the totals, as
+// the CPU does.
 extern "C" __global__ void bn_backward_finish(const double* partials, int row_blocks,
                                               int channels, double* totals, float* grad_weight,
                                               float* grad_bias) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= channels) return;
+    __shared__ double lanes[ROW_LANES][CHANNEL_LANES];
+    int c = blockIdx.y * CHANNEL_LANES + threadIdx.x;
     double sum_dy = 0.0, sum_dy_xhat = 0.0;
-    for (int block = 0; block < row_blocks; block++) {
-        sum_dy += partials[(long long)block * 2 * channels + c];
-        sum_dy_xhat += partials[(long long)block * 2 * channels + channels + c];
+    if (c < channels) {
+        for (int block = threadIdx.y; block < row_blocks; block += ROW_LANES) {
+            sum_dy += partials[(long long)block * 2 * channels + c];
+            sum_dy_xhat += partials[(long long)block * 2 * channels + channels + c];
+        }
     }
-    totals[c] = sum_dy;
-    totals[channels + c] = sum_dy_xhat;
-    grad_bias[c] += (float)sum_dy;
-    grad_weight[c] += (float)sum_dy_xhat;
+    sum_dy = sum_row_lanes(sum_dy, lanes);
+    sum_dy_xhat = sum_row_lanes(sum_dy_xhat, lanes);
+    if (threadIdx.y == 0 && c < channels) {
+        totals[c] = sum_dy;
+        totals[channels + c] = sum_dy_xhat;
+        grad_bias[c] += (float)sum_dy;
+        grad_weight[c] += (float)sum_dy_xhat;
+    }
 }
 
 // Per-channel coefficients of the input gradient from the (possibly all-reduced) totals:

@@ -208,9 +208,10 @@ pub fn per_element(n: usize) -> LaunchConfig {
     }
 }
 
-/// `bn_stats_partial`/`bn_backward_partial`'s launch: blocks of 32 channels by 8 row lanes,
-/// one block per `rows_per_block` rows (on the grid's x, which holds 2^31 - 1 blocks) and 32
-/// channels (on y).
+/// The launch of the batch-norm column sums: blocks of 32 channels by 8 row lanes, one block
+/// per `row_blocks` (on the grid's x, which holds 2^31 - 1 blocks) and 32 channels (on y).
+/// `bn_stats_partial`/`bn_backward_partial` take one row block per `rows_per_block` rows;
+/// `bn_stats_finish`/`bn_backward_finish`, which add the row blocks' partials, take one.
 pub fn column_sums(channels: usize, row_blocks: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (row_blocks as u32, channels.div_ceil(32).max(1) as u32, 1),

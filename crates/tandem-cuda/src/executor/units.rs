@@ -114,7 +114,7 @@ impl CudaExecutor {
             // 1 + 2 * channels doubles.
             self.launch(
                 "bn_stats_finish",
-                per_element(channels),
+                column_sums(channels, 1),
                 &[
                     Arg::Ptr(partials),
                     Arg::I32(blocks as i32),
@@ -373,7 +373,7 @@ impl CudaExecutor {
             )?;
             self.launch(
                 "bn_backward_finish",
-                per_element(channels),
+                column_sums(channels, 1),
                 &[
                     Arg::Ptr(partials),
                     Arg::I32(blocks as i32),
