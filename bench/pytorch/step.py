@@ -159,18 +159,30 @@ if on_gpu:
     setup += [f"compile {args.compile}"] if args.compile else []
     setup += ["cudnn deterministic"] if args.deterministic else []
     print(f"setup: {', '.join(setup)}; torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-lines = []
 if args.mode in ("train", "both"):
     model.train()
     if args.cuda_graph:
         train = rate(captured(train_step, forward_backward_step))
     else:
         train = rate(train_step)
-    lines.append(f"train: {train:.1f} img/s")
+    # Each figure as soon as it is measured: a variant stopped by a time limit keeps it.
+    print(f"train: {train:.1f} img/s", flush=True)
 if args.mode in ("eval", "both"):
     model.eval()
     evaluation = rate(captured(eval_step, eval_step) if args.cuda_graph else eval_step)
-    lines.append(f"eval: {evaluation:.1f} img/s")
+    print(f"eval: {evaluation:.1f} img/s", flush=True)
 if on_gpu:
-    lines.append(f"peak memory: {torch.cuda.max_memory_allocated() / 1e6:.0f} MB")
-print("\n".join(lines))
+    # Device memory in use, as Tandem's `peak memory:` measures it (total - free: the CUDA
+    # context, the libraries' handles and workspaces included), in MiB; the allocator's own
+    # peak of tensors alone beside it.
+    free, total = torch.cuda.mem_get_info()
+    print(
+        f"peak memory: {(total - free) / 2**20:.0f} MB"
+        f" (tensors at most {torch.cuda.max_memory_allocated() / 2**20:.0f} MB)",
+        flush=True,
+    )
+if args.compile:
+    # reduce-overhead may give up CUDA graphs (a mutated input, say) without a word.
+    from torch._dynamo.utils import counters
+
+    print(f"note: torch.compile CUDA-graph skips: {counters['inductor']['cudagraph_skips']}", flush=True)

@@ -192,6 +192,26 @@ pub fn why_no_gpu(probe: &Probe, libraries: &[Library]) -> Option<String> {
     }
 }
 
+/// Environment variable that makes a test needing a GPU fail instead of skipping without
+/// one: CI sets it for its run on the fake GPU (`crates/tandem-cuda/tests/fake_gpu`), so that
+/// a test meant to run there cannot pass by skipping.
+pub const REQUIRE_GPU_ENV: &str = "TANDEM_REQUIRE_GPU";
+
+/// For tests: whether test `test`, which needs a GPU with `libraries`, can run here. Without
+/// one it prints why and returns `false` (the test skips), or panics with the reason when
+/// [`REQUIRE_GPU_ENV`] is `1`.
+pub fn test_gpu_available(test: &str, libraries: &[Library]) -> bool {
+    let Some(reason) = why_no_gpu(Probe::process(), libraries) else {
+        return true;
+    };
+    assert!(
+        std::env::var(REQUIRE_GPU_ENV).as_deref() != Ok("1"),
+        "{test}: {REQUIRE_GPU_ENV}=1, but {reason}"
+    );
+    eprintln!("{test}: skipped, {reason}");
+    false
+}
+
 /// The driver's device count; call only after the probe found the driver.
 fn count_gpus() -> Result<usize, String> {
     cudarc::driver::result::init().map_err(|error| format!("cuInit failed: {error:?}"))?;

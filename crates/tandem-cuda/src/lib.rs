@@ -24,7 +24,9 @@ pub mod ptx_params;
 pub use arch::GpuArch;
 pub use collective::{CollectiveError, NcclGroup};
 pub use compile::{CompileError, CompiledKernel, Compiler};
-pub use device::{why_no_gpu, Device, DeviceError, DeviceRequest, GpuFacts};
+pub use device::{
+    test_gpu_available, why_no_gpu, Device, DeviceError, DeviceRequest, GpuFacts, REQUIRE_GPU_ENV,
+};
 pub use executor::{CudaExecutor, GpuError, GpuSettings, Precision};
 pub use kernels::{KernelSource, KERNELS};
 pub use probe::{Library, MissingLibrary, Probe, SearchPath};

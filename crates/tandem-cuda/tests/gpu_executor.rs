@@ -1,10 +1,11 @@
 //! One training step of the seed-004 model on the GPU executor against the CPU executor, in
-//! fp32 with deterministic algorithms: logits within 1e-4, gradients within 1e-3, the running
-//! statistics and the gradient-ready ranges; two chained SGD steps and an evaluation forward
-//! within tolerances; two AdamW steps from the same buffers bit for bit; whole training steps
-//! replayed as CUDA graphs against the same steps run eagerly and through the separate calls,
-//! bit for bit. Skipped with a printed reason without a driver, the CUDA libraries or a GPU
-//! (as on CI's machines); it has not yet run on a GPU.
+//! fp32 with deterministic algorithms: logits within 1e-4, gradients within 1e-3 or five times
+//! the CPU's own sensitivity to a rounding of the input (see [`assert_gradients_close`]), the
+//! running statistics and the gradient-ready ranges; two chained SGD steps and an evaluation
+//! forward; two AdamW steps from the same buffers bit for bit; whole training steps replayed as
+//! CUDA graphs against the same steps run eagerly and through the separate calls, bit for bit.
+//! CI runs them on the fake GPU of `tests/fake_gpu`; without a GPU they are skipped with a
+//! printed reason. They have not yet run on a GPU.
 
 mod common;
 
@@ -36,6 +37,84 @@ fn assert_close(gpu: &[f32], cpu: &[f32], tolerance: f32, what: &str) {
         gpu[i],
         cpu[i]
     );
+}
+
+/// One rounding of float32 relative to 1 (2^-23).
+const ONE_ROUNDING: f32 = 1.192_092_9e-7;
+
+/// The input perturbations that measure the CPU's own sensitivity, as the golden tests do.
+const PERTURBATIONS: [f32; 3] = [ONE_ROUNDING, -ONE_ROUNDING, 2.0 * ONE_ROUNDING];
+
+/// How many times the CPU's own sensitivity a gradient may differ by.
+const SENSITIVITY_FACTOR: f32 = 5.0;
+
+/// The largest `|found - expected| / (1 + |expected|)` and where.
+fn worst_error(found: &[f32], expected: &[f32]) -> (f32, usize) {
+    found
+        .iter()
+        .zip(expected)
+        .map(|(f, e)| (f - e).abs() / (1.0 + e.abs()))
+        .enumerate()
+        .fold((0.0, 0), |worst, (i, error)| {
+            if error > worst.0 || error.is_nan() {
+                (error, i)
+            } else {
+                worst
+            }
+        })
+}
+
+/// The CPU's gradients of one training forward and backward of `images` from `params`.
+fn cpu_gradients(params: &[f32], images: &[f32], labels: &[u32], loss: &LossOptions) -> Vec<f32> {
+    let mut cpu = seed_004();
+    cpu.params_mut().copy_from_slice(params);
+    cpu.forward_train(images, BATCH, SIDE, SIDE, labels, loss, None)
+        .unwrap();
+    cpu.backward(1.0, None, &mut |_, _| {}).unwrap();
+    cpu.grads().to_vec()
+}
+
+/// Asserts the GPU's gradients `gpu` close to the CPU's `cpu` (both of `images` from
+/// `params`), tensor by tensor: within 1e-3 (relative to 1 + |CPU|), or within
+/// [`SENSITIVITY_FACTOR`] times how far the CPU's own gradients move when the images are
+/// perturbed by a rounding or two. The seed-004 network in training mode amplifies rounding
+/// a lot: a ReLU input on the knife's edge flips with the last bit of the forward, and its
+/// gradient with it, so two correct devices (or the CPU against itself on images one rounding
+/// apart) differ by up to about 1e-2 in the first layers.
+fn assert_gradients_close(
+    model: &Model,
+    gpu: &[f32],
+    cpu: &[f32],
+    (params, images, labels, loss): (&[f32], &[f32], &[u32], &LossOptions),
+    what: &str,
+) {
+    let perturbed: Vec<Vec<f32>> = PERTURBATIONS
+        .iter()
+        .map(|factor| {
+            let scaled: Vec<f32> = images.iter().map(|v| v * (1.0 + factor)).collect();
+            cpu_gradients(params, &scaled, labels, loss)
+        })
+        .collect();
+    for info in model.tensors() {
+        if info.kind != tandem_models::TensorKind::Param {
+            continue;
+        }
+        let range = info.range();
+        let sensitivity = perturbed
+            .iter()
+            .map(|run| worst_error(&run[range.clone()], &cpu[range.clone()]).0)
+            .fold(0.0, f32::max);
+        let tolerance = (1e-3f32).max(SENSITIVITY_FACTOR * sensitivity);
+        let (error, i) = worst_error(&gpu[range.clone()], &cpu[range.clone()]);
+        assert!(
+            error <= tolerance,
+            "{what} {}[{i}]: GPU {} CPU {} (relative error {error:e} > {tolerance:e}; the \
+             CPU's own sensitivity {sensitivity:e})",
+            info.name,
+            gpu[range.start + i],
+            cpu[range.start + i]
+        );
+    }
 }
 
 fn settings() -> GpuSettings {
@@ -90,7 +169,13 @@ fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
     assert_close(&gpu_logits, cpu.logits(), 1e-4, "logits");
     let mut grads = vec![0.0; model.params().len()];
     exec.grads_to_host(&mut grads).unwrap();
-    assert_close(&grads, cpu.grads(), 1e-3, "gradients");
+    assert_gradients_close(
+        &model,
+        &grads,
+        cpu.grads(),
+        (model.params(), &images, &labels, &loss),
+        "gradients",
+    );
     assert_eq!(gpu_ranges, cpu_ranges, "gradient-ready ranges");
     assert_eq!(reported, grads, "reported gradients are the final ones");
     let mut buffers = vec![0.0; model.buffers().len()];
@@ -107,6 +192,10 @@ fn a_training_step_matches_the_cpu_in_fp32() {
     one_step(probe);
 }
 
+/// Two chained SGD steps (Nesterov, weight decay: the momentum buffer carried on the device)
+/// and an evaluation forward. Each step starts both devices from the CPU's gradients, so the
+/// steps and the momentum buffer agree bit for bit, the second backward (from the stepped
+/// weights) is compared as the first, and the evaluation runs on equal weights.
 #[test]
 fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
     let Some(probe) = gpu_probe("two_sgd_steps_then_an_evaluation_match_the_cpu", &[]) else {
@@ -122,52 +211,47 @@ fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
     };
     let mut sgd = Sgd::new(cpu.params().len(), config);
     let (images, labels) = formula_batch(BATCH, SIDE, 0);
+    let loss = LossOptions::default();
+    let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
     for round in 0..2 {
         if round > 0 {
             cpu.zero_grads();
-            cpu.forward_train(
-                &images,
-                BATCH,
-                SIDE,
-                SIDE,
-                &labels,
-                &LossOptions::default(),
-                None,
-            )
-            .unwrap();
+            cpu.forward_train(&images, BATCH, SIDE, SIDE, &labels, &loss, None)
+                .unwrap();
             cpu.backward(1.0, None, &mut |_, _| {}).unwrap();
             exec.zero_grads().unwrap();
-            let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
-            exec.forward_train(
-                &model,
-                &plan,
-                &images,
-                &labels,
-                &LossOptions::default(),
-                None,
-            )
-            .unwrap();
+            exec.forward_train(&model, &plan, &images, &labels, &loss, None)
+                .unwrap();
             exec.backward(&model, &plan, 1.0, None, None).unwrap();
+            let mut grads = vec![0.0; cpu.params().len()];
+            exec.grads_to_host(&mut grads).unwrap();
+            assert_gradients_close(
+                &model,
+                &grads,
+                cpu.grads(),
+                (cpu.params(), &images, &labels, &loss),
+                "gradients after one SGD step",
+            );
         }
+        exec.grads_from_host(cpu.grads()).unwrap();
         let (params, grads) = cpu.params_and_grads_mut();
         sgd.step(params, grads);
         exec.sgd_step(&config).unwrap();
         let mut gpu_params = vec![0.0; cpu.params().len()];
         exec.params_to_host(&mut gpu_params).unwrap();
-        assert_close(
-            &gpu_params,
-            cpu.params(),
-            // The gradients differ by up to 1e-3; the step scales that by lr 0.1 (1.9x with
-            // Nesterov momentum), and the second step starts from slightly different weights.
-            1e-3,
-            &format!("parameters after SGD step {round}"),
-        );
+        for (i, (g, c)) in gpu_params.iter().zip(cpu.params()).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                c.to_bits(),
+                "parameter {i} after SGD step {round}: GPU {g} CPU {c}"
+            );
+        }
     }
     let eval_plan = model.plan(Mode::Eval, BATCH, SIDE, SIDE).unwrap();
     let mut gpu_logits = Vec::new();
     exec.forward_eval(&model, &eval_plan, &images, &mut gpu_logits)
         .unwrap();
-    // The GPU ran with its own updated parameters; the CPU's are within 1e-4 of them.
+    // Equal weights; the running statistics of each device's own two training forwards.
     let cpu_logits = cpu
         .forward_eval(&images, BATCH, SIDE, SIDE)
         .unwrap()
@@ -175,7 +259,7 @@ fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
     assert_close(
         &gpu_logits,
         &cpu_logits,
-        1e-3,
+        1e-4,
         "evaluation logits after two SGD steps",
     );
 }

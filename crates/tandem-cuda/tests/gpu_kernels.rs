@@ -1,6 +1,7 @@
-//! The CUDA kernels against the CPU engine and loader, on a GPU, on odd shapes: the checks of
-//! `common/kernel_checks.rs` (which `kernels_on_cpu.rs` also runs on the CPU). Skipped with a
-//! printed reason when the driver, NVRTC or a GPU is missing (as on CI's machines).
+//! The CUDA kernels against the CPU engine and loader, on odd shapes: the checks of
+//! `common/kernel_checks.rs`, on GPU 0. CI runs them on the fake GPU of `tests/fake_gpu` (our
+//! kernels compiled for the CPU behind a fake driver); without a GPU they are skipped with a
+//! printed reason.
 
 mod common;
 

@@ -31,7 +31,7 @@ use common::{
     worst_error_per_family, Launcher,
 };
 use tandem_cuda::device::REQUIRED_LIBRARIES;
-use tandem_cuda::{Library, Probe};
+use tandem_cuda::Library;
 
 const LIMIT: Duration = Duration::from_secs(100);
 /// Below this, a difference between two and one processes is accepted whatever the rounding
@@ -39,19 +39,14 @@ const LIMIT: Duration = Duration::from_secs(100);
 /// where two processes differ from one by about 1e-6 after 4 steps of this run.
 const NOISE_FLOOR: f64 = 1e-4;
 
-/// Whether a GPU can be used here (and libnccl, with `nccl`); prints why not.
+/// Whether a GPU (and with `nccl` libnccl) can be used here; prints why not, or fails
+/// under `TANDEM_REQUIRE_GPU=1` (CI's run on the fake GPU).
 fn gpu_available(test: &str, nccl: bool) -> bool {
     let mut libraries = REQUIRED_LIBRARIES.to_vec();
     if nccl {
         libraries.push(Library::Nccl);
     }
-    match tandem_cuda::why_no_gpu(Probe::process(), &libraries) {
-        None => true,
-        Some(reason) => {
-            eprintln!("{test}: skipped, {reason}");
-            false
-        }
-    }
+    tandem_cuda::test_gpu_available(test, &libraries)
 }
 
 /// `tandem launch --standalone --nproc-per-node N --max-restarts R [launch_flags] -- train`.

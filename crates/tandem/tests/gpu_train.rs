@@ -21,7 +21,6 @@ use common::{
     with_flag, worst_error_per_family, SMALL_MODEL,
 };
 use tandem_cuda::device::REQUIRED_LIBRARIES;
-use tandem_cuda::Probe;
 
 const LIMIT: Duration = Duration::from_secs(120);
 /// Training images of the runs: 4 steps of 16 per epoch, 2 epochs.
@@ -34,15 +33,10 @@ const LOSS_TOLERANCE: f64 = 1e-3;
 /// Evaluation loss and predicted logits, relative.
 const EVAL_TOLERANCE: f64 = 1e-4;
 
-/// Whether a GPU can be used here; prints why not.
+/// Whether a GPU can be used here; prints why not, or fails under `TANDEM_REQUIRE_GPU=1`
+/// (CI's run on the fake GPU).
 fn gpu_available(test: &str) -> bool {
-    match tandem_cuda::why_no_gpu(Probe::process(), &REQUIRED_LIBRARIES) {
-        None => true,
-        Some(reason) => {
-            eprintln!("{test}: skipped, {reason}");
-            false
-        }
-    }
+    tandem_cuda::test_gpu_available(test, &REQUIRED_LIBRARIES)
 }
 
 /// The training flags of the comparisons: the small model, 2 epochs of 4 steps, on `device`.

@@ -1,27 +1,24 @@
 // The few pieces of CUDA C that our kernel files use, defined for an ordinary C++ compiler, so
-// that tests/kernels_on_cpu.rs can run the same kernel sources on the CPU (see cpu_rig.rs).
+// that the fake GPU (tests/fake_gpu) runs the same kernel sources on the CPU.
 //
-// A launch runs one block at a time. Within a block every CUDA thread is an OS thread of a team
-// of blockDim threads, so __syncthreads() is a real barrier and __shared__ arrays (function
-// statics) are shared by the block; the team meets at a barrier after each block before the
-// next one starts. Launches are serialized by the Rust side, so statics never serve two blocks
-// at once. Floating point follows IEEE-754 as on the GPU: the library is compiled with
+// A launch runs one block at a time. A kernel that declares __shared__ memory runs each block
+// as a team of blockDim fibers, so __syncthreads() is a real barrier and __shared__ arrays
+// (function statics) are shared by the block. Any other kernel runs its threads one after
+// another. Launches are serialized by the fake driver, so statics never serve two blocks at
+// once. Floating point follows IEEE-754 as on the GPU: the library is compiled with
 // -ffp-contract=off, as NVRTC compiles with --fmad=false. Only exp/log/sqrt-like library calls
 // may differ from the GPU's by an ulp, which the tests' tolerances allow.
 
-#pragma once
 
 #include <math.h>
+#include <ucontext.h>
 
 #include <algorithm>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
-#include <thread>
+#include <functional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -69,43 +66,62 @@ inline int atomicMin(int* address, int value) {
     return old;
 }
 
-// A barrier for a fixed number of threads that gives up after a bound: a thread that leaves a
-// kernel before a __syncthreads() its block still reaches (undefined in CUDA) would otherwise
-// hang the test forever.
-class TeamBarrier {
-  public:
-    explicit TeamBarrier(unsigned int threads) : threads_(threads) {}
-
-    void wait() {
-        std::unique_lock<std::mutex> lock(mutex_);
-        unsigned long long generation = generation_;
-        if (++arrived_ == threads_) {
-            arrived_ = 0;
-            generation_++;
-            changed_.notify_all();
-            return;
-        }
-        bool released = changed_.wait_for(lock, std::chrono::seconds(30),
-                                          [&] { return generation_ != generation; });
-        if (!released) {
-            std::fprintf(stderr,
-                         "cuda_on_cpu: a block's threads did not all reach __syncthreads() within "
-                         "30 s (a thread returned early?)\n");
-            std::abort();
-        }
-    }
-
-  private:
-    std::mutex mutex_;
-    std::condition_variable changed_;
-    unsigned int threads_;
-    unsigned int arrived_ = 0;
-    unsigned long long generation_ = 0;
+// The threads of a team run as fibers of the launching thread: each has its own stack, and
+// __syncthreads() switches back to the launch, which resumes every fiber once all of them have
+// reached the barrier (or ended). No OS thread is made, and nothing runs in parallel.
+struct Fiber {
+    ucontext_t context;
+    std::vector<char> stack;
+    uint3 thread_index;
+    bool done;
 };
 
-static thread_local TeamBarrier* block_barrier = nullptr;
+static thread_local ucontext_t* team_scheduler = nullptr;
+static thread_local Fiber* running_fiber = nullptr;
+static thread_local std::function<void()>* team_body = nullptr;
 
-inline void __syncthreads() { block_barrier->wait(); }
+inline void __syncthreads() {
+    if (running_fiber == nullptr) {
+        std::fprintf(stderr,
+                     "cuda_on_cpu: __syncthreads() in a kernel run without a team of threads "
+                     "(kernels that declare no __shared__ memory run their threads one by one)\n");
+        std::abort();
+    }
+    swapcontext(&running_fiber->context, team_scheduler);
+}
+
+inline void fiber_main() {
+    (*team_body)();
+    running_fiber->done = true;
+}
+
+// Runs one block of `threads` as fibers, round after round, until every fiber has ended.
+inline void run_team(std::vector<Fiber>& fibers, std::function<void()>& body) {
+    ucontext_t scheduler;
+    team_scheduler = &scheduler;
+    team_body = &body;
+    for (Fiber& fiber : fibers) {
+        getcontext(&fiber.context);
+        fiber.context.uc_stack.ss_sp = fiber.stack.data();
+        fiber.context.uc_stack.ss_size = fiber.stack.size();
+        fiber.context.uc_link = &scheduler;
+        fiber.done = false;
+        makecontext(&fiber.context, fiber_main, 0);
+    }
+    for (bool any_running = true; any_running;) {
+        any_running = false;
+        for (Fiber& fiber : fibers) {
+            if (fiber.done) continue;
+            running_fiber = &fiber;
+            threadIdx = fiber.thread_index;
+            swapcontext(&scheduler, &fiber.context);
+            any_running = any_running || !fiber.done;
+        }
+    }
+    running_fiber = nullptr;
+    team_scheduler = nullptr;
+    team_body = nullptr;
+}
 
 // Calls `kernel` with the values that `params` point to, as cuLaunchKernel's kernelParams.
 template <typename... Params, std::size_t... I>
@@ -113,37 +129,47 @@ void call_with_params(void (*kernel)(Params...), void** params, std::index_seque
     kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<Params>>*>(params[I])...);
 }
 
-// Runs `kernel` over grid x block, blocks one after another, each block's threads at once.
-template <typename... Params>
+// Runs `kernel` over grid x block, blocks one after another. With TEAM, each block's threads
+// run at once, as OS threads that __syncthreads() holds together; without, one after another
+// on the calling thread (for kernels that share nothing within a block: far faster).
+template <bool TEAM, typename... Params>
 void emulate_launch(void (*kernel)(Params...), const unsigned int* grid,
                     const unsigned int* block, void** params) {
     dim3 grid_dim{grid[0], grid[1], grid[2]};
     dim3 block_dim{block[0], block[1], block[2]};
     unsigned int team = block_dim.x * block_dim.y * block_dim.z;
-    TeamBarrier barrier(team);
-    TeamBarrier between_blocks(team);
-    auto run = [&](unsigned int rank) {
-        block_barrier = &barrier;
+    if constexpr (!TEAM) {
         gridDim = grid_dim;
         blockDim = block_dim;
-        threadIdx = uint3{rank % block_dim.x, rank / block_dim.x % block_dim.y,
-                          rank / (block_dim.x * block_dim.y)};
-        for (unsigned int z = 0; z < grid_dim.z; z++) {
-            for (unsigned int y = 0; y < grid_dim.y; y++) {
+        for (unsigned int z = 0; z < grid_dim.z; z++)
+            for (unsigned int y = 0; y < grid_dim.y; y++)
                 for (unsigned int x = 0; x < grid_dim.x; x++) {
                     blockIdx = uint3{x, y, z};
-                    call_with_params(kernel, params, std::index_sequence_for<Params...>{});
-                    between_blocks.wait();
+                    for (unsigned int rank = 0; rank < team; rank++) {
+                        threadIdx = uint3{rank % block_dim.x, rank / block_dim.x % block_dim.y,
+                                          rank / (block_dim.x * block_dim.y)};
+                        call_with_params(kernel, params, std::index_sequence_for<Params...>{});
+                    }
                 }
-            }
-        }
-        block_barrier = nullptr;
+        return;
+    }
+    std::vector<Fiber> fibers(team);
+    for (unsigned int rank = 0; rank < team; rank++) {
+        fibers[rank].stack.resize(64 * 1024);
+        fibers[rank].thread_index = uint3{rank % block_dim.x, rank / block_dim.x % block_dim.y,
+                                          rank / (block_dim.x * block_dim.y)};
+    }
+    std::function<void()> body = [&] {
+        call_with_params(kernel, params, std::index_sequence_for<Params...>{});
     };
-    std::vector<std::thread> threads;
-    threads.reserve(team);
-    for (unsigned int rank = 1; rank < team; rank++) threads.emplace_back(run, rank);
-    run(0);
-    for (auto& thread : threads) thread.join();
+    gridDim = grid_dim;
+    blockDim = block_dim;
+    for (unsigned int z = 0; z < grid_dim.z; z++)
+        for (unsigned int y = 0; y < grid_dim.y; y++)
+            for (unsigned int x = 0; x < grid_dim.x; x++) {
+                blockIdx = uint3{x, y, z};
+                run_team(fibers, body);
+            }
 }
 
 template <typename T>
@@ -175,11 +201,12 @@ const char* param_kinds(void (*)(Params...)) {
     return kinds;
 }
 
-// Exports kernel NAME's launch as `emulate_NAME(grid[3], block[3], params)` and its parameter
-// kinds as `emulate_params_NAME()`.
-#define EXPORT_LAUNCH(NAME)                                                             \
+// Exports kernel NAME's launch as `emulate_NAME(grid[3], block[3], params)` (TEAM: 1 when
+// its threads share memory and meet at barriers) and its parameter kinds as
+// `emulate_params_NAME()`.
+#define EXPORT_LAUNCH(NAME, TEAM)                                                       \
     extern "C" void emulate_##NAME(const unsigned int* grid, const unsigned int* block, \
                                    void** params) {                                     \
-        emulate_launch(NAME, grid, block, params);                                      \
+        emulate_launch<TEAM>(NAME, grid, block, params);                                \
     }                                                                                   \
     extern "C" const char* emulate_params_##NAME() { return param_kinds(NAME); }

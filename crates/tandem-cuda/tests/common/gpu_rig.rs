@@ -1,5 +1,5 @@
-//! GPU 0 as a [`Rig`] for the kernel checks: every kernel compiled and loaded as the executor
-//! loads them ([`Kernels`]), launched with the executor's argument check.
+//! GPU 0 for the kernel checks: every kernel compiled and loaded as the executor loads them
+//! ([`Kernels`]), launched with the executor's argument check, and buffers by address.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 use tandem_cuda::executor::launch::{Arg, Kernels};
 use tandem_cuda::Library;
 
-use super::kernel_checks::Rig;
+use super::kernel_checks::{bytes_of, values_of, Buffer, Plain};
 
 /// GPU 0's default stream, the loaded kernels, and the buffers made so far (freed with it).
 pub struct GpuRig {
@@ -21,8 +21,7 @@ impl GpuRig {
     /// The GPU, or `None` (after printing why) when there is none to test on.
     pub fn open(test: &str) -> Option<GpuRig> {
         let probe = super::probe_with_nvrtc(test)?;
-        if let Some(reason) = tandem_cuda::why_no_gpu(probe, &[Library::Nvrtc]) {
-            eprintln!("{test}: skipped, {reason}");
+        if !tandem_cuda::test_gpu_available(test, &[Library::Nvrtc]) {
             return None;
         }
         let context = cudarc::driver::CudaContext::new(0).expect("cannot open GPU 0");
@@ -36,7 +35,8 @@ impl GpuRig {
     }
 }
 
-impl Rig for GpuRig {
+impl GpuRig {
+    /// A new buffer holding `bytes`, and its address.
     fn upload_bytes(&mut self, bytes: &[u8]) -> u64 {
         let slice = if bytes.is_empty() {
             self.stream.alloc_zeros::<u8>(1)
@@ -52,6 +52,7 @@ impl Rig for GpuRig {
         address
     }
 
+    /// The `len` bytes at `address` (a buffer of this rig).
     fn download_bytes(&mut self, address: u64, len: usize) -> Vec<u8> {
         let slice = &self.buffers[&address];
         let mut bytes = vec![0u8; len];
@@ -62,7 +63,9 @@ impl Rig for GpuRig {
         bytes
     }
 
-    fn launch(&mut self, name: &'static str, config: LaunchConfig, args: &[Arg]) {
+    /// Runs kernel `name` over `config` with `args` and waits for it; panics with the
+    /// kernel's name when the arguments do not fit its parameters or the launch fails.
+    pub fn launch(&mut self, name: &'static str, config: LaunchConfig, args: &[Arg]) {
         // SAFETY: the arguments are checked against the kernel's PTX parameters; every pointer
         // is a buffer of this rig, sized by the check for this launch, and the rig keeps its
         // buffers until it is dropped, after the synchronize below.
@@ -71,5 +74,21 @@ impl Rig for GpuRig {
         self.stream
             .synchronize()
             .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+    }
+
+    /// A new buffer holding `values`.
+    pub fn upload<T: Plain>(&mut self, values: &[T]) -> Buffer<T> {
+        let address = self.upload_bytes(bytes_of(values));
+        Buffer::new(address, values.len())
+    }
+
+    /// A new buffer of `len` zeros.
+    pub fn zeros<T: Plain>(&mut self, len: usize) -> Buffer<T> {
+        self.upload(&vec![T::default(); len])
+    }
+
+    /// The values of `buffer`.
+    pub fn download<T: Plain>(&mut self, buffer: &Buffer<T>) -> Vec<T> {
+        values_of(&self.download_bytes(buffer.address(), buffer.byte_len()))
     }
 }

@@ -1,17 +1,16 @@
-//! The CUDA kernels against the CPU engine and loader, on odd shapes, written once over a
-//! [`Rig`]: `gpu_kernels.rs` runs them on a GPU, `kernels_on_cpu.rs` runs the same kernel
-//! sources compiled for the CPU (so CI checks the kernels' arithmetic and indexing without a
-//! GPU). Launches go through the executor's [`Arg`] list and launch shapes, and both rigs check
-//! the arguments against the kernel's parameter list before launching.
+//! The CUDA kernels against the CPU engine and loader, on odd shapes (`gpu_kernels.rs` runs
+//! them, on a GPU or on the fake GPU of `tests/fake_gpu`). Launches go through the executor's
+//! [`Arg`] lists, launch shapes and argument check.
 
 use std::marker::PhantomData;
 
-use cudarc::driver::LaunchConfig;
 use tandem_cuda::executor::launch::{column_sums, per_element, Arg};
 use tandem_cuda::executor::scalars::{AdamStepScalars, OptimizerScalars, SgdScalars};
 use tandem_engine::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 
-/// An element type that may cross to a rig as its bytes: a plain number, no padding.
+use super::gpu_rig::GpuRig;
+
+/// An element type that may cross to the GPU as its bytes: a plain number, no padding.
 pub trait Plain: Copy + Default + 'static {}
 impl Plain for u8 {}
 impl Plain for u16 {}
@@ -45,7 +44,7 @@ pub fn values_of<T: Plain>(bytes: &[u8]) -> Vec<T> {
     values
 }
 
-/// A buffer of `T`s that a rig holds: its address as kernels see it, and its length.
+/// A buffer of `T`s on the GPU: its address as kernels see it, and its length.
 pub struct Buffer<T> {
     address: u64,
     len: usize,
@@ -53,7 +52,7 @@ pub struct Buffer<T> {
 }
 
 impl<T: Plain> Buffer<T> {
-    /// A rig's buffer of `len` values at `address`.
+    /// The buffer of `len` values at `address`.
     pub fn new(address: u64, len: usize) -> Self {
         Buffer {
             address,
@@ -78,35 +77,6 @@ impl<T: Plain> Buffer<T> {
     }
 }
 
-/// Where the kernels run: memory, copies and launches by kernel name.
-pub trait Rig {
-    /// A new buffer holding `bytes`, and its address.
-    fn upload_bytes(&mut self, bytes: &[u8]) -> u64;
-
-    /// The `len` bytes at `address` (a buffer this rig made).
-    fn download_bytes(&mut self, address: u64, len: usize) -> Vec<u8>;
-
-    /// Runs kernel `name` over `config` with `args` and waits for it; panics with the
-    /// kernel's name when the arguments do not fit its parameters or the launch fails.
-    fn launch(&mut self, name: &'static str, config: LaunchConfig, args: &[Arg]);
-
-    /// A new buffer holding `values`.
-    fn upload<T: Plain>(&mut self, values: &[T]) -> Buffer<T> {
-        let address = self.upload_bytes(bytes_of(values));
-        Buffer::new(address, values.len())
-    }
-
-    /// A new buffer of `len` zeros.
-    fn zeros<T: Plain>(&mut self, len: usize) -> Buffer<T> {
-        self.upload(&vec![T::default(); len])
-    }
-
-    /// The values of `buffer`.
-    fn download<T: Plain>(&mut self, buffer: &Buffer<T>) -> Vec<T> {
-        values_of(&self.download_bytes(buffer.address(), buffer.byte_len()))
-    }
-}
-
 /// Deterministic values in about [-1, 1).
 fn values(len: usize, salt: u64) -> Vec<f32> {
     let mut rng = tandem_data::SampleRng::new(salt, 0, 0, 0);
@@ -123,7 +93,7 @@ fn assert_bits_equal(device: &[f32], cpu: &[f32], what: &str) {
 }
 
 /// Two SGD steps (Nesterov, weight decay) of `sgd_step` equal the CPU optimizer's bit for bit.
-pub fn sgd_steps_match_the_cpu_bit_for_bit(rig: &mut impl Rig) {
+pub fn sgd_steps_match_the_cpu_bit_for_bit(rig: &mut GpuRig) {
     let n = 1237;
     let config = SgdConfig {
         lr: 0.05,
@@ -160,7 +130,7 @@ pub fn sgd_steps_match_the_cpu_bit_for_bit(rig: &mut impl Rig) {
 }
 
 /// Two steps of `adam_step`, as Adam and as AdamW, equal the CPU optimizer's bit for bit.
-pub fn adam_and_adamw_steps_match_the_cpu_bit_for_bit(rig: &mut impl Rig) {
+pub fn adam_and_adamw_steps_match_the_cpu_bit_for_bit(rig: &mut GpuRig) {
     let n = 1001;
     for decoupled in [false, true] {
         let config = AdamConfig {
@@ -201,7 +171,7 @@ pub fn adam_and_adamw_steps_match_the_cpu_bit_for_bit(rig: &mut impl Rig) {
 }
 
 /// Global average pooling and its backward equal the CPU head's bit for bit.
-pub fn average_pooling_matches_the_cpu_bit_for_bit(rig: &mut impl Rig) {
+pub fn average_pooling_matches_the_cpu_bit_for_bit(rig: &mut GpuRig) {
     let (batch, pixels, channels) = (3, 49, 37);
     let input = values(batch * pixels * channels, 3);
     let mut cpu = vec![0f32; batch * channels];
@@ -243,7 +213,7 @@ pub fn average_pooling_matches_the_cpu_bit_for_bit(rig: &mut impl Rig) {
 
 /// Cross-entropy with label smoothing: loss, probabilities and gradient within 1e-6 of the
 /// CPU head's; a label out of range is reported by the first sample that has one.
-pub fn cross_entropy_matches_the_cpu(rig: &mut impl Rig) {
+pub fn cross_entropy_matches_the_cpu(rig: &mut GpuRig) {
     let (batch, classes, smoothing) = (13usize, 10usize, 0.1f32);
     let logits: Vec<f32> = values(batch * classes, 5).iter().map(|v| v * 4.0).collect();
     let labels: Vec<u32> = (0..batch as u32)
@@ -323,7 +293,7 @@ pub fn cross_entropy_matches_the_cpu(rig: &mut impl Rig) {
 
 /// Launches `cross_entropy_rows` and returns its per-sample losses and bad-sample index.
 fn cross_entropy_rows(
-    rig: &mut impl Rig,
+    rig: &mut GpuRig,
     logits: &Buffer<f32>,
     labels: &Buffer<u32>,
     (batch, classes, smoothing): (usize, usize, f32),
@@ -350,7 +320,7 @@ fn cross_entropy_rows(
 
 /// Random crop (padding 4), flip and normalization of `augment_draws` + `augment_apply`
 /// equal the CPU loader's pixels bit for bit, for the same (seed, epoch, index).
-pub fn augmented_batches_equal_the_cpu_loaders(rig: &mut impl Rig) {
+pub fn augmented_batches_equal_the_cpu_loaders(rig: &mut GpuRig) {
     let (height, width, channels) = (7usize, 9usize, 3usize);
     let images = 11usize;
     let bytes: Vec<u8> = (0..images * height * width * channels)
@@ -427,7 +397,7 @@ pub fn augmented_batches_equal_the_cpu_loaders(rig: &mut impl Rig) {
 /// Batch-norm statistics (two passes, fixed order), the training coefficients and running
 /// statistics, and the backward (sums, coefficients, input gradient) against the CPU engine
 /// and an f64 reference.
-pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut impl Rig) {
+pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
     use tandem_engine::batchnorm::{
         train_statistics_from_sums, BatchNormParams, BatchNormScratch, BatchNormState,
     };
@@ -625,7 +595,7 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut impl Rig) {
 }
 
 /// Eval-mode coefficients from running statistics equal the CPU's `eval_statistics`.
-pub fn batch_norm_eval_coefficients_match_the_cpu_bit_for_bit(rig: &mut impl Rig) {
+pub fn batch_norm_eval_coefficients_match_the_cpu_bit_for_bit(rig: &mut GpuRig) {
     use tandem_engine::batchnorm::{eval_statistics, BatchNormParams, BatchNormState};
     let channels = 45;
     let (weight, bias) = (values(channels, 16), values(channels, 17));
@@ -660,7 +630,7 @@ pub fn batch_norm_eval_coefficients_match_the_cpu_bit_for_bit(rig: &mut impl Rig
 
 /// `bn_apply` (no residual, identity, projection; with and without ReLU) equals the CPU
 /// formula bit for bit; `relu_backward` equals the CPU's.
-pub fn the_fused_epilogue_matches_the_cpu_bit_for_bit(rig: &mut impl Rig) {
+pub fn the_fused_epilogue_matches_the_cpu_bit_for_bit(rig: &mut GpuRig) {
     let (rows, channels) = (29usize, 19usize);
     let n = rows * channels;
     let (x, s) = (values(n, 8), values(n, 9));
@@ -727,7 +697,7 @@ pub fn the_fused_epilogue_matches_the_cpu_bit_for_bit(rig: &mut impl Rig) {
 
 /// The linear layer's `bias_add` and `add_channel_sums`, and the gradient average's
 /// `divide_in_place`, against the same float operations on the host.
-pub fn bias_and_division_kernels_match_the_host_bit_for_bit(rig: &mut impl Rig) {
+pub fn bias_and_division_kernels_match_the_host_bit_for_bit(rig: &mut GpuRig) {
     let (rows, channels) = (23usize, 10usize);
     let n = rows * channels;
     let (x, bias) = (values(n, 21), values(channels, 22));
@@ -817,7 +787,7 @@ fn narrowing_inputs() -> Vec<f32> {
 
 /// `convert.cu`'s narrowing, widening and widening add equal the host reference
 /// (`tandem_cuda::bf16`) bit for bit, on an odd count and on every bfloat16.
-pub fn conversion_kernels_equal_the_host_reference_bit_for_bit(rig: &mut impl Rig) {
+pub fn conversion_kernels_equal_the_host_reference_bit_for_bit(rig: &mut GpuRig) {
     use tandem_cuda::bf16::{bf16_bits_to_f32, f32_to_bf16_bits};
     let inputs = narrowing_inputs();
     let narrowed = convert(rig, "float_to_bf16", &inputs, &vec![0u16; inputs.len()]);
@@ -862,7 +832,7 @@ pub fn conversion_kernels_equal_the_host_reference_bit_for_bit(rig: &mut impl Ri
 /// Runs `kernel(input, n, output)` of `convert.cu` over `input` into `output`, and returns
 /// `output`.
 fn convert<I: Plain, O: Plain>(
-    rig: &mut impl Rig,
+    rig: &mut GpuRig,
     kernel: &'static str,
     input: &[I],
     output: &[O],

@@ -1,0 +1,462 @@
+// A fake CUDA driver (libcuda.so.1) for tests on machines without a GPU: one "GPU" whose
+// memory is host memory and whose kernels are our kernel files compiled for the CPU with
+// tests/common/cuda_on_cpu.h (one library per file in $TANDEM_FAKE_GPU_KERNELS, exporting
+// emulate_NAME and emulate_params_NAME). With the fake cuDNN and cuBLAS beside it, the GPU
+// executor runs unchanged through cudarc, so its host logic (buffers, offsets, launch
+// arguments, the order of work, graph capture and replay) is tested against the CPU engine.
+//
+// Work runs when it is queued, in the order queued, so every stream is always idle and every
+// event complete. While a stream is being captured, its work is recorded instead (kernel
+// arguments copied at the launch, as CUDA does) and runs at each launch of the graph.
+// Only what cudarc and the executor call is here; any other entry point is missing, and
+// cudarc's panic names it.
+
+#include <dirent.h>
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fake_gpu.h"
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_ILLEGAL_STATE = 401,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD = 908,
+};
+
+namespace {
+
+const unsigned long long TOTAL_MEMORY = 80ull << 30;
+
+struct Context {
+    int device = 0;
+};
+Context the_context;
+
+struct Stream {
+    bool capturing = false;
+    std::vector<std::function<void()>> captured;
+};
+
+struct Graph {
+    std::vector<std::function<void()>> work;
+};
+
+struct Event {
+    int unused = 0;
+};
+
+typedef void (*EmulatedLaunch)(const unsigned int*, const unsigned int*, void**);
+typedef const char* (*EmulatedParams)();
+
+struct Function {
+    EmulatedLaunch launch;
+    std::string kinds;
+    std::string name;
+};
+
+struct Module {
+    int unused = 0;
+};
+
+std::mutex state_mutex;
+std::map<CUdeviceptr, size_t> allocations;
+size_t allocated_bytes = 0;
+thread_local void* current_context = nullptr;
+
+// The kernel libraries, opened once.
+std::vector<void*>& kernel_libraries() {
+    static std::vector<void*>* libraries = [] {
+        auto* opened = new std::vector<void*>();
+        const char* folder = std::getenv("TANDEM_FAKE_GPU_KERNELS");
+        if (folder == nullptr) {
+            std::fprintf(stderr, "fake libcuda: TANDEM_FAKE_GPU_KERNELS is not set\n");
+            return opened;
+        }
+        DIR* dir = opendir(folder);
+        if (dir == nullptr) {
+            std::fprintf(stderr, "fake libcuda: cannot open %s\n", folder);
+            return opened;
+        }
+        while (dirent* entry = readdir(dir)) {
+            std::string name = entry->d_name;
+            if (name.size() < 4 || name.compare(name.size() - 3, 3, ".so") != 0) continue;
+            std::string path = std::string(folder) + "/" + name;
+            void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+            if (handle == nullptr) {
+                std::fprintf(stderr, "fake libcuda: %s\n", dlerror());
+                continue;
+            }
+            opened->push_back(handle);
+        }
+        closedir(dir);
+        return opened;
+    }();
+    return *libraries;
+}
+
+size_t param_size(char kind) { return kind == 'i' || kind == 'f' ? 4 : 8; }
+
+void run_or_record(void* stream, std::function<void()> work) {
+    auto* target = static_cast<Stream*>(stream);
+    if (target != nullptr && target->capturing) {
+        target->captured.push_back(std::move(work));
+    } else {
+        work();
+    }
+}
+
+}  // namespace
+
+void fake_enqueue(void* stream, std::function<void()> work) {
+    run_or_record(stream, std::move(work));
+}
+
+extern "C" {
+
+// ----- Initialization, versions, devices, contexts -----
+
+CUresult cuInit(unsigned int) { return CUDA_SUCCESS; }
+
+// The driver's private tables, which NVRTC asks for when a libcuda is loaded: none here.
+CUresult cuGetExportTable(const void** table, const void*) {
+    *table = nullptr;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+CUresult cuDriverGetVersion(int* version) {
+    *version = 13000;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorName(CUresult error, const char** name) {
+    static thread_local std::string text;
+    text = "CUDA_ERROR_" + std::to_string(error) + " (fake libcuda)";
+    *name = text.c_str();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorString(CUresult error, const char** name) { return cuGetErrorName(error, name); }
+
+CUresult cuDeviceGetCount(int* count) {
+    *count = 1;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGet(CUdevice* device, int ordinal) {
+    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *device = 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetName(char* name, int length, CUdevice) {
+    std::snprintf(name, (size_t)length, "Tandem fake GPU (the CPU)");
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetUuid(unsigned char* uuid, CUdevice) {
+    for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xf0 + i);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetUuid_v2(unsigned char* uuid, CUdevice device) {
+    return cuDeviceGetUuid(uuid, device);
+}
+
+CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice) {
+    *bytes = TOTAL_MEMORY;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGetAttribute(int* value, int attribute, CUdevice) {
+    switch (attribute) {
+        case 1: *value = 1024; break;   // max threads per block
+        case 16: *value = 132; break;   // multiprocessors
+        case 75: *value = 9; break;     // compute capability major
+        case 76: *value = 0; break;     // minor
+        case 115: *value = 0; break;    // memory pools supported: no, plain allocations
+        default: *value = 0; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(void** context, CUdevice) {
+    *context = &the_context;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return CUDA_SUCCESS; }
+
+CUresult cuCtxSetCurrent(void* context) {
+    current_context = context;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(void** context) {
+    *context = current_context;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
+
+CUresult cuCtxSetFlags(unsigned int) { return CUDA_SUCCESS; }
+
+CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    *total_bytes = TOTAL_MEMORY;
+    *free_bytes = TOTAL_MEMORY - allocated_bytes;
+    return CUDA_SUCCESS;
+}
+
+// ----- Streams, events, graphs -----
+
+CUresult cuStreamCreate(void** stream, unsigned int) {
+    *stream = new Stream();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamCreateWithPriority(void** stream, unsigned int flags, int) {
+    return cuStreamCreate(stream, flags);
+}
+
+CUresult cuStreamDestroy_v2(void* stream) {
+    delete static_cast<Stream*>(stream);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(void* stream) {
+    auto* target = static_cast<Stream*>(stream);
+    // Synchronizing a capturing stream is illegal in CUDA, and invalidates the capture.
+    if (target != nullptr && target->capturing) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamQuery(void*) { return CUDA_SUCCESS; }
+
+CUresult cuStreamWaitEvent(void*, void*, unsigned int) { return CUDA_SUCCESS; }
+
+CUresult cuStreamBeginCapture_v2(void* stream, int) {
+    auto* target = static_cast<Stream*>(stream);
+    if (target == nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (target->capturing) return CUDA_ERROR_ILLEGAL_STATE;
+    target->capturing = true;
+    target->captured.clear();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamEndCapture(void* stream, void** graph) {
+    auto* target = static_cast<Stream*>(stream);
+    if (target == nullptr || !target->capturing) return CUDA_ERROR_ILLEGAL_STATE;
+    auto* captured = new Graph();
+    captured->work.swap(target->captured);
+    target->capturing = false;
+    *graph = captured;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamIsCapturing(void* stream, int* status) {
+    auto* target = static_cast<Stream*>(stream);
+    *status = target != nullptr && target->capturing ? 1 : 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long long) {
+    *exec = new Graph(*static_cast<Graph*>(graph));
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGraphLaunch(void* exec, void* stream) {
+    auto* graph = static_cast<Graph*>(exec);
+    for (auto& work : graph->work) run_or_record(stream, work);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGraphUpload(void*, void*) { return CUDA_SUCCESS; }
+
+CUresult cuGraphExecDestroy(void* exec) {
+    delete static_cast<Graph*>(exec);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGraphDestroy(void* graph) {
+    delete static_cast<Graph*>(graph);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventCreate(void** event, unsigned int) {
+    *event = new Event();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventDestroy_v2(void* event) {
+    delete static_cast<Event*>(event);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventRecord(void*, void*) { return CUDA_SUCCESS; }
+CUresult cuEventQuery(void*) { return CUDA_SUCCESS; }
+CUresult cuEventSynchronize(void*) { return CUDA_SUCCESS; }
+
+CUresult cuEventElapsedTime(float* milliseconds, void*, void*) {
+    *milliseconds = 0.0f;
+    return CUDA_SUCCESS;
+}
+
+// ----- Memory -----
+
+CUresult cuMemAlloc_v2(CUdeviceptr* pointer, size_t bytes) {
+    size_t rounded = (bytes + 255) / 256 * 256;
+    if (rounded == 0) rounded = 256;
+    void* memory = std::aligned_alloc(256, rounded);
+    if (memory == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+    // Fresh device memory holds garbage: a kernel that reads memory nobody wrote shows.
+    std::memset(memory, 0xA5, rounded);
+    std::lock_guard<std::mutex> lock(state_mutex);
+    *pointer = (CUdeviceptr)memory;
+    allocations[*pointer] = rounded;
+    allocated_bytes += rounded;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr pointer) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    auto found = allocations.find(pointer);
+    if (found == allocations.end()) return CUDA_ERROR_INVALID_VALUE;
+    allocated_bytes -= found->second;
+    allocations.erase(found);
+    std::free((void*)pointer);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr* pointer, size_t bytes, void*) {
+    return cuMemAlloc_v2(pointer, bytes);
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr pointer, void*) { return cuMemFree_v2(pointer); }
+
+CUresult cuMemsetD8Async(CUdeviceptr pointer, unsigned char value, size_t count, void* stream) {
+    fake_enqueue(stream, [=] { std::memset((void*)pointer, value, count); });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemsetD8_v2(CUdeviceptr pointer, unsigned char value, size_t count) {
+    std::memset((void*)pointer, value, count);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemsetD32Async(CUdeviceptr pointer, unsigned int value, size_t count, void* stream) {
+    fake_enqueue(stream, [=] {
+        auto* words = (unsigned int*)pointer;
+        for (size_t i = 0; i < count; i++) words[i] = value;
+    });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr target, const void* source, size_t bytes, void* stream) {
+    fake_enqueue(stream, [=] { std::memcpy((void*)target, source, bytes); });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr target, const void* source, size_t bytes) {
+    std::memcpy((void*)target, source, bytes);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void* target, CUdeviceptr source, size_t bytes, void* stream) {
+    fake_enqueue(stream, [=] { std::memcpy(target, (const void*)source, bytes); });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoH_v2(void* target, CUdeviceptr source, size_t bytes) {
+    std::memcpy(target, (const void*)source, bytes);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr target, CUdeviceptr source, size_t bytes, void* stream) {
+    fake_enqueue(stream, [=] { std::memmove((void*)target, (const void*)source, bytes); });
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyDtoD_v2(CUdeviceptr target, CUdeviceptr source, size_t bytes) {
+    std::memmove((void*)target, (const void*)source, bytes);
+    return CUDA_SUCCESS;
+}
+
+// ----- Modules and kernels -----
+
+CUresult cuModuleLoadData(void** module, const void*) {
+    *module = new Module();
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleUnload(void* module) {
+    delete static_cast<Module*>(module);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuModuleGetFunction(void** function, void*, const char* name) {
+    std::string launch_name = std::string("emulate_") + name;
+    std::string params_name = std::string("emulate_params_") + name;
+    for (void* library : kernel_libraries()) {
+        auto launch = (EmulatedLaunch)dlsym(library, launch_name.c_str());
+        auto params = (EmulatedParams)dlsym(library, params_name.c_str());
+        if (launch != nullptr && params != nullptr) {
+            *function = new Function{launch, params(), name};
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+CUresult cuFuncGetAttribute(int* value, int, void*) {
+    *value = 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuLaunchKernel(void* function, unsigned int grid_x, unsigned int grid_y,
+                        unsigned int grid_z, unsigned int block_x, unsigned int block_y,
+                        unsigned int block_z, unsigned int, void* stream, void** params,
+                        void** extra) {
+    auto* kernel = static_cast<Function*>(function);
+    if (kernel == nullptr || extra != nullptr) return CUDA_ERROR_INVALID_VALUE;
+    if ((unsigned long long)block_x * block_y * block_z > 1024) return CUDA_ERROR_INVALID_VALUE;
+    // The argument values, copied now (a captured launch replays with these values).
+    std::vector<uint64_t> values(kernel->kinds.size(), 0);
+    for (size_t i = 0; i < kernel->kinds.size(); i++) {
+        std::memcpy(&values[i], params[i], param_size(kernel->kinds[i]));
+    }
+    unsigned int grid[3] = {grid_x, grid_y, grid_z};
+    unsigned int block[3] = {block_x, block_y, block_z};
+    EmulatedLaunch launch = kernel->launch;
+    fake_enqueue(stream, [=]() mutable {
+        std::vector<void*> pointers(values.size());
+        for (size_t i = 0; i < values.size(); i++) pointers[i] = &values[i];
+        // One launch at a time: a block's __shared__ arrays are statics of its library.
+        static std::mutex one_launch_at_a_time;
+        std::lock_guard<std::mutex> turn(one_launch_at_a_time);
+        launch(grid, block, pointers.data());
+    });
+    return CUDA_SUCCESS;
+}
+
+}  // extern "C"
