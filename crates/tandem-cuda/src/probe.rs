@@ -12,7 +12,10 @@
 //! SONAME is `libnccl.so.2`, a name `cudarc` 0.19 never asks for: its `libnccl.so` must resolve
 //! through `LD_LIBRARY_PATH` or the linker cache (a link `libnccl.so -> libnccl.so.2` in a
 //! folder on `LD_LIBRARY_PATH`). What the probe reports as found is what that bare-name
-//! `dlopen` resolved, which is the file `cudarc` will use.
+//! `dlopen` resolved, which is the file `cudarc` will use. The libraries those libraries open
+//! by bare name themselves (NVRTC's builtins, cuDNN 9's sub-libraries) are preloaded from
+//! beside them the same way, so a folder of `TANDEM_CUDA_LIBRARY_PATH` needs no
+//! `LD_LIBRARY_PATH` entry.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::fmt;
@@ -361,8 +364,12 @@ fn identify(
 ) -> Result<FoundLibrary, String> {
     let path = loaded_path(library, &handle)?;
     let version = version(library, &handle);
+    let preloaded_from_folder = !handles.is_empty();
     handles.push(handle);
     handles.extend(companion(library, &path, &version));
+    if preloaded_from_folder && library == Library::Cudnn {
+        handles.extend(cudnn_sublibraries(&path, &version));
+    }
     Ok(FoundLibrary {
         path,
         loaded_as: name.to_string(),
@@ -383,6 +390,48 @@ fn companion(library: Library, path: &Path, version: &str) -> Option<LoadedLibra
         .parent()?
         .join(format!("libnvrtc-builtins.so.{version}"));
     builtins.exists().then(|| open(&builtins).ok()).flatten()
+}
+
+/// cuDNN 9's sub-libraries beside `libcudnn.so.MAJOR` (`libcudnn_graph`, `_ops`, `_cnn`,
+/// `_engines_*`, `_heuristic`, …), preloaded for a libcudnn found in a folder of
+/// [`LIBRARY_PATH_ENV`]: `libcudnn.so.9` opens them by bare name at its first call and fails
+/// with `CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED` when the loader cannot find them. Some need
+/// others, so the files are opened in rounds until a round loads nothing new; one that never
+/// loads is left for cuDNN's own error to name.
+fn cudnn_sublibraries(path: &Path, version: &str) -> Vec<LoadedLibrary> {
+    let Some(major) = version.split('.').next().filter(|major| !major.is_empty()) else {
+        return Vec::new();
+    };
+    let suffix = format!(".so.{major}");
+    let Some(folder) = path.parent() else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir(folder) else {
+        return Vec::new();
+    };
+    let mut pending: Vec<PathBuf> = entries
+        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+        .filter(|file| {
+            file.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.starts_with("libcudnn_") && name.ends_with(&suffix))
+        })
+        .collect();
+    pending.sort();
+    let mut loaded = Vec::new();
+    loop {
+        let before = pending.len();
+        pending.retain(|file| match open(file) {
+            Ok(handle) => {
+                loaded.push(handle);
+                false
+            }
+            Err(_) => true,
+        });
+        if pending.is_empty() || pending.len() == before {
+            return loaded;
+        }
+    }
 }
 
 /// The symbol whose presence marks the library, and whose address names its file.
