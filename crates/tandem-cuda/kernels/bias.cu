@@ -5,9 +5,9 @@
 // The CPU engine may add it in a different place of its float sums, so outputs agree with the
 // CPU's to rounding, not bit for bit.
 //
-// The bias gradient is the column sum of the output gradient. It is taken by bn_stats_partial
-// and bn_stats_finish (batchnorm.cu) in their fixed order, in double, then added here:
-// grad_bias[c] += (float)totals[1 + c], totals as bn_stats_finish writes them.
+// The bias gradient is the column sum of the output gradient. It is taken by bn_stats
+// (batchnorm.cu) in its fixed order, in double, then added here:
+// grad_bias[c] += (float)totals[1 + c], totals as bn_stats writes them.
 //
 // Launch: bias_add with one thread per element; add_channel_sums with one thread per channel.
 

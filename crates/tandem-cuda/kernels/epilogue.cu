@@ -12,6 +12,14 @@
 //
 // Launch: one thread per element.
 
+// The channel of element i of an NHWC tensor of n elements, in 32-bit arithmetic whenever n
+// allows: a 64-bit remainder is a long instruction sequence on the GPU, and this kernel has
+// little else to do per element.
+__device__ __forceinline__ int channel_of(long long i, long long n, int channels) {
+    return n <= 0xffffffffLL ? (int)((unsigned int)i % (unsigned int)channels)
+                             : (int)(i % channels);
+}
+
 // residual_kind: 0 none, 1 identity shortcut s, 2 normalized shortcut s * scale2 + shift2.
 extern "C" __global__ void bn_apply(const float* x, const float* scale, const float* shift,
                                     const float* s, const float* scale2, const float* shift2,
@@ -19,7 +27,7 @@ extern "C" __global__ void bn_apply(const float* x, const float* scale, const fl
                                     float* out) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    int c = (int)(i % channels);
+    int c = channel_of(i, n, channels);
     float value = x[i] * scale[c] + shift[c];
     if (residual_kind == 1) {
         value = value + s[i];

@@ -7,6 +7,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use cudarc::nvrtc::Ptx;
 
 use super::error::GpuError;
+use super::memory::channel_groups;
 use crate::compile::Compiler;
 use crate::kernels::KERNELS;
 use crate::ptx_params::{describe, entry_params, ParamKind};
@@ -16,12 +17,10 @@ pub const FUNCTIONS: &[(&str, &[&str])] = &[
     (
         "batchnorm",
         &[
-            "bn_stats_partial",
-            "bn_stats_finish",
+            "bn_stats",
             "bn_train_coefficients",
             "bn_eval_coefficients",
-            "bn_backward_partial",
-            "bn_backward_finish",
+            "bn_backward_sums",
             "bn_backward_coefficients",
             "bn_backward_input",
         ],
@@ -208,13 +207,12 @@ pub fn per_element(n: usize) -> LaunchConfig {
     }
 }
 
-/// The launch of the batch-norm column sums: blocks of 32 channels by 8 row lanes, one block
-/// per `row_blocks` (on the grid's x, which holds 2^31 - 1 blocks) and 32 channels (on y).
-/// `bn_stats_partial`/`bn_backward_partial` take one row block per `rows_per_block` rows;
-/// `bn_stats_finish`/`bn_backward_finish`, which add the row blocks' partials, take one.
+/// The launch of the batch-norm column sums (`bn_stats`, `bn_backward_sums`): blocks of 32
+/// channels by 8 row lanes, one block per row block of `rows_per_block` rows (on the grid's x,
+/// which holds 2^31 - 1 blocks) and per 32 channels (on y, one arrival counter each).
 pub fn column_sums(channels: usize, row_blocks: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (row_blocks as u32, channels.div_ceil(32).max(1) as u32, 1),
+        grid_dim: (row_blocks as u32, channel_groups(channels) as u32, 1),
         block_dim: (32, 8, 1),
         shared_mem_bytes: 0,
     }

@@ -9,13 +9,22 @@ use tandem_models::workspace::{Mode, Plan};
 use super::error::{driver, GpuError};
 use super::Precision;
 
-/// Rows a block of the two-pass column sums (`bn_stats_partial`, `bn_backward_partial`)
-/// adds; fixed, so that the order of every sum depends only on the shape.
+/// Rows a block of the column sums (`bn_stats`, `bn_backward_sums`) adds in their first pass;
+/// fixed, so that the order of every sum depends only on the shape.
 pub const ROWS_PER_BLOCK: usize = 256;
 
 /// Row blocks of a column sum over `rows` rows.
 pub fn row_blocks(rows: usize) -> usize {
     rows.div_ceil(ROWS_PER_BLOCK).max(1)
+}
+
+/// Channels a block of the column sums adds (`CHANNEL_LANES` in `batchnorm.cu`).
+pub const CHANNELS_PER_BLOCK: usize = 32;
+
+/// Groups of [`CHANNELS_PER_BLOCK`] channels of a column sum over `channels` columns: the
+/// launch's blocks on the grid's y, and its arrival counters.
+pub fn channel_groups(channels: usize) -> usize {
+    channels.div_ceil(CHANNELS_PER_BLOCK).max(1)
 }
 
 /// Where each unit's batch-norm state (mean, 1/std, scale, shift; `channels` floats each)
@@ -121,6 +130,8 @@ pub struct StorageSizes {
     pub partials: usize,
     /// The largest totals: `1 + 2 * channels` doubles.
     pub totals: usize,
+    /// The column sums' arrival counters, one per group of 32 channels of the widest layer.
+    pub arrivals: usize,
     /// The largest backward coefficients: `3 * channels` floats.
     pub coefficients: usize,
     /// The bfloat16 scratch buffers (all zero unless the precision is bf16).
@@ -151,6 +162,7 @@ impl StorageSizes {
             bn_state: BatchNormStateLayout::new(plan),
             partials,
             totals: 1 + 2 * channels,
+            arrivals: channel_groups(channels),
             coefficients: 3 * channels,
             bf16: match precision {
                 Precision::Bf16 => Bf16ScratchSizes::new(plan),
@@ -167,7 +179,8 @@ impl StorageSizes {
             + 3 * self.logits
             + self.grad_pooled
             + self.bn_state.len
-            + self.coefficients;
+            + self.coefficients
+            + self.arrivals;
         let doubles = self.partials + self.totals + self.logits;
         floats * 4 + doubles * 8 + self.bf16.len() * 2
     }
@@ -211,6 +224,9 @@ pub struct DeviceStorage {
     pub partials: CudaSlice<f64>,
     /// Column totals.
     pub totals: CudaSlice<f64>,
+    /// The column sums' arrival counters: zero between launches (each launch's last row block
+    /// of a channel group sets its counter back).
+    pub arrivals: CudaSlice<u32>,
     /// Backward coefficients of a batch norm.
     pub coefficients: CudaSlice<f32>,
     /// The bfloat16 scratch buffers, with bf16 precision.
@@ -285,6 +301,7 @@ impl DeviceStorage {
             bn_state: zeros(stream, sizes.bn_state.len)?,
             partials: zeros(stream, sizes.partials)?,
             totals: zeros(stream, sizes.totals)?,
+            arrivals: zeros(stream, sizes.arrivals)?,
             coefficients: zeros(stream, sizes.coefficients)?,
             bf16,
             counts: vec![0.0; plan.units],

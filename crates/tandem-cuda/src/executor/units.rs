@@ -40,6 +40,20 @@ impl Addresses<'_> {
     }
 }
 
+/// Where `bn_stats` writes a batch norm's training coefficients and updates its running
+/// statistics (device addresses of `channels` floats each; all 0, null, for totals alone).
+#[derive(Default)]
+pub(super) struct TrainCoefficients {
+    pub(super) weight: u64,
+    pub(super) bias: u64,
+    pub(super) running_mean: u64,
+    pub(super) running_var: u64,
+    pub(super) mean: u64,
+    pub(super) invstd: u64,
+    pub(super) scale: u64,
+    pub(super) shift: u64,
+}
+
 impl CudaExecutor {
     /// Runs `work` unless an error is kept, and keeps its error.
     pub(super) fn run(&mut self, work: impl FnOnce(&mut Self) -> Result<(), GpuError>) {
@@ -82,45 +96,44 @@ impl CudaExecutor {
     }
 
     /// `totals = [rows, Σx…, Σx²…]` of the `[rows, channels]` tensor at `values`, in the
-    /// fixed two-pass order of `batchnorm.cu`.
+    /// fixed two-pass order of `batchnorm.cu`, in one launch; with `coefficients`, also a
+    /// batch norm's training coefficients and running statistics from those totals.
     pub(super) fn column_totals(
         &self,
         values: u64,
         rows: usize,
         channels: usize,
+        coefficients: Option<&TrainCoefficients>,
     ) -> Result<(), GpuError> {
         let addresses = self.addresses()?;
-        let (partials, totals) = (
-            address(&addresses.storage.partials, &self.stream),
-            address(&addresses.storage.totals, &self.stream),
-        );
-        let blocks = row_blocks(rows);
-        // SAFETY: bn_stats_partial(const float*, int, int, int, double*): `values` holds
-        // rows * channels floats; partials holds at least blocks * 2 * channels doubles
-        // (StorageSizes::partials is the maximum over the plan).
+        let storage = addresses.storage;
+        let none = TrainCoefficients::default();
+        let to = coefficients.unwrap_or(&none);
+        // SAFETY: bn_stats(const float*, int, int, int, double*, unsigned int*, double*, const
+        // float* x2, float* x6): `values` holds rows * channels floats; partials holds at
+        // least row_blocks * 2 * channels doubles and arrivals one zero per channel group
+        // (StorageSizes: the maxima over the plan); totals holds 1 + 2 * channels doubles;
+        // each coefficient pointer addresses `channels` floats, or all are null.
         unsafe {
             self.launch(
-                "bn_stats_partial",
-                column_sums(channels, blocks),
+                "bn_stats",
+                column_sums(channels, row_blocks(rows)),
                 &[
                     Arg::Ptr(values),
                     Arg::I32(rows as i32),
                     Arg::I32(channels as i32),
                     Arg::I32(ROWS_PER_BLOCK as i32),
-                    Arg::Ptr(partials),
-                ],
-            )?;
-            // SAFETY: bn_stats_finish(const double*, int, int, int, double*): totals holds
-            // 1 + 2 * channels doubles.
-            self.launch(
-                "bn_stats_finish",
-                column_sums(channels, 1),
-                &[
-                    Arg::Ptr(partials),
-                    Arg::I32(blocks as i32),
-                    Arg::I32(rows as i32),
-                    Arg::I32(channels as i32),
-                    Arg::Ptr(totals),
+                    Arg::Ptr(address(&storage.partials, &self.stream)),
+                    Arg::Ptr(address(&storage.arrivals, &self.stream)),
+                    Arg::Ptr(address(&storage.totals, &self.stream)),
+                    Arg::Ptr(to.weight),
+                    Arg::Ptr(to.bias),
+                    Arg::Ptr(to.running_mean),
+                    Arg::Ptr(to.running_var),
+                    Arg::Ptr(to.mean),
+                    Arg::Ptr(to.invstd),
+                    Arg::Ptr(to.scale),
+                    Arg::Ptr(to.shift),
                 ],
             )
         }
@@ -134,10 +147,10 @@ impl CudaExecutor {
         channels: usize,
         grad_bias: u64,
     ) -> Result<(), GpuError> {
-        self.column_totals(values, rows, channels)?;
+        self.column_totals(values, rows, channels, None)?;
         let totals = address(&self.storage()?.totals, &self.stream);
-        // SAFETY: add_channel_sums(const double*, int, float*): totals as bn_stats_finish
-        // wrote them; grad_bias holds `channels` floats.
+        // SAFETY: add_channel_sums(const double*, int, float*): totals as bn_stats wrote
+        // them; grad_bias holds `channels` floats.
         unsafe {
             self.launch(
                 "add_channel_sums",
@@ -268,7 +281,9 @@ impl CudaExecutor {
             .map_err(driver("cuMemcpyHtoDAsync"))
     }
 
-    /// The training forward of a unit (see [`Executor::conv_bn_statistics`]).
+    /// The training forward of a unit (see [`Executor::conv_bn_statistics`]): the
+    /// convolution, then its statistics and coefficients in one launch, or with a `reducer`
+    /// (SyncBatchNorm) the totals, their sum across processes and the coefficients.
     pub(super) fn unit_statistics(
         &mut self,
         unit: Unit,
@@ -278,44 +293,75 @@ impl CudaExecutor {
         let channels = plan.shape.out_channels;
         let rows = plan.shape.output_len() / channels.max(1);
         self.conv_forward(unit, plan.z).map_err(device)?;
-        let z = self.addresses().map_err(device)?.slot(plan.z);
-        self.column_totals(z, rows, channels).map_err(device)?;
+        let too_few = |count: f64| {
+            (count <= 1.0).then_some(tandem_engine::EngineError::BatchNormTooFewValues { count })
+        };
+        let (z, coefficients) = {
+            let addresses = self.addresses().map_err(device)?;
+            let (params, buffers) = (
+                self.params.address(&self.stream),
+                address(&self.buffers, &self.stream),
+            );
+            let bn = unit.bn;
+            (
+                addresses.slot(plan.z),
+                TrainCoefficients {
+                    weight: at(params, bn.weight.start),
+                    bias: at(params, bn.bias.start),
+                    running_mean: at(buffers, bn.running_mean.start),
+                    running_var: at(buffers, bn.running_var.start),
+                    mean: addresses.state(plan, StatePart::Mean),
+                    invstd: addresses.state(plan, StatePart::InvStd),
+                    scale: addresses.state(plan, StatePart::Scale),
+                    shift: addresses.state(plan, StatePart::Shift),
+                },
+            )
+        };
         let count = match reducer {
+            None => {
+                let count = rows as f64;
+                if let Some(error) = too_few(count) {
+                    return Err(error.into());
+                }
+                self.column_totals(z, rows, channels, Some(&coefficients))
+                    .map_err(device)?;
+                count
+            }
             Some(reducer) => {
+                self.column_totals(z, rows, channels, None)
+                    .map_err(device)?;
                 self.reduce_totals(1 + 2 * channels, reducer)
                     .map_err(device)?;
-                self.storage().map_err(device)?.host_totals[0]
+                let count = self.storage().map_err(device)?.host_totals[0];
+                if let Some(error) = too_few(count) {
+                    return Err(error.into());
+                }
+                let totals = address(&self.storage().map_err(device)?.totals, &self.stream);
+                let to = &coefficients;
+                let args = [
+                    Arg::Ptr(totals),
+                    Arg::I32(channels as i32),
+                    Arg::Ptr(to.weight),
+                    Arg::Ptr(to.bias),
+                    Arg::Ptr(to.running_mean),
+                    Arg::Ptr(to.running_var),
+                    Arg::Ptr(to.mean),
+                    Arg::Ptr(to.invstd),
+                    Arg::Ptr(to.scale),
+                    Arg::Ptr(to.shift),
+                ];
+                // SAFETY: bn_train_coefficients' ten parameters in order; every per-channel
+                // pointer addresses `channels` floats (the layer's ranges and the unit's
+                // state).
+                unsafe { self.launch("bn_train_coefficients", per_element(channels), &args) }
+                    .map_err(device)?;
+                count
             }
-            None => rows as f64,
         };
-        if count <= 1.0 {
-            return Err(tandem_engine::EngineError::BatchNormTooFewValues { count }.into());
-        }
         if let Some(storage) = self.storages.active_mut() {
             storage.counts[plan.index] = count;
         }
-        let addresses = self.addresses().map_err(device)?;
-        let (params, buffers) = (
-            self.params.address(&self.stream),
-            address(&self.buffers, &self.stream),
-        );
-        let bn = unit.bn;
-        let args = [
-            Arg::Ptr(address(&addresses.storage.totals, &self.stream)),
-            Arg::I32(channels as i32),
-            Arg::Ptr(at(params, bn.weight.start)),
-            Arg::Ptr(at(params, bn.bias.start)),
-            Arg::Ptr(at(buffers, bn.running_mean.start)),
-            Arg::Ptr(at(buffers, bn.running_var.start)),
-            Arg::Ptr(addresses.state(plan, StatePart::Mean)),
-            Arg::Ptr(addresses.state(plan, StatePart::InvStd)),
-            Arg::Ptr(addresses.state(plan, StatePart::Scale)),
-            Arg::Ptr(addresses.state(plan, StatePart::Shift)),
-        ];
-        // SAFETY: bn_train_coefficients' ten parameters in order; every per-channel pointer
-        // addresses `channels` floats (the layer's ranges and the unit's state).
-        unsafe { self.launch("bn_train_coefficients", per_element(channels), &args) }
-            .map_err(device)
+        Ok(())
     }
 
     /// The backward of a unit (see [`Executor::conv_bn_backward`]).
@@ -331,13 +377,14 @@ impl CudaExecutor {
         let channels = plan.shape.out_channels;
         let len = plan.output_len();
         let rows = len / channels.max(1);
-        let blocks = row_blocks(rows);
         let (params, grads) = (
             self.params.address(&self.stream),
             self.grads.address(&self.stream),
         );
-        let (dy, relu_out, z, mean, invstd, partials, totals, dz) = {
+        let count = self.storage()?.counts[plan.index];
+        let (dy, relu_out, z, mean, invstd, partials, arrivals, totals, coefficients, dz) = {
             let addresses = self.addresses()?;
+            let storage = addresses.storage;
             (
                 addresses.grad(grad_output.values),
                 grad_output
@@ -346,19 +393,26 @@ impl CudaExecutor {
                 addresses.slot(plan.z),
                 addresses.state(plan, StatePart::Mean),
                 addresses.state(plan, StatePart::InvStd),
-                address(&addresses.storage.partials, &self.stream),
-                address(&addresses.storage.totals, &self.stream),
-                address(&addresses.storage.dz, &self.stream),
+                address(&storage.partials, &self.stream),
+                address(&storage.arrivals, &self.stream),
+                address(&storage.totals, &self.stream),
+                address(&storage.coefficients, &self.stream),
+                address(&storage.dz, &self.stream),
             )
         };
-        // SAFETY: bn_backward_partial(const float* x5, int, int, int, double*): dy, relu_out
-        // (or null), z hold `len` floats, mean and invstd `channels`; partials holds
-        // blocks * 2 * channels doubles. bn_backward_finish(const double*, int, int, double*,
-        // float*, float*): the gradient ranges hold `channels` floats.
+        let weight = at(params, bn.weight.start);
+        // Without a reducer the sums' launch also computes the coefficients.
+        let coefficients_in_sums = if reducer.is_some() { 0 } else { coefficients };
+        // SAFETY: bn_backward_sums(const float* x5, int, int, int, double*, unsigned int*,
+        // double*, float*, float*, double, const float*, float*): dy, relu_out (or null), z
+        // hold `len` floats, mean and invstd `channels`; partials holds at least
+        // row_blocks * 2 * channels doubles and arrivals one zero per channel group; totals
+        // 2 * channels doubles; the gradient ranges and the weight `channels` floats; the
+        // coefficients (or null) 3 * channels floats.
         unsafe {
             self.launch(
-                "bn_backward_partial",
-                column_sums(channels, blocks),
+                "bn_backward_sums",
+                column_sums(channels, row_blocks(rows)),
                 &[
                     Arg::Ptr(dy),
                     Arg::Ptr(relu_out),
@@ -369,48 +423,40 @@ impl CudaExecutor {
                     Arg::I32(channels as i32),
                     Arg::I32(ROWS_PER_BLOCK as i32),
                     Arg::Ptr(partials),
-                ],
-            )?;
-            self.launch(
-                "bn_backward_finish",
-                column_sums(channels, 1),
-                &[
-                    Arg::Ptr(partials),
-                    Arg::I32(blocks as i32),
-                    Arg::I32(channels as i32),
+                    Arg::Ptr(arrivals),
                     Arg::Ptr(totals),
                     Arg::Ptr(at(grads, bn.weight.start)),
                     Arg::Ptr(at(grads, bn.bias.start)),
+                    Arg::F64(count),
+                    Arg::Ptr(weight),
+                    Arg::Ptr(coefficients_in_sums),
                 ],
             )?;
         }
         if let Some(reducer) = reducer {
             self.reduce_totals(2 * channels, reducer)?;
+            // SAFETY: bn_backward_coefficients(const double*, double, int, const float*, const
+            // float*, float*): totals as above, summed across processes; coefficients holds
+            // 3 * channels floats.
+            unsafe {
+                self.launch(
+                    "bn_backward_coefficients",
+                    per_element(channels),
+                    &[
+                        Arg::Ptr(totals),
+                        Arg::F64(count),
+                        Arg::I32(channels as i32),
+                        Arg::Ptr(weight),
+                        Arg::Ptr(invstd),
+                        Arg::Ptr(coefficients),
+                    ],
+                )?;
+            }
         }
         self.report(bn.param_range().end, ready)?;
-        let (count, coefficients) = {
-            let storage = self.storage()?;
-            (
-                storage.counts[plan.index],
-                address(&storage.coefficients, &self.stream),
-            )
-        };
-        // SAFETY: bn_backward_coefficients(const double*, double, int, const float*, const
-        // float*, float*): coefficients holds 3 * channels floats. bn_backward_input(const
-        // float* x6, long long, int, float*): dz holds at least `len` floats (grad_len).
+        // SAFETY: bn_backward_input(const float* x6, long long, int, float*): dz holds at
+        // least `len` floats (grad_len).
         unsafe {
-            self.launch(
-                "bn_backward_coefficients",
-                per_element(channels),
-                &[
-                    Arg::Ptr(totals),
-                    Arg::F64(count),
-                    Arg::I32(channels as i32),
-                    Arg::Ptr(at(params, bn.weight.start)),
-                    Arg::Ptr(invstd),
-                    Arg::Ptr(coefficients),
-                ],
-            )?;
             self.launch(
                 "bn_backward_input",
                 per_element(len),

@@ -1,9 +1,10 @@
 // The few pieces of CUDA C that our kernel files use, defined for an ordinary C++ compiler, so
 // that the fake GPU (tests/fake_gpu) runs the same kernel sources on the CPU.
 //
-// A launch runs one block at a time. A kernel that declares __shared__ memory runs each block
-// as a team of blockDim fibers, so __syncthreads() is a real barrier and __shared__ arrays
-// (function statics) are shared by the block. Any other kernel runs its threads one after
+// A launch runs one block at a time, the last block first (a kernel counting on the blocks'
+// order fails here as it could on a GPU). A kernel that declares __shared__ memory runs each
+// block as a team of blockDim fibers, so __syncthreads() is a real barrier and __shared__
+// arrays (function statics) are shared by the block. Any other kernel runs its threads one after
 // another. Launches are serialized by the fake driver, so statics never serve two blocks at
 // once. Floating point follows IEEE-754 as on the GPU: the library is compiled with
 // -ffp-contract=off, as NVRTC compiles with --fmad=false. Only exp/log/sqrt-like library calls
@@ -56,6 +57,18 @@ inline float __uint_as_float(unsigned int bits) {
     return value;
 }
 inline float __int_as_float(int bits) { return __uint_as_float((unsigned int)bits); }
+
+inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
+    return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+// A load that bypasses the GPU's L1; host memory has none.
+template <typename T>
+inline T __ldcg(const T* address) {
+    return *address;
+}
 
 inline int atomicMin(int* address, int value) {
     int old = __atomic_load_n(address, __ATOMIC_SEQ_CST);
@@ -129,9 +142,9 @@ void call_with_params(void (*kernel)(Params...), void** params, std::index_seque
     kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<Params>>*>(params[I])...);
 }
 
-// Runs `kernel` over grid x block, blocks one after another. With TEAM, each block's threads
-// run at once, as OS threads that __syncthreads() holds together; without, one after another
-// on the calling thread (for kernels that share nothing within a block: far faster).
+// Runs `kernel` over grid x block, blocks one after another, the last first. With TEAM, each
+// block's threads run as fibers that __syncthreads() holds together; without, one after
+// another on the calling thread (for kernels that share nothing within a block: far faster).
 template <bool TEAM, typename... Params>
 void emulate_launch(void (*kernel)(Params...), const unsigned int* grid,
                     const unsigned int* block, void** params) {
@@ -141,9 +154,9 @@ void emulate_launch(void (*kernel)(Params...), const unsigned int* grid,
     if constexpr (!TEAM) {
         gridDim = grid_dim;
         blockDim = block_dim;
-        for (unsigned int z = 0; z < grid_dim.z; z++)
-            for (unsigned int y = 0; y < grid_dim.y; y++)
-                for (unsigned int x = 0; x < grid_dim.x; x++) {
+        for (unsigned int z = grid_dim.z; z-- > 0;)
+            for (unsigned int y = grid_dim.y; y-- > 0;)
+                for (unsigned int x = grid_dim.x; x-- > 0;) {
                     blockIdx = uint3{x, y, z};
                     for (unsigned int rank = 0; rank < team; rank++) {
                         threadIdx = uint3{rank % block_dim.x, rank / block_dim.x % block_dim.y,
@@ -164,9 +177,9 @@ void emulate_launch(void (*kernel)(Params...), const unsigned int* grid,
     };
     gridDim = grid_dim;
     blockDim = block_dim;
-    for (unsigned int z = 0; z < grid_dim.z; z++)
-        for (unsigned int y = 0; y < grid_dim.y; y++)
-            for (unsigned int x = 0; x < grid_dim.x; x++) {
+    for (unsigned int z = grid_dim.z; z-- > 0;)
+        for (unsigned int y = grid_dim.y; y-- > 0;)
+            for (unsigned int x = grid_dim.x; x-- > 0;) {
                 blockIdx = uint3{x, y, z};
                 run_team(fibers, body);
             }

@@ -92,6 +92,13 @@ fn assert_bits_equal(device: &[f32], cpu: &[f32], what: &str) {
     }
 }
 
+fn assert_bits_equal_f64(device: &[f64], expected: &[f64], what: &str) {
+    assert_eq!(device.len(), expected.len(), "{what}: lengths");
+    for (i, (d, e)) in device.iter().zip(expected).enumerate() {
+        assert_eq!(d.to_bits(), e.to_bits(), "{what}[{i}]: {d} against {e}");
+    }
+}
+
 /// Two SGD steps (Nesterov, weight decay) of `sgd_step` equal the CPU optimizer's bit for bit.
 pub fn sgd_steps_match_the_cpu_bit_for_bit(rig: &mut GpuRig) {
     let n = 1237;
@@ -394,37 +401,44 @@ pub fn augmented_batches_equal_the_cpu_loaders(rig: &mut GpuRig) {
     assert_bits_equal(&rig.download(&output), &cpu, "augmented pixels");
 }
 
-/// Batch-norm statistics (two passes, fixed order), the training coefficients and running
-/// statistics, and the backward (sums, coefficients, input gradient) against the CPU engine
+/// Batch-norm statistics (two passes in one launch, fixed order), the training coefficients
+/// and running statistics (in that launch, or from the totals as SyncBatchNorm computes them),
+/// and the backward (sums and coefficients, then the input gradient) against the CPU engine
 /// and an f64 reference.
 pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
     use tandem_engine::batchnorm::{
         train_statistics_from_sums, BatchNormParams, BatchNormScratch, BatchNormState,
     };
-    // 19 row blocks: more than the 8 lanes that add them, and not a multiple of 8.
+    // 19 row blocks: more than the 8 lanes that add them, and not a multiple of 8; 37
+    // channels: two channel groups, the second partly empty.
     let (rows, channels, rows_per_block) = (301usize, 37usize, 16usize);
     let x = values(rows * channels, 6);
     let dy = values(rows * channels, 7);
     let row_blocks = rows.div_ceil(rows_per_block);
-    let (r, c, rpb, blocks) = (
+    let (r, c, rpb) = (
         Arg::I32(rows as i32),
         Arg::I32(channels as i32),
         Arg::I32(rows_per_block as i32),
-        Arg::I32(row_blocks as i32),
     );
+    let null = || Arg::Ptr(0);
     let device_x = rig.upload(&x);
     let partials = rig.zeros::<f64>(row_blocks * 2 * channels);
+    let arrivals = rig.zeros::<u32>(channels.div_ceil(32));
     let totals = rig.zeros::<f64>(1 + 2 * channels);
-    rig.launch(
-        "bn_stats_partial",
-        column_sums(channels, row_blocks),
-        &[device_x.arg(), r, c, rpb, partials.arg()],
-    );
-    rig.launch(
-        "bn_stats_finish",
-        column_sums(channels, 1),
-        &[partials.arg(), blocks, r, c, totals.arg()],
-    );
+    let stats_totals_only = |rig: &mut GpuRig, totals: &Buffer<f64>| {
+        let mut args = vec![
+            device_x.arg(),
+            r,
+            c,
+            rpb,
+            partials.arg(),
+            arrivals.arg(),
+            totals.arg(),
+        ];
+        args.extend((0..8).map(|_| null()));
+        rig.launch("bn_stats", column_sums(channels, row_blocks), &args);
+    };
+    stats_totals_only(rig, &totals);
     let totals_host = rig.download(&totals);
     assert_eq!(totals_host[0], rows as f64);
     let x_ref = &x;
@@ -434,17 +448,16 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
         assert!((totals_host[1 + ch] - sum).abs() <= 1e-12 * (1.0 + sum.abs()));
         assert!((totals_host[1 + channels + ch] - sum_sq).abs() <= 1e-12 * (1.0 + sum_sq));
     }
+    // The last block of each channel group set its arrival counter back for the next launch.
+    assert_eq!(rig.download(&arrivals), vec![0u32; channels.div_ceil(32)]);
     // The same sums again: the order is fixed by rows_per_block alone, not by scheduling.
-    let again = rig.zeros::<f64>(row_blocks * 2 * channels);
-    rig.launch(
-        "bn_stats_partial",
-        column_sums(channels, row_blocks),
-        &[device_x.arg(), r, c, rpb, again.arg()],
-    );
-    assert_eq!(rig.download(&again), rig.download(&partials));
+    let again = rig.zeros::<f64>(1 + 2 * channels);
+    stats_totals_only(rig, &again);
+    assert_bits_equal_f64(&rig.download(&again), &totals_host, "totals launched again");
 
     // Training coefficients and running statistics: the CPU's formulas in double, bit for bit
-    // from the same totals.
+    // from the same totals, computed by the statistics' own launch and, as SyncBatchNorm
+    // does after its all-reduce, by bn_train_coefficients.
     let weight: Vec<f32> = (0..channels).map(|ch| 0.5 + 0.01 * ch as f32).collect();
     let bias: Vec<f32> = (0..channels).map(|ch| 0.1 - 0.003 * ch as f32).collect();
     let (device_weight, device_bias) = (rig.upload(&weight), rig.upload(&bias));
@@ -452,30 +465,12 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
     for var in &mut cpu_running_var {
         *var = var.abs() + 0.5;
     }
-    let running_mean = rig.upload(&cpu_running_mean);
-    let running_var = rig.upload(&cpu_running_var);
-    let [mean, invstd, scale, shift] = [(); 4].map(|()| rig.zeros::<f32>(channels));
-    rig.launch(
-        "bn_train_coefficients",
-        per_element(channels),
-        &[
-            totals.arg(),
-            c,
-            device_weight.arg(),
-            device_bias.arg(),
-            running_mean.arg(),
-            running_var.arg(),
-            mean.arg(),
-            invstd.arg(),
-            scale.arg(),
-            shift.arg(),
-        ],
-    );
     let mut cpu_state = BatchNormState::new(channels);
     let params = BatchNormParams {
         weight: &weight,
         bias: &bias,
     };
+    let (initial_mean, initial_var) = (cpu_running_mean.clone(), cpu_running_var.clone());
     train_statistics_from_sums(
         rows,
         &totals_host[1..],
@@ -487,51 +482,95 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
         &mut BatchNormScratch::default(),
     )
     .unwrap();
-    for (what, buffer, cpu) in [
-        ("mean", &mean, &cpu_state.mean),
-        ("invstd", &invstd, &cpu_state.invstd),
-        ("scale", &scale, &cpu_state.scale),
-        ("shift", &shift, &cpu_state.shift),
-        ("running_mean", &running_mean, &cpu_running_mean),
-        ("running_var", &running_var, &cpu_running_var),
-    ] {
-        assert_bits_equal(&rig.download(buffer), cpu, what);
-    }
-
-    // The backward against an f64 reference.
-    let device_dy = rig.upload(&dy);
-    let backward_partials = rig.zeros::<f64>(row_blocks * 2 * channels);
-    let backward_totals = rig.zeros::<f64>(2 * channels);
-    let (grad_weight, grad_bias) = (rig.zeros::<f32>(channels), rig.zeros::<f32>(channels));
-    let no_relu = Arg::Ptr(0);
-    rig.launch(
-        "bn_backward_partial",
-        column_sums(channels, row_blocks),
-        &[
-            device_dy.arg(),
-            no_relu,
-            device_x.arg(),
+    let coefficients_of = |rig: &mut GpuRig, fused: bool| {
+        let running_mean = rig.upload(&initial_mean);
+        let running_var = rig.upload(&initial_var);
+        let [mean, invstd, scale, shift] = [(); 4].map(|()| rig.zeros::<f32>(channels));
+        let outputs = [
+            device_weight.arg(),
+            device_bias.arg(),
+            running_mean.arg(),
+            running_var.arg(),
             mean.arg(),
             invstd.arg(),
-            r,
-            c,
-            rpb,
-            backward_partials.arg(),
-        ],
-    );
-    rig.launch(
-        "bn_backward_finish",
-        column_sums(channels, 1),
-        &[
-            backward_partials.arg(),
-            blocks,
-            c,
-            backward_totals.arg(),
-            grad_weight.arg(),
-            grad_bias.arg(),
-        ],
-    );
+            scale.arg(),
+            shift.arg(),
+        ];
+        if fused {
+            let fused_totals = rig.zeros::<f64>(1 + 2 * channels);
+            let mut args = vec![
+                device_x.arg(),
+                r,
+                c,
+                rpb,
+                partials.arg(),
+                arrivals.arg(),
+                fused_totals.arg(),
+            ];
+            args.extend(outputs);
+            rig.launch("bn_stats", column_sums(channels, row_blocks), &args);
+            assert_bits_equal_f64(&rig.download(&fused_totals), &totals_host, "fused totals");
+        } else {
+            let mut args = vec![totals.arg(), c];
+            args.extend(outputs);
+            rig.launch("bn_train_coefficients", per_element(channels), &args);
+        }
+        (mean, invstd, scale, shift, running_mean, running_var)
+    };
+    for fused in [true, false] {
+        let (mean, invstd, scale, shift, running_mean, running_var) = coefficients_of(rig, fused);
+        for (what, buffer, cpu) in [
+            ("mean", &mean, &cpu_state.mean),
+            ("invstd", &invstd, &cpu_state.invstd),
+            ("scale", &scale, &cpu_state.scale),
+            ("shift", &shift, &cpu_state.shift),
+            ("running_mean", &running_mean, &cpu_running_mean),
+            ("running_var", &running_var, &cpu_running_var),
+        ] {
+            let what = format!("{what} (coefficients in the statistics' launch: {fused})");
+            assert_bits_equal(&rig.download(buffer), cpu, &what);
+        }
+    }
+    let (mean, invstd, ..) = coefficients_of(rig, true);
+
+    // The backward against an f64 reference: sums and coefficients in one launch, and (as
+    // SyncBatchNorm computes them) the sums, then the coefficients from their totals.
+    let device_dy = rig.upload(&dy);
+    let backward_totals = rig.zeros::<f64>(2 * channels);
+    let no_relu = Arg::Ptr(0);
+    let backward_sums = |rig: &mut GpuRig, coefficients: Option<&Buffer<f32>>| {
+        let (grad_weight, grad_bias) = (rig.zeros::<f32>(channels), rig.zeros::<f32>(channels));
+        rig.launch(
+            "bn_backward_sums",
+            column_sums(channels, row_blocks),
+            &[
+                device_dy.arg(),
+                no_relu,
+                device_x.arg(),
+                mean.arg(),
+                invstd.arg(),
+                r,
+                c,
+                rpb,
+                partials.arg(),
+                arrivals.arg(),
+                backward_totals.arg(),
+                grad_weight.arg(),
+                grad_bias.arg(),
+                Arg::F64(rows as f64),
+                device_weight.arg(),
+                coefficients.map_or(null(), Buffer::arg),
+            ],
+        );
+        (rig.download(&grad_weight), rig.download(&grad_bias))
+    };
     let coefficients = rig.zeros::<f32>(3 * channels);
+    let (grad_weight, grad_bias) = backward_sums(rig, Some(&coefficients));
+    assert_eq!(rig.download(&arrivals), vec![0u32; channels.div_ceil(32)]);
+    let (separate_grad_weight, separate_grad_bias) = backward_sums(rig, None);
+    assert_bits_equal(&separate_grad_weight, &grad_weight, "grad_weight");
+    assert_bits_equal(&separate_grad_bias, &grad_bias, "grad_bias");
+    let separate = rig.zeros::<f32>(3 * channels);
     rig.launch(
         "bn_backward_coefficients",
         per_element(channels),
@@ -541,8 +580,13 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
             c,
             device_weight.arg(),
             invstd.arg(),
-            coefficients.arg(),
+            separate.arg(),
         ],
+    );
+    assert_bits_equal(
+        &rig.download(&separate),
+        &rig.download(&coefficients),
+        "backward coefficients from the totals",
     );
     let dx = rig.zeros::<f32>(x.len());
     rig.launch(
@@ -561,8 +605,6 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
         ],
     );
     let dx = rig.download(&dx);
-    let grad_weight = rig.download(&grad_weight);
-    let grad_bias = rig.download(&grad_bias);
     for ch in 0..channels {
         let mean = column(ch).sum::<f64>() / rows as f64;
         let variance = column(ch).map(|v| (v - mean) * (v - mean)).sum::<f64>() / rows as f64;
