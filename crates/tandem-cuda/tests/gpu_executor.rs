@@ -192,6 +192,45 @@ fn a_training_step_matches_the_cpu_in_fp32() {
     one_step(probe);
 }
 
+/// An evaluation measures only the forward algorithms of its shapes; a training step of the
+/// same shapes after it measures their backward ones then, and computes what a fresh executor
+/// computes, bit for bit (deterministic algorithms: the same choices).
+#[test]
+fn training_after_an_evaluation_of_the_same_shape_equals_training_alone() {
+    let Some(probe) = gpu_probe(
+        "training_after_an_evaluation_of_the_same_shape_equals_training_alone",
+        &[],
+    ) else {
+        return;
+    };
+    let (images, labels) = formula_batch(BATCH, SIDE, 0);
+    let loss = LossOptions::default();
+    let model = seed_004();
+    let train_plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
+    let train = |exec: &mut CudaExecutor| {
+        let loss = exec
+            .forward_train(&model, &train_plan, &images, &labels, &loss, None)
+            .unwrap();
+        exec.backward(&model, &train_plan, 1.0, None, None).unwrap();
+        let mut grads = vec![0.0; model.params().len()];
+        exec.grads_to_host(&mut grads).unwrap();
+        (loss.to_bits(), bits(&grads))
+    };
+    let mut alone = CudaExecutor::new(probe, settings(), None, &model).unwrap();
+    let expected = train(&mut alone);
+    let mut after_eval = CudaExecutor::new(probe, settings(), None, &model).unwrap();
+    let eval_plan = model.plan(Mode::Eval, BATCH, SIDE, SIDE).unwrap();
+    let mut logits = Vec::new();
+    after_eval
+        .forward_eval(&model, &eval_plan, &images, &mut logits)
+        .unwrap();
+    assert_eq!(logits.len(), BATCH * 10);
+    assert!(
+        train(&mut after_eval) == expected,
+        "loss or gradients differ"
+    );
+}
+
 /// Two chained SGD steps (Nesterov, weight decay: the momentum buffer carried on the device)
 /// and an evaluation forward. Each step starts both devices from the CPU's gradients, so the
 /// steps and the momentum buffer agree bit for bit, the second backward (from the stepped

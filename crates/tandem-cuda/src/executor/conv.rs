@@ -1,6 +1,8 @@
 //! Convolutions through cuDNN: NHWC descriptors computed from the plan's [`Conv2dShape`], the
 //! algorithm of each direction chosen by measuring (`cudnnFind*`) on first use and cached per
 //! shape and settings, with a deterministic mode that admits only deterministic algorithms.
+//! An evaluation's shapes measure the forward alone: the backward algorithms of a shape are
+//! measured when a training plan first needs them.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -283,8 +285,13 @@ pub struct ConvPlan {
     filter: FilterDescriptor,
     conv: ConvDescriptor,
     forward: Candidate<sys::cudnnConvolutionFwdAlgo_t>,
-    backward_data: Candidate<sys::cudnnConvolutionBwdDataAlgo_t>,
-    backward_filter: Candidate<sys::cudnnConvolutionBwdFilterAlgo_t>,
+    backward: Option<BackwardAlgorithms>,
+}
+
+/// The chosen algorithms of a convolution's two backward directions.
+struct BackwardAlgorithms {
+    data: Candidate<sys::cudnnConvolutionBwdDataAlgo_t>,
+    filter: Candidate<sys::cudnnConvolutionBwdFilterAlgo_t>,
 }
 
 /// The most workspace an algorithm may ask for (bytes).
@@ -303,13 +310,18 @@ pub struct ConvBuffers {
 }
 
 impl ConvPlan {
-    /// Builds the descriptors of `shape` and measures every algorithm of the three directions.
+    /// Builds the descriptors of `shape` and measures every forward algorithm, and with
+    /// `backward` those of the two backward directions too.
     pub fn measure(
         handle: &CudnnHandle,
         shape: &Conv2dShape,
-        precision: Precision,
-        deterministic: bool,
+        settings: AlgorithmSettings,
+        backward: bool,
     ) -> Result<Self, GpuError> {
+        let AlgorithmSettings {
+            precision,
+            deterministic,
+        } = settings;
         let geometry = ConvGeometry::new(shape)?;
         let operands = operand_type(precision);
         let input = TensorDescriptor::new(geometry.input, geometry.input_strides, operands)?;
@@ -317,49 +329,69 @@ impl ConvPlan {
         let filter = FilterDescriptor::new(geometry.filter, operands)?;
         let conv = ConvDescriptor::new(geometry.padding, geometry.stride, compute_type(precision))?;
         conv.set_math(descriptor_math(precision))?;
-        let refused = |direction, reason| GpuError::NoAlgorithm {
-            direction,
-            shape: format!("{shape:?}"),
-            reason,
-        };
         let forward = choose(
             &handle.find_forward(&input, &filter, &conv, &output)?,
             precision,
             deterministic,
             WORKSPACE_LIMIT,
         )
-        .map_err(|reason| refused("forward", reason))?;
-        let backward_data = choose(
-            &handle.find_backward_data(&filter, &output, &conv, &input)?,
-            precision,
-            deterministic,
-            WORKSPACE_LIMIT,
-        )
-        .map_err(|reason| refused("backward data", reason))?;
-        let backward_filter = choose(
-            &handle.find_backward_filter(&input, &output, &conv, &filter)?,
-            precision,
-            deterministic,
-            WORKSPACE_LIMIT,
-        )
-        .map_err(|reason| refused("backward filter", reason))?;
-        Ok(ConvPlan {
+        .map_err(|reason| no_algorithm("forward", shape, reason))?;
+        let mut plan = ConvPlan {
             input,
             output,
             filter,
             conv,
             forward,
-            backward_data,
-            backward_filter,
-        })
+            backward: None,
+        };
+        if backward {
+            plan.measure_backward(handle, shape, settings)?;
+        }
+        Ok(plan)
+    }
+
+    /// Measures the algorithms of the two backward directions.
+    fn measure_backward(
+        &mut self,
+        handle: &CudnnHandle,
+        shape: &Conv2dShape,
+        settings: AlgorithmSettings,
+    ) -> Result<(), GpuError> {
+        let AlgorithmSettings {
+            precision,
+            deterministic,
+        } = settings;
+        self.conv.set_math(descriptor_math(precision))?;
+        let data = choose(
+            &handle.find_backward_data(&self.filter, &self.output, &self.conv, &self.input)?,
+            precision,
+            deterministic,
+            WORKSPACE_LIMIT,
+        )
+        .map_err(|reason| no_algorithm("backward data", shape, reason))?;
+        let filter = choose(
+            &handle.find_backward_filter(&self.input, &self.output, &self.conv, &self.filter)?,
+            precision,
+            deterministic,
+            WORKSPACE_LIMIT,
+        )
+        .map_err(|reason| no_algorithm("backward filter", shape, reason))?;
+        self.backward = Some(BackwardAlgorithms { data, filter });
+        Ok(())
     }
 
     /// The largest workspace of the chosen algorithms, in bytes.
     pub fn workspace_bytes(&self) -> usize {
-        self.forward
-            .memory
-            .max(self.backward_data.memory)
-            .max(self.backward_filter.memory)
+        let backward = self.backward.as_ref().map_or(0, |backward| {
+            backward.data.memory.max(backward.filter.memory)
+        });
+        self.forward.memory.max(backward)
+    }
+
+    /// The backward algorithms; an error when only the forward was measured (an evaluation
+    /// plan's shape used for training without `prepare`).
+    fn backward(&self) -> Result<&BackwardAlgorithms, GpuError> {
+        self.backward.as_ref().ok_or(GpuError::NotPrepared)
     }
 
     /// `output = conv(input, filter)`.
@@ -398,7 +430,8 @@ impl ConvPlan {
         buffers: &ConvBuffers,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        self.conv.set_math(self.backward_data.math)?;
+        let algorithm = self.backward()?.data;
+        self.conv.set_math(algorithm.math)?;
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: as in `forward`; `input` is the input gradient buffer of this shape.
         unsafe {
@@ -410,7 +443,7 @@ impl ConvPlan {
                 self.output.raw(),
                 buffers.output as *const c_void,
                 self.conv.raw(),
-                self.backward_data.algo,
+                algorithm.algo,
                 buffers.workspace.0 as *mut c_void,
                 buffers.workspace.1,
                 scalar(&beta),
@@ -430,7 +463,8 @@ impl ConvPlan {
         buffers: &ConvBuffers,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        self.conv.set_math(self.backward_filter.math)?;
+        let algorithm = self.backward()?.filter;
+        self.conv.set_math(algorithm.math)?;
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: as in `forward`; `filter` is the filter gradient of this layer.
         unsafe {
@@ -442,7 +476,7 @@ impl ConvPlan {
                 self.output.raw(),
                 buffers.output as *const c_void,
                 self.conv.raw(),
-                self.backward_filter.algo,
+                algorithm.algo,
                 buffers.workspace.0 as *mut c_void,
                 buffers.workspace.1,
                 scalar(&beta),
@@ -460,48 +494,70 @@ fn scalar(value: &f32) -> *const c_void {
     (value as *const f32).cast()
 }
 
+/// The refusal of every candidate of a direction.
+fn no_algorithm(direction: &'static str, shape: &Conv2dShape, reason: String) -> GpuError {
+    GpuError::NoAlgorithm {
+        direction,
+        shape: format!("{shape:?}"),
+        reason,
+    }
+}
+
+/// The settings that decide which algorithms are admitted and how one is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AlgorithmSettings {
+    /// The math the convolutions may use.
+    pub precision: Precision,
+    /// Whether only deterministic algorithms are admitted, chosen in a fixed order.
+    pub deterministic: bool,
+}
+
 /// The measured plans of every convolution shape seen, by [`ConvKey`].
 #[derive(Default)]
 pub struct AlgorithmCache {
     plans: HashMap<ConvKey, ConvPlan>,
+    searches: usize,
 }
 
 impl AlgorithmCache {
-    /// The plan of `shape`, measured on first use.
+    /// The plan of `shape`, measured on first use; with `backward`, with the algorithms of the
+    /// backward directions, measured when the plan lacks them.
     pub fn get_or_measure(
         &mut self,
         handle: &CudnnHandle,
         shape: &Conv2dShape,
-        precision: Precision,
-        deterministic: bool,
+        settings: AlgorithmSettings,
+        backward: bool,
     ) -> Result<&ConvPlan, GpuError> {
-        let key = ConvKey::new(shape, precision, deterministic);
+        let key = ConvKey::new(shape, settings.precision, settings.deterministic);
         match self.plans.entry(key) {
-            std::collections::hash_map::Entry::Occupied(entry) => Ok(entry.into_mut()),
+            std::collections::hash_map::Entry::Occupied(entry) => {
+                let plan = entry.into_mut();
+                if backward && plan.backward.is_none() {
+                    self.searches += 1;
+                    plan.measure_backward(handle, shape, settings)?;
+                }
+                Ok(plan)
+            }
             std::collections::hash_map::Entry::Vacant(entry) => {
-                Ok(entry.insert(ConvPlan::measure(handle, shape, precision, deterministic)?))
+                self.searches += 1;
+                Ok(entry.insert(ConvPlan::measure(handle, shape, settings, backward)?))
             }
         }
     }
 
     /// The plan of `shape` measured before under the settings, if any.
-    pub fn get(
-        &self,
-        shape: &Conv2dShape,
-        precision: Precision,
-        deterministic: bool,
-    ) -> Option<&ConvPlan> {
-        self.plans
-            .get(&ConvKey::new(shape, precision, deterministic))
+    pub fn get(&self, shape: &Conv2dShape, settings: AlgorithmSettings) -> Option<&ConvPlan> {
+        self.plans.get(&ConvKey::new(
+            shape,
+            settings.precision,
+            settings.deterministic,
+        ))
     }
 
-    /// Shapes measured so far.
-    pub fn len(&self) -> usize {
-        self.plans.len()
-    }
-
-    /// Whether nothing was measured yet.
-    pub fn is_empty(&self) -> bool {
-        self.plans.is_empty()
+    /// Searches made so far (a shape's forward, or its backward directions, each count one):
+    /// a capture checks that it made none.
+    pub fn searches(&self) -> usize {
+        self.searches
     }
 }

@@ -43,14 +43,14 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, CudaView, DevicePtr};
 use tandem_engine::{AdamConfig, BatchNormReducer, OptimizerState, SgdConfig};
 use tandem_models::executor::{Executor, GradientsReady};
-use tandem_models::workspace::Plan;
+use tandem_models::workspace::{Mode, Plan};
 use tandem_models::{LossOptions, Model, ModelError, TensorKind};
 
 use crate::arch::GpuArch;
 use crate::compile::Compiler;
 use crate::probe::{Library, Probe};
 use crate::ptx_cache::PtxCache;
-use conv::AlgorithmCache;
+use conv::{AlgorithmCache, AlgorithmSettings};
 use cudnn::CudnnHandle;
 pub use data_parallel::DeviceDataParallel;
 pub use dataset::{AugmentSettings, DatasetShape, DeviceDataset};
@@ -94,6 +94,16 @@ pub struct GpuSettings {
     pub precision: Precision,
     /// Admit only deterministic cuDNN algorithms.
     pub deterministic: bool,
+}
+
+impl GpuSettings {
+    /// What decides the choice of convolution algorithms.
+    pub fn algorithms(&self) -> AlgorithmSettings {
+        AlgorithmSettings {
+            precision: self.precision,
+            deterministic: self.deterministic,
+        }
+    }
 }
 
 /// The optimizer state on the device, made at the first step (or loaded from the host).
@@ -270,7 +280,8 @@ impl CudaExecutor {
     }
 
     /// Makes the GPU current on this thread, allocates the storage of `plan` (one training
-    /// and one evaluation storage are kept, each while its batch shape stays) and measures the algorithms of its convolutions.
+    /// and one evaluation storage are kept, each while its batch shape stays) and measures the
+    /// algorithms of its convolutions (an evaluation plan's forward alone).
     pub fn prepare(&mut self, plan: &Plan) -> Result<(), GpuError> {
         self.context
             .bind_to_thread()
@@ -286,8 +297,8 @@ impl CudaExecutor {
             let measured = self.algorithms.get_or_measure(
                 &self.cudnn,
                 &unit.shape,
-                self.settings.precision,
-                self.settings.deterministic,
+                self.settings.algorithms(),
+                plan.mode == Mode::Train,
             )?;
             workspace = workspace.max(measured.workspace_bytes());
         }

@@ -192,7 +192,7 @@ impl CudaExecutor {
     /// [`CudaExecutor::prepare`] measured for every convolution of the active plan.
     pub(super) fn conv_plan(&self, shape: &Conv2dShape) -> Result<&ConvPlan, GpuError> {
         self.algorithms
-            .get(shape, self.settings.precision, self.settings.deterministic)
+            .get(shape, self.settings.algorithms())
             .ok_or(GpuError::NotPrepared)
     }
 

@@ -330,7 +330,7 @@ impl CudaExecutor {
         dataset: Option<&DeviceDataset>,
         key: &GraphKey,
     ) -> Result<(), String> {
-        let algorithms = self.algorithms.len();
+        let searches = self.algorithms.searches();
         let generation = self.generation;
         self.nccl_capture(true);
         if let Err(status) = self
@@ -349,7 +349,7 @@ impl CudaExecutor {
         let kept = self.take_error();
         // `prepare` searched for every convolution's algorithms before the capture, so a miss
         // of the cache here would be a shape outside the plan.
-        if self.algorithms.len() != algorithms {
+        if self.algorithms.searches() != searches {
             return Err("a convolution algorithm was searched for during capture".to_string());
         }
         if self.generation != generation {
