@@ -255,11 +255,14 @@ __device__ __forceinline__ int channel_of(long long i, long long n, int channels
 }
 
 // The input gradient, element-wise: dx = gain * (dy - mean_dy - xhat * mean_dy_xhat), with the
-// CPU's float operations in the CPU's order.
+// CPU's float operations in the CPU's order, dy masked by the ReLU; and, unless masked_dy is
+// null, the masked dy itself, in place over dy (a block's output gradient, which its shortcut
+// reads next: the ReLU's backward costs no pass of its own).
 extern "C" __global__ void bn_backward_input(const float* dy, const float* relu_out,
                                              const float* x, const float* mean,
                                              const float* invstd, const float* coefficients,
-                                             long long n, int channels, float* dx) {
+                                             long long n, int channels, float* dx,
+                                             float* masked_dy) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int c = channel_of(i, n, channels);
@@ -267,5 +270,7 @@ extern "C" __global__ void bn_backward_input(const float* dy, const float* relu_
     float mean_dy = coefficients[channels + c];
     float mean_dy_xhat = coefficients[2 * channels + c];
     float xhat = (x[i] - mean[c]) * invstd[c];
-    dx[i] = gain * (masked(dy[i], relu_out, i) - mean_dy - xhat * mean_dy_xhat);
+    float g = masked(dy[i], relu_out, i);
+    dx[i] = gain * (g - mean_dy - xhat * mean_dy_xhat);
+    if (masked_dy != nullptr) masked_dy[i] = g;
 }

@@ -270,6 +270,11 @@ impl Executor for CpuStep<'_> {
         reducer: Option<&mut dyn BatchNormReducer>,
         ready: &mut GradientsReady,
     ) -> Result<(), ModelError> {
+        let mut grad_output = grad_output;
+        if let (true, Some(relu_output)) = (grad_output.keep_masked, grad_output.relu_output) {
+            self.relu_backward(grad_output.values, relu_output, unit.plan.output_len());
+            grad_output.relu_output = None;
+        }
         let input_len = unit.plan.shape.input_len();
         // The input gradient's buffer is taken out while the gradient buffers are read.
         let (target, accumulate) = match grad_input {

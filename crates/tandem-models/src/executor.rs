@@ -78,6 +78,11 @@ pub struct UnitGrad {
     /// The slot holding the output of a ReLU that followed the unit, if its backward is
     /// still to be applied: the gradient counts only where that output is positive.
     pub relu_output: Option<Slot>,
+    /// Whether the backward also leaves that ReLU's backward applied to `values`, for a
+    /// shortcut that reads the same gradient next (a block's output gradient, masked once by
+    /// the block's first unit backward rather than by a pass of its own). Only with
+    /// `relu_output`.
+    pub keep_masked: bool,
 }
 
 /// Where a unit's backward puts the gradient at its input.
@@ -121,8 +126,11 @@ impl<'a> GradientsReady<'a> {
 /// for projection shortcuts) [`bn_apply`](Executor::bn_apply); [`head_forward`](Executor::head_forward);
 /// [`loss_forward`](Executor::loss_forward); then for the backward
 /// [`head_backward`](Executor::head_backward) and, per block from last to first,
-/// [`relu_backward`](Executor::relu_backward), [`copy_gradient`](Executor::copy_gradient) where
-/// needed and [`conv_bn_backward`](Executor::conv_bn_backward) per unit from last to first. An
+/// [`conv_bn_backward`](Executor::conv_bn_backward) per unit from last to first (the
+/// projection shortcut's first), the first of them undoing the block's ReLU with
+/// [`UnitGrad::keep_masked`]; a block of one unit with an identity shortcut calls
+/// [`relu_backward`](Executor::relu_backward) and [`copy_gradient`](Executor::copy_gradient)
+/// before its unit instead. An
 /// evaluation step calls [`conv_bn_eval`](Executor::conv_bn_eval) per unit instead of the two
 /// training-mode calls. Lengths are those of the plan; the model never passes one buffer both
 /// as a method's input and its output.

@@ -552,6 +552,7 @@ fn backward_pass<E: Executor>(
     let stem_grad = UnitGrad {
         values: buffers.current,
         relu_output: network.stem_relu.then_some(plan.stem.out),
+        keep_masked: false,
     };
     exec.conv_bn_backward(
         unit(&network.stem, &plan.stem),
@@ -562,9 +563,14 @@ fn backward_pass<E: Executor>(
     )
 }
 
-/// Backward of one residual block; `buffers.current` holds the gradient at its output.
-/// Returns `true` when the input gradient was left in `buffers.other` (projection shortcut)
-/// rather than in `buffers.current` (identity shortcut).
+/// Backward of one residual block; `buffers.current` holds the gradient at its output, before
+/// the block's ReLU. Returns `true` when the input gradient was left in `buffers.other`
+/// (projection shortcut) rather than in `buffers.current` (identity shortcut).
+///
+/// The ReLU's backward is applied once, in place, by the block's first unit backward (the
+/// projection's, else the chain's last unit), which reads the gradient in `current` first;
+/// the shortcut then reads the masked gradient there. A one-unit block with an identity
+/// shortcut copies the masked gradient before its unit, so it masks with a pass of its own.
 fn block_backward<E: Executor>(
     exec: &mut E,
     block: &Block,
@@ -576,34 +582,46 @@ fn block_backward<E: Executor>(
     let Some(last_plan) = plan.units.last() else {
         return Ok(false);
     };
-    exec.relu_backward(buffers.current, last_plan.out, last_plan.output_len());
-    let projected = match shortcut_unit(block, plan) {
-        Some(shortcut) => {
-            let grad_output = UnitGrad {
-                values: buffers.current,
-                relu_output: None,
-            };
-            let grad_input = GradTarget::Overwrite(buffers.other);
-            exec.conv_bn_backward(shortcut, grad_output, grad_input, reborrow(reducer), ready)?;
-            true
-        }
-        None => false,
-    };
     let last = plan.units.len() - 1;
+    let shortcut = shortcut_unit(block, plan);
+    let projected = shortcut.is_some();
     // A one-unit block with an identity shortcut gathers its input gradient in `other`,
     // since its unit reads the gradient in `current`.
     let input_in_other = projected || last == 0;
-    if !projected && last == 0 {
+    let block_output = if !projected && last == 0 {
+        exec.relu_backward(buffers.current, last_plan.out, last_plan.output_len());
         exec.copy_gradient(buffers.current, buffers.other, last_plan.shape.input_len());
+        UnitGrad {
+            values: buffers.current,
+            relu_output: None,
+            keep_masked: false,
+        }
+    } else {
+        UnitGrad {
+            values: buffers.current,
+            relu_output: Some(last_plan.out),
+            keep_masked: true,
+        }
+    };
+    // After the first unit backward that reads it, `current` holds the masked gradient.
+    let masked_output = UnitGrad {
+        values: buffers.current,
+        relu_output: None,
+        keep_masked: false,
+    };
+    if let Some(shortcut) = shortcut {
+        let grad_input = GradTarget::Overwrite(buffers.other);
+        exec.conv_bn_backward(shortcut, block_output, grad_input, reborrow(reducer), ready)?;
     }
     for (index, unit) in chain_units(block, plan).enumerate().rev() {
         // Inside the block, the gradient at a unit's output is in `second`, the ReLU after the
         // unit undone within its batch-norm pass; the unit writes the gradient at its input
         // into `first`, and the two swap roles for the next unit.
         let (grad_output, grad_input) = if index == last {
-            let grad_output = UnitGrad {
-                values: buffers.current,
-                relu_output: None,
+            let grad_output = if projected {
+                masked_output
+            } else {
+                block_output
             };
             let grad_input = if index == 0 {
                 GradTarget::Accumulate(buffers.other)
@@ -615,6 +633,7 @@ fn block_backward<E: Executor>(
             let grad_output = UnitGrad {
                 values: buffers.second,
                 relu_output: Some(unit.plan.out),
+                keep_masked: false,
             };
             let grad_input = match (index, input_in_other) {
                 (0, true) => GradTarget::Accumulate(buffers.other),
@@ -648,6 +667,8 @@ mod tests {
         backward: Vec<usize>,
         head_backward: bool,
         grads: Vec<f32>,
+        /// ReLU backwards applied: by `relu_backward` or a unit's `keep_masked`.
+        masks: usize,
     }
 
     impl Executor for Recorder {
@@ -703,7 +724,9 @@ mod tests {
             ready.finished_up_to(head.bias.end, &self.grads);
         }
 
-        fn relu_backward(&mut self, _grad: GradBuffer, _output: Slot, _len: usize) {}
+        fn relu_backward(&mut self, _grad: GradBuffer, _output: Slot, _len: usize) {
+            self.masks += 1;
+        }
 
         fn copy_gradient(&mut self, from: GradBuffer, to: GradBuffer, _len: usize) {
             assert_ne!(from, to, "copy onto itself");
@@ -720,6 +743,13 @@ mod tests {
             assert!(self.head_backward, "unit backward before the head's");
             if let GradTarget::Overwrite(target) | GradTarget::Accumulate(target) = grad_input {
                 assert_ne!(target, grad_output.values, "one buffer as input and output");
+            }
+            if grad_output.keep_masked {
+                assert!(
+                    grad_output.relu_output.is_some(),
+                    "keep_masked without a ReLU"
+                );
+                self.masks += 1;
             }
             self.backward.push(unit.plan.index);
             ready.finished_up_to(unit.bn.param_range().end, &self.grads);
@@ -772,6 +802,11 @@ mod tests {
             let mut ready = GradientsReady::new(&mut hook);
             backward_pass(&mut recorder, &network, &plan, 1.0, None, &mut ready).expect("backward");
             assert_eq!(sorted(recorder.backward.clone()), every_unit, "{spec:?}");
+            assert_eq!(
+                recorder.masks,
+                plan.blocks.len(),
+                "{spec:?}: each block's ReLU is undone once"
+            );
             assert_eq!(reported.first().map(|range| range.start), Some(0));
             assert_eq!(
                 reported.last().map(|range| range.end),

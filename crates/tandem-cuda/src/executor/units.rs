@@ -454,8 +454,15 @@ impl CudaExecutor {
             }
         }
         self.report(bn.param_range().end, ready)?;
-        // SAFETY: bn_backward_input(const float* x6, long long, int, float*): dz holds at
-        // least `len` floats (grad_len).
+        // The block's output gradient, masked in place for the shortcut that reads it next.
+        let masked_dy = if grad_output.keep_masked && relu_out != 0 {
+            dy
+        } else {
+            0
+        };
+        // SAFETY: bn_backward_input(const float* x6, long long, int, float*, float*): dz holds
+        // at least `len` floats (grad_len); masked_dy is dy or null, each thread reading and
+        // writing only element i of it.
         unsafe {
             self.launch(
                 "bn_backward_input",
@@ -470,6 +477,7 @@ impl CudaExecutor {
                     Arg::I64(len as i64),
                     Arg::I32(channels as i32),
                     Arg::Ptr(dz),
+                    Arg::Ptr(masked_dy),
                 ],
             )?;
         }

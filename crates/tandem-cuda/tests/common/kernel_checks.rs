@@ -602,6 +602,7 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
             Arg::I64(x.len() as i64),
             c,
             dx.arg(),
+            null(),
         ],
     );
     let dx = rig.download(&dx);
@@ -633,6 +634,73 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
                 "dx[{row}, {ch}]: kernel {got} f64 {expected}"
             );
         }
+    }
+
+    // Behind a ReLU, a block's first unit backward masks the gradient in the sums and the
+    // input gradient, and leaves it masked in place (`masked_dy`): the same bits as masking it
+    // first with the CPU's relu_backward and running the backward without a ReLU.
+    let relu_out: Vec<f32> = values(rows * channels, 8)
+        .iter()
+        .map(|v| v.max(0.0))
+        .collect();
+    let device_relu_out = rig.upload(&relu_out);
+    let mut masked_host = dy.clone();
+    tandem_engine::batchnorm::relu_backward_in_place(&mut masked_host, &relu_out);
+    let backward = |rig: &mut GpuRig, dy: &Buffer<f32>, relu: Arg, masked_dy: Arg| {
+        let (grad_weight, grad_bias) = (rig.zeros::<f32>(channels), rig.zeros::<f32>(channels));
+        let coefficients = rig.zeros::<f32>(3 * channels);
+        rig.launch(
+            "bn_backward_sums",
+            column_sums(channels, row_blocks),
+            &[
+                dy.arg(),
+                relu,
+                device_x.arg(),
+                mean.arg(),
+                invstd.arg(),
+                r,
+                c,
+                rpb,
+                partials.arg(),
+                arrivals.arg(),
+                backward_totals.arg(),
+                grad_weight.arg(),
+                grad_bias.arg(),
+                Arg::F64(rows as f64),
+                device_weight.arg(),
+                coefficients.arg(),
+            ],
+        );
+        let dx = rig.zeros::<f32>(x.len());
+        rig.launch(
+            "bn_backward_input",
+            per_element(x.len()),
+            &[
+                dy.arg(),
+                relu,
+                device_x.arg(),
+                mean.arg(),
+                invstd.arg(),
+                coefficients.arg(),
+                Arg::I64(x.len() as i64),
+                c,
+                dx.arg(),
+                masked_dy,
+            ],
+        );
+        [grad_weight, grad_bias, dx].map(|buffer| rig.download(&buffer))
+    };
+    let in_place = rig.upload(&dy);
+    let fused = backward(rig, &in_place, device_relu_out.arg(), in_place.arg());
+    assert_bits_equal(&rig.download(&in_place), &masked_host, "masked dy in place");
+    let premasked = rig.upload(&masked_host);
+    let separate = backward(rig, &premasked, null(), null());
+    for (what, fused, separate) in [
+        ("grad_weight", &fused[0], &separate[0]),
+        ("grad_bias", &fused[1], &separate[1]),
+        ("dx", &fused[2], &separate[2]),
+    ] {
+        assert_bits_equal(fused, separate, &format!("{what} behind a ReLU"));
     }
 }
 
