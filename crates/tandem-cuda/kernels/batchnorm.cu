@@ -119,20 +119,26 @@ __device__ void train_coefficients(int c, double count, double sum, double sum_s
 // The statistics of x in one launch: totals = [rows, sum x..., sum x^2...] and, unless weight
 // is null (SyncBatchNorm: the totals are all-reduced before bn_train_coefficients), the
 // training coefficients of train_coefficients from them. The caller checks rows > 1 on the
-// host (the CPU returns BatchNormTooFewValues).
-extern "C" __global__ void bn_stats(const float* x, int rows, int channels, int rows_per_block,
-                                    double* partials, unsigned int* arrivals, double* totals,
-                                    const float* weight, const float* bias, float* running_mean,
-                                    float* running_var, float* mean_out, float* invstd_out,
-                                    float* scale_out, float* shift_out) {
-    __shared__ double lanes[ROW_LANES][CHANNEL_LANES];
+// host (the CPU returns BatchNormTooFewValues). x holds activations (bn_stats: float32,
+// bn_stats_bf16: bfloat16).
+#define BN_STATS_PARAMS(Act)                                                                   \
+    const Act *x, int rows, int channels, int rows_per_block, double *partials,                \
+        unsigned int *arrivals, double *totals, const float *weight, const float *bias,        \
+        float *running_mean, float *running_var, float *mean_out, float *invstd_out,           \
+        float *scale_out, float *shift_out
+#define BN_STATS_ARGS                                                                          \
+    x, rows, channels, rows_per_block, partials, arrivals, totals, weight, bias, running_mean, \
+        running_var, mean_out, invstd_out, scale_out, shift_out
+
+template <typename Act>
+__device__ void bn_stats_body(BN_STATS_PARAMS(Act), double lanes[ROW_LANES][CHANNEL_LANES]) {
     int c = blockIdx.y * CHANNEL_LANES + threadIdx.x;
     int first = blockIdx.x * rows_per_block;
     int last = min(first + rows_per_block, rows);
     double sum = 0.0, sum_sq = 0.0;
     if (c < channels) {
         for (int row = first + threadIdx.y; row < last; row += ROW_LANES) {
-            double value = (double)x[(long long)row * channels + c];
+            double value = (double)as_float(x[(long long)row * channels + c]);
             sum += value;
             sum_sq += value * value;
         }
@@ -149,6 +155,16 @@ extern "C" __global__ void bn_stats(const float* x, int rows, int channels, int 
         train_coefficients(c, (double)rows, sum, sum_sq, weight, bias, running_mean, running_var,
                            mean_out, invstd_out, scale_out, shift_out);
     }
+}
+
+extern "C" __global__ void bn_stats(BN_STATS_PARAMS(float)) {
+    __shared__ double lanes[ROW_LANES][CHANNEL_LANES];
+    bn_stats_body(BN_STATS_ARGS, lanes);
+}
+
+extern "C" __global__ void bn_stats_bf16(BN_STATS_PARAMS(bf16_bits)) {
+    __shared__ double lanes[ROW_LANES][CHANNEL_LANES];
+    bn_stats_body(BN_STATS_ARGS, lanes);
 }
 
 // Training-mode coefficients from the all-reduced totals of bn_stats (SyncBatchNorm).
@@ -179,8 +195,9 @@ extern "C" __global__ void bn_eval_coefficients(int channels, const float* weigh
 
 // The gradient a following ReLU let through: zero where its output is not positive.
 // relu_out == nullptr: no ReLU followed.
-__device__ float masked(float dy, const float* relu_out, long long i) {
-    return (relu_out != nullptr && relu_out[i] <= 0.0f) ? 0.0f : dy;
+template <typename Act>
+__device__ float masked(float dy, const Act* relu_out, long long i) {
+    return (relu_out != nullptr && as_float(relu_out[i]) <= 0.0f) ? 0.0f : dy;
 }
 
 // Coefficients of the input gradient of channel c from its backward totals:
@@ -198,15 +215,19 @@ __device__ void backward_coefficients(int c, double count, int channels, double 
 // local sums added to the parameter gradients (grad_bias += sum dy, grad_weight += sum
 // dy*xhat) before any all-reduce of the totals, as the CPU does; and, unless coefficients is
 // null (SyncBatchNorm: the totals are all-reduced before bn_backward_coefficients), the input
-// gradient's coefficients over `count` values.
-extern "C" __global__ void bn_backward_sums(const float* dy, const float* relu_out,
-                                            const float* x, const float* mean,
-                                            const float* invstd, int rows, int channels,
-                                            int rows_per_block, double* partials,
-                                            unsigned int* arrivals, double* totals,
-                                            float* grad_weight, float* grad_bias, double count,
-                                            const float* weight, float* coefficients) {
-    __shared__ double lanes[ROW_LANES][CHANNEL_LANES];
+// gradient's coefficients over `count` values. dy, relu_out and x are activations.
+#define BN_BACKWARD_SUMS_PARAMS(Act)                                                           \
+    const Act *dy, const Act *relu_out, const Act *x, const float *mean, const float *invstd,  \
+        int rows, int channels, int rows_per_block, double *partials, unsigned int *arrivals,  \
+        double *totals, float *grad_weight, float *grad_bias, double count,                    \
+        const float *weight, float *coefficients
+#define BN_BACKWARD_SUMS_ARGS                                                                  \
+    dy, relu_out, x, mean, invstd, rows, channels, rows_per_block, partials, arrivals, totals, \
+        grad_weight, grad_bias, count, weight, coefficients
+
+template <typename Act>
+__device__ void bn_backward_sums_body(BN_BACKWARD_SUMS_PARAMS(Act),
+                                      double lanes[ROW_LANES][CHANNEL_LANES]) {
     int c = blockIdx.y * CHANNEL_LANES + threadIdx.x;
     int first = blockIdx.x * rows_per_block;
     int last = min(first + rows_per_block, rows);
@@ -214,8 +235,8 @@ extern "C" __global__ void bn_backward_sums(const float* dy, const float* relu_o
     if (c < channels) {
         for (int row = first + threadIdx.y; row < last; row += ROW_LANES) {
             long long i = (long long)row * channels + c;
-            float g = masked(dy[i], relu_out, i);
-            float xhat = (x[i] - mean[c]) * invstd[c];
+            float g = masked(as_float(dy[i]), relu_out, i);
+            float xhat = (as_float(x[i]) - mean[c]) * invstd[c];
             sum_dy += (double)g;
             sum_dy_xhat += (double)(g * xhat);
         }
@@ -235,6 +256,16 @@ extern "C" __global__ void bn_backward_sums(const float* dy, const float* relu_o
     }
 }
 
+extern "C" __global__ void bn_backward_sums(BN_BACKWARD_SUMS_PARAMS(float)) {
+    __shared__ double lanes[ROW_LANES][CHANNEL_LANES];
+    bn_backward_sums_body(BN_BACKWARD_SUMS_ARGS, lanes);
+}
+
+extern "C" __global__ void bn_backward_sums_bf16(BN_BACKWARD_SUMS_PARAMS(bf16_bits)) {
+    __shared__ double lanes[ROW_LANES][CHANNEL_LANES];
+    bn_backward_sums_body(BN_BACKWARD_SUMS_ARGS, lanes);
+}
+
 // The input gradient's coefficients from the all-reduced totals of bn_backward_sums
 // (SyncBatchNorm).
 extern "C" __global__ void bn_backward_coefficients(const double* totals, double count,
@@ -246,31 +277,35 @@ extern "C" __global__ void bn_backward_coefficients(const double* totals, double
                           coefficients);
 }
 
-// The channel of element i of an NHWC tensor of n elements, in 32-bit arithmetic whenever n
-// allows: a 64-bit remainder is a long instruction sequence on the GPU, and this kernel has
-// little else to do per element.
-__device__ __forceinline__ int channel_of(long long i, long long n, int channels) {
-    return n <= 0xffffffffLL ? (int)((unsigned int)i % (unsigned int)channels)
-                             : (int)(i % channels);
-}
-
 // The input gradient, element-wise: dx = gain * (dy - mean_dy - xhat * mean_dy_xhat), with the
 // CPU's float operations in the CPU's order, dy masked by the ReLU; and, unless masked_dy is
 // null, the masked dy itself, in place over dy (a block's output gradient, which its shortcut
-// reads next: the ReLU's backward costs no pass of its own).
-extern "C" __global__ void bn_backward_input(const float* dy, const float* relu_out,
-                                             const float* x, const float* mean,
-                                             const float* invstd, const float* coefficients,
-                                             long long n, int channels, float* dx,
-                                             float* masked_dy) {
+// reads next: the ReLU's backward costs no pass of its own). dy, relu_out, x, dx and
+// masked_dy are activations.
+#define BN_BACKWARD_INPUT_PARAMS(Act)                                                          \
+    const Act *dy, const Act *relu_out, const Act *x, const float *mean, const float *invstd,  \
+        const float *coefficients, long long n, int channels, Act *dx, Act *masked_dy
+#define BN_BACKWARD_INPUT_ARGS                                                                 \
+    dy, relu_out, x, mean, invstd, coefficients, n, channels, dx, masked_dy
+
+template <typename Act>
+__device__ void bn_backward_input_body(BN_BACKWARD_INPUT_PARAMS(Act)) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int c = channel_of(i, n, channels);
     float gain = coefficients[c];
     float mean_dy = coefficients[channels + c];
     float mean_dy_xhat = coefficients[2 * channels + c];
-    float xhat = (x[i] - mean[c]) * invstd[c];
-    float g = masked(dy[i], relu_out, i);
-    dx[i] = gain * (g - mean_dy - xhat * mean_dy_xhat);
-    if (masked_dy != nullptr) masked_dy[i] = g;
+    float xhat = (as_float(x[i]) - mean[c]) * invstd[c];
+    float g = masked(as_float(dy[i]), relu_out, i);
+    store(dx, i, gain * (g - mean_dy - xhat * mean_dy_xhat));
+    if (masked_dy != nullptr) store(masked_dy, i, g);
+}
+
+extern "C" __global__ void bn_backward_input(BN_BACKWARD_INPUT_PARAMS(float)) {
+    bn_backward_input_body(BN_BACKWARD_INPUT_ARGS);
+}
+
+extern "C" __global__ void bn_backward_input_bf16(BN_BACKWARD_INPUT_PARAMS(bf16_bits)) {
+    bn_backward_input_body(BN_BACKWARD_INPUT_ARGS);
 }

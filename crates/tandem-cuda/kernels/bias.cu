@@ -9,12 +9,24 @@
 // (batchnorm.cu) in its fixed order, in double, then added here:
 // grad_bias[c] += (float)totals[1 + c], totals as bn_stats writes them.
 //
-// Launch: bias_add with one thread per element; add_channel_sums with one thread per channel.
+// Launch: bias_add(_bf16) with one thread per element; add_channel_sums with one thread per
+// channel.
 
-extern "C" __global__ void bias_add(float* x, const float* bias, long long n, int channels) {
+// x (activations, or the logits: float32) += bias per channel.
+template <typename Act>
+__device__ void bias_add_body(Act* x, const float* bias, long long n, int channels) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    x[i] = x[i] + bias[(int)(i % channels)];
+    store(x, i, as_float(x[i]) + bias[channel_of(i, n, channels)]);
+}
+
+extern "C" __global__ void bias_add(float* x, const float* bias, long long n, int channels) {
+    bias_add_body(x, bias, n, channels);
+}
+
+extern "C" __global__ void bias_add_bf16(bf16_bits* x, const float* bias, long long n,
+                                         int channels) {
+    bias_add_body(x, bias, n, channels);
 }
 
 extern "C" __global__ void add_channel_sums(const double* totals, int channels,

@@ -12,37 +12,54 @@
 //
 // Launch: one thread per element.
 
-// The channel of element i of an NHWC tensor of n elements, in 32-bit arithmetic whenever n
-// allows: a 64-bit remainder is a long instruction sequence on the GPU, and this kernel has
-// little else to do per element.
-__device__ __forceinline__ int channel_of(long long i, long long n, int channels) {
-    return n <= 0xffffffffLL ? (int)((unsigned int)i % (unsigned int)channels)
-                             : (int)(i % channels);
-}
-
 // residual_kind: 0 none, 1 identity shortcut s, 2 normalized shortcut s * scale2 + shift2.
-extern "C" __global__ void bn_apply(const float* x, const float* scale, const float* shift,
-                                    const float* s, const float* scale2, const float* shift2,
-                                    int residual_kind, int relu, long long n, int channels,
-                                    float* out) {
+// x, s and out are activations (bn_apply: float32, bn_apply_bf16: bfloat16).
+#define BN_APPLY_PARAMS(Act)                                                                   \
+    const Act *x, const float *scale, const float *shift, const Act *s, const float *scale2,   \
+        const float *shift2, int residual_kind, int relu, long long n, int channels, Act *out
+#define BN_APPLY_ARGS x, scale, shift, s, scale2, shift2, residual_kind, relu, n, channels, out
+
+template <typename Act>
+__device__ void bn_apply_body(BN_APPLY_PARAMS(Act)) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int c = channel_of(i, n, channels);
-    float value = x[i] * scale[c] + shift[c];
+    float value = as_float(x[i]) * scale[c] + shift[c];
     if (residual_kind == 1) {
-        value = value + s[i];
+        value = value + as_float(s[i]);
     } else if (residual_kind == 2) {
-        value = value + (s[i] * scale2[c] + shift2[c]);
+        value = value + (as_float(s[i]) * scale2[c] + shift2[c]);
     }
     // fmaxf(value, 0) as Rust's f32::max(0.0): a NaN input gives 0 in both.
-    out[i] = relu ? fmaxf(value, 0.0f) : value;
+    store(out, i, relu ? fmaxf(value, 0.0f) : value);
+}
+
+extern "C" __global__ void bn_apply(BN_APPLY_PARAMS(float)) {
+    bn_apply_body(BN_APPLY_ARGS);
+}
+
+extern "C" __global__ void bn_apply_bf16(BN_APPLY_PARAMS(bf16_bits)) {
+    bn_apply_body(BN_APPLY_ARGS);
 }
 
 // ReLU backward given the ReLU's output: grad_in = grad_out where out > 0, else 0. This is the
 // gradient of an identity shortcut (the shortcut's value entered the sum before the ReLU).
-extern "C" __global__ void relu_backward(const float* grad_out, const float* relu_out,
-                                         long long n, float* grad_in) {
+// All three are activations.
+template <typename Act>
+__device__ void relu_backward_body(const Act* grad_out, const Act* relu_out, long long n,
+                                   Act* grad_in) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    grad_in[i] = relu_out[i] > 0.0f ? grad_out[i] : 0.0f;
+    grad_in[i] = as_float(relu_out[i]) > 0.0f ? grad_out[i] : (Act)0;
+}
+
+extern "C" __global__ void relu_backward(const float* grad_out, const float* relu_out,
+                                         long long n, float* grad_in) {
+    relu_backward_body(grad_out, relu_out, n, grad_in);
+}
+
+extern "C" __global__ void relu_backward_bf16(const bf16_bits* grad_out,
+                                              const bf16_bits* relu_out, long long n,
+                                              bf16_bits* grad_in) {
+    relu_backward_body(grad_out, relu_out, n, grad_in);
 }

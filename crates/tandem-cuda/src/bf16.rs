@@ -1,4 +1,5 @@
-//! bfloat16 on the host: the reference of `kernels/convert.cu`'s rounding, bit for bit.
+//! bfloat16 on the host: the reference of the kernels' rounding (`narrow_bits` in
+//! `kernels/activations.cuh`), bit for bit.
 //!
 //! bfloat16 is float32's upper 16 bits. Narrowing rounds to nearest, ties to even; finite
 //! values past the largest bfloat16 become infinity; subnormals round as any other value; a

@@ -6,17 +6,28 @@
 pub struct KernelSource {
     /// The file's name without `.cu`, e.g. `batchnorm`.
     pub name: &'static str,
-    /// Its CUDA C text.
+    /// Its CUDA C text, behind the [`PRELUDE`].
     pub source: &'static str,
 }
 
-/// Declares the kernel files of `kernels/`.
+/// What every kernel file shares (`kernels/activations.cuh`: the activations' element types,
+/// bfloat16 rounding, the channel of an NHWC element), prepended to each file's text.
+pub const PRELUDE: &str = include_str!("../kernels/activations.cuh");
+
+/// Declares the kernel files of `kernels/`: each file's text behind the [`PRELUDE`], with a
+/// `#line` directive so that NVRTC's messages name the file's own lines.
 macro_rules! kernel_files {
     ($($name:literal),* $(,)?) => {
         /// Every kernel file, in the order of `kernels/`.
         pub const KERNELS: &[KernelSource] = &[$(KernelSource {
             name: $name,
-            source: include_str!(concat!("../kernels/", $name, ".cu")),
+            source: concat!(
+                include_str!("../kernels/activations.cuh"),
+                "#line 1 \"",
+                $name,
+                ".cu\"\n",
+                include_str!(concat!("../kernels/", $name, ".cu"))
+            ),
         }),*];
     };
 }

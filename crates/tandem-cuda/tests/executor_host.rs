@@ -290,25 +290,35 @@ fn bf16_scratch_holds_the_largest_operand_of_each_role() {
         |len: fn(&Conv2dShape) -> usize| units.iter().map(|unit| len(&unit.shape)).max().unwrap();
     let linear_input = 4 * plan.final_channels;
     let linear_weight = plan.classes * plan.final_channels;
+    // Only the stem reads the (float32) images; every other convolution input is a bfloat16
+    // activation already, and so is every convolution output.
+    let image_readers: Vec<_> = units
+        .iter()
+        .filter(|unit| unit.input == plan.images)
+        .collect();
+    assert_eq!(image_readers.len(), 1, "the stem alone reads the images");
     assert_eq!(
         scratch.input,
-        largest(Conv2dShape::input_len).max(linear_input)
+        image_readers[0].shape.input_len().max(linear_input)
     );
-    assert_eq!(
-        scratch.output,
-        largest(Conv2dShape::output_len).max(4 * plan.classes)
-    );
+    assert_eq!(scratch.output, 4 * plan.classes);
     assert_eq!(
         scratch.filter,
         largest(Conv2dShape::weight_len).max(linear_weight)
     );
-    // Only bf16 allocates them: 2 bytes an element.
+    // Only bf16 allocates them, 2 bytes an element, and its activations take 2 bytes where
+    // float32 ones take 4: the slots but the images', the four gradient buffers and dz.
     let fp32 = StorageSizes::new(&plan, Precision::Fp32);
     let bf16 = StorageSizes::new(&plan, Precision::Bf16);
     assert_eq!(fp32.bf16, Bf16ScratchSizes::default());
     assert_eq!(StorageSizes::new(&plan, Precision::Tf32), fp32);
     assert_eq!(bf16.bf16, scratch);
-    assert_eq!(bf16.bytes() - fp32.bytes(), 2 * scratch.len());
+    let activations =
+        plan.slot_lens.iter().sum::<usize>() - plan.slot_lens[plan.images] + 5 * plan.grad_len;
+    assert_eq!(
+        bf16.bytes() + 2 * activations,
+        fp32.bytes() + 2 * scratch.len()
+    );
     // A model whose linear weight outgrows every filter: the filter scratch follows it.
     let wide_head = Model::new(&ModelSpec::ResNetBase(ResNetBaseSpec {
         n_blocks: vec![1],

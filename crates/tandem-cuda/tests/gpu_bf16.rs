@@ -1,9 +1,10 @@
-//! `--precision bf16` on a GPU: one training step of the seed-004 model (one block per stage:
-//! see [`shallow_seed_004`]) in bf16 against the fp32 CPU executor within bf16 tolerances; and
-//! two backwards accumulating exactly twice one (the bfloat16 gradients are added into the
-//! float32 ones as fp32 adds them). The conversion kernels of `convert.cu` are checked with the
-//! other kernels (`gpu_kernels.rs`). CI runs them on the fake GPU of `tests/fake_gpu`; without
-//! a GPU they are skipped with a printed reason. **They have not yet run on a GPU.**
+//! `--precision bf16` on a GPU, its activations bfloat16 in memory: one training step of the
+//! seed-004 model (one block per stage: see [`shallow_seed_004`]) in bf16 against the fp32 CPU
+//! executor within bf16 tolerances; and two backwards accumulating exactly twice one (the
+//! bfloat16 weight gradients are added into the float32 ones as fp32 adds them). The
+//! conversion kernels of `convert.cu` and the `_bf16` kernels' float32 twins are checked with
+//! the other kernels (`gpu_kernels.rs`). CI runs them on the fake GPU of `tests/fake_gpu`;
+//! without a GPU they are skipped with a printed reason. **They have not yet run on a GPU.**
 
 mod common;
 

@@ -31,4 +31,5 @@ on_the_gpu!(
     the_fused_epilogue_matches_the_cpu_bit_for_bit,
     bias_and_division_kernels_match_the_host_bit_for_bit,
     conversion_kernels_equal_the_host_reference_bit_for_bit,
+    bf16_kernels_equal_their_float32_twins_rounded_bit_for_bit,
 );

@@ -31,10 +31,39 @@ fn entry_points(source: &str) -> Vec<&str> {
 fn c_parameter_count(source: &str, entry: &str) -> usize {
     let declaration = format!("extern \"C\" __global__ void {entry}(");
     let start = source.find(&declaration).unwrap() + declaration.len();
-    let list = &source[start..start + source[start..].find(')').unwrap()];
+    let end = start + source[start..].find('{').unwrap();
+    let list = source[start..end].trim().trim_end_matches(')');
+    // A list given by a macro (`BN_STATS_PARAMS(float)`, shared by a kernel's float32 and
+    // bfloat16 entry points) is counted in the macro's definition.
+    let list = match list.split_once('(') {
+        Some((name, _)) if is_identifier(name) => macro_body(source, name),
+        _ => list.to_string(),
+    };
     list.split(',')
         .filter(|param| !param.trim().is_empty())
         .count()
+}
+
+fn is_identifier(text: &str) -> bool {
+    !text.is_empty() && text.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// The text of `#define name(...)`, its continuation lines joined.
+fn macro_body(source: &str, name: &str) -> String {
+    let define = format!("#define {name}(");
+    let start = source
+        .find(&define)
+        .unwrap_or_else(|| panic!("no {define}"));
+    let after_parameters = start + source[start..].find(')').unwrap() + 1;
+    let mut body = String::new();
+    for line in source[after_parameters..].lines() {
+        let continued = line.trim_end().ends_with('\\');
+        body.push_str(line.trim_end().trim_end_matches('\\'));
+        if !continued {
+            break;
+        }
+    }
+    body
 }
 
 #[test]
@@ -77,7 +106,7 @@ fn every_kernel_file_compiles_for_sm_90() {
         }
         let entries = entry_points(kernel.source);
         assert!(!entries.is_empty(), "{}: no kernels", kernel.name);
-        for entry in entries {
+        for &entry in &entries {
             let params = tandem_cuda::ptx_params::entry_params(&compiled.ptx, entry)
                 .unwrap_or_else(|| panic!("{}: no PTX entry for {entry}", kernel.name));
             // What a launch is checked against: one known kind per C parameter.
@@ -92,6 +121,20 @@ fn every_kernel_file_compiles_for_sm_90() {
                 "{}: {entry} has a parameter a launch cannot fill: {params:?}",
                 kernel.name
             );
+            // A bfloat16 entry point is launched with its float32 twin's arguments, the
+            // activations' addresses aside.
+            let twin = entry
+                .strip_suffix("_bf16")
+                .filter(|twin| entries.contains(twin));
+            if let Some(twin) = twin {
+                let twin_params = tandem_cuda::ptx_params::entry_params(&compiled.ptx, twin)
+                    .unwrap_or_else(|| panic!("{}: {entry} without {twin}", kernel.name));
+                assert_eq!(
+                    params, twin_params,
+                    "{}: {entry} against {twin}",
+                    kernel.name
+                );
+            }
         }
         eprintln!(
             "{}: {} bytes of PTX in {:.2} s",

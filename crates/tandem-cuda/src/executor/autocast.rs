@@ -1,21 +1,17 @@
 //! The convolutions and the linear layer's GEMMs in the executor's precision. In fp32 and
-//! tf32 they run on the float32 buffers directly. In bf16 (PyTorch autocast's rules) every
-//! activation, weight and gradient stays float32 in memory, and each call narrows its float32
-//! operands into the plan's bfloat16 scratch buffers (`kernels/convert.cu`, round to nearest
-//! even), runs cuDNN or cuBLAS on them with float32 accumulation, and widens a bfloat16
-//! result back into its float32 target: the forward output overwritten, the weight gradient
-//! added to the flat gradient buffer (as fp32's `beta = 1` adds it), the input gradient
-//! overwritten or added as the walk asks.
+//! tf32 they run on the float32 buffers directly. In bf16 (PyTorch autocast's rules) the
+//! activations and their gradients are bfloat16 in memory (`memory::Activations`), which
+//! cuDNN reads and writes directly, accumulating in float32; what is float32 in memory is
+//! narrowed into the plan's bfloat16 scratch buffers first (`kernels/convert.cu`, round to
+//! nearest even): the images the stem reads, every filter, and the linear layer's pooled
+//! features and output gradient (the head stays float32). A weight gradient is computed into
+//! the filter's scratch and added to the float32 flat gradients (as fp32's `beta = 1` adds
+//! it); an input gradient is written or added (cuDNN's `beta`) in bfloat16.
 //!
 //! The weights are narrowed at each convolution, not once per step after the optimizer: a
 //! bfloat16 copy kept across calls would go stale at every write to the parameters (the
 //! optimizers, `params_from_host`, the broadcasts, a resume), each of which would have to
-//! know of it, while narrowing a filter costs one pass over it, small beside the activations
-//! narrowed at every call anyway. The backward narrows the convolution's input again rather
-//! than keeping the forward's bfloat16 copy, so the scratch stays one set for the whole plan.
-//!
-//! This first bf16 therefore moves more memory per step than PyTorch's design (bfloat16
-//! activations in memory, channels_last); its speed is unmeasured.
+//! know of it, while narrowing a filter costs one pass over it, small beside the activations.
 
 use tandem_engine::shape::Conv2dShape;
 
@@ -59,11 +55,14 @@ pub(super) struct GemmOperand {
     pub(super) role: Role,
 }
 
-/// The float32 buffers of a unit convolution's backward.
+/// The buffers of a unit convolution's backward: the activations and their gradients, the
+/// float32 filter and filter gradient.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ConvBackward {
     /// The forward's input.
     pub(super) input: u64,
+    /// Whether that input is float32 whatever the activations (the images).
+    pub(super) input_is_f32: bool,
     /// The filter.
     pub(super) filter: u64,
     /// The output gradient.
@@ -131,28 +130,34 @@ impl CudaExecutor {
         }
     }
 
-    /// `buffers.output = conv(buffers.input, buffers.filter)` of `shape` with `plan`.
+    /// `buffers.output = conv(buffers.input, buffers.filter)` of `shape` with `plan`; in bf16
+    /// the input is narrowed first when it is float32 (`input_is_f32`: the images).
     pub(super) fn convolve_forward(
         &self,
         plan: &ConvPlan,
         shape: &Conv2dShape,
         buffers: &ConvBuffers,
+        input_is_f32: bool,
     ) -> Result<(), GpuError> {
         let Some(scratch) = self.bf16_scratch()? else {
             return plan.forward(&self.cudnn, buffers);
         };
-        self.narrow(buffers.input, scratch.input, shape.input_len())?;
+        let input = if input_is_f32 {
+            self.narrow(buffers.input, scratch.input, shape.input_len())?;
+            scratch.input.address
+        } else {
+            buffers.input
+        };
         self.narrow(buffers.filter, scratch.filter, shape.weight_len())?;
         plan.forward(
             &self.cudnn,
             &ConvBuffers {
-                input: scratch.input.address,
+                input,
                 filter: scratch.filter.address,
-                output: scratch.output.address,
+                output: buffers.output,
                 workspace: buffers.workspace,
             },
-        )?;
-        self.widen(scratch.output, buffers.output, shape.output_len(), false)
+        )
     }
 
     /// The filter gradient (added to `grad_filter`) and, when asked, the input gradient of
@@ -188,16 +193,20 @@ impl CudaExecutor {
             }
             return Ok(());
         };
-        // The output gradient is narrowed once for both directions; the input's scratch
-        // serves the input, then its gradient, and the filter's the gradient, then the filter.
-        self.narrow(buffers.grad_output, scratch.output, shape.output_len())?;
-        self.narrow(buffers.input, scratch.input, shape.input_len())?;
+        // The output gradient and (but for the images) the input are bfloat16 activations; the
+        // filter's scratch serves the filter gradient, then the filter.
+        let input = if buffers.input_is_f32 {
+            self.narrow(buffers.input, scratch.input, shape.input_len())?;
+            scratch.input.address
+        } else {
+            buffers.input
+        };
         plan.backward_filter(
             &self.cudnn,
             &ConvBuffers {
-                input: scratch.input.address,
+                input,
                 filter: scratch.filter.address,
-                output: scratch.output.address,
+                output: buffers.grad_output,
                 workspace: buffers.workspace,
             },
             false,
@@ -215,14 +224,13 @@ impl CudaExecutor {
         plan.backward_data(
             &self.cudnn,
             &ConvBuffers {
-                input: scratch.input.address,
+                input: grad_input,
                 filter: scratch.filter.address,
-                output: scratch.output.address,
+                output: buffers.grad_output,
                 workspace: buffers.workspace,
             },
-            false,
-        )?;
-        self.widen(scratch.input, grad_input, shape.input_len(), accumulate)
+            accumulate,
+        )
     }
 
     /// One of the linear layer's GEMMs, `c (+)= op(a) · op(b)` with float32 `c`: SGEMM, or in

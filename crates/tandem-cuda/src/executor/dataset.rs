@@ -226,7 +226,7 @@ impl CudaExecutor {
 
     pub(super) fn input_slot(&self) -> Result<(u64, usize), GpuError> {
         let storage = self.storage()?;
-        let slot = &storage.slots[storage.images];
+        let slot = storage.slots[storage.images].f32()?;
         Ok((address(slot, &self.stream), slot.len()))
     }
 

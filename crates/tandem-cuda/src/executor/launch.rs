@@ -12,23 +12,40 @@ use crate::compile::Compiler;
 use crate::kernels::KERNELS;
 use crate::ptx_params::{describe, entry_params, ParamKind};
 
-/// Every kernel the executor launches, by file.
+/// Every kernel the executor launches, by file; a kernel over activations has a `_bf16` twin
+/// for bfloat16 ones (see [`super::memory::Activations::kernel`]).
 pub const FUNCTIONS: &[(&str, &[&str])] = &[
     (
         "batchnorm",
         &[
             "bn_stats",
+            "bn_stats_bf16",
             "bn_train_coefficients",
             "bn_eval_coefficients",
             "bn_backward_sums",
+            "bn_backward_sums_bf16",
             "bn_backward_coefficients",
             "bn_backward_input",
+            "bn_backward_input_bf16",
         ],
     ),
-    ("epilogue", &["bn_apply", "relu_backward"]),
+    (
+        "epilogue",
+        &[
+            "bn_apply",
+            "bn_apply_bf16",
+            "relu_backward",
+            "relu_backward_bf16",
+        ],
+    ),
     (
         "pooling",
-        &["average_pool_forward", "average_pool_backward"],
+        &[
+            "average_pool_forward",
+            "average_pool_forward_bf16",
+            "average_pool_backward",
+            "average_pool_backward_bf16",
+        ],
     ),
     (
         "loss",
@@ -39,7 +56,7 @@ pub const FUNCTIONS: &[(&str, &[&str])] = &[
         ],
     ),
     ("optimizers", &["sgd_step", "adam_step"]),
-    ("bias", &["bias_add", "add_channel_sums"]),
+    ("bias", &["bias_add", "bias_add_bf16", "add_channel_sums"]),
     ("collective", &["divide_in_place"]),
     ("augment", &["augment_draws", "augment_apply"]),
     (

@@ -7,7 +7,121 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use tandem_models::workspace::{Mode, Plan};
 
 use super::error::{driver, GpuError};
-use super::Precision;
+use super::launch::FUNCTIONS;
+use super::{address, Precision};
+
+/// The element type of a plan's activations: every slot but the images', the gradients at
+/// them and the batch norm's input gradient. Float32, or under [`Precision::Bf16`] bfloat16,
+/// as PyTorch autocast keeps them. The images slot is float32 always (the loader's and the
+/// device data set's images); the stem's convolution narrows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activations {
+    /// float32.
+    F32,
+    /// bfloat16, as its 16 bits.
+    Bf16,
+}
+
+impl Activations {
+    /// The activations computing in `precision`.
+    pub fn of(precision: Precision) -> Self {
+        match precision {
+            Precision::Fp32 | Precision::Tf32 => Activations::F32,
+            Precision::Bf16 => Activations::Bf16,
+        }
+    }
+
+    /// Bytes an element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Activations::F32 => 4,
+            Activations::Bf16 => 2,
+        }
+    }
+
+    /// The kernel `name` for these activations: itself for float32, its `_bf16` twin (in
+    /// [`FUNCTIONS`]) for bfloat16; an error for a kernel that has none.
+    pub fn kernel(self, name: &'static str) -> Result<&'static str, GpuError> {
+        match self {
+            Activations::F32 => Ok(name),
+            Activations::Bf16 => FUNCTIONS
+                .iter()
+                .flat_map(|(_, names)| names.iter())
+                .find(|twin| twin.strip_suffix("_bf16") == Some(name))
+                .copied()
+                .ok_or(GpuError::Unsupported(
+                    "a kernel over activations without a bfloat16 twin",
+                )),
+        }
+    }
+}
+
+/// A device buffer of activations of one element type.
+pub enum ActivationBuffer {
+    /// float32 values.
+    F32(CudaSlice<f32>),
+    /// bfloat16 values, as their bits.
+    Bf16(CudaSlice<u16>),
+}
+
+impl ActivationBuffer {
+    /// `len` zeros of `kind`.
+    fn zeros(stream: &Arc<CudaStream>, kind: Activations, len: usize) -> Result<Self, GpuError> {
+        Ok(match kind {
+            Activations::F32 => ActivationBuffer::F32(zeros(stream, len)?),
+            Activations::Bf16 => ActivationBuffer::Bf16(zeros(stream, len)?),
+        })
+    }
+
+    /// Its device address.
+    pub fn address(&self, stream: &CudaStream) -> u64 {
+        match self {
+            ActivationBuffer::F32(slice) => address(slice, stream),
+            ActivationBuffer::Bf16(slice) => address(slice, stream),
+        }
+    }
+
+    /// Its element type.
+    pub fn kind(&self) -> Activations {
+        match self {
+            ActivationBuffer::F32(_) => Activations::F32,
+            ActivationBuffer::Bf16(_) => Activations::Bf16,
+        }
+    }
+
+    /// Its elements.
+    pub fn len(&self) -> usize {
+        match self {
+            ActivationBuffer::F32(slice) => slice.len(),
+            ActivationBuffer::Bf16(slice) => slice.len(),
+        }
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The float32 values; an error for bfloat16 ones (the images slot is float32 always).
+    pub fn f32(&self) -> Result<&CudaSlice<f32>, GpuError> {
+        match self {
+            ActivationBuffer::F32(slice) => Ok(slice),
+            ActivationBuffer::Bf16(_) => Err(GpuError::Unsupported(
+                "float32 values asked of a bfloat16 buffer",
+            )),
+        }
+    }
+
+    /// The float32 values, mutably (see [`ActivationBuffer::f32`]).
+    pub fn f32_mut(&mut self) -> Result<&mut CudaSlice<f32>, GpuError> {
+        match self {
+            ActivationBuffer::F32(slice) => Ok(slice),
+            ActivationBuffer::Bf16(_) => Err(GpuError::Unsupported(
+                "float32 values asked of a bfloat16 buffer",
+            )),
+        }
+    }
+}
 
 /// Rows a block of the column sums (`bn_stats`, `bn_backward_sums`) adds in their first pass;
 /// fixed, so that the order of every sum depends only on the shape.
@@ -70,15 +184,17 @@ impl BatchNormStateLayout {
     }
 }
 
-/// The bfloat16 scratch buffers of [`Precision::Bf16`], in elements: each convolution and the
-/// linear layer narrow their float32 operands into them and widen their bfloat16 results out
-/// of them (`executor/autocast.rs`). One set serves every layer in turn (all run on one
-/// stream), so each is as large as the largest operand of its role.
+/// The bfloat16 scratch buffers of [`Precision::Bf16`], in elements, for the operands that
+/// are float32 in memory (`executor/autocast.rs`): the images a convolution reads, every
+/// filter, the linear layer's input and output gradient (the pooled features and the logits
+/// are float32), and the weight gradients before they are added to the float32 gradients.
+/// One set serves every layer in turn (all run on one stream), so each is as large as the
+/// largest operand of its role.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Bf16ScratchSizes {
-    /// A convolution's input (and its gradient), the linear layer's input (pooled features).
+    /// The images of a convolution that reads the images slot, the linear layer's input.
     pub input: usize,
-    /// A convolution's output (and its gradient), the linear layer's output gradient.
+    /// The linear layer's output gradient.
     pub output: usize,
     /// A convolution's filter (and its gradient), the linear layer's weight.
     pub filter: usize,
@@ -93,8 +209,9 @@ impl Bf16ScratchSizes {
             filter: plan.classes * plan.final_channels,
         };
         for unit in plan.unit_plans() {
-            sizes.input = sizes.input.max(unit.shape.input_len());
-            sizes.output = sizes.output.max(unit.shape.output_len());
+            if unit.input == plan.images {
+                sizes.input = sizes.input.max(unit.shape.input_len());
+            }
             sizes.filter = sizes.filter.max(unit.shape.weight_len());
         }
         sizes
@@ -114,6 +231,10 @@ impl Bf16ScratchSizes {
 /// The sizes of every device allocation of a plan, in elements.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StorageSizes {
+    /// The element type of the activations.
+    pub activations: Activations,
+    /// The images slot (float32 whatever the activations).
+    pub images: usize,
     /// Each activation slot (the plan's own sizes).
     pub slots: Vec<usize>,
     /// Each of the four gradient buffers, and the batch norm's input gradient (`dz`).
@@ -150,6 +271,8 @@ impl StorageSizes {
             channels = channels.max(unit.shape.out_channels);
         }
         StorageSizes {
+            activations: Activations::of(precision),
+            images: plan.images,
             slots: plan.slot_lens.clone(),
             grad_len: plan.grad_len,
             pooled: plan.batch * plan.final_channels,
@@ -173,8 +296,9 @@ impl StorageSizes {
 
     /// Bytes of device memory in all.
     pub fn bytes(&self) -> usize {
-        let floats = self.slots.iter().sum::<usize>()
-            + 5 * self.grad_len
+        let images = self.slots.get(self.images).copied().unwrap_or(0);
+        let activations = self.slots.iter().sum::<usize>() - images + 5 * self.grad_len;
+        let floats = images
             + self.pooled
             + 3 * self.logits
             + self.grad_pooled
@@ -182,7 +306,7 @@ impl StorageSizes {
             + self.coefficients
             + self.arrivals;
         let doubles = self.partials + self.totals + self.logits;
-        floats * 4 + doubles * 8 + self.bf16.len() * 2
+        activations * self.activations.bytes() + floats * 4 + doubles * 8 + self.bf16.len() * 2
     }
 }
 
@@ -194,12 +318,13 @@ pub struct DeviceStorage {
     pub images: usize,
     /// The mode and batch shape `(mode, batch, height, width)` of the plan.
     pub shape: (Mode, usize, usize, usize),
-    /// Activation slots.
-    pub slots: Vec<CudaSlice<f32>>,
-    /// The four gradient buffers of the backward.
-    pub grads: [CudaSlice<f32>; 4],
-    /// The batch norm's input gradient, the convolution's output gradient in a unit's backward.
-    pub dz: CudaSlice<f32>,
+    /// Activation slots (the images slot float32, the others of the plan's activations).
+    pub slots: Vec<ActivationBuffer>,
+    /// The four gradient buffers of the backward (activations).
+    pub grads: [ActivationBuffer; 4],
+    /// The batch norm's input gradient, the convolution's output gradient in a unit's backward
+    /// (activations).
+    pub dz: ActivationBuffer,
     /// Pooled features.
     pub pooled: CudaSlice<f32>,
     /// Logits.
@@ -274,21 +399,26 @@ impl DeviceStorage {
                 filter: zeros(stream, sizes.bf16.filter)?,
             })
         };
+        let activations = sizes.activations;
         let slots = sizes
             .slots
             .iter()
-            .map(|&len| zeros(stream, len))
+            .enumerate()
+            .map(|(slot, &len)| {
+                let kind = if slot == plan.images {
+                    Activations::F32
+                } else {
+                    activations
+                };
+                ActivationBuffer::zeros(stream, kind, len)
+            })
             .collect::<Result<Vec<_>, _>>()?;
-        let grads = [
-            zeros(stream, sizes.grad_len)?,
-            zeros(stream, sizes.grad_len)?,
-            zeros(stream, sizes.grad_len)?,
-            zeros(stream, sizes.grad_len)?,
-        ];
+        let gradient = || ActivationBuffer::zeros(stream, activations, sizes.grad_len);
+        let grads = [gradient()?, gradient()?, gradient()?, gradient()?];
         Ok(DeviceStorage {
             slots,
             grads,
-            dz: zeros(stream, sizes.grad_len)?,
+            dz: gradient()?,
             pooled: zeros(stream, sizes.pooled)?,
             logits: zeros(stream, sizes.logits)?,
             probabilities: zeros(stream, sizes.logits)?,
@@ -396,5 +526,34 @@ impl PlanStorages {
             Mode::Train => self.train.last_mut(),
             Mode::Eval => self.eval.as_mut(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bfloat16_activations_take_each_kernels_twin() {
+        let bf16 = Activations::of(Precision::Bf16);
+        assert_eq!(bf16, Activations::Bf16);
+        assert_eq!(Activations::of(Precision::Tf32), Activations::F32);
+        assert_eq!(bf16.bytes(), 2);
+        assert_eq!(Activations::F32.bytes(), 4);
+        for name in [
+            "bn_stats",
+            "bn_apply",
+            "relu_backward",
+            "average_pool_backward",
+        ] {
+            assert_eq!(Activations::F32.kernel(name).unwrap(), name);
+            assert_eq!(bf16.kernel(name).unwrap(), format!("{name}_bf16"));
+        }
+        // A kernel that reads no activation has no twin: launching it for bfloat16 ones is
+        // a mistake, named.
+        assert!(matches!(
+            bf16.kernel("sgd_step"),
+            Err(GpuError::Unsupported(_))
+        ));
     }
 }

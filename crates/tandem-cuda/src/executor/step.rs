@@ -12,7 +12,7 @@ use super::autocast::{GemmOperand, Role};
 use super::error::driver;
 use super::launch::{per_element, Arg};
 use super::linear::LinearShape;
-use super::memory::StatePart;
+use super::memory::{Activations, StatePart};
 use super::{address, at, device, CudaExecutor, GpuError};
 
 /// The bad-label record's value before the loss kernel: no sample. A `static`, because a copy
@@ -26,7 +26,7 @@ impl Executor for CudaExecutor {
             let Some(storage) = exec.storages.active_mut() else {
                 return Err(GpuError::NotPrepared);
             };
-            let slot = &mut storage.slots[storage.images];
+            let slot = storage.slots[storage.images].f32_mut()?;
             if images.len() > slot.len() {
                 return Err(GpuError::Length {
                     what: "images",
@@ -80,7 +80,7 @@ impl Executor for CudaExecutor {
             // SAFETY: bn_apply's eleven parameters in order; z, the residual and out hold
             // `len` floats, the state vectors `channels` floats; unused pointers are null and
             // not read (residual_kind says which are).
-            unsafe { exec.launch("bn_apply", per_element(len), &args) }
+            unsafe { exec.launch(exec.activation_kernel("bn_apply")?, per_element(len), &args) }
         });
     }
 
@@ -133,7 +133,7 @@ impl Executor for CudaExecutor {
             // SAFETY: bn_apply in place: each thread reads x[i] before it writes out[i] and
             // touches no other element; the residual slot is not the output (the planner keeps
             // it live).
-            unsafe { exec.launch("bn_apply", per_element(len), &args) }
+            unsafe { exec.launch(exec.activation_kernel("bn_apply")?, per_element(len), &args) }
         });
     }
 
@@ -154,7 +154,7 @@ impl Executor for CudaExecutor {
             // hold batch * pixels * channels floats, pooled batch * channels.
             unsafe {
                 exec.launch(
-                    "average_pool_forward",
+                    exec.activation_kernel("average_pool_forward")?,
                     per_element(batch * head.in_features),
                     &[
                         Arg::Ptr(input),
@@ -188,6 +188,7 @@ impl Executor for CudaExecutor {
             )?;
             exec.bias_add(
                 logits,
+                Activations::F32,
                 at(params, head.bias.start),
                 batch * head.classes,
                 head.classes,
@@ -239,7 +240,7 @@ impl Executor for CudaExecutor {
             // each thread reads and writes only element i; both buffers hold `len` floats.
             unsafe {
                 exec.launch(
-                    "relu_backward",
+                    exec.activation_kernel("relu_backward")?,
                     per_element(len),
                     &[
                         Arg::Ptr(values),
@@ -256,12 +257,14 @@ impl Executor for CudaExecutor {
         self.run(|exec| {
             let addresses = exec.addresses()?;
             let (source, target) = (addresses.grad(from), addresses.grad(to));
-            // SAFETY: two distinct gradient buffers of grad_len ≥ len floats, on the stream.
+            let bytes = len * addresses.storage.sizes.activations.bytes();
+            // SAFETY: two distinct gradient buffers of grad_len ≥ len activations, on the
+            // stream.
             unsafe {
                 cudarc::driver::result::memcpy_dtod_async(
                     target,
                     source,
-                    len * std::mem::size_of::<f32>(),
+                    bytes,
                     exec.stream.cu_stream(),
                 )
             }

@@ -16,7 +16,7 @@ use super::error::driver;
 use super::launch::Kernels;
 use super::launch::{column_sums, per_element, Arg};
 use super::linear::LinearShape;
-use super::memory::{row_blocks, DeviceStorage, StatePart, ROWS_PER_BLOCK};
+use super::memory::{row_blocks, Activations, DeviceStorage, StatePart, ROWS_PER_BLOCK};
 use super::{address, at, device, CudaExecutor, GpuError};
 #[cfg(doc)]
 use tandem_models::executor::Executor;
@@ -29,10 +29,14 @@ pub(super) struct Addresses<'a> {
 
 impl Addresses<'_> {
     pub(super) fn slot(&self, slot: Slot) -> u64 {
-        address(&self.storage.slots[slot], self.stream)
+        self.storage.slots[slot].address(self.stream)
+    }
+    /// Whether slot `slot` holds float32 values whatever the activations (the images).
+    pub(super) fn slot_is_f32(&self, slot: Slot) -> bool {
+        self.storage.slots[slot].kind() == Activations::F32
     }
     pub(super) fn grad(&self, buffer: GradBuffer) -> u64 {
-        address(&self.storage.grads[buffer.0], self.stream)
+        self.storage.grads[buffer.0].address(self.stream)
     }
     pub(super) fn state(&self, unit: &UnitPlan, part: StatePart) -> u64 {
         let offset = self.storage.sizes.bn_state.offset(unit.index, part);
@@ -74,6 +78,11 @@ impl CudaExecutor {
         self.storages.active().ok_or(GpuError::NotPrepared)
     }
 
+    /// The kernel `name` for the active plan's activations (its `_bf16` twin for bfloat16).
+    pub(super) fn activation_kernel(&self, name: &'static str) -> Result<&'static str, GpuError> {
+        self.storage()?.sizes.activations.kernel(name)
+    }
+
     pub(super) fn addresses(&self) -> Result<Addresses<'_>, GpuError> {
         Ok(Addresses {
             storage: self.storage()?,
@@ -95,12 +104,13 @@ impl CudaExecutor {
         unsafe { self.kernels.launch(&self.stream, name, config, args) }
     }
 
-    /// `totals = [rows, Σx…, Σx²…]` of the `[rows, channels]` tensor at `values`, in the
+    /// `totals = [rows, Σx…, Σx²…]` of the `[rows, channels]` tensor of `kind` at `values`, in the
     /// fixed two-pass order of `batchnorm.cu`, in one launch; with `coefficients`, also a
     /// batch norm's training coefficients and running statistics from those totals.
     pub(super) fn column_totals(
         &self,
         values: u64,
+        kind: Activations,
         rows: usize,
         channels: usize,
         coefficients: Option<&TrainCoefficients>,
@@ -116,7 +126,7 @@ impl CudaExecutor {
         // each coefficient pointer addresses `channels` floats, or all are null.
         unsafe {
             self.launch(
-                "bn_stats",
+                kind.kernel("bn_stats")?,
                 column_sums(channels, row_blocks(rows)),
                 &[
                     Arg::Ptr(values),
@@ -139,15 +149,16 @@ impl CudaExecutor {
         }
     }
 
-    /// `grad_bias += column sums of the [rows, channels] gradient at values`.
+    /// `grad_bias += column sums of the [rows, channels] gradient at values` (of `kind`).
     pub(super) fn bias_gradient(
         &self,
         values: u64,
+        kind: Activations,
         rows: usize,
         channels: usize,
         grad_bias: u64,
     ) -> Result<(), GpuError> {
-        self.column_totals(values, rows, channels, None)?;
+        self.column_totals(values, kind, rows, channels, None)?;
         let totals = address(&self.storage()?.totals, &self.stream);
         // SAFETY: add_channel_sums(const double*, int, float*): totals as bn_stats wrote
         // them; grad_bias holds `channels` floats.
@@ -164,19 +175,20 @@ impl CudaExecutor {
         }
     }
 
-    /// `values[i] += bias[i % channels]` over `n` floats.
+    /// `values[i] += bias[i % channels]` over `n` values of `kind`.
     pub(super) fn bias_add(
         &self,
         values: u64,
+        kind: Activations,
         bias: u64,
         n: usize,
         channels: usize,
     ) -> Result<(), GpuError> {
-        // SAFETY: bias_add(float*, const float*, long long, int); `values` holds n floats and
-        // `bias` `channels` floats.
+        // SAFETY: bias_add(_bf16)(float* or bf16_bits*, const float*, long long, int); `values`
+        // holds n values of `kind` and `bias` `channels` floats.
         unsafe {
             self.launch(
-                "bias_add",
+                kind.kernel("bias_add")?,
                 per_element(n),
                 &[
                     Arg::Ptr(values),
@@ -199,10 +211,11 @@ impl CudaExecutor {
     /// `output slot = conv(input slot) [+ bias]`.
     pub(super) fn conv_forward(&mut self, unit: Unit, output: Slot) -> Result<(), GpuError> {
         let shape = unit.plan.shape;
-        let (input, output_address, params, workspace) = {
+        let (input, input_is_f32, output_address, params, workspace) = {
             let addresses = self.addresses()?;
             (
                 addresses.slot(unit.plan.input),
+                addresses.slot_is_f32(unit.plan.input),
                 addresses.slot(output),
                 self.params.address(&self.stream),
                 address(&self.workspace, &self.stream),
@@ -219,10 +232,18 @@ impl CudaExecutor {
                 output: output_address,
                 workspace: (workspace, workspace_len),
             },
+            input_is_f32,
         )?;
         if let Some(bias) = &unit.conv.bias {
             let bias = at(params, bias.start);
-            self.bias_add(output_address, bias, shape.output_len(), shape.out_channels)?;
+            let kind = self.storage()?.sizes.activations;
+            self.bias_add(
+                output_address,
+                kind,
+                bias,
+                shape.output_len(),
+                shape.out_channels,
+            )?;
         }
         Ok(())
     }
@@ -296,6 +317,7 @@ impl CudaExecutor {
         let too_few = |count: f64| {
             (count <= 1.0).then_some(tandem_engine::EngineError::BatchNormTooFewValues { count })
         };
+        let activations = self.storage().map_err(device)?.sizes.activations;
         let (z, coefficients) = {
             let addresses = self.addresses().map_err(device)?;
             let (params, buffers) = (
@@ -323,12 +345,12 @@ impl CudaExecutor {
                 if let Some(error) = too_few(count) {
                     return Err(error.into());
                 }
-                self.column_totals(z, rows, channels, Some(&coefficients))
+                self.column_totals(z, activations, rows, channels, Some(&coefficients))
                     .map_err(device)?;
                 count
             }
             Some(reducer) => {
-                self.column_totals(z, rows, channels, None)
+                self.column_totals(z, activations, rows, channels, None)
                     .map_err(device)?;
                 self.reduce_totals(1 + 2 * channels, reducer)
                     .map_err(device)?;
@@ -397,7 +419,7 @@ impl CudaExecutor {
                 address(&storage.arrivals, &self.stream),
                 address(&storage.totals, &self.stream),
                 address(&storage.coefficients, &self.stream),
-                address(&storage.dz, &self.stream),
+                storage.dz.address(&self.stream),
             )
         };
         let weight = at(params, bn.weight.start);
@@ -411,7 +433,7 @@ impl CudaExecutor {
         // coefficients (or null) 3 * channels floats.
         unsafe {
             self.launch(
-                "bn_backward_sums",
+                self.activation_kernel("bn_backward_sums")?,
                 column_sums(channels, row_blocks(rows)),
                 &[
                     Arg::Ptr(dy),
@@ -465,7 +487,7 @@ impl CudaExecutor {
         // writing only element i of it.
         unsafe {
             self.launch(
-                "bn_backward_input",
+                self.activation_kernel("bn_backward_input")?,
                 per_element(len),
                 &[
                     Arg::Ptr(dy),
@@ -482,9 +504,16 @@ impl CudaExecutor {
             )?;
         }
         if let Some(bias) = &conv.bias {
-            self.bias_gradient(dz, rows, channels, at(grads, bias.start))?;
+            let kind = self.storage()?.sizes.activations;
+            self.bias_gradient(dz, kind, rows, channels, at(grads, bias.start))?;
         }
-        let input = self.addresses()?.slot(plan.input);
+        let (input, input_is_f32) = {
+            let addresses = self.addresses()?;
+            (
+                addresses.slot(plan.input),
+                addresses.slot_is_f32(plan.input),
+            )
+        };
         let target = match grad_input {
             GradTarget::Skip => None,
             GradTarget::Overwrite(buffer) => Some((self.addresses()?.grad(buffer), false)),
@@ -497,6 +526,7 @@ impl CudaExecutor {
             &plan.shape,
             &ConvBackward {
                 input,
+                input_is_f32,
                 filter: at(params, conv.weight.start),
                 grad_output: dz,
                 grad_filter: at(grads, conv.weight.start),
@@ -580,7 +610,13 @@ impl CudaExecutor {
             grad_logits_operand,
             at(grads, head.weight.start),
         )?;
-        self.bias_gradient(grad_logits, batch, classes, at(grads, head.bias.start))?;
+        self.bias_gradient(
+            grad_logits,
+            Activations::F32,
+            batch,
+            classes,
+            at(grads, head.bias.start),
+        )?;
         self.linear_gemm(
             &shape.input_gradient()?,
             weight,
@@ -593,7 +629,7 @@ impl CudaExecutor {
         // buffer holds batch * pixels * channels floats (the features' length ≤ grad_len).
         unsafe {
             self.launch(
-                "average_pool_backward",
+                self.activation_kernel("average_pool_backward")?,
                 per_element(features.output_len()),
                 &[
                     Arg::Ptr(grad_pooled),

@@ -4,6 +4,8 @@
 
 use std::marker::PhantomData;
 
+use cudarc::driver::LaunchConfig;
+use tandem_cuda::bf16::f32_to_bf16_bits;
 use tandem_cuda::executor::launch::{column_sums, per_element, Arg};
 use tandem_cuda::executor::scalars::{AdamStepScalars, OptimizerScalars, SgdScalars};
 use tandem_engine::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
@@ -958,4 +960,280 @@ fn convert<I: Plain, O: Plain>(
         ],
     );
     rig.download(&output_device)
+}
+
+/// One argument of a kernel launched both as its float32 entry point and as its `_bf16` twin.
+#[derive(Clone, Copy)]
+enum Twin<'a> {
+    /// Activations read (bfloat16-exact values, so both twins read the same numbers).
+    Act(&'a [f32]),
+    /// Activations read and written in place, or written (start values).
+    ActOut(&'a [f32]),
+    /// float32 values read, the same for both.
+    Floats(&'a [f32]),
+    /// float32 values written: equal bit for bit.
+    FloatsOut(usize),
+    /// double values written: equal bit for bit.
+    DoublesOut(usize),
+    /// Arrival counters (zeros).
+    Counters(usize),
+    /// Any other argument, passed as it is.
+    Value(Arg),
+}
+
+/// The device buffers of one launch's written arguments, in order.
+enum Written {
+    Act(Buffer<f32>),
+    Bf16(Buffer<u16>),
+    Floats(Buffer<f32>),
+    Doubles(Buffer<f64>),
+}
+
+/// Launches `name` on float32 activations and `name_bf16` on the same values in bfloat16:
+/// every activation the twin writes equals the float32 kernel's rounded to bfloat16, and
+/// every float32 or double it writes equals the float32 kernel's, bit for bit (both compute
+/// in float on the same numbers).
+fn twins_agree(rig: &mut GpuRig, name: &'static str, config: LaunchConfig, args: &[Twin]) {
+    let twin = tandem_cuda::executor::memory::Activations::Bf16
+        .kernel(name)
+        .unwrap_or_else(|error| panic!("{name}: {error}"));
+    let mut runs = Vec::new();
+    for bf16 in [false, true] {
+        let mut launch_args = Vec::new();
+        let mut written = Vec::new();
+        for arg in args {
+            match arg {
+                Twin::Act(values) | Twin::ActOut(values) => {
+                    let out = matches!(arg, Twin::ActOut(_));
+                    if bf16 {
+                        let bits: Vec<u16> = values.iter().map(|v| f32_to_bf16_bits(*v)).collect();
+                        let buffer = rig.upload(&bits);
+                        launch_args.push(buffer.arg());
+                        if out {
+                            written.push(Written::Bf16(buffer));
+                        }
+                    } else {
+                        let buffer = rig.upload(values);
+                        launch_args.push(buffer.arg());
+                        if out {
+                            written.push(Written::Act(buffer));
+                        }
+                    }
+                }
+                Twin::Floats(values) => launch_args.push(rig.upload(values).arg()),
+                Twin::FloatsOut(len) => {
+                    let buffer = rig.zeros::<f32>(*len);
+                    launch_args.push(buffer.arg());
+                    written.push(Written::Floats(buffer));
+                }
+                Twin::DoublesOut(len) => {
+                    let buffer = rig.zeros::<f64>(*len);
+                    launch_args.push(buffer.arg());
+                    written.push(Written::Doubles(buffer));
+                }
+                Twin::Counters(len) => launch_args.push(rig.zeros::<u32>(*len).arg()),
+                Twin::Value(value) => launch_args.push(*value),
+            }
+        }
+        rig.launch(if bf16 { twin } else { name }, config, &launch_args);
+        let results: Vec<Vec<u64>> = written
+            .iter()
+            .map(|buffer| match buffer {
+                // float32 activations compared as the bfloat16 they round to.
+                Written::Act(buffer) => rig
+                    .download(buffer)
+                    .iter()
+                    .map(|v| u64::from(f32_to_bf16_bits(*v)))
+                    .collect(),
+                Written::Bf16(buffer) => rig.download(buffer).into_iter().map(u64::from).collect(),
+                Written::Floats(buffer) => rig
+                    .download(buffer)
+                    .iter()
+                    .map(|v| u64::from(v.to_bits()))
+                    .collect(),
+                Written::Doubles(buffer) => {
+                    rig.download(buffer).iter().map(|v| v.to_bits()).collect()
+                }
+            })
+            .collect();
+        runs.push(results);
+    }
+    for (output, (float32, bfloat16)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        for (i, (f, b)) in float32.iter().zip(bfloat16).enumerate() {
+            assert_eq!(
+                f, b,
+                "{twin} against {name}: written argument {output}, element {i}"
+            );
+        }
+    }
+}
+
+/// Values in about [-1, 1) that bfloat16 holds exactly.
+fn bf16_values(len: usize, salt: u64) -> Vec<f32> {
+    values(len, salt)
+        .into_iter()
+        .map(tandem_cuda::bf16::round_to_bf16)
+        .collect()
+}
+
+/// Every kernel over activations has a `_bf16` twin (bfloat16 activations in memory, the
+/// bf16 precision) that computes what its float32 entry point computes on the same numbers,
+/// rounding only what it stores as an activation.
+pub fn bf16_kernels_equal_their_float32_twins_rounded_bit_for_bit(rig: &mut GpuRig) {
+    let (rows, channels, rows_per_block) = (301usize, 37usize, 16usize);
+    let n = rows * channels;
+    let blocks = rows.div_ceil(rows_per_block);
+    let groups = channels.div_ceil(32);
+    let (x, dy, s) = (bf16_values(n, 30), bf16_values(n, 31), bf16_values(n, 32));
+    let relu_out: Vec<f32> = bf16_values(n, 33).iter().map(|v| v.max(0.0)).collect();
+    let per_channel = |salt| values(channels, salt);
+    let (weight, bias, mean, invstd) = (per_channel(34), per_channel(35), per_channel(36), {
+        per_channel(37)
+            .iter()
+            .map(|v| v.abs() + 0.5)
+            .collect::<Vec<_>>()
+    });
+    let running: Vec<f32> = per_channel(38).iter().map(|v| v.abs() + 0.5).collect();
+    let coefficients = values(3 * channels, 39);
+    let (r, c, rpb) = (
+        Twin::Value(Arg::I32(rows as i32)),
+        Twin::Value(Arg::I32(channels as i32)),
+        Twin::Value(Arg::I32(rows_per_block as i32)),
+    );
+    let null = || Twin::Value(Arg::Ptr(0));
+    let sums = column_sums(channels, blocks);
+    twins_agree(
+        rig,
+        "bn_stats",
+        sums,
+        &[
+            Twin::Act(&x),
+            r,
+            c,
+            rpb,
+            Twin::DoublesOut(blocks * 2 * channels),
+            Twin::Counters(groups),
+            Twin::DoublesOut(1 + 2 * channels),
+            Twin::Floats(&weight),
+            Twin::Floats(&bias),
+            Twin::Floats(&running),
+            Twin::Floats(&running),
+            Twin::FloatsOut(channels),
+            Twin::FloatsOut(channels),
+            Twin::FloatsOut(channels),
+            Twin::FloatsOut(channels),
+        ],
+    );
+    twins_agree(
+        rig,
+        "bn_backward_sums",
+        sums,
+        &[
+            Twin::Act(&dy),
+            Twin::Act(&relu_out),
+            Twin::Act(&x),
+            Twin::Floats(&mean),
+            Twin::Floats(&invstd),
+            r,
+            c,
+            rpb,
+            Twin::DoublesOut(blocks * 2 * channels),
+            Twin::Counters(groups),
+            Twin::DoublesOut(2 * channels),
+            Twin::FloatsOut(channels),
+            Twin::FloatsOut(channels),
+            Twin::Value(Arg::F64(rows as f64)),
+            Twin::Floats(&weight),
+            Twin::FloatsOut(3 * channels),
+        ],
+    );
+    let len = Twin::Value(Arg::I64(n as i64));
+    // The masked gradient in place over a copy of dy (the dy read is the same values).
+    twins_agree(
+        rig,
+        "bn_backward_input",
+        per_element(n),
+        &[
+            Twin::ActOut(&dy),
+            Twin::Act(&relu_out),
+            Twin::Act(&x),
+            Twin::Floats(&mean),
+            Twin::Floats(&invstd),
+            Twin::Floats(&coefficients),
+            len,
+            c,
+            Twin::ActOut(&vec![0.0; n]),
+            null(),
+        ],
+    );
+    let (scale, shift) = (per_channel(40), per_channel(41));
+    for (kind, relu) in [(0, 1), (1, 1), (2, 0)] {
+        twins_agree(
+            rig,
+            "bn_apply",
+            per_element(n),
+            &[
+                Twin::Act(&x),
+                Twin::Floats(&scale),
+                Twin::Floats(&shift),
+                Twin::Act(&s),
+                Twin::Floats(&weight),
+                Twin::Floats(&bias),
+                Twin::Value(Arg::I32(kind)),
+                Twin::Value(Arg::I32(relu)),
+                len,
+                c,
+                Twin::ActOut(&vec![0.0; n]),
+            ],
+        );
+    }
+    twins_agree(
+        rig,
+        "relu_backward",
+        per_element(n),
+        &[
+            Twin::Act(&dy),
+            Twin::Act(&relu_out),
+            len,
+            Twin::ActOut(&vec![0.0; n]),
+        ],
+    );
+    twins_agree(
+        rig,
+        "bias_add",
+        per_element(n),
+        &[Twin::ActOut(&x), Twin::Floats(&bias), len, c],
+    );
+    // Pooling: 7 images of 43 pixels.
+    let (batch, pixels) = (7usize, 43usize);
+    let features = bf16_values(batch * pixels * channels, 42);
+    let pooled_gradient = values(batch * channels, 43);
+    let (b, p) = (
+        Twin::Value(Arg::I32(batch as i32)),
+        Twin::Value(Arg::I32(pixels as i32)),
+    );
+    twins_agree(
+        rig,
+        "average_pool_forward",
+        per_element(batch * channels),
+        &[
+            Twin::Act(&features),
+            b,
+            p,
+            c,
+            Twin::FloatsOut(batch * channels),
+        ],
+    );
+    twins_agree(
+        rig,
+        "average_pool_backward",
+        per_element(batch * pixels * channels),
+        &[
+            Twin::Floats(&pooled_gradient),
+            b,
+            p,
+            c,
+            Twin::ActOut(&vec![0.0; batch * pixels * channels]),
+        ],
+    );
 }

@@ -13,12 +13,16 @@ cxx=${CXX:-c++}
 mkdir -p "$out/kernels"
 flags=(-std=c++17 -O2 -ffp-contract=off -fno-fast-math -fPIC -shared -pthread)
 
-# One library per kernel file: the built-ins, the file, one export per kernel; a kernel whose
-# body (up to the `}` that closes it in column 0) declares __shared__ memory runs its blocks
-# as teams of threads.
+# One library per kernel file: the built-ins, the prelude every file shares, the file, one
+# export per kernel; a kernel whose body (up to the `}` that closes it in column 0) declares
+# __shared__ memory runs its blocks as teams of threads.
 exports() {
     awk '
         /^extern "C" __global__ void / {
+            if (name != "") {
+                print "build.sh: kernel " name " has no } in column 0 to end it" > "/dev/stderr"
+                exit 1
+            }
             name = $0
             sub(/^extern "C" __global__ void /, "", name)
             sub(/\(.*/, "", name)
@@ -33,6 +37,8 @@ for source in "$crate"/kernels/*.cu; do
     wrapper="$out/kernels/$name.cpp"
     {
         cat "$crate/tests/common/cuda_on_cpu.h"
+        echo "#line 1 \"activations.cuh\""
+        cat "$crate/kernels/activations.cuh"
         echo "#line 1 \"$name.cu\""
         cat "$source"
         exports "$source"
