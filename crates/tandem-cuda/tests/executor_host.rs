@@ -292,15 +292,7 @@ fn bf16_scratch_holds_the_largest_operand_of_each_role() {
     let linear_weight = plan.classes * plan.final_channels;
     // Only the stem reads the (float32) images; every other convolution input is a bfloat16
     // activation already, and so is every convolution output.
-    let image_readers: Vec<_> = units
-        .iter()
-        .filter(|unit| unit.input == plan.images)
-        .collect();
-    assert_eq!(image_readers.len(), 1, "the stem alone reads the images");
-    assert_eq!(
-        scratch.input,
-        image_readers[0].shape.input_len().max(linear_input)
-    );
+    assert_eq!(scratch.input, plan.stem.shape.input_len().max(linear_input));
     assert_eq!(scratch.output, 4 * plan.classes);
     assert_eq!(
         scratch.filter,

@@ -40,6 +40,12 @@ const GRADIENT_NORM_TOLERANCE: f64 = 0.35;
 /// sides (a convolution bias feeding a batch norm has an exact gradient of 0) and not compared.
 const GRADIENT_FLOOR: f64 = 1e-4;
 
+/// The smallest cosine similarity of a bf16 evaluation's logits to the fp32 CPU's, and how
+/// far their norm may stray (relative). Seen on the fake GPU: 0.999997 and 0.4%; the stem
+/// reading its float32 images as bfloat16 gives values unrelated to the CPU's.
+const EVAL_LOGITS_COSINE: f64 = 0.99;
+const EVAL_LOGITS_NORM_TOLERANCE: f64 = 0.1;
+
 fn bf16_executor(probe: &Probe, model: &Model) -> CudaExecutor {
     let settings = GpuSettings {
         ordinal: 0,
@@ -166,4 +172,44 @@ fn two_bf16_backwards_accumulate_exactly_twice_one() {
             "gradient {i}: {one} then {two}"
         );
     }
+}
+
+/// An evaluation plan reuses the images slot for later activations once the stem has read
+/// the images (for the seed-004 model: the convolution outputs of later units, projection
+/// shortcuts read back by the residual add): in bf16 those are bfloat16 in the float32
+/// allocation, and only the stem's input is float32 (`DeviceStorage::image_reader`). The
+/// logits of the bf16 evaluation stay close to the fp32 CPU's (the bound: bfloat16 rounding
+/// of every layer's operands); reading bfloat16 values as float32 or the reverse would give
+/// values unrelated to them.
+#[test]
+fn a_bf16_evaluation_through_the_reused_images_slot_is_close_to_the_fp32_cpu() {
+    let Some(probe) = gpu_probe(
+        "a_bf16_evaluation_through_the_reused_images_slot_is_close_to_the_fp32_cpu",
+        &[],
+    ) else {
+        return;
+    };
+    let (images, _) = formula_batch(BATCH, SIDE, 0);
+    let model = seed_004();
+    let plan = model.plan(Mode::Eval, BATCH, SIDE, SIDE).unwrap();
+    assert!(
+        plan.unit_plans()
+            .any(|unit| unit.index != plan.stem.index && unit.z == plan.images),
+        "the plan no longer reuses the images slot for a later unit's activations"
+    );
+    let mut exec = bf16_executor(probe, &model);
+    let mut logits = Vec::new();
+    exec.forward_eval(&model, &plan, &images, &mut logits)
+        .unwrap();
+    let mut cpu = seed_004();
+    let cpu_logits = cpu
+        .forward_eval(&images, BATCH, SIDE, SIDE)
+        .unwrap()
+        .to_vec();
+    let (cosine, norm_ratio) = cosine_and_norm_ratio(&logits, &cpu_logits);
+    eprintln!("bf16 evaluation logits: cosine {cosine}, norm ratio {norm_ratio}");
+    assert!(
+        cosine >= EVAL_LOGITS_COSINE && (norm_ratio - 1.0).abs() <= EVAL_LOGITS_NORM_TOLERANCE,
+        "bf16 logits cosine {cosine}, norm ratio {norm_ratio} against the fp32 CPU's"
+    );
 }

@@ -12,8 +12,9 @@ use super::{address, Precision};
 
 /// The element type of a plan's activations: every slot but the images', the gradients at
 /// them and the batch norm's input gradient. Float32, or under [`Precision::Bf16`] bfloat16,
-/// as PyTorch autocast keeps them. The images slot is float32 always (the loader's and the
-/// device data set's images); the stem's convolution narrows it.
+/// as PyTorch autocast keeps them. The images slot is float32 (the loader's and the device
+/// data set's images), which the stem's convolution narrows; an evaluation plan may reuse it
+/// later for bfloat16 activations, which fit in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activations {
     /// float32.
@@ -78,14 +79,6 @@ impl ActivationBuffer {
         match self {
             ActivationBuffer::F32(slice) => address(slice, stream),
             ActivationBuffer::Bf16(slice) => address(slice, stream),
-        }
-    }
-
-    /// Its element type.
-    pub fn kind(&self) -> Activations {
-        match self {
-            ActivationBuffer::F32(_) => Activations::F32,
-            ActivationBuffer::Bf16(_) => Activations::Bf16,
         }
     }
 
@@ -208,10 +201,10 @@ impl Bf16ScratchSizes {
             output: plan.batch * plan.classes,
             filter: plan.classes * plan.final_channels,
         };
+        // The stem alone reads the images (an evaluation plan may reuse their slot later for
+        // bfloat16 activations).
+        sizes.input = sizes.input.max(plan.stem.shape.input_len());
         for unit in plan.unit_plans() {
-            if unit.input == plan.images {
-                sizes.input = sizes.input.max(unit.shape.input_len());
-            }
             sizes.filter = sizes.filter.max(unit.shape.weight_len());
         }
         sizes
@@ -316,6 +309,10 @@ pub struct DeviceStorage {
     pub sizes: StorageSizes,
     /// The plan's image slot.
     pub images: usize,
+    /// The unit that reads the images (the stem, by [`tandem_models::workspace::UnitPlan::index`]):
+    /// the only convolution whose input is float32 whatever the activations. An evaluation
+    /// plan may reuse the images slot for later activations, so the slot does not tell.
+    pub image_reader: usize,
     /// The mode and batch shape `(mode, batch, height, width)` of the plan.
     pub shape: (Mode, usize, usize, usize),
     /// Activation slots (the images slot float32, the others of the plan's activations).
@@ -437,6 +434,7 @@ impl DeviceStorage {
             counts: vec![0.0; plan.units],
             host_totals: Vec::with_capacity(sizes.totals),
             images: plan.images,
+            image_reader: plan.stem.index,
             shape: (plan.mode, plan.batch, plan.height, plan.width),
             sizes,
         })

@@ -31,9 +31,9 @@ impl Addresses<'_> {
     pub(super) fn slot(&self, slot: Slot) -> u64 {
         self.storage.slots[slot].address(self.stream)
     }
-    /// Whether slot `slot` holds float32 values whatever the activations (the images).
-    pub(super) fn slot_is_f32(&self, slot: Slot) -> bool {
-        self.storage.slots[slot].kind() == Activations::F32
+    /// Whether `unit` reads the images, float32 whatever the activations.
+    pub(super) fn reads_images(&self, unit: &UnitPlan) -> bool {
+        unit.index == self.storage.image_reader
     }
     pub(super) fn grad(&self, buffer: GradBuffer) -> u64 {
         self.storage.grads[buffer.0].address(self.stream)
@@ -215,7 +215,7 @@ impl CudaExecutor {
             let addresses = self.addresses()?;
             (
                 addresses.slot(unit.plan.input),
-                addresses.slot_is_f32(unit.plan.input),
+                addresses.reads_images(unit.plan),
                 addresses.slot(output),
                 self.params.address(&self.stream),
                 address(&self.workspace, &self.stream),
@@ -509,10 +509,7 @@ impl CudaExecutor {
         }
         let (input, input_is_f32) = {
             let addresses = self.addresses()?;
-            (
-                addresses.slot(plan.input),
-                addresses.slot_is_f32(plan.input),
-            )
+            (addresses.slot(plan.input), addresses.reads_images(plan))
         };
         let target = match grad_input {
             GradTarget::Skip => None,
