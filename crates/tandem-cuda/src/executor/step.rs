@@ -77,8 +77,8 @@ impl Executor for CudaExecutor {
                 Arg::I32(plan.shape.out_channels as i32),
                 Arg::Ptr(addresses.slot(plan.out)),
             ];
-            // SAFETY: bn_apply's eleven parameters in order; z, the residual and out hold
-            // `len` floats, the state vectors `channels` floats; unused pointers are null and
+            // SAFETY: bn_apply(_bf16)'s eleven parameters in order; z, the residual and out
+            // hold `len` activations, the state vectors `channels` floats; unused pointers are null and
             // not read (residual_kind says which are).
             unsafe { exec.launch(exec.activation_kernel("bn_apply")?, per_element(len), &args) }
         });
@@ -150,8 +150,9 @@ impl Executor for CudaExecutor {
                     address(&addresses.storage.logits, &exec.stream),
                 )
             };
-            // SAFETY: average_pool_forward(const float*, int, int, int, float*): the features
-            // hold batch * pixels * channels floats, pooled batch * channels.
+            // SAFETY: average_pool_forward(_bf16)(const Act*, int, int, int, float*): the
+            // features hold batch * pixels * channels activations, pooled batch * channels
+            // floats.
             unsafe {
                 exec.launch(
                     exec.activation_kernel("average_pool_forward")?,
@@ -236,8 +237,9 @@ impl Executor for CudaExecutor {
         self.run(|exec| {
             let addresses = exec.addresses()?;
             let (values, relu_out) = (addresses.grad(grad), addresses.slot(output));
-            // SAFETY: relu_backward(const float*, const float*, long long, float*) in place:
-            // each thread reads and writes only element i; both buffers hold `len` floats.
+            // SAFETY: relu_backward(_bf16)(const Act*, const Act*, long long, Act*) in place:
+            // each thread reads and writes only element i; both buffers hold `len`
+            // activations.
             unsafe {
                 exec.launch(
                     exec.activation_kernel("relu_backward")?,

@@ -119,8 +119,8 @@ impl CudaExecutor {
         let storage = addresses.storage;
         let none = TrainCoefficients::default();
         let to = coefficients.unwrap_or(&none);
-        // SAFETY: bn_stats(const float*, int, int, int, double*, unsigned int*, double*, const
-        // float* x2, float* x6): `values` holds rows * channels floats; partials holds at
+        // SAFETY: bn_stats(_bf16)(const Act*, int, int, int, double*, unsigned int*, double*,
+        // const float* x2, float* x6): `values` holds rows * channels values of `kind`; partials holds at
         // least row_blocks * 2 * channels doubles and arrivals one zero per channel group
         // (StorageSizes: the maxima over the plan); totals holds 1 + 2 * channels doubles;
         // each coefficient pointer addresses `channels` floats, or all are null.
@@ -425,9 +425,9 @@ impl CudaExecutor {
         let weight = at(params, bn.weight.start);
         // Without a reducer the sums' launch also computes the coefficients.
         let coefficients_in_sums = if reducer.is_some() { 0 } else { coefficients };
-        // SAFETY: bn_backward_sums(const float* x5, int, int, int, double*, unsigned int*,
-        // double*, float*, float*, double, const float*, float*): dy, relu_out (or null), z
-        // hold `len` floats, mean and invstd `channels`; partials holds at least
+        // SAFETY: bn_backward_sums(_bf16)(const Act* x3, const float* x2, int, int, int,
+        // double*, unsigned int*, double*, float*, float*, double, const float*, float*): dy,
+        // relu_out (or null), z hold `len` activations, mean and invstd `channels` floats; partials holds at least
         // row_blocks * 2 * channels doubles and arrivals one zero per channel group; totals
         // 2 * channels doubles; the gradient ranges and the weight `channels` floats; the
         // coefficients (or null) 3 * channels floats.
@@ -482,9 +482,10 @@ impl CudaExecutor {
         } else {
             0
         };
-        // SAFETY: bn_backward_input(const float* x6, long long, int, float*, float*): dz holds
-        // at least `len` floats (grad_len); masked_dy is dy or null, each thread reading and
-        // writing only element i of it.
+        // SAFETY: bn_backward_input(_bf16)(const Act* x3, const float* x3, long long, int,
+        // Act*, Act*): dy, relu_out, z as above; dz holds at least `len` activations
+        // (grad_len); masked_dy is dy or null, each thread reading and writing only element i
+        // of it.
         unsafe {
             self.launch(
                 self.activation_kernel("bn_backward_input")?,
@@ -622,8 +623,9 @@ impl CudaExecutor {
         )?;
         self.report(head.bias.end, ready)?;
         let pixels = features.shape.out_height() * features.shape.out_width();
-        // SAFETY: average_pool_backward(const float*, int, int, int, float*): the target
-        // buffer holds batch * pixels * channels floats (the features' length ≤ grad_len).
+        // SAFETY: average_pool_backward(_bf16)(const float*, int, int, int, Act*): the target
+        // buffer holds batch * pixels * channels activations (the features' length ≤
+        // grad_len).
         unsafe {
             self.launch(
                 self.activation_kernel("average_pool_backward")?,
