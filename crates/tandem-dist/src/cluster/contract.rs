@@ -143,6 +143,17 @@ mod tests {
             unranked
         );
         assert!(unranked.timestamp.is_some_and(|seconds| seconds > 1.6e9));
+        // Any timestamp, not only this run's, reads back to the bit (serde_json's
+        // float_roundtrip; without it about one in a few hundred came back one ulp off).
+        for step in 0..10_000u64 {
+            let seconds = 1.7e9 + step as f64 * 0.123_456_789_1;
+            let record = WorkerErrorRecord {
+                timestamp: Some(seconds),
+                ..unranked.clone()
+            };
+            let read: WorkerErrorRecord = serde_json::from_str(&record.to_json()).unwrap();
+            assert_eq!(read.timestamp.map(f64::to_bits), Some(seconds.to_bits()));
+        }
     }
 
     #[test]
