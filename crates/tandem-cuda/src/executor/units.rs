@@ -45,8 +45,7 @@ impl Addresses<'_> {
 }
 
 /// Where `bn_stats` writes a batch norm's training coefficients and updates its running
-/// statistics (device addresses of `channels` floats each; all 0, null, for totals alone).
-#[derive(Default)]
+/// statistics (device addresses of `channels` floats each).
 pub(super) struct TrainCoefficients {
     pub(super) weight: u64,
     pub(super) bias: u64,
@@ -56,6 +55,24 @@ pub(super) struct TrainCoefficients {
     pub(super) invstd: u64,
     pub(super) scale: u64,
     pub(super) shift: u64,
+}
+
+impl TrainCoefficients {
+    /// The eight pointers as the kernels take them (`weight, bias, running_mean, running_var,
+    /// mean, invstd, scale, shift`).
+    fn args(&self) -> [Arg; 8] {
+        [
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            self.mean,
+            self.invstd,
+            self.scale,
+            self.shift,
+        ]
+        .map(Arg::Ptr)
+    }
 }
 
 impl CudaExecutor {
@@ -117,8 +134,8 @@ impl CudaExecutor {
     ) -> Result<(), GpuError> {
         let addresses = self.addresses()?;
         let storage = addresses.storage;
-        let none = TrainCoefficients::default();
-        let to = coefficients.unwrap_or(&none);
+        let [weight, bias, running_mean, running_var, mean, invstd, scale, shift] =
+            coefficients.map_or([Arg::Ptr(0); 8], TrainCoefficients::args);
         // SAFETY: bn_stats(_bf16)(const Act*, int, int, int, double*, unsigned int*, double*,
         // const float* x2, float* x6): `values` holds rows * channels values of `kind`; partials holds at
         // least row_blocks * 2 * channels doubles and arrivals one zero per channel group
@@ -136,14 +153,14 @@ impl CudaExecutor {
                     Arg::Ptr(address(&storage.partials, &self.stream)),
                     Arg::Ptr(address(&storage.arrivals, &self.stream)),
                     Arg::Ptr(address(&storage.totals, &self.stream)),
-                    Arg::Ptr(to.weight),
-                    Arg::Ptr(to.bias),
-                    Arg::Ptr(to.running_mean),
-                    Arg::Ptr(to.running_var),
-                    Arg::Ptr(to.mean),
-                    Arg::Ptr(to.invstd),
-                    Arg::Ptr(to.scale),
-                    Arg::Ptr(to.shift),
+                    weight,
+                    bias,
+                    running_mean,
+                    running_var,
+                    mean,
+                    invstd,
+                    scale,
+                    shift,
                 ],
             )
         }
@@ -359,18 +376,19 @@ impl CudaExecutor {
                     return Err(error.into());
                 }
                 let totals = address(&self.storage().map_err(device)?.totals, &self.stream);
-                let to = &coefficients;
+                let [weight, bias, running_mean, running_var, mean, invstd, scale, shift] =
+                    coefficients.args();
                 let args = [
                     Arg::Ptr(totals),
                     Arg::I32(channels as i32),
-                    Arg::Ptr(to.weight),
-                    Arg::Ptr(to.bias),
-                    Arg::Ptr(to.running_mean),
-                    Arg::Ptr(to.running_var),
-                    Arg::Ptr(to.mean),
-                    Arg::Ptr(to.invstd),
-                    Arg::Ptr(to.scale),
-                    Arg::Ptr(to.shift),
+                    weight,
+                    bias,
+                    running_mean,
+                    running_var,
+                    mean,
+                    invstd,
+                    scale,
+                    shift,
                 ];
                 // SAFETY: bn_train_coefficients' ten parameters in order; every per-channel
                 // pointer addresses `channels` floats (the layer's ranges and the unit's

@@ -539,37 +539,65 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
     // SyncBatchNorm computes them) the sums, then the coefficients from their totals.
     let device_dy = rig.upload(&dy);
     let backward_totals = rig.zeros::<f64>(2 * channels);
-    let no_relu = Arg::Ptr(0);
-    let backward_sums = |rig: &mut GpuRig, coefficients: Option<&Buffer<f32>>| {
-        let (grad_weight, grad_bias) = (rig.zeros::<f32>(channels), rig.zeros::<f32>(channels));
+    // bn_backward_sums of `dy` (behind the ReLU output `relu`, or null) into fresh parameter
+    // gradients, with the coefficients or (SyncBatchNorm's way) without.
+    let backward_sums =
+        |rig: &mut GpuRig, dy: &Buffer<f32>, relu: Arg, coefficients: Option<&Buffer<f32>>| {
+            let (grad_weight, grad_bias) = (rig.zeros::<f32>(channels), rig.zeros::<f32>(channels));
+            rig.launch(
+                "bn_backward_sums",
+                column_sums(channels, row_blocks),
+                &[
+                    dy.arg(),
+                    relu,
+                    device_x.arg(),
+                    mean.arg(),
+                    invstd.arg(),
+                    r,
+                    c,
+                    rpb,
+                    partials.arg(),
+                    arrivals.arg(),
+                    backward_totals.arg(),
+                    grad_weight.arg(),
+                    grad_bias.arg(),
+                    Arg::F64(rows as f64),
+                    device_weight.arg(),
+                    coefficients.map_or(null(), Buffer::arg),
+                ],
+            );
+            (rig.download(&grad_weight), rig.download(&grad_bias))
+        };
+    // bn_backward_input of `dy` with `coefficients`, the masked gradient written to
+    // `masked_dy` (or not, null).
+    let backward_input = |rig: &mut GpuRig,
+                          dy: &Buffer<f32>,
+                          relu: Arg,
+                          coefficients: &Buffer<f32>,
+                          masked_dy: Arg| {
+        let dx = rig.zeros::<f32>(x.len());
         rig.launch(
-            "bn_backward_sums",
-            column_sums(channels, row_blocks),
+            "bn_backward_input",
+            per_element(x.len()),
             &[
-                device_dy.arg(),
-                no_relu,
+                dy.arg(),
+                relu,
                 device_x.arg(),
                 mean.arg(),
                 invstd.arg(),
-                r,
+                coefficients.arg(),
+                Arg::I64(x.len() as i64),
                 c,
-                rpb,
-                partials.arg(),
-                arrivals.arg(),
-                backward_totals.arg(),
-                grad_weight.arg(),
-                grad_bias.arg(),
-                Arg::F64(rows as f64),
-                device_weight.arg(),
-                coefficients.map_or(null(), Buffer::arg),
+                dx.arg(),
+                masked_dy,
             ],
         );
-        (rig.download(&grad_weight), rig.download(&grad_bias))
+        rig.download(&dx)
     };
     let coefficients = rig.zeros::<f32>(3 * channels);
-    let (grad_weight, grad_bias) = backward_sums(rig, Some(&coefficients));
+    let (grad_weight, grad_bias) = backward_sums(rig, &device_dy, null(), Some(&coefficients));
     assert_eq!(rig.download(&arrivals), vec![0u32; channels.div_ceil(32)]);
-    let (separate_grad_weight, separate_grad_bias) = backward_sums(rig, None);
+    let (separate_grad_weight, separate_grad_bias) = backward_sums(rig, &device_dy, null(), None);
     assert_bits_equal(&separate_grad_weight, &grad_weight, "grad_weight");
     assert_bits_equal(&separate_grad_bias, &grad_bias, "grad_bias");
     let separate = rig.zeros::<f32>(3 * channels);
@@ -590,24 +618,7 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
         &rig.download(&coefficients),
         "backward coefficients from the totals",
     );
-    let dx = rig.zeros::<f32>(x.len());
-    rig.launch(
-        "bn_backward_input",
-        per_element(x.len()),
-        &[
-            device_dy.arg(),
-            no_relu,
-            device_x.arg(),
-            mean.arg(),
-            invstd.arg(),
-            coefficients.arg(),
-            Arg::I64(x.len() as i64),
-            c,
-            dx.arg(),
-            null(),
-        ],
-    );
-    let dx = rig.download(&dx);
+    let dx = backward_input(rig, &device_dy, null(), &coefficients, null());
     for ch in 0..channels {
         let mean = column(ch).sum::<f64>() / rows as f64;
         let variance = column(ch).map(|v| (v - mean) * (v - mean)).sum::<f64>() / rows as f64;
@@ -649,48 +660,10 @@ pub fn batch_norm_statistics_and_backward_match_the_cpu(rig: &mut GpuRig) {
     let mut masked_host = dy.clone();
     tandem_engine::batchnorm::relu_backward_in_place(&mut masked_host, &relu_out);
     let backward = |rig: &mut GpuRig, dy: &Buffer<f32>, relu: Arg, masked_dy: Arg| {
-        let (grad_weight, grad_bias) = (rig.zeros::<f32>(channels), rig.zeros::<f32>(channels));
         let coefficients = rig.zeros::<f32>(3 * channels);
-        rig.launch(
-            "bn_backward_sums",
-            column_sums(channels, row_blocks),
-            &[
-                dy.arg(),
-                relu,
-                device_x.arg(),
-                mean.arg(),
-                invstd.arg(),
-                r,
-                c,
-                rpb,
-                partials.arg(),
-                arrivals.arg(),
-                backward_totals.arg(),
-                grad_weight.arg(),
-                grad_bias.arg(),
-                Arg::F64(rows as f64),
-                device_weight.arg(),
-                coefficients.arg(),
-            ],
-        );
-        let dx = rig.zeros::<f32>(x.len());
-        rig.launch(
-            "bn_backward_input",
-            per_element(x.len()),
-            &[
-                dy.arg(),
-                relu,
-                device_x.arg(),
-                mean.arg(),
-                invstd.arg(),
-                coefficients.arg(),
-                Arg::I64(x.len() as i64),
-                c,
-                dx.arg(),
-                masked_dy,
-            ],
-        );
-        [grad_weight, grad_bias, dx].map(|buffer| rig.download(&buffer))
+        let (grad_weight, grad_bias) = backward_sums(rig, dy, relu, Some(&coefficients));
+        let dx = backward_input(rig, dy, relu, &coefficients, masked_dy);
+        [grad_weight, grad_bias, dx]
     };
     let in_place = rig.upload(&dy);
     let fused = backward(rig, &in_place, device_relu_out.arg(), in_place.arg());
