@@ -92,9 +92,11 @@ pub enum RootCause {
 }
 
 /// The worker found stuck (stopped while its peers gave up on it), or else the earliest
-/// worker failure among `reports` (ties go to the lower rank); when no worker failed, the
-/// first node that did not report (`None` entries). A stuck worker wins over earlier
-/// failures because those are its peers noticing it.
+/// worker failure among `reports` that did not only follow another rank's stop request (ties
+/// go to the lower rank); when no worker failed, the first node that did not report (`None`
+/// entries). A stuck worker wins over earlier failures because those are its peers noticing
+/// it; a rank that stopped on another rank's request may end before the rank that asked
+/// (which writes its own snapshot and error first), so it is a cause only when no other is.
 pub fn root_cause(reports: &[Option<NodeReport>]) -> Option<RootCause> {
     let earliest = reports
         .iter()
@@ -104,6 +106,7 @@ pub fn root_cause(reports: &[Option<NodeReport>]) -> Option<RootCause> {
         .min_by_key(|worker| {
             (
                 worker.end != WorkerEnd::Stuck,
+                followed_a_stop_request(worker),
                 worker.ended_at_micros,
                 worker.rank,
             )
@@ -115,6 +118,15 @@ pub fn root_cause(reports: &[Option<NodeReport>]) -> Option<RootCause> {
         .iter()
         .position(Option::is_none)
         .map(|node_rank| RootCause::NodeSilent { node_rank })
+}
+
+/// Whether the worker's error says it stopped only because another rank asked.
+fn followed_a_stop_request(worker: &WorkerReport) -> bool {
+    worker.error.as_ref().is_some_and(|error| {
+        error
+            .message
+            .starts_with(crate::train::stop_signal::STOPPED_ON_REQUEST)
+    })
 }
 
 /// One line naming the root cause, e.g. "rank 1 (node 0, local rank 1) exited with code 3".
@@ -267,6 +279,38 @@ mod tests {
              it wrote no error file and no output (log: logs/rank_2.log)\n\
              other ranks:\n  rank 0: stopped by the launcher (SIGTERM)\n  rank 1: exited with code 1\n  \
              rank 3: finished successfully"
+        );
+    }
+
+    #[test]
+    fn the_rank_that_asked_to_stop_is_the_cause_though_a_follower_ended_first() {
+        // Rank 0 stopped on rank 1's request and exited before rank 1, which received the
+        // SIGTERM, had written its error and ended on the signal.
+        let mut follower = worker(0, WorkerEnd::ExitCode(143), 100);
+        follower.error = Some(ErrorRecord {
+            message: format!(
+                "{} at epoch 1, step 3; the snapshot is run/snapshot.safetensors",
+                crate::train::stop_signal::STOPPED_ON_REQUEST
+            ),
+            timestamp: None,
+            file: "errors/rank_0.json".into(),
+        });
+        let reports = vec![Some(NodeReport {
+            node_rank: 0,
+            workers: vec![follower.clone(), worker(1, WorkerEnd::Signal(15), 200)],
+        })];
+        assert_eq!(
+            headline(&root_cause(&reports).unwrap()),
+            "rank 1 (node 0, local rank 1) killed by SIGTERM"
+        );
+        // Alone, a follower is still the cause.
+        let reports = vec![Some(NodeReport {
+            node_rank: 0,
+            workers: vec![follower, worker(1, WorkerEnd::Succeeded, 200)],
+        })];
+        assert_eq!(
+            headline(&root_cause(&reports).unwrap()),
+            "rank 0 (node 0, local rank 0) exited with code 143"
         );
     }
 

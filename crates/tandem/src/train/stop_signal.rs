@@ -59,6 +59,10 @@ fn under_a_launcher() -> bool {
     std::env::var_os(tandem_dist::cluster::contract::RESTART_COUNT_ENV).is_some()
 }
 
+/// How the error of a rank stopped by another rank's request begins: the launcher reads it
+/// to tell such a rank, which only followed, from the one whose stop it followed.
+pub const STOPPED_ON_REQUEST: &str = "stopped with the other ranks on another rank's request";
+
 /// The end of a run stopped on request: the snapshot is written, and the process should now
 /// end on `signal` if it received it (see [`end_on`]), else exit with 128 + `signal`.
 #[derive(Debug)]
@@ -82,7 +86,7 @@ impl std::fmt::Display for StoppedBySignal {
         let by = if self.received {
             format!("stopped by {}", self.name)
         } else {
-            "stopped with the other ranks on another rank's request".to_string()
+            STOPPED_ON_REQUEST.to_string()
         };
         write!(
             formatter,
