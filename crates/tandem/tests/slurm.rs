@@ -541,8 +541,12 @@ fn sbatch_job_requeued_mid_epoch_resumes_and_ends_bit_identical() {
     let output_dir = cluster.path("requeued");
     let job_id = submit_and_wait_for_first_steps(&cluster, &output_dir);
     // Requeued, the job is stopped as by scancel and put back in the queue, held until its
-    // begin time; releasing it at once keeps the test short.
+    // begin time; releasing it early keeps the test short. Not too early: slurmd refuses a
+    // launch while the first run is still ending on the node, and one whose credential is
+    // from the same second as the requeue ("Job credential revoked"; CI's loaded machine
+    // released the job within that second, and it failed without running).
     expect_success(&cluster.client("scontrol", &["requeue", &job_id]));
+    let requeued_at = Instant::now();
     cluster.wait_until(
         || {
             let state = cluster.client("squeue", &["--noheader", "--format=%T", "--jobs", &job_id]);
@@ -550,6 +554,8 @@ fn sbatch_job_requeued_mid_epoch_resumes_and_ends_bit_identical() {
         },
         "the requeued job back in the queue",
     );
+    cluster.wait_for_an_idle_node();
+    std::thread::sleep(Duration::from_secs(2).saturating_sub(requeued_at.elapsed()));
     expect_success(&cluster.client(
         "scontrol",
         &["update", &format!("JobId={job_id}"), "StartTime=now"],
