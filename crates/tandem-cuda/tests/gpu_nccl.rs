@@ -3,8 +3,12 @@
 //! stream leaves the gradients of a plain backward bit for bit, and the device broadcasts
 //! leave the parameters and running statistics as they were; whole training steps through
 //! the group, captured as a CUDA graph with their bucket all-reduces and replayed, end with
-//! the bits of the same steps run eagerly and of steps without NCCL; a communicator of two
-//! ranks whose second rank never joins ends in an error within the timeout, not a hang.
+//! the bits of the same steps run eagerly and of steps without NCCL, with SyncBatchNorm
+//! through the group too; a communicator of two ranks whose second rank never joins ends in
+//! an error within the timeout, not a hang. On the fake GPU only, a *mirrored* communicator
+//! of two ranks (the fake NCCL's: the other rank holds the same values, so each sum doubles)
+//! checks that SyncBatchNorm's statistics really are summed over the ranks: two identical
+//! ranks must train as one.
 //!
 //! Skipped with a printed reason without a driver, the CUDA libraries, libnccl or a GPU (as
 //! on CI's machines); **it has not yet run on a GPU**.
@@ -16,7 +20,7 @@ use std::time::{Duration, Instant};
 use common::{formula_batch, gpu_probe, seed_004};
 use tandem_cuda::executor::graph::StepRun;
 use tandem_cuda::executor::{StepImages, StepOptimizer, TrainStep};
-use tandem_cuda::nccl::create_unique_id;
+use tandem_cuda::nccl::{create_unique_id, UNIQUE_ID_BYTES};
 use tandem_cuda::{
     CollectiveError, CudaExecutor, GpuError, GpuSettings, Library, Precision, Probe,
 };
@@ -117,20 +121,58 @@ struct WholeSteps {
 
 const STEPS: u64 = 5;
 
+/// The NCCL group a run of steps goes through.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Group {
+    /// None.
+    Alone,
+    /// A communicator of one rank.
+    WorldOfOne,
+    /// The fake NCCL's mirrored communicator of two ranks (see the fake's `MIRRORED_ID`).
+    MirroredPair,
+}
+
+/// A unique id the fake NCCL takes for a mirrored communicator.
+fn mirrored_id() -> [u8; UNIQUE_ID_BYTES] {
+    let mut id = [0u8; UNIQUE_ID_BYTES];
+    let prefix = b"tandem-fake-nccl-mirrored";
+    id[..prefix.len()].copy_from_slice(prefix);
+    id
+}
+
+/// Joins `group` as rank 0 (with SyncBatchNorm through it when `sync_bn`) and broadcasts
+/// the parameters and buffers, as the trainer does at the start.
+fn join(probe: &Probe, exec: &mut CudaExecutor, model: &Model, group: Group, sync_bn: bool) {
+    let (id, world_size) = match group {
+        Group::Alone => return,
+        Group::WorldOfOne => (create_unique_id(probe).unwrap(), 1),
+        Group::MirroredPair => (mirrored_id(), 2),
+    };
+    let len = model.params().len();
+    exec.join_nccl(
+        probe,
+        &id,
+        0,
+        world_size,
+        Duration::from_secs(30),
+        buckets(len),
+    )
+    .unwrap();
+    if sync_bn {
+        exec.sync_batch_norm_through_nccl().unwrap();
+    }
+    exec.broadcast_params_and_buffers().unwrap();
+}
+
 /// `STEPS` whole training steps (`train_step`, SGD with momentum, the learning rate changing,
-/// host batches) with the executor's graphs on or off, through a world-size-1 NCCL group
-/// (rank 0's running statistics broadcast before each step, as the trainer does) or alone.
-fn whole_steps(probe: &Probe, through_nccl: bool, graphs: bool) -> WholeSteps {
+/// host batches) with the executor's graphs on or off, through `group` (rank 0's running
+/// statistics broadcast before each step, as the trainer does) or alone, with SyncBatchNorm
+/// through the group when `sync_bn`.
+fn whole_steps(probe: &Probe, group: Group, sync_bn: bool, graphs: bool) -> WholeSteps {
     let model = model();
     let mut exec = executor(probe, &model);
     exec.set_graphs(graphs);
-    if through_nccl {
-        let id = create_unique_id(probe).unwrap();
-        let len = model.params().len();
-        exec.join_nccl(probe, &id, 0, 1, Duration::from_secs(30), buckets(len))
-            .unwrap();
-        exec.broadcast_params_and_buffers().unwrap();
-    }
+    join(probe, &mut exec, &model, group, sync_bn);
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
     let loss = LossOptions {
         label_smoothing: 0.1,
@@ -145,7 +187,7 @@ fn whole_steps(probe: &Probe, through_nccl: bool, graphs: bool) -> WholeSteps {
             nesterov: false,
             weight_decay: 5e-4,
         };
-        if through_nccl {
+        if group != Group::Alone {
             exec.broadcast_buffers().unwrap();
         }
         let outcome = exec
@@ -177,6 +219,20 @@ fn whole_steps(probe: &Probe, through_nccl: bool, graphs: bool) -> WholeSteps {
     }
 }
 
+/// Fails unless `ours` and `theirs` ended with the same losses, parameters and running
+/// statistics, bit for bit.
+fn assert_same_bits(ours: &WholeSteps, theirs: &WholeSteps, name: &str) {
+    assert_eq!(ours.losses, theirs.losses, "losses against {name}");
+    assert!(
+        ours.params == theirs.params,
+        "parameters differ from {name}"
+    );
+    assert!(
+        ours.buffers == theirs.buffers,
+        "running statistics differ from {name}"
+    );
+}
+
 #[test]
 fn whole_steps_through_nccl_as_a_cuda_graph_equal_eager_ones_bit_for_bit() {
     let Some(probe) = gpu_probe(
@@ -186,29 +242,98 @@ fn whole_steps_through_nccl_as_a_cuda_graph_equal_eager_ones_bit_for_bit() {
         return;
     };
     use StepRun::{Capture, Eager, Replay};
-    let graphed = whole_steps(probe, true, true);
-    let eager = whole_steps(probe, true, false);
-    let alone = whole_steps(probe, false, true);
+    let graphed = whole_steps(probe, Group::WorldOfOne, false, true);
+    let eager = whole_steps(probe, Group::WorldOfOne, false, false);
+    let alone = whole_steps(probe, Group::Alone, false, true);
     assert_eq!(graphed.runs, [Eager, Capture, Replay, Replay, Replay]);
     assert_eq!(eager.runs, [Eager; STEPS as usize]);
     assert_eq!(alone.runs, graphed.runs);
-    for (name, other) in [("eager through NCCL", &eager), ("without NCCL", &alone)] {
-        assert_eq!(graphed.losses, other.losses, "losses against {name}");
-        assert!(
-            graphed.params == other.params,
-            "parameters differ from {name}"
-        );
-        assert!(
-            graphed.buffers == other.buffers,
-            "running statistics differ from {name}"
-        );
-    }
+    assert_same_bits(&graphed, &eager, "eager through NCCL");
+    assert_same_bits(&graphed, &alone, "without NCCL");
     let initial: Vec<u32> = model()
         .params()
         .iter()
         .map(|value| value.to_bits())
         .collect();
     assert!(graphed.params != initial, "the steps changed nothing");
+}
+
+/// SyncBatchNorm through a world of one sums nothing: graphed and eager, its steps end with
+/// the bits of steps without it (its coefficients are computed by the SyncBatchNorm kernels,
+/// which compute what the statistics' own launch does).
+#[test]
+fn sync_bn_through_a_world_of_one_as_a_cuda_graph_equals_steps_without_it() {
+    let Some(probe) = gpu_probe(
+        "sync_bn_through_a_world_of_one_as_a_cuda_graph_equals_steps_without_it",
+        &[Library::Nccl],
+    ) else {
+        return;
+    };
+    use StepRun::{Capture, Eager, Replay};
+    let graphed = whole_steps(probe, Group::WorldOfOne, true, true);
+    let eager = whole_steps(probe, Group::WorldOfOne, true, false);
+    let alone = whole_steps(probe, Group::Alone, false, false);
+    assert_eq!(graphed.runs, [Eager, Capture, Replay, Replay, Replay]);
+    assert_same_bits(&graphed, &eager, "eager SyncBatchNorm through NCCL");
+    assert_same_bits(&graphed, &alone, "steps without NCCL");
+}
+
+/// Two ranks holding the same batch train as one, with SyncBatchNorm's statistics summed
+/// over both (each layer's count doubled with its sums): on the fake NCCL's mirrored pair,
+/// where every sum doubles. Without the sum the doubled count would halve the mean. The
+/// losses, parameters and running means are one rank's bit for bit; the running variances
+/// are not, as in PyTorch: they are unbiased over the 2N values of both ranks, not N.
+#[test]
+fn two_mirrored_ranks_with_sync_bn_through_nccl_train_as_one_bit_for_bit() {
+    let test = "two_mirrored_ranks_with_sync_bn_through_nccl_train_as_one_bit_for_bit";
+    let Some(probe) = gpu_probe(test, &[Library::Nccl]) else {
+        return;
+    };
+    if std::env::var_os("TANDEM_FAKE_GPU_KERNELS").is_none() {
+        println!("{test}: skipped: a mirrored communicator is the fake NCCL's (a real one would wait for the second rank)");
+        return;
+    }
+    use StepRun::{Capture, Eager, Replay};
+    let pair = whole_steps(probe, Group::MirroredPair, true, true);
+    let pair_eager = whole_steps(probe, Group::MirroredPair, true, false);
+    let alone = whole_steps(probe, Group::Alone, false, true);
+    assert_eq!(pair.runs, [Eager, Capture, Replay, Replay, Replay]);
+    assert_same_bits(&pair, &pair_eager, "the pair's eager steps");
+    assert_eq!(pair.losses, alone.losses, "losses against one rank alone");
+    assert!(
+        pair.params == alone.params,
+        "parameters differ from one rank alone"
+    );
+    let model = model();
+    let (mut variances, mut different) = (0, 0);
+    for info in model.tensors() {
+        let range = info.range();
+        if info.name.ends_with("running_mean") {
+            assert!(
+                pair.buffers[range.clone()] == alone.buffers[range],
+                "{} differs from one rank alone",
+                info.name
+            );
+        } else if info.name.ends_with("running_var") {
+            for index in range {
+                let (ours, theirs) = (
+                    f32::from_bits(pair.buffers[index]),
+                    f32::from_bits(alone.buffers[index]),
+                );
+                assert!(
+                    (ours - theirs).abs() <= 0.1 * theirs.abs(),
+                    "{}[{index}]: {ours} against one rank's {theirs}",
+                    info.name
+                );
+                variances += 1;
+                different += usize::from(ours != theirs);
+            }
+        }
+    }
+    assert!(
+        different > variances / 2,
+        "only {different} of {variances} running variances are unbiased over both ranks"
+    );
 }
 
 #[test]

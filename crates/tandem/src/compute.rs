@@ -508,8 +508,9 @@ impl Compute {
     }
 
     /// Whether a training step of `conditions` runs as one [`Compute::train_step`] (a GPU
-    /// step of one micro-batch without SyncBatchNorm, in one process or with its gradients
-    /// averaged through NCCL, which the executor captures as a CUDA graph);
+    /// step of one micro-batch, in one process or with its gradients, and with SyncBatchNorm
+    /// its batch statistics, summed through NCCL, which the executor captures as a CUDA
+    /// graph);
     /// otherwise the step runs through `forward_train`, `backward` and `optimizer_step`, and
     /// on a GPU the first such step prints why it is not captured.
     pub fn whole_steps(&mut self, conditions: &StepConditions) -> bool {
@@ -684,6 +685,20 @@ impl Compute {
             .with_context(|| {
                 format!("rank {rank} cannot join the NCCL communicator of {world_size} rank(s)")
             })
+    }
+
+    /// SyncBatchNorm through the joined NCCL communicator: every training forward and
+    /// backward sums its batch-norm statistics over the ranks on the device, with no host
+    /// wait, so that such steps are whole steps too (captured as CUDA graphs); pass no host
+    /// reducer to [`Compute::forward_train`] and [`Compute::backward`] then. An error before
+    /// [`Compute::join_nccl`].
+    pub fn sync_batch_norm_through_nccl(&mut self) -> anyhow::Result<()> {
+        let Engine::Cuda(gpu) = &mut self.engine else {
+            anyhow::bail!("SyncBatchNorm through NCCL needs the model on a GPU");
+        };
+        gpu.exec
+            .sync_batch_norm_through_nccl()
+            .context("SyncBatchNorm through NCCL")
     }
 
     /// Whether the gradients and broadcasts go through NCCL on the device.
@@ -1174,6 +1189,13 @@ mod tests {
         };
         assert_eq!(through_nccl.refusal(), None);
         assert!(!compute.whole_steps(&through_nccl));
+        assert_eq!(
+            compute
+                .sync_batch_norm_through_nccl()
+                .unwrap_err()
+                .to_string(),
+            "SyncBatchNorm through NCCL needs the model on a GPU"
+        );
         let (images, labels) = batch(4);
         let error = compute
             .train_step(

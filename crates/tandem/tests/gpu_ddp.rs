@@ -94,24 +94,30 @@ fn worst(expected: &Path, actual: &Path) -> BTreeMap<String, f64> {
     })
 }
 
-/// The NCCL run at world size 1 against the same run without DDP, on `device` with
-/// `backend`: the final weights' bytes, and the launched run's `backend:` line.
-fn world_size_1_against_no_ddp(device: &str, backend: &str) -> (bool, String) {
+/// The NCCL run at world size 1 (with the `train` flags `extra`) against the same run
+/// without DDP, on `device` with `backend`: whether the final weights' bytes are the same,
+/// and the launched run's output (stdout, then stderr).
+fn world_size_1_against_no_ddp(device: &str, backend: &str, extra: &[&str]) -> (bool, String) {
     let dir = tempfile::tempdir().unwrap();
     let (alone, launched) = (dir.path().join("alone"), dir.path().join("launched"));
     expect_success(&run_bounded(
         tandem().args(short_run(&alone, 64, 16, 2, device)),
         LIMIT,
     ));
-    let train = with_flag(
+    let mut train = with_flag(
         short_run(&launched, 64, 16, 2, device),
         "--backend",
         backend,
     );
-    let stdout = expect_success(&run_bounded(&mut launch_command(1, 0, &[], &train), LIMIT));
+    train.extend(extra.iter().map(|flag| flag.to_string()));
+    let output = run_bounded(&mut launch_command(1, 0, &[], &train), LIMIT);
+    let stdout = expect_success(&output);
     let same = std::fs::read(alone.join("epoch_2.safetensors")).unwrap()
         == std::fs::read(launched.join("epoch_2.safetensors")).unwrap();
-    (same, stdout)
+    (
+        same,
+        format!("{stdout}{}", String::from_utf8_lossy(&output.stderr)),
+    )
 }
 
 #[test]
@@ -119,7 +125,7 @@ fn nccl_at_world_size_1_ends_with_the_bytes_of_no_ddp() {
     if !gpu_available("nccl_at_world_size_1_ends_with_the_bytes_of_no_ddp", true) {
         return;
     }
-    let (same, stdout) = world_size_1_against_no_ddp("cuda", "nccl");
+    let (same, stdout) = world_size_1_against_no_ddp("cuda", "nccl", &[]);
     assert!(stdout.contains("backend: nccl (requested)"), "{stdout}");
     assert!(
         stdout.contains("gradients: averaged by NCCL on the GPUs in "),
@@ -128,6 +134,32 @@ fn nccl_at_world_size_1_ends_with_the_bytes_of_no_ddp() {
     assert!(
         same,
         "--backend nccl at world size 1 ended with other weights than the run without DDP\n{stdout}"
+    );
+}
+
+/// `--backend nccl --sync-bn` at world size 1: the batch statistics are summed by NCCL on the
+/// device (a sum over one rank), so the steps are still whole steps captured as CUDA graphs,
+/// and the weights are the bytes of the run without DDP.
+#[test]
+fn nccl_with_sync_bn_at_world_size_1_runs_as_cuda_graphs_and_ends_with_the_bytes_of_no_ddp() {
+    let test =
+        "nccl_with_sync_bn_at_world_size_1_runs_as_cuda_graphs_and_ends_with_the_bytes_of_no_ddp";
+    if !gpu_available(test, true) {
+        return;
+    }
+    let (same, text) = world_size_1_against_no_ddp("cuda", "nccl", &["--sync-bn"]);
+    assert!(
+        text.contains("sync-bn: batch statistics summed by NCCL on the GPUs"),
+        "{text}"
+    );
+    assert!(
+        text.contains("note: CUDA graphs on: training steps of 16 images of "),
+        "{text}"
+    );
+    assert!(!text.contains("CUDA graphs off"), "{text}");
+    assert!(
+        same,
+        "--backend nccl --sync-bn at world size 1 ended with other weights than the run without DDP\n{text}"
     );
 }
 
@@ -185,7 +217,7 @@ fn nccl_steps_as_cuda_graphs_end_with_the_bytes_of_eager_steps() {
 /// ranks' records are gathered through the store) and is refused naming the CPU.
 #[test]
 fn the_world_size_1_comparison_holds_on_the_cpu_and_nccl_there_is_refused() {
-    let (same, _) = world_size_1_against_no_ddp("cpu", "ring");
+    let (same, _) = world_size_1_against_no_ddp("cpu", "ring", &[]);
     assert!(
         same,
         "a job of one process under launch ended with other weights"

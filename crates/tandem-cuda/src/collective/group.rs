@@ -429,22 +429,48 @@ impl NcclGroup {
         base: u64,
         range: Range<usize>,
     ) -> Result<(), CollectiveError> {
+        let pointer = float_at(base, range.start);
+        // SAFETY: the caller's contract, for `range.len()` floats from `pointer`.
+        unsafe { self.all_reduce_sum_of(pointer, range.len(), ncclDataType_t::ncclFloat32) }
+    }
+
+    /// Queues the sum over the ranks of the first `len` doubles of the device buffer at
+    /// `base` (SyncBatchNorm's column totals), in place, on the group's stream.
+    ///
+    /// # Safety
+    /// `base` must address a device buffer of doubles of the group's GPU holding at least
+    /// `len` values, alive until the group's stream has run the collective.
+    pub unsafe fn all_reduce_sum_f64(&self, base: u64, len: usize) -> Result<(), CollectiveError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.all_reduce_sum_of(base, len, ncclDataType_t::ncclFloat64) }
+    }
+
+    /// `ncclAllReduce` (sum, in place) of `len` values of `data_type` from `pointer`.
+    ///
+    /// # Safety
+    /// `pointer` must address `len` values of `data_type` in a device buffer of the group's
+    /// GPU, alive until the group's stream has run the collective.
+    unsafe fn all_reduce_sum_of(
+        &self,
+        pointer: u64,
+        len: usize,
+        data_type: ncclDataType_t,
+    ) -> Result<(), CollectiveError> {
         self.check()?;
-        if range.is_empty() {
+        if len == 0 {
             return Ok(());
         }
-        let pointer = float_at(base, range.start);
         let stream = self.stream.cu_stream();
         self.communicator.call("ncclAllReduce", |comm| {
-            // SAFETY: the caller's contract: `range` lies inside the buffer at `base`; in
+            // SAFETY: the caller's contract: `len` values of `data_type` at `pointer`; in
             // place (send = receive) is allowed by NCCL; the stream is the group's, on the
             // group's GPU; `comm` is live (not aborted, checked by `call`).
             unsafe {
                 cudarc::nccl::result::all_reduce(
                     pointer as *const std::ffi::c_void,
                     pointer as *mut std::ffi::c_void,
-                    range.len(),
-                    ncclDataType_t::ncclFloat32,
+                    len,
+                    data_type,
                     ncclRedOp_t::ncclSum,
                     comm,
                     stream as _,

@@ -31,6 +31,9 @@ use crate::probe::Probe;
 pub struct DeviceDataParallel {
     group: NcclGroup,
     cursor: BucketCursor,
+    /// Whether training passes sum their batch-norm totals over the ranks through the group
+    /// (SyncBatchNorm on the device).
+    sync_batch_norm: bool,
 }
 
 impl CudaExecutor {
@@ -57,7 +60,52 @@ impl CudaExecutor {
         self.data_parallel = Some(DeviceDataParallel {
             group,
             cursor: BucketCursor::new(buckets),
+            sync_batch_norm: false,
         });
+        Ok(())
+    }
+
+    /// SyncBatchNorm through the NCCL group: from now on every training forward and backward
+    /// sums each batch-norm layer's column totals over the ranks with `ncclAllReduce` on the
+    /// device (ordered by events, no host wait, captured with a whole step), instead of
+    /// through a host reducer. Every rank must train on batches of the same size (the
+    /// distributed sampler pads the ranks' shares to one length): a layer's count of values
+    /// is the local count times the world size.
+    pub fn sync_batch_norm_through_nccl(&mut self) -> Result<(), GpuError> {
+        let data_parallel = self
+            .data_parallel
+            .as_mut()
+            .ok_or(GpuError::NoCommunicator)?;
+        data_parallel.sync_batch_norm = true;
+        // A graph captured before holds no batch-norm collectives.
+        self.release_graphs();
+        Ok(())
+    }
+
+    /// The world size when training passes sum their batch-norm totals through NCCL
+    /// ([`CudaExecutor::sync_batch_norm_through_nccl`]); `None` otherwise.
+    pub(super) fn batch_norm_world(&self) -> Option<usize> {
+        self.data_parallel
+            .as_ref()
+            .filter(|data_parallel| data_parallel.sync_batch_norm)
+            .map(|data_parallel| data_parallel.group.world_size())
+    }
+
+    /// Sums the first `len` column totals of the active storage over the ranks, in place:
+    /// on the group's stream after the compute stream's work so far, and the compute stream
+    /// waits for it (given the collective timeout).
+    pub(super) fn all_reduce_batch_norm_totals(&mut self, len: usize) -> Result<(), GpuError> {
+        let totals = address(&self.storage()?.totals, &self.stream);
+        let group = self.nccl_group().ok_or(GpuError::NoCommunicator)?;
+        group.wait_for(&self.stream)?;
+        // SAFETY: the storage's totals hold at least 1 + 2 * channels doubles of every unit
+        // (`len` is at most that), on this GPU; the storage lives until the compute stream,
+        // which waits for the group's stream below, has finished with it.
+        unsafe { group.all_reduce_sum_f64(totals, len)? };
+        group.hand_back(
+            &self.stream,
+            "all-reduce of batch-norm statistics (--sync-bn)".to_string(),
+        )?;
         Ok(())
     }
 

@@ -34,7 +34,8 @@ pub struct StepConditions {
     pub micro_batches: usize,
     /// Whether the step averages gradients with other processes.
     pub data_parallel: bool,
-    /// Whether batch-norm statistics are summed across processes.
+    /// Whether batch-norm statistics are summed across processes (through NCCL on the
+    /// device when `nccl`, else through the host).
     pub sync_bn: bool,
     /// Whether the executor joined an NCCL group.
     pub nccl: bool,
@@ -45,7 +46,7 @@ pub struct StepConditions {
 pub enum NotWholeStep {
     /// Several processes on the host ring: the gradients cross the host inside the step.
     DataParallel,
-    /// SyncBatchNorm: statistics cross the host inside the step.
+    /// SyncBatchNorm on the host ring: statistics cross the host inside the step.
     SyncBatchNorm,
     /// Gradient accumulation over this many micro-batches.
     MicroBatches(usize),
@@ -69,11 +70,12 @@ impl fmt::Display for NotWholeStep {
 }
 
 impl StepConditions {
-    /// `None` when the step is one micro-batch without SyncBatchNorm, in one process or
-    /// with its gradients averaged through NCCL (the executor's `train_step`, eager or
-    /// graphed, the bucket all-reduces inside it), else the first reason it is not.
+    /// `None` when the step is one micro-batch, in one process or with its gradients (and,
+    /// with SyncBatchNorm, its batch statistics) summed through NCCL (the executor's
+    /// `train_step`, eager or graphed, the all-reduces inside it), else the first reason it
+    /// is not.
     pub fn refusal(&self) -> Option<NotWholeStep> {
-        if self.sync_bn {
+        if self.sync_bn && !self.nccl {
             Some(NotWholeStep::SyncBatchNorm)
         } else if self.data_parallel && !self.nccl {
             Some(NotWholeStep::DataParallel)
@@ -272,7 +274,7 @@ mod tests {
     }
 
     #[test]
-    fn steps_of_one_micro_batch_alone_or_through_nccl_are_whole_steps() {
+    fn steps_of_one_micro_batch_alone_or_through_nccl_with_or_without_sync_bn_are_whole_steps() {
         let plain = StepConditions {
             micro_batches: 1,
             data_parallel: false,
@@ -286,6 +288,15 @@ mod tests {
             ..plain
         };
         assert_eq!(nccl.refusal(), None, "the common DDP step through NCCL");
+        let sync_bn_through_nccl = StepConditions {
+            sync_bn: true,
+            ..nccl
+        };
+        assert_eq!(
+            sync_bn_through_nccl.refusal(),
+            None,
+            "SyncBatchNorm through NCCL"
+        );
         let cases = [
             (
                 StepConditions {
@@ -315,15 +326,8 @@ mod tests {
             ),
             (
                 StepConditions {
-                    sync_bn: true,
-                    ..nccl
-                },
-                NotWholeStep::SyncBatchNorm,
-                "--sync-bn sums batch statistics through the host",
-            ),
-            (
-                StepConditions {
                     micro_batches: 4,
+                    sync_bn: true,
                     ..nccl
                 },
                 NotWholeStep::MicroBatches(4),

@@ -291,8 +291,28 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// How this training pass sums batch-norm totals over the processes: through `reducer`
+    /// (the host) when there is one, else through NCCL when the executor syncs batch norm on
+    /// the device, else not at all.
+    fn totals_sync<'a>(&self, reducer: Option<&'a mut dyn BatchNormReducer>) -> TotalsSync<'a> {
+        match (reducer, self.batch_norm_world()) {
+            (Some(reducer), _) => TotalsSync::Host(reducer),
+            (None, Some(world_size)) => TotalsSync::Nccl { world_size },
+            (None, None) => TotalsSync::Local,
+        }
+    }
+
+    /// Sums `totals[..len]` over the processes as `sync` says.
+    fn sum_totals(&mut self, len: usize, sync: &mut TotalsSync) -> Result<(), GpuError> {
+        match sync {
+            TotalsSync::Local => Ok(()),
+            TotalsSync::Host(reducer) => self.reduce_totals(len, &mut **reducer),
+            TotalsSync::Nccl { .. } => self.all_reduce_batch_norm_totals(len),
+        }
+    }
+
     /// Sums `totals[..len]` across processes through the host.
-    pub(super) fn reduce_totals(
+    fn reduce_totals(
         &mut self,
         len: usize,
         reducer: &mut dyn BatchNormReducer,
@@ -356,8 +376,8 @@ impl CudaExecutor {
                 },
             )
         };
-        let count = match reducer {
-            None => {
+        let count = match self.totals_sync(reducer) {
+            TotalsSync::Local => {
                 let count = rows as f64;
                 if let Some(error) = too_few(count) {
                     return Err(error.into());
@@ -366,12 +386,17 @@ impl CudaExecutor {
                     .map_err(device)?;
                 count
             }
-            Some(reducer) => {
+            mut sync => {
                 self.column_totals(z, activations, rows, channels, None)
                     .map_err(device)?;
-                self.reduce_totals(1 + 2 * channels, reducer)
+                self.sum_totals(1 + 2 * channels, &mut sync)
                     .map_err(device)?;
-                let count = self.storage().map_err(device)?.host_totals[0];
+                let count = match sync {
+                    // Every rank's batch has this unit's rows (see
+                    // `sync_batch_norm_through_nccl`); the device reads the summed count.
+                    TotalsSync::Nccl { world_size } => (rows * world_size) as f64,
+                    _ => self.storage().map_err(device)?.host_totals[0],
+                };
                 if let Some(error) = too_few(count) {
                     return Err(error.into());
                 }
@@ -441,8 +466,10 @@ impl CudaExecutor {
             )
         };
         let weight = at(params, bn.weight.start);
-        // Without a reducer the sums' launch also computes the coefficients.
-        let coefficients_in_sums = if reducer.is_some() { 0 } else { coefficients };
+        let mut sync = self.totals_sync(reducer);
+        let local = matches!(sync, TotalsSync::Local);
+        // Without SyncBatchNorm the sums' launch also computes the coefficients.
+        let coefficients_in_sums = if local { coefficients } else { 0 };
         // SAFETY: bn_backward_sums(_bf16)(const Act* x3, const float* x2, int, int, int,
         // double*, unsigned int*, double*, float*, float*, double, const float*, float*): dy,
         // relu_out (or null), z hold `len` activations, mean and invstd `channels` floats; partials holds at least
@@ -473,8 +500,8 @@ impl CudaExecutor {
                 ],
             )?;
         }
-        if let Some(reducer) = reducer {
-            self.reduce_totals(2 * channels, reducer)?;
+        if !local {
+            self.sum_totals(2 * channels, &mut sync)?;
             // SAFETY: bn_backward_coefficients(const double*, double, int, const float*, const
             // float*, float*): totals as above, summed across processes; coefficients holds
             // 3 * channels floats.
@@ -658,4 +685,17 @@ impl CudaExecutor {
             )
         }
     }
+}
+
+/// How a training pass sums a batch-norm layer's column totals over the processes.
+enum TotalsSync<'a> {
+    /// Not at all: this process's batch alone.
+    Local,
+    /// Through the host, by the caller's reducer.
+    Host(&'a mut dyn BatchNormReducer),
+    /// Through NCCL on the device, over this many ranks.
+    Nccl {
+        /// The ranks of the NCCL group.
+        world_size: usize,
+    },
 }

@@ -7,7 +7,11 @@
 //
 // Work runs when it is queued, in the order queued, so every stream is always idle and every
 // event complete. While a stream is being captured, its work is recorded instead (kernel
-// arguments copied at the launch, as CUDA does) and runs at each launch of the graph.
+// arguments copied at the launch, as CUDA does) and runs at each launch of the graph. As in
+// CUDA, another stream that waits on an event recorded inside the capture joins it (its work
+// is recorded into the same graph, in the order queued), and must be joined back (the
+// capturing stream waiting on an event recorded after its last work) before the capture
+// ends, else the capture fails with CUDA_ERROR_STREAM_CAPTURE_UNJOINED.
 // Only what cudarc and the executor call is here; any other entry point is missing, and
 // cudarc's panic names it.
 
@@ -41,6 +45,8 @@ enum {
     CUDA_ERROR_ILLEGAL_STATE = 401,
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_MERGE = 902,
+    CUDA_ERROR_STREAM_CAPTURE_UNJOINED = 904,
     CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD = 908,
 };
 
@@ -54,8 +60,16 @@ struct Context {
 Context the_context;
 
 struct Stream {
-    bool capturing = false;
+    // The capture recording this stream's work: its own while it is capturing, that of the
+    // capturing stream it joined through an event, or none.
+    Stream* capture = nullptr;
+    // The capturing stream's: the recorded work and the streams that joined.
     std::vector<std::function<void()>> captured;
+    std::vector<Stream*> joined;
+    // A joined stream's: its joins and works so far, and that count when the capturing
+    // stream last waited on an event recorded on it.
+    size_t recorded = 0;
+    size_t rejoined = 0;
 };
 
 struct Graph {
@@ -63,7 +77,9 @@ struct Graph {
 };
 
 struct Event {
-    int unused = 0;
+    // Where and when it was last recorded, when that was inside a capture.
+    Stream* stream = nullptr;
+    size_t recorded = 0;
 };
 
 typedef void (*EmulatedLaunch)(const unsigned int*, const unsigned int*, void**);
@@ -119,8 +135,9 @@ size_t param_size(char kind) { return kind == 'i' || kind == 'f' ? 4 : 8; }
 
 void run_or_record(void* stream, std::function<void()> work) {
     auto* target = static_cast<Stream*>(stream);
-    if (target != nullptr && target->capturing) {
-        target->captured.push_back(std::move(work));
+    if (target != nullptr && target->capture != nullptr) {
+        target->capture->captured.push_back(std::move(work));
+        target->recorded++;
     } else {
         work();
     }
@@ -247,36 +264,70 @@ CUresult cuStreamDestroy_v2(void* stream) {
 CUresult cuStreamSynchronize(void* stream) {
     auto* target = static_cast<Stream*>(stream);
     // Synchronizing a capturing stream is illegal in CUDA, and invalidates the capture.
-    if (target != nullptr && target->capturing) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (target != nullptr && target->capture != nullptr) {
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    }
     return CUDA_SUCCESS;
 }
 
 CUresult cuStreamQuery(void*) { return CUDA_SUCCESS; }
 
-CUresult cuStreamWaitEvent(void*, void*, unsigned int) { return CUDA_SUCCESS; }
+CUresult cuStreamWaitEvent(void* stream, void* event, unsigned int) {
+    auto* waiter = static_cast<Stream*>(stream);
+    auto* recorded = static_cast<Event*>(event);
+    if (recorded == nullptr || recorded->stream == nullptr) return CUDA_SUCCESS;
+    Stream* capture = recorded->stream->capture;
+    if (capture == nullptr) return CUDA_SUCCESS;  // the capture it was recorded in ended
+    if (waiter == nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    if (waiter->capture == nullptr) {
+        // A fork: the waiter joins the capture, and must be joined back before it ends.
+        waiter->capture = capture;
+        capture->joined.push_back(waiter);
+        waiter->recorded = 1;
+        waiter->rejoined = 0;
+    } else if (waiter->capture != capture) {
+        return CUDA_ERROR_STREAM_CAPTURE_MERGE;
+    } else if (waiter == capture && recorded->stream != waiter) {
+        Stream* forked = recorded->stream;
+        if (recorded->recorded > forked->rejoined) forked->rejoined = recorded->recorded;
+    }
+    return CUDA_SUCCESS;
+}
 
 CUresult cuStreamBeginCapture_v2(void* stream, int) {
     auto* target = static_cast<Stream*>(stream);
     if (target == nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    if (target->capturing) return CUDA_ERROR_ILLEGAL_STATE;
-    target->capturing = true;
+    if (target->capture != nullptr) return CUDA_ERROR_ILLEGAL_STATE;
+    target->capture = target;
     target->captured.clear();
+    target->joined.clear();
     return CUDA_SUCCESS;
 }
 
 CUresult cuStreamEndCapture(void* stream, void** graph) {
     auto* target = static_cast<Stream*>(stream);
-    if (target == nullptr || !target->capturing) return CUDA_ERROR_ILLEGAL_STATE;
+    if (target == nullptr || target->capture != target) return CUDA_ERROR_ILLEGAL_STATE;
+    bool unjoined = false;
+    for (Stream* forked : target->joined) {
+        unjoined = unjoined || forked->recorded != forked->rejoined;
+        forked->capture = nullptr;
+    }
+    target->joined.clear();
+    target->capture = nullptr;
+    if (unjoined) {
+        target->captured.clear();
+        *graph = nullptr;
+        return CUDA_ERROR_STREAM_CAPTURE_UNJOINED;
+    }
     auto* captured = new Graph();
     captured->work.swap(target->captured);
-    target->capturing = false;
     *graph = captured;
     return CUDA_SUCCESS;
 }
 
 CUresult cuStreamIsCapturing(void* stream, int* status) {
     auto* target = static_cast<Stream*>(stream);
-    *status = target != nullptr && target->capturing ? 1 : 0;
+    *status = target != nullptr && target->capture != nullptr ? 1 : 0;
     return CUDA_SUCCESS;
 }
 
@@ -313,7 +364,14 @@ CUresult cuEventDestroy_v2(void* event) {
     return CUDA_SUCCESS;
 }
 
-CUresult cuEventRecord(void*, void*) { return CUDA_SUCCESS; }
+CUresult cuEventRecord(void* event, void* stream) {
+    auto* target = static_cast<Event*>(event);
+    auto* on = static_cast<Stream*>(stream);
+    bool captured = on != nullptr && on->capture != nullptr;
+    target->stream = captured ? on : nullptr;
+    target->recorded = captured ? on->recorded : 0;
+    return CUDA_SUCCESS;
+}
 CUresult cuEventQuery(void*) { return CUDA_SUCCESS; }
 CUresult cuEventSynchronize(void*) { return CUDA_SUCCESS; }
 

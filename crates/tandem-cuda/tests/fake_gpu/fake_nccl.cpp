@@ -3,6 +3,11 @@
 // into the receive buffer (nothing when they are the same), queued on the given stream. A
 // communicator of more ranks waits in ncclCommInitRank for peers that never come, as NCCL
 // does when a rank is missing, until the process ends.
+//
+// For tests only, a unique id starting with MIRRORED_ID makes a *mirrored* communicator of
+// any size at once: its other ranks are taken to hold the same values as this one, so a sum
+// of float32 or float64 values is the value times the number of ranks (exact for two), and a
+// broadcast copies. A real NCCL would wait for those ranks.
 
 #include <chrono>
 #include <cstdint>
@@ -23,7 +28,10 @@ namespace {
 
 struct Comm {
     int ranks;
+    bool mirrored;
 };
+
+const char MIRRORED_ID[] = "tandem-fake-nccl-mirrored";
 
 size_t type_size(int type) {
     switch (type) {
@@ -60,10 +68,11 @@ ncclResult_t ncclGetUniqueId(UniqueId* id) {
     return ncclSuccess;
 }
 
-ncclResult_t ncclCommInitRank(void** comm, int ranks, UniqueId, int rank) {
+ncclResult_t ncclCommInitRank(void** comm, int ranks, UniqueId id, int rank) {
     if (ranks < 1 || rank < 0 || rank >= ranks) return ncclInvalidArgument;
-    while (ranks > 1) std::this_thread::sleep_for(std::chrono::seconds(1));
-    *comm = new Comm{ranks};
+    bool mirrored = std::memcmp(id.internal, MIRRORED_ID, sizeof MIRRORED_ID - 1) == 0;
+    while (ranks > 1 && !mirrored) std::this_thread::sleep_for(std::chrono::seconds(1));
+    *comm = new Comm{ranks, mirrored};
     return ncclSuccess;
 }
 
@@ -82,9 +91,28 @@ ncclResult_t ncclCommGetAsyncError(void*, ncclResult_t* status) {
 ncclResult_t ncclGroupStart() { return ncclSuccess; }
 ncclResult_t ncclGroupEnd() { return ncclSuccess; }
 
-ncclResult_t ncclAllReduce(const void* send, void* receive, size_t count, int type, int, void*,
-                           void* stream) {
-    return copy(send, receive, count, type, stream);
+ncclResult_t ncclAllReduce(const void* send, void* receive, size_t count, int type, int,
+                           void* comm, void* stream) {
+    ncclResult_t copied = copy(send, receive, count, type, stream);
+    const Comm* c = static_cast<const Comm*>(comm);
+    if (copied != ncclSuccess || c->ranks == 1) return copied;
+    int ranks = c->ranks;
+    switch (type) {
+        case 7:
+            fake_enqueue(stream, [=] {
+                float* values = static_cast<float*>(receive);
+                for (size_t i = 0; i < count; i++) values[i] *= (float)ranks;
+            });
+            return ncclSuccess;
+        case 8:
+            fake_enqueue(stream, [=] {
+                double* values = static_cast<double*>(receive);
+                for (size_t i = 0; i < count; i++) values[i] *= (double)ranks;
+            });
+            return ncclSuccess;
+        default:
+            return ncclInvalidArgument;
+    }
 }
 
 ncclResult_t ncclBroadcast(const void* send, void* receive, size_t count, int type, int root,

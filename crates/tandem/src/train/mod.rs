@@ -200,8 +200,8 @@ impl Trainer {
         // On the ring, a job of several processes on GPUs exchanges gradients through the
         // host: the gradient-ready hook hands out host copies, the average goes back to the
         // device, and the broadcasts copy the flat buffers both ways (the CPU's code). With
-        // NCCL the gradients, parameters and running statistics stay on the device; the
-        // snapshot on resume, the batch count, SyncBatchNorm and the metrics stay on the ring.
+        // NCCL the gradients, parameters, running statistics and SyncBatchNorm's sums stay on
+        // the device; the snapshot on resume, the batch count and the metrics stay on the ring.
         let mut compute = Compute::new(model, device, math)?.with_optimizer(optimizer);
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
             let timeout = Duration::from_secs_f64(settings.collective_timeout);
@@ -213,11 +213,17 @@ impl Trainer {
                 timeout,
                 ddp.buckets(),
             )?;
+            if settings.sync_bn {
+                compute.sync_batch_norm_through_nccl()?;
+            }
             if ddp.rank() == 0 {
                 say!(
                     "gradients: averaged by NCCL on the GPUs in {} buckets as backward finishes them",
                     ddp.buckets().len()
                 );
+                if settings.sync_bn {
+                    say!("sync-bn: batch statistics summed by NCCL on the GPUs");
+                }
             }
         }
         let batches_on_device = match host_batches_requested() {
@@ -629,6 +635,8 @@ impl Trainer {
                 return self.whole_step(batch, lr);
             }
         }
+        // Through NCCL the executor sums the batch statistics itself (on the device).
+        let host_sync_bn = sync_bn && !nccl;
         self.compute.zero_grads()?;
         match self.ddp.as_mut() {
             Some(_) if nccl => self.compute.broadcast_on_device(false)?,
@@ -644,7 +652,7 @@ impl Trainer {
             let mut reducer = self
                 .ddp
                 .as_ref()
-                .filter(|_| sync_bn)
+                .filter(|_| host_sync_bn)
                 .map(Ddp::batch_norm_reducer);
             let loss = self.compute.forward_train(
                 batch.images(self.progress.epoch),
@@ -660,10 +668,10 @@ impl Trainer {
             loss_sum += loss as f64;
             images += batch.len();
             match self.ddp.as_mut().filter(|_| last) {
-                Some(_) if nccl && !sync_bn => {
+                Some(_) if nccl => {
                     self.compute.backward_all_reduced(loss_scale, None)?;
                 }
-                Some(ddp) if !sync_bn => {
+                Some(ddp) if !host_sync_bn => {
                     self.compute.backward(
                         loss_scale,
                         None,
@@ -674,7 +682,7 @@ impl Trainer {
                     let mut reducer = self
                         .ddp
                         .as_ref()
-                        .filter(|_| sync_bn)
+                        .filter(|_| host_sync_bn)
                         .map(Ddp::batch_norm_reducer);
                     self.compute.backward(
                         loss_scale,
