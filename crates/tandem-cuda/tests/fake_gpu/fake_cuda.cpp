@@ -11,7 +11,11 @@
 // CUDA, another stream that waits on an event recorded inside the capture joins it (its work
 // is recorded into the same graph, in the order queued), and must be joined back (the
 // capturing stream waiting on an event recorded after its last work) before the capture
-// ends, else the capture fails with CUDA_ERROR_STREAM_CAPTURE_UNJOINED.
+// ends, else the capture fails with CUDA_ERROR_STREAM_CAPTURE_UNJOINED. The capture's
+// isolation is CUDA's too: a capturing stream may not wait on an event recorded outside its
+// capture (CUDA_ERROR_STREAM_CAPTURE_ISOLATION) or in another one (..._MERGE), and an event
+// last recorded inside a capture may not be queried, synchronized or waited on outside it
+// (CUDA_ERROR_CAPTURED_EVENT).
 // Only what cudarc and the executor call is here; any other entry point is missing, and
 // cudarc's panic names it.
 
@@ -47,6 +51,8 @@ enum {
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_STREAM_CAPTURE_MERGE = 902,
     CUDA_ERROR_STREAM_CAPTURE_UNJOINED = 904,
+    CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905,
+    CUDA_ERROR_CAPTURED_EVENT = 907,
     CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD = 908,
 };
 
@@ -77,8 +83,10 @@ struct Graph {
 };
 
 struct Event {
-    // Where and when it was last recorded, when that was inside a capture.
+    bool ever_recorded = false;
+    // Where, in which capture and when it was last recorded, when that was inside a capture.
     Stream* stream = nullptr;
+    Stream* capture = nullptr;
     size_t recorded = 0;
 };
 
@@ -275,19 +283,24 @@ CUresult cuStreamQuery(void*) { return CUDA_SUCCESS; }
 CUresult cuStreamWaitEvent(void* stream, void* event, unsigned int) {
     auto* waiter = static_cast<Stream*>(stream);
     auto* recorded = static_cast<Event*>(event);
-    if (recorded == nullptr || recorded->stream == nullptr) return CUDA_SUCCESS;
-    Stream* capture = recorded->stream->capture;
-    if (capture == nullptr) return CUDA_SUCCESS;  // the capture it was recorded in ended
-    if (waiter == nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    if (waiter->capture == nullptr) {
+    if (recorded == nullptr || !recorded->ever_recorded) return CUDA_SUCCESS;  // no work
+    Stream* capture = recorded->capture;
+    // Whether the capture it was recorded in is still going.
+    bool live = capture != nullptr && recorded->stream->capture == capture;
+    if (capture != nullptr && !live) return CUDA_ERROR_CAPTURED_EVENT;
+    if (waiter == nullptr || waiter->capture == nullptr) {
+        if (capture == nullptr) return CUDA_SUCCESS;
+        if (waiter == nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
         // A fork: the waiter joins the capture, and must be joined back before it ends.
         waiter->capture = capture;
         capture->joined.push_back(waiter);
         waiter->recorded = 1;
         waiter->rejoined = 0;
-    } else if (waiter->capture != capture) {
-        return CUDA_ERROR_STREAM_CAPTURE_MERGE;
-    } else if (waiter == capture && recorded->stream != waiter) {
+        return CUDA_SUCCESS;
+    }
+    if (capture == nullptr) return CUDA_ERROR_STREAM_CAPTURE_ISOLATION;
+    if (waiter->capture != capture) return CUDA_ERROR_STREAM_CAPTURE_MERGE;
+    if (waiter == capture && recorded->stream != waiter) {
         Stream* forked = recorded->stream;
         if (recorded->recorded > forked->rejoined) forked->rejoined = recorded->recorded;
     }
@@ -368,12 +381,19 @@ CUresult cuEventRecord(void* event, void* stream) {
     auto* target = static_cast<Event*>(event);
     auto* on = static_cast<Stream*>(stream);
     bool captured = on != nullptr && on->capture != nullptr;
+    target->ever_recorded = true;
     target->stream = captured ? on : nullptr;
+    target->capture = captured ? on->capture : nullptr;
     target->recorded = captured ? on->recorded : 0;
     return CUDA_SUCCESS;
 }
-CUresult cuEventQuery(void*) { return CUDA_SUCCESS; }
-CUresult cuEventSynchronize(void*) { return CUDA_SUCCESS; }
+
+CUresult cuEventQuery(void* event) {
+    auto* target = static_cast<Event*>(event);
+    return target->capture != nullptr ? CUDA_ERROR_CAPTURED_EVENT : CUDA_SUCCESS;
+}
+
+CUresult cuEventSynchronize(void* event) { return cuEventQuery(event); }
 
 CUresult cuEventElapsedTime(float* milliseconds, void*, void*) {
     *milliseconds = 0.0f;
