@@ -11,6 +11,7 @@ mod common;
 
 use std::ops::Range;
 
+use common::kernel_checks::assert_bits_equal;
 use common::{formula_batch, gpu_probe, seed_004};
 use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe};
 use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
@@ -177,7 +178,11 @@ fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
         "gradients",
     );
     assert_eq!(gpu_ranges, cpu_ranges, "gradient-ready ranges");
-    assert_eq!(reported, grads, "reported gradients are the final ones");
+    assert_bits_equal(
+        &reported,
+        &grads,
+        "reported gradients against the final ones",
+    );
     let mut buffers = vec![0.0; model.buffers().len()];
     exec.buffers_to_host(&mut buffers).unwrap();
     assert_close(&buffers, cpu.buffers(), 1e-5, "running statistics");
@@ -301,6 +306,75 @@ fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
         1e-4,
         "evaluation logits after two SGD steps",
     );
+}
+
+/// The ring backend's crossing: `with_host_grads` hands over the device gradients (on the
+/// host, page-locked: after a reporting backward only what it did not copy is copied) and
+/// puts back what it is given; after anything else that changes the device gradients (zeros,
+/// a backward without a hook, a copy from the host) it hands over the new values, never the
+/// host's stale copy. On the fake GPU a copy to or from page-locked memory is only done at a
+/// synchronization, so a missing one shows here.
+#[test]
+fn gradients_cross_to_the_host_and_back_through_page_locked_memory() {
+    let Some(probe) = gpu_probe(
+        "gradients_cross_to_the_host_and_back_through_page_locked_memory",
+        &[],
+    ) else {
+        return;
+    };
+    let (mut exec, _cpu, model) = one_step(probe);
+    let n = model.params().len();
+    let device_grads = |exec: &CudaExecutor| {
+        let mut grads = vec![0.0; n];
+        exec.grads_to_host(&mut grads).unwrap();
+        grads
+    };
+    let reported = device_grads(&exec);
+    let halved: Vec<f32> = reported.iter().map(|v| v * 0.5).collect();
+    exec.with_host_grads(|grads| {
+        assert_bits_equal(grads, &reported, "handed over after the backward");
+        grads.iter_mut().for_each(|v| *v *= 0.5);
+    })
+    .unwrap();
+    assert_bits_equal(&device_grads(&exec), &halved, "put back");
+    exec.with_host_grads(|grads| {
+        assert_bits_equal(grads, &halved, "handed over a second time");
+        grads.iter_mut().for_each(|v| *v += 1.0);
+    })
+    .unwrap();
+    let shifted: Vec<f32> = halved.iter().map(|v| v + 1.0).collect();
+    assert_bits_equal(&device_grads(&exec), &shifted, "put back twice");
+
+    exec.zero_grads().unwrap();
+    exec.with_host_grads(|grads| {
+        assert!(grads.iter().all(|&v| v == 0.0), "handed over after zeros");
+    })
+    .unwrap();
+
+    let (images, labels) = formula_batch(BATCH, SIDE, 1);
+    let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
+    exec.forward_train(
+        &model,
+        &plan,
+        &images,
+        &labels,
+        &LossOptions::default(),
+        None,
+    )
+    .unwrap();
+    exec.backward(&model, &plan, 1.0, None, None).unwrap();
+    let unreported = device_grads(&exec);
+    assert!(unreported != reported, "another batch's gradients");
+    exec.with_host_grads(|grads| {
+        assert_bits_equal(grads, &unreported, "after a backward without a hook");
+    })
+    .unwrap();
+
+    exec.grads_from_host(&halved).unwrap();
+    exec.with_host_grads(|grads| {
+        assert_bits_equal(grads, &halved, "after a copy from the host");
+    })
+    .unwrap();
 }
 
 #[test]
@@ -617,8 +691,8 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
         separate.backward(&model, plan, 1.0, None, None).unwrap();
         separate.sgd_step(&config).unwrap();
         losses.push(separate_loss);
-        assert_eq!(bits(&losses[..1]), bits(&losses[1..2]), "step {step}: loss");
-        assert_eq!(bits(&losses[..1]), bits(&losses[2..]), "step {step}: loss");
+        assert_bits_equal(&losses[..1], &losses[1..2], &format!("step {step}: loss"));
+        assert_bits_equal(&losses[..1], &losses[2..], &format!("step {step}: loss"));
     }
     let mut graphed_runs: Vec<StepRun> = runs.iter().step_by(2).copied().collect();
     use StepRun::{Capture, Eager, Replay};
@@ -636,11 +710,11 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
     let expected = device_state(&separate, &model);
     for exec in [&graphed, &eager] {
         let (params, buffers, slots) = device_state(exec, &model);
-        assert_eq!(bits(&params), bits(&expected.0), "parameters");
-        assert_eq!(bits(&buffers), bits(&expected.1), "running statistics");
+        assert_bits_equal(&params, &expected.0, "parameters");
+        assert_bits_equal(&buffers, &expected.1, "running statistics");
         assert_eq!(slots.len(), expected.2.len());
         for (slot, want) in slots.iter().zip(&expected.2) {
-            assert_eq!(bits(slot), bits(want), "momentum");
+            assert_bits_equal(slot, want, "momentum");
         }
     }
 
@@ -683,22 +757,22 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
             .backward(&model, &plans[0], 1.0, None, None)
             .unwrap();
         separate.adam_step(&config).unwrap();
-        assert_eq!(bits(&losses[..1]), bits(&losses[1..2]), "AdamW step {step}");
-        assert_eq!(bits(&losses[..1]), bits(&losses[2..]), "AdamW step {step}");
+        assert_bits_equal(&losses[..1], &losses[1..2], &format!("AdamW step {step}"));
+        assert_bits_equal(&losses[..1], &losses[2..], &format!("AdamW step {step}"));
     }
     let graphed_runs: Vec<StepRun> = adam_runs.iter().step_by(2).copied().collect();
     assert_eq!(graphed_runs, [Eager, Capture, Replay, Replay]);
     let expected = device_state(&separate, &model);
     for exec in [&graphed, &eager] {
         let (params, buffers, slots) = device_state(exec, &model);
-        assert_eq!(bits(&params), bits(&expected.0), "AdamW parameters");
+        assert_bits_equal(&params, &expected.0, "AdamW parameters");
         assert_eq!(
             bits(&buffers),
             bits(&expected.1),
             "AdamW running statistics"
         );
         for (slot, want) in slots.iter().zip(&expected.2) {
-            assert_eq!(bits(slot), bits(want), "AdamW moments");
+            assert_bits_equal(slot, want, "AdamW moments");
         }
     }
     assert!(graphed.graphs_on(), "no capture failed");

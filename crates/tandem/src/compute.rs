@@ -637,24 +637,18 @@ impl Compute {
     }
 
     /// Lets `change` read and replace the gradients on the host (the data-parallel average):
-    /// on a GPU they are copied to the host and back.
+    /// on a GPU they cross through the executor's page-locked host gradients, to the host and
+    /// back.
     pub fn with_host_grads(
         &mut self,
         change: impl FnOnce(&mut [f32]) -> anyhow::Result<()>,
     ) -> anyhow::Result<()> {
         match &mut self.engine {
             Engine::Cpu { .. } => change(self.model.grads_mut()),
-            Engine::Cuda(gpu) => {
-                let grads = self.model.grads_mut();
-                gpu.exec
-                    .grads_to_host(grads)
-                    .context("copying the gradients from the GPU")?;
-                change(grads)?;
-                gpu.exec
-                    .grads_from_host(grads)
-                    .context("copying the gradients to the GPU")?;
-                Ok(())
-            }
+            Engine::Cuda(gpu) => gpu
+                .exec
+                .with_host_grads(change)
+                .context("copying the gradients between the GPU and the host")?,
         }
     }
 

@@ -27,6 +27,7 @@ pub mod dataset;
 pub mod error;
 pub mod flat;
 pub mod graph;
+mod host_grads;
 pub mod launch;
 pub mod linear;
 pub mod memory;
@@ -58,6 +59,7 @@ pub use error::GpuError;
 use error::{driver, same_length};
 use flat::FlatBuffer;
 use graph::{GraphSchedule, OptimizerKind};
+use host_grads::HostGradients;
 use launch::{per_element, Arg, Kernels};
 use memory::PlanStorages;
 pub use scalars::AdamScalars;
@@ -151,8 +153,12 @@ pub struct CudaExecutor {
     generation: u64,
     /// Values in the flat running-statistic buffer (its device allocation holds at least one).
     buffer_len: usize,
-    /// Host copy of the gradients, filled up to `grads_on_host` in a backward.
-    host_grads: Vec<f32>,
+    /// The gradients on the host (page-locked), for a backward's host hook and
+    /// [`CudaExecutor::with_host_grads`].
+    host_grads: HostGradients,
+    /// How many leading gradients `host_grads` holds as the device holds them: advanced by
+    /// a reporting backward's copies, reset by anything else that changes the device
+    /// gradients.
     grads_on_host: usize,
     /// Whether this backward reports its gradients to a hook (which reads host values).
     gradients_to_host: bool,
@@ -267,7 +273,7 @@ impl CudaExecutor {
             storages: PlanStorages::default(),
             graphs: GraphSchedule::new(graphs_off),
             generation: 0,
-            host_grads: vec![0.0; params.len()],
+            host_grads: HostGradients::new(params.len()),
             grads_on_host: 0,
             gradients_to_host: false,
             label_smoothing: 0.0,
@@ -414,6 +420,7 @@ impl CudaExecutor {
 
     /// Sets every device gradient to zero.
     pub fn zero_grads(&mut self) -> Result<(), GpuError> {
+        self.grads_on_host = 0;
         self.grads.zero(&self.stream)
     }
 
@@ -450,15 +457,50 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Replaces the device gradients (e.g. by gradients all-reduced on the host).
+    /// Replaces the device gradients by `grads`.
     pub fn grads_from_host(&mut self, grads: &[f32]) -> Result<(), GpuError> {
         same_length("gradients", grads.len(), self.host_grads.len())?;
+        self.grads_on_host = 0;
         if grads.is_empty() {
             return Ok(());
         }
         self.stream
             .memcpy_htod(grads, &mut self.grads.values_mut())
             .map_err(driver("cuMemcpyHtoDAsync"))
+    }
+
+    /// Lets `change` read and replace the device gradients on the host (the ring backend's
+    /// average): they cross through the page-locked host gradients, where a reporting
+    /// backward has already copied all or most of them (only the rest is copied), and go
+    /// back from there to the device, which `change`'s values then replace.
+    pub fn with_host_grads<R>(
+        &mut self,
+        change: impl FnOnce(&mut [f32]) -> R,
+    ) -> Result<R, GpuError> {
+        let n = self.host_grads.len();
+        if n == 0 {
+            return Ok(change(&mut []));
+        }
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        if self.grads_on_host < n {
+            let range = self.grads_on_host..n;
+            let host = self.host_grads.values(&self.context)?;
+            self.stream
+                .memcpy_dtoh(&self.grads.view(range.clone()), &mut host[range])
+                .map_err(driver("cuMemcpyDtoHAsync"))?;
+        }
+        // Also ends a copy from the host gradients to the device that may still be reading
+        // them (an earlier call's), before `change` writes them.
+        self.synchronize()?;
+        let host = self.host_grads.values(&self.context)?;
+        let result = change(host);
+        self.stream
+            .memcpy_htod(&host[..], &mut self.grads.values_mut())
+            .map_err(driver("cuMemcpyHtoDAsync"))?;
+        self.grads_on_host = n;
+        Ok(result)
     }
 
     /// One step of PyTorch's SGD over the flat device buffers (`sgd_step`, bit-identical to

@@ -265,7 +265,7 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Copies the device gradients up to `end` to the host mirror and reports them, when
+    /// Copies the device gradients up to `end` to the (page-locked) host gradients and reports them, when
     /// this backward has a hook to report to; in a backward that all-reduces through NCCL,
     /// queues the buckets that are now complete instead (nothing crosses to the host).
     pub(super) fn report(
@@ -281,13 +281,14 @@ impl CudaExecutor {
         }
         if end > self.grads_on_host {
             let range = self.grads_on_host..end;
+            let host = self.host_grads.values(&self.context)?;
             self.stream
-                .memcpy_dtoh(&self.grads.view(range.clone()), &mut self.host_grads[range])
+                .memcpy_dtoh(&self.grads.view(range.clone()), &mut host[range])
                 .map_err(driver("cuMemcpyDtoHAsync"))?;
             self.synchronize()?;
             self.grads_on_host = end;
         }
-        ready.finished_up_to(end, &self.host_grads);
+        ready.finished_up_to(end, self.host_grads.values(&self.context)?);
         Ok(())
     }
 

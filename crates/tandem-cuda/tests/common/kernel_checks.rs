@@ -87,10 +87,11 @@ fn values(len: usize, salt: u64) -> Vec<f32> {
         .collect()
 }
 
-fn assert_bits_equal(device: &[f32], cpu: &[f32], what: &str) {
-    assert_eq!(device.len(), cpu.len(), "{what}: lengths");
-    for (i, (d, c)) in device.iter().zip(cpu).enumerate() {
-        assert_eq!(d.to_bits(), c.to_bits(), "{what}[{i}]: kernel {d} CPU {c}");
+/// Asserts `found` bit-identical to `expected`, naming the first element that differs.
+pub fn assert_bits_equal(found: &[f32], expected: &[f32], what: &str) {
+    assert_eq!(found.len(), expected.len(), "{what}: lengths");
+    for (i, (f, e)) in found.iter().zip(expected).enumerate() {
+        assert_eq!(f.to_bits(), e.to_bits(), "{what}[{i}]: {f} against {e}");
     }
 }
 

@@ -16,6 +16,12 @@
 // capture (CUDA_ERROR_STREAM_CAPTURE_ISOLATION) or in another one (..._MERGE), and an event
 // last recorded inside a capture may not be queried, synchronized or waited on outside it
 // (CUDA_ERROR_CAPTURED_EVENT).
+// Copies to or from page-locked host memory (cuMemHostAlloc) are asynchronous, as on a GPU:
+// such a copy is held back until its stream is synchronized (or queried, or an event
+// synchronized or waited on, or the context synchronized), or until more work is queued on
+// its stream; until then the host sees the old values of a copy's target and may still
+// change its source. So a host read that misses its synchronize reads stale values, and a
+// host write to a copy's source before the copy is done reaches the device.
 // Only what cudarc and the executor call is here; any other entry point is missing, and
 // cudarc's panic names it.
 
@@ -76,6 +82,8 @@ struct Stream {
     // stream last waited on an event recorded on it.
     size_t recorded = 0;
     size_t rejoined = 0;
+    // Copies between the device and page-locked host memory, not done yet (in queue order).
+    std::vector<std::function<void()>> held_back;
 };
 
 struct Graph {
@@ -106,6 +114,9 @@ struct Module {
 std::mutex state_mutex;
 std::map<CUdeviceptr, size_t> allocations;
 size_t allocated_bytes = 0;
+// The page-locked host allocations (start, bytes) and the streams that exist.
+std::map<uintptr_t, size_t> pinned_allocations;
+std::vector<Stream*> live_streams;
 thread_local void* current_context = nullptr;
 
 // The kernel libraries, opened once.
@@ -141,13 +152,51 @@ std::vector<void*>& kernel_libraries() {
 
 size_t param_size(char kind) { return kind == 'i' || kind == 'f' ? 4 : 8; }
 
+// Whether [pointer, pointer + bytes) lies in one page-locked host allocation.
+bool is_pinned(const void* pointer, size_t bytes) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    auto start = (uintptr_t)pointer;
+    auto found = pinned_allocations.upper_bound(start);
+    if (found == pinned_allocations.begin()) return false;
+    --found;
+    return start + bytes <= found->first + found->second;
+}
+
+// Does the copies held back on `stream`.
+void finish_held_back(Stream* stream) {
+    std::vector<std::function<void()>> copies;
+    copies.swap(stream->held_back);
+    for (auto& copy : copies) copy();
+}
+
+// Does the copies held back on every stream (a context-wide synchronization).
+void finish_all_held_back() {
+    for (Stream* stream : live_streams) finish_held_back(stream);
+}
+
 void run_or_record(void* stream, std::function<void()> work) {
     auto* target = static_cast<Stream*>(stream);
     if (target != nullptr && target->capture != nullptr) {
         target->capture->captured.push_back(std::move(work));
         target->recorded++;
     } else {
+        // The legacy default stream orders itself after every other stream.
+        if (target == nullptr) {
+            finish_all_held_back();
+        } else {
+            finish_held_back(target);
+        }
         work();
+    }
+}
+
+// Queues a copy to or from page-locked memory: recorded in a capture, else held back.
+void hold_back_or_record(void* stream, std::function<void()> copy) {
+    auto* target = static_cast<Stream*>(stream);
+    if (target == nullptr || target->capture != nullptr) {
+        run_or_record(stream, std::move(copy));
+    } else {
+        target->held_back.push_back(std::move(copy));
     }
 }
 
@@ -242,7 +291,10 @@ CUresult cuCtxGetCurrent(void** context) {
     return CUDA_SUCCESS;
 }
 
-CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
+CUresult cuCtxSynchronize() {
+    finish_all_held_back();
+    return CUDA_SUCCESS;
+}
 
 CUresult cuCtxSetFlags(unsigned int) { return CUDA_SUCCESS; }
 
@@ -256,7 +308,9 @@ CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
 // ----- Streams, events, graphs -----
 
 CUresult cuStreamCreate(void** stream, unsigned int) {
-    *stream = new Stream();
+    auto* created = new Stream();
+    live_streams.push_back(created);
+    *stream = created;
     return CUDA_SUCCESS;
 }
 
@@ -265,7 +319,16 @@ CUresult cuStreamCreateWithPriority(void** stream, unsigned int flags, int) {
 }
 
 CUresult cuStreamDestroy_v2(void* stream) {
-    delete static_cast<Stream*>(stream);
+    auto* destroyed = static_cast<Stream*>(stream);
+    // As CUDA, a destroyed stream's queued work still completes.
+    finish_held_back(destroyed);
+    for (size_t i = 0; i < live_streams.size(); i++) {
+        if (live_streams[i] == destroyed) {
+            live_streams.erase(live_streams.begin() + (long)i);
+            break;
+        }
+    }
+    delete destroyed;
     return CUDA_SUCCESS;
 }
 
@@ -275,15 +338,31 @@ CUresult cuStreamSynchronize(void* stream) {
     if (target != nullptr && target->capture != nullptr) {
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     }
+    if (target == nullptr) {
+        finish_all_held_back();
+    } else {
+        finish_held_back(target);
+    }
     return CUDA_SUCCESS;
 }
 
-CUresult cuStreamQuery(void*) { return CUDA_SUCCESS; }
+// A stream reports idle only once its work is done, so a query completes the held-back copies.
+CUresult cuStreamQuery(void* stream) {
+    auto* target = static_cast<Stream*>(stream);
+    if (target == nullptr) {
+        finish_all_held_back();
+    } else {
+        finish_held_back(target);
+    }
+    return CUDA_SUCCESS;
+}
 
 CUresult cuStreamWaitEvent(void* stream, void* event, unsigned int) {
     auto* waiter = static_cast<Stream*>(stream);
     auto* recorded = static_cast<Event*>(event);
     if (recorded == nullptr || !recorded->ever_recorded) return CUDA_SUCCESS;  // no work
+    // The waiter's later work sees everything before the event (here: all work so far).
+    finish_all_held_back();
     Stream* capture = recorded->capture;
     // Whether the capture it was recorded in is still going.
     bool live = capture != nullptr && recorded->stream->capture == capture;
@@ -311,6 +390,8 @@ CUresult cuStreamBeginCapture_v2(void* stream, int) {
     auto* target = static_cast<Stream*>(stream);
     if (target == nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     if (target->capture != nullptr) return CUDA_ERROR_ILLEGAL_STATE;
+    // Work queued before the capture is not part of it.
+    finish_held_back(target);
     target->capture = target;
     target->captured.clear();
     target->joined.clear();
@@ -388,9 +469,13 @@ CUresult cuEventRecord(void* event, void* stream) {
     return CUDA_SUCCESS;
 }
 
+// An event reports complete once the work before it is done (here: all work so far); one
+// never recorded is complete at once, and waits for nothing.
 CUresult cuEventQuery(void* event) {
     auto* target = static_cast<Event*>(event);
-    return target->capture != nullptr ? CUDA_ERROR_CAPTURED_EVENT : CUDA_SUCCESS;
+    if (target->capture != nullptr) return CUDA_ERROR_CAPTURED_EVENT;
+    if (target->ever_recorded) finish_all_held_back();
+    return CUDA_SUCCESS;
 }
 
 CUresult cuEventSynchronize(void* event) { return cuEventQuery(event); }
@@ -426,6 +511,28 @@ CUresult cuMemFree_v2(CUdeviceptr pointer) {
     return CUDA_SUCCESS;
 }
 
+CUresult cuMemHostAlloc(void** pointer, size_t bytes, unsigned int) {
+    size_t rounded = (bytes + 63) / 64 * 64;
+    if (rounded == 0) rounded = 64;
+    void* memory = std::aligned_alloc(64, rounded);
+    if (memory == nullptr) return CUDA_ERROR_OUT_OF_MEMORY;
+    std::memset(memory, 0x5A, rounded);
+    std::lock_guard<std::mutex> lock(state_mutex);
+    pinned_allocations[(uintptr_t)memory] = rounded;
+    *pointer = memory;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFreeHost(void* pointer) {
+    finish_all_held_back();
+    std::lock_guard<std::mutex> lock(state_mutex);
+    auto found = pinned_allocations.find((uintptr_t)pointer);
+    if (found == pinned_allocations.end()) return CUDA_ERROR_INVALID_VALUE;
+    pinned_allocations.erase(found);
+    std::free(pointer);
+    return CUDA_SUCCESS;
+}
+
 CUresult cuMemAllocAsync(CUdeviceptr* pointer, size_t bytes, void*) {
     return cuMemAlloc_v2(pointer, bytes);
 }
@@ -438,6 +545,7 @@ CUresult cuMemsetD8Async(CUdeviceptr pointer, unsigned char value, size_t count,
 }
 
 CUresult cuMemsetD8_v2(CUdeviceptr pointer, unsigned char value, size_t count) {
+    finish_all_held_back();
     std::memset((void*)pointer, value, count);
     return CUDA_SUCCESS;
 }
@@ -450,22 +558,38 @@ CUresult cuMemsetD32Async(CUdeviceptr pointer, unsigned int value, size_t count,
     return CUDA_SUCCESS;
 }
 
+// From pageable memory the source is read before the call returns (the driver stages it);
+// from page-locked memory, when the copy is done.
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr target, const void* source, size_t bytes, void* stream) {
-    fake_enqueue(stream, [=] { std::memcpy((void*)target, source, bytes); });
+    auto copy = [=] { std::memcpy((void*)target, source, bytes); };
+    if (is_pinned(source, bytes)) {
+        hold_back_or_record(stream, copy);
+    } else {
+        fake_enqueue(stream, copy);
+    }
     return CUDA_SUCCESS;
 }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr target, const void* source, size_t bytes) {
+    finish_all_held_back();
     std::memcpy((void*)target, source, bytes);
     return CUDA_SUCCESS;
 }
 
+// Into pageable memory the copy is done when the call returns; into page-locked memory, only
+// once the stream is synchronized.
 CUresult cuMemcpyDtoHAsync_v2(void* target, CUdeviceptr source, size_t bytes, void* stream) {
-    fake_enqueue(stream, [=] { std::memcpy(target, (const void*)source, bytes); });
+    auto copy = [=] { std::memcpy(target, (const void*)source, bytes); };
+    if (is_pinned(target, bytes)) {
+        hold_back_or_record(stream, copy);
+    } else {
+        fake_enqueue(stream, copy);
+    }
     return CUDA_SUCCESS;
 }
 
 CUresult cuMemcpyDtoH_v2(void* target, CUdeviceptr source, size_t bytes) {
+    finish_all_held_back();
     std::memcpy(target, (const void*)source, bytes);
     return CUDA_SUCCESS;
 }
@@ -476,6 +600,7 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr target, CUdeviceptr source, size_t byt
 }
 
 CUresult cuMemcpyDtoD_v2(CUdeviceptr target, CUdeviceptr source, size_t bytes) {
+    finish_all_held_back();
     std::memmove((void*)target, (const void*)source, bytes);
     return CUDA_SUCCESS;
 }
