@@ -577,8 +577,72 @@ fn device_state(exec: &CudaExecutor, model: &Model) -> (Vec<f32>, Vec<f32>, Vec<
     (params, buffers, slots)
 }
 
+/// Asserts the parameters, running statistics and optimizer state of each of `executors`
+/// bit-identical to those of `expected` (after steps with the `optimizer`).
+fn assert_same_device_state(
+    executors: [&CudaExecutor; 2],
+    expected: &CudaExecutor,
+    model: &Model,
+    optimizer: &str,
+) {
+    let (params, buffers, slots) = device_state(expected, model);
+    for exec in executors {
+        let (found_params, found_buffers, found_slots) = device_state(exec, model);
+        assert_bits_equal(&found_params, &params, &format!("{optimizer}: parameters"));
+        assert_bits_equal(
+            &found_buffers,
+            &buffers,
+            &format!("{optimizer}: running statistics"),
+        );
+        assert_eq!(found_slots.len(), slots.len(), "{optimizer}: state slots");
+        for (slot, want) in found_slots.iter().zip(&slots) {
+            assert_bits_equal(slot, want, &format!("{optimizer}: optimizer state"));
+        }
+    }
+}
+
 fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|value| value.to_bits()).collect()
+}
+
+/// Executors of `model` for comparing whole steps: CUDA graphs on, off, and off (for the
+/// separate calls).
+fn three_executors(probe: &Probe, model: &Model) -> [CudaExecutor; 3] {
+    [true, false, false].map(|graphs| {
+        let mut exec = CudaExecutor::new(probe, settings(), None, model).unwrap();
+        exec.set_graphs(graphs);
+        exec
+    })
+}
+
+/// `dataset` (of bytes) uploaded to each of `executors`, augmented with padding 4, flips and
+/// draws of `seed`.
+fn upload_to_each(
+    executors: [&CudaExecutor; 3],
+    dataset: &tandem_data::Dataset,
+    seed: u64,
+) -> Vec<tandem_cuda::executor::DeviceDataset> {
+    use tandem_cuda::executor::{AugmentSettings, DatasetShape};
+    let tandem_data::Pixels::U8(pixels) = &dataset.images else {
+        panic!("a byte dataset holds bytes")
+    };
+    let shape = DatasetShape {
+        len: dataset.len(),
+        height: SIDE,
+        width: SIDE,
+        channels: 3,
+    };
+    let augment = AugmentSettings {
+        crop_padding: 4,
+        horizontal_flip: true,
+        mean: [0.5; 3],
+        std: [0.25; 3],
+        seed,
+    };
+    executors
+        .map(|exec| exec.upload_dataset(pixels, shape, augment).unwrap())
+        .into_iter()
+        .collect()
 }
 
 /// Whole steps (`train_step`) captured as CUDA graphs and replayed give the bits of the same
@@ -592,37 +656,11 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
         return;
     };
     use tandem_cuda::executor::graph::StepRun;
-    use tandem_cuda::executor::{
-        AugmentSettings, DatasetShape, StepImages, StepOptimizer, TrainStep,
-    };
+    use tandem_cuda::executor::{StepImages, StepOptimizer, TrainStep};
     let dataset = byte_dataset(21);
-    let tandem_data::Pixels::U8(pixels) = &dataset.images else {
-        unreachable!()
-    };
-    let shape = DatasetShape {
-        len: dataset.len(),
-        height: SIDE,
-        width: SIDE,
-        channels: 3,
-    };
-    let augment = AugmentSettings {
-        crop_padding: 4,
-        horizontal_flip: true,
-        mean: [0.5; 3],
-        std: [0.25; 3],
-        seed: 17,
-    };
     let model = seed_004();
-    let open = |graphs: bool| {
-        let mut exec = CudaExecutor::new(probe, settings(), None, &model).unwrap();
-        exec.set_graphs(graphs);
-        exec
-    };
-    let (mut graphed, mut eager, mut separate) = (open(true), open(false), open(false));
-    let mut datasets: Vec<_> = [&graphed, &eager, &separate]
-        .map(|exec| exec.upload_dataset(pixels, shape, augment).unwrap())
-        .into_iter()
-        .collect();
+    let [mut graphed, mut eager, mut separate] = three_executors(probe, &model);
+    let mut datasets = upload_to_each([&graphed, &eager, &separate], &dataset, 17);
     let loss = LossOptions {
         label_smoothing: 0.1,
     };
@@ -664,6 +702,7 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
                             epoch,
                         },
                         labels: &labels,
+                        micro_batches: 1,
                         loss: &loss,
                         optimizer: StepOptimizer::Sgd(&config),
                     },
@@ -672,7 +711,7 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
             if let Some(reason) = &outcome.graphs_off {
                 eprintln!("graphs off: {reason}");
             }
-            losses.push(outcome.loss);
+            losses.push(outcome.losses[0]);
             runs.push(outcome.run);
         }
         separate.zero_grads().unwrap();
@@ -707,16 +746,7 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
         [Eager, Capture, Replay, Eager, Replay, Capture, Replay, Replay]
     );
     assert!(runs.iter().skip(1).step_by(2).all(|run| *run == Eager));
-    let expected = device_state(&separate, &model);
-    for exec in [&graphed, &eager] {
-        let (params, buffers, slots) = device_state(exec, &model);
-        assert_bits_equal(&params, &expected.0, "parameters");
-        assert_bits_equal(&buffers, &expected.1, "running statistics");
-        assert_eq!(slots.len(), expected.2.len());
-        for (slot, want) in slots.iter().zip(&expected.2) {
-            assert_bits_equal(slot, want, "momentum");
-        }
-    }
+    assert_same_device_state([&graphed, &eager], &separate, &model, "SGD");
 
     // AdamW on host images: a new optimizer state (a new generation) and new keys.
     let (images, labels) = formula_batch(BATCH, SIDE, 0);
@@ -736,6 +766,7 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
                     TrainStep {
                         images: StepImages::Host(&images),
                         labels: &labels,
+                        micro_batches: 1,
                         loss: &loss,
                         optimizer: StepOptimizer::Adam(&config),
                     },
@@ -744,7 +775,7 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
             if let Some(reason) = &outcome.graphs_off {
                 eprintln!("graphs off: {reason}");
             }
-            losses.push(outcome.loss);
+            losses.push(outcome.losses[0]);
             adam_runs.push(outcome.run);
         }
         separate.zero_grads().unwrap();
@@ -762,18 +793,191 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
     }
     let graphed_runs: Vec<StepRun> = adam_runs.iter().step_by(2).copied().collect();
     assert_eq!(graphed_runs, [Eager, Capture, Replay, Replay]);
-    let expected = device_state(&separate, &model);
-    for exec in [&graphed, &eager] {
-        let (params, buffers, slots) = device_state(exec, &model);
-        assert_bits_equal(&params, &expected.0, "AdamW parameters");
-        assert_eq!(
-            bits(&buffers),
-            bits(&expected.1),
-            "AdamW running statistics"
-        );
-        for (slot, want) in slots.iter().zip(&expected.2) {
-            assert_bits_equal(slot, want, "AdamW moments");
+    assert_same_device_state([&graphed, &eager], &separate, &model, "AdamW");
+    assert!(graphed.graphs_on(), "no capture failed");
+}
+
+/// Whole steps of several micro-batches (`--grad-accum`): captured and replayed, and eager,
+/// they give the bits of the separate calls (per micro-batch a forward and a backward of the
+/// loss scaled by the inverse of their count, then the optimizer), each micro-batch's loss
+/// included, on gathered batches with SGD and on host batches with AdamW; their count is a
+/// key of its own. A bad label in a later micro-batch is the separate calls' error.
+#[test]
+fn accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit() {
+    let Some(probe) = gpu_probe(
+        "accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit",
+        &[],
+    ) else {
+        return;
+    };
+    use tandem_cuda::executor::graph::StepRun::{self, Capture, Eager, Replay};
+    use tandem_cuda::executor::{StepImages, StepOptimizer, TrainStep};
+    const MICRO_BATCHES: usize = 3;
+    let dataset = byte_dataset(21);
+    let model = common::shallow_seed_004();
+    let [mut graphed, mut eager, mut separate] = three_executors(probe, &model);
+    let mut datasets = upload_to_each([&graphed, &eager, &separate], &dataset, 5);
+    let loss = LossOptions {
+        label_smoothing: 0.1,
+    };
+    let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
+    let scale = 1.0 / MICRO_BATCHES as f32;
+    let mut runs = Vec::new();
+    for step in 0..4u64 {
+        let indices: Vec<usize> = (0..MICRO_BATCHES * BATCH)
+            .map(|i| (i * 5 + step as usize * 3) % dataset.len())
+            .collect();
+        let labels: Vec<u32> = indices.iter().map(|&i| dataset.labels[i]).collect();
+        let epoch = step / 2;
+        let config = SgdConfig {
+            lr: 0.1 / (step + 1) as f32,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: true,
+            weight_decay: 5e-4,
+        };
+        let mut losses: Vec<Vec<f32>> = Vec::new();
+        for (exec, dataset) in [&mut graphed, &mut eager].into_iter().zip(&mut datasets) {
+            let outcome = exec
+                .train_step(
+                    &model,
+                    &plan,
+                    TrainStep {
+                        images: StepImages::Gathered {
+                            dataset,
+                            indices: &indices,
+                            epoch,
+                        },
+                        labels: &labels,
+                        micro_batches: MICRO_BATCHES,
+                        loss: &loss,
+                        optimizer: StepOptimizer::Sgd(&config),
+                    },
+                )
+                .unwrap();
+            losses.push(outcome.losses);
+            runs.push(outcome.run);
+        }
+        separate.zero_grads().unwrap();
+        let mut separate_losses = Vec::new();
+        for (indices, labels) in indices.chunks(BATCH).zip(labels.chunks(BATCH)) {
+            separate_losses.push(
+                separate
+                    .forward_train_gathered(
+                        &model,
+                        &plan,
+                        &mut datasets[2],
+                        indices,
+                        epoch,
+                        labels,
+                        &loss,
+                        None,
+                    )
+                    .unwrap(),
+            );
+            separate.backward(&model, &plan, scale, None, None).unwrap();
+        }
+        separate.sgd_step(&config).unwrap();
+        for found in &losses {
+            assert_bits_equal(found, &separate_losses, &format!("step {step}: losses"));
         }
     }
+    let graphed_runs: Vec<StepRun> = runs.iter().step_by(2).copied().collect();
+    assert_eq!(graphed_runs, [Eager, Capture, Replay, Replay]);
+    assert!(runs.iter().skip(1).step_by(2).all(|run| *run == Eager));
+    assert_same_device_state([&graphed, &eager], &separate, &model, "SGD");
+
+    // AdamW on host batches of two micro-batches: another key, a new optimizer state.
+    let host_micro_batches = 2;
+    let mut adam_runs = Vec::new();
+    for step in 0..3u64 {
+        let (mut images, mut labels) = formula_batch(BATCH, SIDE, 2 * step);
+        let (more_images, more_labels) = formula_batch(BATCH, SIDE, 2 * step + 1);
+        images.extend_from_slice(&more_images);
+        labels.extend_from_slice(&more_labels);
+        let config = AdamConfig {
+            weight_decay: 1e-2,
+            decoupled: true,
+            ..AdamConfig::with_lr(1e-3 / (step + 1) as f32)
+        };
+        let mut losses = Vec::new();
+        for exec in [&mut graphed, &mut eager] {
+            let outcome = exec
+                .train_step(
+                    &model,
+                    &plan,
+                    TrainStep {
+                        images: StepImages::Host(&images),
+                        labels: &labels,
+                        micro_batches: host_micro_batches,
+                        loss: &loss,
+                        optimizer: StepOptimizer::Adam(&config),
+                    },
+                )
+                .unwrap();
+            losses.push(outcome.losses);
+            adam_runs.push(outcome.run);
+        }
+        separate.zero_grads().unwrap();
+        let image_len = images.len() / host_micro_batches;
+        let mut separate_losses = Vec::new();
+        for (images, labels) in images.chunks(image_len).zip(labels.chunks(BATCH)) {
+            separate_losses.push(
+                separate
+                    .forward_train(&model, &plan, images, labels, &loss, None)
+                    .unwrap(),
+            );
+            separate.backward(&model, &plan, 0.5, None, None).unwrap();
+        }
+        separate.adam_step(&config).unwrap();
+        for found in &losses {
+            assert_bits_equal(
+                found,
+                &separate_losses,
+                &format!("AdamW step {step}: losses"),
+            );
+        }
+    }
+    let graphed_runs: Vec<StepRun> = adam_runs.iter().step_by(2).copied().collect();
+    assert_eq!(graphed_runs, [Eager, Capture, Replay]);
+    assert_same_device_state([&graphed, &eager], &separate, &model, "AdamW");
     assert!(graphed.graphs_on(), "no capture failed");
+
+    // A label out of range in the second micro-batch: the separate calls' error for it.
+    let (mut images, mut labels) = formula_batch(BATCH, SIDE, 0);
+    images.extend_from_within(..);
+    labels.extend_from_within(..);
+    labels[BATCH + 3] = 10;
+    let config = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+    };
+    let error = graphed
+        .train_step(
+            &model,
+            &plan,
+            TrainStep {
+                images: StepImages::Host(&images),
+                labels: &labels,
+                micro_batches: 2,
+                loss: &loss,
+                optimizer: StepOptimizer::Sgd(&config),
+            },
+        )
+        .unwrap_err();
+    let separate_error = separate
+        .forward_train(
+            &model,
+            &plan,
+            &images[images.len() / 2..],
+            &labels[BATCH..],
+            &loss,
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(error.to_string(), separate_error.to_string());
+    assert!(error.to_string().contains("sample 3"), "{error}");
 }

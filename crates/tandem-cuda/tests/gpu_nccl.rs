@@ -4,7 +4,7 @@
 //! leave the parameters and running statistics as they were; whole training steps through
 //! the group, captured as a CUDA graph with their bucket all-reduces and replayed, end with
 //! the bits of the same steps run eagerly and of steps without NCCL, with SyncBatchNorm
-//! through the group too; a communicator of two ranks whose second rank never joins ends in
+//! through the group too, and of several micro-batches; a communicator of two ranks whose second rank never joins ends in
 //! an error within the timeout, not a hang. On the fake GPU only, a *mirrored* communicator
 //! of two ranks (the fake NCCL's: the other rank holds the same values, so each sum doubles)
 //! checks that SyncBatchNorm's statistics really are summed over the ranks: two identical
@@ -165,10 +165,16 @@ fn join(probe: &Probe, exec: &mut CudaExecutor, model: &Model, group: Group, syn
 }
 
 /// `STEPS` whole training steps (`train_step`, SGD with momentum, the learning rate changing,
-/// host batches) with the executor's graphs on or off, through `group` (rank 0's running
-/// statistics broadcast before each step, as the trainer does) or alone, with SyncBatchNorm
-/// through the group when `sync_bn`.
-fn whole_steps(probe: &Probe, group: Group, sync_bn: bool, graphs: bool) -> WholeSteps {
+/// host batches) of `micro_batches` each, with the executor's graphs on or off, through
+/// `group` (rank 0's running statistics broadcast before each step, as the trainer does) or
+/// alone, with SyncBatchNorm through the group when `sync_bn`.
+fn whole_steps(
+    probe: &Probe,
+    group: Group,
+    sync_bn: bool,
+    graphs: bool,
+    micro_batches: usize,
+) -> WholeSteps {
     let model = model();
     let mut exec = executor(probe, &model);
     exec.set_graphs(graphs);
@@ -179,7 +185,12 @@ fn whole_steps(probe: &Probe, group: Group, sync_bn: bool, graphs: bool) -> Whol
     };
     let (mut losses, mut runs) = (Vec::new(), Vec::new());
     for step in 0..STEPS {
-        let (images, labels) = formula_batch(BATCH, SIDE, step);
+        let (mut images, mut labels) = (Vec::new(), Vec::new());
+        for micro_batch in 0..micro_batches as u64 {
+            let (more_images, more_labels) = formula_batch(BATCH, SIDE, 10 * step + micro_batch);
+            images.extend_from_slice(&more_images);
+            labels.extend_from_slice(&more_labels);
+        }
         let config = SgdConfig {
             lr: 0.05 / (step + 1) as f32,
             momentum: 0.9,
@@ -197,12 +208,13 @@ fn whole_steps(probe: &Probe, group: Group, sync_bn: bool, graphs: bool) -> Whol
                 TrainStep {
                     images: StepImages::Host(&images),
                     labels: &labels,
+                    micro_batches,
                     loss: &loss,
                     optimizer: StepOptimizer::Sgd(&config),
                 },
             )
             .unwrap();
-        losses.push(outcome.loss.to_bits());
+        losses.extend(outcome.losses.iter().map(|loss| loss.to_bits()));
         runs.push(outcome.run);
     }
     exec.synchronize().unwrap();
@@ -242,9 +254,9 @@ fn whole_steps_through_nccl_as_a_cuda_graph_equal_eager_ones_bit_for_bit() {
         return;
     };
     use StepRun::{Capture, Eager, Replay};
-    let graphed = whole_steps(probe, Group::WorldOfOne, false, true);
-    let eager = whole_steps(probe, Group::WorldOfOne, false, false);
-    let alone = whole_steps(probe, Group::Alone, false, true);
+    let graphed = whole_steps(probe, Group::WorldOfOne, false, true, 1);
+    let eager = whole_steps(probe, Group::WorldOfOne, false, false, 1);
+    let alone = whole_steps(probe, Group::Alone, false, true, 1);
     assert_eq!(graphed.runs, [Eager, Capture, Replay, Replay, Replay]);
     assert_eq!(eager.runs, [Eager; STEPS as usize]);
     assert_eq!(alone.runs, graphed.runs);
@@ -270,12 +282,39 @@ fn sync_bn_through_a_world_of_one_as_a_cuda_graph_equals_steps_without_it() {
         return;
     };
     use StepRun::{Capture, Eager, Replay};
-    let graphed = whole_steps(probe, Group::WorldOfOne, true, true);
-    let eager = whole_steps(probe, Group::WorldOfOne, true, false);
-    let alone = whole_steps(probe, Group::Alone, false, false);
+    let graphed = whole_steps(probe, Group::WorldOfOne, true, true, 1);
+    let eager = whole_steps(probe, Group::WorldOfOne, true, false, 1);
+    let alone = whole_steps(probe, Group::Alone, false, false, 1);
     assert_eq!(graphed.runs, [Eager, Capture, Replay, Replay, Replay]);
     assert_same_bits(&graphed, &eager, "eager SyncBatchNorm through NCCL");
     assert_same_bits(&graphed, &alone, "steps without NCCL");
+}
+
+/// Whole steps of two micro-batches (`--grad-accum 2`) through a world of one, with
+/// SyncBatchNorm through it: captured with every micro-batch's statistics all-reduced and the
+/// last one's buckets, they end with the bits of the same steps eager and of steps without
+/// NCCL, each micro-batch's loss included.
+#[test]
+fn accumulated_steps_through_nccl_with_sync_bn_as_a_cuda_graph_equal_eager_and_alone() {
+    let Some(probe) = gpu_probe(
+        "accumulated_steps_through_nccl_with_sync_bn_as_a_cuda_graph_equal_eager_and_alone",
+        &[Library::Nccl],
+    ) else {
+        return;
+    };
+    use StepRun::{Capture, Eager, Replay};
+    let graphed = whole_steps(probe, Group::WorldOfOne, true, true, 2);
+    let eager = whole_steps(probe, Group::WorldOfOne, true, false, 2);
+    let alone = whole_steps(probe, Group::Alone, false, false, 2);
+    assert_eq!(graphed.runs, [Eager, Capture, Replay, Replay, Replay]);
+    assert_eq!(graphed.losses.len(), 2 * STEPS as usize);
+    assert_same_bits(&graphed, &eager, "eager steps through NCCL");
+    assert_same_bits(&graphed, &alone, "steps without NCCL");
+    let one_micro_batch = whole_steps(probe, Group::Alone, false, false, 1);
+    assert!(
+        one_micro_batch.params != alone.params,
+        "the second micro-batch changed nothing"
+    );
 }
 
 /// Two ranks holding the same batch train as one, with SyncBatchNorm's statistics summed
@@ -294,9 +333,9 @@ fn two_mirrored_ranks_with_sync_bn_through_nccl_train_as_one_bit_for_bit() {
         return;
     }
     use StepRun::{Capture, Eager, Replay};
-    let pair = whole_steps(probe, Group::MirroredPair, true, true);
-    let pair_eager = whole_steps(probe, Group::MirroredPair, true, false);
-    let alone = whole_steps(probe, Group::Alone, false, true);
+    let pair = whole_steps(probe, Group::MirroredPair, true, true, 1);
+    let pair_eager = whole_steps(probe, Group::MirroredPair, true, false, 1);
+    let alone = whole_steps(probe, Group::Alone, false, true, 1);
     assert_eq!(pair.runs, [Eager, Capture, Replay, Replay, Replay]);
     assert_same_bits(&pair, &pair_eager, "the pair's eager steps");
     assert_eq!(pair.losses, alone.losses, "losses against one rank alone");

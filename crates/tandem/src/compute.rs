@@ -23,6 +23,7 @@
 //! **The GPU side has not yet run on a GPU**: it compiles here and the GPU tests
 //! (`tests/gpu_train.rs`) wait for a machine with one.
 
+use std::borrow::Cow;
 use std::sync::{Arc, Weak};
 
 use anyhow::Context;
@@ -169,6 +170,89 @@ pub enum TrainImages<'a> {
         /// The epoch of the draws.
         epoch: u64,
     },
+}
+
+/// One micro-batch of a whole training step ([`Compute::train_step`]).
+#[derive(Clone, Copy, Debug)]
+pub struct TrainBatch<'a> {
+    /// Its images.
+    pub images: TrainImages<'a>,
+    /// Their labels.
+    pub labels: &'a [u32],
+}
+
+/// The images of a whole step's micro-batches, one after another.
+enum JoinedImages<'a> {
+    /// Host images.
+    Host(Cow<'a, [f32]>),
+    /// Dataset indices, with the epoch of their draws.
+    OnDevice {
+        indices: Cow<'a, [usize]>,
+        epoch: u64,
+    },
+}
+
+/// The images and labels of `micro_batches` one after another (borrowed when there is one):
+/// an error unless there is at least one, all of one size and of one kind (host images, or
+/// indices with the draws of one epoch).
+fn join_micro_batches<'a>(
+    micro_batches: &[TrainBatch<'a>],
+) -> anyhow::Result<(JoinedImages<'a>, Cow<'a, [u32]>)> {
+    let (first, rest) = micro_batches
+        .split_first()
+        .context("a training step needs at least one micro-batch")?;
+    let batch = first.labels.len();
+    if let Some(other) = rest.iter().find(|other| other.labels.len() != batch) {
+        anyhow::bail!(
+            "the micro-batches of one whole step must have one size: {batch} and {} images",
+            other.labels.len()
+        );
+    }
+    if rest.is_empty() {
+        let images = match first.images {
+            TrainImages::Host(images) => JoinedImages::Host(Cow::Borrowed(images)),
+            TrainImages::OnDevice { indices, epoch } => JoinedImages::OnDevice {
+                indices: Cow::Borrowed(indices),
+                epoch,
+            },
+        };
+        return Ok((images, Cow::Borrowed(first.labels)));
+    }
+    let labels: Vec<u32> = micro_batches
+        .iter()
+        .flat_map(|micro_batch| micro_batch.labels.iter().copied())
+        .collect();
+    let images = match first.images {
+        TrainImages::Host(_) => {
+            let mut joined = Vec::new();
+            for micro_batch in micro_batches {
+                let TrainImages::Host(images) = micro_batch.images else {
+                    anyhow::bail!("the micro-batches of one whole step mix host and GPU images");
+                };
+                joined.extend_from_slice(images);
+            }
+            JoinedImages::Host(Cow::Owned(joined))
+        }
+        TrainImages::OnDevice { epoch, .. } => {
+            let mut joined = Vec::new();
+            for micro_batch in micro_batches {
+                match micro_batch.images {
+                    TrainImages::OnDevice {
+                        indices,
+                        epoch: its_epoch,
+                    } if its_epoch == epoch => joined.extend_from_slice(indices),
+                    _ => anyhow::bail!(
+                        "the micro-batches of one whole step must be GPU images of one epoch"
+                    ),
+                }
+            }
+            JoinedImages::OnDevice {
+                indices: Cow::Owned(joined),
+                epoch,
+            }
+        }
+    };
+    Ok((images, Cow::Owned(labels)))
 }
 
 /// An optimizer's settings, whichever device runs it.
@@ -508,9 +592,9 @@ impl Compute {
     }
 
     /// Whether a training step of `conditions` runs as one [`Compute::train_step`] (a GPU
-    /// step of one micro-batch, in one process or with its gradients, and with SyncBatchNorm
-    /// its batch statistics, summed through NCCL, which the executor captures as a CUDA
-    /// graph);
+    /// step of one or more micro-batches, in one process or with its gradients, and with
+    /// SyncBatchNorm its batch statistics, summed through NCCL, which the executor captures
+    /// as a CUDA graph);
     /// otherwise the step runs through `forward_train`, `backward` and `optimizer_step`, and
     /// on a GPU the first such step prints why it is not captured.
     pub fn whole_steps(&mut self, conditions: &StepConditions) -> bool {
@@ -526,29 +610,33 @@ impl Compute {
         }
     }
 
-    /// One whole training step on the GPU: gradients zeroed, train-mode forward of `images`
-    /// with `labels`, backward (with NCCL joined, the gradients averaged over the ranks
-    /// bucket by bucket), and the optimizer at learning rate `lr` (and `momentum`);
-    /// returns the mean loss, read after the update. The GPU runs it eagerly or as a CUDA graph
-    /// with the same result; the first captured step of each batch shape prints a note, and
-    /// so does the first step after graphs were turned off (with the reason).
-    #[allow(clippy::too_many_arguments)]
+    /// One whole training step on the GPU over `micro_batches` (one, or `--grad-accum` of
+    /// one size): gradients zeroed; per micro-batch a train-mode forward and a backward of its
+    /// loss scaled by the inverse of their count (with NCCL joined, the last one's gradients
+    /// averaged over the ranks bucket by bucket); the optimizer at learning rate `lr` (and
+    /// `momentum`). Returns the mean of the micro-batches' losses, read after the update, as
+    /// the separate calls would average them. The GPU runs it eagerly or as a CUDA graph with
+    /// the same result; the first captured step of each batch shape prints a note, and so
+    /// does the first step after graphs were turned off (with the reason).
     pub fn train_step(
         &mut self,
-        images: TrainImages<'_>,
-        batch: usize,
+        micro_batches: &[TrainBatch<'_>],
         height: usize,
         width: usize,
-        labels: &[u32],
         loss: &LossOptions,
         lr: f64,
         momentum: Option<f64>,
-    ) -> anyhow::Result<f32> {
+    ) -> anyhow::Result<f64> {
         let Engine::Cuda(gpu) = &mut self.engine else {
             anyhow::bail!("a whole training step needs the model on a GPU");
         };
         let gpu = &mut **gpu;
-        check_labels(labels, batch, self.model.spec().num_classes())?;
+        let (images, labels) = join_micro_batches(micro_batches)?;
+        let count = micro_batches.len();
+        let batch = labels.len() / count;
+        for micro_batch in labels.chunks(batch.max(1)) {
+            check_labels(micro_batch, batch, self.model.spec().num_classes())?;
+        }
         let config = gpu.optimizer.as_mut().context("no optimizer was set up")?;
         config.set_lr(lr as f32);
         if let Some(momentum) = momentum {
@@ -563,15 +651,15 @@ impl Compute {
             height,
             width,
         )?;
-        let images = match images {
-            TrainImages::Host(images) => StepImages::Host(images),
-            TrainImages::OnDevice { indices, epoch } => StepImages::Gathered {
+        let images = match &images {
+            JoinedImages::Host(images) => StepImages::Host(images),
+            JoinedImages::OnDevice { indices, epoch } => StepImages::Gathered {
                 dataset: gpu
                     .train_set
                     .as_mut()
                     .context("the training set was not copied to the GPU")?,
                 indices,
-                epoch,
+                epoch: *epoch,
             },
         };
         let optimizer = match &config {
@@ -580,24 +668,29 @@ impl Compute {
         };
         let step = TrainStep {
             images,
-            labels,
+            labels: &labels,
+            micro_batches: count,
             loss,
             optimizer,
         };
         let outcome = gpu.exec.train_step(&self.model, plan, step)?;
+        // Each micro-batch's forward counts in the running statistics, as PyTorch's does.
         let tracked = self.model.num_batches_tracked();
-        self.model.set_num_batches_tracked(tracked + 1);
+        self.model.set_num_batches_tracked(tracked + count as u64);
         gpu.host_behind = true;
         if let Some(reason) = &outcome.graphs_off {
             note_graphs_off(&mut gpu.graphs_off_noted, reason);
         }
         gpu.last_step_run = Some(outcome.run);
         if outcome.run == StepRun::Capture {
-            tell!(
-                "note: CUDA graphs on: training steps of {batch} images of {height}x{width} replay one captured graph"
-            );
+            let shape = match count {
+                1 => format!("{batch} images of {height}x{width}"),
+                _ => format!("{count} micro-batches of {batch} images of {height}x{width}"),
+            };
+            tell!("note: CUDA graphs on: training steps of {shape} replay one captured graph");
         }
-        Ok(outcome.loss)
+        let loss_sum: f64 = outcome.losses.iter().map(|&loss| f64::from(loss)).sum();
+        Ok(loss_sum / count as f64)
     }
 
     /// How the last [`Compute::train_step`] ran (eagerly, captured, replayed); `None` on the
@@ -1165,12 +1258,72 @@ mod tests {
     }
 
     #[test]
+    fn the_micro_batches_of_a_whole_step_join_when_they_are_of_one_size_and_kind() {
+        let (first_images, first_labels) = (vec![1.0, 2.0], vec![3, 4]);
+        let (second_images, second_labels) = (vec![5.0, 6.0], vec![7, 8]);
+        let host = |images, labels| TrainBatch {
+            images: TrainImages::Host(images),
+            labels,
+        };
+        let (images, labels) = join_micro_batches(&[host(&first_images, &first_labels)]).unwrap();
+        assert!(matches!(images, JoinedImages::Host(Cow::Borrowed(_))));
+        assert!(matches!(labels, Cow::Borrowed(&[3, 4])));
+        let (images, labels) = join_micro_batches(&[
+            host(&first_images, &first_labels),
+            host(&second_images, &second_labels),
+        ])
+        .unwrap();
+        match images {
+            JoinedImages::Host(images) => assert_eq!(&images[..], &[1.0, 2.0, 5.0, 6.0]),
+            JoinedImages::OnDevice { .. } => panic!("host images became indices"),
+        }
+        assert_eq!(&labels[..], &[3, 4, 7, 8]);
+
+        let indices = [[10, 11], [12, 13]];
+        let on_device = |indices, epoch| TrainBatch {
+            images: TrainImages::OnDevice { indices, epoch },
+            labels: &first_labels,
+        };
+        let (images, _) =
+            join_micro_batches(&[on_device(&indices[0], 2), on_device(&indices[1], 2)]).unwrap();
+        match images {
+            JoinedImages::OnDevice { indices, epoch } => {
+                assert_eq!((&indices[..], epoch), (&[10, 11, 12, 13][..], 2));
+            }
+            JoinedImages::Host(_) => panic!("indices became host images"),
+        }
+
+        let error = |micro_batches: &[TrainBatch<'_>]| match join_micro_batches(micro_batches) {
+            Ok(_) => panic!("joined"),
+            Err(error) => error.to_string(),
+        };
+        assert_eq!(error(&[]), "a training step needs at least one micro-batch");
+        assert_eq!(
+            error(&[
+                host(&first_images, &first_labels),
+                host(&first_images[..1], &[9])
+            ]),
+            "the micro-batches of one whole step must have one size: 2 and 1 images"
+        );
+        assert_eq!(
+            error(&[
+                host(&first_images, &first_labels),
+                on_device(&indices[0], 2)
+            ]),
+            "the micro-batches of one whole step mix host and GPU images"
+        );
+        assert_eq!(
+            error(&[on_device(&indices[0], 2), on_device(&indices[1], 3)]),
+            "the micro-batches of one whole step must be GPU images of one epoch"
+        );
+    }
+
+    #[test]
     fn whole_steps_are_a_gpu_matter() {
         let mut compute = Compute::new(small_model(), &cpu(), None)
             .unwrap()
             .with_optimizer(OptimizerConfig::Adam(AdamConfig::with_lr(0.01)));
         let single = StepConditions {
-            micro_batches: 1,
             data_parallel: false,
             sync_bn: false,
             nccl: false,
@@ -1191,17 +1344,12 @@ mod tests {
             "SyncBatchNorm through NCCL needs the model on a GPU"
         );
         let (images, labels) = batch(4);
+        let micro_batch = TrainBatch {
+            images: TrainImages::Host(&images),
+            labels: &labels,
+        };
         let error = compute
-            .train_step(
-                TrainImages::Host(&images),
-                4,
-                8,
-                8,
-                &labels,
-                &LossOptions::default(),
-                0.1,
-                None,
-            )
+            .train_step(&[micro_batch], 8, 8, &LossOptions::default(), 0.1, None)
             .unwrap_err();
         assert_eq!(
             error.to_string(),

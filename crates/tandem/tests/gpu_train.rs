@@ -314,10 +314,12 @@ fn training_with_the_data_on_the_gpu_matches_host_batches() {
     assert_runs_close(&cpu, &device, "data on the GPU vs cpu");
 }
 
-/// Whole training steps captured as CUDA graphs (one micro-batch, one process; the epoch's
-/// last, partial batch a graph of its own) end with the bytes of `epoch_2.safetensors` of the
-/// same run with `TANDEM_CUDA_GRAPHS=0`, with the data on the GPU and fed from the host; the
-/// notes say which runs used graphs.
+/// Whole training steps captured as CUDA graphs (one process; with one micro-batch the
+/// epoch's last, partial batch a graph of its own; with `--grad-accum 2` the steps of two
+/// full micro-batches one graph, and the epoch's last step, of a full and a partial one,
+/// through the separate calls) end with the bytes of `epoch_2.safetensors` of the same run
+/// with `TANDEM_CUDA_GRAPHS=0`, with the data on the GPU and fed from the host; the notes say
+/// which runs used graphs.
 #[test]
 fn training_steps_as_cuda_graphs_match_eager_steps() {
     if !gpu_available("training_steps_as_cuda_graphs_match_eager_steps") {
@@ -328,50 +330,62 @@ fn training_steps_as_cuda_graphs_match_eager_steps() {
     // 60 images in batches of 16: three full batches and one of 12 an epoch.
     write_cifar_bin(&data, 60, 32);
     let final_weights = |run: &Path| std::fs::read(run.join("epoch_2.safetensors")).unwrap();
-    for host_batches in [false, true] {
-        let mut weights = Vec::new();
-        for graphs in ["1", "0"] {
-            let output_dir = dir.path().join(format!("run-{host_batches}-{graphs}"));
-            let args = with_flag(
-                cifar_run_args(&output_dir, &data, "cuda"),
-                "--grad-accum",
-                "1",
-            );
-            let mut command = tandem();
-            command.args(&args).env("TANDEM_CUDA_GRAPHS", graphs);
-            if host_batches {
-                command.env("TANDEM_HOST_BATCHES", "1");
-            }
-            let output = run_bounded(&mut command, LIMIT);
-            expect_success(&output);
-            let stderr = String::from_utf8_lossy(&output.stderr).to_string();
-            let captured = [16, 12].map(|batch| {
-                format!(
-                    "note: CUDA graphs on: training steps of {batch} images of 32x32 replay one captured graph"
-                )
-            });
-            if graphs == "1" {
-                for note in &captured {
-                    assert!(stderr.contains(note.as_str()), "{note}\n{stderr}");
-                }
-                assert!(!stderr.contains("CUDA graphs off"), "{stderr}");
-            } else {
-                assert!(
-                    stderr.contains("note: CUDA graphs off: TANDEM_CUDA_GRAPHS=0"),
-                    "{stderr}"
+    let captures: [(&str, &[&str]); 2] = [
+        ("1", &["16 images", "12 images"]),
+        ("2", &["2 micro-batches of 16 images"]),
+    ];
+    for (grad_accum, captured) in captures {
+        for host_batches in [false, true] {
+            let mut weights = Vec::new();
+            for graphs in ["1", "0"] {
+                let output_dir = dir
+                    .path()
+                    .join(format!("run-{grad_accum}-{host_batches}-{graphs}"));
+                let args = with_flag(
+                    cifar_run_args(&output_dir, &data, "cuda"),
+                    "--grad-accum",
+                    grad_accum,
                 );
-                assert!(!stderr.contains("CUDA graphs on"), "{stderr}");
+                let mut command = tandem();
+                command.args(&args).env("TANDEM_CUDA_GRAPHS", graphs);
+                if host_batches {
+                    command.env("TANDEM_HOST_BATCHES", "1");
+                }
+                let output = run_bounded(&mut command, LIMIT);
+                expect_success(&output);
+                let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+                if graphs == "1" {
+                    for shape in captured {
+                        let note = format!(
+                            "note: CUDA graphs on: training steps of {shape} of 32x32 replay one captured graph"
+                        );
+                        assert!(stderr.contains(note.as_str()), "{note}\n{stderr}");
+                    }
+                    let other_shapes = stderr.matches("CUDA graphs on: training steps of ").count()
+                        - captured
+                            .iter()
+                            .map(|shape| stderr.matches(&format!("steps of {shape} of")).count())
+                            .sum::<usize>();
+                    assert_eq!(other_shapes, 0, "{stderr}");
+                    assert!(!stderr.contains("CUDA graphs off"), "{stderr}");
+                } else {
+                    assert!(
+                        stderr.contains("note: CUDA graphs off: TANDEM_CUDA_GRAPHS=0"),
+                        "{stderr}"
+                    );
+                    assert!(!stderr.contains("CUDA graphs on"), "{stderr}");
+                }
+                weights.push(final_weights(&output_dir));
             }
-            weights.push(final_weights(&output_dir));
+            assert!(
+                weights[0] == weights[1],
+                "graphed and eager runs differ (--grad-accum {grad_accum}, host batches: \
+                 {host_batches})"
+            );
         }
-        assert!(
-            weights[0] == weights[1],
-            "graphed and eager runs differ (host batches: {host_batches})"
-        );
     }
 }
 
-/// `eval --json` of `checkpoint` on `device`: the report.
 fn eval_json(checkpoint: &Path, device: &str) -> serde_json::Value {
     let mut args: Vec<String> = vec![
         "eval".into(),

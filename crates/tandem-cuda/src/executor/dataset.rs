@@ -190,7 +190,7 @@ impl CudaExecutor {
         bn_sync: Option<&mut dyn BatchNormReducer>,
     ) -> Result<f32, ModelError> {
         same_length("labels", labels.len(), plan.batch).map_err(device)?;
-        check_gathered_batch(plan, dataset, indices).map_err(device)?;
+        check_gathered_batch(plan, dataset, indices, 1).map_err(device)?;
         self.prepare(plan).map_err(device)?;
         let images = self.input_slot().map_err(device)?;
         self.gather(dataset, indices, epoch, images)
@@ -215,7 +215,7 @@ impl CudaExecutor {
                 "evaluating a data set uploaded with augmentation",
             )));
         }
-        check_gathered_batch(plan, dataset, indices).map_err(device)?;
+        check_gathered_batch(plan, dataset, indices, 1).map_err(device)?;
         self.prepare(plan).map_err(device)?;
         let images = self.input_slot().map_err(device)?;
         self.gather(dataset, indices, 0, images).map_err(device)?;
@@ -273,7 +273,7 @@ impl CudaExecutor {
     ) -> Result<(), GpuError> {
         self.load_indices(dataset, indices)?;
         self.write_scalars(EPOCH_OFFSET, &epoch.to_le_bytes())?;
-        self.augment(dataset, indices.len(), output)
+        self.augment(dataset, 0, indices.len(), output)
     }
 
     /// Copies the batch's `indices` (checked below the dataset's size) to the dataset's index
@@ -311,11 +311,12 @@ impl CudaExecutor {
     }
 
     /// The augmentation kernels: the `batch` images whose indices [`Self::load_indices`]
-    /// copied, with the draws of the epoch in the step-scalar buffer, written to the
-    /// `capacity` floats at `output` (no host work: capturable).
+    /// copied from the `first`, with the draws of the epoch in the step-scalar buffer,
+    /// written to the `capacity` floats at `output` (no host work: capturable).
     pub(super) fn augment(
         &self,
         dataset: &DeviceDataset,
+        first: usize,
         batch: usize,
         (output, capacity): (u64, usize),
     ) -> Result<(), GpuError> {
@@ -331,18 +332,18 @@ impl CudaExecutor {
         if batch == 0 {
             return Ok(());
         }
-        if dataset.indices.len() < batch {
+        if dataset.indices.len() < first + batch {
             return Err(GpuError::Length {
                 what: "loaded batch indices",
                 found: dataset.indices.len(),
-                expected: batch,
+                expected: first + batch,
             });
         }
         let settings = dataset.settings;
         let stream = &self.stream;
         let (pixels, indices_address, draws, mean, std) = (
             address(&dataset.pixels, stream),
-            address(&dataset.indices, stream),
+            address(&dataset.indices, stream) + (first * std::mem::size_of::<u32>()) as u64,
             address(&dataset.draws, stream),
             address(&dataset.mean, stream),
             address(&dataset.std, stream),
@@ -351,8 +352,8 @@ impl CudaExecutor {
         let padding = int("crop padding", settings.crop_padding)?;
         // SAFETY: augment_draws(const unsigned*, int, u64, const u64*, int, int, int*): one
         // thread per sample reads the epoch (8 bytes at its offset of the step scalars) and
-        // indices[s] and writes draws[3s..3s+3]; both hold at least `batch` (3 * batch)
-        // elements (checked above). augment_apply(const unsigned char*, const unsigned*,
+        // indices[first + s] and writes draws[3s..3s+3]; the indices hold at least
+        // `first + batch`, the draws 3 * batch (grown with them) elements (checked above). augment_apply(const unsigned char*, const unsigned*,
         // const int*, int, int, int, int, int, const float*, const float*, float*): one
         // thread per output
         // value, writing output[i] for i < batch * image_len ≤ capacity (checked above) and
@@ -395,14 +396,15 @@ impl CudaExecutor {
     }
 }
 
-/// Checks a gathered batch against `plan`: one index per image, and the dataset's image shape
-/// the plan's.
+/// Checks the gathered batches of a step of `micro_batches` against `plan`: one index per
+/// image, and the dataset's image shape the plan's.
 pub(super) fn check_gathered_batch(
     plan: &Plan,
     dataset: &DeviceDataset,
     indices: &[usize],
+    micro_batches: usize,
 ) -> Result<(), GpuError> {
-    same_length("batch indices", indices.len(), plan.batch)?;
+    same_length("batch indices", indices.len(), plan.batch * micro_batches)?;
     let shape = dataset.shape;
     let plan_image = (plan.height, plan.width, plan.stem.shape.in_channels);
     if (shape.height, shape.width, shape.channels) != plan_image {

@@ -30,8 +30,6 @@ pub fn graphs_requested(value: Option<&str>) -> bool {
 /// What a training step involves, as far as capturing it is concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepConditions {
-    /// Micro-batches of the step (`--grad-accum`).
-    pub micro_batches: usize,
     /// Whether the step averages gradients with other processes.
     pub data_parallel: bool,
     /// Whether batch-norm statistics are summed across processes (through NCCL on the
@@ -48,8 +46,6 @@ pub enum NotWholeStep {
     DataParallel,
     /// SyncBatchNorm on the host ring: statistics cross the host inside the step.
     SyncBatchNorm,
-    /// Gradient accumulation over this many micro-batches.
-    MicroBatches(usize),
 }
 
 impl fmt::Display for NotWholeStep {
@@ -61,26 +57,20 @@ impl fmt::Display for NotWholeStep {
             NotWholeStep::SyncBatchNorm => {
                 write!(f, "--sync-bn sums batch statistics through the host")
             }
-            NotWholeStep::MicroBatches(count) => write!(
-                f,
-                "--grad-accum {count}: steps of several micro-batches are not captured"
-            ),
         }
     }
 }
 
 impl StepConditions {
-    /// `None` when the step is one micro-batch, in one process or with its gradients (and,
-    /// with SyncBatchNorm, its batch statistics) summed through NCCL (the executor's
-    /// `train_step`, eager or graphed, the all-reduces inside it), else the first reason it
-    /// is not.
+    /// `None` when the step runs in one process or with its gradients (and, with
+    /// SyncBatchNorm, its batch statistics) summed through NCCL, of one micro-batch or of
+    /// several (`--grad-accum`): the executor's `train_step`, eager or graphed, the
+    /// all-reduces inside it. Else the first reason it is not.
     pub fn refusal(&self) -> Option<NotWholeStep> {
         if self.sync_bn && !self.nccl {
             Some(NotWholeStep::SyncBatchNorm)
         } else if self.data_parallel && !self.nccl {
             Some(NotWholeStep::DataParallel)
-        } else if self.micro_batches != 1 {
-            Some(NotWholeStep::MicroBatches(self.micro_batches))
         } else {
             None
         }
@@ -114,8 +104,11 @@ pub enum ImagesKey {
 /// or their indices) is in device buffers written before each launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GraphKey {
-    /// Images of the batch.
+    /// Images of each micro-batch.
     pub batch: usize,
+    /// Micro-batches of the step (`--grad-accum`; their losses are scaled by its inverse, a
+    /// by-value kernel argument).
+    pub micro_batches: usize,
     /// Rows of an image.
     pub height: usize,
     /// Columns of an image.
@@ -254,6 +247,7 @@ mod tests {
     fn key(batch: usize) -> GraphKey {
         GraphKey {
             batch,
+            micro_batches: 1,
             height: 32,
             width: 32,
             optimizer: OptimizerKind::Sgd,
@@ -274,9 +268,8 @@ mod tests {
     }
 
     #[test]
-    fn steps_of_one_micro_batch_alone_or_through_nccl_with_or_without_sync_bn_are_whole_steps() {
+    fn steps_alone_or_through_nccl_with_or_without_sync_bn_are_whole_steps() {
         let plain = StepConditions {
-            micro_batches: 1,
             data_parallel: false,
             sync_bn: false,
             nccl: false,
@@ -300,14 +293,6 @@ mod tests {
         let cases = [
             (
                 StepConditions {
-                    micro_batches: 2,
-                    ..plain
-                },
-                NotWholeStep::MicroBatches(2),
-                "--grad-accum 2: steps of several micro-batches are not captured",
-            ),
-            (
-                StepConditions {
                     data_parallel: true,
                     ..plain
                 },
@@ -318,20 +303,10 @@ mod tests {
                 StepConditions {
                     data_parallel: true,
                     sync_bn: true,
-                    micro_batches: 3,
                     ..plain
                 },
                 NotWholeStep::SyncBatchNorm,
                 "--sync-bn sums batch statistics through the host",
-            ),
-            (
-                StepConditions {
-                    micro_batches: 4,
-                    sync_bn: true,
-                    ..nccl
-                },
-                NotWholeStep::MicroBatches(4),
-                "--grad-accum 4: steps of several micro-batches are not captured",
             ),
         ];
         for (conditions, reason, message) in cases {
@@ -345,6 +320,10 @@ mod tests {
         let base = key(256);
         let variants = [
             GraphKey { batch: 80, ..base },
+            GraphKey {
+                micro_batches: 2,
+                ..base
+            },
             GraphKey { height: 28, ..base },
             GraphKey { width: 28, ..base },
             GraphKey {

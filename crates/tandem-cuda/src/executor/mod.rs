@@ -31,6 +31,7 @@ mod host_grads;
 pub mod launch;
 pub mod linear;
 pub mod memory;
+mod micro_batches;
 pub mod scalars;
 mod step;
 mod units;
@@ -62,6 +63,7 @@ use graph::{GraphSchedule, OptimizerKind};
 use host_grads::HostGradients;
 use launch::{per_element, Arg, Kernels};
 use memory::PlanStorages;
+use micro_batches::MicroBatchBuffers;
 pub use scalars::AdamScalars;
 use scalars::{
     AdamStepScalars, OptimizerScalars, SgdScalars, OPTIMIZER_OFFSET, STEP_SCALARS_BYTES,
@@ -147,6 +149,8 @@ pub struct CudaExecutor {
     /// source after the call returns, so the source outlives the call.
     host_scalars: Box<[u8; STEP_SCALARS_BYTES]>,
     storages: PlanStorages,
+    /// The labels, host images and losses of a step of several micro-batches.
+    micro_batches: MicroBatchBuffers,
     /// The captured training steps.
     graphs: GraphSchedule<CudaGraph>,
     /// How many times an allocation a captured step may address was freed (see `graph`).
@@ -271,6 +275,7 @@ impl CudaExecutor {
                 .map_err(driver("cuMemAllocAsync"))?,
             host_scalars: Box::new([0; STEP_SCALARS_BYTES]),
             storages: PlanStorages::default(),
+            micro_batches: MicroBatchBuffers::new(&stream)?,
             graphs: GraphSchedule::new(graphs_off),
             generation: 0,
             host_grads: HostGradients::new(params.len()),

@@ -1,7 +1,8 @@
-//! A whole training step ([`CudaExecutor::train_step`]): zeroed gradients, forward, loss,
-//! backward (with an NCCL group joined, each finished gradient bucket all-reduced on the
-//! group's stream, as `data_parallel.rs` does eagerly) and optimizer, run eagerly or as a CUDA
-//! graph (see `graph.rs`).
+//! A whole training step ([`CudaExecutor::train_step`]): zeroed gradients; per micro-batch
+//! (one, or `--grad-accum` of them, see `micro_batches.rs`) forward, loss and backward (with an
+//! NCCL group joined, the last one's finished gradient buckets all-reduced on the group's
+//! stream, as `data_parallel.rs` does eagerly); optimizer. Run eagerly or as a CUDA graph
+//! (see `graph.rs`).
 //!
 //! The step is split so that the same kernels run on the same inputs either way:
 //! 1. *inputs*, on the host: the storage is prepared (allocation, cuDNN's algorithm search),
@@ -83,12 +84,15 @@ impl StepOptimizer<'_> {
     }
 }
 
-/// One training step of one micro-batch in one process.
+/// One training step of one or more micro-batches of the plan's batch (`--grad-accum`:
+/// their gradients summed, each micro-batch's loss scaled by the inverse of their count).
 pub struct TrainStep<'a> {
-    /// The batch's images.
+    /// The images of the micro-batches, one after another.
     pub images: StepImages<'a>,
-    /// Their labels.
+    /// Their labels, one after another.
     pub labels: &'a [u32],
+    /// How many micro-batches (at least one).
+    pub micro_batches: usize,
     /// The loss's settings.
     pub loss: &'a LossOptions,
     /// The optimizer and its settings at this step.
@@ -98,8 +102,8 @@ pub struct TrainStep<'a> {
 /// What a step returned and how it ran.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepOutcome {
-    /// The batch's mean loss (before the update).
-    pub loss: f32,
+    /// Each micro-batch's mean loss (before the update).
+    pub losses: Vec<f32>,
     /// Eagerly, captured (and launched), or replayed.
     pub run: StepRun,
     /// Why CUDA graphs are off, on the first step after they were turned off (by
@@ -133,12 +137,28 @@ pub(super) fn set_blas_workspace(
     Ok(workspace)
 }
 
+/// Checks on the host every label of a step's micro-batches of `batch` against `classes`
+/// (for one micro-batch the loss kernel records a bad one; for several it would not say
+/// which micro-batch): the CPU's `InvalidLabel` error naming the sample in its micro-batch.
+fn check_labels(labels: &[u32], batch: usize, classes: usize) -> Result<(), ModelError> {
+    match labels.iter().position(|&label| label as usize >= classes) {
+        Some(index) => Err(tandem_engine::EngineError::InvalidLabel {
+            sample: index % batch.max(1),
+            label: labels[index],
+            classes,
+        }
+        .into()),
+        None => Ok(()),
+    }
+}
+
 impl CudaExecutor {
-    /// One training step of `model` on `plan`'s batch: gradients zeroed, forward, loss,
-    /// backward, optimizer step; returns the loss. The running statistics, parameters and
-    /// optimizer state on the device are updated (the caller counts the step in
-    /// `num_batches_tracked`). The first step of a key (batch shape, optimizer, label
-    /// smoothing, image source) runs eagerly, the second is captured as a CUDA graph and the
+    /// One training step of `model` over `step.micro_batches` of `plan`'s batch: gradients
+    /// zeroed; per micro-batch forward, loss, backward of the loss scaled by the inverse of
+    /// their count; optimizer step. Returns each micro-batch's loss. The running
+    /// statistics, parameters and optimizer state on the device are updated (the caller
+    /// counts each micro-batch in `num_batches_tracked`). The first step of a key (batch
+    /// shape, micro-batch count, optimizer, label smoothing, image source) runs eagerly, the second is captured as a CUDA graph and the
     /// later ones replay it, unless graphs are off; a failure to capture turns them off and
     /// the step runs eagerly, with the same result. With an NCCL group joined, the backward
     /// averages each finished gradient bucket over the ranks inside the step (captured with
@@ -159,23 +179,38 @@ impl CudaExecutor {
                 "a training step with an evaluation plan",
             )));
         }
-        same_length("labels", step.labels.len(), plan.batch).map_err(device)?;
+        let micro_batches = step.micro_batches;
+        if micro_batches == 0 {
+            return Err(device(GpuError::Unsupported(
+                "a training step of no micro-batch",
+            )));
+        }
+        same_length("labels", step.labels.len(), plan.batch * micro_batches).map_err(device)?;
         let images_key = match &step.images {
-            StepImages::Host(images) => {
+            StepImages::Host(images) if micro_batches == 1 => {
                 check_batch(plan, images, None).map_err(device)?;
+                ImagesKey::Host
+            }
+            StepImages::Host(images) => {
+                let values = plan.batch * plan.height * plan.width * plan.stem.shape.in_channels;
+                same_length("images", images.len(), values * micro_batches).map_err(device)?;
                 ImagesKey::Host
             }
             StepImages::Gathered {
                 dataset, indices, ..
             } => {
-                check_gathered_batch(plan, dataset, indices).map_err(device)?;
+                check_gathered_batch(plan, dataset, indices, micro_batches).map_err(device)?;
                 ImagesKey::Gathered {
                     dataset: dataset.id(),
                 }
             }
         };
+        if micro_batches > 1 {
+            check_labels(step.labels, plan.batch, model.spec().num_classes())?;
+        }
         let key = GraphKey {
             batch: plan.batch,
+            micro_batches,
             height: plan.height,
             width: plan.width,
             optimizer: step.optimizer.kind(),
@@ -187,14 +222,14 @@ impl CudaExecutor {
         let dataset = gathered.as_deref();
         let run = match self.graphs.next_run(&key, self.generation) {
             StepRun::Eager => {
-                self.step_body(model, plan, dataset)?;
+                self.step_body(model, plan, dataset, micro_batches)?;
                 StepRun::Eager
             }
             StepRun::Capture => match self.capture_and_launch(model, plan, dataset, &key) {
                 Ok(()) => StepRun::Capture,
                 Err(reason) => {
                     self.graphs.turn_off(reason);
-                    self.step_body(model, plan, dataset)?;
+                    self.step_body(model, plan, dataset, micro_batches)?;
                     StepRun::Eager
                 }
             },
@@ -209,13 +244,16 @@ impl CudaExecutor {
             }
         };
         self.watch_step(run).map_err(device)?;
-        let loss = self.read_loss(labels);
-        // A collective that timed out or failed is the step's error (the loss read after the
-        // abort is meaningless).
+        let losses = match micro_batches {
+            1 => self.read_loss(labels).map(|loss| vec![loss]),
+            _ => self.read_micro_batch_losses(micro_batches).map_err(device),
+        };
+        // A collective that timed out or failed is the step's error (the losses read after
+        // the abort are meaningless).
         self.nccl_health().map_err(device)?;
-        let loss = loss?;
+        let losses = losses?;
         Ok(StepOutcome {
-            loss,
+            losses,
             run,
             graphs_off: self.graphs.take_off_reason(),
         })
@@ -243,7 +281,12 @@ impl CudaExecutor {
     ) -> Result<Option<&'a mut DeviceDataset>, GpuError> {
         self.prepare(plan)?;
         let optimizer = self.next_optimizer_scalars(step.optimizer)?;
+        let several = step.micro_batches > 1;
         let (epoch, dataset) = match step.images {
+            StepImages::Host(images) if several => {
+                self.load_micro_batches(step.micro_batches, step.labels, Some(images))?;
+                (0, None)
+            }
             StepImages::Host(images) => {
                 self.images_from_host(images);
                 self.take_error()?;
@@ -255,10 +298,15 @@ impl CudaExecutor {
                 epoch,
             } => {
                 self.load_indices(dataset, indices)?;
+                if several {
+                    self.load_micro_batches(step.micro_batches, step.labels, None)?;
+                }
                 (epoch, Some(dataset))
             }
         };
-        self.load_labels(step.labels)?;
+        if !several {
+            self.load_labels(step.labels)?;
+        }
         self.label_smoothing = step.loss.label_smoothing;
         let scalars = StepScalars { epoch, optimizer }.bytes();
         debug_assert_eq!(scalars.len(), STEP_SCALARS_BYTES);
@@ -272,27 +320,40 @@ impl CudaExecutor {
         model: &Model,
         plan: &Plan,
         dataset: Option<&DeviceDataset>,
+        micro_batches: usize,
     ) -> Result<(), ModelError> {
         self.zero_grads().map_err(device)?;
-        if let Some(dataset) = dataset {
-            let images = self.input_slot().map_err(device)?;
-            self.augment(dataset, plan.batch, images).map_err(device)?;
+        let loss_scale = 1.0 / micro_batches as f32;
+        let image_values = plan.batch * plan.height * plan.width * plan.stem.shape.in_channels;
+        for index in 0..micro_batches {
+            if micro_batches > 1 {
+                self.move_in_micro_batch(index, image_values, dataset)
+                    .map_err(device)?;
+            } else if let Some(dataset) = dataset {
+                let images = self.input_slot().map_err(device)?;
+                self.augment(dataset, 0, plan.batch, images)
+                    .map_err(device)?;
+            }
+            model.forward_on(self, plan, None)?;
+            self.take_error().map_err(device)?;
+            self.loss_kernels(self.label_smoothing).map_err(device)?;
+            if micro_batches > 1 {
+                self.keep_micro_batch_loss(index).map_err(device)?;
+            }
+            // As the separate calls: only the last micro-batch's backward all-reduces.
+            self.grads_on_host = 0;
+            self.gradients_to_host = false;
+            self.all_reducing = self.has_nccl() && index + 1 == micro_batches;
+            if self.all_reducing {
+                self.restart_buckets().map_err(device)?;
+            }
+            let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
+            let mut ready = GradientsReady::new(&mut ignore);
+            let walked = model.backward_on(self, plan, loss_scale, None, &mut ready);
+            self.all_reducing = false;
+            walked?;
+            self.take_error().map_err(device)?;
         }
-        model.forward_on(self, plan, None)?;
-        self.take_error().map_err(device)?;
-        self.loss_kernels(self.label_smoothing).map_err(device)?;
-        self.grads_on_host = 0;
-        self.gradients_to_host = false;
-        self.all_reducing = self.has_nccl();
-        if self.all_reducing {
-            self.restart_buckets().map_err(device)?;
-        }
-        let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
-        let mut ready = GradientsReady::new(&mut ignore);
-        let walked = model.backward_on(self, plan, 1.0, None, &mut ready);
-        self.all_reducing = false;
-        walked?;
-        self.take_error().map_err(device)?;
         if self.has_nccl() {
             self.finish_all_reduce().map_err(device)?;
         }
@@ -340,7 +401,7 @@ impl CudaExecutor {
             self.nccl_capture(false);
             return Err(format!("cuStreamBeginCapture failed: {status:?}"));
         }
-        let body = self.step_body(model, plan, dataset);
+        let body = self.step_body(model, plan, dataset, key.micro_batches);
         let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
         if ended.is_err() {
             self.end_open_capture();

@@ -45,6 +45,7 @@ pub fn run(
         let step = TrainStep {
             images: StepImages::Host(&images),
             labels: &labels,
+            micro_batches: 1,
             loss: &loss,
             optimizer: step_optimizer,
         };

@@ -35,7 +35,7 @@ use tandem_models::{BatchNormReducer, LossOptions, Model};
 
 use crate::backend::{Backend, BackendRequest};
 use crate::checkpoint_info::CheckpointInfo;
-use crate::compute::{Compute, GpuMath, OptimizerConfig};
+use crate::compute::{Compute, GpuMath, OptimizerConfig, TrainBatch};
 use crate::data_source::{load_split, normalization, Split};
 use crate::device::Announce;
 use crate::evaluation::{evaluate, Evaluation};
@@ -625,15 +625,17 @@ impl Trainer {
         let sync_bn = self.settings.sync_bn;
         let nccl = self.compute.uses_nccl();
         let conditions = StepConditions {
-            micro_batches: micro_batches.len(),
             data_parallel: self.ddp.is_some(),
             sync_bn: sync_bn && self.ddp.is_some(),
             nccl,
         };
-        if let [batch] = micro_batches {
-            if self.compute.whole_steps(&conditions) {
-                return self.whole_step(batch, lr);
-            }
+        // An epoch's last step may end with a shorter micro-batch: that step alone runs
+        // through the separate calls (with the same result).
+        let one_size = micro_batches
+            .windows(2)
+            .all(|pair| pair[0].len() == pair[1].len());
+        if one_size && !micro_batches.is_empty() && self.compute.whole_steps(&conditions) {
+            return self.whole_step(micro_batches, lr);
         }
         // Through NCCL the executor sums the batch statistics itself (on the device).
         let host_sync_bn = sync_bn && !nccl;
@@ -720,15 +722,15 @@ impl Trainer {
         })
     }
 
-    /// [`Trainer::averaged_step`] of one micro-batch on a GPU, in one process or with the
-    /// gradients averaged through NCCL: one [`Compute::train_step`] (captured as a CUDA graph
-    /// after its first run, the bucket all-reduces inside it). With NCCL, rank 0's running
+    /// [`Trainer::averaged_step`] of micro-batches of one size on a GPU, in one process or
+    /// with the gradients averaged through NCCL: one [`Compute::train_step`] (captured as a
+    /// CUDA graph after its first run, the bucket all-reduces inside it). With NCCL, rank 0's running
     /// statistics are broadcast before it, eagerly, as the other NCCL steps do (outside the
     /// graph: the broadcast keeps its own deadline with the watchdog and the graph stays the
     /// body of the step alone). The loss is read after the update, so a non-finite loss stops
     /// the run after that step's update rather than before it (the run ends with the same
     /// error and writes nothing).
-    fn whole_step(&mut self, batch: &MicroBatch, lr: f64) -> anyhow::Result<StepOutcome> {
+    fn whole_step(&mut self, micro_batches: &[MicroBatch], lr: f64) -> anyhow::Result<StepOutcome> {
         let loss_options = LossOptions {
             label_smoothing: self.settings.label_smoothing as f32,
         };
@@ -737,18 +739,19 @@ impl Trainer {
         if self.ddp.is_some() {
             self.compute.broadcast_on_device(false)?;
         }
-        let loss = self.compute.train_step(
-            batch.images(self.progress.epoch),
-            batch.len(),
-            height,
-            width,
-            batch.labels(),
-            &loss_options,
-            lr,
-            momentum,
-        )?;
+        let epoch = self.progress.epoch;
+        let step_batches: Vec<TrainBatch<'_>> = micro_batches
+            .iter()
+            .map(|batch| TrainBatch {
+                images: batch.images(epoch),
+                labels: batch.labels(),
+            })
+            .collect();
+        let loss =
+            self.compute
+                .train_step(&step_batches, height, width, &loss_options, lr, momentum)?;
         let run = self.compute.last_step_run();
-        let (mean_loss, stop) = self.over_the_ranks(f64::from(loss), run)?;
+        let (mean_loss, stop) = self.over_the_ranks(loss, run)?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -758,7 +761,7 @@ impl Trainer {
         }
         Ok(StepOutcome {
             mean_loss,
-            images: batch.len(),
+            images: micro_batches.iter().map(MicroBatch::len).sum(),
             stop,
         })
     }
