@@ -342,16 +342,17 @@ if section_on tta; then
 fi
 
 # --- Data-parallel overhead (issue 13) -----------------------------------------------------
-# The same training three ways, images per second over the epochs after the first
+# The same training four ways, images per second over the epochs after the first
 # (metrics.jsonl): one process; under launch with NCCL at world size 1 (the whole DDP path:
 # buckets, broadcasts; target within 5% of the first); two processes sharing the GPU on the
-# ring (reported beside it, not a target: they share one card).
+# ring (reported beside it, not a target: they share one card); and NCCL at world size 1 with
+# CUDA graphs off (the graphed NCCL steps measured both ways; last, so the first skipped).
 ddp_rows=()
 if section_on ddp; then
     ddp_args=(--device "$TANDEM_DEVICE" --model resnet-base --data cifar10-bin --data-dir "$DATA_DIR"
         --epochs "$DDP_EPOCHS" --batch-size 256 --optimizer sgd --momentum 0.9 --lr 0.1
         --log-every-steps 0 --seed 0)
-    for variant in one-process nccl-world-1 ring-2-processes; do
+    for variant in one-process nccl-world-1 ring-2-processes nccl-world-1-eager; do
         dir=$WORK/ddp/$variant
         case $variant in
             one-process) run_step "ddp-$variant" 120 30 "$TANDEM" train "${ddp_args[@]}" --output-dir "$dir" ;;
@@ -359,6 +360,8 @@ if section_on ddp; then
                 train "${ddp_args[@]}" --backend nccl --output-dir "$dir" ;;
             ring-2-processes) run_step "ddp-$variant" 150 40 "$TANDEM" launch --nproc-per-node 2 -- \
                 train "${ddp_args[@]}" --backend ring --output-dir "$dir" ;;
+            nccl-world-1-eager) run_step "ddp-$variant" 120 30 env TANDEM_CUDA_GRAPHS=0 "$TANDEM" \
+                launch --nproc-per-node 1 -- train "${ddp_args[@]}" --backend nccl --output-dir "$dir" ;;
         esac
         # The mean over the epochs after the first (which captures graphs and warms up).
         rate=$("$PYTHON" -c 'import json, sys
@@ -456,6 +459,8 @@ tta_comparison() {
         echo
         echo "NCCL at world size 1 / one process: $(awk -F'\t' '$1 == "ddp" && $4 != "" { r[$3] = $4 }
             END { if (r["one-process"] && r["nccl-world-1"]) printf "%.3f", r["nccl-world-1"] / r["one-process"]; else print "no figure" }' "$RESULTS") (target: at least 0.95)"
+        echo "NCCL at world size 1, CUDA graphs on / off: $(awk -F'\t' '$1 == "ddp" && $4 != "" { r[$3] = $4 }
+            END { if (r["nccl-world-1"] && r["nccl-world-1-eager"]) printf "%.3f", r["nccl-world-1"] / r["nccl-world-1-eager"]; else print "no figure" }' "$RESULTS")"
     fi
     skipped=$(grep -c ': skipped: ' "$LOG")
     echo
