@@ -353,9 +353,9 @@ impl CudaExecutor {
         // SAFETY: augment_draws(const unsigned*, int, u64, const u64*, int, int, int*): one
         // thread per sample reads the epoch (8 bytes at its offset of the step scalars) and
         // indices[first + s] and writes draws[3s..3s+3]; the indices hold at least
-        // `first + batch`, the draws 3 * batch (grown with them) elements (checked above). augment_apply(const unsigned char*, const unsigned*,
-        // const int*, int, int, int, int, int, const float*, const float*, float*): one
-        // thread per output
+        // `first + batch`, the draws 3 * batch (grown with them) elements (checked above).
+        // augment_apply(const unsigned char*, const unsigned*, const int*, int, int, int,
+        // int, int, const float*, const float*, float*): one thread per output
         // value, writing output[i] for i < batch * image_len ≤ capacity (checked above) and
         // reading image indices[s] < len (checked by `device_indices`) of the pixels, which
         // hold len * image_len bytes (checked at upload), and mean/std of 3 floats (c % 3).

@@ -265,9 +265,10 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Copies the device gradients up to `end` to the (page-locked) host gradients and reports them, when
-    /// this backward has a hook to report to; in a backward that all-reduces through NCCL,
-    /// queues the buckets that are now complete instead (nothing crosses to the host).
+    /// Copies the device gradients up to `end` to the (page-locked) host gradients and
+    /// reports them, when this backward has a hook to report to; in a backward that
+    /// all-reduces through NCCL, queues the buckets that are now complete instead (nothing
+    /// crosses to the host).
     pub(super) fn report(
         &mut self,
         end: usize,

@@ -158,12 +158,13 @@ impl CudaExecutor {
     /// their count; optimizer step. Returns each micro-batch's loss. The running
     /// statistics, parameters and optimizer state on the device are updated (the caller
     /// counts each micro-batch in `num_batches_tracked`). The first step of a key (batch
-    /// shape, micro-batch count, optimizer, label smoothing, image source) runs eagerly, the second is captured as a CUDA graph and the
-    /// later ones replay it, unless graphs are off; a failure to capture turns them off and
-    /// the step runs eagerly, with the same result. With an NCCL group joined, the backward
-    /// averages each finished gradient bucket over the ranks inside the step (captured with
-    /// it), the end of the step is given the collective timeout, and a collective that timed
-    /// out or failed is the step's error.
+    /// shape, micro-batch count, optimizer, label smoothing, image source) runs eagerly, the
+    /// second is captured as a CUDA graph and the later ones replay it, unless graphs are
+    /// off; a failure to capture turns them off and the step runs eagerly, with the same
+    /// result. With an NCCL group joined, the last micro-batch's backward averages each
+    /// finished gradient bucket over the ranks inside the step (captured with it), the end of
+    /// the step is given the collective timeout, and a collective that timed out or failed is
+    /// the step's error.
     pub fn train_step(
         &mut self,
         model: &Model,
