@@ -943,7 +943,9 @@ fn accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit() {
     assert_same_device_state([&graphed, &eager], &separate, &model, "AdamW");
     assert!(graphed.graphs_on(), "no capture failed");
 
-    // A label out of range in the second micro-batch: the separate calls' error for it.
+    // A label out of range in the second micro-batch: the separate calls' error for it,
+    // before the step runs (nothing updated); and so for one micro-batch.
+    let before = device_state(&graphed, &model);
     let (mut images, mut labels) = formula_batch(BATCH, SIDE, 0);
     images.extend_from_within(..);
     labels.extend_from_within(..);
@@ -980,4 +982,25 @@ fn accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit() {
         .unwrap_err();
     assert_eq!(error.to_string(), separate_error.to_string());
     assert!(error.to_string().contains("sample 3"), "{error}");
+    let one_error = graphed
+        .train_step(
+            &model,
+            &plan,
+            TrainStep {
+                images: StepImages::Host(&images[images.len() / 2..]),
+                labels: &labels[BATCH..],
+                micro_batches: 1,
+                loss: &loss,
+                optimizer: StepOptimizer::Sgd(&config),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(one_error.to_string(), separate_error.to_string());
+    let after = device_state(&graphed, &model);
+    assert_bits_equal(&after.0, &before.0, "parameters after the refused steps");
+    assert_bits_equal(
+        &after.1,
+        &before.1,
+        "running statistics after the refused steps",
+    );
 }

@@ -634,9 +634,6 @@ impl Compute {
         let (images, labels) = join_micro_batches(micro_batches)?;
         let count = micro_batches.len();
         let batch = labels.len() / count;
-        for micro_batch in labels.chunks(batch.max(1)) {
-            check_labels(micro_batch, batch, self.model.spec().num_classes())?;
-        }
         let config = gpu.optimizer.as_mut().context("no optimizer was set up")?;
         config.set_lr(lr as f32);
         if let Some(momentum) = momentum {

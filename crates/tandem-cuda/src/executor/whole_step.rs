@@ -137,9 +137,10 @@ pub(super) fn set_blas_workspace(
     Ok(workspace)
 }
 
-/// Checks on the host every label of a step's micro-batches of `batch` against `classes`
-/// (for one micro-batch the loss kernel records a bad one; for several it would not say
-/// which micro-batch): the CPU's `InvalidLabel` error naming the sample in its micro-batch.
+/// Checks on the host every label of a step's micro-batches of `batch` against `classes`,
+/// before the step (the loss kernel's record of a bad one would come after the update, and
+/// would not say which micro-batch): the CPU's `InvalidLabel` error naming the sample in its
+/// micro-batch.
 fn check_labels(labels: &[u32], batch: usize, classes: usize) -> Result<(), ModelError> {
     match labels.iter().position(|&label| label as usize >= classes) {
         Some(index) => Err(tandem_engine::EngineError::InvalidLabel {
@@ -206,9 +207,7 @@ impl CudaExecutor {
                 }
             }
         };
-        if micro_batches > 1 {
-            check_labels(step.labels, plan.batch, model.spec().num_classes())?;
-        }
+        check_labels(step.labels, plan.batch, model.spec().num_classes())?;
         let key = GraphKey {
             batch: plan.batch,
             micro_batches,
