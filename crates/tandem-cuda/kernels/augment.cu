@@ -1,12 +1,13 @@
-// Training-image augmentation on the GPU: uint8 NHWC images -> pad-4 random crop + horizontal
-// flip + normalize to float, with the SAME counter-based draws as the CPU loader
+// Training-image augmentation on the GPU: uint8 (or float) NHWC images -> pad-4 random crop +
+// horizontal flip + normalize to float, with the SAME counter-based draws as the CPU loader
 // (crates/tandem-data/src/rng.rs and transform.rs), so the same (seed, epoch, index) gives the
 // same crop offset, flip and pixels on both devices. The value of a byte is
-// (byte / 255 - mean[c]) / std[c] in float with IEEE division, as the CPU's byte table; a
-// padding pixel is -mean[c] / std[c], as the CPU's shift. The outputs are bit-identical.
+// (byte / 255 - mean[c]) / std[c] in float with IEEE division, as the CPU's byte table; that of
+// a float is value * (1 / std[c]) + -mean[c] / std[c], as the CPU's scale and shift; a padding
+// pixel is -mean[c] / std[c], as the CPU's shift. The outputs are bit-identical.
 //
-// Launch: augment_draws with one thread per sample; augment_apply with one thread per output
-// value (batch * height * width * channels). The epoch is read from device memory (the
+// Launch: augment_draws with one thread per sample; augment_apply (bytes) or augment_apply_f32
+// (floats) with one thread per output value (batch * height * width * channels). The epoch is read from device memory (the
 // executor's step-scalar buffer), so that a step captured as a CUDA graph replays with the
 // next epoch's draws.
 
@@ -65,12 +66,24 @@ extern "C" __global__ void augment_draws(const unsigned int* indices, int batch,
     draws[3 * s + 2] = flipped;
 }
 
-// transform_with_map: output[s, row, column, c] from images[indices[s]] (uint8 HWC), cropped at
-// (top, left) of the zero-padded image, mirrored when flipped, normalized.
-extern "C" __global__ void augment_apply(const unsigned char* images, const unsigned int* indices,
-                                         const int* draws, int batch, int height, int width,
-                                         int channels, int padding, const float* mean,
-                                         const float* std, float* output) {
+// The CPU's value map (transform.rs: ValueMap): a byte through its byte table,
+// (byte / 255 - mean) / std; a float (synthetic data) through its scale and shift,
+// value * (1 / std) + (-mean / std), in that order and rounding (NVRTC runs with --fmad=false:
+// no contraction).
+__device__ float normalized(unsigned char byte, float mean, float std) {
+    return ((float)byte / 255.0f - mean) / std;
+}
+__device__ float normalized(float value, float mean, float std) {
+    return value * (1.0f / std) + -mean / std;
+}
+
+// transform_with_map: output[s, row, column, c] from images[indices[s]] (HWC), cropped at
+// (top, left) of the zero-padded image, mirrored when flipped, normalized; a padding pixel is
+// the CPU's shift, -mean / std.
+template <typename Pixel>
+__device__ void augment_pixels(const Pixel* images, const unsigned int* indices, const int* draws,
+                               int batch, int height, int width, int channels, int padding,
+                               const float* mean, const float* std, float* output) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long image_len = (long long)height * width * channels;
     if (i >= batch * image_len) return;
@@ -90,5 +103,23 @@ extern "C" __global__ void augment_apply(const unsigned char* images, const unsi
     }
     long long offset = (long long)indices[s] * image_len +
                        ((long long)source_row * width + source_column) * channels + c;
-    output[i] = ((float)images[offset] / 255.0f - mean[m]) / std[m];
+    output[i] = normalized(images[offset], mean[m], std[m]);
+}
+
+// augment_pixels of uint8 images.
+extern "C" __global__ void augment_apply(const unsigned char* images, const unsigned int* indices,
+                                         const int* draws, int batch, int height, int width,
+                                         int channels, int padding, const float* mean,
+                                         const float* std, float* output) {
+    augment_pixels(images, indices, draws, batch, height, width, channels, padding, mean, std,
+                   output);
+}
+
+// augment_pixels of float images (synthetic data).
+extern "C" __global__ void augment_apply_f32(const float* images, const unsigned int* indices,
+                                             const int* draws, int batch, int height, int width,
+                                             int channels, int padding, const float* mean,
+                                             const float* std, float* output) {
+    augment_pixels(images, indices, draws, batch, height, width, channels, padding, mean, std,
+                   output);
 }

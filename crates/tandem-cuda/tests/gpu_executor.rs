@@ -13,6 +13,7 @@ use std::ops::Range;
 
 use common::kernel_checks::assert_bits_equal;
 use common::{formula_batch, gpu_probe, seed_004};
+use tandem_cuda::executor::HostPixels;
 use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe};
 use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tandem_models::workspace::Mode;
@@ -416,6 +417,29 @@ fn two_adamw_steps_over_the_same_buffers_match_the_cpu_bit_for_bit() {
     }
 }
 
+/// `dataset` with its bytes made floats of both signs (as synthetic data holds).
+fn float_dataset(dataset: tandem_data::Dataset) -> tandem_data::Dataset {
+    let tandem_data::Pixels::U8(bytes) = &dataset.images else {
+        panic!("a byte dataset holds bytes")
+    };
+    let floats = bytes
+        .iter()
+        .map(|&byte| (f32::from(byte) - 127.0) * 0.0173)
+        .collect();
+    tandem_data::Dataset {
+        images: tandem_data::Pixels::F32(floats),
+        ..dataset
+    }
+}
+
+/// The pixels of `dataset` as `upload_dataset` takes them.
+fn host_pixels(dataset: &tandem_data::Dataset) -> HostPixels<'_> {
+    match &dataset.images {
+        tandem_data::Pixels::U8(bytes) => HostPixels::U8(bytes),
+        tandem_data::Pixels::F32(floats) => HostPixels::F32(floats),
+    }
+}
+
 /// A CIFAR-shaped uint8 training set of `images` images with labels below 10.
 fn byte_dataset(images: usize) -> tandem_data::Dataset {
     tandem_data::Dataset {
@@ -434,8 +458,8 @@ fn byte_dataset(images: usize) -> tandem_data::Dataset {
 }
 
 /// The training set on the device gives, for the same (seed, epoch, indices), the CPU loader's
-/// batches bit for bit (with and without augmentation and normalization, the last batch
-/// partial), and a training forward of a gathered batch gives the loss of the same batch sent
+/// batches bit for bit (bytes and floats, with and without augmentation and normalization,
+/// the last batch partial), and a training forward of a gathered batch gives the loss of the same batch sent
 /// from the host, bit for bit (same input bits, same GPU work).
 #[test]
 fn device_assembled_batches_equal_the_cpu_loaders() {
@@ -445,9 +469,7 @@ fn device_assembled_batches_equal_the_cpu_loaders() {
     use tandem_cuda::executor::{AugmentSettings, DatasetShape};
     use tandem_data::{Augment, Loader, LoaderOptions, Normalize, IMAGENET_NORMALIZE};
     let dataset = std::sync::Arc::new(byte_dataset(21));
-    let tandem_data::Pixels::U8(pixels) = &dataset.images else {
-        unreachable!()
-    };
+    let floats = std::sync::Arc::new(float_dataset(byte_dataset(21)));
     let shape = DatasetShape {
         len: dataset.len(),
         height: SIDE,
@@ -462,7 +484,10 @@ fn device_assembled_batches_equal_the_cpu_loaders() {
         (Some(Augment::crop_and_flip()), None),
         (None, None),
     ];
-    for (augment, normalize) in cases {
+    let cases = [dataset.clone(), floats]
+        .into_iter()
+        .flat_map(|data| cases.map(|case| (data.clone(), case)));
+    for (data, (augment, normalize)) in cases {
         let (seed, epoch) = (41u64, 2u64);
         let plain = augment.unwrap_or_default();
         let values = normalize.unwrap_or(Normalize {
@@ -476,9 +501,11 @@ fn device_assembled_batches_equal_the_cpu_loaders() {
             std: values.std,
             seed,
         };
-        let mut device = exec.upload_dataset(pixels, shape, settings).unwrap();
+        let mut device = exec
+            .upload_dataset(host_pixels(&data), shape, settings)
+            .unwrap();
         let loader = Loader::new(
-            dataset.clone(),
+            data.clone(),
             sampler.indices(epoch),
             LoaderOptions {
                 batch_size: 4,
@@ -520,7 +547,9 @@ fn device_assembled_batches_equal_the_cpu_loaders() {
         std: IMAGENET_NORMALIZE.std,
         seed: 5,
     };
-    let mut device = exec.upload_dataset(pixels, shape, settings).unwrap();
+    let mut device = exec
+        .upload_dataset(host_pixels(&dataset), shape, settings)
+        .unwrap();
     let host_images = exec.gather_to_host(&mut device, &indices, 1).unwrap();
     let labels: Vec<u32> = indices.iter().map(|&i| dataset.labels[i]).collect();
     let loss = LossOptions::default();
@@ -615,7 +644,7 @@ fn three_executors(probe: &Probe, model: &Model) -> [CudaExecutor; 3] {
     })
 }
 
-/// `dataset` (of bytes) uploaded to each of `executors`, augmented with padding 4, flips and
+/// `dataset` uploaded to each of `executors`, augmented with padding 4, flips and
 /// draws of `seed`.
 fn upload_to_each(
     executors: [&CudaExecutor; 3],
@@ -623,9 +652,6 @@ fn upload_to_each(
     seed: u64,
 ) -> Vec<tandem_cuda::executor::DeviceDataset> {
     use tandem_cuda::executor::{AugmentSettings, DatasetShape};
-    let tandem_data::Pixels::U8(pixels) = &dataset.images else {
-        panic!("a byte dataset holds bytes")
-    };
     let shape = DatasetShape {
         len: dataset.len(),
         height: SIDE,
@@ -640,7 +666,10 @@ fn upload_to_each(
         seed,
     };
     executors
-        .map(|exec| exec.upload_dataset(pixels, shape, augment).unwrap())
+        .map(|exec| {
+            exec.upload_dataset(host_pixels(dataset), shape, augment)
+                .unwrap()
+        })
         .into_iter()
         .collect()
 }

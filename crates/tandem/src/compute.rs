@@ -29,8 +29,8 @@ use std::sync::{Arc, Weak};
 use anyhow::Context;
 use tandem_cuda::executor::graph::{StepConditions, StepRun};
 use tandem_cuda::executor::{
-    AugmentSettings, DatasetShape, DeviceDataset, GradientHook, StepImages, StepOptimizer,
-    TrainStep,
+    AugmentSettings, DatasetShape, DeviceDataset, GradientHook, HostPixels, StepImages,
+    StepOptimizer, TrainStep,
 };
 use tandem_cuda::{CudaExecutor, Device, GpuSettings, Precision, Probe, PtxCache};
 use tandem_data::{Augment, Dataset, Normalize, Pixels};
@@ -407,10 +407,10 @@ impl Compute {
         Ok(result)
     }
 
-    /// On a GPU, copies `dataset`'s uint8 pixels to the device once, so that training batches
-    /// are assembled there ([`TrainImages::OnDevice`]) with `augment`, `normalize` and `seed`
-    /// as the CPU loader would. Returns the bytes uploaded, or `None` where batches stay on
-    /// the host: on the CPU, and for float pixels (synthetic data).
+    /// On a GPU, copies `dataset`'s pixels to the device once, so that training batches are
+    /// assembled there ([`TrainImages::OnDevice`]) with `augment`, `normalize` and `seed` as
+    /// the CPU loader would. Returns the bytes uploaded, or `None` where batches stay on the
+    /// host: on the CPU, and for a data set larger than half the GPU's free memory.
     pub fn upload_train_set(
         &mut self,
         dataset: &Dataset,
@@ -430,10 +430,10 @@ impl Compute {
         Ok(Some(bytes))
     }
 
-    /// Copies the uint8 pixels of `dataset` (a test split) to the GPU once, so that
+    /// Copies the pixels of `dataset` (a test split) to the GPU once, so that
     /// [`crate::evaluation::evaluate`] of it assembles and normalizes its batches there as the
     /// CPU loader would ([`Compute::forward_eval_on_device`]). Returns the bytes uploaded, or
-    /// `None` where its batches stay on the host: on the CPU, and for float pixels.
+    /// `None` where its batches stay on the host (as for [`Compute::upload_train_set`]).
     pub fn upload_eval_set(
         &mut self,
         dataset: &Arc<Dataset>,
@@ -485,8 +485,9 @@ impl Compute {
         Ok(&gpu.logits)
     }
 
-    /// `dataset`'s uint8 pixels on the GPU with `augment`, `normalize` and `seed` for the
-    /// device's batch assembly, and the bytes copied; `None` on the CPU and for float pixels.
+    /// `dataset`'s pixels on the GPU with `augment`, `normalize` and `seed` for the device's
+    /// batch assembly, and the bytes copied; `None` on the CPU, and (with a note) for a data
+    /// set larger than half the GPU's free memory, whose batches then come from the host.
     fn upload(
         &mut self,
         dataset: &Dataset,
@@ -494,9 +495,23 @@ impl Compute {
         normalize: Option<Normalize>,
         seed: u64,
     ) -> anyhow::Result<Option<(DeviceDataset, usize)>> {
-        let (Engine::Cuda(gpu), Pixels::U8(pixels)) = (&mut self.engine, &dataset.images) else {
+        let Engine::Cuda(gpu) = &mut self.engine else {
             return Ok(None);
         };
+        let pixels = match &dataset.images {
+            Pixels::U8(bytes) => HostPixels::U8(bytes),
+            Pixels::F32(floats) => HostPixels::F32(floats),
+        };
+        let free = gpu.exec.device_memory_free()?;
+        if !fits_in_device_memory(pixels.bytes(), free) {
+            tell!(
+                "note: the data set's {:.1} MB of pixels are more than half the GPU's {:.1} MB \
+                 of free memory; its batches are assembled on the host",
+                pixels.bytes() as f64 / 1e6,
+                free as f64 / 1e6
+            );
+            return Ok(None);
+        }
         let augment = augment.unwrap_or_default();
         let normalize = normalize.unwrap_or(Normalize {
             mean: [0.0; 3],
@@ -516,7 +531,7 @@ impl Compute {
             seed,
         };
         let uploaded = gpu.exec.upload_dataset(pixels, shape, settings)?;
-        Ok(Some((uploaded, pixels.len())))
+        Ok(Some((uploaded, pixels.bytes())))
     }
 
     /// Sets every gradient to zero.
@@ -996,6 +1011,12 @@ pub fn open_executor(model: &Model, ordinal: usize, math: GpuMath) -> anyhow::Re
     let cache = PtxCache::default_dir().map(PtxCache::new);
     CudaExecutor::new(Probe::process(), settings, cache, model)
         .with_context(|| format!("opening cuda:{ordinal}"))
+}
+
+/// Whether a data set of `bytes` goes to a GPU with `free` bytes of free memory: at most
+/// half of it, so that the model's activations, workspaces and graphs still fit.
+fn fits_in_device_memory(bytes: usize, free: usize) -> bool {
+    bytes <= free / 2
 }
 
 /// The kept plan when it fits the batch, else a new one for it.

@@ -3,9 +3,10 @@
 //! tensor's largest magnitude, epoch losses within 1e-3 relative), snapshots resumed on the
 //! other device, `kill -9` and resume on the GPU ending bit-identical to an uninterrupted GPU
 //! run, `eval`/`predict` within 1e-4, the training set in GPU memory (batches assembled
-//! there) ending bit-identical to the same GPU run fed the CPU loader's batches, training
-//! steps replayed as CUDA graphs ending bit-identical to `TANDEM_CUDA_GRAPHS=0`, and a
-//! `--precision bf16` run whose epoch losses stay within 2e-2 of the fp32 GPU run's.
+//! there, for bytes and synthetic floats) ending bit-identical to the same GPU run fed the
+//! CPU loader's batches, training steps replayed as CUDA graphs ending bit-identical to
+//! `TANDEM_CUDA_GRAPHS=0`, and a `--precision bf16` run whose epoch losses stay within 2e-2 of
+//! the fp32 GPU run's.
 //!
 //! Skipped with a printed reason without the CUDA driver, NVRTC, cuBLAS, cuDNN or a visible
 //! GPU (as on CI's machines); run by `scripts/gpu-check`. **It has not yet run on a GPU.**
@@ -314,6 +315,58 @@ fn training_with_the_data_on_the_gpu_matches_host_batches() {
     assert_runs_close(&cpu, &device, "data on the GPU vs cpu");
 }
 
+/// Synthetic data (float pixels) goes to GPU memory too, and its run ends with the bytes of
+/// the same run fed the CPU loader's batches (`TANDEM_HOST_BATCHES=1`), with the same epoch
+/// losses. On the fake GPU, told it has 1 MB of memory, the data set does not fit: a note says
+/// so, the batches come from the host, and the run ends with the same bytes again.
+#[test]
+fn synthetic_data_on_the_gpu_matches_host_batches() {
+    if !gpu_available("synthetic_data_on_the_gpu_matches_host_batches") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (device, host) = (dir.path().join("device"), dir.path().join("host"));
+    let stdout = train(&run_args(&device, "cuda"));
+    assert!(stdout.contains(DATA_ON_GPU), "{stdout}");
+    assert!(stdout.contains(TEST_SET_ON_GPU), "{stdout}");
+    let stdout = expect_success(&run_bounded(
+        tandem()
+            .args(run_args(&host, "cuda"))
+            .env("TANDEM_HOST_BATCHES", "1"),
+        LIMIT,
+    ));
+    assert!(!stdout.contains(DATA_ON_GPU), "{stdout}");
+    let final_weights = |run: &Path| std::fs::read(run.join("epoch_2.safetensors")).unwrap();
+    assert!(
+        final_weights(&device) == final_weights(&host),
+        "the GPU run with synthetic data on the GPU differs from the one fed host batches"
+    );
+    assert_eq!(epoch_losses(&device), epoch_losses(&host));
+
+    if std::env::var_os("TANDEM_FAKE_GPU_KERNELS").is_none() {
+        return;
+    }
+    let small = dir.path().join("small");
+    let output = run_bounded(
+        tandem()
+            .args(run_args(&small, "cuda"))
+            .env("TANDEM_FAKE_GPU_MEMORY_MB", "1"),
+        LIMIT,
+    );
+    let stdout = expect_success(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stdout.contains(DATA_ON_GPU), "{stdout}");
+    assert!(
+        stderr.contains("note: the data set's 0.8 MB of pixels are more than half the GPU's")
+            && stderr.contains("its batches are assembled on the host"),
+        "{stderr}"
+    );
+    assert!(
+        final_weights(&small) == final_weights(&host),
+        "the run whose data did not fit differs from the one fed host batches"
+    );
+}
+
 /// Whole training steps captured as CUDA graphs (one process; with one micro-batch the
 /// epoch's last, partial batch a graph of its own; with `--grad-accum 2` the steps of two
 /// full micro-batches one graph, and the epoch's last step, of a full and a partial one,
@@ -582,4 +635,47 @@ fn the_test_png_reads_back_as_written() {
     assert_eq!((image.width, image.height), (32, 32));
     let expected = ((5 * 7 + 4 * 13 + 71 + 2 * 101) % 256) as f32 / 255.0;
     assert_eq!(image.pixels[(4 * 32 + 5) * 3 + 1], expected);
+}
+
+/// `bench step --device cuda` of the small model: the first line names the GPU, then the
+/// CPU's three lines (positive rates) and a `graphs:` line saying that every timed training
+/// step replayed the captured graph; with `TANDEM_CUDA_GRAPHS=0`, that they ran eagerly.
+#[test]
+fn bench_step_on_the_gpu_prints_its_figures_and_replays_graphs() {
+    if !gpu_available("bench_step_on_the_gpu_prints_its_figures_and_replays_graphs") {
+        return;
+    }
+    let bench = |graphs: &str| {
+        let mut command = tandem();
+        command
+            .args(["bench", "step"])
+            .args(SMALL_MODEL)
+            .args(["--batch", "4", "--steps", "2", "--device", "cuda"])
+            .args(["--precision", "fp32"])
+            .env("TANDEM_CUDA_GRAPHS", graphs);
+        expect_success(&run_bounded(&mut command, LIMIT))
+    };
+    let rate = |text: &str, name: &str| -> f64 {
+        let line = text
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .unwrap_or_else(|| panic!("no {name} line in {text}"));
+        line.trim_end_matches(" img/s").parse().unwrap()
+    };
+    let text = bench("1");
+    assert!(text.starts_with("device: cuda:0 ("), "{text}");
+    assert!(
+        rate(&text, "train: ") > 0.0 && rate(&text, "eval: ") > 0.0,
+        "{text}"
+    );
+    assert!(text.contains("\npeak memory: "), "{text}");
+    assert!(
+        text.contains("\ngraphs: on; every timed training step replayed one captured CUDA graph"),
+        "{text}"
+    );
+    let text = bench("0");
+    assert!(
+        text.contains("\ngraphs: off (") && text.contains("the timed training steps ran eagerly"),
+        "{text}"
+    );
 }

@@ -1,5 +1,5 @@
-//! A training set in GPU memory: its uint8 NHWC pixels go to the device once
-//! ([`CudaExecutor::upload_dataset`]); each batch is then assembled on the device from its
+//! A training set in GPU memory: its NHWC pixels (uint8, or floats for synthetic data) go to
+//! the device once ([`CudaExecutor::upload_dataset`]); each batch is then assembled on the device from its
 //! sample indices (a few bytes each cross to the device) by `kernels/augment.cu`: the pad-4
 //! crop and flip drawn from (seed, epoch, sample index) exactly as the CPU loader draws them,
 //! and the normalization, written straight into the executor's input slot
@@ -14,8 +14,9 @@
 //! the epoch into the step-scalar buffer), then the kernels read them ([`CudaExecutor::augment`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaStream};
 use tandem_engine::BatchNormReducer;
 use tandem_models::workspace::Plan;
 use tandem_models::Executor;
@@ -37,7 +38,8 @@ pub struct AugmentSettings {
     pub crop_padding: usize,
     /// Whether to draw a horizontal flip.
     pub horizontal_flip: bool,
-    /// `(value - mean[c % 3]) / std[c % 3]`; `[0; 3]` and `[1; 3]` leave `byte / 255`.
+    /// `(value - mean[c % 3]) / std[c % 3]` of each value (`byte / 255` for bytes); `[0; 3]`
+    /// and `[1; 3]` leave it as it is.
     pub mean: [f32; 3],
     /// See `mean`.
     pub std: [f32; 3],
@@ -45,7 +47,7 @@ pub struct AugmentSettings {
     pub seed: u64,
 }
 
-/// The shape of a dataset's pixels: `len` images of `height x width x channels` bytes.
+/// The shape of a dataset's pixels: `len` images of `height x width x channels` values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DatasetShape {
     /// Number of images.
@@ -104,14 +106,74 @@ impl DatasetShape {
     }
 }
 
+/// A dataset's pixels on the host, as the loader holds them.
+#[derive(Clone, Copy, Debug)]
+pub enum HostPixels<'a> {
+    /// Bytes 0..=255 (image files), divided by 255 before the normalization.
+    U8(&'a [u8]),
+    /// Ready floats (synthetic data), normalized as they are.
+    F32(&'a [f32]),
+}
+
+impl HostPixels<'_> {
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        match self {
+            HostPixels::U8(values) => values.len(),
+            HostPixels::F32(values) => values.len(),
+        }
+    }
+
+    /// Whether there are no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes they take.
+    pub fn bytes(&self) -> usize {
+        match self {
+            HostPixels::U8(values) => std::mem::size_of_val(*values),
+            HostPixels::F32(values) => std::mem::size_of_val(*values),
+        }
+    }
+}
+
+/// A dataset's pixels on the device, and the kernel that assembles batches from them.
+enum DevicePixels {
+    U8(CudaSlice<u8>),
+    F32(CudaSlice<f32>),
+}
+
+impl DevicePixels {
+    /// Copies `pixels` to the device (one value for none: the driver allocates no empty
+    /// buffer).
+    fn upload(stream: &Arc<CudaStream>, pixels: HostPixels<'_>) -> Result<Self, GpuError> {
+        let copied = match pixels {
+            HostPixels::U8([]) => stream.alloc_zeros(1).map(DevicePixels::U8),
+            HostPixels::U8(bytes) => stream.clone_htod(bytes).map(DevicePixels::U8),
+            HostPixels::F32([]) => stream.alloc_zeros(1).map(DevicePixels::F32),
+            HostPixels::F32(floats) => stream.clone_htod(floats).map(DevicePixels::F32),
+        };
+        copied.map_err(driver("cuMemcpyHtoDAsync"))
+    }
+
+    /// The address of the first value, and the augmentation kernel for this kind of value.
+    fn address_and_kernel(&self, stream: &CudaStream) -> (u64, &'static str) {
+        match self {
+            DevicePixels::U8(bytes) => (address(bytes, stream), "augment_apply"),
+            DevicePixels::F32(floats) => (address(floats, stream), "augment_apply_f32"),
+        }
+    }
+}
+
 /// A dataset's pixels on one executor's GPU, and the small buffers of a batch's assembly.
 pub struct DeviceDataset {
     /// Unique in the process (the key of the CUDA graphs of steps that read it).
     id: u64,
     shape: DatasetShape,
     settings: AugmentSettings,
-    /// All images, uint8 NHWC.
-    pixels: CudaSlice<u8>,
+    /// All images, NHWC.
+    pixels: DevicePixels,
     /// `settings.mean` and `settings.std`.
     mean: CudaSlice<f32>,
     std: CudaSlice<f32>,
@@ -136,11 +198,11 @@ impl DeviceDataset {
 }
 
 impl CudaExecutor {
-    /// Copies `pixels` (uint8 NHWC images of `shape`) to this executor's GPU, once, for
-    /// batches assembled there with `settings`.
+    /// Copies `pixels` (NHWC images of `shape`) to this executor's GPU, once, for batches
+    /// assembled there with `settings`.
     pub fn upload_dataset(
         &self,
-        pixels: &[u8],
+        pixels: HostPixels<'_>,
         shape: DatasetShape,
         settings: AugmentSettings,
     ) -> Result<DeviceDataset, GpuError> {
@@ -149,15 +211,11 @@ impl CudaExecutor {
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
         let stream = &self.stream;
-        let upload_pixels = match pixels.is_empty() {
-            true => stream.alloc_zeros(1),
-            false => stream.clone_htod(pixels),
-        };
         let dataset = DeviceDataset {
             id: NEXT_DATASET_ID.fetch_add(1, Ordering::Relaxed),
             shape,
             settings,
-            pixels: upload_pixels.map_err(driver("cuMemcpyHtoDAsync"))?,
+            pixels: DevicePixels::upload(stream, pixels)?,
             mean: stream
                 .clone_htod(&settings.mean)
                 .map_err(driver("cuMemcpyHtoDAsync"))?,
@@ -198,7 +256,6 @@ impl CudaExecutor {
         self.forward_train_loaded(model, plan, labels, loss, bn_sync)
     }
 
-    /// The address and length of the active storage's image slot.
     /// An evaluation forward (as [`CudaExecutor::forward_eval`]) of the images `indices` of
     /// `dataset`, normalized on the device into the plan's input (the data set must have been
     /// uploaded without crop or flip), with the logits copied to `logits`.
@@ -224,6 +281,7 @@ impl CudaExecutor {
         self.take_error().map_err(device)
     }
 
+    /// The address and length of the active storage's image slot.
     pub(super) fn input_slot(&self) -> Result<(u64, usize), GpuError> {
         let storage = self.storage()?;
         let slot = storage.slots[storage.images].f32()?;
@@ -341,8 +399,8 @@ impl CudaExecutor {
         }
         let settings = dataset.settings;
         let stream = &self.stream;
-        let (pixels, indices_address, draws, mean, std) = (
-            address(&dataset.pixels, stream),
+        let (pixels, apply) = dataset.pixels.address_and_kernel(stream);
+        let (indices_address, draws, mean, std) = (
             address(&dataset.indices, stream) + (first * std::mem::size_of::<u32>()) as u64,
             address(&dataset.draws, stream),
             address(&dataset.mean, stream),
@@ -354,11 +412,12 @@ impl CudaExecutor {
         // thread per sample reads the epoch (8 bytes at its offset of the step scalars) and
         // indices[first + s] and writes draws[3s..3s+3]; the indices hold at least
         // `first + batch`, the draws 3 * batch (grown with them) elements (checked above).
-        // augment_apply(const unsigned char*, const unsigned*, const int*, int, int, int,
-        // int, int, const float*, const float*, float*): one thread per output
-        // value, writing output[i] for i < batch * image_len ≤ capacity (checked above) and
-        // reading image indices[s] < len (checked by `device_indices`) of the pixels, which
-        // hold len * image_len bytes (checked at upload), and mean/std of 3 floats (c % 3).
+        // augment_apply(const unsigned char*, ...) and augment_apply_f32(const float*, ...),
+        // each chosen with pixels of its type, (..., const unsigned*, const int*, int, int,
+        // int, int, int, const float*, const float*, float*): one thread per output value,
+        // writing output[i] for i < batch * image_len ≤ capacity (checked above) and reading
+        // image indices[s] < len (checked by `device_indices`) of the pixels, which hold
+        // len * image_len values (checked at upload), and mean/std of 3 floats (c % 3).
         // Every buffer lives in `dataset` or the caller's storage, which outlive the stream's
         // work: the next use of either is ordered after it on this one stream.
         unsafe {
@@ -376,7 +435,7 @@ impl CudaExecutor {
                 ],
             )?;
             self.launch(
-                "augment_apply",
+                apply,
                 per_element(values),
                 &[
                     Arg::Ptr(pixels),

@@ -58,7 +58,10 @@ pub const FUNCTIONS: &[(&str, &[&str])] = &[
     ("optimizers", &["sgd_step", "adam_step"]),
     ("bias", &["bias_add", "bias_add_bf16", "add_channel_sums"]),
     ("collective", &["divide_in_place"]),
-    ("augment", &["augment_draws", "augment_apply"]),
+    (
+        "augment",
+        &["augment_draws", "augment_apply", "augment_apply_f32"],
+    ),
     (
         "convert",
         &["float_to_bf16", "bf16_to_float", "bf16_add_to_float"],

@@ -55,7 +55,7 @@ use crate::ptx_cache::PtxCache;
 use conv::{AlgorithmCache, AlgorithmSettings};
 use cudnn::CudnnHandle;
 pub use data_parallel::DeviceDataParallel;
-pub use dataset::{AugmentSettings, DatasetShape, DeviceDataset};
+pub use dataset::{AugmentSettings, DatasetShape, DeviceDataset, HostPixels};
 pub use error::GpuError;
 use error::{driver, same_length};
 use flat::FlatBuffer;
@@ -730,12 +730,21 @@ impl CudaExecutor {
 
     /// Bytes of this GPU's memory in use (by every process), from `cuMemGetInfo`.
     pub fn device_memory_in_use(&self) -> Result<usize, GpuError> {
+        let (free, total) = self.memory_info()?;
+        Ok(total.saturating_sub(free))
+    }
+
+    /// Bytes of the GPU's memory free now (`cuMemGetInfo`).
+    pub fn device_memory_free(&self) -> Result<usize, GpuError> {
+        Ok(self.memory_info()?.0)
+    }
+
+    /// `cuMemGetInfo`: free and total bytes of this executor's GPU.
+    fn memory_info(&self) -> Result<(usize, usize), GpuError> {
         self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
-        let (free, total) =
-            cudarc::driver::result::mem_get_info().map_err(driver("cuMemGetInfo_v2"))?;
-        Ok(total.saturating_sub(free))
+        cudarc::driver::result::mem_get_info().map_err(driver("cuMemGetInfo_v2"))
     }
 
     /// Waits until the GPU has run everything queued.

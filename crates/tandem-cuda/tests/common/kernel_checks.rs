@@ -329,15 +329,36 @@ fn cross_entropy_rows(
 }
 
 /// Random crop (padding 4), flip and normalization of `augment_draws` + `augment_apply`
-/// equal the CPU loader's pixels bit for bit, for the same (seed, epoch, index).
+/// (bytes) and `augment_apply_f32` (floats, as synthetic data) equal the CPU loader's pixels
+/// bit for bit, for the same (seed, epoch, index).
 pub fn augmented_batches_equal_the_cpu_loaders(rig: &mut GpuRig) {
     let (height, width, channels) = (7usize, 9usize, 3usize);
-    let images = 11usize;
-    let bytes: Vec<u8> = (0..images * height * width * channels)
-        .map(|i| (i * 37 % 256) as u8)
+    let values = 11 * height * width * channels;
+    let bytes: Vec<u8> = (0..values).map(|i| (i * 37 % 256) as u8).collect();
+    augmented_pixels_equal_the_cpu_loaders(rig, tandem_data::Pixels::U8(bytes), [7, 9, 3]);
+    // Floats of both signs and many exponents, so that a contracted multiply-add or a
+    // division in place of the CPU's multiplication by 1 / std would round differently.
+    let floats: Vec<f32> = (0..values)
+        .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) * 1.37e-3 * (1 + i % 5) as f32)
         .collect();
+    augmented_pixels_equal_the_cpu_loaders(rig, tandem_data::Pixels::F32(floats), [7, 9, 3]);
+}
+
+/// The check of [`augmented_batches_equal_the_cpu_loaders`] for one kind of pixels, of
+/// images `[height, width, channels]`.
+fn augmented_pixels_equal_the_cpu_loaders(
+    rig: &mut GpuRig,
+    pixels: tandem_data::Pixels,
+    [height, width, channels]: [usize; 3],
+) {
+    let image_len = height * width * channels;
+    let images = pixels.len() / image_len;
+    let (device_images, apply) = match &pixels {
+        tandem_data::Pixels::U8(bytes) => (rig.upload(bytes).arg(), "augment_apply"),
+        tandem_data::Pixels::F32(floats) => (rig.upload(floats).arg(), "augment_apply_f32"),
+    };
     let dataset = tandem_data::Dataset {
-        images: tandem_data::Pixels::U8(bytes.clone()),
+        images: pixels,
         labels: vec![0; images],
         height,
         width,
@@ -349,7 +370,6 @@ pub fn augmented_batches_equal_the_cpu_loaders(rig: &mut GpuRig) {
     let normalize = tandem_data::IMAGENET_NORMALIZE;
     let (seed, epoch) = (1234u64, 3u64);
     let indices: Vec<u32> = vec![10, 0, 5, 5, 7];
-    let image_len = height * width * channels;
     let mut cpu = vec![0f32; indices.len() * image_len];
     for (s, &index) in indices.iter().enumerate() {
         tandem_data::transform_image(
@@ -362,7 +382,6 @@ pub fn augmented_batches_equal_the_cpu_loaders(rig: &mut GpuRig) {
             &mut cpu[s * image_len..(s + 1) * image_len],
         );
     }
-    let device_images = rig.upload(&bytes);
     let device_indices = rig.upload(&indices);
     let draws = rig.zeros::<i32>(3 * indices.len());
     let batch = Arg::I32(indices.len() as i32);
@@ -385,10 +404,10 @@ pub fn augmented_batches_equal_the_cpu_loaders(rig: &mut GpuRig) {
     let output = rig.zeros::<f32>(cpu.len());
     let [h, w, c] = [height, width, channels].map(|n| Arg::I32(n as i32));
     rig.launch(
-        "augment_apply",
+        apply,
         per_element(cpu.len()),
         &[
-            device_images.arg(),
+            device_images,
             device_indices.arg(),
             draws.arg(),
             batch,
@@ -401,7 +420,7 @@ pub fn augmented_batches_equal_the_cpu_loaders(rig: &mut GpuRig) {
             output.arg(),
         ],
     );
-    assert_bits_equal(&rig.download(&output), &cpu, "augmented pixels");
+    assert_bits_equal(&rig.download(&output), &cpu, apply);
 }
 
 /// Batch-norm statistics (two passes in one launch, fixed order), the training coefficients

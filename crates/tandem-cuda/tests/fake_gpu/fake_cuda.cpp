@@ -64,7 +64,14 @@ enum {
 
 namespace {
 
-const unsigned long long TOTAL_MEMORY = 80ull << 30;
+// 80 GiB, or TANDEM_FAKE_GPU_MEMORY_MB (for tests of what does not fit).
+unsigned long long total_memory() {
+    static const unsigned long long total = [] {
+        const char* megabytes = std::getenv("TANDEM_FAKE_GPU_MEMORY_MB");
+        return megabytes ? std::strtoull(megabytes, nullptr, 10) << 20 : 80ull << 30;
+    }();
+    return total;
+}
 
 struct Context {
     int device = 0;
@@ -258,7 +265,7 @@ CUresult cuDeviceGetUuid_v2(unsigned char* uuid, CUdevice device) {
 }
 
 CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice) {
-    *bytes = TOTAL_MEMORY;
+    *bytes = total_memory();
     return CUDA_SUCCESS;
 }
 
@@ -300,8 +307,8 @@ CUresult cuCtxSetFlags(unsigned int) { return CUDA_SUCCESS; }
 
 CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
     std::lock_guard<std::mutex> lock(state_mutex);
-    *total_bytes = TOTAL_MEMORY;
-    *free_bytes = TOTAL_MEMORY - allocated_bytes;
+    *total_bytes = total_memory();
+    *free_bytes = allocated_bytes < *total_bytes ? *total_bytes - allocated_bytes : 0;
     return CUDA_SUCCESS;
 }
 

@@ -1,13 +1,17 @@
 //! `tandem bench step --device cuda`: the same three lines as on the CPU, measured with the
 //! GPU executor of `tandem-cuda` (`--precision`, TF32 by default; deterministic algorithms; one
 //! process), and a `graphs:` line saying whether the timed training steps replayed a CUDA
-//! graph (`TANDEM_CUDA_GRAPHS=0` turns capture off, as in `train`). The executor has not yet
-//! run on a GPU, so the first line says it is unverified.
+//! graph (`TANDEM_CUDA_GRAPHS=0` turns capture off, as in `train`). The batch lives in GPU
+//! memory, as a training set does in `train` (and as PyTorch's benchmark keeps its batch):
+//! each step assembles it there from its indices, so no image crosses from the host. The
+//! executor has not yet run on a GPU, so the first line says it is unverified.
 
 use std::time::Instant;
 
 use tandem_cuda::executor::graph::StepRun;
-use tandem_cuda::executor::{StepImages, StepOptimizer, TrainStep};
+use tandem_cuda::executor::{
+    AugmentSettings, DatasetShape, HostPixels, StepImages, StepOptimizer, TrainStep,
+};
 use tandem_cuda::CudaExecutor;
 use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model, ModelSpec};
@@ -17,8 +21,9 @@ use crate::compute::GpuMath;
 
 /// Runs the benchmark on GPU `ordinal`: `train:`, `eval:`, `peak memory:` (the most GPU
 /// memory in use after the warm-up and after each timed phase, from `cuMemGetInfo`) and
-/// `graphs:`. A training step is the executor's whole step (`train_step`): two warm-up steps
-/// (the eager first run and the capture), then the timed ones.
+/// `graphs:`. A training step is the executor's whole step (`train_step`) over the random
+/// batch in GPU memory (no crop, flip or normalization): two warm-up steps (the eager first
+/// run and the capture), then the timed ones; an evaluation is a forward of the same batch.
 pub fn run(
     spec: &ModelSpec,
     batch: usize,
@@ -30,6 +35,21 @@ pub fn run(
     let model = Model::new(spec)?;
     let mut exec = crate::compute::open_executor(&model, ordinal, math)?;
     let (images, labels) = random_batch(spec, batch);
+    let shape = DatasetShape {
+        len: batch,
+        height: IMAGE_SIZE,
+        width: IMAGE_SIZE,
+        channels: spec.img_channels(),
+    };
+    let as_they_are = AugmentSettings {
+        crop_padding: 0,
+        horizontal_flip: false,
+        mean: [0.0; 3],
+        std: [1.0; 3],
+        seed: 0,
+    };
+    let mut dataset = exec.upload_dataset(HostPixels::F32(&images), shape, as_they_are)?;
+    let indices: Vec<usize> = (0..batch).collect();
     let train_plan = model.plan(Mode::Train, batch, IMAGE_SIZE, IMAGE_SIZE)?;
     let eval_plan = model.plan(Mode::Eval, batch, IMAGE_SIZE, IMAGE_SIZE)?;
     let loss = LossOptions::default();
@@ -43,7 +63,11 @@ pub fn run(
     let mut graphs_off = None;
     let mut train_step = |exec: &mut CudaExecutor| -> anyhow::Result<()> {
         let step = TrainStep {
-            images: StepImages::Host(&images),
+            images: StepImages::Gathered {
+                dataset: &mut dataset,
+                indices: &indices,
+                epoch: 0,
+            },
             labels: &labels,
             micro_batches: 1,
             loss: &loss,
@@ -60,7 +84,7 @@ pub fn run(
     let timed_runs = runs.split_off(runs.len().saturating_sub(steps));
     let mut logits = Vec::new();
     let eval_rate = timed(batch, steps, &mut exec, &mut peak_bytes, |exec| {
-        exec.forward_eval(&model, &eval_plan, &images, &mut logits)?;
+        exec.forward_eval_gathered(&model, &eval_plan, &mut dataset, &indices, &mut logits)?;
         Ok(())
     })?;
     say!("train: {train_rate:.1} img/s");
