@@ -248,13 +248,18 @@ fn tee_shows_every_rank_and_log_dir_follows_output_dir() {
     );
     let status = launcher.wait(LAUNCH_TIMEOUT);
     assert!(status.success(), "launcher failed: {}", launcher.stderr());
-    // A worker's stdout and stderr share one pipe, so the console and the log keep their order.
+    // A worker's stdout and stderr share one pipe, so the console and the log keep each
+    // worker's order; the two workers' lines may interleave on the console.
     let stdout = launcher.stdout();
     for rank in 0..2 {
-        assert!(
-            stdout.contains(&format!(
-                "[rank {rank}] out {rank}\n[rank {rank}] err {rank}\n"
-            )),
+        let prefix = format!("[rank {rank}] ");
+        let rank_lines: Vec<&str> = stdout
+            .lines()
+            .filter_map(|line| line.strip_prefix(prefix.as_str()))
+            .collect();
+        assert_eq!(
+            rank_lines,
+            [format!("out {rank}"), format!("err {rank}")],
             "{stdout}"
         );
         let log = read(&dir.path().join(format!("my_run/logs/rank_{rank}.log")));

@@ -15,7 +15,12 @@
 // isolation is CUDA's too: a capturing stream may not wait on an event recorded outside its
 // capture (CUDA_ERROR_STREAM_CAPTURE_ISOLATION) or in another one (..._MERGE), and an event
 // last recorded inside a capture may not be queried, synchronized or waited on outside it
-// (CUDA_ERROR_CAPTURED_EVENT).
+// (CUDA_ERROR_CAPTURED_EVENT). Inside a capture, a copy to or from pageable host memory and
+// a stream-ordered allocation or free on a capturing stream fail, and while a capture begun in
+// global or thread-local mode is open, its thread's synchronous copies, memsets, allocations,
+// frees and context synchronization fail (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED): CUDA
+// refuses the first and the last, and records an allocation as a graph memory node that a
+// second launch refuses while unfreed; none belongs in a captured step.
 // Copies to or from page-locked host memory (cuMemHostAlloc) are asynchronous, as on a GPU:
 // such a copy is held back until its stream is synchronized (or queried, or an event
 // synchronized or waited on, or the context synchronized), or until more work is queued on
@@ -62,6 +67,9 @@ enum {
     CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD = 908,
 };
 
+// CUstreamCaptureMode's relaxed mode (global is 0, thread-local 1).
+const int CU_STREAM_CAPTURE_MODE_RELAXED = 2;
+
 namespace {
 
 // 80 GiB, or TANDEM_FAKE_GPU_MEMORY_MB (for tests of what does not fit).
@@ -91,6 +99,8 @@ struct Stream {
     size_t rejoined = 0;
     // Copies between the device and page-locked host memory, not done yet (in queue order).
     std::vector<std::function<void()>> held_back;
+    // The capturing stream's: whether its capture began in a mode other than relaxed.
+    bool strict = false;
 };
 
 struct Graph {
@@ -119,6 +129,10 @@ struct Module {
 };
 
 std::mutex state_mutex;
+// Captures begun on this thread in a mode other than relaxed (CUDA's global and thread-local
+// modes): while one is open, this thread's "potentially unsafe" calls (synchronous copies,
+// memsets, allocations and frees, context synchronization) fail as CUDA's do.
+thread_local int strict_captures_here = 0;
 std::map<CUdeviceptr, size_t> allocations;
 size_t allocated_bytes = 0;
 // The page-locked host allocations (start, bytes) and the streams that exist.
@@ -299,6 +313,7 @@ CUresult cuCtxGetCurrent(void** context) {
 }
 
 CUresult cuCtxSynchronize() {
+    if (strict_captures_here > 0) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     finish_all_held_back();
     return CUDA_SUCCESS;
 }
@@ -393,13 +408,15 @@ CUresult cuStreamWaitEvent(void* stream, void* event, unsigned int) {
     return CUDA_SUCCESS;
 }
 
-CUresult cuStreamBeginCapture_v2(void* stream, int) {
+CUresult cuStreamBeginCapture_v2(void* stream, int mode) {
     auto* target = static_cast<Stream*>(stream);
     if (target == nullptr) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     if (target->capture != nullptr) return CUDA_ERROR_ILLEGAL_STATE;
     // Work queued before the capture is not part of it.
     finish_held_back(target);
     target->capture = target;
+    target->strict = mode != CU_STREAM_CAPTURE_MODE_RELAXED;
+    if (target->strict) strict_captures_here++;
     target->captured.clear();
     target->joined.clear();
     return CUDA_SUCCESS;
@@ -415,6 +432,8 @@ CUresult cuStreamEndCapture(void* stream, void** graph) {
     }
     target->joined.clear();
     target->capture = nullptr;
+    if (target->strict) strict_captures_here--;
+    target->strict = false;
     if (unjoined) {
         target->captured.clear();
         *graph = nullptr;
@@ -494,7 +513,8 @@ CUresult cuEventElapsedTime(float* milliseconds, void*, void*) {
 
 // ----- Memory -----
 
-CUresult cuMemAlloc_v2(CUdeviceptr* pointer, size_t bytes) {
+// Device memory of `bytes` (rounded up to 256), filled with garbage.
+CUresult allocate(CUdeviceptr* pointer, size_t bytes) {
     size_t rounded = (bytes + 255) / 256 * 256;
     if (rounded == 0) rounded = 256;
     void* memory = std::aligned_alloc(256, rounded);
@@ -508,7 +528,13 @@ CUresult cuMemAlloc_v2(CUdeviceptr* pointer, size_t bytes) {
     return CUDA_SUCCESS;
 }
 
-CUresult cuMemFree_v2(CUdeviceptr pointer) {
+CUresult cuMemAlloc_v2(CUdeviceptr* pointer, size_t bytes) {
+    if (strict_captures_here > 0) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return allocate(pointer, bytes);
+}
+
+// Frees an allocation of `allocate`.
+CUresult release(CUdeviceptr pointer) {
     std::lock_guard<std::mutex> lock(state_mutex);
     auto found = allocations.find(pointer);
     if (found == allocations.end()) return CUDA_ERROR_INVALID_VALUE;
@@ -518,7 +544,13 @@ CUresult cuMemFree_v2(CUdeviceptr pointer) {
     return CUDA_SUCCESS;
 }
 
+CUresult cuMemFree_v2(CUdeviceptr pointer) {
+    if (strict_captures_here > 0) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return release(pointer);
+}
+
 CUresult cuMemHostAlloc(void** pointer, size_t bytes, unsigned int) {
+    if (strict_captures_here > 0) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     size_t rounded = (bytes + 63) / 64 * 64;
     if (rounded == 0) rounded = 64;
     void* memory = std::aligned_alloc(64, rounded);
@@ -531,6 +563,7 @@ CUresult cuMemHostAlloc(void** pointer, size_t bytes, unsigned int) {
 }
 
 CUresult cuMemFreeHost(void* pointer) {
+    if (strict_captures_here > 0) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     finish_all_held_back();
     std::lock_guard<std::mutex> lock(state_mutex);
     auto found = pinned_allocations.find((uintptr_t)pointer);
@@ -540,11 +573,23 @@ CUresult cuMemFreeHost(void* pointer) {
     return CUDA_SUCCESS;
 }
 
-CUresult cuMemAllocAsync(CUdeviceptr* pointer, size_t bytes, void*) {
-    return cuMemAlloc_v2(pointer, bytes);
+// Whether work queued on `stream` now would be recorded into a capture.
+bool in_capture(void* stream) {
+    return stream != nullptr && static_cast<Stream*>(stream)->capture != nullptr;
 }
 
-CUresult cuMemFreeAsync(CUdeviceptr pointer, void*) { return cuMemFree_v2(pointer); }
+// Inside a capture CUDA records a stream-ordered allocation as a graph memory node, which a
+// second launch refuses while the first's allocation is unfreed; the executor must allocate
+// nothing inside a captured step, so the fake refuses it outright.
+CUresult cuMemAllocAsync(CUdeviceptr* pointer, size_t bytes, void* stream) {
+    if (in_capture(stream)) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return allocate(pointer, bytes);
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr pointer, void* stream) {
+    if (in_capture(stream)) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    return release(pointer);
+}
 
 CUresult cuMemsetD8Async(CUdeviceptr pointer, unsigned char value, size_t count, void* stream) {
     fake_enqueue(stream, [=] { std::memset((void*)pointer, value, count); });
@@ -552,6 +597,7 @@ CUresult cuMemsetD8Async(CUdeviceptr pointer, unsigned char value, size_t count,
 }
 
 CUresult cuMemsetD8_v2(CUdeviceptr pointer, unsigned char value, size_t count) {
+    if (strict_captures_here > 0) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     finish_all_held_back();
     std::memset((void*)pointer, value, count);
     return CUDA_SUCCESS;
@@ -566,11 +612,14 @@ CUresult cuMemsetD32Async(CUdeviceptr pointer, unsigned int value, size_t count,
 }
 
 // From pageable memory the source is read before the call returns (the driver stages it);
-// from page-locked memory, when the copy is done.
+// from page-locked memory, when the copy is done. A capture may record copies from
+// page-locked memory only ("operation not permitted when stream is capturing" otherwise).
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr target, const void* source, size_t bytes, void* stream) {
     auto copy = [=] { std::memcpy((void*)target, source, bytes); };
     if (is_pinned(source, bytes)) {
         hold_back_or_record(stream, copy);
+    } else if (in_capture(stream)) {
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     } else {
         fake_enqueue(stream, copy);
     }
@@ -578,17 +627,20 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr target, const void* source, size_t byt
 }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr target, const void* source, size_t bytes) {
+    if (strict_captures_here > 0) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     finish_all_held_back();
     std::memcpy((void*)target, source, bytes);
     return CUDA_SUCCESS;
 }
 
 // Into pageable memory the copy is done when the call returns; into page-locked memory, only
-// once the stream is synchronized.
+// once the stream is synchronized. A capture may record copies to page-locked memory only.
 CUresult cuMemcpyDtoHAsync_v2(void* target, CUdeviceptr source, size_t bytes, void* stream) {
     auto copy = [=] { std::memcpy(target, (const void*)source, bytes); };
     if (is_pinned(target, bytes)) {
         hold_back_or_record(stream, copy);
+    } else if (in_capture(stream)) {
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     } else {
         fake_enqueue(stream, copy);
     }
@@ -596,6 +648,7 @@ CUresult cuMemcpyDtoHAsync_v2(void* target, CUdeviceptr source, size_t bytes, vo
 }
 
 CUresult cuMemcpyDtoH_v2(void* target, CUdeviceptr source, size_t bytes) {
+    if (strict_captures_here > 0) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     finish_all_held_back();
     std::memcpy(target, (const void*)source, bytes);
     return CUDA_SUCCESS;
@@ -607,6 +660,7 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr target, CUdeviceptr source, size_t byt
 }
 
 CUresult cuMemcpyDtoD_v2(CUdeviceptr target, CUdeviceptr source, size_t bytes) {
+    if (strict_captures_here > 0) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     finish_all_held_back();
     std::memmove((void*)target, (const void*)source, bytes);
     return CUDA_SUCCESS;
