@@ -119,8 +119,9 @@ impl PtxCache {
         Ok(path)
     }
 
-    /// Writes `bytes` to `path` in the folder through a temporary file, fsync and rename.
-    fn store_file(&self, path: &Path, bytes: &[u8]) -> Result<(), CacheError> {
+    /// Writes `bytes` to `path` in the folder through a temporary file, fsync and rename
+    /// (also for the measured cuDNN algorithms the executor keeps here).
+    pub(crate) fn store_file(&self, path: &Path, bytes: &[u8]) -> Result<(), CacheError> {
         let error = |path: &Path, what| {
             let path = path.to_path_buf();
             move |source| CacheError { path, what, source }

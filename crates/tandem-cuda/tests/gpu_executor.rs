@@ -13,8 +13,9 @@ use std::ops::Range;
 
 use common::kernel_checks::assert_bits_equal;
 use common::{formula_batch, gpu_probe, seed_004};
+use tandem_cuda::executor::conv::AlgorithmCounts;
 use tandem_cuda::executor::HostPixels;
-use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe};
+use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe, PtxCache};
 use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tandem_models::workspace::Mode;
 use tandem_models::{Executor, LossOptions, Model};
@@ -198,6 +199,24 @@ fn a_training_step_matches_the_cpu_in_fp32() {
     one_step(probe);
 }
 
+/// One training forward and backward of `images` on `exec`: the loss's and the gradients'
+/// bits.
+fn train_bits(
+    exec: &mut CudaExecutor,
+    model: &Model,
+    images: &[f32],
+    labels: &[u32],
+) -> (u32, Vec<u32>) {
+    let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
+    let loss = exec
+        .forward_train(model, &plan, images, labels, &LossOptions::default(), None)
+        .unwrap();
+    exec.backward(model, &plan, 1.0, None, None).unwrap();
+    let mut grads = vec![0.0; model.params().len()];
+    exec.grads_to_host(&mut grads).unwrap();
+    (loss.to_bits(), bits(&grads))
+}
+
 /// An evaluation measures only the forward algorithms of its shapes; a training step of the
 /// same shapes after it measures their backward ones then, and computes what a fresh executor
 /// computes, bit for bit (deterministic algorithms: the same choices).
@@ -210,18 +229,8 @@ fn training_after_an_evaluation_of_the_same_shape_equals_training_alone() {
         return;
     };
     let (images, labels) = formula_batch(BATCH, SIDE, 0);
-    let loss = LossOptions::default();
     let model = seed_004();
-    let train_plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
-    let train = |exec: &mut CudaExecutor| {
-        let loss = exec
-            .forward_train(&model, &train_plan, &images, &labels, &loss, None)
-            .unwrap();
-        exec.backward(&model, &train_plan, 1.0, None, None).unwrap();
-        let mut grads = vec![0.0; model.params().len()];
-        exec.grads_to_host(&mut grads).unwrap();
-        (loss.to_bits(), bits(&grads))
-    };
+    let train = |exec: &mut CudaExecutor| train_bits(exec, &model, &images, &labels);
     let mut alone = CudaExecutor::new(probe, settings(), None, &model).unwrap();
     let expected = train(&mut alone);
     let mut after_eval = CudaExecutor::new(probe, settings(), None, &model).unwrap();
@@ -235,6 +244,87 @@ fn training_after_an_evaluation_of_the_same_shape_equals_training_alone() {
         train(&mut after_eval) == expected,
         "loss or gradients differ"
     );
+}
+
+/// The algorithms an executor measured are kept in its kernel cache's folder, one file per
+/// convolution shape, and read back by the next executor there: an evaluation's files gain the
+/// backward directions when a training step measures them; a later executor measures nothing
+/// and computes what one without the folder computes, bit for bit; a spoiled file is measured
+/// (and written) again.
+#[test]
+fn measured_algorithms_are_read_back_by_the_next_executor() {
+    let Some(probe) = gpu_probe(
+        "measured_algorithms_are_read_back_by_the_next_executor",
+        &[],
+    ) else {
+        return;
+    };
+    let (images, labels) = formula_batch(BATCH, SIDE, 0);
+    let model = seed_004();
+    let train_plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
+    let eval_plan = model.plan(Mode::Eval, BATCH, SIDE, SIDE).unwrap();
+    let shapes: std::collections::HashSet<String> = train_plan
+        .unit_plans()
+        .map(|unit| format!("{:?}", unit.shape))
+        .collect();
+    let folder = tempfile::tempdir().unwrap();
+    let cache = PtxCache::new(folder.path().join("ptx"));
+    let open =
+        |cache: Option<PtxCache>| CudaExecutor::new(probe, settings(), cache, &model).unwrap();
+    let train = |exec: &mut CudaExecutor| train_bits(exec, &model, &images, &labels);
+    let algorithm_files = || -> Vec<std::path::PathBuf> {
+        let mut files: Vec<_> = std::fs::read_dir(&cache.dir)
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .filter(|path| path.to_string_lossy().ends_with(".txt"))
+            .collect();
+        files.sort();
+        files
+    };
+    let counts = |measured, loaded| AlgorithmCounts { measured, loaded };
+
+    let mut evaluation = open(Some(cache.clone()));
+    let mut logits = Vec::new();
+    evaluation
+        .forward_eval(&model, &eval_plan, &images, &mut logits)
+        .unwrap();
+    assert_eq!(evaluation.algorithm_counts(), counts(shapes.len(), 0));
+    assert_eq!(algorithm_files().len(), shapes.len());
+
+    let mut first_training = open(Some(cache.clone()));
+    let expected = train(&mut first_training);
+    // The forwards read back; the backward directions measured.
+    assert_eq!(
+        first_training.algorithm_counts(),
+        counts(shapes.len(), shapes.len())
+    );
+    assert!(
+        train(&mut open(None)) == expected,
+        "a fresh executor differs"
+    );
+
+    let mut later = open(Some(cache.clone()));
+    assert!(
+        train(&mut later) == expected,
+        "an executor reading the folder differs"
+    );
+    assert_eq!(later.algorithm_counts(), counts(0, shapes.len()));
+
+    let files = algorithm_files();
+    assert_eq!(files.len(), shapes.len());
+    std::fs::write(&files[0], "spoiled").unwrap();
+    let mut after_spoiling = open(Some(cache.clone()));
+    assert!(
+        train(&mut after_spoiling) == expected,
+        "after a spoiled file"
+    );
+    assert_eq!(
+        after_spoiling.algorithm_counts(),
+        counts(1, shapes.len() - 1)
+    );
+    let mut last = open(Some(cache.clone()));
+    assert!(train(&mut last) == expected);
+    assert_eq!(last.algorithm_counts(), counts(0, shapes.len()));
 }
 
 /// Two chained SGD steps (Nesterov, weight decay: the momentum buffer carried on the device)

@@ -2,14 +2,17 @@
 //! algorithm of each direction chosen by measuring (`cudnnFind*`) on first use and cached per
 //! shape and settings, with a deterministic mode that admits only deterministic algorithms.
 //! An evaluation's shapes measure the forward alone: the backward algorithms of a shape are
-//! measured when a training plan first needs them.
+//! measured when a training plan first needs them. With a store (`algorithm_store.rs`), the
+//! choices are kept on disk for the next process.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 
 use cudarc::cudnn::sys;
 use tandem_engine::shape::Conv2dShape;
 
+use super::algorithm_store::{AlgorithmStore, StoredChoice};
 use super::cudnn::{ConvDescriptor, CudnnHandle, FilterDescriptor, TensorDescriptor};
 use super::error::{cudnn, int, GpuError};
 use super::Precision;
@@ -289,10 +292,21 @@ pub struct ConvPlan {
 }
 
 /// The chosen algorithms of a convolution's two backward directions.
-struct BackwardAlgorithms {
-    data: Candidate<sys::cudnnConvolutionBwdDataAlgo_t>,
-    filter: Candidate<sys::cudnnConvolutionBwdFilterAlgo_t>,
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BackwardAlgorithms {
+    /// The data gradient's.
+    pub data: Candidate<sys::cudnnConvolutionBwdDataAlgo_t>,
+    /// The filter gradient's.
+    pub filter: Candidate<sys::cudnnConvolutionBwdFilterAlgo_t>,
 }
+
+/// A convolution's cuDNN descriptors: input, output, filter and the convolution itself.
+type Descriptors = (
+    TensorDescriptor,
+    TensorDescriptor,
+    FilterDescriptor,
+    ConvDescriptor,
+);
 
 /// The most workspace an algorithm may ask for (bytes).
 pub const WORKSPACE_LIMIT: usize = 1 << 30;
@@ -322,12 +336,7 @@ impl ConvPlan {
             precision,
             deterministic,
         } = settings;
-        let geometry = ConvGeometry::new(shape)?;
-        let operands = operand_type(precision);
-        let input = TensorDescriptor::new(geometry.input, geometry.input_strides, operands)?;
-        let output = TensorDescriptor::new(geometry.output, geometry.output_strides, operands)?;
-        let filter = FilterDescriptor::new(geometry.filter, operands)?;
-        let conv = ConvDescriptor::new(geometry.padding, geometry.stride, compute_type(precision))?;
+        let (input, output, filter, conv) = Self::descriptors(shape, precision)?;
         conv.set_math(descriptor_math(precision))?;
         let forward = choose(
             &handle.find_forward(&input, &filter, &conv, &output)?,
@@ -348,6 +357,44 @@ impl ConvPlan {
             plan.measure_backward(handle, shape, settings)?;
         }
         Ok(plan)
+    }
+
+    /// The plan of `shape` with the algorithms of `choice` (stored by an earlier process),
+    /// measuring nothing.
+    pub fn from_choice(
+        shape: &Conv2dShape,
+        precision: Precision,
+        choice: StoredChoice,
+    ) -> Result<Self, GpuError> {
+        let (input, output, filter, conv) = Self::descriptors(shape, precision)?;
+        Ok(ConvPlan {
+            input,
+            output,
+            filter,
+            conv,
+            forward: choice.forward,
+            backward: choice.backward,
+        })
+    }
+
+    /// The algorithms chosen, as [`AlgorithmStore`] keeps them.
+    pub fn choice(&self) -> StoredChoice {
+        StoredChoice {
+            forward: self.forward,
+            backward: self.backward,
+        }
+    }
+
+    /// The descriptors of `shape` with the operand and compute types of `precision`.
+    fn descriptors(shape: &Conv2dShape, precision: Precision) -> Result<Descriptors, GpuError> {
+        let geometry = ConvGeometry::new(shape)?;
+        let operands = operand_type(precision);
+        Ok((
+            TensorDescriptor::new(geometry.input, geometry.input_strides, operands)?,
+            TensorDescriptor::new(geometry.output, geometry.output_strides, operands)?,
+            FilterDescriptor::new(geometry.filter, operands)?,
+            ConvDescriptor::new(geometry.padding, geometry.stride, compute_type(precision))?,
+        ))
     }
 
     /// Measures the algorithms of the two backward directions.
@@ -512,16 +559,38 @@ pub struct AlgorithmSettings {
     pub deterministic: bool,
 }
 
-/// The measured plans of every convolution shape seen, by [`ConvKey`].
+/// How an executor's convolution algorithms were found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AlgorithmCounts {
+    /// Searches made (a shape's forward, or its backward directions, each count one).
+    pub measured: usize,
+    /// Shapes whose choice was read from the store.
+    pub loaded: usize,
+}
+
+/// The measured plans of every convolution shape seen, by [`ConvKey`], and with a store,
+/// the choices of earlier processes read from disk and the new ones written there.
 #[derive(Default)]
 pub struct AlgorithmCache {
     plans: HashMap<ConvKey, ConvPlan>,
+    store: Option<AlgorithmStore>,
     searches: usize,
+    loaded: usize,
 }
 
 impl AlgorithmCache {
-    /// The plan of `shape`, measured on first use; with `backward`, with the algorithms of the
-    /// backward directions, measured when the plan lacks them.
+    /// An empty cache, reading and writing `store` when there is one.
+    pub fn new(store: Option<AlgorithmStore>) -> Self {
+        AlgorithmCache {
+            store,
+            ..AlgorithmCache::default()
+        }
+    }
+
+    /// The plan of `shape`: kept, else read from the store, else measured; with `backward`,
+    /// with the algorithms of the backward directions, measured when the plan lacks them. A
+    /// plan measured in part or whole is written to the store (a failure to write is
+    /// dropped: the next process measures again).
     pub fn get_or_measure(
         &mut self,
         handle: &CudnnHandle,
@@ -530,20 +599,37 @@ impl AlgorithmCache {
         backward: bool,
     ) -> Result<&ConvPlan, GpuError> {
         let key = ConvKey::new(shape, settings.precision, settings.deterministic);
-        match self.plans.entry(key) {
-            std::collections::hash_map::Entry::Occupied(entry) => {
-                let plan = entry.into_mut();
-                if backward && plan.backward.is_none() {
-                    self.searches += 1;
-                    plan.measure_backward(handle, shape, settings)?;
-                }
-                Ok(plan)
+        let mut measured = false;
+        let plan = match self.plans.entry(key) {
+            Entry::Occupied(entry) => entry.into_mut(),
+            Entry::Vacant(entry) => {
+                let stored = self
+                    .store
+                    .as_ref()
+                    .and_then(|store| store.load(&key, settings));
+                let plan = match stored {
+                    Some(choice) => {
+                        self.loaded += 1;
+                        ConvPlan::from_choice(shape, settings.precision, choice)?
+                    }
+                    None => {
+                        self.searches += 1;
+                        measured = true;
+                        ConvPlan::measure(handle, shape, settings, backward)?
+                    }
+                };
+                entry.insert(plan)
             }
-            std::collections::hash_map::Entry::Vacant(entry) => {
-                self.searches += 1;
-                Ok(entry.insert(ConvPlan::measure(handle, shape, settings, backward)?))
-            }
+        };
+        if backward && plan.backward.is_none() {
+            self.searches += 1;
+            measured = true;
+            plan.measure_backward(handle, shape, settings)?;
         }
+        if let Some(store) = self.store.as_ref().filter(|_| measured) {
+            let _ = store.save(&key, &plan.choice());
+        }
+        Ok(plan)
     }
 
     /// The plan of `shape` measured before under the settings, if any.
@@ -559,5 +645,10 @@ impl AlgorithmCache {
     /// a capture checks that it made none.
     pub fn searches(&self) -> usize {
         self.searches
+    }
+
+    /// Shapes whose algorithms were read from the store instead of measured.
+    pub fn loaded(&self) -> usize {
+        self.loaded
     }
 }

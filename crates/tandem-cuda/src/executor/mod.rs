@@ -19,6 +19,7 @@
 //! **Unverified on a GPU:** this compiles and its host-side pieces are tested, but it has not
 //! run on a GPU (see the crate's README).
 
+pub mod algorithm_store;
 mod autocast;
 pub mod conv;
 pub mod cudnn;
@@ -52,7 +53,8 @@ use crate::arch::GpuArch;
 use crate::compile::Compiler;
 use crate::probe::{Library, Probe};
 use crate::ptx_cache::PtxCache;
-use conv::{AlgorithmCache, AlgorithmSettings};
+use algorithm_store::AlgorithmStore;
+use conv::{AlgorithmCache, AlgorithmCounts, AlgorithmSettings};
 use cudnn::CudnnHandle;
 pub use data_parallel::DeviceDataParallel;
 pub use dataset::{AugmentSettings, DatasetShape, DeviceDataset, HostPixels};
@@ -189,7 +191,8 @@ pub struct CudaExecutor {
 unsafe impl Send for CudaExecutor {}
 
 impl CudaExecutor {
-    /// Opens GPU `settings.ordinal`, compiles our kernels (with the PTX cache in `cache`) and
+    /// Opens GPU `settings.ordinal`, compiles our kernels (with the PTX cache in `cache`, whose
+    /// folder also keeps the chosen convolution algorithms, `algorithm_store.rs`) and
     /// copies `model`'s flat parameters and buffers to it (the parameters and gradients placed
     /// so that its convolution filters are 16-byte aligned, [`flat`]). Every library it calls
     /// must have been found by `probe`: a missing one is an error naming it, never a panic.
@@ -237,6 +240,13 @@ impl CudaExecutor {
                 arch,
             });
         }
+        let algorithm_store = match &cache {
+            Some(cache) => Some(AlgorithmStore::new(
+                cache.clone(),
+                device_identity(probe, &context, arch)?,
+            )),
+            None => None,
+        };
         let compiler = Compiler::new(probe, arch, cache)?;
         let kernels = Kernels::load(&context, &compiler)?;
         // A stream of our own: the legacy default stream cannot be captured into a graph.
@@ -261,7 +271,7 @@ impl CudaExecutor {
             cudnn,
             blas: ManuallyDrop::new(blas),
             kernels,
-            algorithms: AlgorithmCache::default(),
+            algorithms: AlgorithmCache::new(algorithm_store),
             settings,
             params: FlatBuffer::upload(&stream, params, offset)?,
             grads: FlatBuffer::zeros(&stream, params.len(), offset)?,
@@ -321,6 +331,15 @@ impl CudaExecutor {
             self.generation += 1;
         }
         Ok(())
+    }
+
+    /// How many convolution algorithm searches this executor made and how many shapes it read
+    /// from the kernel cache's folder instead (see `algorithm_store.rs`).
+    pub fn algorithm_counts(&self) -> AlgorithmCounts {
+        AlgorithmCounts {
+            measured: self.algorithms.searches(),
+            loaded: self.algorithms.loaded(),
+        }
     }
 
     /// Returns (and clears) the first error kept by a method that could not return it.
@@ -756,6 +775,22 @@ impl CudaExecutor {
 }
 
 /// Whether a GPU of `arch` computes in `precision`: bfloat16 tensor cores, and cuDNN's
+/// What, besides a convolution's shape and settings, decides what cuDNN measures: the GPU's
+/// name and architecture and the driver's and cuDNN's versions (the measured algorithms on
+/// disk are kept per identity).
+fn device_identity(
+    probe: &Probe,
+    context: &CudaContext,
+    arch: GpuArch,
+) -> Result<String, GpuError> {
+    let name = context.name().map_err(driver("cuDeviceGetName"))?;
+    let driver_version = &probe.require(Library::Driver)?.version;
+    let cudnn_version = &probe.require(Library::Cudnn)?.version;
+    Ok(format!(
+        "{name} {arch} driver {driver_version} cudnn {cudnn_version}"
+    ))
+}
+
 /// bfloat16 convolutions, start with compute capability 8.0 (Ampere).
 pub fn precision_supported(precision: Precision, arch: GpuArch) -> bool {
     precision != Precision::Bf16 || arch.major >= 8
