@@ -42,21 +42,7 @@ impl CacheKey<'_> {
     /// The hex MD5 of source, compiler and architecture (MD5 names files here; it guards
     /// against stale entries, not against an adversary who can write the cache folder).
     pub fn digest(&self) -> String {
-        let mut hasher = Md5::new();
-        for part in [
-            self.source,
-            "\0",
-            self.compiler,
-            "\0",
-            &self.arch.to_string(),
-        ] {
-            hasher.update(part.as_bytes());
-        }
-        hasher
-            .finalize()
-            .iter()
-            .map(|byte| format!("{byte:02x}"))
-            .collect()
+        md5_hex(&[self.source, self.compiler, &self.arch.to_string()])
     }
 
     /// The file name of the entry's PTX: `{kernel}-{arch}-{digest}.ptx`; its CUBIN is the
@@ -64,6 +50,23 @@ impl CacheKey<'_> {
     pub fn file_name(&self) -> String {
         format!("{}-{}-{}.ptx", self.kernel, self.arch, self.digest())
     }
+}
+
+/// The hex MD5 of `parts`, each followed by a NUL byte but the last (names files in the
+/// cache folder).
+pub(crate) fn md5_hex(parts: &[&str]) -> String {
+    let mut hasher = Md5::new();
+    for (index, part) in parts.iter().enumerate() {
+        if index > 0 {
+            hasher.update(b"\0");
+        }
+        hasher.update(part.as_bytes());
+    }
+    hasher
+        .finalize()
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
 }
 
 /// A folder of cached PTX files.

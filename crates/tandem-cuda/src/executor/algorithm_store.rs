@@ -11,11 +11,10 @@
 //! measured; with `fastest` it keeps processes on the same GPU on the same algorithms.
 
 use cudarc::cudnn::sys;
-use md5::{Digest, Md5};
 
 use super::conv::{choose, AlgorithmSettings, BackwardAlgorithms, Candidate, ConvKey};
 use super::conv::{DeterministicOrder, WORKSPACE_LIMIT};
-use crate::ptx_cache::PtxCache;
+use crate::ptx_cache::{md5_hex, PtxCache};
 
 /// The first line of every file: the format's name and version.
 const HEADER: &str = "tandem cudnn algorithms 1";
@@ -67,16 +66,7 @@ impl AlgorithmStore {
 
     /// `cudnn-{md5 of device and key}.txt`.
     fn file_name(&self, key: &ConvKey) -> String {
-        let mut hasher = Md5::new();
-        hasher.update(self.device.as_bytes());
-        hasher.update(b"\0");
-        hasher.update(key_line(key).as_bytes());
-        let digest: String = hasher
-            .finalize()
-            .iter()
-            .map(|byte| format!("{byte:02x}"))
-            .collect();
-        format!("cudnn-{digest}.txt")
+        format!("cudnn-{}.txt", md5_hex(&[&self.device, &key_line(key)]))
     }
 }
 
