@@ -560,7 +560,7 @@ pub struct AlgorithmSettings {
 }
 
 /// How an executor's convolution algorithms were found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AlgorithmCounts {
     /// Searches made (a shape's forward, or its backward directions, each count one).
     pub measured: usize,
@@ -574,8 +574,7 @@ pub struct AlgorithmCounts {
 pub struct AlgorithmCache {
     plans: HashMap<ConvKey, ConvPlan>,
     store: Option<AlgorithmStore>,
-    searches: usize,
-    loaded: usize,
+    counts: AlgorithmCounts,
 }
 
 impl AlgorithmCache {
@@ -599,7 +598,7 @@ impl AlgorithmCache {
         backward: bool,
     ) -> Result<&ConvPlan, GpuError> {
         let key = ConvKey::new(shape, settings.precision, settings.deterministic);
-        let mut measured = false;
+        let measured_before = self.counts.measured;
         let plan = match self.plans.entry(key) {
             Entry::Occupied(entry) => entry.into_mut(),
             Entry::Vacant(entry) => {
@@ -609,12 +608,11 @@ impl AlgorithmCache {
                     .and_then(|store| store.load(&key, settings));
                 let plan = match stored {
                     Some(choice) => {
-                        self.loaded += 1;
+                        self.counts.loaded += 1;
                         ConvPlan::from_choice(shape, settings.precision, choice)?
                     }
                     None => {
-                        self.searches += 1;
-                        measured = true;
+                        self.counts.measured += 1;
                         ConvPlan::measure(handle, shape, settings, backward)?
                     }
                 };
@@ -622,10 +620,10 @@ impl AlgorithmCache {
             }
         };
         if backward && plan.backward.is_none() {
-            self.searches += 1;
-            measured = true;
+            self.counts.measured += 1;
             plan.measure_backward(handle, shape, settings)?;
         }
+        let measured = self.counts.measured != measured_before;
         if let Some(store) = self.store.as_ref().filter(|_| measured) {
             let _ = store.save(&key, &plan.choice());
         }
@@ -644,11 +642,11 @@ impl AlgorithmCache {
     /// Searches made so far (a shape's forward, or its backward directions, each count one):
     /// a capture checks that it made none.
     pub fn searches(&self) -> usize {
-        self.searches
+        self.counts.measured
     }
 
-    /// Shapes whose algorithms were read from the store instead of measured.
-    pub fn loaded(&self) -> usize {
-        self.loaded
+    /// Searches made and shapes read from the store.
+    pub fn counts(&self) -> AlgorithmCounts {
+        self.counts
     }
 }

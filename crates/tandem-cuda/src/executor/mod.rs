@@ -336,10 +336,7 @@ impl CudaExecutor {
     /// How many convolution algorithm searches this executor made and how many shapes it read
     /// from the kernel cache's folder instead (see `algorithm_store.rs`).
     pub fn algorithm_counts(&self) -> AlgorithmCounts {
-        AlgorithmCounts {
-            measured: self.algorithms.searches(),
-            loaded: self.algorithms.loaded(),
-        }
+        self.algorithms.counts()
     }
 
     /// Returns (and clears) the first error kept by a method that could not return it.
@@ -774,7 +771,6 @@ impl CudaExecutor {
     }
 }
 
-/// Whether a GPU of `arch` computes in `precision`: bfloat16 tensor cores, and cuDNN's
 /// What, besides a convolution's shape and settings, decides what cuDNN measures: the GPU's
 /// name and architecture and the driver's and cuDNN's versions (the measured algorithms on
 /// disk are kept per identity).
@@ -791,6 +787,7 @@ fn device_identity(
     ))
 }
 
+/// Whether a GPU of `arch` computes in `precision`: bfloat16 tensor cores, and cuDNN's
 /// bfloat16 convolutions, start with compute capability 8.0 (Ampere).
 pub fn precision_supported(precision: Precision, arch: GpuArch) -> bool {
     precision != Precision::Bf16 || arch.major >= 8
