@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check of issue 12, run on the GPU machine from the repository root with `.carry`
-# carried (scripts/gpu-check/pack.sh makes it): the GPU tests from the carried test binaries,
+# carried (scripts/gpu-check/pack.sh makes it): a smoke section of under 30 s (which library
+# files were loaded, one fp32 step of each model against the CPU, one captured and replayed
+# step, one NCCL step at world size 1), written to the report at once, then the GPU tests from
+# the carried test binaries,
 # then Tandem's `bench step --device cuda` beside PyTorch's best setups, then time to accuracy
 # (Tandem `train` against bench/pytorch/time_to_accuracy.py, same data and recipe, several
 # seeds), then the torch.compile rows. Writes $OUT/report.md (also printed), $OUT/results.tsv
@@ -13,13 +16,13 @@
 #                  $GPU_CHECK_TANDEM_DEVICE (default cpu), to check the script itself
 #   --budget S     seconds for the whole run (default 450; steps that do not fit are skipped)
 #   --seeds N      time-to-accuracy seeds on each side (default 5)
-#   --only LIST    comma-separated sections of tests,bench,tta,ddp,compile (default all)
+#   --only LIST    comma-separated sections of smoke,tests,bench,tta,ddp,compile (default all)
 # environment: PYTHON (default python3), OUT (default a temporary folder), GPU_CHECK_DRY_RUN=1
 set -uo pipefail
 
 BUDGET=450
 SEEDS=5
-ONLY=tests,bench,tta,ddp,compile
+ONLY=smoke,tests,bench,tta,ddp,compile
 DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
 PYTHON=${PYTHON:-python3}
 while [ $# -gt 0 ]; do
@@ -38,8 +41,8 @@ done
     exit 2
 }
 for section in ${ONLY//,/ }; do
-    [[ ,tests,bench,tta,ddp,compile, == *,$section,* ]] || {
-        echo "run.sh: unknown section '$section' in --only (sections: tests,bench,tta,ddp,compile)" >&2
+    [[ ,smoke,tests,bench,tta,ddp,compile, == *,$section,* ]] || {
+        echo "run.sh: unknown section '$section' in --only (sections: smoke,tests,bench,tta,ddp,compile)" >&2
         exit 2
     }
 done
@@ -74,7 +77,8 @@ else
     TANDEM_DEVICE=cuda
     TORCH_DEVICE=cuda
     BATCH_OVERRIDE=
-    export TANDEM_REQUIRE_NVRTC=1
+    # A library or GPU the probe misses fails the tests instead of skipping them.
+    export TANDEM_REQUIRE_NVRTC=1 TANDEM_REQUIRE_GPU=1
 fi
 
 section_on() { [[ ,$ONLY, == *,$1,* ]]; }
@@ -158,11 +162,12 @@ fi
 export TANDEM_SHARED=$CARRY/shared
 export TANDEM_PTX_CACHE=$WORK/ptx-cache
 
-# CUDA libraries: PyTorch's pip packages (nvidia/*/lib), the toolkit and the driver's folders.
-# cudarc looks for libnccl.so but the wheel has libnccl.so.2: a folder of unversioned links
-# (last in the list) supplies such names. It must be on LD_LIBRARY_PATH too: cudarc's dlopen of
-# the bare name reuses an already-loaded library only when that name is its SONAME
-# (libnccl.so.2), so the probe's load by full path does not make `libnccl.so` resolve.
+# CUDA libraries: every one from one place, PyTorch's pip packages (nvidia/*/lib) first, then
+# the toolkit and the driver's folders for what they lack. library-path.sh links each library's
+# files from the first folder that has it into one folder of aliases, which goes first in both
+# TANDEM_CUDA_LIBRARY_PATH and LD_LIBRARY_PATH: cudarc's dlopen of a bare name (libcublas.so),
+# a library's own dependencies by SONAME (libcublasLt.so.13) and the probe's preloads then all
+# reach the same files, never the toolkit's copy of one beside the wheel's copy of another.
 site=$(timeout 60 "$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)
 library_dirs=()
 for dir in "$site"/nvidia/*/lib /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
@@ -170,19 +175,10 @@ for dir in "$site"/nvidia/*/lib /usr/local/cuda/lib64 /usr/local/cuda/targets/x8
     [ -d "$dir" ] && library_dirs+=("$dir")
 done
 aliases=$WORK/library-aliases
-mkdir -p "$aliases"
-for dir in "${library_dirs[@]}"; do
-    for file in "$dir"/lib*.so.*; do
-        [ -e "$file" ] || continue
-        stem=$(basename "$file")
-        stem=${stem%%.so.*}
-        [ -e "$aliases/$stem.so" ] || ln -s "$file" "$aliases/$stem.so"
-    done
-done
-joined=$(printf '%s:' "${library_dirs[@]}")
-export TANDEM_CUDA_LIBRARY_PATH=${joined}$aliases
-export LD_LIBRARY_PATH=${joined}${aliases}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-say "CUDA library folders: ${library_dirs[*]:-none found}"
+while IFS='=' read -r name value; do
+    export "$name=$value"
+done < <(bash "$ROOT/scripts/gpu-check/library-path.sh" "$aliases" "${library_dirs[@]}")
+say "CUDA library folders: ${library_dirs[*]:-none found} (through the aliases in $aliases)"
 # The NVRTC that compiles the kernels (its CUBIN must suit the driver's CUDA major version).
 say "NVRTC: $(for dir in "${library_dirs[@]}"; do ls "$dir"/libnvrtc.so.* 2>/dev/null; done | head -n 2 | one_line)"
 # An NCCL join or collective that fails then says why.
@@ -198,14 +194,75 @@ say "GPU: $gpu"
 say "PyTorch: $torch_info"
 build=$(awk -F'\t' '$1 == "built" || $1 == "commit" { printf "%s %s; ", $1, $2 }' "$WORK/bin/manifest.tsv")
 
+# The carried test binary of PACKAGE's TEST target.
+test_binary() {
+    awk -F'\t' -v package="$1" -v test="$2" '$1 == "test" && $2 == package && $3 == test { print $4 }' \
+        "$WORK/bin/manifest.tsv"
+}
+
+report_header() {
+    echo "# GPU check $(date -u '+%F %T UTC')"
+    echo
+    echo "- GPU: $gpu"
+    echo "- PyTorch: $torch_info"
+    echo "- Tandem: ${build}first line of bench step: ${DEVICE_LINE:-none}"
+    echo "- budget ${BUDGET}s, used $(elapsed)s; seeds $SEEDS; sections $ONLY$([ "$DRY_RUN" = 1 ] && echo "; DRY RUN (no GPU: tiny sizes, PyTorch on the CPU, Tandem on $TANDEM_DEVICE)")"
+}
+
+smoke_report() {
+    echo
+    echo "## Smoke (the first seconds)"
+    echo
+    echo "| check | status | result |"
+    echo "| --- | --- | --- |"
+    printf '%s\n' "${smoke_rows[@]}"
+    if [ -s "$WORK/smoke-libraries.txt" ]; then
+        echo
+        echo "CUDA libraries (the probe's choice, then every CUDA file mapped into the process):"
+        echo
+        echo '```'
+        cat "$WORK/smoke-libraries.txt"
+        echo '```'
+    fi
+}
+
+# --- Smoke: seconds that tell whether the rest can work -----------------------------------
+smoke_rows=()
+if section_on smoke; then
+    # smoke_check NAME LIMIT PACKAGE TEST [FILTER]: one carried test binary (or one exact test
+    # of it) as a row of the smoke table.
+    smoke_check() {
+        local file
+        file=$(test_binary "$3" "$4")
+        if [ -z "$file" ]; then
+            STEP_OUT=/dev/null
+            smoke_rows+=("| $1 | missing | no $3/$4 among the carried binaries |")
+            return
+        fi
+        run_step "smoke-$1" "$2" 5 "$WORK/bin/$file" --nocapture --test-threads 1 ${5:+--exact "$5"}
+        local summary
+        summary=$(grep -h '^test result:' "$STEP_OUT" | tail -n 1 | sed 's/^test result: //; s/; finished in.*//' | one_line)
+        smoke_rows+=("| $1 | $STEP_STATUS in ${STEP_WALL}s | ${summary:-none}${STEP_NOTE:+; $STEP_NOTE} |")
+    }
+    smoke_check libraries-and-fp32-steps 30 tandem-cuda gpu_smoke
+    grep -h '^library: \|^mapped: \|^smoke: ' "$STEP_OUT" | sed 's/^smoke: /step: /' >"$WORK/smoke-libraries.txt"
+    smoke_check captured-step 20 tandem-cuda gpu_executor graphed_steps_equal_eager_steps_bit_for_bit
+    smoke_check nccl-world-1 20 tandem-cuda gpu_nccl a_world_of_one_through_nccl_leaves_every_bit_as_without_it
+    # In the report now: a call cut short later still brings these lines back.
+    { report_header; smoke_report; echo; echo "(the run goes on; this report is rewritten at its end)"; } >"$REPORT"
+    say "smoke: $(printf '%s ' "${smoke_rows[@]}" | one_line)"
+fi
+
 # --- Tests --------------------------------------------------------------------------------
 test_rows=()
 if section_on tests; then
     while IFS=$'\t' read -r kind package test file _; do
         [ "$kind" = test ] || continue
-        # The binary's tests that run `tandem` children bound each child at 100-120 s
-        # themselves: the binary gets more, so that their own message says which hung.
-        limit=120
+        # tandem-cuda's binaries run in-process on the GPU: 60 s each. The binary's tests that
+        # run `tandem` children bound each child at 100-120 s themselves: the binary gets more,
+        # so that their own message says which hung.
+        limit=60
+        [[ $package == tandem ]] && limit=120
         [[ $package == tandem && $test == gpu_* ]] && limit=240
         run_step "test-$package-$test" "$limit" 15 "$WORK/bin/$file" --nocapture
         summary=$(grep -h '^test result:' "$STEP_OUT" | tail -n 1 | sed 's/^test result: //; s/; finished in.*//' | one_line)
@@ -405,12 +462,8 @@ tta_comparison() {
 }
 
 {
-    echo "# GPU check $(date -u '+%F %T UTC')"
-    echo
-    echo "- GPU: $gpu"
-    echo "- PyTorch: $torch_info"
-    echo "- Tandem: ${build}first line of bench step: ${DEVICE_LINE:-none}"
-    echo "- budget ${BUDGET}s, used $(elapsed)s; seeds $SEEDS; sections $ONLY$([ "$DRY_RUN" = 1 ] && echo "; DRY RUN (no GPU: tiny sizes, PyTorch on the CPU, Tandem on $TANDEM_DEVICE)")"
+    report_header
+    section_on smoke && smoke_report
     if section_on tests; then
         echo
         echo "## GPU tests (carried binaries, --nocapture)"

@@ -173,6 +173,8 @@ impl SearchPath {
 pub struct FoundLibrary {
     /// The file `dlopen` resolved (as the dynamic loader names it).
     pub path: PathBuf,
+    /// That file with every symbolic link resolved: the file actually mapped.
+    pub resolved: PathBuf,
     /// The name that loaded it, as `cudarc` will ask for it.
     pub loaded_as: String,
     /// The library's own version report, e.g. `13.0` (empty when it has none to give).
@@ -255,15 +257,15 @@ impl fmt::Display for Probe {
                 writeln!(f)?;
             }
             match result {
-                Ok(found) if found.version.is_empty() => {
-                    write!(f, "{library}: {}", found.path.display())?
+                Ok(found) => {
+                    write!(f, "{library}: {}", found.path.display())?;
+                    if found.resolved != found.path {
+                        write!(f, " -> {}", found.resolved.display())?;
+                    }
+                    if !found.version.is_empty() {
+                        write!(f, " (version {})", found.version)?;
+                    }
                 }
-                Ok(found) => write!(
-                    f,
-                    "{library}: {} (version {})",
-                    found.path.display(),
-                    found.version
-                )?,
                 Err(missing) => write!(f, "{library}: {missing}")?,
             }
         }
@@ -363,6 +365,21 @@ fn identify(
     mut handles: Vec<LoadedLibrary>,
 ) -> Result<FoundLibrary, String> {
     let path = loaded_path(library, &handle)?;
+    let resolved = resolved_path(&path);
+    if let Some(preloaded) = handles.first() {
+        // A bare name that reached another file than the folder's would give the process two
+        // releases of the library (and of what each brings in by SONAME).
+        let preloaded = loaded_path(library, preloaded)?;
+        if resolved_path(&preloaded) != resolved {
+            return Err(format!(
+                "two files of {library} would be loaded: {} from {LIBRARY_PATH_ENV}, and {} \
+                 for the bare name cudarc asks for; put the folder of the first (or a folder \
+                 of links to it) first on LD_LIBRARY_PATH",
+                preloaded.display(),
+                path.display()
+            ));
+        }
+    }
     let version = version(library, &handle);
     let preloaded_from_folder = !handles.is_empty();
     handles.push(handle);
@@ -372,6 +389,7 @@ fn identify(
     }
     Ok(FoundLibrary {
         path,
+        resolved,
         loaded_as: name.to_string(),
         version,
         _handles: handles,
@@ -432,6 +450,71 @@ fn cudnn_sublibraries(path: &Path, version: &str) -> Vec<LoadedLibrary> {
             return loaded;
         }
     }
+}
+
+/// `path` with every symbolic link resolved, or `path` itself when that fails.
+fn resolved_path(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// A CUDA library file mapped into this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MappedFile {
+    /// The file's name up to `.so` (`libcublasLt`, `libcudnn_ops`, …).
+    pub stem: String,
+    /// The file as the loader mapped it, every symbolic link resolved.
+    pub path: PathBuf,
+}
+
+/// The name stems of the CUDA libraries and of what they bring in, as [`mapped_cuda_files`]
+/// lists them.
+const CUDA_STEMS: [&str; 7] = [
+    "libcuda",
+    "libnvrtc",
+    "libcublas",
+    "libcudnn",
+    "libnccl",
+    "libcudart",
+    "libnvJitLink",
+];
+
+/// Every CUDA library file mapped into this process now, from `/proc/self/maps`, sorted by
+/// stem and path: what was actually loaded, the libraries' own dependencies included. Empty
+/// where `/proc` cannot be read.
+pub fn mapped_cuda_files() -> Vec<MappedFile> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut files: Vec<MappedFile> = maps
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .filter(|path| path.starts_with('/'))
+        .filter_map(|path| {
+            let name = Path::new(path).file_name()?.to_str()?;
+            let stem = name.split(".so").next()?;
+            let family = stem.split(['_', '-']).next()?;
+            let family = family.strip_suffix("Lt").unwrap_or(family);
+            CUDA_STEMS.contains(&family).then(|| MappedFile {
+                stem: stem.to_string(),
+                path: resolved_path(Path::new(path)),
+            })
+        })
+        .collect();
+    files.sort_by(|a, b| (&a.stem, &a.path).cmp(&(&b.stem, &b.path)));
+    files.dedup();
+    files
+}
+
+/// The stems of `files` mapped from more than one file, each with its files: two releases of
+/// one library in one process.
+pub fn duplicated_stems(files: &[MappedFile]) -> Vec<(String, Vec<PathBuf>)> {
+    let mut duplicated: Vec<(String, Vec<PathBuf>)> = Vec::new();
+    for file in files {
+        match duplicated.last_mut() {
+            Some((stem, paths)) if *stem == file.stem => paths.push(file.path.clone()),
+            _ => duplicated.push((file.stem.clone(), vec![file.path.clone()])),
+        }
+    }
+    duplicated.retain(|(_, paths)| paths.len() > 1);
+    duplicated
 }
 
 /// The symbol whose presence marks the library, and whose address names its file.

@@ -9,6 +9,7 @@ use cudarc::cudnn::sys::cudnnDataType_t::{CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT}
 use cudarc::cudnn::sys::cudnnMathType_t::{
     CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH, CUDNN_TENSOR_OP_MATH,
 };
+use cudarc::cudnn::sys::cudnnStatus_t::{CUDNN_STATUS_NOT_SUPPORTED, CUDNN_STATUS_SUCCESS};
 use tandem_cuda::executor::conv::{
     choose, compute_type, descriptor_math, math_allowed, nhwc_strides, operand_type, Candidate,
     ConvGeometry, ConvKey,
@@ -92,7 +93,7 @@ fn a_size_beyond_an_int_is_an_error_naming_it() {
 fn candidate(algo: u32, time_ms: f32, deterministic: bool) -> Candidate<u32> {
     Candidate {
         algo,
-        ran: true,
+        status: CUDNN_STATUS_SUCCESS,
         time_ms,
         memory: 1024,
         deterministic,
@@ -107,7 +108,7 @@ fn the_fastest_admitted_algorithm_is_chosen_or_when_deterministic_the_lowest() {
         candidate(1, 0.7, true),
         candidate(2, 0.6, true),
         Candidate {
-            ran: false,
+            status: CUDNN_STATUS_NOT_SUPPORTED,
             ..candidate(3, 0.1, true)
         },
         Candidate {
@@ -144,7 +145,7 @@ fn deterministic_forward_prefers_precomputed_implicit_gemm_whatever_the_numbers(
     use cudarc::cudnn::sys::cudnnConvolutionFwdAlgo_t::*;
     let forward = |algo, time_ms| Candidate {
         algo,
-        ran: true,
+        status: CUDNN_STATUS_SUCCESS,
         time_ms,
         memory: 0,
         deterministic: true,
@@ -167,6 +168,65 @@ fn deterministic_forward_prefers_precomputed_implicit_gemm_whatever_the_numbers(
     assert_eq!(chosen.algo, CUDNN_CONVOLUTION_FWD_ALGO_GEMM);
 }
 
+/// Every refused candidate is named with its number, status, math and determinism, and the
+/// setting that would admit one is said.
+#[test]
+fn a_refusal_names_every_candidate_and_the_setting_that_admits_one() {
+    use cudarc::cudnn::sys::cudnnConvolutionBwdFilterAlgo_t::*;
+    let filter = |algo, status, deterministic| Candidate {
+        algo,
+        status,
+        time_ms: 0.25,
+        memory: 3 << 20,
+        deterministic,
+        math: CUDNN_TENSOR_OP_MATH,
+    };
+    let candidates = [
+        filter(
+            CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
+            CUDNN_STATUS_SUCCESS,
+            false,
+        ),
+        filter(
+            CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+            CUDNN_STATUS_NOT_SUPPORTED,
+            true,
+        ),
+    ];
+    let reason = choose(&candidates, Precision::Bf16, true, 1 << 30).unwrap_err();
+    assert_eq!(
+        reason,
+        "candidates refused: algorithm 0 (CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0): \
+         CUDNN_STATUS_SUCCESS, CUDNN_TENSOR_OP_MATH, not deterministic, workspace 3.0 MiB, \
+         0.250 ms: not deterministic; algorithm 1 (CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1): \
+         CUDNN_STATUS_NOT_SUPPORTED, CUDNN_TENSOR_OP_MATH, deterministic, workspace 3.0 MiB, \
+         0.250 ms: did not run. `--algorithms fastest` admits the algorithms that are not \
+         deterministic"
+    );
+    let none_ran = [
+        filter(
+            CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
+            CUDNN_STATUS_NOT_SUPPORTED,
+            false,
+        ),
+        filter(
+            CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+            CUDNN_STATUS_NOT_SUPPORTED,
+            true,
+        ),
+    ];
+    let reason = choose(&none_ran, Precision::Bf16, true, 1 << 30).unwrap_err();
+    assert!(
+        reason.ends_with(
+            "did not run. cuDNN runs none of them on bfloat16 operands for this shape: \
+             `--precision tf32` keeps the operands float32"
+        ),
+        "{reason}"
+    );
+    let too_large = choose(&candidates[..1], Precision::Bf16, false, 1 << 20).unwrap_err();
+    assert!(too_large.ends_with(": workspace too large"), "{too_large}");
+}
+
 #[test]
 fn fp32_refuses_tensor_core_math_and_says_why_nothing_fits() {
     let tensor_ops = [
@@ -182,7 +242,10 @@ fn fp32_refuses_tensor_core_math_and_says_why_nothing_fits() {
     let reason = choose(&tensor_ops, Precision::Fp32, true, 1 << 30).unwrap_err();
     assert_eq!(
         reason,
-        "candidates refused: math not allowed, math not allowed"
+        "candidates refused: algorithm 0 (0): CUDNN_STATUS_SUCCESS, CUDNN_TENSOR_OP_MATH, \
+         deterministic, workspace 0.0 MiB, 0.100 ms: math not allowed; algorithm 1 (1): \
+         CUDNN_STATUS_SUCCESS, CUDNN_DEFAULT_MATH, deterministic, workspace 0.0 MiB, 0.200 ms: \
+         math not allowed. `--precision tf32` admits tensor-core math"
     );
     assert_eq!(
         choose(&tensor_ops, Precision::Tf32, true, 1 << 30)

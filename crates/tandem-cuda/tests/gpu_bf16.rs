@@ -52,7 +52,7 @@ fn bf16_executor(probe: &Probe, model: &Model) -> CudaExecutor {
         precision: Precision::Bf16,
         deterministic: true,
     };
-    CudaExecutor::new(probe, settings, None, model).unwrap()
+    CudaExecutor::new(probe, settings, common::test_cache(), model).unwrap()
 }
 
 /// Cosine similarity and norm ratio of `found` to `expected`, in f64.

@@ -144,7 +144,7 @@ fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
         .unwrap();
 
     let model = seed_004();
-    let mut exec = CudaExecutor::new(probe, settings(), None, &model).unwrap();
+    let mut exec = CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
     let gpu_loss = exec
         .forward_train(&model, &plan, &images, &labels, &loss, None)
@@ -231,9 +231,10 @@ fn training_after_an_evaluation_of_the_same_shape_equals_training_alone() {
     let (images, labels) = formula_batch(BATCH, SIDE, 0);
     let model = seed_004();
     let train = |exec: &mut CudaExecutor| train_bits(exec, &model, &images, &labels);
-    let mut alone = CudaExecutor::new(probe, settings(), None, &model).unwrap();
+    let mut alone = CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
     let expected = train(&mut alone);
-    let mut after_eval = CudaExecutor::new(probe, settings(), None, &model).unwrap();
+    let mut after_eval =
+        CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
     let eval_plan = model.plan(Mode::Eval, BATCH, SIDE, SIDE).unwrap();
     let mut logits = Vec::new();
     after_eval
@@ -567,7 +568,7 @@ fn device_assembled_batches_equal_the_cpu_loaders() {
         channels: 3,
     };
     let model = seed_004();
-    let mut exec = CudaExecutor::new(probe, settings(), None, &model).unwrap();
+    let mut exec = CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
     let sampler = tandem_data::DistributedSampler::new(21, 2, 1, true, 9, false).unwrap();
     let cases: [(Option<Augment>, Option<Normalize>); 3] = [
         (Some(Augment::crop_and_flip()), Some(IMAGENET_NORMALIZE)),
@@ -728,7 +729,7 @@ fn bits(values: &[f32]) -> Vec<u32> {
 /// separate calls).
 fn three_executors(probe: &Probe, model: &Model) -> [CudaExecutor; 3] {
     [true, false, false].map(|graphs| {
-        let mut exec = CudaExecutor::new(probe, settings(), None, model).unwrap();
+        let mut exec = CudaExecutor::new(probe, settings(), common::test_cache(), model).unwrap();
         exec.set_graphs(graphs);
         exec
     })

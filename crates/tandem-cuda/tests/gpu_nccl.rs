@@ -43,7 +43,7 @@ fn executor(probe: &Probe, model: &Model) -> CudaExecutor {
         precision: Precision::Fp32,
         deterministic: true,
     };
-    CudaExecutor::new(probe, settings, None, model).unwrap()
+    CudaExecutor::new(probe, settings, common::test_cache(), model).unwrap()
 }
 
 /// Small buckets over `len` gradients, so that many are all-reduced during the backward.

@@ -129,3 +129,41 @@ fn nvrtc_found_through_the_library_path_is_the_file_cudarc_loads() {
         );
     }
 }
+
+#[test]
+fn mapped_files_are_listed_by_their_resolved_path_and_a_library_mapped_twice_is_named() {
+    use std::path::PathBuf;
+    use tandem_cuda::probe::{duplicated_stems, mapped_cuda_files, MappedFile};
+    let file = |stem: &str, path: &str| MappedFile {
+        stem: stem.to_string(),
+        path: PathBuf::from(path),
+    };
+    let files = [
+        file("libcublas", "/toolkit/libcublas.so.13"),
+        file("libcublas", "/wheel/libcublas.so.13"),
+        file("libcublasLt", "/wheel/libcublasLt.so.13"),
+    ];
+    assert_eq!(
+        duplicated_stems(&files),
+        vec![(
+            "libcublas".to_string(),
+            vec![
+                PathBuf::from("/toolkit/libcublas.so.13"),
+                PathBuf::from("/wheel/libcublas.so.13")
+            ]
+        )]
+    );
+    // In this process: a library the probe found is listed once, as the file it resolves to.
+    let probe = Probe::process();
+    let Ok(nvrtc) = probe.get(Library::Nvrtc) else {
+        eprintln!("mapped files: skipped the process's own list, {probe}");
+        return;
+    };
+    let mapped = mapped_cuda_files();
+    let nvrtc_files: Vec<&MappedFile> = mapped
+        .iter()
+        .filter(|file| file.stem == "libnvrtc")
+        .collect();
+    assert_eq!(nvrtc_files.len(), 1, "{mapped:?}");
+    assert_eq!(nvrtc_files[0].path, nvrtc.resolved);
+}

@@ -693,6 +693,12 @@ impl Compute {
         if let Some(reason) = &outcome.graphs_off {
             note_graphs_off(&mut gpu.graphs_off_noted, reason);
         }
+        if let Some(reason) = &outcome.relaxed_capture {
+            tell!(
+                "note: CUDA graphs are captured in relaxed mode: the thread-local capture was \
+                 refused ({reason})"
+            );
+        }
         gpu.last_step_run = Some(outcome.run);
         if outcome.run == StepRun::Capture {
             let shape = match count {

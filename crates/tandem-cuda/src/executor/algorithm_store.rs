@@ -158,7 +158,7 @@ fn candidate<A: Numbered>(line: &str, direction: &str) -> Option<Candidate<A>> {
     let deterministic = fields.next()?.parse().ok()?;
     fields.next().is_none().then_some(Candidate {
         algo,
-        ran: true,
+        status: sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
         time_ms,
         memory,
         deterministic,
@@ -279,7 +279,7 @@ mod tests {
     fn measured<A>(algo: A, math: sys::cudnnMathType_t, deterministic: bool) -> Candidate<A> {
         Candidate {
             algo,
-            ran: true,
+            status: sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
             time_ms: 0.123_456_79,
             memory: 4_718_592,
             deterministic,

@@ -8,6 +8,7 @@
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
+use std::fmt;
 
 use cudarc::cudnn::sys;
 use tandem_engine::shape::Conv2dShape;
@@ -131,8 +132,8 @@ impl ConvKey {
 pub struct Candidate<A> {
     /// The algorithm.
     pub algo: A,
-    /// Whether it ran (`CUDNN_STATUS_SUCCESS`).
-    pub ran: bool,
+    /// Its status in the measurement (`CUDNN_STATUS_SUCCESS`: it ran).
+    pub status: sys::cudnnStatus_t,
     /// Its measured time, in milliseconds.
     pub time_ms: f32,
     /// Its workspace, in bytes.
@@ -141,6 +142,32 @@ pub struct Candidate<A> {
     pub deterministic: bool,
     /// The math it used.
     pub math: sys::cudnnMathType_t,
+}
+
+impl<A: DeterministicOrder> Candidate<A> {
+    /// Whether it ran in the measurement.
+    pub fn ran(&self) -> bool {
+        self.status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS
+    }
+
+    /// The candidate in words, for messages: its number and name, status, math,
+    /// determinism, workspace and time.
+    pub fn describe(&self) -> String {
+        format!(
+            "algorithm {} ({:?}): {:?}, {:?}, {}, workspace {:.1} MiB, {:.3} ms",
+            self.algo.number(),
+            self.algo,
+            self.status,
+            self.math,
+            if self.deterministic {
+                "deterministic"
+            } else {
+                "not deterministic"
+            },
+            self.memory as f64 / (1 << 20) as f64,
+            self.time_ms,
+        )
+    }
 }
 
 /// Whether `precision` admits math `math`: fp32 only plain FMA; tf32 and bf16 also tensor
@@ -185,9 +212,12 @@ pub fn compute_type(_precision: Precision) -> sys::cudnnDataType_t {
 }
 
 /// The fixed order in which deterministic mode prefers a direction's algorithms: lower first.
-pub trait DeterministicOrder: Copy {
+pub trait DeterministicOrder: Copy + fmt::Debug {
     /// The algorithm's place in the order.
     fn rank(self) -> u32;
+
+    /// The algorithm's number in cuDNN's enumeration.
+    fn number(self) -> u32;
 }
 
 impl DeterministicOrder for sys::cudnnConvolutionFwdAlgo_t {
@@ -201,11 +231,19 @@ impl DeterministicOrder for sys::cudnnConvolutionFwdAlgo_t {
             other => other as u32 + 1,
         }
     }
+
+    fn number(self) -> u32 {
+        self as u32
+    }
 }
 
 impl DeterministicOrder for sys::cudnnConvolutionBwdDataAlgo_t {
     /// By number (`ALGO_1`, PyTorch's deterministic choice, is the first deterministic one).
     fn rank(self) -> u32 {
+        self as u32
+    }
+
+    fn number(self) -> u32 {
         self as u32
     }
 }
@@ -215,11 +253,19 @@ impl DeterministicOrder for sys::cudnnConvolutionBwdFilterAlgo_t {
     fn rank(self) -> u32 {
         self as u32
     }
+
+    fn number(self) -> u32 {
+        self as u32
+    }
 }
 
 impl DeterministicOrder for u32 {
     /// An algorithm number is its own rank (for tests of [`choose`]).
     fn rank(self) -> u32 {
+        self
+    }
+
+    fn number(self) -> u32 {
         self
     }
 }
@@ -230,7 +276,8 @@ impl DeterministicOrder for u32 {
 /// the direction's [`DeterministicOrder`] (then by math type), whatever the timings: a choice
 /// by measured time could differ between two processes on the same GPU, and a run resumed
 /// after `kill -9` must compute with the algorithms of the uninterrupted run to end
-/// bit-identical. Otherwise why every one was refused.
+/// bit-identical. Otherwise every candidate with why it was refused (its number, status,
+/// math and determinism), and which setting would admit one.
 pub fn choose<A: DeterministicOrder>(
     candidates: &[Candidate<A>],
     precision: Precision,
@@ -240,19 +287,8 @@ pub fn choose<A: DeterministicOrder>(
     let mut best: Option<Candidate<A>> = None;
     let mut refused = Vec::new();
     for candidate in candidates {
-        let reason = if !candidate.ran {
-            Some("did not run")
-        } else if !math_allowed(precision, candidate.math) {
-            Some("math not allowed")
-        } else if deterministic && !candidate.deterministic {
-            Some("not deterministic")
-        } else if candidate.memory > workspace_limit {
-            Some("workspace too large")
-        } else {
-            None
-        };
-        match reason {
-            Some(reason) => refused.push(reason),
+        match refusal(candidate, precision, deterministic, workspace_limit) {
+            Some(reason) => refused.push(format!("{}: {reason}", candidate.describe())),
             None if best.is_none_or(|best| better(candidate, &best, deterministic)) => {
                 best = Some(*candidate)
             }
@@ -261,11 +297,61 @@ pub fn choose<A: DeterministicOrder>(
     }
     best.ok_or_else(|| {
         if refused.is_empty() {
-            "cuDNN returned no candidates".to_string()
-        } else {
-            format!("candidates refused: {}", refused.join(", "))
+            return "cuDNN returned no candidates".to_string();
         }
+        let hint = refusal_hint(candidates, precision, deterministic, workspace_limit);
+        format!("candidates refused: {}{hint}", refused.join("; "))
     })
+}
+
+/// Why `candidate` is not admitted, or `None` when it is.
+fn refusal<A>(
+    candidate: &Candidate<A>,
+    precision: Precision,
+    deterministic: bool,
+    workspace_limit: usize,
+) -> Option<&'static str> {
+    if candidate.status != sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+        Some("did not run")
+    } else if !math_allowed(precision, candidate.math) {
+        Some("math not allowed")
+    } else if deterministic && !candidate.deterministic {
+        Some("not deterministic")
+    } else if candidate.memory > workspace_limit {
+        Some("workspace too large")
+    } else {
+        None
+    }
+}
+
+/// The setting that would admit one of `candidates`, all refused under the others, as a
+/// sentence to end the refusal with (empty when none would).
+fn refusal_hint<A>(
+    candidates: &[Candidate<A>],
+    precision: Precision,
+    deterministic: bool,
+    workspace_limit: usize,
+) -> String {
+    let admits = |precision, deterministic| {
+        candidates.iter().any(|candidate| {
+            refusal(candidate, precision, deterministic, workspace_limit).is_none()
+        })
+    };
+    if deterministic && admits(precision, false) {
+        ". `--algorithms fastest` admits the algorithms that are not deterministic".to_string()
+    } else if precision == Precision::Fp32 && admits(Precision::Tf32, deterministic) {
+        ". `--precision tf32` admits tensor-core math".to_string()
+    } else if precision == Precision::Bf16
+        && candidates
+            .iter()
+            .all(|candidate| candidate.status != sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
+    {
+        ". cuDNN runs none of them on bfloat16 operands for this shape: `--precision tf32` \
+         keeps the operands float32"
+            .to_string()
+    } else {
+        String::new()
+    }
 }
 
 /// Whether admitted `candidate` is preferred to admitted `best` (see [`choose`]).
@@ -289,6 +375,35 @@ pub struct ConvPlan {
     conv: ConvDescriptor,
     forward: Candidate<sys::cudnnConvolutionFwdAlgo_t>,
     backward: Option<BackwardAlgorithms>,
+    /// The shape, in words, for messages.
+    shape: String,
+    /// Every measured candidate, in words, by direction (forward, backward data, backward
+    /// filter); empty for a direction whose choice was read from the store.
+    candidates: [Vec<String>; 3],
+}
+
+/// The three directions of a convolution, as [`ConvPlan`]'s candidate lists index them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Direction {
+    Forward = 0,
+    BackwardData = 1,
+    BackwardFilter = 2,
+}
+
+impl Direction {
+    /// The direction in words.
+    fn name(self) -> &'static str {
+        match self {
+            Direction::Forward => "forward",
+            Direction::BackwardData => "backward data",
+            Direction::BackwardFilter => "backward filter",
+        }
+    }
+}
+
+/// Every candidate of a measurement in words.
+fn described<A: DeterministicOrder>(candidates: &[Candidate<A>]) -> Vec<String> {
+    candidates.iter().map(Candidate::describe).collect()
 }
 
 /// The chosen algorithms of a convolution's two backward directions.
@@ -338,13 +453,9 @@ impl ConvPlan {
         } = settings;
         let (input, output, filter, conv) = Self::descriptors(shape, precision)?;
         conv.set_math(descriptor_math(precision))?;
-        let forward = choose(
-            &handle.find_forward(&input, &filter, &conv, &output)?,
-            precision,
-            deterministic,
-            WORKSPACE_LIMIT,
-        )
-        .map_err(|reason| no_algorithm("forward", shape, reason))?;
+        let measured = handle.find_forward(&input, &filter, &conv, &output)?;
+        let forward = choose(&measured, precision, deterministic, WORKSPACE_LIMIT)
+            .map_err(|reason| no_algorithm("forward", shape, reason))?;
         let mut plan = ConvPlan {
             input,
             output,
@@ -352,6 +463,8 @@ impl ConvPlan {
             conv,
             forward,
             backward: None,
+            shape: format!("{shape:?}"),
+            candidates: [described(&measured), Vec::new(), Vec::new()],
         };
         if backward {
             plan.measure_backward(handle, shape, settings)?;
@@ -374,6 +487,8 @@ impl ConvPlan {
             conv,
             forward: choice.forward,
             backward: choice.backward,
+            shape: format!("{shape:?}"),
+            candidates: Default::default(),
         })
     }
 
@@ -409,20 +524,16 @@ impl ConvPlan {
             deterministic,
         } = settings;
         self.conv.set_math(descriptor_math(precision))?;
-        let data = choose(
-            &handle.find_backward_data(&self.filter, &self.output, &self.conv, &self.input)?,
-            precision,
-            deterministic,
-            WORKSPACE_LIMIT,
-        )
-        .map_err(|reason| no_algorithm("backward data", shape, reason))?;
-        let filter = choose(
-            &handle.find_backward_filter(&self.input, &self.output, &self.conv, &self.filter)?,
-            precision,
-            deterministic,
-            WORKSPACE_LIMIT,
-        )
-        .map_err(|reason| no_algorithm("backward filter", shape, reason))?;
+        let measured_data =
+            handle.find_backward_data(&self.filter, &self.output, &self.conv, &self.input)?;
+        let data = choose(&measured_data, precision, deterministic, WORKSPACE_LIMIT)
+            .map_err(|reason| no_algorithm("backward data", shape, reason))?;
+        let measured_filter =
+            handle.find_backward_filter(&self.input, &self.output, &self.conv, &self.filter)?;
+        let filter = choose(&measured_filter, precision, deterministic, WORKSPACE_LIMIT)
+            .map_err(|reason| no_algorithm("backward filter", shape, reason))?;
+        self.candidates[Direction::BackwardData as usize] = described(&measured_data);
+        self.candidates[Direction::BackwardFilter as usize] = described(&measured_filter);
         self.backward = Some(BackwardAlgorithms { data, filter });
         Ok(())
     }
@@ -466,7 +577,9 @@ impl ConvPlan {
             )
         }
         .result()
-        .map_err(cudnn("cudnnConvolutionForward"))
+        .map_err(|status| {
+            self.execution_error(Direction::Forward, "cudnnConvolutionForward", status)
+        })
     }
 
     /// `input (+)= conv_transpose(output gradient, filter)`: overwritten, or added to when
@@ -499,7 +612,13 @@ impl ConvPlan {
             )
         }
         .result()
-        .map_err(cudnn("cudnnConvolutionBackwardData"))
+        .map_err(|status| {
+            self.execution_error(
+                Direction::BackwardData,
+                "cudnnConvolutionBackwardData",
+                status,
+            )
+        })
     }
 
     /// `filter gradient (+)= correlation(input, output gradient)`: added to when
@@ -532,7 +651,48 @@ impl ConvPlan {
             )
         }
         .result()
-        .map_err(cudnn("cudnnConvolutionBackwardFilter"))
+        .map_err(|status| {
+            self.execution_error(
+                Direction::BackwardFilter,
+                "cudnnConvolutionBackwardFilter",
+                status,
+            )
+        })
+    }
+
+    /// The error of a convolution call that failed with `status`: with
+    /// `CUDNN_STATUS_NOT_SUPPORTED` (cuDNN refused the chosen algorithm when it ran), the
+    /// chosen algorithm and every measured candidate, so that one run tells which to use.
+    fn execution_error(
+        &self,
+        direction: Direction,
+        call: &'static str,
+        status: cudarc::cudnn::result::CudnnError,
+    ) -> GpuError {
+        if status.0 != sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED {
+            return cudnn(call)(status);
+        }
+        let chosen = match (direction, &self.backward) {
+            (Direction::Forward, _) => self.forward.describe(),
+            (Direction::BackwardData, Some(backward)) => backward.data.describe(),
+            (Direction::BackwardFilter, Some(backward)) => backward.filter.describe(),
+            (_, None) => "no backward algorithm".to_string(),
+        };
+        let measured = &self.candidates[direction as usize];
+        let candidates = if measured.is_empty() {
+            "the choice was read from the algorithm store beside the compiled kernels \
+             (remove its file to measure again)"
+                .to_string()
+        } else {
+            format!("measured candidates: {}", measured.join("; "))
+        };
+        GpuError::AlgorithmRefused {
+            call,
+            direction: direction.name(),
+            shape: self.shape.clone(),
+            chosen,
+            candidates,
+        }
     }
 }
 

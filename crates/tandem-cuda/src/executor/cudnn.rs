@@ -171,7 +171,7 @@ fn candidate<A>(
 ) -> Candidate<A> {
     Candidate {
         algo,
-        ran: status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS,
+        status,
         time_ms,
         memory,
         deterministic: determinism == sys::cudnnDeterminism_t::CUDNN_DETERMINISTIC,

@@ -62,6 +62,24 @@ pub enum GpuError {
         /// Why every candidate was refused.
         reason: String,
     },
+    /// A convolution call refused, when it ran, the algorithm chosen for it
+    /// (`CUDNN_STATUS_NOT_SUPPORTED`).
+    #[error(
+        "cuDNN: {call} failed: CUDNN_STATUS_NOT_SUPPORTED for the {direction} algorithm chosen \
+         for convolution {shape}, {chosen}; {candidates}"
+    )]
+    AlgorithmRefused {
+        /// The cuDNN function.
+        call: &'static str,
+        /// forward, backward data or backward filter.
+        direction: &'static str,
+        /// The convolution's shape, in words.
+        shape: String,
+        /// The chosen algorithm, in words.
+        chosen: String,
+        /// The measured candidates in words, or where the choice came from.
+        candidates: String,
+    },
     /// A cuBLAS call failed.
     #[error("cuBLAS: {call} failed: {status:?}")]
     Cublas {

@@ -9,7 +9,10 @@
 //! executor counts the times it freed one a graph may address (a training storage, the
 //! workspace, the optimizer state, a dataset's index buffer) as its *generation*; a graph of
 //! an older generation is dropped and the step captured again. Any failure to capture or
-//! instantiate turns graphs off for the rest of the run, with its reason.
+//! instantiate turns graphs off for the rest of the run, with its reason, except one: a capture
+//! that CUDA refused in thread-local mode (a library call inside it that allocates or
+//! synchronizes) is tried once more at once in relaxed mode, which allows such calls, and
+//! relaxed mode is kept for the rest of the run ([`CaptureMode`]).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -132,6 +135,49 @@ pub enum StepRun {
     Replay,
 }
 
+/// The mode of `cuStreamBeginCapture` for the steps of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CaptureMode {
+    /// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`: this thread's potentially unsafe calls
+    /// (allocations, synchronizations) fail during the capture, so none slips into a graph.
+    ThreadLocal,
+    /// `CU_STREAM_CAPTURE_MODE_RELAXED`: such calls are allowed (cuBLAS and cuDNN may make
+    /// them inside their own functions).
+    Relaxed,
+}
+
+impl fmt::Display for CaptureMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CaptureMode::ThreadLocal => "thread-local",
+            CaptureMode::Relaxed => "relaxed",
+        })
+    }
+}
+
+/// Why a capture failed, and whether CUDA refused it for a call inside it (the status
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` or `_INVALIDATED`), which relaxed mode may allow.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CaptureFailure {
+    /// The failure, in words.
+    pub reason: String,
+    /// Whether CUDA refused a call inside the capture.
+    pub refused_call: bool,
+}
+
+impl CaptureFailure {
+    /// A failure with `reason`; a refused call when the reason names one of CUDA's statuses
+    /// for it (the errors of cudarc, cuDNN and cuBLAS calls reach here as text).
+    pub fn new(reason: String) -> Self {
+        let refused_call = reason.contains("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+            || reason.contains("CUDA_ERROR_STREAM_CAPTURE_INVALIDATED");
+        CaptureFailure {
+            reason,
+            refused_call,
+        }
+    }
+}
+
 /// The state of one key.
 enum Entry<G> {
     /// Run eagerly once.
@@ -146,6 +192,8 @@ pub struct GraphSchedule<G> {
     entries: HashMap<GraphKey, Entry<G>>,
     off: Option<String>,
     off_reported: bool,
+    mode: CaptureMode,
+    relaxed_because: Option<String>,
 }
 
 impl<G> GraphSchedule<G> {
@@ -155,6 +203,43 @@ impl<G> GraphSchedule<G> {
             entries: HashMap::new(),
             off,
             off_reported: false,
+            mode: CaptureMode::ThreadLocal,
+            relaxed_because: None,
+        }
+    }
+
+    /// The mode the next capture begins in.
+    pub fn capture_mode(&self) -> CaptureMode {
+        self.mode
+    }
+
+    /// What to do after `failure`, a capture in [`Self::capture_mode`]: `true` when it is
+    /// worth capturing again at once, now in relaxed mode (a thread-local capture that CUDA
+    /// refused for a call inside it); otherwise graphs are turned off with the reason (and,
+    /// after a relaxed retry, the first mode's reason beside it).
+    pub fn after_failure(&mut self, failure: CaptureFailure) -> bool {
+        if self.mode == CaptureMode::ThreadLocal && failure.refused_call {
+            self.mode = CaptureMode::Relaxed;
+            self.relaxed_because = Some(failure.reason);
+            return true;
+        }
+        let reason = match (&self.mode, &self.relaxed_because) {
+            (CaptureMode::Relaxed, Some(first)) => format!(
+                "{} in relaxed capture mode (tried after the thread-local capture failed: {first})",
+                failure.reason
+            ),
+            _ => failure.reason,
+        };
+        self.turn_off(reason);
+        false
+    }
+
+    /// Why steps are captured in relaxed mode, once (for the run's note); `None` in
+    /// thread-local mode and after the reason was taken.
+    pub fn take_relaxed_reason(&mut self) -> Option<String> {
+        match self.mode {
+            CaptureMode::Relaxed if self.is_on() => self.relaxed_because.take(),
+            _ => None,
         }
     }
 
@@ -414,11 +499,51 @@ mod tests {
         assert_eq!(schedule.take_off_reason(), None);
 
         let mut disabled = GraphSchedule::<()>::new(Some("TANDEM_CUDA_GRAPHS=0".to_string()));
+        assert_eq!(disabled.capture_mode(), CaptureMode::ThreadLocal);
         assert_eq!(disabled.next_run(&key(8), 0), StepRun::Eager);
         assert_eq!(disabled.next_run(&key(8), 0), StepRun::Eager);
         assert_eq!(
             disabled.take_off_reason().as_deref(),
             Some("TANDEM_CUDA_GRAPHS=0")
         );
+    }
+
+    #[test]
+    fn a_refused_thread_local_capture_is_retried_once_in_relaxed_mode() {
+        let refused = "cuStreamEndCapture/cuGraphInstantiate failed: \
+                       DriverError(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, \"operation failed\")";
+        let mut schedule = GraphSchedule::<()>::new(None);
+        assert_eq!(schedule.capture_mode(), CaptureMode::ThreadLocal);
+        assert!(schedule.after_failure(CaptureFailure::new(refused.to_string())));
+        assert_eq!(schedule.capture_mode(), CaptureMode::Relaxed);
+        assert!(schedule.is_on());
+        assert_eq!(schedule.take_relaxed_reason().as_deref(), Some(refused));
+        assert_eq!(schedule.take_relaxed_reason(), None, "reported once");
+
+        // A second refusal, in relaxed mode, turns graphs off naming both attempts.
+        let again = "a call of the step cannot be captured: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED";
+        assert!(!schedule.after_failure(CaptureFailure::new(again.to_string())));
+        assert!(!schedule.is_on());
+        let reason = schedule.take_off_reason().unwrap();
+        assert!(reason.starts_with(again), "{reason}");
+        assert!(reason.contains("in relaxed capture mode"), "{reason}");
+        assert!(
+            reason.contains("CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn other_capture_failures_turn_graphs_off_without_a_retry() {
+        let mut schedule = GraphSchedule::<()>::new(None);
+        let failure = CaptureFailure::new("device memory was freed during capture".to_string());
+        assert!(!failure.refused_call);
+        assert!(!schedule.after_failure(failure));
+        assert_eq!(schedule.capture_mode(), CaptureMode::ThreadLocal);
+        assert_eq!(
+            schedule.take_off_reason().as_deref(),
+            Some("device memory was freed during capture")
+        );
+        assert_eq!(schedule.take_relaxed_reason(), None);
     }
 }

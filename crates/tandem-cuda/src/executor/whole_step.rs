@@ -18,7 +18,9 @@
 //! waits on nor records one. Capture is in
 //! `THREAD_LOCAL` mode: the executor is driven by one thread, and no other thread's legal
 //! CUDA calls (e.g. the NCCL watchdog's `cuEventQuery` of earlier steps' events) can
-//! invalidate its capture.
+//! invalidate its capture. A library call of this thread that allocates or synchronizes
+//! inside the capture makes CUDA refuse it; the capture is then tried once more in `RELAXED`
+//! mode, which allows such calls, before graphs are turned off (see `graph.rs`).
 //!
 //! With NCCL (version 2.9 or later captures collectives) the group's stream joins the capture
 //! through the event it waits on, recorded on the capturing stream, and rejoins it through the
@@ -42,7 +44,7 @@ use tandem_models::{LossOptions, Model, ModelError};
 
 use super::dataset::{check_gathered_batch, DeviceDataset};
 use super::error::{cublas, driver, same_length};
-use super::graph::{GraphKey, ImagesKey, OptimizerKind, StepRun};
+use super::graph::{CaptureFailure, CaptureMode, GraphKey, ImagesKey, OptimizerKind, StepRun};
 use super::scalars::{StepScalars, STEP_SCALARS_BYTES};
 use super::{address, check_batch, device, CudaExecutor, GpuError};
 
@@ -109,6 +111,9 @@ pub struct StepOutcome {
     /// Why CUDA graphs are off, on the first step after they were turned off (by
     /// `TANDEM_CUDA_GRAPHS=0` or a failure to capture); `None` otherwise.
     pub graphs_off: Option<String>,
+    /// Why steps are captured in relaxed mode (CUDA refused the thread-local capture), on the
+    /// first step captured so; `None` otherwise.
+    pub relaxed_capture: Option<String>,
 }
 
 /// Gives `blas` a workspace of its own (stream capture cannot allocate cuBLAS's default one).
@@ -225,12 +230,13 @@ impl CudaExecutor {
                 self.step_body(model, plan, dataset, micro_batches)?;
                 StepRun::Eager
             }
-            StepRun::Capture => match self.capture_and_launch(model, plan, dataset, &key) {
-                Ok(()) => StepRun::Capture,
-                Err(reason) => {
-                    self.graphs.turn_off(reason);
+            StepRun::Capture => loop {
+                let Err(failure) = self.capture_and_launch(model, plan, dataset, &key) else {
+                    break StepRun::Capture;
+                };
+                if !self.graphs.after_failure(failure) {
                     self.step_body(model, plan, dataset, micro_batches)?;
-                    StepRun::Eager
+                    break StepRun::Eager;
                 }
             },
             StepRun::Replay => {
@@ -256,6 +262,7 @@ impl CudaExecutor {
             losses,
             run,
             graphs_off: self.graphs.take_off_reason(),
+            relaxed_capture: self.graphs.take_relaxed_reason(),
         })
     }
 
@@ -380,11 +387,24 @@ impl CudaExecutor {
         }
     }
 
-    /// Captures the step's body as a graph, instantiates and launches it (the captured work
-    /// had not run), and keeps it under `key`. On any failure the capture is ended, its error
-    /// cleared, and the reason returned: nothing of the body ran (a failed launch ran
-    /// nothing either), and the caller runs it eagerly.
+    /// Captures the step's body as a graph in the schedule's capture mode, instantiates and
+    /// launches it (the captured work had not run), and keeps it under `key`. On any failure
+    /// the capture is ended, its error cleared, and the failure returned: nothing of the body
+    /// ran (a failed launch ran nothing either), and the caller captures again in relaxed
+    /// mode or runs it eagerly.
     fn capture_and_launch(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        dataset: Option<&DeviceDataset>,
+        key: &GraphKey,
+    ) -> Result<(), CaptureFailure> {
+        self.try_capture_and_launch(model, plan, dataset, key)
+            .map_err(CaptureFailure::new)
+    }
+
+    /// [`Self::capture_and_launch`], its failure in words.
+    fn try_capture_and_launch(
         &mut self,
         model: &Model,
         plan: &Plan,
@@ -393,11 +413,12 @@ impl CudaExecutor {
     ) -> Result<(), String> {
         let searches = self.algorithms.searches();
         let generation = self.generation;
+        let mode = match self.graphs.capture_mode() {
+            CaptureMode::ThreadLocal => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CaptureMode::Relaxed => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
         self.nccl_capture(true);
-        if let Err(status) = self
-            .stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        {
+        if let Err(status) = self.stream.begin_capture(mode) {
             self.nccl_capture(false);
             return Err(format!("cuStreamBeginCapture failed: {status:?}"));
         }
@@ -416,8 +437,19 @@ impl CudaExecutor {
         if self.generation != generation {
             return Err("device memory was freed during capture".to_string());
         }
-        body.map_err(|error| format!("a call of the step cannot be captured: {error}"))?;
-        kept.map_err(|error| format!("a call of the step cannot be captured: {error}"))?;
+        // A call that CUDA refused inside the capture fails itself (a library reports it in
+        // its own status) and invalidates the capture, which the end's status names.
+        let call = body
+            .map_err(|error| error.to_string())
+            .and_then(|()| kept.map_err(|error| error.to_string()));
+        if let Err(error) = call {
+            return Err(match &ended {
+                Err(status) => format!(
+                    "a call of the step cannot be captured: {error} (cuStreamEndCapture: {status:?})"
+                ),
+                Ok(_) => format!("a call of the step cannot be captured: {error}"),
+            });
+        }
         let graph = ended
             .map_err(|status| format!("cuStreamEndCapture/cuGraphInstantiate failed: {status:?}"))?
             .ok_or_else(|| "cuStreamEndCapture captured no graph".to_string())?;

@@ -67,7 +67,17 @@ pub fn formula_batch(batch: usize, side: usize, step: u64) -> (Vec<f32>, Vec<u32
     (images, labels)
 }
 
-/// The NVRTC compiler for the architecture of `context`'s GPU.
+/// The disk cache of compiled kernels (and of cuDNN's algorithm choices) that the tests share
+/// when `TANDEM_PTX_CACHE` names one, as the GPU check does: each kernel file is then compiled
+/// once for every test binary, not once per test. `None` otherwise (CI), so that every test
+/// compiles and measures afresh.
+pub fn test_cache() -> Option<tandem_cuda::PtxCache> {
+    std::env::var_os(tandem_cuda::ptx_cache::CACHE_DIR_ENV)
+        .filter(|dir| !dir.is_empty())
+        .map(tandem_cuda::PtxCache::new)
+}
+
+/// The NVRTC compiler for the architecture of `context`'s GPU, with [`test_cache`].
 pub fn compiler_for(
     probe: &Probe,
     context: &std::sync::Arc<cudarc::driver::CudaContext>,
@@ -77,5 +87,5 @@ pub fn compiler_for(
         major: major as u32,
         minor: minor as u32,
     };
-    tandem_cuda::Compiler::new(probe, arch, None).expect("NVRTC")
+    tandem_cuda::Compiler::new(probe, arch, test_cache()).expect("NVRTC")
 }

@@ -30,6 +30,7 @@
 // Only what cudarc and the executor call is here; any other entry point is missing, and
 // cudarc's panic names it.
 
+#include <algorithm>
 #include <dirent.h>
 #include <dlfcn.h>
 
@@ -60,6 +61,7 @@ enum {
     CUDA_ERROR_ILLEGAL_STATE = 401,
     CUDA_ERROR_NOT_SUPPORTED = 801,
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
     CUDA_ERROR_STREAM_CAPTURE_MERGE = 902,
     CUDA_ERROR_STREAM_CAPTURE_UNJOINED = 904,
     CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905,
@@ -99,8 +101,10 @@ struct Stream {
     size_t rejoined = 0;
     // Copies between the device and page-locked host memory, not done yet (in queue order).
     std::vector<std::function<void()>> held_back;
-    // The capturing stream's: whether its capture began in a mode other than relaxed.
+    // The capturing stream's: whether its capture began in a mode other than relaxed, and
+    // whether a refused call invalidated it.
     bool strict = false;
+    bool invalidated = false;
 };
 
 struct Graph {
@@ -133,6 +137,8 @@ std::mutex state_mutex;
 // modes): while one is open, this thread's "potentially unsafe" calls (synchronous copies,
 // memsets, allocations and frees, context synchronization) fail as CUDA's do.
 thread_local int strict_captures_here = 0;
+// Those captures' streams.
+thread_local std::vector<Stream*> strict_streams_here;
 std::map<CUdeviceptr, size_t> allocations;
 size_t allocated_bytes = 0;
 // The page-locked host allocations (start, bytes) and the streams that exist.
@@ -225,6 +231,13 @@ void hold_back_or_record(void* stream, std::function<void()> copy) {
 
 void fake_enqueue(void* stream, std::function<void()> work) {
     run_or_record(stream, std::move(work));
+}
+
+bool fake_library_allocation_refused() {
+    if (!std::getenv("TANDEM_FAKE_GPU_LIBRARIES_ALLOCATE_IN_CAPTURE") || strict_captures_here == 0)
+        return false;
+    for (Stream* stream : strict_streams_here) stream->invalidated = true;
+    return true;
 }
 
 extern "C" {
@@ -416,7 +429,11 @@ CUresult cuStreamBeginCapture_v2(void* stream, int mode) {
     finish_held_back(target);
     target->capture = target;
     target->strict = mode != CU_STREAM_CAPTURE_MODE_RELAXED;
-    if (target->strict) strict_captures_here++;
+    target->invalidated = false;
+    if (target->strict) {
+        strict_captures_here++;
+        strict_streams_here.push_back(target);
+    }
     target->captured.clear();
     target->joined.clear();
     return CUDA_SUCCESS;
@@ -432,12 +449,18 @@ CUresult cuStreamEndCapture(void* stream, void** graph) {
     }
     target->joined.clear();
     target->capture = nullptr;
-    if (target->strict) strict_captures_here--;
+    if (target->strict) {
+        strict_captures_here--;
+        strict_streams_here.erase(
+            std::remove(strict_streams_here.begin(), strict_streams_here.end(), target),
+            strict_streams_here.end());
+    }
     target->strict = false;
-    if (unjoined) {
+    if (unjoined || target->invalidated) {
         target->captured.clear();
         *graph = nullptr;
-        return CUDA_ERROR_STREAM_CAPTURE_UNJOINED;
+        return target->invalidated ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+                                   : CUDA_ERROR_STREAM_CAPTURE_UNJOINED;
     }
     auto* captured = new Graph();
     captured->work.swap(target->captured);

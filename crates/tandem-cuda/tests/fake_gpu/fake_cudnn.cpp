@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "fake_gpu.h"
@@ -17,6 +18,7 @@ enum {
     CUDNN_STATUS_SUCCESS = 0,
     CUDNN_STATUS_BAD_PARAM = 2000,
     CUDNN_STATUS_NOT_SUPPORTED = 3000,
+    CUDNN_STATUS_EXECUTION_FAILED = 5000,
 };
 enum { CUDNN_DATA_FLOAT = 0, CUDNN_DATA_BFLOAT16 = 9 };
 enum { CUDNN_TENSOR_NCHW = 0, CUDNN_TENSOR_NHWC = 1 };
@@ -295,6 +297,7 @@ cudnnStatus_t cudnnConvolutionForward(void* handle, const void* alpha, void* x_d
     Filter f = *static_cast<Filter*>(w_desc);
     Convolution conv = *static_cast<Convolution*>(conv_desc);
     if (!shapes_fit(xt, f, conv, yt)) return CUDNN_STATUS_BAD_PARAM;
+    if (fake_library_allocation_refused()) return CUDNN_STATUS_EXECUTION_FAILED;
     float a = *static_cast<const float*>(alpha), b = *static_cast<const float*>(beta);
     fake_enqueue(static_cast<Handle*>(handle)->stream, [=] {
         std::vector<float> xs = gather_nhwc(xt, x), ws = gather_krsc(f, conv, w);
@@ -365,6 +368,8 @@ cudnnStatus_t cudnnConvolutionBackwardFilter(void* handle, const void* alpha, vo
                                              const void* x, void* dy_desc, const void* dy,
                                              void* conv_desc, int, void*, size_t,
                                              const void* beta, void* dw_desc, void* dw) {
+    // A refusal of the chosen algorithm at execution, as cuDNN may give, for tests.
+    if (std::getenv("TANDEM_FAKE_CUDNN_REFUSE_BACKWARD_FILTER")) return CUDNN_STATUS_NOT_SUPPORTED;
     Tensor xt = *static_cast<Tensor*>(x_desc), dyt = *static_cast<Tensor*>(dy_desc);
     Filter f = *static_cast<Filter*>(dw_desc);
     Convolution conv = *static_cast<Convolution*>(conv_desc);

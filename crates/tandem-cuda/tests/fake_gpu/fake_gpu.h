@@ -11,6 +11,12 @@
 // Runs `work` on `stream` now, or records it into the graph being captured on `stream`.
 void fake_enqueue(void* stream, std::function<void()> work);
 
+// A library call that allocates device memory of its own (as cuDNN and cuBLAS may), under
+// TANDEM_FAKE_GPU_LIBRARIES_ALLOCATE_IN_CAPTURE=1: inside a capture of this thread begun in a
+// mode other than relaxed, the allocation is refused and the capture invalidated, as CUDA
+// does; returns whether it was (the call then fails).
+bool fake_library_allocation_refused();
+
 // bfloat16 bits <-> float, as the GPU converts them (round to nearest even; NaN stays NaN).
 inline float fake_bf16_to_float(uint16_t bits) {
     uint32_t wide = (uint32_t)bits << 16;

@@ -61,6 +61,7 @@ pub fn run(
     };
     let mut runs = Vec::new();
     let mut graphs_off = None;
+    let mut relaxed_capture = None;
     let mut train_step = |exec: &mut CudaExecutor| -> anyhow::Result<()> {
         let step = TrainStep {
             images: StepImages::Gathered {
@@ -76,6 +77,7 @@ pub fn run(
         let outcome = exec.train_step(&model, &train_plan, step)?;
         runs.push(outcome.run);
         graphs_off = graphs_off.take().or(outcome.graphs_off);
+        relaxed_capture = relaxed_capture.take().or(outcome.relaxed_capture);
         Ok(())
     };
     // The first run is eager; the second is captured when graphs are on.
@@ -90,24 +92,43 @@ pub fn run(
     say!("train: {train_rate:.1} img/s");
     say!("eval: {eval_rate:.1} img/s");
     say!("peak memory: {} MB", peak_bytes / (1024 * 1024));
-    say!("{}", graphs_line(&timed_runs, graphs_off.as_deref()));
+    say!(
+        "{}",
+        graphs_line(
+            &timed_runs,
+            graphs_off.as_deref(),
+            relaxed_capture.as_deref()
+        )
+    );
     Ok(())
 }
 
-/// The `graphs:` line: whether each timed training step replayed a captured graph.
-fn graphs_line(timed_runs: &[StepRun], off: Option<&str>) -> String {
+/// The `graphs:` line: whether each timed training step replayed a captured graph, and in
+/// which capture mode when it was relaxed (`relaxed`: why).
+fn graphs_line(timed_runs: &[StepRun], off: Option<&str>, relaxed: Option<&str>) -> String {
     let replayed = timed_runs
         .iter()
         .filter(|run| **run == StepRun::Replay)
         .count();
+    let line = graphs_runs_line(timed_runs.len(), replayed, off);
+    match relaxed {
+        Some(reason) if off.is_none() => format!(
+            "{line}; captured in relaxed mode (the thread-local capture was refused: {reason})"
+        ),
+        _ => line,
+    }
+}
+
+/// The `graphs:` line's first part: `replayed` of `timed` steps replayed a graph, or why
+/// graphs were `off`.
+fn graphs_runs_line(timed: usize, replayed: usize, off: Option<&str>) -> String {
     match off {
         Some(reason) => format!("graphs: off ({reason}); the timed training steps ran eagerly"),
-        None if replayed == timed_runs.len() => {
+        None if replayed == timed => {
             "graphs: on; every timed training step replayed one captured CUDA graph".to_string()
         }
         None => format!(
-            "graphs: {replayed} of {} timed training steps replayed a captured CUDA graph",
-            timed_runs.len()
+            "graphs: {replayed} of {timed} timed training steps replayed a captured CUDA graph"
         ),
     }
 }
