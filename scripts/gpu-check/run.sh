@@ -17,7 +17,8 @@
 #   --budget S     seconds for the whole run (default 450; steps that do not fit are skipped)
 #   --seeds N      time-to-accuracy seeds on each side (default 5)
 #   --only LIST    comma-separated sections of smoke,tests,bench,tta,ddp,compile (default all)
-# environment: PYTHON (default python3), OUT (default a temporary folder), GPU_CHECK_DRY_RUN=1
+# environment: PYTHON (default python3), OUT (default a temporary folder), GPU_CHECK_DRY_RUN=1,
+#   GPU_CHECK_LIBRARY_DIRS (folders of CUDA libraries to prefer, colon-separated)
 set -uo pipefail
 
 BUDGET=450
@@ -170,7 +171,9 @@ export TANDEM_PTX_CACHE=$WORK/ptx-cache
 # reach the same files, never the toolkit's copy of one beside the wheel's copy of another.
 site=$(timeout 60 "$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)
 library_dirs=()
-for dir in "$site"/nvidia/*/lib /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+# GPU_CHECK_LIBRARY_DIRS (colon-separated) come first: e.g. the fake GPU's folder in a dry run.
+IFS=':' read -r -a extra_dirs <<<"${GPU_CHECK_LIBRARY_DIRS:-}"
+for dir in "${extra_dirs[@]}" "$site"/nvidia/*/lib /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
     /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
     [ -d "$dir" ] && library_dirs+=("$dir")
 done
@@ -218,7 +221,7 @@ smoke_report() {
     printf '%s\n' "${smoke_rows[@]}"
     if [ -s "$WORK/smoke-libraries.txt" ]; then
         echo
-        echo "CUDA libraries (the probe's choice, then every CUDA file mapped into the process):"
+        echo "CUDA libraries (the probe's choice, then every CUDA file mapped into the process), and the fp32 steps:"
         echo
         echo '```'
         cat "$WORK/smoke-libraries.txt"
@@ -245,7 +248,8 @@ if section_on smoke; then
         smoke_rows+=("| $1 | $STEP_STATUS in ${STEP_WALL}s | ${summary:-none}${STEP_NOTE:+; $STEP_NOTE} |")
     }
     smoke_check libraries-and-fp32-steps 30 tandem-cuda gpu_smoke
-    grep -h '^library: \|^mapped: \|^smoke: ' "$STEP_OUT" | sed 's/^smoke: /step: /' >"$WORK/smoke-libraries.txt"
+    # --nocapture puts a test's first line after its `test NAME ... `: match anywhere.
+    grep -ho '\(library\|mapped\|smoke\): .*' "$STEP_OUT" | sed 's/^smoke: /step: /' >"$WORK/smoke-libraries.txt"
     smoke_check captured-step 20 tandem-cuda gpu_executor graphed_steps_equal_eager_steps_bit_for_bit
     smoke_check nccl-world-1 20 tandem-cuda gpu_nccl a_world_of_one_through_nccl_leaves_every_bit_as_without_it
     # In the report now: a call cut short later still brings these lines back.
