@@ -11,6 +11,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -19,14 +20,54 @@ use crate::auth::{
 };
 use crate::error::{DistError, Result};
 use crate::store::remaining;
-use crate::transport::{connect_local, PeerListeners, PeerStream};
+use crate::transport::{connect_local, DeadlineStream, PeerListeners, PeerStream};
 
 const HEADER_BYTES: usize = 24;
 const HELLO_BYTES: usize = 16;
-/// The longest a stranger may hold the accept loop with an unfinished handshake.
+/// The longest one incoming handshake may take, however slowly its bytes trickle.
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(5);
 const RETRY_PAUSE: Duration = Duration::from_millis(20);
 const ACCEPT_POLL: Duration = Duration::from_millis(2);
+
+/// The most handshakes an accepting rank runs at once.
+const MAX_HANDSHAKES: usize = 32;
+
+/// The handshakes in progress of one accept, by number, each with a handle that closes its
+/// connection.
+#[derive(Default)]
+struct Handshakes {
+    next_id: u64,
+    open: std::collections::VecDeque<(u64, PeerStream)>,
+}
+
+impl Handshakes {
+    /// Numbers a new handshake, closing the oldest when [`MAX_HANDSHAKES`] are open.
+    fn open(&mut self, handle: PeerStream) -> u64 {
+        if self.open.len() >= MAX_HANDSHAKES {
+            if let Some((_, oldest)) = self.open.pop_front() {
+                oldest.shutdown();
+            }
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.open.push_back((id, handle));
+        id
+    }
+
+    /// Marks handshake `id` finished; whether it was still open (not closed as the oldest).
+    fn finish(&mut self, id: u64) -> bool {
+        let before = self.open.len();
+        self.open.retain(|(open, _)| *open != id);
+        self.open.len() != before
+    }
+
+    /// Closes every open handshake (their threads then end at once).
+    fn close_all(&mut self) {
+        for (_, handle) in self.open.drain(..) {
+            handle.shutdown();
+        }
+    }
+}
 
 /// The header of one message: which collective, which kind, how many bytes follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,7 +196,11 @@ impl PeerLink {
     }
 
     /// Accepts connections until one proves the token and introduces itself as rank
-    /// `peer_rank` of a group of `world_size`; strangers are dropped.
+    /// `peer_rank` of a group of `world_size`; strangers are dropped. Each connection's
+    /// handshake runs on a thread of its own with one deadline for the whole handshake, so a
+    /// stranger that trickles its bytes delays no peer; at most [`MAX_HANDSHAKES`] run at
+    /// once (beyond that the oldest is closed), and once the peer is admitted every other
+    /// handshake is closed.
     pub(crate) fn accept(
         listeners: &PeerListeners,
         peer_rank: usize,
@@ -164,8 +209,11 @@ impl PeerLink {
         token: &JobToken,
         deadline: Instant,
     ) -> Result<PeerLink> {
+        let (admitted, results) = mpsc::channel::<(u64, Option<PeerLink>)>();
+        let mut handshakes = Handshakes::default();
         loop {
             let Some(left) = remaining(deadline) else {
+                handshakes.close_all();
                 return Err(DistError::Peer {
                     rank: peer_rank,
                     addr: peer_addr.to_string(),
@@ -173,32 +221,56 @@ impl PeerLink {
                     op: "rendezvous".into(),
                 });
             };
-            match listeners.try_accept() {
-                Some(stream) => {
-                    let limit = left.min(HANDSHAKE_LIMIT);
-                    let link = Self::admit(stream, peer_rank, peer_addr, world_size, token, limit);
-                    if let Some(link) = link {
+            if let Some(stream) = listeners.try_accept() {
+                let Ok(handle) = stream.try_clone() else {
+                    continue;
+                };
+                let id = handshakes.open(handle);
+                let handshake_deadline = Instant::now() + left.min(HANDSHAKE_LIMIT);
+                let admitted = admitted.clone();
+                let (peer_addr, token) = (peer_addr.to_string(), token.clone());
+                thread::spawn(move || {
+                    let link = Self::admit(
+                        stream,
+                        peer_rank,
+                        &peer_addr,
+                        world_size,
+                        &token,
+                        handshake_deadline,
+                    );
+                    let _ = admitted.send((id, link));
+                });
+                continue;
+            }
+            match results.recv_timeout(ACCEPT_POLL) {
+                Ok((id, link)) => {
+                    let live = handshakes.finish(id);
+                    if let Some(link) = link.filter(|_| live) {
+                        handshakes.close_all();
                         return Ok(link);
                     }
                 }
-                None => thread::sleep(ACCEPT_POLL),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => unreachable!("a sender is kept"),
             }
         }
     }
 
-    /// Checks one incoming connection; `None` if it is not the expected rank of this job.
+    /// Checks one incoming connection within `deadline`; `None` if it is not the expected
+    /// rank of this job.
     fn admit(
         stream: PeerStream,
         peer_rank: usize,
         peer_addr: &str,
         world_size: usize,
         token: &JobToken,
-        limit: Duration,
+        deadline: Instant,
     ) -> Option<PeerLink> {
-        stream.configure(Some(limit)).ok()?;
-        accept_handshake(&stream, token, Purpose::Peer).ok()?;
+        stream.configure(remaining(deadline)).ok()?;
+        let mut bounded = DeadlineStream::new(&stream, deadline);
+        accept_handshake(&mut bounded, token, Purpose::Peer).ok()?;
         let mut hello = [0u8; HELLO_BYTES];
-        (&stream).read_exact(&mut hello).ok()?;
+        bounded.read_exact(&mut hello).ok()?;
         let (rank, size) = hello.split_at(8);
         let claimed_rank = u64::from_le_bytes(rank.try_into().ok()?);
         let claimed_size = u64::from_le_bytes(size.try_into().ok()?);
@@ -440,6 +512,101 @@ mod tests {
             "rank 0 (rank-0-addr) is at collective #5 (broadcast of f64) while this rank is at #5 (all_reduce of f32): \
              the ranks called different collectives during all_reduce #5"
         );
+    }
+
+    /// A stranger on `addr` that reads the acceptor's hello and then sends one byte every
+    /// 400 ms (each within any per-read timeout); returns when it saw its connection closed,
+    /// or `None` after `give_up`.
+    fn trickle(addr: &str, give_up: Duration) -> Option<Instant> {
+        let started = Instant::now();
+        let mut stream = TcpStream::connect(addr).expect("connect");
+        stream
+            .set_read_timeout(Some(Duration::from_millis(400)))
+            .expect("timeout");
+        let mut hello = [0u8; 8 + 1 + 16];
+        let _ = stream.read_exact(&mut hello);
+        while started.elapsed() < give_up {
+            if stream.write_all(&[0]).is_err() {
+                return Some(Instant::now());
+            }
+            let mut byte = [0u8; 1];
+            match stream.read(&mut byte) {
+                Ok(0) => return Some(Instant::now()),
+                Err(error)
+                    if !matches!(
+                        error.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Some(Instant::now())
+                }
+                _ => {}
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn a_trickling_stranger_delays_no_peer_and_is_closed_once_the_peer_is_in() {
+        let token = JobToken::new("t").expect("token");
+        let listeners = PeerListeners::bind("127.0.0.1", false).expect("bind");
+        let addr = format!("127.0.0.1:{}", listeners.port().expect("port"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        std::thread::scope(|scope| {
+            let accepted =
+                scope.spawn(|| PeerLink::accept(&listeners, 0, "rank-0-addr", 2, &token, deadline));
+            let stranger = scope.spawn(|| trickle(&addr, Duration::from_secs(15)));
+            std::thread::sleep(Duration::from_millis(300));
+            let started = Instant::now();
+            let _peer = PeerLink::connect((0, 2), 1, &addr, None, &token, deadline).expect("peer");
+            let link = accepted
+                .join()
+                .expect("thread")
+                .expect("the peer is admitted");
+            let admitted = started.elapsed();
+            assert!(
+                admitted < Duration::from_secs(2),
+                "the peer waited {admitted:?}"
+            );
+            assert_eq!(link.rank, 0);
+            let closed = stranger
+                .join()
+                .expect("stranger")
+                .expect("the stranger is closed");
+            let after = closed.saturating_duration_since(started);
+            assert!(
+                after < Duration::from_secs(2),
+                "the stranger was closed {after:?} after the peer came"
+            );
+        });
+    }
+
+    #[test]
+    fn a_trickling_strangers_handshake_ends_by_its_deadline_not_per_read() {
+        let token = JobToken::new("t").expect("token");
+        let listeners = PeerListeners::bind("127.0.0.1", false).expect("bind");
+        let addr = format!("127.0.0.1:{}", listeners.port().expect("port"));
+        let deadline = Instant::now() + HANDSHAKE_LIMIT + Duration::from_secs(4);
+        std::thread::scope(|scope| {
+            let accepted =
+                scope.spawn(|| PeerLink::accept(&listeners, 0, "rank-0-addr", 2, &token, deadline));
+            let started = Instant::now();
+            let closed = trickle(&addr, HANDSHAKE_LIMIT * 3).expect("the stranger is closed");
+            let held = closed.saturating_duration_since(started);
+            assert!(
+                held >= HANDSHAKE_LIMIT - Duration::from_millis(500)
+                    && held < HANDSHAKE_LIMIT + Duration::from_secs(2),
+                "the stranger held a handshake for {held:?}"
+            );
+            let error = accepted
+                .join()
+                .expect("thread")
+                .err()
+                .expect("no peer came");
+            assert!(error
+                .to_string()
+                .contains("did not connect before the rendezvous deadline"));
+        });
     }
 
     #[test]

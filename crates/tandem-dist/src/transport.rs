@@ -61,6 +61,14 @@ impl PeerStream {
         };
     }
 
+    /// A second handle to the same connection (to shut it down from another thread).
+    pub(crate) fn try_clone(&self) -> std::io::Result<PeerStream> {
+        Ok(match self {
+            PeerStream::Tcp(stream) => PeerStream::Tcp(stream.try_clone()?),
+            PeerStream::Unix(stream) => PeerStream::Unix(stream.try_clone()?),
+        })
+    }
+
     /// "tcp" or "unix", for messages and tests.
     pub(crate) fn kind(&self) -> &'static str {
         match self {
@@ -85,6 +93,54 @@ impl Write for &PeerStream {
             PeerStream::Tcp(stream) => (&*stream).write(buffer),
             PeerStream::Unix(stream) => (&*stream).write(buffer),
         }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A stream whose every read and write ends by one deadline: however slowly the other end
+/// trickles its bytes, the exchange as a whole is bounded.
+pub(crate) struct DeadlineStream<'a> {
+    stream: &'a PeerStream,
+    deadline: std::time::Instant,
+}
+
+impl<'a> DeadlineStream<'a> {
+    /// `stream`, bounded by `deadline`.
+    pub(crate) fn new(stream: &'a PeerStream, deadline: std::time::Instant) -> Self {
+        DeadlineStream { stream, deadline }
+    }
+
+    /// The time left, or a timeout error once the deadline has passed.
+    fn left(&self) -> std::io::Result<Duration> {
+        let left = self
+            .deadline
+            .saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the handshake's deadline passed",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for DeadlineStream<'_> {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        let mut stream = self.stream;
+        stream.read(buffer)
+    }
+}
+
+impl Write for DeadlineStream<'_> {
+    fn write(&mut self, buffer: &[u8]) -> std::io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        let mut stream = self.stream;
+        stream.write(buffer)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
