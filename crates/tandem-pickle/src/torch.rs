@@ -196,10 +196,20 @@ impl<R: Read + Seek> TorchStateDict<R> {
         drop(pickle);
         let (state_dict, state_dict_key, scalars) = find_state_dict(&root, &archive.path)?;
         let mut pending = Vec::with_capacity(state_dict.len());
-        for (key, value) in state_dict {
+        let mut entries: HashMap<&str, usize> = HashMap::with_capacity(state_dict.len());
+        for (index, (key, value)) in state_dict.iter().enumerate() {
             let name = key.as_text().ok_or_else(|| {
                 archive.error(format!("state dict key {} is not text", key.describe()))
             })?;
+            // torch.save writes each key once; a repeated one would be decoded once per entry.
+            if let Some(first) = entries.insert(name, index) {
+                return Err(archive.error(format!(
+                    "state dict key {name:?} appears more than once (entries {} and {}): a \
+                     state dict names each tensor once",
+                    first + 1,
+                    index + 1
+                )));
+            }
             pending.push(archive.parse_tensor(name, value)?);
         }
         let headers = pending.iter().map(|tensor| tensor.header.clone()).collect();
@@ -218,8 +228,9 @@ impl<R: Read + Seek> TorchStateDict<R> {
     }
 
     /// Reads the storages the tensors view, each once, refusing before reading any when
-    /// together they would hold more than `max_storage_bytes`; a storage is released as soon
-    /// as the tensors that view it have their elements.
+    /// together they would hold more than `max_storage_bytes`, or when the tensors' own
+    /// elements would (many tensors viewing one storage each get a copy); a storage is
+    /// released as soon as the tensors that view it have their elements.
     pub fn read_storages(mut self, max_storage_bytes: u64) -> Result<TorchCheckpoint, PickleError> {
         let storages = self.distinct_storages()?;
         let total: u64 = storages
@@ -229,6 +240,24 @@ impl<R: Read + Seek> TorchStateDict<R> {
         if total > max_storage_bytes {
             return Err(self.archive.error(format!(
                 "its storages hold {total} bytes, more than the {max_storage_bytes} bytes the tensors being loaded need"
+            )));
+        }
+        let decoded: u64 = self
+            .headers
+            .iter()
+            .map(|header| {
+                let numel = header
+                    .shape
+                    .iter()
+                    .try_fold(1usize, |n, &dim| n.checked_mul(dim));
+                numel
+                    .and_then(|numel| numel.checked_mul(header.dtype.element_size()))
+                    .unwrap_or(usize::MAX) as u64
+            })
+            .fold(0u64, u64::saturating_add);
+        if decoded > max_storage_bytes {
+            return Err(self.archive.error(format!(
+                "its tensors hold {decoded} bytes, more than the {max_storage_bytes} bytes the tensors being loaded need"
             )));
         }
         let mut tensors: Vec<Option<NamedTensor>> = vec![None; self.pending.len()];

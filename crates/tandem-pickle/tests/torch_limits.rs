@@ -145,3 +145,56 @@ fn a_storage_declared_with_two_sizes_and_an_oversized_pickle_are_refused() {
         )
     );
 }
+
+#[test]
+fn a_repeated_key_is_refused_before_any_storage_is_read() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("repeated.pt");
+    // The largest key of a real file repeated: each entry would decode the whole storage.
+    let entries: Vec<(&str, &[usize], &str, usize, usize)> = (0..200)
+        .map(|_| ("layer4.weight", &[4usize, 4][..], "0", 0, 16))
+        .collect();
+    let pickle = state_dict_pickle(&entries);
+    write_archive(&path, &pickle, &[("0", floats(&[0.5; 16]))]);
+    let error = match open_torch_state_dict(&path, 1 << 20) {
+        Ok(_) => panic!("a repeated key was accepted"),
+        Err(error) => error,
+    };
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "{}: state dict key \"layer4.weight\" appears more than once (entries 1 and 2): a \
+             state dict names each tensor once",
+            path.display()
+        )
+    );
+}
+
+#[test]
+fn tensors_that_together_hold_more_than_the_cap_are_refused_though_their_storage_fits() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("views.pt");
+    // Three names viewing one 16-float storage whole: 64 bytes of storage, 192 decoded.
+    let pickle = state_dict_pickle(&[
+        ("a", &[16], "0", 0, 16),
+        ("b", &[16], "0", 0, 16),
+        ("c", &[16], "0", 0, 16),
+    ]);
+    write_archive(&path, &pickle, &[("0", floats(&[1.0; 16]))]);
+    let error = open_torch_state_dict(&path, 4096)
+        .expect("open")
+        .read_storages(64)
+        .expect_err("over the cap once decoded");
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "{}: its tensors hold 192 bytes, more than the 64 bytes the tensors being loaded need",
+            path.display()
+        )
+    );
+    let checkpoint = open_torch_state_dict(&path, 4096)
+        .expect("open")
+        .read_storages(192)
+        .expect("within the cap");
+    assert_eq!(checkpoint.tensors.len(), 3);
+}

@@ -396,6 +396,62 @@ fn a_storage_larger_than_the_model_needs_is_refused_before_it_is_read() {
 }
 
 #[test]
+fn a_key_repeated_thousands_of_times_is_refused_before_any_storage_is_decoded() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (baseline, data) = legitimate_eval(dir.path());
+    let model = small_model();
+    // The model's tensors, each with a storage of its own, then the largest one's entry
+    // again 4,000 times: decoded once per entry, 4,000 copies of it (147 MB).
+    let entry = |index: usize, info: &tandem_models::TensorInfo| {
+        let long = info.kind == TensorKind::BatchCount;
+        TensorEntry {
+            name: info.name.clone(),
+            shape: info.shape.clone(),
+            key: index.to_string(),
+            offset: 0,
+            storage_len: info.shape.iter().product::<usize>().max(1),
+            long,
+        }
+    };
+    let mut entries: Vec<TensorEntry> = model
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(index, info)| entry(index, info))
+        .collect();
+    let (largest, info) = model
+        .tensors()
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, info)| info.shape.iter().product::<usize>())
+        .expect("tensors");
+    entries.extend((0..4000).map(|_| entry(largest, info)));
+    let storages = model
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(index, info)| {
+            let elements = info.shape.iter().product::<usize>().max(1) as u64;
+            let bytes = if info.kind == TensorKind::BatchCount {
+                8
+            } else {
+                4
+            };
+            (index.to_string(), zeros(elements * bytes))
+        })
+        .collect();
+    let path = dir.path().join("repeated_key.pth");
+    let pickle = state_dict_pickle(&entries);
+    write_torch_save(&path, &mut pickle.as_slice(), storages);
+    let measured = run_measured(&eval_args(&path, "cifar10-bin", &data));
+    measured.expect_refusal(&[
+        "repeated_key.pth",
+        &format!("state dict key \"{}\" appears more than once", info.name),
+    ]);
+    assert_peak_within("a repeated key", &measured, &baseline);
+}
+
+#[test]
 fn a_compressed_pickle_bomb_is_refused_at_the_bound() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (baseline, data) = legitimate_eval(dir.path());
