@@ -29,6 +29,7 @@ pub(crate) fn load(root: &Path, split: Split) -> Result<Dataset, DataError> {
         .map_err(|source| DataError::io(&annotation, source))?;
     let (file_names, labels) = parse_annotations(&annotation, &text)?;
     let folder = image_folder(root, split);
+    check_entries_fit_folder(&annotation, &folder, file_names.len())?;
     let images: Vec<Vec<u8>> = file_names
         .par_iter()
         .map(|name| decode_rgb_exact(&folder.join(name), 32, 32))
@@ -40,7 +41,37 @@ pub(crate) fn load(root: &Path, split: Split) -> Result<Dataset, DataError> {
     ))
 }
 
-/// Parses `{"images": [...], "categories": [...]}` into file names and labels.
+/// Refuses more annotation entries than the image folder holds files, before any image is
+/// decoded (each entry is one image in memory). A folder that cannot be read is left for the
+/// first image's error to name.
+fn check_entries_fit_folder(
+    annotation: &Path,
+    folder: &Path,
+    entries: usize,
+) -> Result<(), DataError> {
+    let Ok(listing) = std::fs::read_dir(folder) else {
+        return Ok(());
+    };
+    let files = listing
+        .filter_map(Result::ok)
+        .filter(|entry| entry.file_type().is_ok_and(|kind| !kind.is_dir()))
+        .take(entries + 1)
+        .count();
+    if entries > files {
+        return Err(DataError::format(
+            annotation,
+            format!(
+                "{entries} images listed, but the folder {} holds fewer files ({files}): each \
+                 image is a file of its own",
+                folder.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Parses `{"images": [...], "categories": [...]}` into file names and labels; a file named
+/// twice is refused.
 pub fn parse_annotations(path: &Path, text: &str) -> Result<(Vec<String>, Vec<u32>), DataError> {
     let json: Json = serde_json::from_str(text)
         .map_err(|error| DataError::format(path, format!("malformed JSON: {error}")))?;
@@ -67,6 +98,16 @@ pub fn parse_annotations(path: &Path, text: &str) -> Result<(Vec<String>, Vec<u3
             )),
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let mut first_index: std::collections::HashMap<&str, usize> =
+        std::collections::HashMap::with_capacity(file_names.len());
+    for (index, name) in file_names.iter().enumerate() {
+        if let Some(first) = first_index.insert(name, index) {
+            return Err(DataError::format(
+                path,
+                format!("images[{index}] is {name:?} again (as images[{first}]), expected each image once"),
+            ));
+        }
+    }
     let labels = categories
         .iter()
         .enumerate()

@@ -375,6 +375,10 @@ fn json_malformed_missing_key_and_count_mismatch() {
             "images[0] is \"../a.png\", expected a file name inside the image folder",
         ),
         (
+            r#"{"images": ["a.png", "b.png", "a.png"], "categories": [1, 2, 3]}"#,
+            "images[2] is \"a.png\" again (as images[0]), expected each image once",
+        ),
+        (
             r#"[1, 2]"#,
             "top level is not a JSON object, expected {\"images\": [...], \"categories\": [...]}",
         ),
@@ -384,6 +388,25 @@ fn json_malformed_missing_key_and_count_mismatch() {
         let error = error_text(load_dataset(&source, Split::Test));
         assert_eq!(error, format!("{path}: {expected}"));
     }
+}
+
+#[test]
+fn json_entries_beyond_the_folders_files_are_refused_before_decoding() {
+    let names: Vec<String> = (0..5).map(|index| format!("\"{index}.png\"")).collect();
+    let annotations = format!(
+        r#"{{"images": [{}], "categories": [1, 2, 3, 4, 5]}}"#,
+        names.join(", ")
+    );
+    let (dir, path, source) = json_folder(&annotations, &[("0.png", png(rgb_image(32, 32)))]);
+    let error = error_text(load_dataset(&source, Split::Test));
+    assert_eq!(
+        error,
+        format!(
+            "{path}: 5 images listed, but the folder {} holds fewer files (1): each image is a \
+             file of its own",
+            dir.path().join("test_cifar10").display()
+        )
+    );
 }
 
 #[test]

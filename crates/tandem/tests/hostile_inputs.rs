@@ -452,6 +452,31 @@ fn a_key_repeated_thousands_of_times_is_refused_before_any_storage_is_decoded() 
 }
 
 #[test]
+fn an_annotation_file_naming_one_png_200_000_times_is_refused_before_decoding() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (baseline, _) = legitimate_eval(dir.path());
+    let weights = dir.path().join("weights.safetensors");
+    let root = dir.path().join("json");
+    let folder = root.join("test_cifar10");
+    std::fs::create_dir_all(&folder).expect("image folder");
+    std::fs::create_dir_all(root.join("annotations")).expect("annotations");
+    let image = image::RgbImage::from_pixel(32, 32, image::Rgb([9, 99, 199]));
+    image.save(folder.join("one.png")).expect("png");
+    // 1.2 MB of JSON: the same file 200,000 times (each entry was one decoded image).
+    let entries = 200_000;
+    let names = vec!["\"one.png\""; entries].join(",");
+    let labels = vec!["3"; entries].join(",");
+    let annotations = format!(r#"{{"images": [{names}], "categories": [{labels}]}}"#);
+    std::fs::write(root.join("annotations/cifar10_test.json"), annotations).expect("json");
+    let measured = run_measured(&eval_args(&weights, "json-folder", &root));
+    measured.expect_refusal(&[
+        "cifar10_test.json",
+        "images[1] is \"one.png\" again (as images[0]), expected each image once",
+    ]);
+    assert_peak_within("one PNG named 200,000 times", &measured, &baseline);
+}
+
+#[test]
 fn a_compressed_pickle_bomb_is_refused_at_the_bound() {
     let dir = tempfile::tempdir().expect("temp dir");
     let (baseline, data) = legitimate_eval(dir.path());
