@@ -37,12 +37,8 @@ pub fn load_split(settings: &DataSettings, seed: u64, split: Split) -> anyhow::R
     }
     let source = data_source(settings, seed);
     let kind = value_name(&settings.data);
-    let dataset = tandem_data::load_dataset(&source, split).with_context(|| {
-        format!(
-            "cannot load the {} split of --data {kind}",
-            split.name()
-        )
-    })?;
+    let dataset = tandem_data::load_dataset(&source, split)
+        .with_context(|| format!("cannot load the {} split of --data {kind}", split.name()))?;
     if dataset.is_empty() {
         bail!(
             "the {} split of --data {kind} in {} holds no samples: there is nothing to train on or evaluate",

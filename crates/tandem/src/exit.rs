@@ -73,7 +73,11 @@ pub fn fail(error: &anyhow::Error) -> ! {
         stop_signal::end_on(stopped);
     }
     let settings = error.chain().any(|cause| cause.is::<SettingsError>());
-    std::process::exit(if settings { SETTINGS_ERROR_EXIT_CODE } else { 1 })
+    std::process::exit(if settings {
+        SETTINGS_ERROR_EXIT_CODE
+    } else {
+        1
+    })
 }
 
 /// Ends the process on a command-line error of clap's: prints it and exits as clap does

@@ -89,7 +89,8 @@ fn main() {
         }
         exit::fail_on_command_line(error)
     });
-    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|error| exit::fail_on_command_line(error));
+    let cli =
+        Cli::from_arg_matches(&matches).unwrap_or_else(|error| exit::fail_on_command_line(error));
     let result = match cli.command {
         Command::Train(options) => train::run(*options),
         Command::Eval(args) => eval::run(args),
@@ -121,4 +122,68 @@ fn with_negative_values(command: clap::Command) -> clap::Command {
             false => arg,
         })
         .mut_subcommands(with_negative_values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `train` options a command line gives.
+    fn train_options(words: &[&str]) -> Result<settings::TrainOptions, clap::Error> {
+        let mut line = vec!["tandem", "train"];
+        line.extend(words);
+        let cli = Cli::from_arg_matches(&command().try_get_matches_from(line)?)?;
+        match cli.command {
+            Command::Train(options) => Ok(*options),
+            _ => unreachable!("the command line is a train command"),
+        }
+    }
+
+    #[test]
+    fn a_repeated_flag_takes_its_last_value() {
+        let options = train_options(&[
+            "--epochs",
+            "1",
+            "--epochs",
+            "3",
+            "--n-blocks",
+            "6,6,6",
+            "--n-blocks",
+            "1,2,1",
+            "--no-augment",
+            "--no-augment",
+            "--optimizer",
+            "sgd",
+            "--optimizer",
+            "adamw",
+        ])
+        .unwrap();
+        assert_eq!(options.epochs, Some(3));
+        assert_eq!(options.model.n_blocks, Some(vec![1, 2, 1]));
+        assert!(options.no_augment);
+        assert_eq!(options.optimizer, Some(settings::OptimizerKind::Adamw));
+    }
+
+    #[test]
+    fn a_negative_number_is_a_value_for_the_check_to_refuse() {
+        let options = train_options(&["--lr", "-1", "--momentum", "-0.5"]).unwrap();
+        assert_eq!((options.lr, options.momentum), (Some(-1.0), Some(-0.5)));
+        let error = options.resolve().unwrap_err();
+        assert_eq!(error.to_string(), "--lr must be a positive number, got -1");
+        let error = train_options(&["--epochs", "-2"]).err().unwrap();
+        assert!(
+            error
+                .to_string()
+                .starts_with("error: invalid value '-2' for '--epochs <EPOCHS>'"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn switches_take_no_value() {
+        let options = train_options(&["--sync-bn", "--scale-lr"]).unwrap();
+        assert!(options.sync_bn && options.scale_lr && !options.nesterov);
+        let error = train_options(&["--no-augment=true"]).err().unwrap();
+        assert_eq!(error.kind(), clap::error::ErrorKind::TooManyValues);
+    }
 }

@@ -332,9 +332,13 @@ pub struct TrainOptions {
 }
 
 impl TrainOptions {
-    /// The options a TOML file gives (the flags' names, `[model]` and `[data]` tables).
-    pub fn from_toml(text: &str) -> Result<TrainOptions, toml::de::Error> {
-        toml::from_str(text)
+    /// The options a TOML file gives (the flags' names; those of the model, the data and
+    /// object storage in `[model]`, `[data]` and `[storage]` tables). A key of a table
+    /// written outside it is refused with the table it belongs in.
+    pub fn from_toml(text: &str) -> anyhow::Result<TrainOptions> {
+        let table: toml::Table = toml::from_str(text)?;
+        check_tables(&table)?;
+        Ok(toml::from_str(text)?)
     }
 
     /// Merges `self` (flags) over the options of a TOML file: a flag wins over the file.
@@ -356,6 +360,60 @@ impl TrainOptions {
         options.config = config;
         Ok(options)
     }
+}
+
+/// The tables of a config file, each with the keys (the flags' names) it holds.
+fn config_tables() -> [(&'static str, Vec<String>); 3] {
+    [
+        ("model", flag_names::<ModelArgs>()),
+        ("data", flag_names::<DataOptions>()),
+        ("storage", flag_names::<StorageOptions>()),
+    ]
+}
+
+/// The long names of the flags of `A`, without `--`.
+fn flag_names<A: Args>() -> Vec<String> {
+    A::augment_args(clap::Command::new("flags"))
+        .get_arguments()
+        .filter_map(|arg| arg.get_long())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Refuses a key of `[model]`, `[data]` or `[storage]` written outside its table (`data =
+/// "synthetic"` at the top, where `data` would be the `[data]` table itself), showing the
+/// table that holds it.
+fn check_tables(file: &toml::Table) -> anyhow::Result<()> {
+    for (table, keys) in config_tables() {
+        let misplaced: toml::Table = file
+            .iter()
+            .filter(|(key, value)| {
+                let names_the_table = key.as_str() == table && !value.is_table();
+                names_the_table || (keys.contains(key) && key.as_str() != table)
+            })
+            .map(|(key, value)| (key.clone(), value.clone()))
+            .collect();
+        if misplaced.is_empty() {
+            continue;
+        }
+        let written: Vec<String> = misplaced
+            .iter()
+            .map(|(key, value)| format!("`{key} = {value}`"))
+            .collect();
+        let (is, them) = match written.len() {
+            1 => ("is a setting", "it"),
+            _ => ("are settings", "them"),
+        };
+        let mut moved = toml::Table::new();
+        moved.insert(table.to_string(), toml::Value::Table(misplaced));
+        let moved = toml::to_string(&moved).context("cannot render the table")?;
+        bail!(
+            "{} {is} of the [{table}] table; write {them} there:\n{}",
+            written.join(", "),
+            moved.trim_end()
+        );
+    }
+    Ok(())
 }
 
 /// Sets every key of `overrides` in `base`, descending into tables (`[model]`, `[data]`)
@@ -699,6 +757,80 @@ mod tests {
         let text = settings.to_config_toml().unwrap();
         let read_back = TrainOptions::from_toml(&text).unwrap().resolve().unwrap();
         assert_eq!(read_back, settings, "{text}");
+    }
+}
+
+#[cfg(test)]
+mod config_file_tests {
+    use super::*;
+
+    #[test]
+    fn a_table_key_outside_its_table_is_shown_in_the_table() {
+        let error = TrainOptions::from_toml("epochs = 2\ndata = \"synthetic\"\n").unwrap_err();
+        assert_eq!(
+            format!("{error:#}"),
+            "`data = \"synthetic\"` is a setting of the [data] table; write it there:\n\
+             [data]\ndata = \"synthetic\""
+        );
+        let error =
+            TrainOptions::from_toml("n-blocks = [1, 1, 1]\nmodel = \"resnet-base\"\n").unwrap_err();
+        assert_eq!(
+            format!("{error:#}"),
+            "`model = \"resnet-base\"`, `n-blocks = [1, 1, 1]` are settings of the [model] \
+             table; write them there:\n[model]\nmodel = \"resnet-base\"\nn-blocks = [1, 1, 1]"
+        );
+        let error =
+            TrainOptions::from_toml("s3-endpoint = \"http://127.0.0.1:9000\"\n").unwrap_err();
+        assert!(
+            format!("{error:#}").ends_with("[storage]\ns3-endpoint = \"http://127.0.0.1:9000\""),
+            "{error:#}"
+        );
+        let good = "[data]\ndata = \"synthetic\"\n[model]\nmodel = \"resnet18\"\n";
+        let options = TrainOptions::from_toml(good).unwrap();
+        assert_eq!(options.data.data, Some(DataKind::Synthetic));
+    }
+
+    #[test]
+    fn config_toml_holds_the_normalization_as_given() {
+        let options = TrainOptions {
+            data: DataOptions {
+                mean: Some("0.485,0.456,0.406".parse().unwrap()),
+                std: Some("0.229,0.224,0.225".parse().unwrap()),
+                ..DataOptions::default()
+            },
+            ..TrainOptions::default()
+        };
+        let settings = options.resolve().unwrap();
+        let text = settings.to_config_toml().unwrap();
+        let written: toml::Table = toml::from_str(&text).unwrap();
+        assert_eq!(
+            written["data"]["mean"].to_string(),
+            "[0.485, 0.456, 0.406]",
+            "{text}"
+        );
+        assert_eq!(written["data"]["std"].to_string(), "[0.229, 0.224, 0.225]");
+        let read_back = TrainOptions::from_toml(&text).unwrap().resolve().unwrap();
+        assert_eq!(read_back.data.mean, settings.data.mean);
+    }
+
+    #[test]
+    fn a_switch_in_the_file_holds_unless_the_flag_is_given() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, "no-augment = true\nsync-bn = true\n").unwrap();
+        let from_file = TrainOptions {
+            config: Some(path.clone()),
+            ..TrainOptions::default()
+        };
+        let merged = from_file.merged_with_file().unwrap().resolve().unwrap();
+        assert!(!merged.augment && merged.sync_bn && !merged.nesterov);
+        let with_flag = TrainOptions {
+            config: Some(path),
+            scale_lr: true,
+            ..TrainOptions::default()
+        };
+        let merged = with_flag.merged_with_file().unwrap().resolve().unwrap();
+        assert!(!merged.augment && merged.sync_bn && merged.scale_lr);
     }
 }
 

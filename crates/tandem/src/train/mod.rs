@@ -46,9 +46,9 @@ use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSetting
 use batches::{EpochBatches, IndexBatches, MicroBatch};
 use ddp::{graphs_agree, Ddp};
 use history::{write_history, EpochRecord};
-use resume_settings::fingerprint;
 use mirror::{localize, Mirror};
 use placement::find_placement_of;
+use resume_settings::fingerprint;
 use run_lock::{host_name, RunLock};
 use schedule::Schedule;
 use snapshot::{load_latest, Progress, Snapshot};
@@ -165,7 +165,10 @@ impl Trainer {
             _ => None,
         };
         tandem_engine::set_threads(settings.threads);
-        let spec = settings.model.to_spec().map_err(SettingsError::from_error)?;
+        let spec = settings
+            .model
+            .to_spec()
+            .map_err(SettingsError::from_error)?;
         let mut model = Model::new(&spec)?;
         model.init_default(settings.seed);
         let initial_weights = match (&settings.init_from, &given.init_from) {
@@ -420,11 +423,11 @@ impl Trainer {
                 self.progress.epoch
             )
         } else if resumed {
-            format!(
-                "resumed from {} {}",
-                self.shown(&settings.snapshot),
-                self.position()
-            )
+            let position = match self.progress.step_in_epoch {
+                0 => format!("after {}", count(self.progress.epoch, "epoch")),
+                step => format!("(epoch {}, step {step})", self.progress.epoch + 1),
+            };
+            format!("resumed from {} {position}", self.shown(&settings.snapshot))
         } else {
             "fresh".to_string()
         };
@@ -457,22 +460,26 @@ impl Trainer {
                 count(settings.epochs, "epoch")
             );
         } else {
-            say!("Resuming training from snapshot {}", self.position());
+            say!("{}", self.resume_line());
         }
     }
 
-    /// Where a resumed run stands, as its banner says it: `after 3 epochs, at epoch 4 of 5`,
-    /// or `in epoch 2 of 5, after step 17` within an epoch.
-    fn position(&self) -> String {
+    /// The line that says where a resumed run goes on: `... at epoch 2, step 17` within an
+    /// epoch; at an epoch's end, the epochs run so far, as the tutorial counts them: `...: 3
+    /// epochs run, continuing with epoch 4 of 5`.
+    fn resume_line(&self) -> String {
         let progress = &self.progress;
-        let of = |epoch: u64| format!("epoch {epoch} of {}", self.settings.epochs);
         match progress.step_in_epoch {
             0 => format!(
-                "after {}, at {}",
+                "Resuming training from snapshot: {} run, continuing with epoch {} of {}",
                 count(progress.epoch, "epoch"),
-                of(progress.epoch + 1)
+                progress.epoch + 1,
+                self.settings.epochs
             ),
-            step => format!("in {}, after step {step}", of(progress.epoch + 1)),
+            step => format!(
+                "Resuming training from snapshot at epoch {}, step {step}",
+                progress.epoch + 1
+            ),
         }
     }
 
@@ -1200,7 +1207,8 @@ fn describe_optimizer(settings: &TrainSettings) -> String {
     if settings.nesterov {
         details.push("nesterov".to_string());
     }
-    if settings.optimizer != OptimizerKind::Sgd && (settings.beta1, settings.beta2) != (0.9, 0.999) {
+    if settings.optimizer != OptimizerKind::Sgd && (settings.beta1, settings.beta2) != (0.9, 0.999)
+    {
         details.push(format!("betas {}, {}", settings.beta1, settings.beta2));
     }
     if settings.weight_decay != 0.0 {
@@ -1237,8 +1245,15 @@ fn describe_schedule(settings: &TrainSettings) -> String {
         ));
     }
     if settings.warmup_epochs > 0.0 {
-        let plural = if settings.warmup_epochs == 1.0 { "" } else { "s" };
-        text.push_str(&format!(", {} warm-up epoch{plural}", settings.warmup_epochs));
+        let plural = if settings.warmup_epochs == 1.0 {
+            ""
+        } else {
+            "s"
+        };
+        text.push_str(&format!(
+            ", {} warm-up epoch{plural}",
+            settings.warmup_epochs
+        ));
     }
     text
 }

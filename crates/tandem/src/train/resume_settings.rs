@@ -119,7 +119,11 @@ fn describe(key: &str, value: &str, saved: &str, context: &ResumeContext<'_>) ->
     let settings = context.settings;
     match key {
         "model" => describe_model(&settings.model, context.snapshot_model),
-        "data" => flag_conflict("data", value_name(&settings.data.data), as_value::<DataKind>(saved)),
+        "data" => flag_conflict(
+            "data",
+            value_name(&settings.data.data),
+            as_value::<DataKind>(saved),
+        ),
         "optimizer" => flag_conflict(
             "optimizer",
             value_name(&settings.optimizer),
@@ -134,7 +138,9 @@ fn describe(key: &str, value: &str, saved: &str, context: &ResumeContext<'_>) ->
         "augment" if settings.augment => {
             "--no-augment is not given, but the snapshot's run had it".to_string()
         }
-        "augment" => "--no-augment is given, but the snapshot's run augmented its images".to_string(),
+        "augment" => {
+            "--no-augment is given, but the snapshot's run augmented its images".to_string()
+        }
         "normalize" => format!(
             "{}, the snapshot has {}",
             normalization_flags(&format!("{:?} {:?}", settings.data.mean, settings.data.std)),
@@ -202,10 +208,18 @@ fn describe_betas(settings: &TrainSettings, saved: &str) -> String {
     let (saved_beta1, saved_beta2) = saved.split_once(',').unwrap_or((saved, ""));
     let mut parts = Vec::new();
     if settings.beta1.to_string() != saved_beta1 {
-        parts.push(flag_conflict("beta1", settings.beta1.to_string(), saved_beta1.to_string()));
+        parts.push(flag_conflict(
+            "beta1",
+            settings.beta1.to_string(),
+            saved_beta1.to_string(),
+        ));
     }
     if settings.beta2.to_string() != saved_beta2 {
-        parts.push(flag_conflict("beta2", settings.beta2.to_string(), saved_beta2.to_string()));
+        parts.push(flag_conflict(
+            "beta2",
+            settings.beta2.to_string(),
+            saved_beta2.to_string(),
+        ));
     }
     parts.join("; ")
 }
@@ -293,7 +307,12 @@ mod tests {
     #[test]
     fn a_model_conflict_names_the_flags_given_and_the_snapshots_model() {
         let settings = settings_of("[model]\nn-blocks = [2, 2, 2]\n");
-        let recorded = ModelArgs::from_spec(&settings_of("[model]\nn-blocks = [1, 1, 1]\n").model.to_spec().unwrap());
+        let recorded = ModelArgs::from_spec(
+            &settings_of("[model]\nn-blocks = [1, 1, 1]\n")
+                .model
+                .to_spec()
+                .unwrap(),
+        );
         assert_eq!(
             describe_model(&settings.model, Some(&recorded)),
             "--n-blocks 2,2,2 builds another model than the snapshot's (--model resnet-base \
