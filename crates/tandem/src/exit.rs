@@ -80,17 +80,19 @@ pub fn fail(error: &anyhow::Error) -> ! {
     })
 }
 
-/// Ends the process on a command-line error of clap's: prints it and exits as clap does
-/// (help and version to standard output with 0, a bad flag to standard error with
-/// [`SETTINGS_ERROR_EXIT_CODE`]), recording a bad flag in the worker's error file first.
+/// Ends the process on a command-line error of clap's: prints it as clap does, help and
+/// version on standard output with 0, a bad flag on standard error with
+/// [`SETTINGS_ERROR_EXIT_CODE`], after recording it in the worker's error file.
 pub fn fail_on_command_line(error: clap::Error) -> ! {
-    if error.use_stderr() {
-        let rendered = error.render().to_string();
-        let first_line = rendered.lines().next().unwrap_or_default();
-        let message = first_line.strip_prefix("error: ").unwrap_or(first_line);
-        record_in_error_file(worker_rank(), message.to_string());
+    if !error.use_stderr() {
+        error.exit()
     }
-    error.exit()
+    let rendered = error.render().to_string();
+    let first_line = rendered.lines().next().unwrap_or_default();
+    let message = first_line.strip_prefix("error: ").unwrap_or(first_line);
+    record_in_error_file(worker_rank(), message.to_string());
+    let _ = error.print();
+    std::process::exit(SETTINGS_ERROR_EXIT_CODE)
 }
 
 /// Under `tandem launch`, writes `message` to this worker's error file (atomically).

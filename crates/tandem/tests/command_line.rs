@@ -315,3 +315,36 @@ fn errors_name_the_flags_value_and_say_each_cause_once() {
         "{stderr}"
     );
 }
+
+#[test]
+fn the_banner_names_the_epochs_of_the_tutorials_torch_save_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoints = shared_dir().join("golden/pytorch-checkpoints");
+    for (file, when) in [
+        ("snapshot.pt", "epoch 7"),
+        ("epoch_3.pth", "the file records no epoch or step"),
+    ] {
+        let out = dir.path().join(file);
+        let weights = checkpoints.join(file);
+        let args = [
+            "train",
+            "--init-from",
+            &weights.display().to_string(),
+            "--epochs",
+            "0",
+            "--synthetic-train",
+            "64",
+            "--synthetic-test",
+            "32",
+            "--output-dir",
+            &out.display().to_string(),
+        ];
+        let stdout = expect_success(&run_bounded(tandem().args(args), LIMIT));
+        let expected = format!(
+            "output: {} | fresh, from the weights of {} ({when})\n",
+            out.display(),
+            weights.display()
+        );
+        assert!(stdout.contains(&expected), "no '{expected}' in:\n{stdout}");
+    }
+}

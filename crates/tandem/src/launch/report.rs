@@ -367,6 +367,36 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_of_the_settings_gives_its_error_once() {
+        let mut refused = worker(1, WorkerEnd::ExitCode(2), 100);
+        refused.error = Some(ErrorRecord {
+            message: "--lr must be a positive number, got -1".into(),
+            timestamp: None,
+            file: "errors/rank_1.json".into(),
+        });
+        assert!(refused_its_settings(&refused));
+        assert!(!refused_its_settings(&worker(
+            1,
+            WorkerEnd::ExitCode(1),
+            100
+        )));
+        let headline = "rank 1 (node 0, local rank 1) exited with code 2, refusing its command \
+                        line or settings";
+        let ending = "a restart would fail the same way, so the job ends without one";
+        assert_eq!(
+            refusal_summary(&refused, false),
+            format!(
+                "{headline}: {ending}\nerror (from errors/rank_1.json): --lr must be a positive \
+                 number, got -1"
+            )
+        );
+        assert_eq!(
+            refusal_summary(&refused, true),
+            format!("{headline} (the error is above): {ending}")
+        );
+    }
+
+    #[test]
     fn a_silent_node_is_the_cause_only_when_no_worker_failed() {
         let reports = vec![
             Some(NodeReport {

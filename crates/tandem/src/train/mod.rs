@@ -173,8 +173,8 @@ impl Trainer {
         model.init_default(settings.seed);
         let initial_weights = match (&settings.init_from, &given.init_from) {
             (Some(local), Some(as_given)) => {
-                crate::weights::load_weights(&mut model, local)?;
-                Some(describe_initial_weights(as_given, local))
+                let progress = crate::weights::load_weights(&mut model, local)?;
+                Some(describe_initial_weights(as_given, &progress))
             }
             _ => None,
         };
@@ -1175,15 +1175,14 @@ fn slowest_rank(rates: &[f64]) -> Option<(usize, f64)> {
         .min_by(|(_, a), (_, b)| a.total_cmp(b))
 }
 
-/// `--init-from`'s file as given (a path or URL) and, when the file says, the epoch and step
-/// its weights are from: `runs/a/epoch_3.safetensors (epoch 3, step 120)`.
-fn describe_initial_weights(as_given: &Path, local: &Path) -> String {
-    let when = match crate::weights::read_checkpoint_info(local) {
-        Ok(Some(info)) => match &info.epoch {
-            Some(epoch) => format!("epoch {}, step {}", epoch.epoch, info.step),
-            None => format!("step {}", info.step),
-        },
-        _ => "the file records no epoch or step".to_string(),
+/// `--init-from`'s file as given (a path or URL) and, as far as the file says, the epoch and
+/// step its weights are from: `runs/a/epoch_3.safetensors (epoch 3, step 120)`.
+fn describe_initial_weights(as_given: &Path, progress: &crate::weights::WeightsProgress) -> String {
+    let when = match (progress.epoch, progress.step) {
+        (Some(epoch), Some(step)) => format!("epoch {epoch}, step {step}"),
+        (Some(epoch), None) => format!("epoch {epoch}"),
+        (None, Some(step)) => format!("step {step}"),
+        (None, None) => "the file records no epoch or step".to_string(),
     };
     format!("{} ({when})", as_given.display())
 }
