@@ -3,6 +3,7 @@
 use anyhow::{bail, Context};
 use tandem_data::{DataSource, Dataset, Normalize, SyntheticSpec};
 
+use crate::checkpoint_info::value_name;
 use crate::settings::{DataKind, DataSettings};
 
 pub use tandem_data::Split;
@@ -35,14 +36,13 @@ pub fn load_split(settings: &DataSettings, seed: u64, split: Split) -> anyhow::R
             })?;
     }
     let source = data_source(settings, seed);
+    let kind = value_name(&settings.data);
     let dataset = tandem_data::load_dataset(&source, split)
-        .with_context(|| format!("cannot load the {split:?} split of {:?}", settings.data))?;
+        .with_context(|| format!("cannot load the {} split of --data {kind}", split.name()))?;
     if dataset.is_empty() {
-        let kind = clap::ValueEnum::to_possible_value(&settings.data)
-            .map(|value| value.get_name().to_string())
-            .unwrap_or_else(|| format!("{:?}", settings.data));
         bail!(
-            "the {split:?} split of {kind} in {} holds no samples: there is nothing to train on or evaluate",
+            "the {} split of --data {kind} in {} holds no samples: there is nothing to train on or evaluate",
+            split.name(),
             settings.data_dir.display()
         );
     }

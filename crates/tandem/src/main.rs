@@ -33,6 +33,7 @@ mod data_source;
 mod device;
 mod eval;
 mod evaluation;
+mod exit;
 mod files;
 mod launch;
 mod model_args;
@@ -43,7 +44,7 @@ mod settings;
 mod train;
 mod weights;
 
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// The command line of `tandem`.
 #[derive(Parser)]
@@ -80,14 +81,16 @@ enum Command {
 }
 
 fn main() {
-    let cli = Cli::try_parse().unwrap_or_else(|error| {
+    let matches = command().try_get_matches().unwrap_or_else(|error| {
         let words: Vec<String> = std::env::args().collect();
         if let Some(hint) = launch::missing_separator_hint(&words, &error) {
             tell!("error: {hint}");
-            std::process::exit(2);
+            std::process::exit(exit::SETTINGS_ERROR_EXIT_CODE);
         }
-        error.exit()
+        exit::fail_on_command_line(error)
     });
+    let cli =
+        Cli::from_arg_matches(&matches).unwrap_or_else(|error| exit::fail_on_command_line(error));
     let result = match cli.command {
         Command::Train(options) => train::run(*options),
         Command::Eval(args) => eval::run(args),
@@ -95,50 +98,92 @@ fn main() {
         Command::Bench(command) => bench::run(command),
         Command::Launch(args) => launch::run(args),
         Command::Completions { shell } => {
-            clap_complete::generate(shell, &mut Cli::command(), "tandem", &mut std::io::stdout());
+            clap_complete::generate(shell, &mut command(), "tandem", &mut std::io::stdout());
             Ok(())
         }
     };
     if let Err(error) = result {
-        report_fatal_error(&error);
-        if let Some(stopped) = error.downcast_ref::<train::stop_signal::StoppedBySignal>() {
-            train::stop_signal::end_on(stopped);
-        }
-        std::process::exit(1);
+        exit::fail(&error);
     }
 }
 
-/// Prints the error on stderr (prefixed with the rank on ranks other than 0) and, under
-/// `tandem launch`, records it in this worker's error file.
-fn report_fatal_error(error: &anyhow::Error) {
-    use tandem_dist::cluster::contract::{WorkerErrorRecord, ERROR_FILE_ENV};
-    let rank = worker_rank();
-    match rank.filter(|rank| *rank != 0) {
-        Some(rank) => tell!("[rank {rank}] error: {error:#}"),
-        None => tell!("error: {error:#}"),
-    }
-    if let Some(path) = std::env::var_os(ERROR_FILE_ENV) {
-        let record = WorkerErrorRecord::now(rank, format!("{error:#}"));
-        if let Err(write_error) =
-            files::write_atomically(std::path::Path::new(&path), record.to_json().as_bytes())
-        {
-            tell!(
-                "warning: cannot record the error in {}: {write_error:#}",
-                path.to_string_lossy()
-            );
-        }
-    }
+/// The command line of `tandem`, as argparse reads one: a flag given twice takes its last
+/// value (a wrapper's flags come first, the user's after them), and a value may be a
+/// negative number (`--lr -1` reaches the check that names the flag).
+fn command() -> clap::Command {
+    with_negative_values(Cli::command().args_override_self(true))
 }
 
-/// This process's rank in a job: `RANK` (torchrun's, what `tandem launch` sets), else the
-/// rank the cluster that started it gives (`mpirun`, `srun`, ...); `None` outside a job.
-fn worker_rank() -> Option<u64> {
-    use tandem_dist::cluster::{contract::RANK_ENV, WorkerEnv};
-    match std::env::var(RANK_ENV) {
-        Ok(rank) => rank.parse::<u64>().ok(),
-        Err(_) => WorkerEnv::from_env()
-            .ok()
-            .flatten()
-            .map(|worker| worker.rank as u64),
+/// `command` and its subcommands with every flag that takes a value taking a negative number.
+fn with_negative_values(command: clap::Command) -> clap::Command {
+    command
+        .mut_args(|arg| match arg.get_action().takes_values() {
+            true => arg.allow_negative_numbers(true),
+            false => arg,
+        })
+        .mut_subcommands(with_negative_values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `train` options a command line gives.
+    fn train_options(words: &[&str]) -> Result<settings::TrainOptions, clap::Error> {
+        let mut line = vec!["tandem", "train"];
+        line.extend(words);
+        let cli = Cli::from_arg_matches(&command().try_get_matches_from(line)?)?;
+        match cli.command {
+            Command::Train(options) => Ok(*options),
+            _ => unreachable!("the command line is a train command"),
+        }
+    }
+
+    #[test]
+    fn a_repeated_flag_takes_its_last_value() {
+        let options = train_options(&[
+            "--epochs",
+            "1",
+            "--epochs",
+            "3",
+            "--n-blocks",
+            "6,6,6",
+            "--n-blocks",
+            "1,2,1",
+            "--no-augment",
+            "--no-augment",
+            "--optimizer",
+            "sgd",
+            "--optimizer",
+            "adamw",
+        ])
+        .unwrap();
+        assert_eq!(options.epochs, Some(3));
+        assert_eq!(options.model.n_blocks, Some(vec![1, 2, 1]));
+        assert!(options.no_augment);
+        assert_eq!(options.optimizer, Some(settings::OptimizerKind::Adamw));
+    }
+
+    #[test]
+    fn a_negative_number_is_a_value_for_the_check_to_refuse() {
+        let options = train_options(&["--lr", "-1", "--momentum", "-0.5"]).unwrap();
+        assert_eq!((options.lr, options.momentum), (Some(-1.0), Some(-0.5)));
+        let error = options.resolve().unwrap_err();
+        assert_eq!(error.to_string(), "--lr must be a positive number, got -1");
+        let error = train_options(&["--epochs", "-2"]).err().unwrap();
+        assert!(
+            error
+                .to_string()
+                .starts_with("error: invalid value '-2' for '--epochs <EPOCHS>'"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn switches_take_no_value() {
+        let options = train_options(&["--sync-bn", "--scale-lr"]).unwrap();
+        assert!(options.sync_bn && options.scale_lr && !options.nesterov);
+        let error = train_options(&["--no-augment=true"]).err().unwrap();
+        assert_eq!(error.kind(), clap::error::ErrorKind::TooManyValues);
     }
 }

@@ -16,7 +16,8 @@ pub enum ModelKind {
     ResnetBase,
 }
 
-/// Which model to build; each flag is optional so that flags and a config file merge.
+/// Which model to build; each flag is optional so that flags and a config file merge. A list
+/// flag given twice takes the last list, as every other flag takes its last value.
 #[derive(Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct ModelArgs {
@@ -24,10 +25,10 @@ pub struct ModelArgs {
     #[arg(long, value_enum)]
     pub model: Option<ModelKind>,
     /// resnet-base: residual blocks per stage [default: 6,6,6].
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', action = clap::ArgAction::Set)]
     pub n_blocks: Option<Vec<usize>>,
     /// resnet-base: channels per stage [default: 16,32,64].
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', action = clap::ArgAction::Set)]
     pub n_channels: Option<Vec<usize>>,
     /// resnet-base: bottleneck channels per stage, or `none` for plain residual blocks
     /// [default: 8,16,16].

@@ -18,9 +18,21 @@ use crate::remote::StorageOptions;
 use crate::train::schedule::ScheduleKind;
 
 /// Three per-channel values (R, G, B), written `0.485,0.456,0.406` on the command line.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
 #[serde(transparent)]
 pub struct Rgb(pub [f32; 3]);
+
+impl Serialize for Rgb {
+    /// Each value as the shortest decimal that reads back as the same `f32`, so that
+    /// `config.toml` holds `0.485` as the user wrote it (TOML has only 64-bit floats, and
+    /// the `f32` widened would read `0.48500001430511475`).
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let values = self
+            .0
+            .map(|value| value.to_string().parse::<f64>().unwrap_or(f64::from(value)));
+        values.serialize(serializer)
+    }
+}
 
 impl FromStr for Rgb {
     type Err = String;
@@ -78,8 +90,9 @@ pub struct DataOptions {
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
     /// Download CIFAR-10 into --data-dir when it is missing (with --data cifar10-bin).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub download: Option<bool>,
+    #[arg(long)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub download: bool,
     /// Per-channel mean subtracted after scaling pixels to [0,1] [default: none].
     #[arg(long)]
     pub mean: Option<Rgb>,
@@ -123,7 +136,7 @@ impl DataOptions {
                 .data_dir
                 .clone()
                 .unwrap_or_else(|| PathBuf::from("data")),
-            download: self.download.unwrap_or(false),
+            download: self.download,
             mean: self.mean,
             std: self.std,
             synthetic_train: self.synthetic_train.unwrap_or(5000),
@@ -141,7 +154,28 @@ impl DataOptions {
     }
 }
 
-/// Every setting of `tandem train`, each optional so that flags, file and defaults merge.
+/// The headings that group the flags in `tandem train --help`.
+pub mod heading {
+    /// The model and the weights it starts from.
+    pub const MODEL: &str = "Model";
+    /// The images and how they are prepared.
+    pub const DATA: &str = "Data";
+    /// The optimizer and the loss.
+    pub const OPTIMIZATION: &str = "Optimization";
+    /// How long to train and the learning rate over time.
+    pub const SCHEDULE: &str = "Schedule";
+    /// What the run writes, and where.
+    pub const OUTPUTS: &str = "Outputs";
+    /// A job of several processes.
+    pub const DATA_PARALLELISM: &str = "Data parallelism";
+    /// Where and how this process computes.
+    pub const DEVICES: &str = "Devices";
+    /// s3:// and obs:// paths.
+    pub const OBJECT_STORAGE: &str = "Object storage";
+}
+
+/// Every setting of `tandem train`, each optional so that flags, file and defaults merge. A
+/// switch is a `bool`: given, it is true and overrides the file; absent, the file decides.
 #[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct TrainOptions {
@@ -149,154 +183,162 @@ pub struct TrainOptions {
     #[arg(long)]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = heading::MODEL)]
     #[serde(default)]
     pub model: ModelArgs,
-    #[command(flatten)]
+    /// Load initial weights from a safetensors or PyTorch (`torch.save`) file, a path or an
+    /// s3:// or obs:// URL.
+    #[arg(long, help_heading = heading::MODEL)]
+    pub init_from: Option<PathBuf>,
+    #[command(flatten, next_help_heading = heading::DATA)]
     #[serde(default)]
     pub data: DataOptions,
-    #[command(flatten)]
-    #[serde(default)]
-    pub storage: StorageOptions,
-    /// Epochs to train [default: 10].
-    #[arg(long)]
-    pub epochs: Option<u64>,
+    /// Turn off the pad-4 random crop and horizontal flip of training images.
+    #[arg(long, help_heading = heading::DATA)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_augment: bool,
     /// Images per optimizer step on each process [default: 128].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
     pub batch_size: Option<usize>,
     /// Base learning rate [default: 0.01].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
     pub lr: Option<f64>,
+    /// Multiply the learning rate by the number of processes (the tutorials' rule).
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub scale_lr: bool,
     /// Optimizer [default: adam].
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, help_heading = heading::OPTIMIZATION)]
     pub optimizer: Option<OptimizerKind>,
     /// SGD momentum [default: 0].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
     pub momentum: Option<f64>,
     /// Use Nesterov momentum with SGD.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub nesterov: Option<bool>,
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub nesterov: bool,
     /// Weight decay (L2 for sgd and adam, decoupled for adamw) [default: 0].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
     pub weight_decay: Option<f64>,
     /// Adam's beta1 [default: 0.9].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
     pub beta1: Option<f64>,
     /// Adam's beta2 [default: 0.999].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
     pub beta2: Option<f64>,
     /// Adam's epsilon [default: 1e-8].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
     pub eps: Option<f64>,
+    /// Label smoothing of the cross-entropy loss [default: 0].
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
+    pub label_smoothing: Option<f64>,
+    /// Accumulate gradients over K batches per optimizer step [default: 1].
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
+    pub grad_accum: Option<u64>,
+    /// Seed of initialization, data order and augmentation [default: 0].
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
+    pub seed: Option<u64>,
+    /// Epochs to train [default: 10].
+    #[arg(long, help_heading = heading::SCHEDULE)]
+    pub epochs: Option<u64>,
+    /// Stop after this many optimizer steps in total (for tests and quick looks).
+    #[arg(long, help_heading = heading::SCHEDULE)]
+    pub max_steps: Option<u64>,
     /// Learning-rate schedule [default: constant].
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, help_heading = heading::SCHEDULE)]
     pub lr_schedule: Option<ScheduleKind>,
     /// Epochs of linear learning-rate warm-up [default: 0].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::SCHEDULE)]
     pub warmup_epochs: Option<f64>,
     /// With --lr-schedule step: epochs between decays [default: 30].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::SCHEDULE)]
     pub step_epochs: Option<u64>,
     /// With --lr-schedule step: the decay factor [default: 0.1].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::SCHEDULE)]
     pub gamma: Option<f64>,
-    /// Multiply the learning rate by the number of processes (the tutorials' rule).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub scale_lr: Option<bool>,
-    /// Label smoothing of the cross-entropy loss [default: 0].
-    #[arg(long)]
-    pub label_smoothing: Option<f64>,
-    /// Turn off the pad-4 random crop and horizontal flip of training images.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub no_augment: Option<bool>,
-    /// Write `epoch_N.safetensors` every N epochs; 0 never [default: 1].
-    #[arg(long)]
-    pub save_every: Option<u64>,
-    /// Keep only the last K epoch checkpoints; 0 keeps all [default: 0].
-    #[arg(long)]
-    pub keep_last: Option<usize>,
     /// Folder for checkpoints, metrics, plots and logs, or an object-storage prefix
     /// (s3://BUCKET/PREFIX, obs://BUCKET/PREFIX) they are uploaded to [default: runs/latest].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OUTPUTS)]
     pub output_dir: Option<PathBuf>,
+    /// Start over: move the files of the run in the output folder aside, into
+    /// `OUTPUT_DIR/previous-<time>/`, instead of resuming it.
+    #[arg(long, help_heading = heading::OUTPUTS)]
+    #[serde(skip)]
+    pub fresh: bool,
+    /// Write `epoch_N.safetensors` every N epochs; 0 never [default: 1].
+    #[arg(long, help_heading = heading::OUTPUTS)]
+    pub save_every: Option<u64>,
+    /// Keep only the last K epoch checkpoints; 0 keeps all [default: 0].
+    #[arg(long, help_heading = heading::OUTPUTS)]
+    pub keep_last: Option<usize>,
     /// The snapshot to resume from and to write, a path or an s3:// or obs:// URL; a
     /// relative path is inside the output folder [default: snapshot.safetensors].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OUTPUTS)]
     pub snapshot: Option<PathBuf>,
     /// Also write a snapshot every N optimizer steps within an epoch; 0 only at epoch ends
     /// and on a stop request [default: 0].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OUTPUTS)]
     pub snapshot_every_steps: Option<u64>,
     /// Write the training loss, learning rate and images per second to the TensorBoard event
     /// file every N optimizer steps; 0 only per epoch [default: 10].
-    #[arg(long)]
+    #[arg(long, help_heading = heading::OUTPUTS)]
     pub log_every_steps: Option<u64>,
-    /// Seed of initialization, data order and augmentation [default: 0].
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Compute threads of this process [default: the cores available, shared among the
-    /// processes of this node].
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Data-loader threads [default: 1].
-    #[arg(long)]
-    pub loader_threads: Option<usize>,
-    /// Start over: move the files of the run in the output folder aside, into
-    /// `OUTPUT_DIR/previous-<time>/`, instead of resuming it.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    #[serde(skip)]
-    pub fresh: Option<bool>,
-    /// Load initial weights from a safetensors or PyTorch (`torch.save`) file, a path or an
-    /// s3:// or obs:// URL.
-    #[arg(long)]
-    pub init_from: Option<PathBuf>,
-    /// Stop after this many optimizer steps in total (for tests and quick looks).
-    #[arg(long)]
-    pub max_steps: Option<u64>,
-    /// Accumulate gradients over K batches per optimizer step [default: 1].
-    #[arg(long)]
-    pub grad_accum: Option<u64>,
-    /// Normalize with the statistics of the global batch over all processes (SyncBatchNorm).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub sync_bn: Option<bool>,
-    /// Size of a gradient bucket for the all-reduce, in MB [default: 25].
-    #[arg(long)]
-    pub bucket_mb: Option<f64>,
-    /// Timeout of each collective and of the rendezvous, in seconds [default: 300].
-    #[arg(long)]
-    pub collective_timeout: Option<f64>,
     /// The tutorial's rendezvous address, `tcp://HOST:PORT` (else MASTER_ADDR/MASTER_PORT).
-    #[arg(long)]
+    #[arg(long, help_heading = heading::DATA_PARALLELISM)]
     #[serde(skip)]
     pub init_method: Option<String>,
-    #[arg(long, help = crate::device::DEVICE_HELP)]
-    #[serde(skip)]
-    pub device: Option<tandem_cuda::DeviceRequest>,
-    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
-    #[serde(skip)]
-    pub precision: Option<crate::compute::PrecisionRequest>,
-    #[arg(long, value_enum, help = crate::compute::ALGORITHMS_HELP)]
-    #[serde(skip)]
-    pub algorithms: Option<crate::compute::Algorithms>,
-    /// What carries the gradients in a job of several processes: auto (nccl when every rank
-    /// has its own GPU and NCCL loads, else ring), nccl or ring [default: auto].
-    #[arg(long, value_enum)]
-    #[serde(skip)]
-    pub backend: Option<crate::backend::BackendRequest>,
     /// This process's rank (else RANK or the cluster's variables).
-    #[arg(long)]
+    #[arg(long, help_heading = heading::DATA_PARALLELISM)]
     #[serde(skip)]
     pub rank: Option<usize>,
     /// The number of processes (else WORLD_SIZE or the cluster's variables).
-    #[arg(long)]
+    #[arg(long, help_heading = heading::DATA_PARALLELISM)]
     #[serde(skip)]
     pub world_size: Option<usize>,
+    /// What carries the gradients in a job of several processes: auto (nccl when every rank
+    /// has its own GPU and NCCL loads, else ring), nccl or ring [default: auto].
+    #[arg(long, value_enum, help_heading = heading::DATA_PARALLELISM)]
+    #[serde(skip)]
+    pub backend: Option<crate::backend::BackendRequest>,
+    /// Normalize with the statistics of the global batch over all processes (SyncBatchNorm).
+    #[arg(long, help_heading = heading::DATA_PARALLELISM)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sync_bn: bool,
+    /// Size of a gradient bucket for the all-reduce, in MB [default: 25].
+    #[arg(long, help_heading = heading::DATA_PARALLELISM)]
+    pub bucket_mb: Option<f64>,
+    /// Timeout of each collective and of the rendezvous, in seconds [default: 300].
+    #[arg(long, help_heading = heading::DATA_PARALLELISM)]
+    pub collective_timeout: Option<f64>,
+    #[arg(long, help = crate::device::DEVICE_HELP, help_heading = heading::DEVICES)]
+    #[serde(skip)]
+    pub device: Option<tandem_cuda::DeviceRequest>,
+    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP, help_heading = heading::DEVICES)]
+    #[serde(skip)]
+    pub precision: Option<crate::compute::PrecisionRequest>,
+    #[arg(long, value_enum, help = crate::compute::ALGORITHMS_HELP, help_heading = heading::DEVICES)]
+    #[serde(skip)]
+    pub algorithms: Option<crate::compute::Algorithms>,
+    /// Compute threads of this process [default: the cores available, shared among the
+    /// processes of this node].
+    #[arg(long, help_heading = heading::DEVICES)]
+    pub threads: Option<usize>,
+    /// Data-loader threads [default: 1].
+    #[arg(long, help_heading = heading::DEVICES)]
+    pub loader_threads: Option<usize>,
+    #[command(flatten, next_help_heading = heading::OBJECT_STORAGE)]
+    #[serde(default)]
+    pub storage: StorageOptions,
 }
 
 impl TrainOptions {
-    /// The options a TOML file gives (the flags' names, `[model]` and `[data]` tables).
-    pub fn from_toml(text: &str) -> Result<TrainOptions, toml::de::Error> {
-        toml::from_str(text)
+    /// The options a TOML file gives (the flags' names; those of the model, the data and
+    /// object storage in `[model]`, `[data]` and `[storage]` tables). A key of a table
+    /// written outside it is refused with the table it belongs in.
+    pub fn from_toml(text: &str) -> anyhow::Result<TrainOptions> {
+        let table: toml::Table = toml::from_str(text)?;
+        check_tables(&table)?;
+        Ok(toml::from_str(text)?)
     }
 
     /// Merges `self` (flags) over the options of a TOML file: a flag wins over the file.
@@ -318,6 +360,60 @@ impl TrainOptions {
         options.config = config;
         Ok(options)
     }
+}
+
+/// The tables of a config file, each with the keys (the flags' names) it holds.
+fn config_tables() -> [(&'static str, Vec<String>); 3] {
+    [
+        ("model", flag_names::<ModelArgs>()),
+        ("data", flag_names::<DataOptions>()),
+        ("storage", flag_names::<StorageOptions>()),
+    ]
+}
+
+/// The long names of the flags of `A`, without `--`.
+fn flag_names<A: Args>() -> Vec<String> {
+    A::augment_args(clap::Command::new("flags"))
+        .get_arguments()
+        .filter_map(|arg| arg.get_long())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Refuses a key of `[model]`, `[data]` or `[storage]` written outside its table (`data =
+/// "synthetic"` at the top, where `data` would be the `[data]` table itself), showing the
+/// table that holds it.
+fn check_tables(file: &toml::Table) -> anyhow::Result<()> {
+    for (table, keys) in config_tables() {
+        let misplaced: toml::Table = file
+            .iter()
+            .filter(|(key, value)| {
+                let names_the_table = key.as_str() == table && !value.is_table();
+                names_the_table || (keys.contains(key) && key.as_str() != table)
+            })
+            .map(|(key, value)| (key.clone(), value.clone()))
+            .collect();
+        if misplaced.is_empty() {
+            continue;
+        }
+        let written: Vec<String> = misplaced
+            .iter()
+            .map(|(key, value)| format!("`{key} = {value}`"))
+            .collect();
+        let (is, them) = match written.len() {
+            1 => ("is a setting", "it"),
+            _ => ("are settings", "them"),
+        };
+        let mut moved = toml::Table::new();
+        moved.insert(table.to_string(), toml::Value::Table(misplaced));
+        let moved = toml::to_string(&moved).context("cannot render the table")?;
+        bail!(
+            "{} {is} of the [{table}] table; write {them} there:\n{}",
+            written.join(", "),
+            moved.trim_end()
+        );
+    }
+    Ok(())
 }
 
 /// Sets every key of `overrides` in `base`, descending into tables (`[model]`, `[data]`)
@@ -427,7 +523,7 @@ impl TrainOptions {
             lr: self.lr.unwrap_or(0.01),
             optimizer: self.optimizer.unwrap_or(OptimizerKind::Adam),
             momentum: self.momentum.unwrap_or(0.0),
-            nesterov: self.nesterov.unwrap_or(false),
+            nesterov: self.nesterov,
             weight_decay: self.weight_decay.unwrap_or(0.0),
             beta1: self.beta1.unwrap_or(0.9),
             beta2: self.beta2.unwrap_or(0.999),
@@ -436,9 +532,9 @@ impl TrainOptions {
             warmup_epochs: self.warmup_epochs.unwrap_or(0.0),
             step_epochs: self.step_epochs.unwrap_or(30),
             gamma: self.gamma.unwrap_or(0.1),
-            scale_lr: self.scale_lr.unwrap_or(false),
+            scale_lr: self.scale_lr,
             label_smoothing: self.label_smoothing.unwrap_or(0.0),
-            augment: !self.no_augment.unwrap_or(false),
+            augment: !self.no_augment,
             save_every: self.save_every.unwrap_or(1),
             keep_last: self.keep_last.unwrap_or(0),
             output_dir,
@@ -449,10 +545,10 @@ impl TrainOptions {
             threads: self.threads.unwrap_or(0),
             loader_threads: self.loader_threads.unwrap_or(1),
             init_from: self.init_from,
-            fresh: self.fresh.unwrap_or(false),
+            fresh: self.fresh,
             max_steps: self.max_steps,
             grad_accum: self.grad_accum.unwrap_or(1),
-            sync_bn: self.sync_bn.unwrap_or(false),
+            sync_bn: self.sync_bn,
             bucket_mb: self.bucket_mb.unwrap_or(25.0),
             collective_timeout: self.collective_timeout.unwrap_or(300.0),
             placement_flags: PlacementFlags {
@@ -567,7 +663,7 @@ mod tests {
             data: DataOptions {
                 data: Some(DataKind::Cifar10Py),
                 data_dir: Some(PathBuf::from("/data/cifar")),
-                download: Some(true),
+                download: true,
                 mean: Some(Rgb([0.4, 0.5, 0.6])),
                 std: Some(Rgb([0.2, 0.25, 0.3])),
                 synthetic_train: Some(77),
@@ -576,7 +672,7 @@ mod tests {
             storage: StorageOptions {
                 s3_endpoint: Some("http://127.0.0.1:9000".to_string()),
                 s3_region: Some("cn-north-4".to_string()),
-                s3_path_style: Some(true),
+                s3_path_style: true,
                 s3_retry_timeout: Some(30.0),
                 cache_dir: Some(PathBuf::from("/scratch/cache")),
             },
@@ -585,7 +681,7 @@ mod tests {
             lr: Some(0.3),
             optimizer: Some(OptimizerKind::Sgd),
             momentum: Some(0.8),
-            nesterov: Some(true),
+            nesterov: true,
             weight_decay: Some(1e-3),
             beta1: Some(0.8),
             beta2: Some(0.99),
@@ -594,9 +690,9 @@ mod tests {
             warmup_epochs: Some(0.5),
             step_epochs: Some(3),
             gamma: Some(0.5),
-            scale_lr: Some(true),
+            scale_lr: true,
             label_smoothing: Some(0.1),
-            no_augment: Some(true),
+            no_augment: true,
             save_every: Some(2),
             keep_last: Some(4),
             output_dir: Some(PathBuf::from("/runs/every")),
@@ -607,10 +703,10 @@ mod tests {
             threads: Some(3),
             loader_threads: Some(2),
             init_from: Some(PathBuf::from("/weights/start.safetensors")),
-            fresh: None,
+            fresh: false,
             max_steps: Some(99),
             grad_accum: Some(2),
-            sync_bn: Some(true),
+            sync_bn: true,
             bucket_mb: Some(4.5),
             collective_timeout: Some(60.0),
             // Placement, like the rank: not a setting of the run (a run may resume elsewhere).
@@ -661,6 +757,80 @@ mod tests {
         let text = settings.to_config_toml().unwrap();
         let read_back = TrainOptions::from_toml(&text).unwrap().resolve().unwrap();
         assert_eq!(read_back, settings, "{text}");
+    }
+}
+
+#[cfg(test)]
+mod config_file_tests {
+    use super::*;
+
+    #[test]
+    fn a_table_key_outside_its_table_is_shown_in_the_table() {
+        let error = TrainOptions::from_toml("epochs = 2\ndata = \"synthetic\"\n").unwrap_err();
+        assert_eq!(
+            format!("{error:#}"),
+            "`data = \"synthetic\"` is a setting of the [data] table; write it there:\n\
+             [data]\ndata = \"synthetic\""
+        );
+        let error =
+            TrainOptions::from_toml("n-blocks = [1, 1, 1]\nmodel = \"resnet-base\"\n").unwrap_err();
+        assert_eq!(
+            format!("{error:#}"),
+            "`model = \"resnet-base\"`, `n-blocks = [1, 1, 1]` are settings of the [model] \
+             table; write them there:\n[model]\nmodel = \"resnet-base\"\nn-blocks = [1, 1, 1]"
+        );
+        let error =
+            TrainOptions::from_toml("s3-endpoint = \"http://127.0.0.1:9000\"\n").unwrap_err();
+        assert!(
+            format!("{error:#}").ends_with("[storage]\ns3-endpoint = \"http://127.0.0.1:9000\""),
+            "{error:#}"
+        );
+        let good = "[data]\ndata = \"synthetic\"\n[model]\nmodel = \"resnet18\"\n";
+        let options = TrainOptions::from_toml(good).unwrap();
+        assert_eq!(options.data.data, Some(DataKind::Synthetic));
+    }
+
+    #[test]
+    fn config_toml_holds_the_normalization_as_given() {
+        let options = TrainOptions {
+            data: DataOptions {
+                mean: Some("0.485,0.456,0.406".parse().unwrap()),
+                std: Some("0.229,0.224,0.225".parse().unwrap()),
+                ..DataOptions::default()
+            },
+            ..TrainOptions::default()
+        };
+        let settings = options.resolve().unwrap();
+        let text = settings.to_config_toml().unwrap();
+        let written: toml::Table = toml::from_str(&text).unwrap();
+        assert_eq!(
+            written["data"]["mean"].to_string(),
+            "[0.485, 0.456, 0.406]",
+            "{text}"
+        );
+        assert_eq!(written["data"]["std"].to_string(), "[0.229, 0.224, 0.225]");
+        let read_back = TrainOptions::from_toml(&text).unwrap().resolve().unwrap();
+        assert_eq!(read_back.data.mean, settings.data.mean);
+    }
+
+    #[test]
+    fn a_switch_in_the_file_holds_unless_the_flag_is_given() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, "no-augment = true\nsync-bn = true\n").unwrap();
+        let from_file = TrainOptions {
+            config: Some(path.clone()),
+            ..TrainOptions::default()
+        };
+        let merged = from_file.merged_with_file().unwrap().resolve().unwrap();
+        assert!(!merged.augment && merged.sync_bn && !merged.nesterov);
+        let with_flag = TrainOptions {
+            config: Some(path),
+            scale_lr: true,
+            ..TrainOptions::default()
+        };
+        let merged = with_flag.merged_with_file().unwrap().resolve().unwrap();
+        assert!(!merged.augment && merged.sync_bn && merged.scale_lr);
     }
 }
 

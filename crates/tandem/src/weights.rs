@@ -29,10 +29,33 @@ pub fn read_checkpoint_info(path: &Path) -> anyhow::Result<Option<CheckpointInfo
         .with_context(|| format!("cannot read the description in {}", path.display()))
 }
 
+/// Where loaded weights stand in the run that wrote them, as far as their file says.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WeightsProgress {
+    /// The epochs done: a Tandem file's epoch, or a `torch.save` file's `EPOCHS_RUN` (the
+    /// DDP tutorial's snapshot).
+    pub epoch: Option<u64>,
+    /// The optimizer steps done (Tandem files).
+    pub step: Option<u64>,
+}
+
+impl WeightsProgress {
+    /// What a Tandem file's description says.
+    fn of(info: Option<&CheckpointInfo>) -> WeightsProgress {
+        WeightsProgress {
+            epoch: info
+                .and_then(|info| info.epoch.as_ref())
+                .map(|epoch| epoch.epoch),
+            step: info.map(|info| info.step),
+        }
+    }
+}
+
 /// Loads weights into `model` from `path`, choosing the reader by the file's first bytes:
 /// a zip archive is a `torch.save` file, anything else is safetensors: a snapshot (its
-/// weights; the optimizer state is left out) or a `state_dict`.
-pub fn load_weights(model: &mut Model, path: &Path) -> anyhow::Result<()> {
+/// weights; the optimizer state is left out) or a `state_dict`. Returns where the weights
+/// stand, as the file says.
+pub fn load_weights(model: &mut Model, path: &Path) -> anyhow::Result<WeightsProgress> {
     if is_zip_archive(path)? {
         let file = tandem_models::TorchSaveFile::open(model, path)
             .with_context(|| format!("cannot read PyTorch checkpoint {}", path.display()))?;
@@ -40,16 +63,30 @@ pub fn load_weights(model: &mut Model, path: &Path) -> anyhow::Result<()> {
         let prefixed = shapes.keys().any(|name| name.starts_with(DDP_PREFIX));
         let prefix = prefixed.then_some(DDP_PREFIX);
         check_fits(model, &without_prefix(shapes, prefix), None, path)?;
-        file.load_into(model, prefix)
+        let checkpoint = file
+            .load_into(model, prefix)
             .with_context(|| format!("cannot load weights from {}", path.display()))?;
-        return Ok(());
+        let epochs_run = checkpoint
+            .scalars
+            .iter()
+            .find_map(|(key, value)| match value {
+                tandem_pickle::Scalar::Int(epochs) if key == "EPOCHS_RUN" => {
+                    u64::try_from(*epochs).ok()
+                }
+                _ => None,
+            });
+        return Ok(WeightsProgress {
+            epoch: epochs_run,
+            step: None,
+        });
     }
     let metadata = tandem_models::read_safetensors_metadata(path)
         .with_context(|| format!("cannot read weights file {}", path.display()))?;
     // A damaged description is no reason to refuse weights that fit.
     let info = CheckpointInfo::from_metadata(&metadata).ok().flatten();
     if metadata.contains_key(SNAPSHOT_KEY) {
-        return load_snapshot_weights(model, path, info.as_ref());
+        load_snapshot_weights(model, path, info.as_ref())?;
+        return Ok(WeightsProgress::of(info.as_ref()));
     }
     let (tensors, _) = tandem_models::read_safetensors(path, |name| {
         match model.tensor_info(name).map(|info| info.kind) {
@@ -58,7 +95,8 @@ pub fn load_weights(model: &mut Model, path: &Path) -> anyhow::Result<()> {
         }
     })
     .with_context(|| format!("cannot read weights file {}", path.display()))?;
-    load_state_dict(model, &tensors, info.as_ref(), path)
+    load_state_dict(model, &tensors, info.as_ref(), path)?;
+    Ok(WeightsProgress::of(info.as_ref()))
 }
 
 /// Loads `state_dict` tensors after checking that they are this model's, every one.

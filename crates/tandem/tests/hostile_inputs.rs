@@ -651,14 +651,14 @@ fn empty_cifar_files_are_refused_by_eval_and_train() {
         std::fs::write(data.join(format!("data_batch_{batch}.bin")), b"").expect("empty");
     }
     let eval = run_measured(&eval_args(&weights, "cifar10-bin", &data));
-    eval.expect_refusal(&["the Test split of cifar10-bin", "holds no samples"]);
+    eval.expect_refusal(&["the test split of --data cifar10-bin", "holds no samples"]);
 
     let output = dir.path().join("run");
     let mut train = synthetic_run(&output, 64);
     train = with_flag(train, "--data", "cifar10-bin");
     train = with_flag(train, "--data-dir", &data.display().to_string());
     let measured = run_measured(&train);
-    measured.expect_refusal(&["the Train split of cifar10-bin", "holds no samples"]);
+    measured.expect_refusal(&["the train split of --data cifar10-bin", "holds no samples"]);
     let written: Vec<_> = std::fs::read_dir(&output)
         .map(|entries| entries.flatten().map(|entry| entry.file_name()).collect())
         .unwrap_or_default();

@@ -399,7 +399,7 @@ fn a_worker_that_always_fails_ends_the_job_with_one_summary_naming_it() {
 #[test]
 fn without_an_error_file_the_summary_shows_the_end_of_the_log() {
     let dir = tempfile::tempdir().unwrap();
-    let script = "for step in 1 2 3 4 5 6 7 8 9 10 11 12; do echo step $step; done; echo 'loss is nan' >&2; exit 2";
+    let script = "for step in 1 2 3 4 5 6 7 8 9 10 11 12; do echo step $step; done; echo 'loss is nan' >&2; exit 3";
     let mut launcher = Launcher::start(
         dir.path(),
         "launch",
@@ -417,7 +417,7 @@ fn without_an_error_file_the_summary_shows_the_end_of_the_log() {
     let tail: String = (4..=12).map(|step| format!("  | step {step}\n")).collect();
     let expected = format!(
         "error: the job failed in round 0 and no restart is left (--max-restarts 0)\n\
-         root cause: rank 0 (node 0, local rank 0) exited with code 2\n\
+         root cause: rank 0 (node 0, local rank 0) exited with code 3\n\
          it wrote no error file; the last lines of {}:\n{tail}  | loss is nan\n",
         log.display()
     );
@@ -481,7 +481,11 @@ fn sigterm_to_the_launcher_is_passed_to_the_workers_and_not_restarted() {
         );
     }
     assert!(
-        stderr.contains("tandem launch: stopped: node 0's launcher received SIGTERM;"),
+        stderr.contains(
+            "tandem launch: stopped: node 0's launcher received SIGTERM; the workers stopped, \
+             none needed SIGKILL. Run the same command again to continue from the last \
+             snapshot.\n"
+        ),
         "{stderr}"
     );
     assert!(!stderr.contains("restarting"), "{stderr}");
@@ -517,6 +521,168 @@ fn a_worker_that_ignores_sigterm_is_killed_after_the_grace_period() {
     assert!(
         process_is_gone(worker_pid as u32),
         "worker {worker_pid} survived the launcher"
+    );
+    assert!(
+        launcher.stderr().contains(
+            "tandem launch: stopped: node 0's launcher received SIGINT; rank 0 did not stop \
+             within 1s of SIGTERM (--stop-grace-seconds) and was killed (SIGKILL). Run the same \
+             command again to continue from the last snapshot.\n"
+        ),
+        "{}",
+        launcher.stderr()
+    );
+}
+
+/// `tandem train`'s flags for a short synthetic run into `out` (see `common::synthetic_run`).
+fn train_args(out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = common::synthetic_run(out, 96);
+    args = common::with_flag(args, "--epochs", "1");
+    args.extend(extra.iter().map(|arg| arg.to_string()));
+    args
+}
+
+/// `launch` flags followed by `--` and the worker's command.
+fn launch_args<'a>(flags: &[&'a str], command: &'a [String]) -> Vec<&'a str> {
+    let mut args = flags.to_vec();
+    args.push("--");
+    args.extend(command.iter().map(String::as_str));
+    args
+}
+
+/// What the launcher printed: its own lines and the workers' it showed.
+fn console(launcher: &Launcher) -> String {
+    format!("{}{}", launcher.stdout(), launcher.stderr())
+}
+
+#[test]
+fn a_worker_refusing_its_settings_ends_the_job_at_once_with_one_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    common::expect_success(&common::run_bounded(
+        common::tandem().args(train_args(&out, &[])),
+        LAUNCH_TIMEOUT,
+    ));
+    let changed = common::with_flag(train_args(&out, &[]), "--lr", "0.2");
+    let flags = [
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+    ];
+    let mut launcher = Launcher::start(dir.path(), "launch", &launch_args(&flags, &changed), &[]);
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let (stdout, stderr) = (launcher.stdout(), launcher.stderr());
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    let snapshot = out.join("snapshot.safetensors");
+    let conflict = format!(
+        "error: settings conflict with the snapshot {snapshot}: --lr is 0.2, the snapshot has \
+         0.05; this job has 2 processes (tandem launch --nnodes 1 --nproc-per-node 2), the \
+         snapshot was written by 1 process. To resume it, use the settings it was written with; \
+         to change them, start a new run from its weights with --init-from {snapshot} \
+         --output-dir NEW, or start over here with --fresh\n",
+        snapshot = snapshot.display()
+    );
+    assert!(stdout.contains(&format!("[rank 0] {conflict}")), "{stdout}");
+    assert_eq!(
+        console(&launcher).matches("settings conflict").count(),
+        1,
+        "{stdout}{stderr}"
+    );
+    assert!(
+        stderr.ends_with(
+            ", refusing its command line or settings (the error is above): a restart would \
+             fail the same way, so the job ends without one\n"
+        ) && stderr.contains("\nerror: rank "),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("restarting"), "{stderr}");
+    let log = read(&out.join("logs/rank_0.log"));
+    assert_eq!(
+        log.matches("===== tandem launch: round").count(),
+        1,
+        "{log}"
+    );
+}
+
+#[test]
+fn a_bad_flag_of_the_worker_ends_the_job_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let command = ["train".to_string(), "--no-such-flag".to_string()];
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &launch_args(&["--max-restarts", "3"], &command),
+        &[],
+    );
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let stderr = launcher.stderr();
+    assert_eq!(status.code(), Some(2), "{stderr}");
+    assert_eq!(
+        console(&launcher).matches("--no-such-flag").count(),
+        1,
+        "{}{stderr}",
+        launcher.stdout()
+    );
+    assert!(
+        launcher
+            .stdout()
+            .starts_with("[rank 0] error: unexpected argument '--no-such-flag' found\n"),
+        "{}",
+        launcher.stdout()
+    );
+    assert!(
+        stderr.ends_with(
+            "error: rank 0 (node 0, local rank 0) exited with code 2, refusing its command \
+             line or settings (the error is above): a restart would fail the same way, so the \
+             job ends without one\n"
+        ),
+        "{stderr}"
+    );
+    let record = read(&dir.path().join("runs/latest/errors/rank_0.json"));
+    assert!(
+        record.contains("\"message\":\"unexpected argument '--no-such-flag' found\""),
+        "{record}"
+    );
+}
+
+#[test]
+fn ctrl_c_stops_the_job_saying_it_once_and_how_the_workers_ended() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let long = common::with_flag(
+        train_args(&out, &["--snapshot-every-steps", "1"]),
+        "--synthetic-train",
+        "4096",
+    );
+    let long = common::with_flag(long, "--epochs", "50");
+    let mut launcher = Launcher::start(dir.path(), "launch", &launch_args(&[], &long), &[]);
+    wait_for_file(&out.join("snapshot.safetensors"), LAUNCH_TIMEOUT);
+    // Ctrl-C signals the terminal's whole process group: the launcher and its worker.
+    let worker = launcher.worker(0);
+    launcher.signal(libc::SIGINT);
+    // SAFETY: `kill` has no memory-safety preconditions.
+    unsafe { libc::kill(worker as libc::pid_t, libc::SIGINT) };
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let (stdout, stderr) = (launcher.stdout(), launcher.stderr());
+    assert_eq!(status.code(), Some(130), "{stderr}");
+    let stopped: Vec<&str> = stdout
+        .lines()
+        .filter(|line| line.contains("stopped") || line.contains("Stopped"))
+        .collect();
+    assert_eq!(stopped.len(), 1, "{stdout}");
+    assert!(
+        stopped[0].starts_with("[rank 0] Stopped on request at epoch 1, step "),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("error"), "{stdout}");
+    assert!(
+        stderr.ends_with(
+            "tandem launch: stopped: node 0's launcher received SIGINT; the workers stopped, \
+             none needed SIGKILL. Run the same command again to continue from the last \
+             snapshot.\n"
+        ),
+        "{stderr}"
     );
 }
 

@@ -32,6 +32,12 @@ pub const STORE_HOSTED_ENV: &str = "TANDEM_STORE_HOSTED";
 /// Set by `tandem launch`: where the worker records its fatal error (torchrun's error files).
 pub const ERROR_FILE_ENV: &str = "TANDEM_ERROR_FILE";
 
+/// The exit code of a worker refused by its own command line or settings: a bad flag (the
+/// code clap and argparse give a usage error), a value out of range, settings that
+/// contradict the run's snapshot. The same command fails the same way every time, so
+/// `tandem launch` ends the job at once instead of restarting it.
+pub const SETTINGS_ERROR_EXIT_CODE: i32 = 2;
+
 /// torchrun's default port of the store, used where a cluster names no port.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 

@@ -41,13 +41,52 @@ pub enum JobEnd {
         /// The summary to print.
         summary: String,
     },
+    /// A worker refused its command line or settings, which no restart would change.
+    Refused {
+        /// The summary to print.
+        summary: String,
+    },
     /// A stop signal ended the job (on this node or another).
     Stopped {
         /// Who asked, e.g. "node 0's launcher received SIGTERM".
         reason: String,
         /// The signal this launcher received, if it was this one.
         signal: Option<i32>,
+        /// How this node's workers ended.
+        workers: WorkersStopped,
     },
+}
+
+/// How a node's workers ended when the job was stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkersStopped {
+    /// No round was running.
+    NoneRunning,
+    /// Every worker ended within the grace period after SIGTERM (or by itself).
+    WithinTheGrace,
+    /// These ranks outlived the grace period and were killed (SIGKILL).
+    Killed(Vec<usize>),
+}
+
+impl WorkersStopped {
+    /// How the workers of `report` ended.
+    fn of(report: &NodeReport) -> WorkersStopped {
+        let killed: Vec<usize> = report
+            .workers
+            .iter()
+            .filter(|worker| {
+                matches!(
+                    worker.end,
+                    WorkerEnd::StoppedByLauncher { signal: SIGKILL } | WorkerEnd::Unkillable
+                )
+            })
+            .map(|worker| worker.rank)
+            .collect();
+        match killed.is_empty() {
+            true => WorkersStopped::WithinTheGrace,
+            false => WorkersStopped::Killed(killed),
+        }
+    }
 }
 
 /// When this node began stopping its workers, and when it escalated to SIGKILL.
@@ -112,11 +151,23 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
         if let Some(reason) = store.stop_request()? {
             store.leave(restart, &present, LEAVE_TIMEOUT)?;
             let signal = signals::stop_requested().map(|request| request.signal);
-            return Ok(JobEnd::Stopped { reason, signal });
+            let workers = reports
+                .get(topology.node_rank)
+                .and_then(Option::as_ref)
+                .map_or(WorkersStopped::NoneRunning, WorkersStopped::of);
+            return Ok(JobEnd::Stopped {
+                reason,
+                signal,
+                workers,
+            });
         }
         let cause = report::root_cause(&reports).unwrap_or(RootCause::NodeSilent {
             node_rank: topology.node_rank,
         });
+        if let Some(summary) = refusal(plan, &cause, &reports) {
+            store.leave(restart, &present, LEAVE_TIMEOUT)?;
+            return Ok(JobEnd::Refused { summary });
+        }
         if restart < plan.max_restarts {
             say(&format!(
                 "round {restart} failed: {}; restarting every node (restart {} of {})",
@@ -136,6 +187,39 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
             summary: report::summary(&title, &cause, &reports),
         });
     }
+}
+
+/// The summary that ends the job when its root cause is a worker that refused its command
+/// line or settings (every node decides so from the same reports). The worker named is one
+/// whose output this console showed, when one refused, so that its error is said once.
+fn refusal(plan: &LaunchPlan, cause: &RootCause, reports: &[Option<NodeReport>]) -> Option<String> {
+    let RootCause::Worker(first) = cause else {
+        return None;
+    };
+    if !report::refused_its_settings(first) {
+        return None;
+    }
+    let shown_here = |worker: &&WorkerReport| {
+        worker.node_rank == plan.topology.node_rank && (plan.tee || worker.rank == 0)
+    };
+    // A worker that printed the same error may have been stopped before it exited.
+    let same_error = |worker: &&WorkerReport| match (&worker.error, &first.error) {
+        (Some(error), Some(first_error)) => error.message == first_error.message,
+        _ => false,
+    };
+    let shown = reports
+        .iter()
+        .flatten()
+        .flat_map(|report| &report.workers)
+        .filter(shown_here)
+        .find(|worker| report::refused_its_settings(worker) || same_error(worker));
+    Some(match shown {
+        Some(worker) if report::refused_its_settings(worker) => {
+            report::refusal_summary(worker, true)
+        }
+        Some(_) => report::refusal_summary(first, true),
+        None => report::refusal_summary(first, false),
+    })
 }
 
 /// The end of a job whose store became unreachable mid-round: the workers here are stopped
@@ -161,6 +245,7 @@ fn stopped_here() -> JobEnd {
     JobEnd::Stopped {
         reason: format!("this launcher received {name}"),
         signal,
+        workers: WorkersStopped::NoneRunning,
     }
 }
 

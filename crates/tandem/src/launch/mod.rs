@@ -25,9 +25,31 @@ use std::collections::HashMap;
 
 use anyhow::Context;
 
+use crate::exit::SettingsError;
+
 pub use options::{missing_separator_hint, LaunchArgs};
 
-use agent::JobEnd;
+use agent::{JobEnd, WorkersStopped};
+
+/// How this node's workers ended when the job was stopped, in words.
+fn how_they_stopped(workers: &WorkersStopped, grace: std::time::Duration) -> String {
+    match workers {
+        WorkersStopped::NoneRunning => "no worker was running".to_string(),
+        WorkersStopped::WithinTheGrace => "the workers stopped, none needed SIGKILL".to_string(),
+        WorkersStopped::Killed(ranks) => {
+            let listed: Vec<String> = ranks.iter().map(usize::to_string).collect();
+            let (rank, was) = match ranks.len() {
+                1 => ("rank", "was"),
+                _ => ("ranks", "were"),
+            };
+            format!(
+                "{rank} {} did not stop within {grace:?} of SIGTERM (--stop-grace-seconds) and \
+                 {was} killed (SIGKILL)",
+                listed.join(", ")
+            )
+        }
+    }
+}
 
 /// Runs `tandem launch`: returns when the job succeeded; exits the process with 128 + the
 /// signal (143 for SIGTERM) when a stop signal ended it; fails with the summary of the root
@@ -42,11 +64,16 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
             Ok(())
         }
         JobEnd::Failed { summary } => Err(anyhow::anyhow!(summary)),
-        JobEnd::Stopped { reason, signal } => {
+        JobEnd::Refused { summary } => Err(SettingsError::from_error(anyhow::anyhow!(summary))),
+        JobEnd::Stopped {
+            reason,
+            signal,
+            workers,
+        } => {
             agent::say(&format!(
-                "stopped: {reason}; the workers were stopped (SIGTERM, then SIGKILL after {:?}). \
-                 Run the same command again to continue from the last snapshot.",
-                plan.stop_grace
+                "stopped: {reason}; {}. Run the same command again to continue from the last \
+                 snapshot.",
+                how_they_stopped(&workers, plan.stop_grace)
             ));
             std::process::exit(128 + signal.unwrap_or(signals::SIGTERM));
         }

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use tandem_dist::cluster::contract::WorkerErrorRecord;
+use tandem_dist::cluster::contract::{WorkerErrorRecord, SETTINGS_ERROR_EXIT_CODE};
 
 use super::worker::WorkerEnd;
 
@@ -145,6 +145,34 @@ pub fn headline(cause: &RootCause) -> String {
             )
         }
     }
+}
+
+/// Whether the worker refused its own command line or settings (it exited with
+/// [`SETTINGS_ERROR_EXIT_CODE`]): a restart would fail the same way.
+pub fn refused_its_settings(worker: &WorkerReport) -> bool {
+    worker.end == WorkerEnd::ExitCode(SETTINGS_ERROR_EXIT_CODE)
+}
+
+/// The summary of a round that ends the job because `worker` refused its command line or
+/// settings. When the error reached this console (`shown_above`: its output or that of a
+/// worker with the same error), it is not said again; otherwise it follows, from the error
+/// file or the log.
+pub fn refusal_summary(worker: &WorkerReport, shown_above: bool) -> String {
+    let cause = RootCause::Worker(worker.clone());
+    let mut text = format!(
+        "{}, refusing its command line or settings{}: a restart would fail the same way, so \
+         the job ends without one\n",
+        headline(&cause),
+        if shown_above {
+            " (the error is above)"
+        } else {
+            ""
+        }
+    );
+    if !shown_above {
+        describe_evidence(&mut text, worker);
+    }
+    text.trim_end().to_string()
 }
 
 /// The full summary of a failed round: the root cause with its error (or log tail), then
@@ -335,6 +363,36 @@ mod tests {
              it wrote no error file and no output (log: logs/rank_1.log)\n\
              rank 0 reported: rank 1 (127.0.0.1:5) sent nothing before the deadline during \
              all_reduce #9\nother ranks:\n  rank 0: exited with code 1"
+        );
+    }
+
+    #[test]
+    fn a_refusal_of_the_settings_gives_its_error_once() {
+        let mut refused = worker(1, WorkerEnd::ExitCode(2), 100);
+        refused.error = Some(ErrorRecord {
+            message: "--lr must be a positive number, got -1".into(),
+            timestamp: None,
+            file: "errors/rank_1.json".into(),
+        });
+        assert!(refused_its_settings(&refused));
+        assert!(!refused_its_settings(&worker(
+            1,
+            WorkerEnd::ExitCode(1),
+            100
+        )));
+        let headline = "rank 1 (node 0, local rank 1) exited with code 2, refusing its command \
+                        line or settings";
+        let ending = "a restart would fail the same way, so the job ends without one";
+        assert_eq!(
+            refusal_summary(&refused, false),
+            format!(
+                "{headline}: {ending}\nerror (from errors/rank_1.json): --lr must be a positive \
+                 number, got -1"
+            )
+        );
+        assert_eq!(
+            refusal_summary(&refused, true),
+            format!("{headline} (the error is above): {ending}")
         );
     }
 

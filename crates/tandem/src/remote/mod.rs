@@ -35,8 +35,9 @@ pub struct StorageOptions {
     pub s3_region: Option<String>,
     /// Path-style addressing (ENDPOINT/BUCKET/KEY) [default: only for an IP or localhost
     /// endpoint].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub s3_path_style: Option<bool>,
+    #[arg(long)]
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub s3_path_style: bool,
     /// How long a failing object-store request is retried, with back-off, before the failure
     /// is final, in seconds [default: 120].
     #[arg(long)]
@@ -86,7 +87,8 @@ impl Storage {
         let connection = Connection::from_env(&ConnectionOptions {
             endpoint: options.s3_endpoint.clone(),
             region: options.s3_region.clone(),
-            path_style: options.s3_path_style,
+            // Not given: the connection decides by the endpoint.
+            path_style: options.s3_path_style.then_some(true),
             retry_timeout,
         })?;
         Ok(Storage {

@@ -11,6 +11,7 @@ pub mod fresh_start;
 pub mod history;
 pub mod mirror;
 pub mod placement;
+pub mod resume_settings;
 pub mod run_lock;
 pub mod schedule;
 pub mod snapshot;
@@ -34,11 +35,12 @@ use tandem_engine::{AdamConfig, SgdConfig};
 use tandem_models::{BatchNormReducer, LossOptions, Model};
 
 use crate::backend::{Backend, BackendRequest};
-use crate::checkpoint_info::CheckpointInfo;
+use crate::checkpoint_info::{value_name, CheckpointInfo};
 use crate::compute::{Compute, GpuMath, OptimizerConfig, TrainBatch};
 use crate::data_source::{load_split, normalization, Split};
 use crate::device::Announce;
 use crate::evaluation::{evaluate, Evaluation};
+use crate::exit::SettingsError;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use batches::{EpochBatches, IndexBatches, MicroBatch};
@@ -46,6 +48,7 @@ use ddp::{graphs_agree, Ddp};
 use history::{write_history, EpochRecord};
 use mirror::{localize, Mirror};
 use placement::find_placement_of;
+use resume_settings::fingerprint;
 use run_lock::{host_name, RunLock};
 use schedule::Schedule;
 use snapshot::{load_latest, Progress, Snapshot};
@@ -64,7 +67,10 @@ pub fn run(options: TrainOptions) -> anyhow::Result<()> {
         crate::device::Announce::Stdout,
     )?;
     let backend = options.backend.unwrap_or_default();
-    let settings = options.merged_with_file()?.resolve()?;
+    let settings = options
+        .merged_with_file()
+        .and_then(TrainOptions::resolve)
+        .map_err(SettingsError::from_error)?;
     let stop_signal = stop_signal::install()?;
     let mut trainer = Trainer::new(
         settings,
@@ -118,6 +124,8 @@ struct Trainer {
     events: Option<EventWriter>,
     /// Uploads to object storage (rank 0, when outputs go there).
     mirror: Option<Mirror>,
+    /// `--init-from`'s weights, as the banner names them.
+    initial_weights: Option<String>,
 }
 
 impl Trainer {
@@ -157,15 +165,22 @@ impl Trainer {
             _ => None,
         };
         tandem_engine::set_threads(settings.threads);
-        let spec = settings.model.to_spec()?;
+        let spec = settings
+            .model
+            .to_spec()
+            .map_err(SettingsError::from_error)?;
         let mut model = Model::new(&spec)?;
         model.init_default(settings.seed);
-        if let Some(path) = &settings.init_from {
-            crate::weights::load_weights(&mut model, path)?;
-        }
+        let initial_weights = match (&settings.init_from, &given.init_from) {
+            (Some(local), Some(as_given)) => {
+                let progress = crate::weights::load_weights(&mut model, local)?;
+                Some(describe_initial_weights(as_given, &progress))
+            }
+            _ => None,
+        };
         let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
         let test_set = Arc::new(load_split(&settings.data, settings.seed, Split::Test)?);
-        check_classes(&train_set, spec.num_classes())?;
+        check_classes(&train_set, spec.num_classes()).map_err(SettingsError::from_error)?;
         let sampler = DistributedSampler::new(
             train_set.len(),
             world_size,
@@ -181,9 +196,9 @@ impl Trainer {
         let normalize = normalization(&settings.data);
         let ddp = match &placement {
             Some(place) => {
-                let token = tandem_dist::JobToken::from_env()?.context(
-                    "a job of several processes needs TANDEM_JOB_TOKEN, the same secret on every rank (tandem launch sets it)",
-                )?;
+                let token = tandem_dist::JobToken::from_env()?
+                    .context(MISSING_TOKEN)
+                    .map_err(SettingsError::from_error)?;
                 let bucket_bytes = (settings.bucket_mb * 1e6) as usize;
                 Some(Ddp::join(
                     place,
@@ -269,6 +284,7 @@ impl Trainer {
             _lock: lock,
             events: None,
             mirror,
+            initial_weights,
         };
         let resumed = trainer.resume_if_possible()?;
         if trainer.is_leader() {
@@ -324,18 +340,7 @@ impl Trainer {
         let Some(snapshot) = snapshot else {
             return Ok(false);
         };
-        check_resumable(
-            &snapshot.settings,
-            &fingerprint(&self.settings, self.world_size()),
-        )
-        .with_context(|| {
-            format!(
-                "cannot resume from {snapshot}: use the settings it was written with; to change \
-                     them, start a new run from its weights with --init-from {snapshot} \
-                     --output-dir NEW, or start over here with --fresh",
-                snapshot = self.shown(&self.settings.snapshot)
-            )
-        })?;
+        self.check_resumable(&snapshot)?;
         self.compute
             .update_host(|model| snapshot.restore_model(model))?;
         self.compute.load_optimizer_state(&snapshot.optimizer)?;
@@ -344,19 +349,44 @@ impl Trainer {
         Ok(true)
     }
 
+    /// Fails, as a settings error, when this run's settings differ from those the snapshot was
+    /// written with: the conflicts first, in the flags' words, then the ways out.
+    fn check_resumable(&self, snapshot: &Snapshot) -> anyhow::Result<()> {
+        let snapshot_info = CheckpointInfo::from_metadata(&snapshot.metadata)
+            .ok()
+            .flatten();
+        let context = resume_settings::ResumeContext {
+            settings: &self.settings,
+            snapshot_model: snapshot_info.as_ref().map(|info| &info.model),
+            world: resume_settings::WorldSource::of_this_process(&self.settings),
+        };
+        let current = fingerprint(&self.settings, self.world_size());
+        let conflicts = resume_settings::conflicts(&snapshot.settings, &current, &context);
+        if conflicts.is_empty() {
+            return Ok(());
+        }
+        let shown = self.shown(&self.settings.snapshot);
+        Err(SettingsError::from_error(anyhow::anyhow!(
+            "settings conflict with the snapshot {shown}: {}. To resume it, use the settings it \
+             was written with; to change them, start a new run from its weights with \
+             --init-from {shown} --output-dir NEW, or start over here with --fresh",
+            conflicts.join("; ")
+        )))
+    }
+
     /// Prints what the run is about to do: the banner, then whether it resumes, or is done.
     fn announce_start(&self, resumed: bool) {
         let settings = &self.settings;
         let world_size = self.world_size();
         say!(
-            "tandem {} | device: {} | {} compute thread(s) per process | world size {world_size}",
+            "tandem {} | device: {} | {} per process | world size {world_size}",
             env!("CARGO_PKG_VERSION"),
             self.device,
-            settings.threads
+            count(settings.threads as u64, "compute thread")
         );
         say!(
             "data: {} | {} training, {} test images ({}x{}) | normalize: {}",
-            data_source_name(settings.data.data),
+            value_name(&settings.data.data),
             self.train_set.len(),
             self.test_set.len(),
             self.train_set.height,
@@ -372,27 +402,41 @@ impl Trainer {
             group_digits(self.compute.param_count())
         );
         say!(
-            "global batch {} ({} per process x {world_size} process(es) x {} accumulated) | {} epochs",
+            "global batch {} ({} per process x {} x {} accumulated) | {}",
             settings.batch_size * world_size * settings.grad_accum as usize,
             settings.batch_size,
+            count(world_size as u64, "process"),
             settings.grad_accum,
-            settings.epochs
+            count(settings.epochs, "epoch")
         );
-        let start = if resumed && self.progress.epoch >= settings.epochs {
+        say!(
+            "optimizer: {} | {} | schedule: {}",
+            describe_optimizer(settings),
+            describe_lr(settings, world_size, self.schedule.base_lr),
+            describe_schedule(settings)
+        );
+        let finished = resumed && self.progress.epoch >= settings.epochs;
+        let start = if finished {
             format!(
                 "finished: {} holds the end of epoch {}",
                 self.shown(&settings.snapshot),
                 self.progress.epoch
             )
         } else if resumed {
-            format!(
-                "resumed from {} (epoch {}, step {})",
-                self.shown(&settings.snapshot),
-                self.progress.epoch + 1,
-                self.progress.step_in_epoch
-            )
+            let position = match self.progress.step_in_epoch {
+                0 => format!("after {}", count(self.progress.epoch, "epoch")),
+                step => format!("(epoch {}, step {step})", self.progress.epoch + 1),
+            };
+            format!("resumed from {} {position}", self.shown(&settings.snapshot))
         } else {
             "fresh".to_string()
+        };
+        let initial_weights = match (&self.initial_weights, resumed) {
+            (None, _) => String::new(),
+            (Some(_), true) => {
+                " (--init-from is not used: the snapshot's weights go on)".to_string()
+            }
+            (Some(weights), false) => format!(", from the weights of {weights}"),
         };
         let staged = match self
             .mirror
@@ -403,24 +447,39 @@ impl Trainer {
             None => String::new(),
         };
         say!(
-            "output: {}{staged} | {start}",
+            "output: {}{staged} | {start}{initial_weights}",
             self.shown(&settings.output_dir)
         );
         if !resumed {
             return;
         }
-        if self.progress.epoch >= settings.epochs {
+        if finished {
             say!(
-                "{}/{} epochs done; raise --epochs to continue",
+                "{}/{} done; raise --epochs to continue",
                 self.progress.epoch,
-                settings.epochs
+                count(settings.epochs, "epoch")
             );
         } else {
-            say!(
-                "Resuming training from snapshot at epoch {}, step {}",
-                self.progress.epoch + 1,
-                self.progress.step_in_epoch
-            );
+            say!("{}", self.resume_line());
+        }
+    }
+
+    /// The line that says where a resumed run goes on: `... at epoch 2, step 17` within an
+    /// epoch; at an epoch's end, the epochs run so far, as the tutorial counts them: `...: 3
+    /// epochs run, continuing with epoch 4 of 5`.
+    fn resume_line(&self) -> String {
+        let progress = &self.progress;
+        match progress.step_in_epoch {
+            0 => format!(
+                "Resuming training from snapshot: {} run, continuing with epoch {} of {}",
+                count(progress.epoch, "epoch"),
+                progress.epoch + 1,
+                self.settings.epochs
+            ),
+            step => format!(
+                "Resuming training from snapshot at epoch {}, step {step}",
+                progress.epoch + 1
+            ),
         }
     }
 
@@ -1079,6 +1138,12 @@ struct StepOutcome {
     stop: bool,
 }
 
+/// What a process of a job says when it has no job token.
+const MISSING_TOKEN: &str = "a job of several processes needs TANDEM_JOB_TOKEN, the same \
+     secret on every rank (tandem launch makes one itself): make one with `export \
+     TANDEM_JOB_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n')` and start \
+     every rank with it";
+
 /// The first gradient bucket is small, so that communication starts early in backward.
 const FIRST_BUCKET_BYTES: usize = 1_000_000;
 
@@ -1110,11 +1175,86 @@ fn slowest_rank(rates: &[f64]) -> Option<(usize, f64)> {
         .min_by(|(_, a), (_, b)| a.total_cmp(b))
 }
 
-/// The name `--data` gives a data source.
-fn data_source_name(kind: crate::settings::DataKind) -> String {
-    use clap::ValueEnum;
-    kind.to_possible_value()
-        .map_or_else(|| format!("{kind:?}"), |value| value.get_name().to_string())
+/// `--init-from`'s file as given (a path or URL) and, as far as the file says, the epoch and
+/// step its weights are from: `runs/a/epoch_3.safetensors (epoch 3, step 120)`.
+fn describe_initial_weights(as_given: &Path, progress: &crate::weights::WeightsProgress) -> String {
+    let when = match (progress.epoch, progress.step) {
+        (Some(epoch), Some(step)) => format!("epoch {epoch}, step {step}"),
+        (Some(epoch), None) => format!("epoch {epoch}"),
+        (None, Some(step)) => format!("step {step}"),
+        (None, None) => "the file records no epoch or step".to_string(),
+    };
+    format!("{} ({when})", as_given.display())
+}
+
+/// `1 epoch`, `3 epochs`: a count and its noun.
+fn count(number: u64, noun: &str) -> String {
+    match (number, noun.ends_with('s')) {
+        (1, _) => format!("1 {noun}"),
+        (_, true) => format!("{number} {noun}es"),
+        (_, false) => format!("{number} {noun}s"),
+    }
+}
+
+/// The optimizer and its settings that are not their defaults: `sgd (momentum 0.9,
+/// nesterov, weight decay 0.0005)`.
+fn describe_optimizer(settings: &TrainSettings) -> String {
+    let mut details = Vec::new();
+    if settings.momentum != 0.0 {
+        details.push(format!("momentum {}", settings.momentum));
+    }
+    if settings.nesterov {
+        details.push("nesterov".to_string());
+    }
+    if settings.optimizer != OptimizerKind::Sgd && (settings.beta1, settings.beta2) != (0.9, 0.999)
+    {
+        details.push(format!("betas {}, {}", settings.beta1, settings.beta2));
+    }
+    if settings.weight_decay != 0.0 {
+        details.push(format!("weight decay {}", settings.weight_decay));
+    }
+    let name = value_name(&settings.optimizer);
+    match details.is_empty() {
+        true => name,
+        false => format!("{name} ({})", details.join(", ")),
+    }
+}
+
+/// The learning rate the run uses, `base_lr`, and how `--scale-lr` made it from `--lr`.
+fn describe_lr(settings: &TrainSettings, world_size: usize, base_lr: f64) -> String {
+    match settings.scale_lr {
+        false => format!("lr {base_lr}"),
+        true => format!(
+            "lr {base_lr} (--lr {} x {}, --scale-lr)",
+            settings.lr,
+            count(world_size as u64, "process")
+        ),
+    }
+}
+
+/// The learning-rate schedule and its settings: `step (x0.1 every 30 epochs), 1 warm-up epoch`.
+fn describe_schedule(settings: &TrainSettings) -> String {
+    let kind = settings.lr_schedule;
+    let mut text = value_name(&kind);
+    if kind == schedule::ScheduleKind::Step {
+        text.push_str(&format!(
+            " (x{} every {})",
+            settings.gamma,
+            count(settings.step_epochs, "epoch")
+        ));
+    }
+    if settings.warmup_epochs > 0.0 {
+        let plural = if settings.warmup_epochs == 1.0 {
+            ""
+        } else {
+            "s"
+        };
+        text.push_str(&format!(
+            ", {} warm-up epoch{plural}",
+            settings.warmup_epochs
+        ));
+    }
+    text
 }
 
 /// The model in the words of its flags.
@@ -1205,72 +1345,6 @@ fn build_optimizer(settings: &TrainSettings, lr: f64) -> OptimizerConfig {
             decoupled: settings.optimizer == OptimizerKind::Adamw,
         }),
     }
-}
-
-/// The settings that decide a run's numbers, which a resumed run must share.
-fn fingerprint(settings: &TrainSettings, world_size: usize) -> BTreeMap<String, String> {
-    let mut values = BTreeMap::new();
-    let mut put = |key: &str, value: String| {
-        values.insert(key.to_string(), value);
-    };
-    put("model", format!("{:?}", settings.model.to_spec().ok()));
-    put("data", format!("{:?}", settings.data.data));
-    put("batch-size", settings.batch_size.to_string());
-    put("lr", settings.lr.to_string());
-    put("optimizer", format!("{:?}", settings.optimizer));
-    put("momentum", settings.momentum.to_string());
-    put("nesterov", settings.nesterov.to_string());
-    put("weight-decay", settings.weight_decay.to_string());
-    put("betas", format!("{},{}", settings.beta1, settings.beta2));
-    put("eps", settings.eps.to_string());
-    put("lr-schedule", format!("{:?}", settings.lr_schedule));
-    put("warmup-epochs", settings.warmup_epochs.to_string());
-    put("label-smoothing", settings.label_smoothing.to_string());
-    put("augment", settings.augment.to_string());
-    put(
-        "normalize",
-        format!("{:?} {:?}", settings.data.mean, settings.data.std),
-    );
-    put("seed", settings.seed.to_string());
-    put("world-size", world_size.to_string());
-    put("grad-accum", settings.grad_accum.to_string());
-    put("sync-bn", settings.sync_bn.to_string());
-    // More epochs continue a constant or step schedule as they would have run; the
-    // curves of cosine and one-cycle depend on the total, so it must stay.
-    match settings.lr_schedule {
-        schedule::ScheduleKind::Constant => {}
-        schedule::ScheduleKind::Step => {
-            put("step-epochs", settings.step_epochs.to_string());
-            put("gamma", settings.gamma.to_string());
-        }
-        schedule::ScheduleKind::Cosine | schedule::ScheduleKind::Onecycle => {
-            put("epochs", settings.epochs.to_string());
-        }
-    }
-    values
-}
-
-/// Fails with every setting that differs between the snapshot and this run.
-fn check_resumable(
-    snapshot: &BTreeMap<String, String>,
-    current: &BTreeMap<String, String>,
-) -> anyhow::Result<()> {
-    let conflicts: Vec<String> = current
-        .iter()
-        .filter_map(|(key, value)| match snapshot.get(key) {
-            Some(saved) if saved != value => {
-                Some(format!("--{key} is {value}, the snapshot has {saved}"))
-            }
-            _ => None,
-        })
-        .collect();
-    if !conflicts.is_empty() {
-        bail!(
-            "settings conflict with the snapshot: {}",
-            conflicts.join("; ")
-        );
-    }
-    Ok(())
 }
 
 /// N of an epoch checkpoint's name, `epoch_N.safetensors`.
