@@ -188,8 +188,23 @@ pub fn read_safetensors(
     Ok((tensors, string_metadata(&header)))
 }
 
-/// The header metadata of a safetensors file, reading only the header.
+/// The `__metadata__` strings of a safetensors file, reading only its header.
 pub fn read_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, String>, ModelError> {
+    Ok(read_safetensors_header(path)?.metadata)
+}
+
+/// What a safetensors file's header says: its `__metadata__` strings and each tensor's shape.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SafetensorsHeader {
+    /// The `__metadata__` strings.
+    pub metadata: BTreeMap<String, String>,
+    /// Each tensor's shape, by name.
+    pub shapes: BTreeMap<String, Vec<usize>>,
+}
+
+/// Reads a safetensors file's header alone (at most the safetensors crate's bound on a
+/// header), none of its tensors' bytes.
+pub fn read_safetensors_header(path: &Path) -> Result<SafetensorsHeader, ModelError> {
     use std::io::Read;
     let io_error = |source| ModelError::Io {
         path: path.to_path_buf(),
@@ -217,21 +232,35 @@ pub fn read_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, String>
     }
     let header: serde_json::Value = serde_json::from_slice(&header)
         .map_err(|error| invalid(format!("its header is not JSON: {error}")))?;
-    let Some(metadata) = header.get("__metadata__") else {
-        return Ok(BTreeMap::new());
-    };
-    let entries = metadata
+    let entries = header
         .as_object()
-        .ok_or_else(|| invalid("its __metadata__ is not an object".into()))?;
-    entries
-        .iter()
-        .map(|(key, value)| match value.as_str() {
-            Some(text) => Ok((key.clone(), text.to_string())),
-            None => Err(invalid(format!(
-                "its __metadata__ entry `{key}` is not a string"
-            ))),
-        })
-        .collect()
+        .ok_or_else(|| invalid("its header is not a JSON object".into()))?;
+    let mut parsed = SafetensorsHeader::default();
+    for (name, entry) in entries {
+        if name == "__metadata__" {
+            let strings = entry
+                .as_object()
+                .ok_or_else(|| invalid("its __metadata__ is not an object".into()))?;
+            for (key, value) in strings {
+                let text = value.as_str().ok_or_else(|| {
+                    invalid(format!("its __metadata__ entry `{key}` is not a string"))
+                })?;
+                parsed.metadata.insert(key.clone(), text.to_string());
+            }
+            continue;
+        }
+        let shape = entry
+            .get("shape")
+            .and_then(serde_json::Value::as_array)
+            .and_then(|dims| {
+                dims.iter()
+                    .map(|dim| dim.as_u64().and_then(|dim| usize::try_from(dim).ok()))
+                    .collect::<Option<Vec<usize>>>()
+            })
+            .ok_or_else(|| invalid(format!("tensor `{name}` has no shape of whole numbers")))?;
+        parsed.shapes.insert(name.clone(), shape);
+    }
+    Ok(parsed)
 }
 
 /// The safetensors crate's own bound on a header's size.

@@ -30,9 +30,9 @@ pub use error::ModelError;
 pub use executor::Executor;
 pub use inspect::{infer_spec, spec_tensor_shapes, StateDictMismatch, TensorShapes};
 pub use io::{
-    load_named_tensors, load_safetensors, read_safetensors, read_safetensors_metadata,
-    save_safetensors, serialize_safetensors, NamedTensor, TensorData, TorchCheckpoint,
-    TorchSaveFile,
+    load_named_tensors, load_safetensors, read_safetensors, read_safetensors_header,
+    read_safetensors_metadata, save_safetensors, serialize_safetensors, NamedTensor,
+    SafetensorsHeader, TensorData, TorchCheckpoint, TorchSaveFile,
 };
 pub use model::{LossOptions, Model};
 pub use network::{BatchNormLayer, ConvLayer, Head};

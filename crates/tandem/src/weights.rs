@@ -19,14 +19,127 @@ const DDP_PREFIX: &str = "module.";
 
 /// What a weights file says about itself: `None` for files without Tandem's description
 /// (PyTorch's, `torch.save` files, Tandem's older checkpoints).
+/// A description the file's tensors do not bear out is an error naming its fields, found
+/// before any model is built from it.
 pub fn read_checkpoint_info(path: &Path) -> anyhow::Result<Option<CheckpointInfo>> {
     if is_zip_archive(path)? {
         return Ok(None);
     }
-    let metadata = tandem_models::read_safetensors_metadata(path)
+    let header = tandem_models::read_safetensors_header(path)
         .with_context(|| format!("cannot read weights file {}", path.display()))?;
-    CheckpointInfo::from_metadata(&metadata)
-        .with_context(|| format!("cannot read the description in {}", path.display()))
+    let info = CheckpointInfo::from_metadata(&header.metadata)
+        .with_context(|| format!("cannot read the description in {}", path.display()))?;
+    if let Some(info) = &info {
+        check_description(info, &header, path)?;
+    }
+    Ok(info)
+}
+
+/// Refuses a described model that the file's tensors do not hold: a state dict must hold
+/// exactly its tensors, a snapshot's flat parameters and buffers exactly its values. The
+/// described model's layout (names and shapes, no values) is computed only once its blocks
+/// are no more than the file has tensors (or a snapshot has values), so a description of
+/// 10^8 blocks or channels costs nothing.
+fn check_description(
+    info: &CheckpointInfo,
+    header: &tandem_models::SafetensorsHeader,
+    path: &Path,
+) -> anyhow::Result<()> {
+    let spec = info
+        .model
+        .to_spec()
+        .with_context(|| format!("cannot read the description in {}", path.display()))?;
+    let snapshot = header.metadata.contains_key(SNAPSHOT_KEY);
+    let elements = |name: &str| {
+        header.shapes.get(name).map_or(0usize, |shape| {
+            shape.iter().fold(1usize, |n, &dim| n.saturating_mul(dim))
+        })
+    };
+    let (capacity, holds) = match snapshot {
+        true => {
+            let values = elements("params").saturating_add(elements("buffers"));
+            (values, format!("its snapshot tensors hold {values} values"))
+        }
+        false => (
+            header.shapes.len(),
+            format!("it holds {} tensors", header.shapes.len()),
+        ),
+    };
+    let blocks = match &spec {
+        ModelSpec::ResNet18 { .. } => 8,
+        ModelSpec::ResNetBase(base) => base
+            .n_blocks
+            .iter()
+            .fold(0usize, |total, &blocks| total.saturating_add(blocks)),
+    };
+    let refuse = |details: String| {
+        anyhow::anyhow!(
+            "{} describes in its metadata a model its tensors do not hold ({}): {details}; \
+             the metadata was edited or damaged",
+            path.display(),
+            metadata_fields(&info.model)
+        )
+    };
+    if blocks > capacity {
+        return Err(refuse(format!(
+            "{} adds up to {blocks} blocks, but {holds}",
+            match spec {
+                ModelSpec::ResNet18 { .. } => "the model",
+                ModelSpec::ResNetBase(_) => "tandem.n-blocks",
+            }
+        )));
+    }
+    let described = spec_tensor_shapes(&spec);
+    if snapshot {
+        let values = described
+            .iter()
+            .filter(|(name, _)| !name.ends_with("num_batches_tracked"))
+            .map(|(_, shape)| shape.iter().fold(1usize, |n, &dim| n.saturating_mul(dim)))
+            .fold(0usize, usize::saturating_add);
+        if values != capacity {
+            return Err(refuse(format!("{values} values, but {holds}")));
+        }
+        return Ok(());
+    }
+    let prefixed = header
+        .shapes
+        .keys()
+        .any(|name| name.starts_with(DDP_PREFIX));
+    let shapes = without_prefix(header.shapes.clone(), prefixed.then_some(DDP_PREFIX));
+    let mismatch = StateDictMismatch::between(&shapes, &described);
+    if mismatch.is_empty() {
+        return Ok(());
+    }
+    let details = match infer_spec(&shapes) {
+        Some(inferred) => {
+            let inferred = ModelArgs::from_spec(&inferred);
+            let differing: Vec<String> = ModelArgs::from_spec(&spec)
+                .contradictions(&inferred)
+                .iter()
+                .filter_map(|flag| flag.strip_prefix("--"))
+                .map(|flag| flag.replacen(' ', " = ", 1))
+                .map(|field| format!("tandem.{field}"))
+                .collect();
+            format!(
+                "{} is not what the tensors hold, `{}`",
+                differing.join(", "),
+                inferred.to_flags()
+            )
+        }
+        None => mismatch.summary(),
+    };
+    Err(refuse(details))
+}
+
+/// A model description as its metadata fields: `tandem.model = resnet-base, tandem.n-blocks
+/// = 1,1,1, ...`.
+fn metadata_fields(model: &ModelArgs) -> String {
+    model
+        .flag_values()
+        .into_iter()
+        .map(|(flag, value)| format!("tandem.{flag} = {value}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Where loaded weights stand in the run that wrote them, as far as their file says.

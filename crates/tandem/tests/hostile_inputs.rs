@@ -739,3 +739,89 @@ fn an_edited_epoch_in_the_snapshot_metadata_is_caught_and_the_previous_snapshot_
         measured.describe()
     );
 }
+
+/// `path`, a safetensors file, with its metadata entry `key` set to `value` (the header
+/// rewritten, padded to 8 bytes; the tensors' bytes unchanged).
+fn edit_safetensors_metadata(path: &Path, key: &str, value: &str) {
+    let bytes = std::fs::read(path).expect("safetensors file");
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("length")) as usize;
+    let mut header: serde_json::Value =
+        serde_json::from_slice(&bytes[8..8 + header_len]).expect("header");
+    header["__metadata__"][key] = serde_json::Value::String(value.to_string());
+    let mut text = serde_json::to_vec(&header).expect("header");
+    while text.len() % 8 != 0 {
+        text.push(b' ');
+    }
+    let mut edited = (text.len() as u64).to_le_bytes().to_vec();
+    edited.extend(text);
+    edited.extend(&bytes[8 + header_len..]);
+    std::fs::write(path, edited).expect("edited file");
+}
+
+#[test]
+fn a_checkpoint_describing_a_huge_model_is_refused_before_it_is_built() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (baseline, data) = legitimate_eval(dir.path());
+    let output = dir.path().join("run");
+    let measured = run_measured(&synthetic_run(&output, 64));
+    assert_eq!(measured.exit_code, Some(0), "{}", measured.describe());
+    let edits = [
+        (
+            "tandem.n-blocks",
+            "1,1,100000000",
+            "tandem.n-blocks adds up to 100000002 blocks, but",
+        ),
+        (
+            "tandem.n-channels",
+            "8,16,100000000",
+            "tandem.n-channels = 8,16,100000000 is not what the tensors hold, `--model \
+             resnet-base --n-blocks 1,1,1 --n-channels 8,16,32",
+        ),
+        (
+            "tandem.num-classes",
+            "1000000000",
+            "tandem.num-classes = 1000000000 is not what the tensors hold",
+        ),
+    ];
+    for file in ["epoch_2.safetensors", "snapshot.safetensors"] {
+        for (key, value, expected) in edits {
+            let edited = dir.path().join(format!("edited-{file}"));
+            std::fs::copy(output.join(file), &edited).expect("copy");
+            edit_safetensors_metadata(&edited, key, value);
+            let mut eval = vec![
+                "eval".to_string(),
+                "--checkpoint".into(),
+                edited.display().to_string(),
+                "--data".into(),
+                "cifar10-bin".into(),
+                "--data-dir".into(),
+                data.display().to_string(),
+                "--threads".into(),
+                "1".into(),
+            ];
+            let measured = run_measured(&eval);
+            let snapshot_values = "values, but its snapshot tensors hold";
+            let expected = match (file, key) {
+                ("snapshot.safetensors", "tandem.n-blocks") => expected,
+                ("snapshot.safetensors", _) => snapshot_values,
+                _ => expected,
+            };
+            measured.expect_refusal(&[
+                &edited.display().to_string(),
+                "describes in its metadata a model its tensors do not hold",
+                expected,
+            ]);
+            assert_peak_within(
+                &format!("{file} with {key} = {value}"),
+                &measured,
+                &baseline,
+            );
+            eval[0] = "predict".into();
+            eval.truncate(3);
+            eval.push(data.join("test_batch.bin").display().to_string());
+            let measured = run_measured(&eval);
+            measured.expect_refusal(&["describes in its metadata a model its tensors do not hold"]);
+            assert_peak_within(&format!("predict, {file} with {key}"), &measured, &baseline);
+        }
+    }
+}
