@@ -8,6 +8,7 @@
 //! the run.
 
 pub mod data;
+pub mod pending;
 pub mod uploader;
 
 use std::path::{Path, PathBuf};

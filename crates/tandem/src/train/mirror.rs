@@ -14,6 +14,7 @@ use anyhow::{bail, Context};
 use tandem_remote::ObjectUrl;
 
 use crate::remote::data::fetched_data_dir;
+use crate::remote::pending::{pending_folder, PendingUploads};
 use crate::remote::uploader::Uploader;
 use crate::remote::{object_url, sidecar, Storage};
 use crate::settings::TrainSettings;
@@ -90,7 +91,8 @@ pub fn localize(settings: &TrainSettings) -> anyhow::Result<LocalizedRun> {
     })
 }
 
-/// The uploads of a run with outputs in object storage (rank 0 only).
+/// The uploads of a run with outputs in object storage (rank 0 only), and of the launcher's
+/// logs.
 pub struct Mirror {
     storage: Storage,
     places: Vec<(PathBuf, ObjectUrl)>,
@@ -98,21 +100,46 @@ pub struct Mirror {
 }
 
 impl Mirror {
-    /// Starts the uploads of the staging `places`; an upload failure that outlasts the
-    /// retries sets `stop_requested`, so the run stops at its next step with a snapshot.
+    /// Uploads what an earlier process left pending for the staging `places`, before
+    /// anything else, then starts the uploads of this one. An upload failure that outlasts
+    /// the retries sets `stop_requested`, so the run stops at its next step with a snapshot.
     pub fn start(
         storage: Storage,
         places: Vec<(PathBuf, ObjectUrl)>,
         stop_requested: Arc<AtomicBool>,
-    ) -> Mirror {
-        let uploader = Uploader::start(Arc::clone(&storage.store), move || {
+    ) -> anyhow::Result<Mirror> {
+        let Some((first_place, first_url)) = places.first() else {
+            bail!("a mirror needs a staging folder");
+        };
+        let folder = pending_folder(first_place);
+        let first_url = first_url.clone();
+        let (pending, earlier) =
+            PendingUploads::open(&folder, |url| local_of(&places, url))?;
+        let earlier_count = earlier.len();
+        let uploader = Uploader::start(Arc::clone(&storage.store), pending, earlier, move || {
             stop_requested.store(true, Ordering::SeqCst);
         });
-        Mirror {
+        if earlier_count > 0 {
+            tell!(
+                "uploads: {earlier_count} left pending by an earlier run (recorded in {}); \
+                 uploading them to {first_url} first",
+                folder.display()
+            );
+            let uploaded = uploader.wait_until_done().map_err(|failure| {
+                anyhow::anyhow!(
+                    "{failure}\nthe uploads an earlier run left pending are still pending \
+                     (recorded in {}): run the same command again once {first_url} can be \
+                     reached",
+                    folder.display()
+                )
+            })?;
+            tell!("uploads: {uploaded} file(s) an earlier run left pending are now in {first_url}");
+        }
+        Ok(Mirror {
             storage,
             places,
             uploader,
-        }
+        })
     }
 
     /// The object a staged local file stands for, if any.
@@ -125,6 +152,17 @@ impl Mirror {
                 .collect::<Option<_>>()?;
             Some(url.join(&relative.join("/")))
         })
+    }
+
+    /// Whether an upload failed: the run's files are kept locally, and what is left is
+    /// pending.
+    pub fn has_failed(&self) -> bool {
+        self.uploader.has_failed()
+    }
+
+    /// How many uploads are pending, and the folder that records them.
+    pub fn pending(&self) -> (usize, PathBuf) {
+        self.uploader.pending()
     }
 
     /// Queues the upload of a file the run has just written.
@@ -168,4 +206,15 @@ impl Mirror {
     pub fn finish(&mut self) -> Result<usize, String> {
         self.uploader.finish()
     }
+}
+
+/// The staged path (a file or folder) of the object or prefix `url` among `places`.
+fn local_of(places: &[(PathBuf, ObjectUrl)], url: &ObjectUrl) -> Option<PathBuf> {
+    places.iter().find_map(|(place, place_url)| {
+        if place_url.bucket() == url.bucket() && place_url.key() == url.key() {
+            return Some(place.clone());
+        }
+        let relative = place_url.relative_key(url)?;
+        Some(relative.split('/').fold(place.clone(), |path, part| path.join(part)))
+    })
 }

@@ -153,7 +153,7 @@ impl Trainer {
                 storage,
                 localized.places,
                 Arc::clone(&stop_requested),
-            )),
+            )?),
             _ => None,
         };
         tandem_engine::set_threads(settings.threads);
@@ -533,12 +533,15 @@ impl Trainer {
                     bar.finish();
                 }
                 self.save_snapshot()?;
+                self.publish_events();
                 let end = if outcome.stop {
                     RunEnd::StoppedOnRequest
                 } else {
                     RunEnd::MaxSteps
                 };
-                if self.is_leader() {
+                // After a failed upload the error that ends the run says where things are.
+                let upload_failed = self.mirror.as_ref().is_some_and(Mirror::has_failed);
+                if self.is_leader() && !upload_failed {
                     let reason = match end {
                         RunEnd::StoppedOnRequest => "Stopped on request".to_string(),
                         _ => format!("Stopped after --max-steps {}", self.progress.global_step),
@@ -547,7 +550,7 @@ impl Trainer {
                         "{reason} at epoch {}, step {}; the snapshot is {}",
                         epoch + 1,
                         self.progress.step_in_epoch,
-                        self.shown(&self.settings.snapshot)
+                        self.snapshot_place()
                     );
                 }
                 return Ok(EpochEnd::Stopped(end));
@@ -874,10 +877,8 @@ impl Trainer {
                 ],
             )?;
             events.flush()?;
-            if let Some(mirror) = &self.mirror {
-                mirror.publish(events.path());
-            }
         }
+        self.publish_events();
         write_history(&self.settings.output_dir, &self.history)?;
         for name in ["metrics.jsonl", "curves.png"] {
             self.publish(&self.settings.output_dir.join(name));
@@ -942,6 +943,23 @@ impl Trainer {
         }
     }
 
+    /// Queues the upload of this session's TensorBoard event file as it stands.
+    fn publish_events(&self) {
+        if let Some(events) = &self.events {
+            self.publish(events.path());
+        }
+    }
+
+    /// Where the snapshot just written is: its path, and for a staged one the object it is
+    /// being uploaded to (it is there once the uploads finish).
+    fn snapshot_place(&self) -> String {
+        let snapshot = &self.settings.snapshot;
+        match self.mirror.as_ref().and_then(|mirror| mirror.url_of(snapshot)) {
+            Some(url) => format!("{}, being uploaded to {url}", snapshot.display()),
+            None => snapshot.display().to_string(),
+        }
+    }
+
     /// How a staged path is shown: as the object it stands for, else as itself.
     fn shown(&self, path: &Path) -> String {
         self.mirror
@@ -982,23 +1000,35 @@ impl Trainer {
     }
 
     /// Waits for the uploads of a run that ended (`end`), however it ended; an upload that
-    /// failed ends the run with an error saying where the snapshot is kept.
+    /// failed ends the run with an error saying what is kept where, and what is pending.
     fn finish_uploads(&mut self, end: anyhow::Result<RunEnd>) -> anyhow::Result<RunEnd> {
         let Some(mirror) = self.mirror.as_mut() else {
             return end;
         };
         let outcome = mirror.finish();
         let end = end?;
-        if let Err(failure) = outcome {
-            bail!(
-                "{failure}\nthe run stopped at epoch {}, step {}; its snapshot is kept locally \
-                 in {}: run the same command again to resume from it and upload the rest",
+        let Err(failure) = outcome else {
+            return Ok(end);
+        };
+        let (pending, folder) = mirror.pending();
+        let state = match end {
+            RunEnd::Finished => format!(
+                "the run finished (epoch {}), but not every file reached the bucket",
+                self.progress.epoch
+            ),
+            _ => format!(
+                "the run stopped at epoch {}, step {}, as its files cannot reach the bucket",
                 self.progress.epoch + 1,
-                self.progress.step_in_epoch,
-                self.settings.snapshot.display()
-            );
-        }
-        Ok(end)
+                self.progress.step_in_epoch
+            ),
+        };
+        bail!(
+            "{failure}\n{state}: its snapshot is kept locally in {}, and {pending} upload(s) are \
+             pending (recorded in {}); run the same command again (with this --cache-dir) to \
+             upload them and resume",
+            self.settings.snapshot.display(),
+            folder.display()
+        );
     }
 
     /// Every rank's `value`, indexed by rank (all ranks take part; one process: its own).
@@ -1018,8 +1048,9 @@ impl Trainer {
         &self,
         epoch: Option<&EpochRecord>,
     ) -> anyhow::Result<BTreeMap<String, String>> {
+        // The data as given: an object URL stays one, for `eval` on another machine.
         CheckpointInfo::of_run(
-            &self.settings,
+            &self.given,
             &ModelArgs::from_spec(self.compute.spec()),
             &self.train_set.class_names,
             epoch,
