@@ -36,10 +36,19 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
     let env: HashMap<String, String> = std::env::vars().collect();
     let plan = options::LaunchPlan::resolve(&args, &env)?;
     signals::catch_stop_signals().context("install the SIGTERM/SIGINT handlers")?;
-    match agent::run_job(&plan)? {
+    let end = agent::run_job(&plan)?;
+    let logs_uploaded = crate::remote::launcher_logs::upload(&args.command, &plan.log_dir);
+    match &logs_uploaded {
+        Ok(Some(uploaded)) => agent::say(uploaded),
+        Ok(None) => {}
+        // A failed job's own error comes after this one.
+        Err(error) if end != JobEnd::Succeeded => tell!("error: {error:#}"),
+        Err(_) => {}
+    }
+    match end {
         JobEnd::Succeeded => {
             agent::say("every worker finished successfully");
-            Ok(())
+            logs_uploaded.map(|_| ())
         }
         JobEnd::Failed { summary } => Err(anyhow::anyhow!(summary)),
         JobEnd::Stopped { reason, signal } => {

@@ -8,6 +8,7 @@
 //! the run.
 
 pub mod data;
+pub mod launcher_logs;
 pub mod pending;
 pub mod uploader;
 

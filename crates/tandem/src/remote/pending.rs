@@ -134,7 +134,10 @@ impl PendingUploads {
                 Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
                 Err(error) => {
                     return Err(error).with_context(|| {
-                        format!("cannot remove {}, a finished upload's record", path.display())
+                        format!(
+                            "cannot remove {}, a finished upload's record",
+                            path.display()
+                        )
                     })
                 }
             }
@@ -161,7 +164,10 @@ fn read_records(folder: &Path) -> anyhow::Result<Vec<(PathBuf, Record)>> {
         let path = entry
             .with_context(|| format!("cannot list {}", folder.display()))?
             .path();
-        if path.extension().is_some_and(|extension| extension == "json") {
+        if path
+            .extension()
+            .is_some_and(|extension| extension == "json")
+        {
             paths.push(path);
         }
     }
@@ -258,7 +264,7 @@ mod tests {
         second.done(&checkpoint).expect("done");
         second.done(&prune).expect("done");
         let (_, found) = PendingUploads::open(&folder, &local).expect("opens");
-        assert_eq!(found, [snapshot.clone()]);
+        assert_eq!(found, std::slice::from_ref(&snapshot));
         second.done(&snapshot).expect("done");
         assert!(!folder.exists(), "an empty folder is removed");
     }

@@ -113,8 +113,7 @@ impl Mirror {
         };
         let folder = pending_folder(first_place);
         let first_url = first_url.clone();
-        let (pending, earlier) =
-            PendingUploads::open(&folder, |url| local_of(&places, url))?;
+        let (pending, earlier) = PendingUploads::open(&folder, |url| local_of(&places, url))?;
         let earlier_count = earlier.len();
         let uploader = Uploader::start(Arc::clone(&storage.store), pending, earlier, move || {
             stop_requested.store(true, Ordering::SeqCst);
@@ -215,6 +214,10 @@ fn local_of(places: &[(PathBuf, ObjectUrl)], url: &ObjectUrl) -> Option<PathBuf>
             return Some(place.clone());
         }
         let relative = place_url.relative_key(url)?;
-        Some(relative.split('/').fold(place.clone(), |path, part| path.join(part)))
+        Some(
+            relative
+                .split('/')
+                .fold(place.clone(), |path, part| path.join(part)),
+        )
     })
 }

@@ -954,7 +954,11 @@ impl Trainer {
     /// being uploaded to (it is there once the uploads finish).
     fn snapshot_place(&self) -> String {
         let snapshot = &self.settings.snapshot;
-        match self.mirror.as_ref().and_then(|mirror| mirror.url_of(snapshot)) {
+        match self
+            .mirror
+            .as_ref()
+            .and_then(|mirror| mirror.url_of(snapshot))
+        {
             Some(url) => format!("{}, being uploaded to {url}", snapshot.display()),
             None => snapshot.display().to_string(),
         }
