@@ -902,6 +902,44 @@ fn an_outage_during_a_snapshot_upload_leaves_it_pending_for_the_next_run() {
 }
 
 #[test]
+fn uploads_left_pending_in_a_cache_never_overwrite_a_bucket_that_moved_on() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    server.create_bucket("runs");
+    let proxy = OutageProxy::start(server.port(), "PUT /runs/moved/snapshot.safetensors");
+    let scratch = tempfile::tempdir().expect("a temporary folder");
+    let args = outage_run("s3://runs/moved");
+    let left_behind = scratch.path().join("cache-left-behind");
+    let staged = left_behind.join("runs/runs/moved");
+    assert_failed_for_an_upload(&run(&proxy.endpoint(), &left_behind, &args), &staged);
+    proxy.restore();
+    // Another machine runs the job to its end.
+    let other = scratch.path().join("cache-other");
+    expect_success(&run(&proxy.endpoint(), &other, &args));
+    let bucket = server.bucket_folder("runs").join("moved");
+    let finished = std::fs::read(bucket.join("snapshot.safetensors")).expect("the snapshot");
+    // The first cache's pending snapshot is older than the bucket's: it is dropped.
+    let again = run(&proxy.endpoint(), &left_behind, &args);
+    assert!(
+        std::fs::read(bucket.join("snapshot.safetensors")).ok() == Some(finished),
+        "the bucket's snapshot was replaced by an older one"
+    );
+    let stdout = expect_success(&again);
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "left pending in {}.pending-uploads by an earlier run are dropped: s3://runs/moved \
+             is further on than they are",
+            staged.display()
+        )),
+        "{stderr}"
+    );
+    assert!(stdout.contains("2/2 epochs done"), "{stdout}");
+    assert!(!left_behind.join("runs/runs/moved.pending-uploads").exists());
+}
+
+#[test]
 fn a_checkpoint_of_obs_data_fetches_it_again_from_another_cache() {
     let Some(server) = S3Server::start() else {
         return;

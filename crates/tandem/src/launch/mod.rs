@@ -31,7 +31,8 @@ use agent::JobEnd;
 
 /// Runs `tandem launch`: returns when the job succeeded; exits the process with 128 + the
 /// signal (143 for SIGTERM) when a stop signal ended it; fails with the summary of the root
-/// cause when the workers failed past `--max-restarts`.
+/// cause when the workers failed past `--max-restarts`. However it ended, the logs of a run
+/// in object storage are then uploaded; a job that succeeded fails when they cannot be.
 pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
     let env: HashMap<String, String> = std::env::vars().collect();
     let plan = options::LaunchPlan::resolve(&args, &env)?;

@@ -1,7 +1,8 @@
 //! The `logs/` and `errors/` that `tandem launch` writes into the staging folder of a run
 //! whose `--output-dir` is an object URL: uploaded beside the run's outputs when the job
-//! ends, however it ended, through the run's [`Mirror`], so that what cannot be uploaded
-//! then stays pending for the next process with the same cache.
+//! ends, however it ended, through the run's [`Mirror`] (after what its workers left
+//! pending), so that what cannot be uploaded then stays pending for the next process with
+//! the same cache.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -41,6 +42,7 @@ pub fn upload(command: &[String], log_dir: &Path) -> anyhow::Result<Option<Strin
         vec![(staging.clone(), url.clone())],
         Arc::new(AtomicBool::new(false)),
     )?;
+    mirror.upload_earlier()?;
     let files: Vec<PathBuf> = LAUNCHER_FOLDERS
         .iter()
         .flat_map(|folder| files_in(&staging.join(folder)))

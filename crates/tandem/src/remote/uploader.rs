@@ -105,17 +105,16 @@ pub struct Uploader {
 }
 
 impl Uploader {
-    /// Starts the thread on `earlier` (jobs an earlier process left in `pending`) and then
-    /// what is queued; `on_failure` runs on it once, after the first failure.
+    /// Starts the thread, recording its jobs in `pending`; `on_failure` runs on it once,
+    /// after the first failure.
     pub fn start(
         store: Arc<RemoteStore>,
         pending: PendingUploads,
-        earlier: Vec<Job>,
         on_failure: impl FnOnce() + Send + 'static,
     ) -> Uploader {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
-                queue: earlier.into(),
+                queue: VecDeque::new(),
                 in_flight: None,
                 closed: false,
                 failure: None,
@@ -139,19 +138,9 @@ impl Uploader {
         Uploader { shared, thread }
     }
 
-    /// Queues the upload of `local` to `url`, replacing a queued upload of the same object.
-    pub fn put(&self, local: PathBuf, url: ObjectUrl) {
-        self.enqueue(Job::Put { local, url });
-    }
-
-    /// Queues the pruning of the epoch checkpoints under `prefix` to the last `keep`.
-    pub fn prune_checkpoints(&self, prefix: ObjectUrl, keep: usize) {
-        self.enqueue(Job::PruneCheckpoints { prefix, keep });
-    }
-
     /// Records `job` as pending and adds it to the queue (an upload replaces a queued one of
     /// the same object). After a failure it is only recorded, for the next process.
-    fn enqueue(&self, job: Job) {
+    pub fn enqueue(&self, job: Job) {
         let mut state = self.shared.lock();
         if let Err(error) = state.pending.record(&job) {
             state.fail(format!("{error:#}"));
@@ -163,6 +152,11 @@ impl Uploader {
         state.queue.retain(|queued| !queued.same_as(&job));
         state.queue.push_back(job);
         self.shared.changed.notify_all();
+    }
+
+    /// Forgets the pending `job` without doing it.
+    pub fn forget(&self, job: &Job) -> anyhow::Result<()> {
+        self.shared.lock().pending.done(job)
     }
 
     /// Whether an upload failed (the queue has stopped).

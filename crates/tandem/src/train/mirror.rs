@@ -15,7 +15,7 @@ use tandem_remote::ObjectUrl;
 
 use crate::remote::data::fetched_data_dir;
 use crate::remote::pending::{pending_folder, PendingUploads};
-use crate::remote::uploader::Uploader;
+use crate::remote::uploader::{Job, Uploader};
 use crate::remote::{object_url, sidecar, Storage};
 use crate::settings::TrainSettings;
 
@@ -97,48 +97,91 @@ pub struct Mirror {
     storage: Storage,
     places: Vec<(PathBuf, ObjectUrl)>,
     uploader: Uploader,
+    /// The jobs an earlier process left pending, not queued yet.
+    earlier: Vec<Job>,
+    /// Where the pending jobs are recorded.
+    pending_folder: PathBuf,
 }
 
 impl Mirror {
-    /// Uploads what an earlier process left pending for the staging `places`, before
-    /// anything else, then starts the uploads of this one. An upload failure that outlasts
+    /// Starts the uploads of the staging `places` and finds what an earlier process left
+    /// pending for them (see [`Mirror::upload_earlier`]). An upload failure that outlasts
     /// the retries sets `stop_requested`, so the run stops at its next step with a snapshot.
     pub fn start(
         storage: Storage,
         places: Vec<(PathBuf, ObjectUrl)>,
         stop_requested: Arc<AtomicBool>,
     ) -> anyhow::Result<Mirror> {
-        let Some((first_place, first_url)) = places.first() else {
+        let Some((first_place, _)) = places.first() else {
             bail!("a mirror needs a staging folder");
         };
-        let folder = pending_folder(first_place);
-        let first_url = first_url.clone();
-        let (pending, earlier) = PendingUploads::open(&folder, |url| local_of(&places, url))?;
-        let earlier_count = earlier.len();
-        let uploader = Uploader::start(Arc::clone(&storage.store), pending, earlier, move || {
+        let pending_folder = pending_folder(first_place);
+        let (pending, earlier) =
+            PendingUploads::open(&pending_folder, |url| local_of(&places, url))?;
+        let uploader = Uploader::start(Arc::clone(&storage.store), pending, move || {
             stop_requested.store(true, Ordering::SeqCst);
         });
-        if earlier_count > 0 {
-            tell!(
-                "uploads: {earlier_count} left pending by an earlier run (recorded in {}); \
-                 uploading them to {first_url} first",
-                folder.display()
-            );
-            let uploaded = uploader.wait_until_done().map_err(|failure| {
-                anyhow::anyhow!(
-                    "{failure}\nthe uploads an earlier run left pending are still pending \
-                     (recorded in {}): run the same command again once {first_url} can be \
-                     reached",
-                    folder.display()
-                )
-            })?;
-            tell!("uploads: {uploaded} file(s) an earlier run left pending are now in {first_url}");
-        }
         Ok(Mirror {
             storage,
             places,
             uploader,
+            earlier,
+            pending_folder,
         })
+    }
+
+    /// The prefix of the outputs, as messages name it.
+    fn first_url(&self) -> String {
+        self.places
+            .first()
+            .map_or_else(String::new, |(_, url)| url.to_string())
+    }
+
+    /// Uploads what an earlier process left pending and waits until it is in the bucket;
+    /// fails, leaving it pending, when it cannot be.
+    pub fn upload_earlier(&mut self) -> anyhow::Result<()> {
+        let earlier = std::mem::take(&mut self.earlier);
+        if earlier.is_empty() {
+            return Ok(());
+        }
+        let (count, url, folder) = (earlier.len(), self.first_url(), &self.pending_folder);
+        tell!(
+            "uploads: {count} left pending by an earlier run (recorded in {}); uploading them \
+             to {url} first",
+            folder.display()
+        );
+        for job in earlier {
+            self.uploader.enqueue(job);
+        }
+        let uploaded = self.uploader.wait_until_done().map_err(|failure| {
+            anyhow::anyhow!(
+                "{failure}\nthe uploads an earlier run left pending are still pending \
+                 (recorded in {}): run the same command again once {url} can be reached",
+                folder.display()
+            )
+        })?;
+        tell!("uploads: {uploaded} file(s) an earlier run left pending are now in {url}");
+        Ok(())
+    }
+
+    /// Forgets what an earlier process left pending, as the bucket is further on than the
+    /// staged files it stands for (another machine continued the run), and says so.
+    pub fn forget_earlier(&mut self) -> anyhow::Result<()> {
+        let earlier = std::mem::take(&mut self.earlier);
+        if earlier.is_empty() {
+            return Ok(());
+        }
+        for job in &earlier {
+            self.uploader.forget(job)?;
+        }
+        tell!(
+            "uploads: the {} left pending in {} by an earlier run are dropped: {} is further on \
+             than they are",
+            earlier.len(),
+            self.pending_folder.display(),
+            self.first_url()
+        );
+        Ok(())
     }
 
     /// The object a staged local file stands for, if any.
@@ -167,7 +210,10 @@ impl Mirror {
     /// Queues the upload of a file the run has just written.
     pub fn publish(&self, local: &Path) {
         if let Some(url) = self.url_of(local) {
-            self.uploader.put(local.to_path_buf(), url);
+            self.uploader.enqueue(Job::Put {
+                local: local.to_path_buf(),
+                url,
+            });
         }
     }
 
@@ -175,7 +221,8 @@ impl Mirror {
     /// staged `output_dir`, but the last `keep`, are deleted there.
     pub fn prune_checkpoints(&self, output_dir: &Path, keep: usize) {
         if let Some(prefix) = self.url_of(output_dir) {
-            self.uploader.prune_checkpoints(prefix, keep);
+            self.uploader
+                .enqueue(Job::PruneCheckpoints { prefix, keep });
         }
     }
 

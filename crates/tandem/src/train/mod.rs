@@ -973,34 +973,43 @@ impl Trainer {
     }
 
     /// The newest good snapshot: the staging folder's, or the bucket's when it is further
-    /// on (a relaunch on a fresh node has only the bucket's).
-    fn newest_snapshot(&self) -> anyhow::Result<Option<Snapshot>> {
+    /// on (a relaunch on a fresh node has only the bucket's). What an earlier run left
+    /// pending is uploaded first, unless the bucket is further on than the staged files.
+    fn newest_snapshot(&mut self) -> anyhow::Result<Option<Snapshot>> {
         let local = load_latest(&self.settings.snapshot)?;
-        let Some(mirror) = &self.mirror else {
-            return Ok(local);
-        };
-        let Some(fetched) = mirror.fetch_snapshot(&self.settings.snapshot)? else {
-            return Ok(local);
-        };
-        let from_bucket = Snapshot::load(&fetched);
-        let _ = std::fs::remove_file(&fetched);
         let shown = self.shown(&self.settings.snapshot);
-        let from_bucket = match (from_bucket, &local) {
-            (Ok(snapshot), _) => snapshot,
-            (Err(error), Some(_)) => {
-                tell!("warning: {shown} in the bucket is damaged ({error:#}); resuming from the staged copy");
-                return Ok(local);
+        let Some(mirror) = self.mirror.as_mut() else {
+            return Ok(local);
+        };
+        let from_bucket = mirror
+            .fetch_snapshot(&self.settings.snapshot)?
+            .map(|fetched| {
+                let loaded = Snapshot::load(&fetched);
+                let _ = std::fs::remove_file(&fetched);
+                loaded
+            });
+        let newest = match (from_bucket, local) {
+            (Some(Ok(from_bucket)), local)
+                if local.as_ref().is_none_or(|local| {
+                    local.progress.global_step < from_bucket.progress.global_step
+                }) =>
+            {
+                mirror.forget_earlier()?;
+                return Ok(Some(from_bucket));
             }
-            (Err(error), None) => {
+            (Some(Err(error)), None) => {
                 return Err(error.context(format!(
                 "{shown} is damaged and no other copy exists: start over with another --output-dir"
             )))
             }
+            (Some(Err(error)), Some(local)) => {
+                tell!("warning: {shown} in the bucket is damaged ({error:#}); resuming from the staged copy");
+                Some(local)
+            }
+            (_, local) => local,
         };
-        Ok(Some(match local {
-            Some(local) if local.progress.global_step >= from_bucket.progress.global_step => local,
-            _ => from_bucket,
-        }))
+        mirror.upload_earlier()?;
+        Ok(newest)
     }
 
     /// Waits for the uploads of a run that ended (`end`), however it ended; an upload that
