@@ -754,7 +754,9 @@ fn assert_failed_for_an_upload(output: &Output, staged: &Path) {
     );
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
-        !stderr.contains("Stopped on request") && !stderr.contains("the snapshot is s3://"),
+        !stderr.contains("Stopped on request")
+            && !stderr.contains("the snapshot is s3://")
+            && !stderr.contains("the snapshot is obs://"),
         "{stderr}"
     );
     assert!(!stdout.contains("Stopped on request"), "{stdout}");
