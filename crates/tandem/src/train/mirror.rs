@@ -4,7 +4,9 @@
 //!
 //! The staging folder is `CACHE/runs/BUCKET/KEY`: on the same node a relaunch finds its own
 //! newest files there; on a fresh node with an empty disk it finds nothing and resumes from
-//! the bucket.
+//! the bucket. What a process could not upload stays recorded beside the staging folder
+//! (see [`crate::remote::pending`]): the next run with the same cache uploads it before it
+//! trains, or drops it when the bucket is further on (another machine carried the run on).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
