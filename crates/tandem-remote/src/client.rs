@@ -17,7 +17,7 @@ use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as StorePath;
 use object_store::{BackoffConfig, ClientOptions, ObjectStore, PutPayload, RetryConfig};
 
-use crate::{Connection, ObjectUrl, RemoteError};
+use crate::{Connection, ObjectUrl, RemoteError, Scheme};
 
 /// Objects up to this size are uploaded with one PUT; larger ones in parts of this size.
 pub const PART_BYTES: usize = 16 << 20;
@@ -260,8 +260,14 @@ impl RemoteStore {
         }
     }
 
-    /// The object_store client of `url`'s bucket, built once.
+    /// The object_store client of `url`'s bucket, built once. An `obs://` URL needs an
+    /// endpoint: nothing is sent to Amazon S3 for it.
     fn bucket(&self, url: &ObjectUrl) -> Result<Arc<dyn ObjectStore>, RemoteError> {
+        if url.scheme() == Scheme::Obs && self.connection.endpoint.is_none() {
+            return Err(RemoteError::NoObsEndpoint {
+                url: url.to_string(),
+            });
+        }
         let mut buckets = self
             .buckets
             .lock()
@@ -355,12 +361,7 @@ impl RemoteStore {
 
     /// The error of a request on `url`, in this crate's terms.
     fn error(&self, error: object_store::Error, url: &ObjectUrl) -> RemoteError {
-        let endpoint = self
-            .connection
-            .endpoint
-            .clone()
-            .unwrap_or_else(|| format!("https://s3.{}.amazonaws.com", self.connection.region));
-        RemoteError::from_store(error, &url.to_string(), url.bucket(), &endpoint)
+        RemoteError::from_store(error, &url.to_string(), url.bucket(), &self.connection)
     }
 }
 
@@ -385,4 +386,28 @@ fn temporary_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".{}.tmp", std::process::id()));
     path.with_file_name(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_obs_url_without_an_endpoint_is_refused_before_any_request() {
+        let connection = Connection::resolve(&crate::ConnectionOptions::default(), |name| {
+            (name == "OBS_ACCESS_KEY_ID" || name == "OBS_SECRET_ACCESS_KEY").then(|| "x".into())
+        })
+        .expect("resolves");
+        let store = RemoteStore::new(connection).expect("a client");
+        let url = ObjectUrl::parse("obs://runs/seed-000/snapshot.safetensors")
+            .expect("valid")
+            .expect("an object URL");
+        let error = store.head(&url).expect_err("refused");
+        assert_eq!(
+            error.to_string(),
+            "obs://runs/seed-000/snapshot.safetensors: no endpoint is set, and Amazon S3 (the \
+             default) does not serve obs:// buckets: set OBS_ENDPOINT or --s3-endpoint to the OBS \
+             endpoint of the bucket's region, e.g. https://obs.cn-north-4.myhuaweicloud.com"
+        );
+    }
 }

@@ -23,6 +23,8 @@ pub struct ConnectionOptions {
 
 /// The default of [`ConnectionOptions::retry_timeout`].
 pub const DEFAULT_RETRY_TIMEOUT: Duration = Duration::from_secs(120);
+/// The flag that sets the endpoint, as messages name it.
+const ENDPOINT_FLAG: &str = "--s3-endpoint";
 /// The region signed for when nothing names one (what AWS's own tools assume).
 const DEFAULT_REGION: &str = "us-east-1";
 
@@ -86,6 +88,8 @@ pub struct Credentials {
 pub struct Connection {
     /// The endpoint with its scheme, or `None` for Amazon S3 itself.
     pub endpoint: Option<String>,
+    /// Where the endpoint came from: `--s3-endpoint` or the variable that set it.
+    pub endpoint_source: Option<&'static str>,
     /// The signing region.
     pub region: String,
     /// Path-style addressing.
@@ -111,12 +115,16 @@ impl Connection {
     ) -> Result<Connection, RemoteError> {
         let lookup = |name: &str| lookup(name).filter(|value| !value.trim().is_empty());
         let first_of = |names: &[&str]| names.iter().find_map(|name| lookup(name));
-        let endpoint = match options.endpoint.clone() {
-            Some(endpoint) => Some(endpoint),
-            None => first_of(&ENDPOINT_VARIABLES),
-        }
-        .map(|endpoint| with_scheme(endpoint.trim(), lookup("S3_USE_HTTPS").as_deref()))
-        .transpose()?;
+        let (endpoint, endpoint_source) = match options.endpoint.clone() {
+            Some(endpoint) => (Some(endpoint), Some(ENDPOINT_FLAG)),
+            None => ENDPOINT_VARIABLES
+                .iter()
+                .find_map(|name| Some((Some(lookup(name)?), Some(*name))))
+                .unwrap_or((None, None)),
+        };
+        let endpoint = endpoint
+            .map(|endpoint| with_scheme(endpoint.trim(), lookup("S3_USE_HTTPS").as_deref()))
+            .transpose()?;
         let host = endpoint.as_deref().map(endpoint_host);
         let region = options
             .region
@@ -137,11 +145,32 @@ impl Connection {
         }
         Ok(Connection {
             endpoint,
+            endpoint_source,
             region,
             path_style,
             credentials,
             retry_timeout: options.retry_timeout.unwrap_or(DEFAULT_RETRY_TIMEOUT),
         })
+    }
+}
+
+impl Connection {
+    /// The endpoint requests go to: the one set, else Amazon S3's of the region.
+    pub fn endpoint_url(&self) -> String {
+        self.endpoint
+            .clone()
+            .unwrap_or_else(|| format!("https://s3.{}.amazonaws.com", self.region))
+    }
+
+    /// Where [`Connection::endpoint_url`] comes from, in words.
+    pub fn endpoint_origin(&self) -> String {
+        match self.endpoint_source {
+            Some(source) => format!("from {source}"),
+            None => format!(
+                "Amazon S3: no endpoint is set; {ENDPOINT_FLAG}, AWS_ENDPOINT_URL or \
+                 OBS_ENDPOINT sets one"
+            ),
+        }
     }
 }
 
@@ -355,6 +384,37 @@ mod tests {
         assert_eq!(chain.credentials, None);
         assert_eq!(chain.endpoint, None);
         assert!(resolve(&[("AWS_ENDPOINT_URL", "ftp://x")]).is_err());
+    }
+
+    #[test]
+    fn the_endpoint_and_where_it_came_from_are_named() {
+        let from_variable = resolve(&[
+            ("OBS_ENDPOINT", "obs.cn-north-4.myhuaweicloud.com"),
+            ("OBS_ACCESS_KEY_ID", "AK"),
+            ("OBS_SECRET_ACCESS_KEY", "SK"),
+        ])
+        .expect("resolves");
+        assert_eq!(
+            from_variable.endpoint_url(),
+            "https://obs.cn-north-4.myhuaweicloud.com"
+        );
+        assert_eq!(from_variable.endpoint_origin(), "from OBS_ENDPOINT");
+        let from_flag = resolve_with(
+            &ConnectionOptions {
+                endpoint: Some("http://127.0.0.1:9000".into()),
+                ..ConnectionOptions::default()
+            },
+            &[("AWS_ACCESS_KEY_ID", "AK"), ("AWS_SECRET_ACCESS_KEY", "SK")],
+        )
+        .expect("resolves");
+        assert_eq!(from_flag.endpoint_origin(), "from --s3-endpoint");
+        let amazon = resolve(&[("AWS_REGION", "eu-west-3")]).expect("resolves");
+        assert_eq!(amazon.endpoint_url(), "https://s3.eu-west-3.amazonaws.com");
+        assert_eq!(
+            amazon.endpoint_origin(),
+            "Amazon S3: no endpoint is set; --s3-endpoint, AWS_ENDPOINT_URL or OBS_ENDPOINT \
+             sets one"
+        );
     }
 
     #[test]

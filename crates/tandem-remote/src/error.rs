@@ -5,6 +5,8 @@
 
 use std::path::PathBuf;
 
+use crate::Connection;
+
 /// Why an object could not be read, written, listed or deleted.
 #[derive(Debug, thiserror::Error)]
 pub enum RemoteError {
@@ -28,13 +30,30 @@ pub enum RemoteError {
         /// The endpoint.
         endpoint: String,
     },
+    /// An `obs://` URL with no endpoint set: Amazon S3, the default, does not serve it.
+    #[error(
+        "{url}: no endpoint is set, and Amazon S3 (the default) does not serve obs:// buckets: \
+         set OBS_ENDPOINT or --s3-endpoint to the OBS endpoint of the bucket's region, e.g. \
+         https://obs.cn-north-4.myhuaweicloud.com"
+    )]
+    NoObsEndpoint {
+        /// The object or prefix.
+        url: String,
+    },
     /// The server refused the credentials or the operation.
-    #[error("{url}: access denied ({detail}); check the credentials and the bucket's policy")]
+    #[error(
+        "{url}: access denied ({detail}) at {endpoint} ({origin}); check the credentials, the \
+         bucket's policy, and that this endpoint serves the bucket"
+    )]
     AccessDenied {
         /// The object or prefix.
         url: String,
         /// The server's code and message.
         detail: String,
+        /// The endpoint that refused.
+        endpoint: String,
+        /// Where the endpoint came from, in words.
+        origin: String,
     },
     /// The bucket does not exist.
     #[error("{url}: no such bucket '{bucket}'")]
@@ -91,12 +110,12 @@ pub enum RemoteError {
 }
 
 impl RemoteError {
-    /// The error `error` of a request on `url` (bucket `bucket`, at `endpoint`) means.
+    /// The error `error` of a request on `url` (bucket `bucket`, through `connection`) means.
     pub(crate) fn from_store(
         error: object_store::Error,
         url: &str,
         bucket: &str,
-        endpoint: &str,
+        connection: &Connection,
     ) -> RemoteError {
         let chain = error_chain(&error);
         let code = server_code(&chain);
@@ -126,10 +145,12 @@ impl RemoteError {
             ) => RemoteError::AccessDenied {
                 url,
                 detail: server_detail(&chain).unwrap_or_else(|| "HTTP 403".to_string()),
+                endpoint: connection.endpoint_url(),
+                origin: connection.endpoint_origin(),
             },
             _ if is_unreachable(&chain) => RemoteError::Unreachable {
                 url,
-                endpoint: endpoint.to_string(),
+                endpoint: connection.endpoint_url(),
                 detail: innermost(&chain),
             },
             _ => RemoteError::Request {
@@ -219,5 +240,30 @@ mod tests {
             "tcp connect error: Connection refused (os error 111)".to_string()
         ]));
         assert!(!is_unreachable(&["HTTP 500".to_string()]));
+    }
+
+    #[test]
+    fn a_refusal_names_the_endpoint_that_refused_and_where_it_came_from() {
+        let connection = Connection::resolve(&crate::ConnectionOptions::default(), |name| {
+            (name == "AWS_ACCESS_KEY_ID" || name == "AWS_SECRET_ACCESS_KEY").then(|| "x".into())
+        })
+        .expect("resolves");
+        let refused = object_store::Error::PermissionDenied {
+            path: "cifar/data_batch_1.bin".into(),
+            source: "HTTP 403".into(),
+        };
+        let error = RemoteError::from_store(
+            refused,
+            "s3://data/cifar/data_batch_1.bin",
+            "data",
+            &connection,
+        );
+        assert_eq!(
+            error.to_string(),
+            "s3://data/cifar/data_batch_1.bin: access denied (HTTP 403) at \
+             https://s3.us-east-1.amazonaws.com (Amazon S3: no endpoint is set; --s3-endpoint, \
+             AWS_ENDPOINT_URL or OBS_ENDPOINT sets one); check the credentials, the bucket's \
+             policy, and that this endpoint serves the bucket"
+        );
     }
 }

@@ -1,5 +1,6 @@
 //! For tests only (feature `test-server`): a real S3-protocol server on loopback, `s3s-fs`,
-//! which checks every request's signature, and a proxy that breaks one upload mid-way.
+//! which checks every request's signature; a proxy that breaks one upload mid-way; and one
+//! that stands for an outage starting at a chosen request.
 //!
 //! `s3s-fs` is found through `TANDEM_S3S_FS` (its path) or on `PATH`; `.ci/run` installs
 //! it. Where it is missing, [`S3Server::start`] returns `None` after printing why, unless
@@ -7,7 +8,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -24,6 +25,7 @@ const START_LIMIT: Duration = Duration::from_secs(20);
 /// buckets; stopped and removed when dropped.
 pub struct S3Server {
     child: Option<Child>,
+    program: PathBuf,
     root: tempfile::TempDir,
     port: u16,
 }
@@ -48,35 +50,28 @@ impl S3Server {
         // in between, so a start that fails is tried again on another port.
         for _ in 0..3 {
             let port = free_port();
-            let log = root.path().join(format!("s3s-fs-{port}.log"));
-            let mut child = Command::new(&program)
-                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-                .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
-                .arg(root.path().join("data"))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).expect("the server's log file"))
-                .spawn()
-                .unwrap_or_else(|error| panic!("cannot start {}: {error}", program.display()));
-            match wait_ready(&mut child, port) {
-                Ok(()) => {
+            match spawn_server(&program, root.path(), port) {
+                Ok(child) => {
                     return Some(S3Server {
                         child: Some(child),
+                        program,
                         root,
                         port,
                     })
                 }
-                Err(failure) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    last_failure = format!(
-                        "{failure}; its log:\n{}",
-                        std::fs::read_to_string(&log).unwrap_or_default()
-                    );
-                }
+                Err(failure) => last_failure = failure,
             }
         }
         panic!("s3s-fs did not start: {last_failure}");
+    }
+
+    /// Starts the stopped server again, on the same port with the same buckets (as a
+    /// store back from an outage).
+    pub fn restart(&mut self) {
+        self.stop();
+        let child = spawn_server(&self.program, self.root.path(), self.port)
+            .unwrap_or_else(|failure| panic!("s3s-fs did not start again: {failure}"));
+        self.child = Some(child);
     }
 
     /// `http://127.0.0.1:PORT`.
@@ -241,6 +236,150 @@ impl Drop for CuttingProxy {
     }
 }
 
+/// A proxy on loopback in front of a server that goes dark, as a store in an outage does,
+/// at the first request whose request line starts with `trigger` (say `PUT /runs/f/`): that
+/// request never reaches the server, every open connection is dropped and new ones are
+/// refused, until [`OutageProxy::restore`].
+pub struct OutageProxy {
+    port: u16,
+    outage: Arc<Outage>,
+}
+
+/// The state an outage proxy's threads share.
+struct Outage {
+    trigger: Vec<u8>,
+    /// The trigger has passed: there is no second outage.
+    spent: AtomicBool,
+    dark: AtomicBool,
+    stopped: AtomicBool,
+}
+
+impl Outage {
+    /// Starts the outage when `recent` (what passed towards the server lately) holds the
+    /// trigger, unless it is spent.
+    fn begin_if_triggered(&self, recent: &[u8]) {
+        if recent
+            .windows(self.trigger.len())
+            .any(|window| window == self.trigger.as_slice())
+            && !self.spent.swap(true, Ordering::SeqCst)
+        {
+            self.dark.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A listener on loopback port `port` (0: any) that does not block on accept.
+fn nonblocking_listener(port: u16) -> std::io::Result<TcpListener> {
+    let listener = TcpListener::bind(("127.0.0.1", port))?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+impl OutageProxy {
+    /// Starts the proxy in front of `127.0.0.1:target_port`.
+    pub fn start(target_port: u16, trigger: &str) -> OutageProxy {
+        let listener = nonblocking_listener(0).expect("a loopback port for the proxy");
+        let port = listener.local_addr().expect("the proxy's address").port();
+        let outage = Arc::new(Outage {
+            trigger: trigger.as_bytes().to_vec(),
+            spent: AtomicBool::new(false),
+            dark: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+        });
+        {
+            let outage = Arc::clone(&outage);
+            std::thread::spawn(move || serve_until_stopped(listener, port, target_port, &outage));
+        }
+        OutageProxy { port, outage }
+    }
+
+    /// `http://127.0.0.1:PORT` of the proxy.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Whether the outage has begun (and not been restored).
+    pub fn is_dark(&self) -> bool {
+        self.outage.dark.load(Ordering::SeqCst)
+    }
+
+    /// Ends the outage: connections are accepted and passed on again, and the trigger is
+    /// spent.
+    pub fn restore(&self) {
+        self.outage.dark.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for OutageProxy {
+    fn drop(&mut self) {
+        self.outage.stopped.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Accepts connections on `listener` (port `port`) and passes them on to `target_port`; in
+/// an outage the port is closed, and bound again once it ends.
+fn serve_until_stopped(listener: TcpListener, port: u16, target_port: u16, outage: &Arc<Outage>) {
+    let mut listener = Some(listener);
+    while !outage.stopped.load(Ordering::SeqCst) {
+        let dark = outage.dark.load(Ordering::SeqCst);
+        match (&listener, dark) {
+            (Some(_), true) => listener = None,
+            (None, false) => listener = nonblocking_listener(port).ok(),
+            _ => {}
+        }
+        let accepted = listener.as_ref().map(TcpListener::accept);
+        match accepted {
+            Some(Ok((client, _))) => {
+                let _ = client.set_nonblocking(false);
+                let outage = Arc::clone(outage);
+                std::thread::spawn(move || relay_until_dark(client, target_port, &outage));
+            }
+            _ => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+/// Passes one connection through both ways until either side closes or the outage begins.
+fn relay_until_dark(client: TcpStream, target_port: u16, outage: &Arc<Outage>) {
+    let Ok(server) = TcpStream::connect(("127.0.0.1", target_port)) else {
+        return;
+    };
+    let (Ok(client_back), Ok(server_back)) = (client.try_clone(), server.try_clone()) else {
+        return;
+    };
+    let backward = {
+        let outage = Arc::clone(outage);
+        std::thread::spawn(move || pump_until_dark(server_back, client_back, &outage, false))
+    };
+    pump_until_dark(client, server, outage, true);
+    let _ = backward.join();
+}
+
+/// Copies `from` to `to` until either side closes or the outage begins; `watch` looks for
+/// the trigger in what passes (across the reads' boundaries) and starts the outage there,
+/// before passing it on.
+fn pump_until_dark(mut from: TcpStream, mut to: TcpStream, outage: &Outage, watch: bool) {
+    let mut buffer = [0u8; 16 * 1024];
+    let mut recent: Vec<u8> = Vec::new();
+    loop {
+        let count = match from.read(&mut buffer) {
+            Ok(0) | Err(_) => break,
+            Ok(count) => count,
+        };
+        if watch && !outage.spent.load(Ordering::SeqCst) {
+            recent.extend_from_slice(&buffer[..count]);
+            outage.begin_if_triggered(&recent);
+            let keep = recent.len().min(outage.trigger.len());
+            recent.drain(..recent.len() - keep);
+        }
+        if outage.dark.load(Ordering::SeqCst) || to.write_all(&buffer[..count]).is_err() {
+            break;
+        }
+    }
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}
+
 /// Passes one connection through both ways, the `cut` way through the cutter.
 fn relay(client: TcpStream, target_port: u16, cut: Cut, cutter: Arc<Cutter>) {
     let Ok(server) = TcpStream::connect(("127.0.0.1", target_port)) else {
@@ -314,6 +453,32 @@ fn pump(mut from: TcpStream, mut to: TcpStream, cutter: Option<Arc<Cutter>>) {
         forwarded += count as u64;
     }
     let _ = to.shutdown(Shutdown::Write);
+}
+
+/// Starts `program` on `port` serving the folder `root/data`, and waits until it listens;
+/// the failure, with the server's log, when it does not.
+fn spawn_server(program: &Path, root: &Path, port: u16) -> Result<Child, String> {
+    let log = root.join(format!("s3s-fs-{port}.log"));
+    let mut child = Command::new(program)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+        .arg(root.join("data"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("the server's log file"))
+        .spawn()
+        .unwrap_or_else(|error| panic!("cannot start {}: {error}", program.display()));
+    match wait_ready(&mut child, port) {
+        Ok(()) => Ok(child),
+        Err(failure) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(format!(
+                "{failure}; its log:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            ))
+        }
+    }
 }
 
 /// Waits until `port` accepts connections, or the server exits, within [`START_LIMIT`].

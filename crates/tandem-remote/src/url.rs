@@ -80,6 +80,11 @@ impl ObjectUrl {
         }))
     }
 
+    /// The scheme, as the user wrote it.
+    pub fn scheme(&self) -> Scheme {
+        self.scheme
+    }
+
     /// The bucket's name.
     pub fn bucket(&self) -> &str {
         &self.bucket

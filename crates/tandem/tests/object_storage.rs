@@ -2,7 +2,9 @@
 //! (`s3s-fs`, which checks every request's signature): data read from one bucket and every
 //! output written to another, a run killed with SIGKILL and resumed on a "fresh node" from
 //! the bucket alone, bit-identical; each failure as its named error; an upload whose
-//! connection is cut mid-way; and no credential in any file a run writes.
+//! connection is cut mid-way; outages at several moments, after which the next run uploads
+//! everything left pending; checkpoints that find their data from another cache; the
+//! launcher's logs; and no credential in any file a run writes.
 //!
 //! Where `s3s-fs` is missing the tests are skipped with the reason, unless `CI` is set
 //! (`.ci/run` installs it), where they fail.
@@ -14,7 +16,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use tandem_remote::test_server::{Cut, CuttingProxy, S3Server, ACCESS_KEY, SECRET_KEY};
+use tandem_remote::test_server::{
+    Cut, CuttingProxy, OutageProxy, S3Server, ACCESS_KEY, SECRET_KEY,
+};
 
 /// Bound on one training job.
 const JOB_LIMIT: Duration = Duration::from_secs(120);
@@ -478,6 +482,14 @@ fn each_object_storage_failure_is_a_named_error_without_credentials() {
     let denied = run_bounded(&mut wrong, JOB_LIMIT);
     let message = stderr_of(&denied);
     assert!(message.contains(": access denied ("), "{message}");
+    assert!(
+        message.contains(&format!(
+            ") at {} (from AWS_ENDPOINT_URL); check the credentials, the bucket's policy, and \
+             that this endpoint serves the bucket",
+            server.endpoint()
+        )),
+        "{message}"
+    );
     assert!(!message.contains("not-the-secret-key"), "{message}");
 
     // No credentials at all for a non-Amazon endpoint.
@@ -585,54 +597,6 @@ fn an_upload_cut_mid_way_is_retried_and_every_object_is_whole() {
 }
 
 #[test]
-fn an_upload_failure_that_outlasts_the_retries_stops_the_run_and_keeps_the_snapshot() {
-    let Some(mut server) = S3Server::start() else {
-        return;
-    };
-    server.create_bucket("runs");
-    let scratch = tempfile::tempdir().expect("a temporary folder");
-    let cache = scratch.path().join("cache");
-    let args = with_flag(long_run("s3://runs/failing"), "--s3-retry-timeout", "1");
-    let child = tandem_at(&server.endpoint())
-        .args(with_cache(&args, &cache))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the run starts");
-    let config_object = server.bucket_folder("runs").join("failing/config.toml");
-    let deadline = Instant::now() + JOB_LIMIT;
-    while !config_object.exists() {
-        assert!(Instant::now() < deadline, "nothing reached the bucket");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    server.stop();
-    let output = wait_bounded(child, JOB_LIMIT);
-    assert!(
-        !output.status.success(),
-        "the run must not end as if uploaded"
-    );
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let staged_snapshot = cache.join("runs/runs/failing/snapshot.safetensors");
-    assert!(
-        stderr.contains("cannot upload ")
-            && stderr.contains(" unreachable (")
-            && stderr.contains(&format!(
-                "its snapshot is kept locally in {}: run the same command again",
-                staged_snapshot.display()
-            )),
-        "{stderr}"
-    );
-    assert!(staged_snapshot.is_file(), "the snapshot is kept locally");
-    assert!(
-        !server
-            .bucket_folder("runs")
-            .join("failing/epoch_3.safetensors")
-            .exists(),
-        "the run stopped early"
-    );
-}
-
-#[test]
 fn a_launch_job_fetches_the_data_once_per_node_and_uploads_from_rank_0() {
     let Some(server) = S3Server::start() else {
         return;
@@ -676,4 +640,390 @@ fn a_launch_job_fetches_the_data_once_per_node_and_uploads_from_rank_0() {
     assert_eq!((fetched, reused), (1, 1), "{log_text:?}");
     assert!(!Path::new("s3:").exists());
     assert_no_secret(&[scratch.path(), &server.bucket_folder("runs")], &output);
+    // The launcher's logs are uploaded beside the run's outputs.
+    for name in ["rank_0.log", "rank_1.log"] {
+        assert_eq!(
+            std::fs::read(bucket.join("logs").join(name)).ok(),
+            std::fs::read(logs.join(name)).ok(),
+            "logs/{name} in the bucket differs from the staged log"
+        );
+    }
+    assert!(
+        String::from_utf8_lossy(&output.stderr)
+            .contains("tandem launch: logs: 2 file(s) of logs/ and errors/ are in s3://runs/ddp"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn a_failed_launch_job_uploads_its_logs_and_error_files() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    server.create_bucket("runs");
+    let scratch = tempfile::tempdir().expect("a temporary folder");
+    let cache = scratch.path().join("cache");
+    let train = with_flag(
+        with_cache(&synthetic_run(Path::new("obs://runs/broken"), 64), &cache),
+        "--init-from",
+        "s3://runs/none/weights.safetensors",
+    );
+    let mut launch = tandem_at(&server.endpoint());
+    launch
+        .args(["launch", "--standalone", "--nproc-per-node", "1"])
+        .args(["--max-restarts", "0", "--"])
+        .args(&train)
+        .env_remove("TANDEM_JOB_TOKEN");
+    let output = run_bounded(&mut launch, JOB_LIMIT);
+    assert!(!output.status.success(), "the worker fails");
+    let staged = cache.join("runs/runs/broken");
+    let bucket = server.bucket_folder("runs").join("broken");
+    for name in ["logs/rank_0.log", "errors/rank_0.json"] {
+        let object = std::fs::read(bucket.join(name))
+            .unwrap_or_else(|_| panic!("{name} is not in the bucket"));
+        assert_eq!(
+            Some(object),
+            std::fs::read(staged.join(name)).ok(),
+            "{name} in the bucket differs from the staged file"
+        );
+    }
+    let error = std::fs::read_to_string(bucket.join("errors/rank_0.json")).expect("the record");
+    assert!(
+        error.contains("s3://runs/none/weights.safetensors: no such object"),
+        "{error}"
+    );
+}
+
+/// Flags of a synthetic run of two epochs of a few seconds each (so that an outage's
+/// failure, a second of retries after it began, comes mid-run), a snapshot every 16 steps,
+/// its outputs in `output_dir`, its failing requests retried for a second.
+fn outage_run(output_dir: &str) -> Vec<String> {
+    let mut args = synthetic_run(Path::new(output_dir), 9600);
+    args = with_flag(args, "--output-dir", output_dir);
+    args = with_flag(args, "--snapshot-every-steps", "16");
+    with_flag(args, "--s3-retry-timeout", "1")
+}
+
+/// Every file a run staged in `staged` (but its lock and the previous snapshot, which stay
+/// local) is in `bucket` with the same bytes, and nothing is pending.
+fn assert_bucket_holds_every_staged_file(staged: &Path, bucket: &Path) {
+    let mut checked = 0;
+    for file in files_under(staged) {
+        let name = file.strip_prefix(staged).expect("below the staging folder");
+        let text = name.display().to_string();
+        if text == "tandem.lock" || text.ends_with(".prev") {
+            continue;
+        }
+        let object = std::fs::read(bucket.join(name))
+            .unwrap_or_else(|_| panic!("{text} is staged but not in the bucket"));
+        let local = std::fs::read(&file).expect("the staged file");
+        assert!(
+            object == local,
+            "{text} in the bucket differs from the staged file"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 6, "only {checked} files were staged");
+    let pending = staged.with_file_name(format!(
+        "{}.pending-uploads",
+        staged.file_name().expect("a name").to_string_lossy()
+    ));
+    assert!(!pending.exists(), "{} is left", pending.display());
+}
+
+/// A run staged in `staged` failed for an upload: it says so, what is kept and what is
+/// pending where, and claims nothing is in the bucket.
+fn assert_failed_for_an_upload(output: &Output, staged: &Path) {
+    assert!(
+        !output.status.success(),
+        "a run that could not upload must not end as if it had"
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let pending = format!("{}.pending-uploads", staged.display());
+    assert!(
+        stderr.contains("cannot upload ")
+            && stderr.contains(&format!(
+                "its snapshot is kept locally in {}, and ",
+                staged.join("snapshot.safetensors").display()
+            ))
+            && stderr.contains(&format!(
+                " upload(s) are pending (recorded in {pending}); run the same command again"
+            )),
+        "{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        !stderr.contains("Stopped on request")
+            && !stderr.contains("the snapshot is s3://")
+            && !stderr.contains("the snapshot is obs://"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("Stopped on request"), "{stdout}");
+    assert!(
+        std::fs::read_dir(&pending).is_ok_and(|mut entries| entries.next().is_some()),
+        "{pending} records nothing"
+    );
+    assert!(
+        staged.join("snapshot.safetensors").is_file(),
+        "the snapshot is kept locally"
+    );
+}
+
+/// After an outage that failed the first run of `args`: the next run uploads what is
+/// pending before it trains and finishes, a third finds the run done, and the bucket then
+/// holds every staged file, one event file per training session.
+fn assert_the_next_runs_recover(
+    endpoint: &str,
+    cache: &Path,
+    args: &[String],
+    staged: &Path,
+    bucket: &Path,
+) {
+    let url = args
+        .iter()
+        .position(|arg| arg == "--output-dir")
+        .map(|index| args[index + 1].clone())
+        .expect("an output URL");
+    let second = run(endpoint, cache, args);
+    let stdout = expect_success(&second);
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    let before_training = stderr
+        .find(&format!(
+            "left pending by an earlier run (recorded in {}.pending-uploads); uploading them \
+             to {url} first",
+            staged.display()
+        ))
+        .unwrap_or_else(|| panic!("nothing said of the pending uploads:\n{stderr}"));
+    assert!(
+        stderr[before_training..]
+            .contains(&format!("an earlier run left pending are now in {url}")),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains(&format!("resumed from {url}/snapshot.safetensors (epoch ")),
+        "{stdout}"
+    );
+    let third = run(endpoint, cache, args);
+    let stdout = expect_success(&third);
+    assert!(stdout.contains("2/2 epochs done"), "{stdout}");
+    assert_bucket_holds_every_staged_file(staged, bucket);
+    let event_files = names_in(bucket)
+        .iter()
+        .filter(|name| name.starts_with("events.out.tfevents."))
+        .count();
+    assert_eq!(event_files, 2, "{:?}", names_in(bucket));
+    for name in [
+        "epoch_1.safetensors",
+        "epoch_2.safetensors",
+        "metrics.jsonl",
+    ] {
+        assert!(bucket.join(name).is_file(), "{name} is not in the bucket");
+    }
+}
+
+#[test]
+fn after_an_outage_mid_run_the_next_run_uploads_everything_left_pending_first() {
+    let Some(mut server) = S3Server::start() else {
+        return;
+    };
+    server.create_bucket("runs");
+    let scratch = tempfile::tempdir().expect("a temporary folder");
+    let cache = scratch.path().join("cache");
+    let args = outage_run("s3://runs/outage");
+    let staged = cache.join("runs/runs/outage");
+    let child = tandem_at(&server.endpoint())
+        .args(with_cache(&args, &cache))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the run starts");
+    // The store goes down once the first epoch's checkpoint is written.
+    let deadline = Instant::now() + JOB_LIMIT;
+    while !staged.join("epoch_1.safetensors").exists() {
+        assert!(Instant::now() < deadline, "the first epoch did not end");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    server.stop();
+    let first = wait_bounded(child, JOB_LIMIT);
+    assert_failed_for_an_upload(&first, &staged);
+    let stderr = String::from_utf8_lossy(&first.stderr);
+    assert!(
+        stderr.contains(&format!("endpoint {} unreachable (", server.endpoint())),
+        "{stderr}"
+    );
+    server.restart();
+    assert_the_next_runs_recover(
+        &server.endpoint(),
+        &cache,
+        &args,
+        &staged,
+        &server.bucket_folder("runs").join("outage"),
+    );
+}
+
+/// A run whose outputs go to `scheme://runs/NAME` through a proxy that goes dark at the
+/// request line `trigger`: it fails for an upload, `after_outage` checks the run's folder in
+/// the bucket, and the next runs recover.
+fn outage_at_request(scheme: &str, name: &str, trigger: &str, after_outage: impl Fn(&Path)) {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    server.create_bucket("runs");
+    let proxy = OutageProxy::start(server.port(), trigger);
+    let scratch = tempfile::tempdir().expect("a temporary folder");
+    let cache = scratch.path().join("cache");
+    let args = outage_run(&format!("{scheme}://runs/{name}"));
+    let staged = cache.join("runs/runs").join(name);
+    let first = run(&proxy.endpoint(), &cache, &args);
+    assert!(proxy.is_dark(), "the outage began");
+    assert_failed_for_an_upload(&first, &staged);
+    let bucket = server.bucket_folder("runs").join(name);
+    after_outage(&bucket);
+    proxy.restore();
+    assert_the_next_runs_recover(&proxy.endpoint(), &cache, &args, &staged, &bucket);
+}
+
+#[test]
+fn an_outage_during_the_first_upload_of_an_obs_run_leaves_it_pending_for_the_next_run() {
+    outage_at_request("obs", "first", "PUT /runs/first/", |bucket| {
+        assert!(names_in(bucket).is_empty(), "{:?}", names_in(bucket));
+    });
+}
+
+#[test]
+fn an_outage_during_a_snapshot_upload_leaves_it_pending_for_the_next_run() {
+    let trigger = "PUT /runs/snap/snapshot.safetensors";
+    outage_at_request("s3", "snap", trigger, |bucket| {
+        assert!(
+            bucket.join("config.toml").is_file() && !bucket.join("snapshot.safetensors").exists(),
+            "the snapshot's upload was cut: {:?}",
+            names_in(bucket)
+        );
+    });
+}
+
+#[test]
+fn uploads_left_pending_in_a_cache_never_overwrite_a_bucket_that_moved_on() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    server.create_bucket("runs");
+    let proxy = OutageProxy::start(server.port(), "PUT /runs/moved/snapshot.safetensors");
+    let scratch = tempfile::tempdir().expect("a temporary folder");
+    let args = outage_run("s3://runs/moved");
+    let left_behind = scratch.path().join("cache-left-behind");
+    let staged = left_behind.join("runs/runs/moved");
+    assert_failed_for_an_upload(&run(&proxy.endpoint(), &left_behind, &args), &staged);
+    proxy.restore();
+    // Another machine runs the job to its end.
+    let other = scratch.path().join("cache-other");
+    expect_success(&run(&proxy.endpoint(), &other, &args));
+    let bucket = server.bucket_folder("runs").join("moved");
+    let finished = std::fs::read(bucket.join("snapshot.safetensors")).expect("the snapshot");
+    // The first cache's pending snapshot is older than the bucket's: it is dropped.
+    let again = run(&proxy.endpoint(), &left_behind, &args);
+    assert!(
+        std::fs::read(bucket.join("snapshot.safetensors")).ok() == Some(finished),
+        "the bucket's snapshot was replaced by an older one"
+    );
+    let stdout = expect_success(&again);
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "left pending in {}.pending-uploads by an earlier run are dropped: s3://runs/moved \
+             is further on than they are",
+            staged.display()
+        )),
+        "{stderr}"
+    );
+    assert!(stdout.contains("2/2 epochs done"), "{stdout}");
+    assert!(!left_behind.join("runs/runs/moved.pending-uploads").exists());
+}
+
+#[test]
+fn a_checkpoint_of_obs_data_fetches_it_again_from_another_cache() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    copy_tree(
+        &shared_dir().join("data/cifar10/py-mini"),
+        &server.bucket_folder("datasets").join("cifar10-py"),
+    );
+    server.create_bucket("runs");
+    let scratch = tempfile::tempdir().expect("a temporary folder");
+    let first_cache = scratch.path().join("cache-first-node");
+    let train = with_flag(
+        pickle_run("obs://datasets/cifar10-py", "s3://runs/l2"),
+        "--epochs",
+        "1",
+    );
+    expect_success(&run(&server.endpoint(), &first_cache, &train));
+    let checkpoint = server.bucket_folder("runs").join("l2/epoch_1.safetensors");
+    let bytes = std::fs::read(&checkpoint).expect("the checkpoint is in the bucket");
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).expect("a safetensors file");
+    let metadata = header.metadata().clone().unwrap_or_default();
+    assert_eq!(
+        metadata.get("tandem.data-dir").map(String::as_str),
+        Some("obs://datasets/cifar10-py"),
+        "the data folder as given"
+    );
+    // Another node: the first cache is gone.
+    std::fs::remove_dir_all(&first_cache).expect("the first node's disk is gone");
+    let eval = run(
+        &server.endpoint(),
+        &scratch.path().join("cache-other-node"),
+        &[
+            "eval".to_string(),
+            "--checkpoint".to_string(),
+            "obs://runs/l2/epoch_1.safetensors".to_string(),
+            "--json".to_string(),
+        ],
+    );
+    let report = expect_success(&eval);
+    let accuracy = serde_json::from_str::<serde_json::Value>(report.trim())
+        .expect("one JSON object")["accuracy"]
+        .as_f64();
+    let metrics = std::fs::read_to_string(server.bucket_folder("runs").join("l2/metrics.jsonl"))
+        .expect("metrics");
+    let last: serde_json::Value =
+        serde_json::from_str(metrics.lines().last().expect("a line")).expect("a record");
+    assert_eq!(accuracy, last["val_accuracy"].as_f64());
+    assert!(
+        String::from_utf8_lossy(&eval.stderr).contains("data: fetched 7 of 7 files ("),
+        "{}",
+        String::from_utf8_lossy(&eval.stderr)
+    );
+}
+
+#[test]
+fn an_obs_url_with_no_endpoint_is_refused_before_any_request() {
+    let scratch = tempfile::tempdir().expect("a temporary folder");
+    let mut command = tandem_at("unused");
+    command
+        .env_remove("AWS_ENDPOINT_URL")
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .env("OBS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("OBS_SECRET_ACCESS_KEY", SECRET_KEY)
+        .args(with_cache(
+            &synthetic_run(Path::new("obs://runs/no-endpoint"), 64),
+            &scratch.path().join("cache"),
+        ));
+    let started = Instant::now();
+    let output = run_bounded(&mut command, JOB_LIMIT);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(
+            "obs://runs/no-endpoint/snapshot.safetensors: no endpoint is set, and Amazon S3 (the \
+             default) does not serve obs:// buckets: set OBS_ENDPOINT or --s3-endpoint to the \
+             OBS endpoint of the bucket's region, e.g. https://obs.cn-north-4.myhuaweicloud.com"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "nothing was retried"
+    );
 }

@@ -53,15 +53,25 @@ fn how_they_stopped(workers: &WorkersStopped, grace: std::time::Duration) -> Str
 
 /// Runs `tandem launch`: returns when the job succeeded; exits the process with 128 + the
 /// signal (143 for SIGTERM) when a stop signal ended it; fails with the summary of the root
-/// cause when the workers failed past `--max-restarts`.
+/// cause when the workers failed past `--max-restarts`. However it ended, the logs of a run
+/// in object storage are then uploaded; a job that succeeded fails when they cannot be.
 pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
     let env: HashMap<String, String> = std::env::vars().collect();
     let plan = options::LaunchPlan::resolve(&args, &env)?;
     signals::catch_stop_signals().context("install the SIGTERM/SIGINT handlers")?;
-    match agent::run_job(&plan)? {
+    let end = agent::run_job(&plan)?;
+    let logs_uploaded = crate::remote::launcher_logs::upload(&args.command, &plan.log_dir);
+    match &logs_uploaded {
+        Ok(Some(uploaded)) => agent::say(uploaded),
+        Ok(None) => {}
+        // A failed job's own error comes after this one.
+        Err(error) if end != JobEnd::Succeeded => tell!("error: {error:#}"),
+        Err(_) => {}
+    }
+    match end {
         JobEnd::Succeeded => {
             agent::say("every worker finished successfully");
-            Ok(())
+            logs_uploaded.map(|_| ())
         }
         JobEnd::Failed { summary } => Err(anyhow::anyhow!(summary)),
         JobEnd::Refused { summary } => Err(SettingsError::from_error(anyhow::anyhow!(summary))),

@@ -56,7 +56,8 @@ pub struct LaunchArgs {
     #[arg(long, default_value = "60", value_name = "SECONDS", value_parser = parse_seconds)]
     pub heartbeat_timeout_seconds: Duration,
     /// Folder for `logs/rank_R.log` and `errors/rank_R.json`. Default: the worker command's
-    /// `--output-dir`, else `runs/latest`.
+    /// `--output-dir` (for an s3:// or obs:// one, its staging folder, uploaded beside the
+    /// outputs when the job ends), else `runs/latest`.
     #[arg(long, value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
     /// Show every local rank's output on the console, not only rank 0's.

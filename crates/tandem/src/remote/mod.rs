@@ -8,6 +8,8 @@
 //! the run.
 
 pub mod data;
+pub mod launcher_logs;
+pub mod pending;
 pub mod uploader;
 
 use std::path::{Path, PathBuf};
@@ -26,7 +28,7 @@ use tandem_remote::{Connection, ConnectionOptions, ObjectUrl, RemoteStore};
 pub struct StorageOptions {
     /// Endpoint of the object store for s3:// and obs:// paths, e.g. http://127.0.0.1:9000
     /// or https://obs.cn-north-4.myhuaweicloud.com [default: AWS_ENDPOINT_URL, OBS_ENDPOINT
-    /// or S3_ENDPOINT; else Amazon S3].
+    /// or S3_ENDPOINT; else Amazon S3, for s3:// paths only].
     #[arg(long)]
     pub s3_endpoint: Option<String>,
     /// Signing region of the object store [default: AWS_REGION; an OBS endpoint's own; else

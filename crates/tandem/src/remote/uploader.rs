@@ -3,9 +3,10 @@
 //!
 //! A file queued again before its previous upload started is uploaded once, as it is then
 //! (the newer version is the one that matters). Each upload is whole or absent (see
-//! `tandem_remote::RemoteStore::upload`). The first failure that outlasts the retries is
-//! kept, the rest of the queue dropped, and `on_failure` called, so the run can stop with
-//! its snapshot kept locally.
+//! `tandem_remote::RemoteStore::upload`). Every job is recorded on disk until it is done
+//! (see [`super::pending`]). The first failure that outlasts the retries is kept, the queue
+//! stops (what is left, and what is queued after, stays recorded for the next process), and
+//! `on_failure` is called, so the run can stop with its snapshot kept locally.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -14,27 +15,63 @@ use std::thread::JoinHandle;
 
 use tandem_remote::{ObjectUrl, RemoteError, RemoteStore};
 
+use super::pending::PendingUploads;
+
 /// One thing to do in the bucket.
 #[derive(Clone, Debug, PartialEq)]
-enum Job {
+pub enum Job {
     /// Copy the local file to the object.
-    Put { local: PathBuf, url: ObjectUrl },
+    Put {
+        /// The staged file.
+        local: PathBuf,
+        /// The object it becomes.
+        url: ObjectUrl,
+    },
     /// Delete `epoch_N.safetensors` objects directly under the prefix but the `keep`
     /// with the largest N.
-    PruneCheckpoints { prefix: ObjectUrl, keep: usize },
+    PruneCheckpoints {
+        /// The output folder's prefix.
+        prefix: ObjectUrl,
+        /// How many checkpoints stay.
+        keep: usize,
+    },
 }
 
-#[derive(Default)]
+impl Job {
+    /// Whether `other` does the same thing (an upload of the same object, maybe of a newer
+    /// version of its file).
+    fn same_as(&self, other: &Job) -> bool {
+        match (self, other) {
+            (Job::Put { url, .. }, Job::Put { url: other, .. }) => url == other,
+            _ => self == other,
+        }
+    }
+}
+
 struct State {
     queue: VecDeque<Job>,
-    /// A job is being carried out.
-    busy: bool,
+    /// The job being carried out.
+    in_flight: Option<Job>,
     /// No more jobs will come; the thread ends when the queue is empty.
     closed: bool,
     /// The first failure, in words.
     failure: Option<String>,
     /// Files uploaded so far.
     uploaded: usize,
+    /// The jobs not done yet, on disk.
+    pending: PendingUploads,
+}
+
+impl State {
+    /// Keeps the first failure.
+    fn fail(&mut self, failure: String) {
+        self.failure.get_or_insert(failure);
+    }
+
+    /// Whether every queued job is done, or the uploads failed.
+    fn settled(&self) -> bool {
+        self.failure.is_some() || (self.in_flight.is_none() && self.queue.is_empty())
+    }
 }
 
 struct Shared {
@@ -48,6 +85,17 @@ impl Shared {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+
+    /// Waits until `state` is settled.
+    fn wait_settled<'a>(&self, mut state: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        while !state.settled() {
+            state = self
+                .changed
+                .wait(state)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        state
+    }
 }
 
 /// The upload thread and its queue.
@@ -57,10 +105,22 @@ pub struct Uploader {
 }
 
 impl Uploader {
-    /// Starts the thread; `on_failure` runs on it once, after the first failure.
-    pub fn start(store: Arc<RemoteStore>, on_failure: impl FnOnce() + Send + 'static) -> Uploader {
+    /// Starts the thread, recording its jobs in `pending`; `on_failure` runs on it once,
+    /// after the first failure.
+    pub fn start(
+        store: Arc<RemoteStore>,
+        pending: PendingUploads,
+        on_failure: impl FnOnce() + Send + 'static,
+    ) -> Uploader {
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                queue: VecDeque::new(),
+                in_flight: None,
+                closed: false,
+                failure: None,
+                uploaded: 0,
+                pending,
+            }),
             changed: Condvar::new(),
         });
         let thread = {
@@ -71,61 +131,69 @@ impl Uploader {
                 .ok()
         };
         if thread.is_none() {
-            shared.lock().failure = Some("cannot start the upload thread".to_string());
+            shared
+                .lock()
+                .fail("cannot start the upload thread".to_string());
         }
         Uploader { shared, thread }
     }
 
-    /// Queues the upload of `local` to `url`, replacing a queued upload of the same object.
-    pub fn put(&self, local: PathBuf, url: ObjectUrl) {
-        self.enqueue(Job::Put { local, url });
-    }
-
-    /// Queues the pruning of the epoch checkpoints under `prefix` to the last `keep`.
-    pub fn prune_checkpoints(&self, prefix: ObjectUrl, keep: usize) {
-        self.enqueue(Job::PruneCheckpoints { prefix, keep });
-    }
-
-    /// Adds `job` to the queue (an upload replaces a queued one of the same object), unless
-    /// the queue is closed or has failed.
-    fn enqueue(&self, job: Job) {
+    /// Records `job` as pending and adds it to the queue (an upload replaces a queued one of
+    /// the same object). After a failure it is only recorded, for the next process.
+    pub fn enqueue(&self, job: Job) {
         let mut state = self.shared.lock();
+        if let Err(error) = state.pending.record(&job) {
+            state.fail(format!("{error:#}"));
+        }
         if state.closed || state.failure.is_some() {
+            self.shared.changed.notify_all();
             return;
         }
-        if let Job::Put { url, .. } = &job {
-            state
-                .queue
-                .retain(|queued| !matches!(queued, Job::Put { url: other, .. } if other == url));
-        }
+        state.queue.retain(|queued| !queued.same_as(&job));
         state.queue.push_back(job);
         self.shared.changed.notify_all();
     }
 
-    /// Waits until everything queued is uploaded (each request is bounded by the retry
-    /// timeout), then ends the thread. Returns how many files were uploaded, or the first
-    /// failure.
+    /// Forgets the pending `job` without doing it.
+    pub fn forget(&self, job: &Job) -> anyhow::Result<()> {
+        self.shared.lock().pending.done(job)
+    }
+
+    /// Whether an upload failed (the queue has stopped).
+    pub fn has_failed(&self) -> bool {
+        self.shared.lock().failure.is_some()
+    }
+
+    /// How many jobs are pending (queued, or left by a failure) and the folder that records
+    /// them.
+    pub fn pending(&self) -> (usize, PathBuf) {
+        let state = self.shared.lock();
+        (state.pending.len(), state.pending.folder().to_path_buf())
+    }
+
+    /// Waits until everything queued so far is done (each request is bounded by the retry
+    /// timeout). Returns how many files were uploaded so far, or the first failure.
+    pub fn wait_until_done(&self) -> Result<usize, String> {
+        let state = self.shared.wait_settled(self.shared.lock());
+        match &state.failure {
+            Some(failure) => Err(failure.clone()),
+            None => Ok(state.uploaded),
+        }
+    }
+
+    /// Waits until everything queued is done, then ends the thread. Returns how many files
+    /// were uploaded, or the first failure.
     pub fn finish(&mut self) -> Result<usize, String> {
         {
             let mut state = self.shared.lock();
             state.closed = true;
             self.shared.changed.notify_all();
-            while state.failure.is_none() && (state.busy || !state.queue.is_empty()) {
-                state = self
-                    .shared
-                    .changed
-                    .wait(state)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-            }
+            drop(self.shared.wait_settled(state));
         }
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
-        let state = self.shared.lock();
-        match &state.failure {
-            Some(failure) => Err(failure.clone()),
-            None => Ok(state.uploaded),
-        }
+        self.wait_until_done()
     }
 }
 
@@ -138,36 +206,46 @@ impl Drop for Uploader {
     }
 }
 
-/// The thread: carries out jobs until the queue is closed and empty, or a job fails.
+/// The thread: carries out jobs until the queue is closed and empty, or something fails
+/// (then it calls `on_failure`). A job done is forgotten on disk unless a newer one of the
+/// same object was queued meanwhile.
 fn work(shared: &Shared, store: &RemoteStore, on_failure: impl FnOnce()) {
     loop {
         let job = {
             let mut state = shared.lock();
-            while state.queue.is_empty() && !state.closed {
+            while state.queue.is_empty() && !state.closed && state.failure.is_none() {
                 state = shared
                     .changed
                     .wait(state)
                     .unwrap_or_else(std::sync::PoisonError::into_inner);
             }
-            let Some(job) = state.queue.pop_front() else {
-                return;
-            };
-            state.busy = true;
-            job
-        };
-        let result = carry_out(store, &job);
-        let mut state = shared.lock();
-        state.busy = false;
-        match result {
-            Ok(uploaded) => state.uploaded += uploaded,
-            Err(failure) => {
-                state.failure = Some(failure);
-                state.queue.clear();
+            if state.failure.is_some() {
                 shared.changed.notify_all();
                 drop(state);
                 on_failure();
                 return;
             }
+            let Some(job) = state.queue.pop_front() else {
+                return;
+            };
+            state.in_flight = Some(job.clone());
+            job
+        };
+        let result = carry_out(store, &job);
+        let mut state = shared.lock();
+        state.in_flight = None;
+        let outcome = result.and_then(|uploaded| {
+            if !state.queue.iter().any(|queued| queued.same_as(&job)) {
+                state
+                    .pending
+                    .done(&job)
+                    .map_err(|error| format!("{error:#}"))?;
+            }
+            Ok(uploaded)
+        });
+        match outcome {
+            Ok(uploaded) => state.uploaded += uploaded,
+            Err(failure) => state.fail(failure),
         }
         shared.changed.notify_all();
     }

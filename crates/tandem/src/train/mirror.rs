@@ -4,7 +4,9 @@
 //!
 //! The staging folder is `CACHE/runs/BUCKET/KEY`: on the same node a relaunch finds its own
 //! newest files there; on a fresh node with an empty disk it finds nothing and resumes from
-//! the bucket.
+//! the bucket. What a process could not upload stays recorded beside the staging folder
+//! (see [`crate::remote::pending`]): the next run with the same cache uploads it before it
+//! trains, or drops it when the bucket is further on (another machine carried the run on).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,7 +16,8 @@ use anyhow::{bail, Context};
 use tandem_remote::ObjectUrl;
 
 use crate::remote::data::fetched_data_dir;
-use crate::remote::uploader::Uploader;
+use crate::remote::pending::{pending_folder, PendingUploads};
+use crate::remote::uploader::{Job, Uploader};
 use crate::remote::{object_url, sidecar, Storage};
 use crate::settings::TrainSettings;
 
@@ -90,29 +93,97 @@ pub fn localize(settings: &TrainSettings) -> anyhow::Result<LocalizedRun> {
     })
 }
 
-/// The uploads of a run with outputs in object storage (rank 0 only).
+/// The uploads of a run with outputs in object storage (rank 0 only), and of the launcher's
+/// logs.
 pub struct Mirror {
     storage: Storage,
     places: Vec<(PathBuf, ObjectUrl)>,
     uploader: Uploader,
+    /// The jobs an earlier process left pending, not queued yet.
+    earlier: Vec<Job>,
+    /// Where the pending jobs are recorded.
+    pending_folder: PathBuf,
 }
 
 impl Mirror {
-    /// Starts the uploads of the staging `places`; an upload failure that outlasts the
-    /// retries sets `stop_requested`, so the run stops at its next step with a snapshot.
+    /// Starts the uploads of the staging `places` and finds what an earlier process left
+    /// pending for them (see [`Mirror::upload_earlier`]). An upload failure that outlasts
+    /// the retries sets `stop_requested`, so the run stops at its next step with a snapshot.
     pub fn start(
         storage: Storage,
         places: Vec<(PathBuf, ObjectUrl)>,
         stop_requested: Arc<AtomicBool>,
-    ) -> Mirror {
-        let uploader = Uploader::start(Arc::clone(&storage.store), move || {
+    ) -> anyhow::Result<Mirror> {
+        let Some((first_place, _)) = places.first() else {
+            bail!("a mirror needs a staging folder");
+        };
+        let pending_folder = pending_folder(first_place);
+        let (pending, earlier) =
+            PendingUploads::open(&pending_folder, |url| local_of(&places, url))?;
+        let uploader = Uploader::start(Arc::clone(&storage.store), pending, move || {
             stop_requested.store(true, Ordering::SeqCst);
         });
-        Mirror {
+        Ok(Mirror {
             storage,
             places,
             uploader,
+            earlier,
+            pending_folder,
+        })
+    }
+
+    /// The prefix of the outputs, as messages name it.
+    fn first_url(&self) -> String {
+        self.places
+            .first()
+            .map_or_else(String::new, |(_, url)| url.to_string())
+    }
+
+    /// Uploads what an earlier process left pending and waits until it is in the bucket;
+    /// fails, leaving it pending, when it cannot be.
+    pub fn upload_earlier(&mut self) -> anyhow::Result<()> {
+        let earlier = std::mem::take(&mut self.earlier);
+        if earlier.is_empty() {
+            return Ok(());
         }
+        let (count, url, folder) = (earlier.len(), self.first_url(), &self.pending_folder);
+        tell!(
+            "uploads: {count} left pending by an earlier run (recorded in {}); uploading them \
+             to {url} first",
+            folder.display()
+        );
+        for job in earlier {
+            self.uploader.enqueue(job);
+        }
+        let uploaded = self.uploader.wait_until_done().map_err(|failure| {
+            anyhow::anyhow!(
+                "{failure}\nthe uploads an earlier run left pending are still pending \
+                 (recorded in {}): run the same command again once {url} can be reached",
+                folder.display()
+            )
+        })?;
+        tell!("uploads: {uploaded} file(s) an earlier run left pending are now in {url}");
+        Ok(())
+    }
+
+    /// Forgets what an earlier process left pending, as the bucket is further on than the
+    /// staged files it stands for (another machine continued the run), and says so.
+    pub fn forget_earlier(&mut self) -> anyhow::Result<()> {
+        let earlier = std::mem::take(&mut self.earlier);
+        if earlier.is_empty() {
+            return Ok(());
+        }
+        for job in &earlier {
+            self.uploader.forget(job)?;
+        }
+        tell!(
+            "uploads: the {} left pending in {} by an earlier run are dropped: {} is further on \
+             than they are",
+            earlier.len(),
+            self.pending_folder.display(),
+            self.first_url()
+        );
+        Ok(())
     }
 
     /// The object a staged local file stands for, if any.
@@ -127,10 +198,24 @@ impl Mirror {
         })
     }
 
+    /// Whether an upload failed: the run's files are kept locally, and what is left is
+    /// pending.
+    pub fn has_failed(&self) -> bool {
+        self.uploader.has_failed()
+    }
+
+    /// How many uploads are pending, and the folder that records them.
+    pub fn pending(&self) -> (usize, PathBuf) {
+        self.uploader.pending()
+    }
+
     /// Queues the upload of a file the run has just written.
     pub fn publish(&self, local: &Path) {
         if let Some(url) = self.url_of(local) {
-            self.uploader.put(local.to_path_buf(), url);
+            self.uploader.enqueue(Job::Put {
+                local: local.to_path_buf(),
+                url,
+            });
         }
     }
 
@@ -138,7 +223,8 @@ impl Mirror {
     /// staged `output_dir`, but the last `keep`, are deleted there.
     pub fn prune_checkpoints(&self, output_dir: &Path, keep: usize) {
         if let Some(prefix) = self.url_of(output_dir) {
-            self.uploader.prune_checkpoints(prefix, keep);
+            self.uploader
+                .enqueue(Job::PruneCheckpoints { prefix, keep });
         }
     }
 
@@ -168,4 +254,19 @@ impl Mirror {
     pub fn finish(&mut self) -> Result<usize, String> {
         self.uploader.finish()
     }
+}
+
+/// The staged path (a file or folder) of the object or prefix `url` among `places`.
+fn local_of(places: &[(PathBuf, ObjectUrl)], url: &ObjectUrl) -> Option<PathBuf> {
+    places.iter().find_map(|(place, place_url)| {
+        if place_url.bucket() == url.bucket() && place_url.key() == url.key() {
+            return Some(place.clone());
+        }
+        let relative = place_url.relative_key(url)?;
+        Some(
+            relative
+                .split('/')
+                .fold(place.clone(), |path, part| path.join(part)),
+        )
+    })
 }

@@ -161,7 +161,7 @@ impl Trainer {
                 storage,
                 localized.places,
                 Arc::clone(&stop_requested),
-            )),
+            )?),
             _ => None,
         };
         tandem_engine::set_threads(settings.threads);
@@ -592,12 +592,15 @@ impl Trainer {
                     bar.finish();
                 }
                 self.save_snapshot()?;
+                self.publish_events();
                 let end = if outcome.stop {
                     RunEnd::StoppedOnRequest
                 } else {
                     RunEnd::MaxSteps
                 };
-                if self.is_leader() {
+                // After a failed upload the error that ends the run says where things are.
+                let upload_failed = self.mirror.as_ref().is_some_and(Mirror::has_failed);
+                if self.is_leader() && !upload_failed {
                     let reason = match end {
                         RunEnd::StoppedOnRequest => "Stopped on request".to_string(),
                         _ => format!("Stopped after --max-steps {}", self.progress.global_step),
@@ -606,7 +609,7 @@ impl Trainer {
                         "{reason} at epoch {}, step {}; the snapshot is {}",
                         epoch + 1,
                         self.progress.step_in_epoch,
-                        self.shown(&self.settings.snapshot)
+                        self.snapshot_place()
                     );
                 }
                 return Ok(EpochEnd::Stopped(end));
@@ -933,10 +936,8 @@ impl Trainer {
                 ],
             )?;
             events.flush()?;
-            if let Some(mirror) = &self.mirror {
-                mirror.publish(events.path());
-            }
         }
+        self.publish_events();
         write_history(&self.settings.output_dir, &self.history)?;
         for name in ["metrics.jsonl", "curves.png"] {
             self.publish(&self.settings.output_dir.join(name));
@@ -1001,6 +1002,27 @@ impl Trainer {
         }
     }
 
+    /// Queues the upload of this session's TensorBoard event file as it stands.
+    fn publish_events(&self) {
+        if let Some(events) = &self.events {
+            self.publish(events.path());
+        }
+    }
+
+    /// Where the snapshot just written is: its path, and for a staged one the object it is
+    /// being uploaded to (it is there once the uploads finish).
+    fn snapshot_place(&self) -> String {
+        let snapshot = &self.settings.snapshot;
+        match self
+            .mirror
+            .as_ref()
+            .and_then(|mirror| mirror.url_of(snapshot))
+        {
+            Some(url) => format!("{}, being uploaded to {url}", snapshot.display()),
+            None => snapshot.display().to_string(),
+        }
+    }
+
     /// How a staged path is shown: as the object it stands for, else as itself.
     fn shown(&self, path: &Path) -> String {
         self.mirror
@@ -1010,54 +1032,75 @@ impl Trainer {
     }
 
     /// The newest good snapshot: the staging folder's, or the bucket's when it is further
-    /// on (a relaunch on a fresh node has only the bucket's).
-    fn newest_snapshot(&self) -> anyhow::Result<Option<Snapshot>> {
+    /// on (a relaunch on a fresh node has only the bucket's). What an earlier run left
+    /// pending is uploaded first, unless the bucket is further on than the staged files.
+    fn newest_snapshot(&mut self) -> anyhow::Result<Option<Snapshot>> {
         let local = load_latest(&self.settings.snapshot)?;
-        let Some(mirror) = &self.mirror else {
-            return Ok(local);
-        };
-        let Some(fetched) = mirror.fetch_snapshot(&self.settings.snapshot)? else {
-            return Ok(local);
-        };
-        let from_bucket = Snapshot::load(&fetched);
-        let _ = std::fs::remove_file(&fetched);
         let shown = self.shown(&self.settings.snapshot);
-        let from_bucket = match (from_bucket, &local) {
-            (Ok(snapshot), _) => snapshot,
-            (Err(error), Some(_)) => {
-                tell!("warning: {shown} in the bucket is damaged ({error:#}); resuming from the staged copy");
-                return Ok(local);
+        let Some(mirror) = self.mirror.as_mut() else {
+            return Ok(local);
+        };
+        let from_bucket = mirror
+            .fetch_snapshot(&self.settings.snapshot)?
+            .map(|fetched| {
+                let loaded = Snapshot::load(&fetched);
+                let _ = std::fs::remove_file(&fetched);
+                loaded
+            });
+        let newest = match (from_bucket, local) {
+            (Some(Ok(from_bucket)), local)
+                if local.as_ref().is_none_or(|local| {
+                    local.progress.global_step < from_bucket.progress.global_step
+                }) =>
+            {
+                mirror.forget_earlier()?;
+                return Ok(Some(from_bucket));
             }
-            (Err(error), None) => {
+            (Some(Err(error)), None) => {
                 return Err(error.context(format!(
                 "{shown} is damaged and no other copy exists: start over with another --output-dir"
             )))
             }
+            (Some(Err(error)), Some(local)) => {
+                tell!("warning: {shown} in the bucket is damaged ({error:#}); resuming from the staged copy");
+                Some(local)
+            }
+            (_, local) => local,
         };
-        Ok(Some(match local {
-            Some(local) if local.progress.global_step >= from_bucket.progress.global_step => local,
-            _ => from_bucket,
-        }))
+        mirror.upload_earlier()?;
+        Ok(newest)
     }
 
     /// Waits for the uploads of a run that ended (`end`), however it ended; an upload that
-    /// failed ends the run with an error saying where the snapshot is kept.
+    /// failed ends the run with an error saying what is kept where, and what is pending.
     fn finish_uploads(&mut self, end: anyhow::Result<RunEnd>) -> anyhow::Result<RunEnd> {
         let Some(mirror) = self.mirror.as_mut() else {
             return end;
         };
         let outcome = mirror.finish();
         let end = end?;
-        if let Err(failure) = outcome {
-            bail!(
-                "{failure}\nthe run stopped at epoch {}, step {}; its snapshot is kept locally \
-                 in {}: run the same command again to resume from it and upload the rest",
+        let Err(failure) = outcome else {
+            return Ok(end);
+        };
+        let (pending, folder) = mirror.pending();
+        let state = match end {
+            RunEnd::Finished => format!(
+                "the run finished (epoch {}), but not every file reached the bucket",
+                self.progress.epoch
+            ),
+            _ => format!(
+                "the run stopped at epoch {}, step {}, as its files cannot reach the bucket",
                 self.progress.epoch + 1,
-                self.progress.step_in_epoch,
-                self.settings.snapshot.display()
-            );
-        }
-        Ok(end)
+                self.progress.step_in_epoch
+            ),
+        };
+        bail!(
+            "{failure}\n{state}: its snapshot is kept locally in {}, and {pending} upload(s) are \
+             pending (recorded in {}); run the same command again (with this --cache-dir) to \
+             upload them and resume",
+            self.settings.snapshot.display(),
+            folder.display()
+        );
     }
 
     /// Every rank's `value`, indexed by rank (all ranks take part; one process: its own).
@@ -1077,8 +1120,9 @@ impl Trainer {
         &self,
         epoch: Option<&EpochRecord>,
     ) -> anyhow::Result<BTreeMap<String, String>> {
+        // The data as given: an object URL stays one, for `eval` on another machine.
         CheckpointInfo::of_run(
-            &self.settings,
+            &self.given,
             &ModelArgs::from_spec(self.compute.spec()),
             &self.train_set.class_names,
             epoch,
