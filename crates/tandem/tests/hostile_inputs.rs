@@ -749,7 +749,7 @@ fn edit_safetensors_metadata(path: &Path, key: &str, value: &str) {
         serde_json::from_slice(&bytes[8..8 + header_len]).expect("header");
     header["__metadata__"][key] = serde_json::Value::String(value.to_string());
     let mut text = serde_json::to_vec(&header).expect("header");
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut edited = (text.len() as u64).to_le_bytes().to_vec();
