@@ -10,9 +10,9 @@ use cudarc::cudnn::sys::cudnnMathType_t::{
     CUDNN_DEFAULT_MATH, CUDNN_FMA_MATH, CUDNN_TENSOR_OP_MATH,
 };
 use cudarc::cudnn::sys::cudnnStatus_t::{CUDNN_STATUS_NOT_SUPPORTED, CUDNN_STATUS_SUCCESS};
+use tandem_cuda::executor::algorithm::{choose, math_allowed, Candidate, ConvKey};
 use tandem_cuda::executor::conv::{
-    choose, compute_type, descriptor_math, math_allowed, nhwc_strides, operand_type, Candidate,
-    ConvGeometry, ConvKey,
+    compute_type, descriptor_math, nhwc_strides, operand_type, ConvGeometry,
 };
 use tandem_cuda::executor::linear::{bf16_types, math_mode, Gemm, LinearShape};
 use tandem_cuda::executor::memory::{

@@ -12,8 +12,10 @@
 
 use cudarc::cudnn::sys;
 
-use super::conv::{choose, AlgorithmSettings, BackwardAlgorithms, Candidate, ConvKey};
-use super::conv::{DeterministicOrder, WORKSPACE_LIMIT};
+use super::algorithm::{
+    choose, AlgorithmSettings, BackwardAlgorithms, Candidate, ConvKey, DeterministicOrder,
+    WORKSPACE_LIMIT,
+};
 use crate::ptx_cache::{md5_hex, PtxCache};
 
 /// The first line of every file: the format's name and version.

@@ -7,7 +7,7 @@ use std::ffi::c_int;
 use cudarc::cudnn::{result, sys};
 use cudarc::driver::CudaStream;
 
-use super::conv::Candidate;
+use super::algorithm::Candidate;
 use super::error::{cudnn, GpuError};
 
 /// A cuDNN handle bound to one stream.

@@ -19,6 +19,7 @@
 //! **Unverified on a GPU:** this compiles and its host-side pieces are tested, but it has not
 //! run on a GPU (see the crate's README).
 
+pub mod algorithm;
 pub mod algorithm_store;
 mod autocast;
 pub mod conv;
@@ -53,8 +54,9 @@ use crate::arch::GpuArch;
 use crate::compile::Compiler;
 use crate::probe::{Library, Probe};
 use crate::ptx_cache::PtxCache;
+use algorithm::AlgorithmSettings;
 use algorithm_store::AlgorithmStore;
-use conv::{AlgorithmCache, AlgorithmCounts, AlgorithmSettings};
+use conv::{AlgorithmCache, AlgorithmCounts};
 use cudnn::CudnnHandle;
 pub use data_parallel::DeviceDataParallel;
 pub use dataset::{AugmentSettings, DatasetShape, DeviceDataset, HostPixels};
