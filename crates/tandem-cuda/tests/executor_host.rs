@@ -14,10 +14,9 @@ use tandem_cuda::executor::algorithm::{choose, math_allowed, Candidate, ConvKey}
 use tandem_cuda::executor::conv::{
     compute_type, descriptor_math, nhwc_strides, operand_type, ConvGeometry,
 };
+use tandem_cuda::executor::launch::{row_blocks, ROWS_PER_BLOCK};
 use tandem_cuda::executor::linear::{bf16_types, math_mode, Gemm, LinearShape};
-use tandem_cuda::executor::memory::{
-    row_blocks, Bf16ScratchSizes, StatePart, StorageSizes, ROWS_PER_BLOCK,
-};
+use tandem_cuda::executor::memory::{Bf16ScratchSizes, StatePart, StorageSizes};
 use tandem_cuda::executor::{precision_supported, AdamScalars};
 use tandem_cuda::{CudaExecutor, GpuArch, GpuError, GpuSettings, Precision, Probe, SearchPath};
 use tandem_engine::shape::Conv2dShape;

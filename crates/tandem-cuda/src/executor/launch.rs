@@ -7,7 +7,6 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKe
 use cudarc::nvrtc::Ptx;
 
 use super::error::GpuError;
-use super::memory::channel_groups;
 use crate::compile::Compiler;
 use crate::kernels::KERNELS;
 use crate::ptx_params::{describe, entry_params, ParamKind};
@@ -216,6 +215,24 @@ fn file_name(file: &str) -> &'static str {
         .iter()
         .find(|(name, _)| *name == file)
         .map_or("kernel file", |(name, _)| name)
+}
+
+/// Rows a block of the column sums (`bn_stats`, `bn_backward_sums`) adds in their first pass;
+/// fixed, so that the order of every sum depends only on the shape.
+pub const ROWS_PER_BLOCK: usize = 256;
+
+/// Row blocks of a column sum over `rows` rows.
+pub fn row_blocks(rows: usize) -> usize {
+    rows.div_ceil(ROWS_PER_BLOCK).max(1)
+}
+
+/// Channels a block of the column sums adds (`CHANNEL_LANES` in `batchnorm.cu`).
+pub const CHANNELS_PER_BLOCK: usize = 32;
+
+/// Groups of [`CHANNELS_PER_BLOCK`] channels of a column sum over `channels` columns: the
+/// launch's blocks on the grid's y, and its arrival counters.
+pub fn channel_groups(channels: usize) -> usize {
+    channels.div_ceil(CHANNELS_PER_BLOCK).max(1)
 }
 
 /// One thread per element, 256 to a block.

@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use tandem_models::workspace::{Mode, Plan};
 
 use super::error::{driver, GpuError};
-use super::launch::FUNCTIONS;
+use super::launch::{channel_groups, row_blocks, FUNCTIONS};
 use super::{address, Precision};
 
 /// The element type of a plan's activations: every slot but the images', the gradients at
@@ -114,24 +114,6 @@ impl ActivationBuffer {
             )),
         }
     }
-}
-
-/// Rows a block of the column sums (`bn_stats`, `bn_backward_sums`) adds in their first pass;
-/// fixed, so that the order of every sum depends only on the shape.
-pub const ROWS_PER_BLOCK: usize = 256;
-
-/// Row blocks of a column sum over `rows` rows.
-pub fn row_blocks(rows: usize) -> usize {
-    rows.div_ceil(ROWS_PER_BLOCK).max(1)
-}
-
-/// Channels a block of the column sums adds (`CHANNEL_LANES` in `batchnorm.cu`).
-pub const CHANNELS_PER_BLOCK: usize = 32;
-
-/// Groups of [`CHANNELS_PER_BLOCK`] channels of a column sum over `channels` columns: the
-/// launch's blocks on the grid's y, and its arrival counters.
-pub fn channel_groups(channels: usize) -> usize {
-    channels.div_ceil(CHANNELS_PER_BLOCK).max(1)
 }
 
 /// Where each unit's batch-norm state (mean, 1/std, scale, shift; `channels` floats each)

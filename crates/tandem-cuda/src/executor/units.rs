@@ -15,8 +15,9 @@ use super::error::driver;
 #[cfg(doc)]
 use super::launch::Kernels;
 use super::launch::{column_sums, per_element, Arg};
+use super::launch::{row_blocks, ROWS_PER_BLOCK};
 use super::linear::LinearShape;
-use super::memory::{row_blocks, Activations, DeviceStorage, StatePart, ROWS_PER_BLOCK};
+use super::memory::{Activations, DeviceStorage, StatePart};
 use super::{address, at, device, CudaExecutor, GpuError};
 #[cfg(doc)]
 use tandem_models::executor::Executor;
