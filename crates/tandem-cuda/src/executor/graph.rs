@@ -194,6 +194,7 @@ pub struct GraphSchedule<G> {
     off_reported: bool,
     mode: CaptureMode,
     relaxed_because: Option<String>,
+    relaxed_reported: bool,
 }
 
 impl<G> GraphSchedule<G> {
@@ -205,6 +206,7 @@ impl<G> GraphSchedule<G> {
             off_reported: false,
             mode: CaptureMode::ThreadLocal,
             relaxed_because: None,
+            relaxed_reported: false,
         }
     }
 
@@ -237,10 +239,11 @@ impl<G> GraphSchedule<G> {
     /// Why steps are captured in relaxed mode, once (for the run's note); `None` in
     /// thread-local mode and after the reason was taken.
     pub fn take_relaxed_reason(&mut self) -> Option<String> {
-        match self.mode {
-            CaptureMode::Relaxed if self.is_on() => self.relaxed_because.take(),
-            _ => None,
+        if self.mode != CaptureMode::Relaxed || !self.is_on() || self.relaxed_reported {
+            return None;
         }
+        self.relaxed_reported = true;
+        self.relaxed_because.clone()
     }
 
     /// How the next step of `key` runs, with the device allocations at `generation`: eagerly
