@@ -189,6 +189,47 @@ fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
         LIMIT,
     ));
     assert!(text.contains("    automobile: "), "{text}");
+    // ... and the confusion matrix's columns, as its rows.
+    let classes = [
+        "airplane",
+        "automobile",
+        "bird",
+        "cat",
+        "deer",
+        "dog",
+        "frog",
+        "horse",
+        "ship",
+        "truck",
+    ];
+    let mut matrix = text
+        .lines()
+        .skip_while(|line| !line.starts_with("confusion matrix"))
+        .skip(1);
+    let header: Vec<&str> = matrix.next().unwrap().split_whitespace().collect();
+    assert_eq!(header, classes, "{text}");
+    let rows: Vec<&str> = matrix
+        .map(|line| line.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(rows, classes, "{text}");
+    // The JSON report names each class beside its figures.
+    let per_class = parsed["per_class"].as_array().unwrap();
+    let names: Vec<&str> = per_class
+        .iter()
+        .map(|class| class["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, classes);
+    for (index, class) in per_class.iter().enumerate() {
+        assert_eq!(class["class"], index);
+        assert_eq!(class["accuracy"], parsed["per_class_accuracy"][index]);
+        let row_sum: u64 = parsed["confusion"][index]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|count| count.as_u64().unwrap())
+            .sum();
+        assert_eq!(class["samples"], row_sum);
+    }
 
     // The snapshot is loaded as the weights it holds: the same evaluation.
     let snapshot = out.join("snapshot.safetensors").display().to_string();

@@ -271,6 +271,54 @@ fn tee_shows_every_rank_and_log_dir_follows_output_dir() {
 }
 
 #[test]
+fn a_job_that_trains_nothing_keeps_its_logs_out_of_runs_latest() {
+    let dir = tempfile::tempdir().unwrap();
+    // A run in runs/latest, where `train` writes without --output-dir.
+    let run = dir.path().join("runs/latest");
+    let train = common::with_flag(common::small_synthetic_run(&run), "--epochs", "1");
+    common::expect_success(&common::run_bounded(
+        common::tandem().args(&train),
+        LAUNCH_TIMEOUT,
+    ));
+    let checkpoint = run.join("epoch_1.safetensors").display().to_string();
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &[
+            "--nproc-per-node",
+            "1",
+            "--",
+            "eval",
+            "--checkpoint",
+            &checkpoint,
+            "--threads",
+            "1",
+        ],
+        &[],
+    );
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    assert!(status.success(), "launcher failed: {}", launcher.stderr());
+    let logs = dir.path().join("runs/launch-eval");
+    assert!(
+        launcher
+            .stderr()
+            .contains(&format!("logs in {}", logs.display())),
+        "{}",
+        launcher.stderr()
+    );
+    let log = read(&logs.join("logs/rank_0.log"));
+    assert!(log.contains("\nsamples: 64\n"), "{log}");
+    assert!(
+        !run.join("logs").exists(),
+        "eval's logs went into the run's folder"
+    );
+    assert!(
+        !run.join("errors").exists(),
+        "eval's error files went into the run's folder"
+    );
+}
+
+#[test]
 fn a_worker_that_fails_once_is_restarted_with_every_other_worker() {
     let dir = tempfile::tempdir().unwrap();
     let script = "echo rank $RANK round $TANDEM_RESTART_COUNT; \
