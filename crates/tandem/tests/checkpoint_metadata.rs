@@ -17,7 +17,7 @@ const STD: &str = "0.25,0.24,0.26";
 
 /// The real-data subset: 1,000 training and 200 test PNGs of CIFAR-10.
 fn json_subset() -> PathBuf {
-    shared_dir().join("data/cifar10/json-subset")
+    tandem_testdata::shared_dir().join("data/cifar10/json-subset")
 }
 
 /// Trains the small model for one epoch on the json-folder subset (well under a second)
@@ -116,6 +116,7 @@ fn take_metrics_matching(metadata: &mut BTreeMap<String, String>, line: &str) {
 
 #[test]
 fn epoch_checkpoint_and_snapshot_describe_themselves() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
@@ -159,6 +160,7 @@ fn epoch_checkpoint_and_snapshot_describe_themselves() {
 
 #[test]
 fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     let checkpoint = out.join("epoch_1.safetensors").display().to_string();
@@ -242,6 +244,7 @@ fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
 
 #[test]
 fn flags_that_contradict_the_checkpoint_are_named() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     let checkpoint = out.join("epoch_1.safetensors").display().to_string();
@@ -320,6 +323,7 @@ fn flags_that_contradict_the_checkpoint_are_named() {
 
 #[test]
 fn predict_prints_class_names() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     let checkpoint = out.join("epoch_1.safetensors").display().to_string();
@@ -348,6 +352,7 @@ fn predict_prints_class_names() {
 
 #[test]
 fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     // What an older Tandem file, or PyTorch's `save_file(model.state_dict())`, holds: the
@@ -390,7 +395,7 @@ fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
     );
 
     // PyTorch's own torch.save file of the tutorial's model, with `module.` keys.
-    let pytorch = shared_dir()
+    let pytorch = tandem_testdata::shared_dir()
         .join("golden/pytorch-checkpoints/epoch_3.pth")
         .display()
         .to_string();
@@ -421,6 +426,7 @@ fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
 
 #[test]
 fn a_snapshot_gives_its_weights_to_init_from() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     // One step from the snapshot's weights and one from the epoch checkpoint's (the same
