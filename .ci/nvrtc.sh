@@ -8,26 +8,8 @@
 nvrtc_wheel_version=13.0.88
 nvrtc_dir="${XDG_CACHE_HOME:-$HOME/.cache}/tandem-ci/nvrtc-$nvrtc_wheel_version"
 
-# A Python with pip, installed from the system's packages when missing.
-nvrtc_python() {
-    if command -v python3 >/dev/null && python3 -m pip --version >/dev/null 2>&1; then
-        return
-    fi
-    echo "ci: installing python3-pip to fetch NVRTC" >&2
-    if command -v apt-get >/dev/null; then
-        sudo_if_needed=""
-        if [ "$(id -u)" != 0 ]; then sudo_if_needed=sudo; fi
-        $sudo_if_needed apt-get update -qq
-        $sudo_if_needed apt-get install -y -qq python3 python3-pip >/dev/null
-    fi
-    python3 -m pip --version >/dev/null || {
-        echo "ci: no python3 with pip, and none could be installed: cannot fetch NVRTC" >&2
-        return 1
-    }
-}
-
 if [ ! -f "$nvrtc_dir/libnvrtc.so.13" ]; then
-    nvrtc_python
+    python_with_pip "to fetch NVRTC"
     nvrtc_download=$(mktemp -d)
     python3 -m pip download --quiet --no-deps --only-binary=:all: \
         "nvidia-cuda-nvrtc==$nvrtc_wheel_version" -d "$nvrtc_download"

@@ -5,7 +5,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{hwc_to_planes, shared_path, PyBatch};
+use common::{hwc_to_planes, PyBatch};
 use tandem_data::{load_dataset, read_image, read_image_resized, DataError, DataSource, Split};
 
 fn write(path: &Path, bytes: &[u8]) {
@@ -111,6 +111,7 @@ fn binary_data_that_is_nowhere() {
 
 #[test]
 fn corrupt_and_truncated_archives() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let garbage = dir.path().join("cifar-10-binary.tar.gz");
     write(&garbage, b"this is not gzip data at all");
@@ -126,7 +127,10 @@ fn corrupt_and_truncated_archives() {
     );
 
     // The first megabyte of the real archive: valid gzip, cut off inside the first member.
-    let real = std::fs::read(shared_path("data/cifar10/cifar-10-batches-bin.tar.gz")).unwrap();
+    let real = std::fs::read(tandem_testdata::shared_path(
+        "data/cifar10/cifar-10-batches-bin.tar.gz",
+    ))
+    .unwrap();
     let cut = dir.path().join("cut/cifar-10-batches-bin.tar.gz");
     write(&cut, &real[..1 << 20]);
     let error = error_text(load_dataset(

@@ -8,13 +8,13 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::shared_path;
 use tandem_data::parse_annotations;
 
 #[test]
 #[ignore = "fuzzing loop, run by hand"]
 fn mutated_annotation_files_never_panic() {
-    let seed = std::fs::read(shared_path(
+    tandem_testdata::skip_without_shared!();
+    let seed = std::fs::read(tandem_testdata::shared_path(
         "data/cifar10/json-subset/annotations/cifar10_test.json",
     ))
     .unwrap();

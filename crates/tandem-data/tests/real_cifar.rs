@@ -6,7 +6,6 @@ mod common;
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-use common::shared_path;
 use tandem_data::{load_dataset, DataSource, Dataset, Pixels, Split, CIFAR10_CLASS_NAMES};
 
 /// The binary layout, read straight from the shared `.tar.gz` (once per test binary).
@@ -19,7 +18,7 @@ fn binary(split: Split) -> &'static Dataset {
     };
     cell.get_or_init(|| {
         let source = DataSource::Cifar10Bin {
-            dir: shared_path("data/cifar10"),
+            dir: tandem_testdata::shared_path("data/cifar10"),
         };
         load_dataset(&source, split).unwrap()
     })
@@ -34,6 +33,7 @@ fn bytes(dataset: &Dataset) -> &[u8] {
 
 #[test]
 fn binary_train_split_counts_labels_and_channel_statistics() {
+    tandem_testdata::skip_without_shared!();
     let train = binary(Split::Train);
     assert_eq!(train.len(), 50_000);
     assert_eq!((train.height, train.width, train.channels), (32, 32, 3));
@@ -73,6 +73,7 @@ fn binary_train_split_counts_labels_and_channel_statistics() {
 
 #[test]
 fn binary_test_split_counts_and_labels() {
+    tandem_testdata::skip_without_shared!();
     let test = binary(Split::Test);
     assert_eq!(test.len(), 10_000);
     assert_eq!(test.class_counts(), vec![1000; 10]);
@@ -81,8 +82,9 @@ fn binary_test_split_counts_and_labels() {
 
 #[test]
 fn python_pickle_layout_matches_the_first_500_rows_of_each_binary_batch() {
+    tandem_testdata::skip_without_shared!();
     let source = DataSource::Cifar10Py {
-        dir: shared_path("data/cifar10/py-mini"),
+        dir: tandem_testdata::shared_path("data/cifar10/py-mini"),
     };
     let python_train = load_dataset(&source, Split::Train).unwrap();
     assert_eq!(python_train.len(), 2500);
@@ -116,7 +118,7 @@ fn python_pickle_layout_matches_the_first_500_rows_of_each_binary_batch() {
 /// The JSON subset holds the first `per_class` images of each class, in the original order.
 fn check_json_subset(split: Split, per_class: usize) {
     let source = DataSource::JsonFolder {
-        root: shared_path("data/cifar10/json-subset"),
+        root: tandem_testdata::shared_path("data/cifar10/json-subset"),
     };
     let subset = load_dataset(&source, split).unwrap();
     assert_eq!(subset.len(), 10 * per_class);
@@ -154,10 +156,12 @@ fn check_json_subset(split: Split, per_class: usize) {
 
 #[test]
 fn json_subset_train_holds_the_first_100_of_each_class() {
+    tandem_testdata::skip_without_shared!();
     check_json_subset(Split::Train, 100);
 }
 
 #[test]
 fn json_subset_test_holds_the_first_20_of_each_class() {
+    tandem_testdata::skip_without_shared!();
     check_json_subset(Split::Test, 20);
 }

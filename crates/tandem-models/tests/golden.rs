@@ -503,36 +503,43 @@ fn resnet_base() -> Case {
 
 #[test]
 fn formula_input_matches_golden_x() {
+    tandem_testdata::skip_without_shared!();
     check_formula_input(&resnet18());
     check_formula_input(&resnet_base());
 }
 
 #[test]
 fn resnet18_forward_and_gradients_match_pytorch() {
+    tandem_testdata::skip_without_shared!();
     check_forward_and_gradients(&resnet18());
 }
 
 #[test]
 fn resnet_base_forward_and_gradients_match_pytorch() {
+    tandem_testdata::skip_without_shared!();
     check_forward_and_gradients(&resnet_base());
 }
 
 #[test]
 fn resnet18_sgd_steps_match_pytorch() {
+    tandem_testdata::skip_without_shared!();
     check_optimizer_steps(&resnet18(), "sgd2");
 }
 
 #[test]
 fn resnet18_adam_steps_match_pytorch() {
+    tandem_testdata::skip_without_shared!();
     check_optimizer_steps(&resnet18(), "adam2");
 }
 
 #[test]
 fn resnet_base_sgd_steps_match_pytorch() {
+    tandem_testdata::skip_without_shared!();
     check_optimizer_steps(&resnet_base(), "sgd2");
 }
 
 #[test]
 fn resnet_base_adam_steps_match_pytorch() {
+    tandem_testdata::skip_without_shared!();
     check_optimizer_steps(&resnet_base(), "adam2");
 }

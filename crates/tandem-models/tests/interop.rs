@@ -6,7 +6,7 @@ mod common;
 
 use std::collections::{BTreeMap, HashMap};
 
-use common::{nchw_to_nhwc, read_golden, set_formula_weights, shared_dir};
+use common::{nchw_to_nhwc, read_golden, set_formula_weights};
 use safetensors::tensor::{Dtype, TensorView};
 use tandem_models::{
     load_named_tensors, load_safetensors, save_safetensors, Model, ModelSpec, ResNetBaseSpec,
@@ -41,7 +41,8 @@ fn logits_eval_error(model: &mut Model) -> f64 {
 
 #[test]
 fn ddp_prefixed_state_dict_from_torch_save() {
-    let path = shared_dir().join("golden/pytorch-checkpoints/epoch_3.pth");
+    tandem_testdata::skip_without_shared!();
+    let path = tandem_testdata::shared_dir().join("golden/pytorch-checkpoints/epoch_3.pth");
     let checkpoint = tandem_pickle::read_torch_state_dict(&path)
         .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
     assert!(checkpoint
@@ -56,7 +57,8 @@ fn ddp_prefixed_state_dict_from_torch_save() {
 
 #[test]
 fn snapshot_dict_from_torch_save() {
-    let path = shared_dir().join("golden/pytorch-checkpoints/snapshot.pt");
+    tandem_testdata::skip_without_shared!();
+    let path = tandem_testdata::shared_dir().join("golden/pytorch-checkpoints/snapshot.pt");
     let checkpoint = tandem_pickle::read_torch_state_dict(&path)
         .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
     let mut model = seed004_model();
@@ -67,6 +69,7 @@ fn snapshot_dict_from_torch_save() {
 
 #[test]
 fn safetensors_written_by_tandem_and_by_another_writer() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().expect("temp dir");
     let mut formula = seed004_model();
     set_formula_weights(&mut formula);

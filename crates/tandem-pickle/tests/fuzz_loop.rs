@@ -5,19 +5,12 @@
 //! spliced); every input must end in a value or an error. An input that panics is written
 //! to `fuzz-crash-<n>.bin` in the temporary folder before the test fails.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tandem_pickle::{loads, ndarray_from_value, read_torch_state_dict_from_bytes};
 
-fn shared_file(relative: &str) -> PathBuf {
-    let root = std::env::var_os("TANDEM_SHARED")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
-    let path = root.join(relative);
-    assert!(path.exists(), "missing shared test file {}", path.display());
-    path
-}
+use tandem_testdata::shared_path as shared_file;
 
 /// xorshift64*: the mutation choices only need to be cheap and reproducible.
 struct Mutator(u64);
@@ -117,6 +110,7 @@ fn torch_target(input: &[u8]) {
 #[test]
 #[ignore = "fuzzing loop, run by hand"]
 fn mutated_pickles_and_archives_never_panic() {
+    tandem_testdata::skip_without_shared!();
     let snapshot = std::fs::read(shared_file("golden/pytorch-checkpoints/snapshot.pt")).unwrap();
     let meta = std::fs::read(shared_file(
         "data/cifar10/py-mini/cifar-10-batches-py/batches.meta",

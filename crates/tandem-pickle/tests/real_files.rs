@@ -1,29 +1,18 @@
 //! The reader on real files from `../shared`: the python-pickle CIFAR-10 batches (numpy
 //! arrays in Python 2 pickles) and PyTorch's torch.save checkpoints of the seed-004 model.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use tandem_pickle::{
     loads, ndarray_from_value, read_torch_state_dict, read_torch_state_dict_from_bytes, DType,
     PickleError, Scalar, TensorData, TorchCheckpoint,
 };
 
-/// The shared folder (`TANDEM_SHARED` or `<workspace>/../shared`); fails if a file is missing.
-fn shared_file(relative: &str) -> PathBuf {
-    let root = std::env::var_os("TANDEM_SHARED")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
-    let path = root.join(relative);
-    assert!(
-        path.exists(),
-        "missing shared test file {} (set TANDEM_SHARED to the folder holding data/ and golden/)",
-        path.display()
-    );
-    path
-}
+use tandem_testdata::shared_path as shared_file;
 
 #[test]
 fn python2_cifar_batch_holds_a_uint8_array_and_bytes_keys() {
+    tandem_testdata::skip_without_shared!();
     let path = shared_file("data/cifar10/py-mini/cifar-10-batches-py/data_batch_1");
     let bytes = std::fs::read(&path).unwrap();
     let batch = loads(&bytes).unwrap();
@@ -48,6 +37,7 @@ fn python2_cifar_batch_holds_a_uint8_array_and_bytes_keys() {
 
 #[test]
 fn every_truncation_of_a_real_pickle_is_an_error_not_a_panic() {
+    tandem_testdata::skip_without_shared!();
     let path = shared_file("data/cifar10/py-mini/cifar-10-batches-py/batches.meta");
     let bytes = std::fs::read(&path).unwrap();
     assert!(loads(&bytes).is_ok());
@@ -106,6 +96,7 @@ fn assert_close(actual: &[f32], expected: &[f32], name: &str) {
 /// name `input`.
 #[test]
 fn formula_matches_the_golden_input() {
+    tandem_testdata::skip_without_shared!();
     let golden =
         std::fs::read(shared_file("golden/resnet_bottleneck_seed004.safetensors")).unwrap();
     let tensors = safetensors::SafeTensors::deserialize(&golden).unwrap();
@@ -160,6 +151,7 @@ fn check_seed004_state_dict(checkpoint: &TorchCheckpoint, prefix: &str) {
 
 #[test]
 fn epoch_checkpoint_is_a_ddp_state_dict() {
+    tandem_testdata::skip_without_shared!();
     let checkpoint =
         read_torch_state_dict(&shared_file("golden/pytorch-checkpoints/epoch_3.pth")).unwrap();
     assert_eq!(checkpoint.state_dict_key, None);
@@ -169,6 +161,7 @@ fn epoch_checkpoint_is_a_ddp_state_dict() {
 
 #[test]
 fn snapshot_wraps_the_state_dict_with_epochs_run() {
+    tandem_testdata::skip_without_shared!();
     let checkpoint =
         read_torch_state_dict(&shared_file("golden/pytorch-checkpoints/snapshot.pt")).unwrap();
     assert_eq!(checkpoint.state_dict_key.as_deref(), Some("MODEL_STATE"));
@@ -178,6 +171,7 @@ fn snapshot_wraps_the_state_dict_with_epochs_run() {
 
 #[test]
 fn damaged_checkpoints_are_errors_naming_the_file() {
+    tandem_testdata::skip_without_shared!();
     let path = shared_file("golden/pytorch-checkpoints/snapshot.pt");
     let bytes = std::fs::read(&path).unwrap();
     let name = Path::new("snapshot.pt");

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use anyhow::bail;
 use clap::Args;
+use serde::Serialize;
 use tandem_models::Model;
 
 use crate::checkpoint_info::{
@@ -94,7 +95,10 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         _ => &test_set.class_names,
     };
     if args.json {
-        say!("{}", serde_json::to_string(&report)?);
+        say!(
+            "{}",
+            serde_json::to_string(&JsonReport::new(&report, class_names))?
+        );
     } else {
         print!("{}", render_text(&report, class_names));
     }
@@ -203,20 +207,81 @@ fn data_for(
     })
 }
 
-/// The report as text: totals, per-class accuracy and the confusion matrix.
+/// What `eval --json` prints: the report, and each class's figures under its name.
+#[derive(Serialize)]
+struct JsonReport<'a> {
+    #[serde(flatten)]
+    report: &'a EvaluationReport,
+    per_class: Vec<ClassResult>,
+}
+
+/// One class of the JSON report.
+#[derive(Debug, PartialEq, Serialize)]
+struct ClassResult {
+    class: usize,
+    /// The class's name, when the checkpoint or the data set names it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
+    /// Test samples of this true class.
+    samples: u64,
+    accuracy: f64,
+}
+
+impl<'a> JsonReport<'a> {
+    fn new(report: &'a EvaluationReport, class_names: &[String]) -> Self {
+        let per_class = report
+            .per_class_accuracy
+            .iter()
+            .zip(&report.confusion)
+            .enumerate()
+            .map(|(class, (&accuracy, row))| ClassResult {
+                class,
+                name: class_names.get(class).cloned(),
+                samples: row.iter().sum(),
+                accuracy,
+            })
+            .collect();
+        JsonReport { report, per_class }
+    }
+}
+
+/// The report as text: totals, per-class accuracy and the confusion matrix, whose rows
+/// and columns are labelled with the class names (or numbers).
 fn render_text(report: &EvaluationReport, class_names: &[String]) -> String {
-    let name = |class: usize| class_name(class_names, class);
+    let labels: Vec<String> = (0..report.confusion.len())
+        .map(|class| class_name(class_names, class))
+        .collect();
     let mut text = format!(
         "samples: {}\nloss: {:.4}\naccuracy: {:.4}\n\nper-class accuracy:\n",
         report.samples, report.loss, report.accuracy
     );
-    for (class, accuracy) in report.per_class_accuracy.iter().enumerate() {
-        text.push_str(&format!("  {:>12}: {accuracy:.4}\n", name(class)));
+    for (label, accuracy) in labels.iter().zip(&report.per_class_accuracy) {
+        text.push_str(&format!("  {label:>12}: {accuracy:.4}\n"));
     }
     text.push_str("\nconfusion matrix (rows: true class, columns: predicted):\n");
-    for (class, row) in report.confusion.iter().enumerate() {
-        let cells: Vec<String> = row.iter().map(|count| format!("{count:>6}")).collect();
-        text.push_str(&format!("  {:>12} {}\n", name(class), cells.join("")));
+    let widest = |texts: &mut dyn Iterator<Item = usize>| texts.max().unwrap_or(0);
+    let row_label_width = widest(&mut labels.iter().map(|label| label.chars().count())).max(12);
+    let cell_width = 1 + widest(
+        &mut labels.iter().map(|label| label.chars().count()).chain(
+            report
+                .confusion
+                .iter()
+                .flatten()
+                .map(|count| count.to_string().len()),
+        ),
+    )
+    .max(5);
+    let header: String = labels
+        .iter()
+        .map(|label| format!("{label:>cell_width$}"))
+        .collect();
+    text.push_str(&format!("  {:row_label_width$} {header}\n", ""));
+    for (label, row) in labels.iter().zip(&report.confusion) {
+        let cells: String = row
+            .iter()
+            .map(|count| format!("{count:>cell_width$}"))
+            .collect();
+        text.push_str(&format!("  {label:>row_label_width$} {cells}\n"));
     }
     text
 }
@@ -290,5 +355,74 @@ mod tests {
         let data = data_for(&DataOptions::default(), None, None, path).unwrap();
         assert_eq!(data.settings.data, DataKind::Synthetic);
         assert!(data.warnings[0].contains("does not say what it was trained on"));
+    }
+
+    fn three_class_report() -> EvaluationReport {
+        EvaluationReport {
+            samples: 12,
+            loss: 0.5,
+            accuracy: 0.75,
+            per_class_accuracy: vec![1.0, 0.5, 0.75],
+            confusion: vec![vec![4, 0, 0], vec![1, 2, 1], vec![0, 1, 3]],
+        }
+    }
+
+    #[test]
+    fn the_confusion_matrix_labels_its_columns_as_its_rows() {
+        let names: Vec<String> = ["cat", "automobile", "dog"].map(String::from).into();
+        let text = render_text(&three_class_report(), &names);
+        let matrix: Vec<&str> = text
+            .split("columns: predicted):\n")
+            .nth(1)
+            .unwrap()
+            .lines()
+            .collect();
+        assert_eq!(
+            matrix,
+            [
+                "                       cat automobile        dog",
+                "           cat           4          0          0",
+                "    automobile           1          2          1",
+                "           dog           0          1          3",
+            ]
+        );
+        // Without names, numbers label both.
+        let text = render_text(&three_class_report(), &[]);
+        let matrix: Vec<&str> = text
+            .split("predicted):\n")
+            .nth(1)
+            .unwrap()
+            .lines()
+            .collect();
+        assert_eq!(
+            matrix,
+            [
+                "                    0     1     2",
+                "             0      4     0     0",
+                "             1      1     2     1",
+                "             2      0     1     3",
+            ]
+        );
+    }
+
+    #[test]
+    fn the_json_report_names_each_class() {
+        let report = three_class_report();
+        let names: Vec<String> = ["cat", "automobile"].map(String::from).into();
+        let json = serde_json::to_value(JsonReport::new(&report, &names)).unwrap();
+        assert_eq!(
+            json["per_class"],
+            serde_json::json!([
+                {"class": 0, "name": "cat", "samples": 4, "accuracy": 1.0},
+                {"class": 1, "name": "automobile", "samples": 4, "accuracy": 0.5},
+                {"class": 2, "samples": 4, "accuracy": 0.75},
+            ])
+        );
+        assert_eq!(
+            json["per_class_accuracy"],
+            serde_json::json!([1.0, 0.5, 0.75])
+        );
+        assert_eq!(json["samples"], 12);
+        assert_eq!(json["confusion"][1], serde_json::json!([1, 2, 1]));
     }
 }

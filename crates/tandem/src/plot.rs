@@ -1,10 +1,12 @@
-//! Training curves as a PNG: loss per epoch (train and val) on the left, validation
-//! accuracy per epoch on the right.
+//! Training curves as a PNG: a title (the run folder and model), loss per epoch (train and
+//! val) on the left, validation accuracy per epoch on the right.
 //!
 //! Everything is drawn by hand on an RGB canvas: axes with "nice" ticks, grid lines,
 //! 2 px lines (Bresenham with a 2x2 brush), a dot per epoch, and text from an embedded
 //! 5x7 bitmap font, so no font file or plotting crate is needed. Non-finite values are
-//! skipped; empty input gives empty axes.
+//! skipped; empty input gives empty axes. A loss far above all the others (one huge first
+//! validation loss) is left off the loss axis, so the other points keep their detail: it is
+//! drawn on the axis's top edge with its value written beside it.
 
 use std::io::Cursor;
 
@@ -24,10 +26,12 @@ pub struct CurvePoint {
     pub val_accuracy: f64,
 }
 
-/// Draws training/validation loss (left panel) and validation accuracy (right panel) per
-/// epoch as a PNG and returns its bytes. Non-finite values are left out of the curves.
-pub fn render_training_curves(points: &[CurvePoint]) -> anyhow::Result<Vec<u8>> {
+/// Draws `title` above training/validation loss (left panel) and validation accuracy
+/// (right panel) per epoch as a PNG and returns its bytes. Non-finite values are left out
+/// of the curves.
+pub fn render_training_curves(title: &str, points: &[CurvePoint]) -> anyhow::Result<Vec<u8>> {
     let mut canvas = RgbImage::from_pixel(IMAGE_WIDTH as u32, IMAGE_HEIGHT as u32, BACKGROUND);
+    draw_title(&mut canvas, title);
     let epoch_axis = epoch_axis(points);
 
     let train_loss = Series::from_field("train", TRAIN_COLOUR, points, |point| point.train_loss);
@@ -58,8 +62,12 @@ pub fn render_training_curves(points: &[CurvePoint]) -> anyhow::Result<Vec<u8>> 
 // Layout and colours
 
 const IMAGE_WIDTH: i64 = 900;
-const IMAGE_HEIGHT: i64 = 400;
+const IMAGE_HEIGHT: i64 = 430;
 const PANEL_WIDTH: i64 = IMAGE_WIDTH / 2;
+/// The band at the top that holds the figure's title; the panels start below it.
+const TITLE_HEIGHT: i64 = 30;
+/// Space kept free on either side of the title.
+const TITLE_MARGIN: i64 = 10;
 const MARGIN_LEFT: i64 = 90;
 const MARGIN_RIGHT: i64 = 20;
 const MARGIN_TOP: i64 = 40;
@@ -77,6 +85,8 @@ const TARGET_INTERVALS: f64 = 6.0;
 const ROUNDING_SLACK: f64 = 1e-9;
 /// Upper bound on ticks per axis, whatever the values.
 const MAX_TICKS: usize = 20;
+/// A loss at least this many times the next largest is left off the loss axis.
+const OUTLIER_RATIO: f64 = 10.0;
 
 const BACKGROUND: Rgb<u8> = Rgb([255, 255, 255]);
 const GRID_COLOUR: Rgb<u8> = Rgb([225, 225, 225]);
@@ -120,9 +130,9 @@ impl PlotArea {
 fn plot_area(index: i64) -> PlotArea {
     PlotArea {
         left: index * PANEL_WIDTH + MARGIN_LEFT,
-        top: MARGIN_TOP,
+        top: TITLE_HEIGHT + MARGIN_TOP,
         width: PANEL_WIDTH - MARGIN_LEFT - MARGIN_RIGHT,
-        height: IMAGE_HEIGHT - MARGIN_TOP - MARGIN_BOTTOM,
+        height: IMAGE_HEIGHT - TITLE_HEIGHT - MARGIN_TOP - MARGIN_BOTTOM,
     }
 }
 
@@ -188,13 +198,38 @@ fn epoch_axis(points: &[CurvePoint]) -> Axis {
     nice_axis(&epochs, true)
 }
 
-/// The y axis of the loss panel: tight around all finite losses.
+/// The y axis of the loss panel: tight around all finite losses but the outliers
+/// (see [`without_outliers`]).
 fn loss_axis(series: &[&Series]) -> Axis {
     let values: Vec<f64> = series
         .iter()
         .flat_map(|curve| curve.points.iter().map(|&(_, value)| value))
         .collect();
-    nice_axis(&values, false)
+    nice_axis(&without_outliers(&values), false)
+}
+
+/// The finite values less those far above the rest: while the largest is at least
+/// [`OUTLIER_RATIO`] times the next largest (a positive one), it goes, up to half of the
+/// values.
+fn without_outliers(values: &[f64]) -> Vec<f64> {
+    let mut kept: Vec<f64> = values
+        .iter()
+        .copied()
+        .filter(|value| value.is_finite())
+        .collect();
+    kept.sort_by(f64::total_cmp);
+    let most_to_drop = kept.len() / 2;
+    for _ in 0..most_to_drop {
+        let [.., next, largest] = kept[..] else {
+            break;
+        };
+        if next > 0.0 && largest >= next * OUTLIER_RATIO {
+            kept.pop();
+        } else {
+            break;
+        }
+    }
+    kept
 }
 
 /// The y axis of the accuracy panel: 0..1 when every accuracy is a fraction, otherwise
@@ -340,6 +375,24 @@ struct Panel {
     series: Vec<Series>,
 }
 
+/// The figure's title, centred in the band above the panels; a title too wide for the
+/// image keeps its end (the run folder's own name and the model) after "...".
+fn draw_title(canvas: &mut RgbImage, title: &str) {
+    let room = IMAGE_WIDTH - 2 * TITLE_MARGIN;
+    let characters: Vec<char> = title.chars().collect();
+    let fitting = ((room + TEXT_SCALE) / GLYPH_ADVANCE) as usize;
+    let shown: String = if characters.len() <= fitting {
+        title.to_string()
+    } else {
+        let kept = fitting.saturating_sub(3);
+        let tail: String = characters[characters.len() - kept..].iter().collect();
+        format!("...{tail}")
+    };
+    let left = (IMAGE_WIDTH - text_width(&shown)) / 2;
+    let top = (TITLE_HEIGHT - GLYPH_PIXEL_HEIGHT) / 2 + 4;
+    draw_text(canvas, left, top, &shown, TEXT_COLOUR);
+}
+
 /// Draws grid, axes, curves, tick labels, title and legend of one panel.
 fn draw_panel(canvas: &mut RgbImage, panel: &Panel) {
     draw_grid(canvas, panel);
@@ -352,7 +405,7 @@ fn draw_panel(canvas: &mut RgbImage, panel: &Panel) {
     draw_text(
         canvas,
         panel.area.left,
-        MARGIN_TOP / 2 - GLYPH_PIXEL_HEIGHT / 2,
+        TITLE_HEIGHT + MARGIN_TOP / 2 - GLYPH_PIXEL_HEIGHT / 2,
         panel.title,
         TEXT_COLOUR,
     );
@@ -372,26 +425,78 @@ fn draw_grid(canvas: &mut RgbImage, panel: &Panel) {
     }
 }
 
-/// A 2 px polyline through the series' points with a dot on each point.
+/// A 2 px polyline through the series' points with a dot on each point. A point above
+/// the y axis (an outlier left off it) gets its dot on the top edge and its value beside
+/// it, and the lines to it end at that edge.
 fn draw_series(canvas: &mut RgbImage, panel: &Panel, series: &Series) {
-    let pixels: Vec<(i64, i64)> = series
+    let area = panel.area;
+    let positions: Vec<(f64, f64)> = series
         .points
         .iter()
         .map(|&(epoch, value)| {
-            (
-                panel.area.x_pixel(&panel.x_axis, epoch),
-                panel.area.y_pixel(&panel.y_axis, value),
-            )
+            let x = area.left as f64 + panel.x_axis.fraction(epoch) * area.width as f64;
+            let y = area.bottom() as f64 - panel.y_axis.fraction(value) * area.height as f64;
+            (x, y)
         })
         .collect();
-    for segment in pixels.windows(2) {
+    for segment in positions.windows(2) {
         if let [from, to] = segment {
-            draw_line(canvas, *from, *to, series.colour, 2);
+            if let Some((from, to)) = below_the_top(*from, *to, area.top as f64) {
+                draw_line(canvas, rounded(from), rounded(to), series.colour, 2);
+            }
         }
     }
-    for &(x, y) in &pixels {
-        draw_marker(canvas, x, y, series.colour);
+    for &(epoch, value) in &series.points {
+        let x = area.x_pixel(&panel.x_axis, epoch);
+        draw_marker(canvas, x, area.y_pixel(&panel.y_axis, value), series.colour);
+        if value > panel.y_axis.max {
+            draw_outlier_value(canvas, area, x, value, series.colour);
+        }
     }
+}
+
+/// The part of the segment from `from` to `to` (pixel positions, y growing downwards)
+/// at or below the row `top`; None when it lies wholly above.
+fn below_the_top(from: (f64, f64), to: (f64, f64), top: f64) -> Option<((f64, f64), (f64, f64))> {
+    let finite = |(x, y): (f64, f64)| x.is_finite() && y.is_finite();
+    if !(finite(from) && finite(to)) || (from.1 < top && to.1 < top) {
+        return None;
+    }
+    let onto_top = |above: (f64, f64), below: (f64, f64)| {
+        let along = (top - above.1) / (below.1 - above.1);
+        (above.0 + (below.0 - above.0) * along, top)
+    };
+    Some(match (from.1 < top, to.1 < top) {
+        (true, _) => (onto_top(from, to), to),
+        (_, true) => (from, onto_top(to, from)),
+        _ => (from, to),
+    })
+}
+
+/// A pixel position rounded to the nearest pixel.
+fn rounded((x, y): (f64, f64)) -> (i64, i64) {
+    (x.round() as i64, y.round() as i64)
+}
+
+/// The value of a point above the axis, written beside its dot on the top edge: to the
+/// right, or to the left where the right has no room.
+fn draw_outlier_value(canvas: &mut RgbImage, area: PlotArea, x: i64, value: f64, colour: Rgb<u8>) {
+    let text = value_label(value);
+    let gap = MARKER_RADIUS + LABEL_GAP;
+    let left = if x + gap + text_width(&text) <= area.right() {
+        x + gap
+    } else {
+        x - gap - text_width(&text)
+    };
+    draw_text(canvas, left, area.top + LABEL_GAP, &text, colour);
+}
+
+/// A value to three significant digits, whole numbers in full, as the ticks are written:
+/// "328750", "25.3", "1.8e308".
+fn value_label(value: f64) -> String {
+    let magnitude = value.abs().log10().floor();
+    let step = 10f64.powf(magnitude - 2.0);
+    format_tick(value, step, value.abs())
 }
 
 /// The frame around the plot area and tick marks pointing out of it.
@@ -465,7 +570,7 @@ fn draw_legend(canvas: &mut RgbImage, panel: &Panel) {
     let entry_gap = 2 * GLYPH_ADVANCE;
     let total_width: i64 = panel.series.iter().map(entry_width).sum::<i64>()
         + entry_gap * (panel.series.len() as i64 - 1).max(0);
-    let center_y = MARGIN_TOP / 2;
+    let center_y = TITLE_HEIGHT + MARGIN_TOP / 2;
     let mut left = panel.area.right() - total_width;
     for series in &panel.series {
         let sample_end = left + LEGEND_SAMPLE_LENGTH;
@@ -579,6 +684,14 @@ const GLYPH_ADVANCE: i64 = (GLYPH_WIDTH + 1) * TEXT_SCALE;
 const GLYPHS: &[(char, [u8; 7])] = &[
     (' ', [0b00000, 0b00000, 0b00000, 0b00000, 0b00000, 0b00000, 0b00000]),
     ('.', [0b00000, 0b00000, 0b00000, 0b00000, 0b00000, 0b01100, 0b01100]),
+    (',', [0b00000, 0b00000, 0b00000, 0b00000, 0b01100, 0b00100, 0b01000]),
+    (':', [0b00000, 0b01100, 0b01100, 0b00000, 0b01100, 0b01100, 0b00000]),
+    ('/', [0b00001, 0b00001, 0b00010, 0b00100, 0b01000, 0b10000, 0b10000]),
+    ('_', [0b00000, 0b00000, 0b00000, 0b00000, 0b00000, 0b00000, 0b11111]),
+    ('|', [0b00100, 0b00100, 0b00100, 0b00100, 0b00100, 0b00100, 0b00100]),
+    ('(', [0b00010, 0b00100, 0b01000, 0b01000, 0b01000, 0b00100, 0b00010]),
+    (')', [0b01000, 0b00100, 0b00010, 0b00010, 0b00010, 0b00100, 0b01000]),
+    ('=', [0b00000, 0b00000, 0b11111, 0b00000, 0b11111, 0b00000, 0b00000]),
     ('-', [0b00000, 0b00000, 0b00000, 0b01110, 0b00000, 0b00000, 0b00000]),
     ('+', [0b00000, 0b00100, 0b00100, 0b11111, 0b00100, 0b00100, 0b00000]),
     ('0', [0b01110, 0b10001, 0b10011, 0b10101, 0b11001, 0b10001, 0b01110]),
@@ -679,14 +792,37 @@ mod tests {
         }
     }
 
-    /// Renders and decodes back, checking the PNG's size on the way.
+    /// Renders without a title and decodes back, checking the PNG's size on the way.
     fn render(points: &[CurvePoint]) -> RgbImage {
-        let bytes = render_training_curves(points).expect("rendering succeeds");
+        render_titled("", points)
+    }
+
+    /// Renders with `title` and decodes back, checking the PNG's size on the way.
+    fn render_titled(title: &str, points: &[CurvePoint]) -> RgbImage {
+        let bytes = render_training_curves(title, points).expect("rendering succeeds");
         let decoded = image::load_from_memory_with_format(&bytes, ImageFormat::Png)
             .expect("output decodes as PNG")
             .to_rgb8();
-        assert_eq!(decoded.dimensions(), (900, 400));
+        assert_eq!(decoded.dimensions(), (900, 430));
         decoded
+    }
+
+    /// The columns of the title band that hold text, as (leftmost, rightmost).
+    fn title_columns(image: &RgbImage) -> Option<(i64, i64)> {
+        let columns: Vec<i64> = (0..IMAGE_WIDTH)
+            .filter(|&x| (0..TITLE_HEIGHT).any(|y| pixel(image, x, y) == TEXT_COLOUR))
+            .collect();
+        Some((*columns.first()?, *columns.last()?))
+    }
+
+    /// A CIFAR-10 ResNet-18 run's first epochs: one huge validation loss, then the usual.
+    fn huge_first_val_loss() -> Vec<CurvePoint> {
+        vec![
+            point(1, 2.1, 328_750.0, 0.1),
+            point(2, 1.6, 1.9, 0.35),
+            point(3, 1.3, 1.4, 0.5),
+            point(4, 1.1, 1.2, 0.58),
+        ]
     }
 
     fn pixel(image: &RgbImage, x: i64, y: i64) -> Rgb<u8> {
@@ -931,10 +1067,18 @@ mod tests {
 
     #[test]
     fn glyphs_cover_every_label() {
-        let mut texts: Vec<String> = ["loss", "accuracy", "train", "val", "epoch", "0123456789.-e"]
-            .iter()
-            .map(|text| text.to_string())
-            .collect();
+        let mut texts: Vec<String> = [
+            "loss",
+            "accuracy",
+            "train",
+            "val",
+            "epoch",
+            "0123456789.-e",
+            "s3://runs/cifar_2 | resnet-base",
+        ]
+        .iter()
+        .map(|text| text.to_string())
+        .collect();
         texts.push(('a'..='z').collect());
         let axes = [
             nice_axis(&[0.13, 0.87], false),
@@ -945,6 +1089,7 @@ mod tests {
             nice_axis(&[0.0, u64::MAX as f64], true),
         ];
         texts.extend(axes.iter().flat_map(|axis| axis.labels.clone()));
+        texts.extend([328_750.0, 0.5, -3.0, f64::MAX].map(value_label));
         for text in &texts {
             for character in text.chars() {
                 assert!(
@@ -1004,6 +1149,163 @@ mod tests {
             (i64::MAX, i64::MAX),
             VAL_COLOUR,
             2,
+        );
+    }
+
+    #[test]
+    fn a_loss_far_above_the_rest_is_left_off_the_axis() {
+        // The case: 328,750 once, then losses near 1.
+        let losses = [2.1, 1.6, 1.3, 1.1, 328_750.0, 1.9, 1.4, 1.2];
+        assert_eq!(
+            without_outliers(&losses),
+            [1.1, 1.2, 1.3, 1.4, 1.6, 1.9, 2.1]
+        );
+        // Two of them, each ten times the next.
+        assert_eq!(
+            without_outliers(&[5000.0, 2.0, 1.0, 328_750.0, 1.5]),
+            [1.0, 1.5, 2.0]
+        );
+        // An ordinary run keeps every value, as do a steady fall and losses of zero.
+        let ordinary = [2.3, 1.8, 1.5, 1.3, 2.2, 1.9, 1.7, 1.6];
+        assert_eq!(without_outliers(&ordinary).len(), 8);
+        assert_eq!(without_outliers(&[50.0, 20.0, 8.0, 3.0, 1.0, 0.4]).len(), 6);
+        assert_eq!(without_outliers(&[5.0, 0.0, 0.0]), [0.0, 0.0, 5.0]);
+        // Never more than half of the values go.
+        assert_eq!(without_outliers(&[1e9, 1e6, 1e3, 1.0]), [1.0, 1e3]);
+        assert_eq!(without_outliers(&[7.0, f64::NAN, f64::INFINITY]), [7.0]);
+
+        let points = huge_first_val_loss();
+        let train = Series::from_field("train", TRAIN_COLOUR, &points, |p| p.train_loss);
+        let val = Series::from_field("val", VAL_COLOUR, &points, |p| p.val_loss);
+        let axis = loss_axis(&[&train, &val]);
+        assert!((axis.min, axis.max) == (1.0, 2.2), "{axis:?}");
+        assert_eq!(value_label(328_750.0), "328750");
+        assert_eq!(value_label(25.34), "25.3");
+        assert_eq!(value_label(f64::MAX), "1.8e308");
+    }
+
+    #[test]
+    fn an_outlier_sits_on_the_top_edge_and_the_other_losses_keep_their_detail() {
+        let points = huge_first_val_loss();
+        let image = render(&points);
+        let area = plot_area(0);
+        for p in &points {
+            let epoch = p.epoch as f64;
+            let (x, y) = expected_pixel(area, (1.0, 4.0), (1.0, 2.2), epoch, p.train_loss);
+            assert_eq!(
+                pixel(&image, x, y),
+                TRAIN_COLOUR,
+                "train loss of epoch {}",
+                p.epoch
+            );
+        }
+        for p in &points[1..] {
+            let epoch = p.epoch as f64;
+            let (x, y) = expected_pixel(area, (1.0, 4.0), (1.0, 2.2), epoch, p.val_loss);
+            assert_eq!(
+                pixel(&image, x, y),
+                VAL_COLOUR,
+                "val loss of epoch {}",
+                p.epoch
+            );
+        }
+        // Epoch 1's validation loss: a dot on the top edge, its value to the right.
+        assert_eq!(pixel(&image, area.left, area.top), VAL_COLOUR);
+        let label_left = area.left + MARKER_RADIUS + LABEL_GAP;
+        let mut label = RgbImage::from_pixel(IMAGE_WIDTH as u32, IMAGE_HEIGHT as u32, BACKGROUND);
+        draw_text(
+            &mut label,
+            label_left,
+            area.top + LABEL_GAP,
+            "328750",
+            VAL_COLOUR,
+        );
+        let label_pixels: Vec<(u32, u32)> = label
+            .enumerate_pixels()
+            .filter(|(_, _, colour)| **colour == VAL_COLOUR)
+            .map(|(x, y, _)| (x, y))
+            .collect();
+        assert!(label_pixels.len() > 50);
+        for &(x, y) in &label_pixels {
+            assert_eq!(*image.get_pixel(x, y), VAL_COLOUR, "label pixel ({x}, {y})");
+        }
+        // The line from it comes down to epoch 2's value, entering through the top edge
+        // just left of epoch 2 (the outlier is 150,000 axis heights up).
+        let (x2, _) = expected_pixel(area, (1.0, 4.0), (1.0, 2.2), 2.0, 1.9);
+        let top_row: Vec<i64> = (area.left + MARKER_RADIUS + 1..=area.right())
+            .filter(|&x| pixel(&image, x, area.top + 1) == VAL_COLOUR)
+            .filter(|&x| x > label_left + text_width("328750"))
+            .collect();
+        assert!(
+            !top_row.is_empty() && top_row.iter().all(|&x| (x2 - 2..=x2 + 1).contains(&x)),
+            "{top_row:?} vs {x2}"
+        );
+        // With a linear axis up to 328,750 the ordinary losses would share one row.
+        let linear = nice_axis(&[1.1, 328_750.0], false);
+        let rows: Vec<i64> = [2.1, 1.6, 1.3, 1.1]
+            .iter()
+            .map(|&value| area.y_pixel(&linear, value))
+            .collect();
+        assert_eq!(rows, [area.bottom(); 4]);
+    }
+
+    #[test]
+    fn segments_end_where_they_leave_the_plot() {
+        assert_eq!(
+            below_the_top((0.0, -90.0), (10.0, 10.0), 0.0),
+            Some(((9.0, 0.0), (10.0, 10.0)))
+        );
+        assert_eq!(
+            below_the_top((0.0, 10.0), (10.0, -10.0), 0.0),
+            Some(((0.0, 10.0), (5.0, 0.0)))
+        );
+        assert_eq!(below_the_top((0.0, -1.0), (10.0, -5.0), 0.0), None);
+        assert_eq!(
+            below_the_top((0.0, 1.0), (10.0, 5.0), 0.0),
+            Some(((0.0, 1.0), (10.0, 5.0)))
+        );
+        assert_eq!(
+            below_the_top((0.0, f64::NEG_INFINITY), (1.0, 1.0), 0.0),
+            None
+        );
+    }
+
+    #[test]
+    fn the_title_is_drawn_centred_above_the_panels() {
+        let points = three_epochs();
+        assert_eq!(
+            title_columns(&render(&points)),
+            None,
+            "no title, no text there"
+        );
+        let title = "runs/demo | resnet-base";
+        let image = render_titled(title, &points);
+        let (left, right) = title_columns(&image).expect("the title is drawn");
+        let width = text_width(title);
+        let expected_left = (IMAGE_WIDTH - width) / 2;
+        // The first and last glyphs ('r' and 'e') have ink in their first and last columns.
+        assert_eq!((left, right), (expected_left, expected_left + width - 1));
+        // Each glyph of the title is where draw_text puts it: compare with the text alone.
+        let mut alone = RgbImage::from_pixel(IMAGE_WIDTH as u32, IMAGE_HEIGHT as u32, BACKGROUND);
+        draw_title(&mut alone, title);
+        for y in 0..TITLE_HEIGHT {
+            for x in 0..IMAGE_WIDTH {
+                assert_eq!(pixel(&image, x, y), pixel(&alone, x, y), "at ({x}, {y})");
+            }
+        }
+        // The glyph of '|' is a vertical bar: a column of 14 text pixels at its centre.
+        let bar_left = expected_left + 10 * GLYPH_ADVANCE + 2 * TEXT_SCALE;
+        let bar: Vec<i64> = (0..TITLE_HEIGHT)
+            .filter(|&y| pixel(&image, bar_left, y) == TEXT_COLOUR)
+            .collect();
+        assert_eq!(bar.len() as i64, GLYPH_PIXEL_HEIGHT, "{bar:?}");
+        // A title wider than the image keeps its end.
+        let long = format!("s3://bucket/{}/run-7 | resnet18", "deep/".repeat(30));
+        let image = render_titled(&long, &points);
+        let (left, right) = title_columns(&image).expect("the long title is drawn");
+        assert!(
+            left >= TITLE_MARGIN && right < IMAGE_WIDTH - TITLE_MARGIN,
+            "{left}..{right}"
         );
     }
 }

@@ -17,7 +17,7 @@ const STD: &str = "0.25,0.24,0.26";
 
 /// The real-data subset: 1,000 training and 200 test PNGs of CIFAR-10.
 fn json_subset() -> PathBuf {
-    shared_dir().join("data/cifar10/json-subset")
+    tandem_testdata::shared_dir().join("data/cifar10/json-subset")
 }
 
 /// Trains the small model for one epoch on the json-folder subset (well under a second)
@@ -116,6 +116,7 @@ fn take_metrics_matching(metadata: &mut BTreeMap<String, String>, line: &str) {
 
 #[test]
 fn epoch_checkpoint_and_snapshot_describe_themselves() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
@@ -159,6 +160,7 @@ fn epoch_checkpoint_and_snapshot_describe_themselves() {
 
 #[test]
 fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     let checkpoint = out.join("epoch_1.safetensors").display().to_string();
@@ -189,6 +191,47 @@ fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
         LIMIT,
     ));
     assert!(text.contains("    automobile: "), "{text}");
+    // ... and the confusion matrix's columns, as its rows.
+    let classes = [
+        "airplane",
+        "automobile",
+        "bird",
+        "cat",
+        "deer",
+        "dog",
+        "frog",
+        "horse",
+        "ship",
+        "truck",
+    ];
+    let mut matrix = text
+        .lines()
+        .skip_while(|line| !line.starts_with("confusion matrix"))
+        .skip(1);
+    let header: Vec<&str> = matrix.next().unwrap().split_whitespace().collect();
+    assert_eq!(header, classes, "{text}");
+    let rows: Vec<&str> = matrix
+        .map(|line| line.split_whitespace().next().unwrap())
+        .collect();
+    assert_eq!(rows, classes, "{text}");
+    // The JSON report names each class beside its figures.
+    let per_class = parsed["per_class"].as_array().unwrap();
+    let names: Vec<&str> = per_class
+        .iter()
+        .map(|class| class["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, classes);
+    for (index, class) in per_class.iter().enumerate() {
+        assert_eq!(class["class"], index);
+        assert_eq!(class["accuracy"], parsed["per_class_accuracy"][index]);
+        let row_sum: u64 = parsed["confusion"][index]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|count| count.as_u64().unwrap())
+            .sum();
+        assert_eq!(class["samples"], row_sum);
+    }
 
     // The snapshot is loaded as the weights it holds: the same evaluation.
     let snapshot = out.join("snapshot.safetensors").display().to_string();
@@ -201,6 +244,7 @@ fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
 
 #[test]
 fn flags_that_contradict_the_checkpoint_are_named() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     let checkpoint = out.join("epoch_1.safetensors").display().to_string();
@@ -279,6 +323,7 @@ fn flags_that_contradict_the_checkpoint_are_named() {
 
 #[test]
 fn predict_prints_class_names() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     let checkpoint = out.join("epoch_1.safetensors").display().to_string();
@@ -307,6 +352,7 @@ fn predict_prints_class_names() {
 
 #[test]
 fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     // What an older Tandem file, or PyTorch's `save_file(model.state_dict())`, holds: the
@@ -349,7 +395,7 @@ fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
     );
 
     // PyTorch's own torch.save file of the tutorial's model, with `module.` keys.
-    let pytorch = shared_dir()
+    let pytorch = tandem_testdata::shared_dir()
         .join("golden/pytorch-checkpoints/epoch_3.pth")
         .display()
         .to_string();
@@ -380,6 +426,7 @@ fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
 
 #[test]
 fn a_snapshot_gives_its_weights_to_init_from() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
     let out = train_tiny_real_run(dir.path());
     // One step from the snapshot's weights and one from the epoch checkpoint's (the same

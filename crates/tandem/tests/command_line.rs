@@ -318,8 +318,9 @@ fn errors_name_the_flags_value_and_say_each_cause_once() {
 
 #[test]
 fn the_banner_names_the_epochs_of_the_tutorials_torch_save_snapshot() {
+    tandem_testdata::skip_without_shared!();
     let dir = tempfile::tempdir().unwrap();
-    let checkpoints = shared_dir().join("golden/pytorch-checkpoints");
+    let checkpoints = tandem_testdata::shared_dir().join("golden/pytorch-checkpoints");
     for (file, when) in [
         ("snapshot.pt", "epoch 7"),
         ("epoch_3.pth", "the file records no epoch or step"),

@@ -132,7 +132,7 @@ fn workers_get_their_ranks_and_the_store_the_agent_hosts() {
         read_env_file(&dir.path().join("env_0")),
         read_env_file(&dir.path().join("env_1")),
     ];
-    let log_dir = dir.path().canonicalize().unwrap().join("runs/latest");
+    let log_dir = dir.path().canonicalize().unwrap().join("runs/launch-sh");
     for (rank, env) in envs.iter().enumerate() {
         assert_eq!(env["RANK"], rank.to_string());
         assert_eq!(env["LOCAL_RANK"], rank.to_string());
@@ -271,6 +271,54 @@ fn tee_shows_every_rank_and_log_dir_follows_output_dir() {
 }
 
 #[test]
+fn a_job_that_trains_nothing_keeps_its_logs_out_of_runs_latest() {
+    let dir = tempfile::tempdir().unwrap();
+    // A run in runs/latest, where `train` writes without --output-dir.
+    let run = dir.path().join("runs/latest");
+    let train = common::with_flag(common::small_synthetic_run(&run), "--epochs", "1");
+    common::expect_success(&common::run_bounded(
+        common::tandem().args(&train),
+        LAUNCH_TIMEOUT,
+    ));
+    let checkpoint = run.join("epoch_1.safetensors").display().to_string();
+    let mut launcher = Launcher::start(
+        dir.path(),
+        "launch",
+        &[
+            "--nproc-per-node",
+            "1",
+            "--",
+            "eval",
+            "--checkpoint",
+            &checkpoint,
+            "--threads",
+            "1",
+        ],
+        &[],
+    );
+    let status = launcher.wait(LAUNCH_TIMEOUT);
+    assert!(status.success(), "launcher failed: {}", launcher.stderr());
+    let logs = dir.path().join("runs/launch-eval");
+    assert!(
+        launcher
+            .stderr()
+            .contains(&format!("logs in {}", logs.display())),
+        "{}",
+        launcher.stderr()
+    );
+    let log = read(&logs.join("logs/rank_0.log"));
+    assert!(log.contains("\nsamples: 64\n"), "{log}");
+    assert!(
+        !run.join("logs").exists(),
+        "eval's logs went into the run's folder"
+    );
+    assert!(
+        !run.join("errors").exists(),
+        "eval's error files went into the run's folder"
+    );
+}
+
+#[test]
 fn a_worker_that_fails_once_is_restarted_with_every_other_worker() {
     let dir = tempfile::tempdir().unwrap();
     let script = "echo rank $RANK round $TANDEM_RESTART_COUNT; \
@@ -307,7 +355,10 @@ fn a_worker_that_fails_once_is_restarted_with_every_other_worker() {
         "{stderr}"
     );
     for rank in 0..2 {
-        let log = read(&dir.path().join(format!("runs/latest/logs/rank_{rank}.log")));
+        let log = read(
+            &dir.path()
+                .join(format!("runs/launch-sh/logs/rank_{rank}.log")),
+        );
         let lines: Vec<&str> = log.lines().collect();
         assert_eq!(lines.len(), 4, "{log}");
         assert!(lines[0].starts_with(&format!(
@@ -378,7 +429,7 @@ fn a_worker_that_always_fails_ends_the_job_with_one_summary_naming_it() {
         .path()
         .canonicalize()
         .unwrap()
-        .join("runs/latest/errors/rank_1.json");
+        .join("runs/launch-sh/errors/rank_1.json");
     let expected_summary = format!(
         "error: the job failed in round 2 and no restart is left (--max-restarts 2)\n\
          root cause: rank 1 (node 0, local rank 1) exited with code 7\n\
@@ -413,7 +464,7 @@ fn without_an_error_file_the_summary_shows_the_end_of_the_log() {
         .path()
         .canonicalize()
         .unwrap()
-        .join("runs/latest/logs/rank_0.log");
+        .join("runs/launch-sh/logs/rank_0.log");
     let tail: String = (4..=12).map(|step| format!("  | step {step}\n")).collect();
     let expected = format!(
         "error: the job failed in round 0 and no restart is left (--max-restarts 0)\n\
@@ -489,7 +540,7 @@ fn sigterm_to_the_launcher_is_passed_to_the_workers_and_not_restarted() {
         "{stderr}"
     );
     assert!(!stderr.contains("restarting"), "{stderr}");
-    let log = read(&dir.path().join("runs/latest/logs/rank_0.log"));
+    let log = read(&dir.path().join("runs/launch-sh/logs/rank_0.log"));
     assert_eq!(
         log.matches("===== tandem launch: round").count(),
         1,

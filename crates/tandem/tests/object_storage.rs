@@ -165,10 +165,11 @@ fn pickle_run(data_dir: &str, output_dir: &str) -> Vec<String> {
 
 #[test]
 fn a_run_reads_cifar10_from_a_bucket_and_writes_every_output_to_another() {
+    tandem_testdata::skip_without_shared!();
     let Some(server) = S3Server::start() else {
         return;
     };
-    let shared = shared_dir().join("data/cifar10/py-mini");
+    let shared = tandem_testdata::shared_dir().join("data/cifar10/py-mini");
     assert!(shared.is_dir(), "missing {}", shared.display());
     copy_tree(
         &shared,
@@ -297,10 +298,11 @@ fn a_run_reads_cifar10_from_a_bucket_and_writes_every_output_to_another() {
 
 #[test]
 fn json_and_binary_layouts_are_fetched_and_a_damaged_official_file_is_refused() {
+    tandem_testdata::skip_without_shared!();
     let Some(server) = S3Server::start() else {
         return;
     };
-    let shared = shared_dir().join("data/cifar10");
+    let shared = tandem_testdata::shared_dir().join("data/cifar10");
     copy_tree(
         &shared.join("json-subset"),
         &server.bucket_folder("datasets").join("json"),
@@ -598,11 +600,12 @@ fn an_upload_cut_mid_way_is_retried_and_every_object_is_whole() {
 
 #[test]
 fn a_launch_job_fetches_the_data_once_per_node_and_uploads_from_rank_0() {
+    tandem_testdata::skip_without_shared!();
     let Some(server) = S3Server::start() else {
         return;
     };
     copy_tree(
-        &shared_dir().join("data/cifar10/json-subset"),
+        &tandem_testdata::shared_dir().join("data/cifar10/json-subset"),
         &server.bucket_folder("datasets").join("json"),
     );
     server.create_bucket("runs");
@@ -943,11 +946,12 @@ fn uploads_left_pending_in_a_cache_never_overwrite_a_bucket_that_moved_on() {
 
 #[test]
 fn a_checkpoint_of_obs_data_fetches_it_again_from_another_cache() {
+    tandem_testdata::skip_without_shared!();
     let Some(server) = S3Server::start() else {
         return;
     };
     copy_tree(
-        &shared_dir().join("data/cifar10/py-mini"),
+        &tandem_testdata::shared_dir().join("data/cifar10/py-mini"),
         &server.bucket_folder("datasets").join("cifar10-py"),
     );
     server.create_bucket("runs");

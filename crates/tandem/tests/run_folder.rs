@@ -321,14 +321,19 @@ fn masked_crc(bytes: &[u8]) -> u32 {
         .wrapping_add(0xa282_ead8)
 }
 
-/// One decoded `Event`: its step, its file version if any, and its scalars.
+/// One decoded `Event`: its step, its file version if any, its session log's status if
+/// any, and its scalars.
 #[derive(Debug, Default)]
 struct Event {
     wall_time: f64,
     step: i64,
     file_version: Option<String>,
+    session_status: Option<u64>,
     scalars: Vec<(String, f32)>,
 }
+
+/// `SessionLog.SessionStatus.START`.
+const SESSION_START: u64 = 1;
 
 /// Reads a protobuf varint at `*at`.
 fn read_varint(bytes: &[u8], at: &mut usize) -> u64 {
@@ -374,7 +379,30 @@ fn read_fields(bytes: &[u8]) -> Vec<(u64, u64, Vec<u8>, u64)> {
 
 /// Reads an event file, checking both CRCs of every record.
 fn read_event_file(path: &Path) -> Vec<Event> {
-    let bytes = std::fs::read(path).unwrap();
+    parse_events(&std::fs::read(path).unwrap())
+}
+
+/// The events of a file that may be being written, or was cut by a kill: its whole
+/// records, as TensorBoard reads it.
+fn read_events_so_far(path: &Path) -> Vec<Event> {
+    parse_events(whole_records(&std::fs::read(path).unwrap()))
+}
+
+/// The whole records at the start of a file that is being written.
+fn whole_records(bytes: &[u8]) -> &[u8] {
+    let mut at = 0;
+    while let Some(header) = bytes.get(at..at + 8) {
+        let end = at + 16 + u64::from_le_bytes(header.try_into().unwrap()) as usize;
+        if end > bytes.len() {
+            break;
+        }
+        at = end;
+    }
+    &bytes[..at]
+}
+
+/// The events of an event file's bytes, checking both CRCs of every record.
+fn parse_events(bytes: &[u8]) -> Vec<Event> {
     let mut events = Vec::new();
     let mut at = 0;
     while at < bytes.len() {
@@ -400,6 +428,12 @@ fn read_event_file(path: &Path) -> Vec<Event> {
                 (1, 1) => event.wall_time = f64::from_le_bytes(raw.try_into().unwrap()),
                 (2, 0) => event.step = varint as i64,
                 (3, 2) => event.file_version = Some(String::from_utf8(raw).unwrap()),
+                (7, 2) => {
+                    for (field, wire, _, status) in read_fields(&raw) {
+                        assert_eq!((field, wire), (1, 0), "unexpected SessionLog field");
+                        event.session_status = Some(status);
+                    }
+                }
                 (5, 2) => {
                     for (_, _, value, _) in read_fields(&raw) {
                         let mut tag = String::new();
@@ -458,6 +492,10 @@ fn a_run_prints_a_banner_and_writes_tensorboard_scalars() {
     let events = read_event_file(&files[0]);
     assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
     assert!(events[0].wall_time > 1.6e9, "{:?}", events[0]);
+    assert_eq!(
+        (events[1].step, events[1].session_status),
+        (1, Some(SESSION_START))
+    );
     let series = |tag: &str| -> Vec<(i64, f32)> {
         events
             .iter()
@@ -505,6 +543,184 @@ fn a_run_prints_a_banner_and_writes_tensorboard_scalars() {
             })
             .collect();
         assert_eq!(series(tag), expected, "{tag}");
+    }
+}
+
+/// The event files of `folder`, oldest first (their names start with the time); none
+/// while the folder does not exist.
+fn event_files(folder: &Path) -> Vec<std::path::PathBuf> {
+    let Ok(entries) = std::fs::read_dir(folder) else {
+        return Vec::new();
+    };
+    let mut files: Vec<_> = entries
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| {
+            path.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.starts_with("events.out.tfevents."))
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// The steps of `train/loss` in one file's events.
+fn loss_steps(events: &[Event]) -> Vec<i64> {
+    events
+        .iter()
+        .filter(|event| event.scalars.iter().any(|(tag, _)| tag == "train/loss"))
+        .map(|event| event.step)
+        .collect()
+}
+
+/// What TensorBoard shows of a run folder's files, read in name order as its
+/// `EventAccumulator` reads them (file version 2): a `SessionLog` START at step S drops
+/// everything read so far at S or later; each scalar is (tag, step, value).
+fn scalars_as_tensorboard_keeps_them(files: &[std::path::PathBuf]) -> Vec<(String, i64, f32)> {
+    let mut kept: Vec<(String, i64, f32)> = Vec::new();
+    for file in files {
+        for event in read_events_so_far(file) {
+            if event.session_status == Some(SESSION_START) {
+                kept.retain(|(_, step, _)| *step < event.step);
+            }
+            for (tag, value) in event.scalars {
+                kept.push((tag, event.step, value));
+            }
+        }
+    }
+    kept
+}
+
+/// `train/loss` as TensorBoard's own `EventAccumulator` reads `folder`: (step, value)
+/// pairs; None (saying why) where Python's `tensorboard` package is missing, which fails
+/// the test where `CI` is set (`.ci/run` installs it), as a missing program does.
+fn losses_read_by_tensorboard(folder: &Path) -> Option<Vec<(i64, f32)>> {
+    const SCRIPT: &str = "import json, sys\n\
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n\
+        accumulator = EventAccumulator(sys.argv[1], size_guidance={'scalars': 0})\n\
+        accumulator.Reload()\n\
+        print(json.dumps([[e.step, e.value] for e in accumulator.Scalars('train/loss')]))\n";
+    let output = std::process::Command::new("python3")
+        .args(["-c", SCRIPT])
+        .arg(folder)
+        .output();
+    let required = std::env::var_os("CI").is_some();
+    let missing = match &output {
+        Err(error) => Some(format!("python3 cannot be started: {error}")),
+        Ok(output)
+            if String::from_utf8_lossy(&output.stderr)
+                .contains("No module named 'tensorboard'") =>
+        {
+            Some("python3 has no tensorboard package (pip install tensorboard)".to_string())
+        }
+        Ok(_) => None,
+    };
+    if let Some(reason) = missing {
+        assert!(!required, "{reason}, and CI is set (.ci/run installs it)");
+        eprintln!("skipping the check through TensorBoard itself: {reason}");
+        return None;
+    }
+    let output = output.unwrap();
+    assert!(
+        output.status.success(),
+        "EventAccumulator failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let pairs: Vec<(i64, f32)> = serde_json::from_slice(&output.stdout).unwrap();
+    Some(pairs)
+}
+
+#[test]
+fn a_resumed_run_has_tensorboard_show_each_step_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    // 512 steps of 16 images, a scalar every step, a snapshot every 20.
+    let mut args = with_flag(synthetic_run(&out, 8192), "--epochs", "1");
+    args = with_flag(args, "--batch-size", "16");
+    args.extend(["--log-every-steps", "1", "--snapshot-every-steps", "20"].map(String::from));
+    let mut child = tandem()
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Killed at a step well past the last snapshot: the file then holds steps that the
+    // resumed run trains again.
+    let deadline = std::time::Instant::now() + LIMIT;
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no step past 25 within {LIMIT:?}"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be killed"
+        );
+        let last = event_files(&out)
+            .first()
+            .and_then(|file| loss_steps(&read_events_so_far(file)).last().copied());
+        if last.is_some_and(|step| step > 25 && step % 20 >= 5) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let first_session = read_events_so_far(&event_files(&out)[0]);
+    let logged_before = *loss_steps(&first_session).last().unwrap();
+
+    // Event files are named by the second they were created in.
+    std::thread::sleep(Duration::from_millis(1100));
+    expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    let files = event_files(&out);
+    assert_eq!(files.len(), 2, "{files:?}");
+    let second_session = read_event_file(&files[1]);
+    let start = &second_session[1];
+    assert_eq!(start.session_status, Some(SESSION_START), "{start:?}");
+    let resumed_after = start.step - 1;
+    assert!(
+        resumed_after > 0 && resumed_after % 20 == 0 && resumed_after < logged_before,
+        "resumed after step {resumed_after}, {logged_before} steps logged before"
+    );
+    assert_eq!(loss_steps(&second_session)[0], start.step);
+    // Its wall time is the resumed session's, between the file's header and first scalar.
+    let last_of_first = first_session.last().unwrap().wall_time;
+    assert!(
+        last_of_first < second_session[0].wall_time
+            && second_session[0].wall_time <= start.wall_time
+            && start.wall_time <= second_session[2].wall_time,
+        "{last_of_first} {:?}",
+        &second_session[..3]
+    );
+
+    let kept = scalars_as_tensorboard_keeps_them(&files);
+    let losses: Vec<(i64, f32)> = kept
+        .iter()
+        .filter(|(tag, _, _)| tag == "train/loss")
+        .map(|(_, step, value)| (*step, *value))
+        .collect();
+    let steps: Vec<i64> = losses.iter().map(|(step, _)| *step).collect();
+    assert_eq!(steps, (1..=512).collect::<Vec<_>>());
+    let resumed_losses: Vec<(i64, f32)> = second_session
+        .iter()
+        .flat_map(|event| {
+            event
+                .scalars
+                .iter()
+                .filter(|(tag, _)| tag == "train/loss")
+                .map(|(_, value)| (event.step, *value))
+        })
+        .collect();
+    assert_eq!(losses[resumed_after as usize..], resumed_losses[..]);
+    let epochs: Vec<i64> = kept
+        .iter()
+        .filter(|(tag, _, _)| tag == "epoch/val_loss")
+        .map(|(_, step, _)| *step)
+        .collect();
+    assert_eq!(epochs, [1]);
+
+    if let Some(read_by_tensorboard) = losses_read_by_tensorboard(&out) {
+        assert_eq!(read_by_tensorboard, losses);
     }
 }
 

@@ -206,7 +206,8 @@ fn corrupt_snapshot_is_reported_and_the_previous_one_used() {
 
 #[test]
 fn eval_and_predict_on_a_saved_checkpoint() {
-    let shared = shared_dir();
+    tandem_testdata::skip_without_shared!();
+    let shared = tandem_testdata::shared_dir();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     expect_success(&run_bounded(
@@ -308,7 +309,8 @@ fn eval_and_predict_on_a_saved_checkpoint() {
 
 #[test]
 fn one_epoch_of_real_cifar10_beats_chance_by_far() {
-    let shared = shared_dir();
+    tandem_testdata::skip_without_shared!();
+    let shared = tandem_testdata::shared_dir();
     let data_dir = shared.join("data/cifar10");
     assert!(
         data_dir.join("cifar-10-batches-bin.tar.gz").is_file(),

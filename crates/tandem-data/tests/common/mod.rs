@@ -1,23 +1,6 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
-
-/// A path under the shared folder (`TANDEM_SHARED` or `<workspace>/../shared`); fails with
-/// a message naming what is missing.
-pub fn shared_path(relative: &str) -> PathBuf {
-    let root = std::env::var_os("TANDEM_SHARED")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
-    let path = root.join(relative);
-    assert!(
-        path.exists(),
-        "missing shared test data {} (set TANDEM_SHARED to the folder holding data/cifar10)",
-        path.display()
-    );
-    path
-}
-
 /// A CIFAR python-layout batch written the way Python 2 pickles it (protocol 2, str keys,
 /// numpy array built by `_reconstruct` + `BUILD`), with knobs to break it.
 pub struct PyBatch<'a> {

@@ -3,18 +3,9 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use safetensors::tensor::{Dtype, SafeTensors};
 use tandem_models::{Model, TensorKind};
-
-/// `<workspace>/../shared`, or `$TANDEM_SHARED`.
-pub fn shared_dir() -> PathBuf {
-    match std::env::var_os("TANDEM_SHARED") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"),
-    }
-}
 
 /// A golden tensor converted to f64.
 pub struct GoldenTensor {
@@ -24,13 +15,9 @@ pub struct GoldenTensor {
 
 /// Every tensor of a golden file, by name. Panics (failing the test) with the missing path.
 pub fn read_golden(file: &str) -> BTreeMap<String, GoldenTensor> {
-    let path = shared_dir().join("golden").join(file);
-    let bytes = std::fs::read(&path).unwrap_or_else(|error| {
-        panic!(
-            "missing shared golden file {} ({error}); set TANDEM_SHARED to the shared folder",
-            path.display()
-        )
-    });
+    let path = tandem_testdata::shared_path(&format!("golden/{file}"));
+    let bytes = std::fs::read(&path)
+        .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
     let file = SafeTensors::deserialize(&bytes).expect("golden file parses");
     file.tensors()
         .into_iter()

@@ -57,7 +57,8 @@ pub struct LaunchArgs {
     pub heartbeat_timeout_seconds: Duration,
     /// Folder for `logs/rank_R.log` and `errors/rank_R.json`. Default: the worker command's
     /// `--output-dir` (for an s3:// or obs:// one, its staging folder, uploaded beside the
-    /// outputs when the job ends), else `runs/latest`.
+    /// outputs when the job ends), else `runs/latest` for `train` and `runs/launch-NAME` for
+    /// another command (`runs/launch-eval`).
     #[arg(long, value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
     /// Show every local rank's output on the console, not only rank 0's.
@@ -292,13 +293,24 @@ pub fn resolve_command(command: &[String]) -> anyhow::Result<(PathBuf, Vec<Strin
 }
 
 /// `--log-dir`, else the worker command's `--output-dir` (for an object URL, the run's
-/// staging folder in the worker's `--cache-dir`), else `runs/latest`.
+/// staging folder in the worker's `--cache-dir`), else for `train` its own default output
+/// folder `runs/latest`, else `runs/launch-NAME` after the subcommand or program
+/// (`runs/launch-eval`), so that a job that trains nothing keeps its logs out of the
+/// folder of a run.
 pub fn default_log_dir(log_dir: Option<&Path>, command: &[String]) -> PathBuf {
     if let Some(log_dir) = log_dir {
         return log_dir.to_path_buf();
     }
     let Some(output_dir) = flag_value(command, "--output-dir") else {
-        return PathBuf::from("runs/latest");
+        return match command.first().map(String::as_str) {
+            Some("train") => PathBuf::from("runs/latest"),
+            first => {
+                let name = first
+                    .and_then(|program| Path::new(program).file_name())
+                    .map_or_else(|| "job".into(), |name| name.to_string_lossy());
+                PathBuf::from(format!("runs/launch-{name}"))
+            }
+        };
     };
     match tandem_remote::ObjectUrl::parse(&output_dir) {
         Ok(Some(url)) => {
@@ -660,6 +672,25 @@ mod tests {
         assert_eq!(
             default_log_dir(None, &words("train --epochs 2")),
             PathBuf::from("runs/latest")
+        );
+        // A job that trains nothing keeps out of runs/latest, where `train` writes.
+        assert_eq!(
+            default_log_dir(
+                None,
+                &words("eval --checkpoint runs/latest/epoch_3.safetensors")
+            ),
+            PathBuf::from("runs/launch-eval")
+        );
+        assert_eq!(
+            default_log_dir(None, &words("/usr/bin/python3 train.py")),
+            PathBuf::from("runs/launch-python3")
+        );
+        assert_eq!(
+            default_log_dir(
+                None,
+                &words("predict --checkpoint a.safetensors --output-dir p")
+            ),
+            PathBuf::from("p")
         );
         assert_eq!(
             default_log_dir(Some(Path::new("logs")), &words("train --output-dir x")),

@@ -5,7 +5,11 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use tandem_models::ModelSpec;
+
+use crate::checkpoint_info::value_name;
 use crate::files::write_atomically;
+use crate::model_args::ModelArgs;
 use crate::plot::{render_training_curves, CurvePoint};
 
 /// What one epoch of training measured.
@@ -29,8 +33,23 @@ pub struct EpochRecord {
     pub steps: u64,
 }
 
-/// Rewrites `metrics.jsonl` (one JSON object per epoch) and `curves.png` in `output_dir`.
-pub fn write_history(output_dir: &Path, history: &[EpochRecord]) -> anyhow::Result<()> {
+/// The title of `curves.png`: the run folder (as the user gave it) and the model, as
+/// `--model` names it.
+pub fn curves_title(run_folder: &str, spec: &ModelSpec) -> String {
+    let model = ModelArgs::from_spec(spec)
+        .model
+        .map(|kind| value_name(&kind))
+        .unwrap_or_default();
+    format!("{run_folder} | {model}")
+}
+
+/// Rewrites `metrics.jsonl` (one JSON object per epoch) and `curves.png` (under `title`)
+/// in `output_dir`.
+pub fn write_history(
+    output_dir: &Path,
+    history: &[EpochRecord],
+    title: &str,
+) -> anyhow::Result<()> {
     let mut lines = String::new();
     for record in history {
         lines.push_str(&serde_json::to_string(record)?);
@@ -48,6 +67,24 @@ pub fn write_history(output_dir: &Path, history: &[EpochRecord]) -> anyhow::Resu
         .collect();
     write_atomically(
         &output_dir.join("curves.png"),
-        &render_training_curves(&points)?,
+        &render_training_curves(title, &points)?,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_curves_are_titled_with_the_run_folder_and_model() {
+        assert_eq!(
+            curves_title("runs/demo", &ModelSpec::ResNet18 { num_classes: 10 }),
+            "runs/demo | resnet18"
+        );
+        let base = ModelSpec::ResNetBase(tandem_models::ResNetBaseSpec::tutorial_default());
+        assert_eq!(
+            curves_title("s3://runs/a", &base),
+            "s3://runs/a | resnet-base"
+        );
+    }
 }

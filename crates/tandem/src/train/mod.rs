@@ -45,7 +45,7 @@ use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use batches::{EpochBatches, IndexBatches, MicroBatch};
 use ddp::{graphs_agree, Ddp};
-use history::{write_history, EpochRecord};
+use history::{curves_title, write_history, EpochRecord};
 use mirror::{localize, Mirror};
 use placement::find_placement_of;
 use resume_settings::fingerprint;
@@ -502,10 +502,11 @@ impl Trainer {
             say!("--epochs is 0: nothing to train");
         }
         if self.is_leader() && self.progress.epoch < self.settings.epochs {
-            self.events = Some(EventWriter::create(
-                &self.settings.output_dir,
-                &host_name(),
-            )?);
+            let mut events = EventWriter::create(&self.settings.output_dir, &host_name())?;
+            // What earlier sessions logged past the snapshot is trained again from here.
+            events.add_session_start(self.progress.global_step + 1)?;
+            events.flush()?;
+            self.events = Some(events);
         }
         while self.progress.epoch < self.settings.epochs {
             if let EpochEnd::Stopped(end) = self.run_epoch()? {
@@ -924,26 +925,36 @@ impl Trainer {
             record.epoch_seconds,
             record.images_per_second
         );
-        if let Some(events) = self.events.as_mut() {
-            events.add_scalars(
-                record.epoch,
-                &[
-                    ("epoch/train_loss", record.train_loss),
-                    ("epoch/val_loss", record.val_loss),
-                    ("epoch/val_accuracy", record.val_accuracy),
-                    ("epoch/images_per_second", record.images_per_second),
-                    ("epoch/lr", record.lr),
-                ],
-            )?;
-            events.flush()?;
-        }
-        self.publish_events();
-        write_history(&self.settings.output_dir, &self.history)?;
+        let title = curves_title(&self.shown(&self.settings.output_dir), self.compute.spec());
+        write_history(&self.settings.output_dir, &self.history, &title)?;
         for name in ["metrics.jsonl", "curves.png"] {
             self.publish(&self.settings.output_dir.join(name));
         }
         self.write_epoch_checkpoint(epoch_number)?;
-        self.save_snapshot()
+        self.save_snapshot()?;
+        // After the snapshot: an epoch's scalars are in the event file only once a snapshot
+        // holds the epoch, so a resumed run never writes them a second time.
+        self.log_epoch_scalars(&record)
+    }
+
+    /// The epoch's figures as TensorBoard scalars at step `epoch` (rank 0).
+    fn log_epoch_scalars(&mut self, record: &EpochRecord) -> anyhow::Result<()> {
+        let Some(events) = self.events.as_mut() else {
+            return Ok(());
+        };
+        events.add_scalars(
+            record.epoch,
+            &[
+                ("epoch/train_loss", record.train_loss),
+                ("epoch/val_loss", record.val_loss),
+                ("epoch/val_accuracy", record.val_accuracy),
+                ("epoch/images_per_second", record.images_per_second),
+                ("epoch/lr", record.lr),
+            ],
+        )?;
+        events.flush()?;
+        self.publish_events();
+        Ok(())
     }
 
     /// Writes `epoch_N.safetensors` when due, and drops the ones past `--keep-last`.

@@ -4,7 +4,8 @@
 //! An event file is a sequence of TFRecords: a little-endian u64 length, the masked CRC-32C
 //! of those 8 bytes, the data, and the masked CRC-32C of the data. Each record's data is an
 //! `Event` protocol buffer; the first holds `file_version = "brain.Event:2"`, the others a
-//! `Summary` of scalar values. The few fields needed are encoded here by hand.
+//! `Summary` of scalar values, or a `SessionLog` that marks where a resumed run starts again.
+//! The few fields needed are encoded here by hand.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -65,6 +66,18 @@ impl EventWriter {
         self.write_record(&event)
     }
 
+    /// Marks the start of a session that resumes at `first_step`, as TensorFlow's writers do
+    /// after a restart: TensorBoard then drops what earlier files hold at `first_step` and
+    /// later, which the resumed run writes again, so each step is shown once.
+    pub fn add_session_start(&mut self, first_step: u64) -> anyhow::Result<()> {
+        let mut session_log = Vec::new();
+        put_key(&mut session_log, 1, WIRE_VARINT);
+        put_varint(&mut session_log, SESSION_STATUS_START);
+        let mut event = event_header(now_seconds(), first_step as i64);
+        put_bytes(&mut event, 7, &session_log);
+        self.write_record(&event)
+    }
+
     /// Pushes what was written to the file.
     pub fn flush(&mut self) -> anyhow::Result<()> {
         self.file
@@ -98,6 +111,9 @@ fn now_seconds() -> f64 {
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |elapsed| elapsed.as_secs_f64())
 }
+
+/// `SessionLog.SessionStatus.START`.
+const SESSION_STATUS_START: u64 = 1;
 
 const WIRE_VARINT: u8 = 0;
 const WIRE_FIXED64: u8 = 1;
@@ -163,5 +179,29 @@ mod tests {
         buffer.clear();
         put_key(&mut buffer, 2, WIRE_FIXED32);
         assert_eq!(buffer, [0x15]);
+    }
+
+    #[test]
+    fn a_session_start_is_a_session_log_event_at_its_first_step() {
+        let folder = tempfile::tempdir().unwrap();
+        let mut writer = EventWriter::create(folder.path(), "host").unwrap();
+        let header_bytes = std::fs::metadata(writer.path()).unwrap().len() as usize;
+        writer.add_session_start(101).unwrap();
+        writer.flush().unwrap();
+        let bytes = std::fs::read(writer.path()).unwrap();
+        let record = &bytes[header_bytes..];
+        let length = u64::from_le_bytes(record[..8].try_into().unwrap()) as usize;
+        assert_eq!(record.len(), 16 + length, "one record after the header");
+        let data = &record[12..12 + length];
+        assert_eq!(
+            u32::from_le_bytes(record[12 + length..].try_into().unwrap()),
+            masked_crc32c(data)
+        );
+        // wall_time (field 1, fixed64), step 101 (field 2, varint), then session_log
+        // (field 7) holding status START (field 1 = 1).
+        assert_eq!(data[0], 0x09);
+        let wall_time = f64::from_le_bytes(data[1..9].try_into().unwrap());
+        assert!((wall_time - now_seconds()).abs() < 60.0, "{wall_time}");
+        assert_eq!(&data[9..], [0x10, 101, 0x3a, 0x02, 0x08, 0x01]);
     }
 }

@@ -19,20 +19,6 @@ pub fn tandem() -> Command {
     command
 }
 
-/// The shared folder beside the workspace (or `TANDEM_SHARED`), failing the test with a
-/// clear message when it is missing.
-pub fn shared_dir() -> PathBuf {
-    let dir = std::env::var_os("TANDEM_SHARED")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
-    assert!(
-        dir.join("golden").is_dir(),
-        "the shared material is missing: expected {} (with golden/ and data/cifar10/); set TANDEM_SHARED",
-        dir.display()
-    );
-    dir
-}
-
 /// Runs a command to completion within `limit`, killing it if it takes longer.
 pub fn run_bounded(command: &mut Command, limit: Duration) -> Output {
     let child = command
