@@ -956,8 +956,9 @@ impl Trainer {
             .output_dir
             .join(format!("epoch_{epoch_number}.safetensors"));
         let metadata = self.checkpoint_metadata(self.history.last())?;
-        tandem_models::save_safetensors(self.compute.host_model()?, &path, &metadata)
-            .with_context(|| format!("cannot write checkpoint {}", path.display()))?;
+        let bytes = tandem_models::state_dict_safetensors(self.compute.host_model()?, &metadata)
+            .with_context(|| format!("cannot serialize checkpoint {}", path.display()))?;
+        crate::files::write_atomically(&path, &bytes)?;
         self.publish(&path);
         if self.settings.keep_last > 0 {
             prune_checkpoints(&self.settings.output_dir, self.settings.keep_last)?;
