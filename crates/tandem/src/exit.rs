@@ -6,6 +6,7 @@ use tandem_dist::cluster::contract::{WorkerErrorRecord, ERROR_FILE_ENV};
 
 pub use tandem_dist::cluster::contract::SETTINGS_ERROR_EXIT_CODE;
 
+use crate::terminal::{printable_line, printable_lines};
 use crate::train::stop_signal::{self, StoppedBySignal};
 
 /// Settings that no run can use (a value out of range, a config file that does not read,
@@ -16,6 +17,8 @@ use crate::train::stop_signal::{self, StoppedBySignal};
 pub struct SettingsError {
     /// The error and its causes, in one line.
     message: String,
+    /// Whether the error was a [`Summary`], whose lines [`fail`] keeps.
+    is_summary: bool,
 }
 
 impl SettingsError {
@@ -23,6 +26,7 @@ impl SettingsError {
     pub fn from_error(error: anyhow::Error) -> anyhow::Error {
         anyhow::Error::new(SettingsError {
             message: message_of(&error),
+            is_summary: is_summary(&error),
         })
     }
 }
@@ -34,6 +38,31 @@ impl std::fmt::Display for SettingsError {
 }
 
 impl std::error::Error for SettingsError {}
+
+/// A message of several lines by design, the launcher's summary of a failed job, whose
+/// parts that come from elsewhere (a worker's error, its log) are escaped already: [`fail`]
+/// prints it line by line, where any other message is printed as one line, a line break in
+/// it escaped like any control character.
+#[derive(Debug)]
+pub struct Summary(pub String);
+
+impl std::fmt::Display for Summary {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Summary {}
+
+/// Whether `error` is a [`Summary`] (under context, or made a [`SettingsError`]).
+fn is_summary(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause.is::<Summary>()
+            || cause
+                .downcast_ref::<SettingsError>()
+                .is_some_and(|settings| settings.is_summary)
+    })
+}
 
 /// The error and its causes in one line, as `{:#}` writes them, but without a cause whose
 /// text its error already ends with (an error that writes its source into its own message
@@ -56,17 +85,23 @@ pub fn message_of(error: &anyhow::Error) -> String {
 
 /// Ends the process on `error`: prints it (prefixed with the rank on ranks other than 0),
 /// records it in the worker's error file under `tandem launch`, and exits with its code.
+/// An error quotes names from files and peers: it is printed escaped and bounded (see
+/// [`crate::terminal`]), and recorded exactly (the error file is JSON).
 /// A run stopped on request is no error: rank 0 has said where it stopped, and the process
 /// ends on the signal (see [`stop_signal::end_on`]).
 pub fn fail(error: &anyhow::Error) -> ! {
     let rank = worker_rank();
     let message = message_of(error);
+    let shown = match is_summary(error) {
+        true => printable_lines(&message),
+        false => printable_line(&message),
+    };
     let stopped = error.downcast_ref::<StoppedBySignal>();
     match (rank.filter(|rank| *rank != 0), stopped) {
         (None, Some(_)) => {}
-        (Some(rank), Some(_)) => tell!("[rank {rank}] {message}"),
-        (Some(rank), None) => tell!("[rank {rank}] error: {message}"),
-        (None, None) => tell!("error: {message}"),
+        (Some(rank), Some(_)) => tell!("[rank {rank}] {shown}"),
+        (Some(rank), None) => tell!("[rank {rank}] error: {shown}"),
+        (None, None) => tell!("error: {shown}"),
     }
     record_in_error_file(rank, message);
     if let Some(stopped) = stopped {
@@ -144,6 +179,18 @@ mod tests {
             message_of(&anyhow::anyhow!("inner").context("outer")),
             "outer: inner"
         );
+    }
+
+    #[test]
+    fn only_a_summary_keeps_its_lines_made_a_settings_error_or_not() {
+        let summary = || anyhow::Error::new(Summary("job failed\nroot cause: rank 1".into()));
+        assert!(is_summary(&summary()));
+        assert!(is_summary(&SettingsError::from_error(summary())));
+        assert!(is_summary(&summary().context("launch")));
+        assert!(!is_summary(&anyhow::anyhow!("cat\nerror: fake")));
+        assert!(!is_summary(&SettingsError::from_error(anyhow::anyhow!(
+            "x"
+        ))));
     }
 
     #[test]

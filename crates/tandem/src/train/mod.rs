@@ -533,7 +533,7 @@ impl Trainer {
             for path in crate::files::remove_stale_temporaries(&folder)? {
                 tell!(
                     "removed {}, left by a writer that is no longer running",
-                    path.display()
+                    crate::terminal::printable(&path.display().to_string())
                 );
             }
         }

@@ -1,0 +1,383 @@
+//! Text tandem did not write (class names from `batches.meta` or a checkpoint's metadata,
+//! image file names, metadata values) reaches the terminal escaped and bounded: no escape
+//! sequence, no line break of its own, at most 200 characters of a name. JSON output keeps
+//! the exact text.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::Duration;
+
+use common::*;
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// An OSC sequence that sets the terminal's title, ended by BEL.
+const TITLE: &str = "\u{1b}]0;pwned\u{7}";
+/// [`TITLE`] as tandem prints it.
+const TITLE_SHOWN: &str = "\\x1b]0;pwned\\x07";
+/// How many characters of a name are printed.
+const NAME_LIMIT: usize = 200;
+
+/// Ten class names: an escape sequence, a line break, a name of `long` characters.
+fn hostile_class_names(long: usize) -> Vec<String> {
+    let mut names = vec![
+        format!("{TITLE}cat"),
+        "two\nerror: lines".to_string(),
+        "x".repeat(long),
+    ];
+    names.extend(["deer", "dog", "frog", "horse", "ship", "truck", "plane"].map(String::from));
+    names
+}
+
+/// Fails unless `bytes` is text with no character a terminal acts on but the line ends.
+fn assert_printable(what: &str, bytes: &[u8]) {
+    let text = std::str::from_utf8(bytes).unwrap_or_else(|_| panic!("{what}: not UTF-8"));
+    let acted_on: Vec<char> = text
+        .chars()
+        .filter(|&character| character != '\n' && character.is_control())
+        .collect();
+    assert!(
+        acted_on.is_empty(),
+        "{what} holds control characters {acted_on:?}: {}",
+        excerpt(text)
+    );
+}
+
+/// The start of `text`, for a failure's message (today's build prints megabytes).
+fn excerpt(text: &str) -> String {
+    text.chars().take(3000).collect()
+}
+
+fn stderr_of(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Runs `tandem args` within `LIMIT`, its output into files (it may be megabytes, more
+/// than a pipe holds), and returns it.
+fn run(dir: &Path, args: &[&str]) -> Output {
+    let stdout_path = dir.join("stdout.txt");
+    let stderr_path = dir.join("stderr.txt");
+    let child = tandem()
+        .args(args)
+        .stdout(std::fs::File::create(&stdout_path).unwrap())
+        .stderr(std::fs::File::create(&stderr_path).unwrap())
+        .spawn()
+        .unwrap();
+    let mut output = wait_bounded(child, LIMIT);
+    output.stdout = std::fs::read(&stdout_path).unwrap();
+    output.stderr = std::fs::read(&stderr_path).unwrap();
+    output
+}
+
+/// Asserts success and returns standard output, showing the start of both streams if not.
+fn succeeded(output: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "tandem failed with {}\nstdout:\n{}\nstderr:\n{}",
+        output.status,
+        excerpt(&stdout),
+        excerpt(&stderr_of(output))
+    );
+    stdout
+}
+
+/// The checkpoint of a one-epoch synthetic run in `dir/run`.
+fn trained_checkpoint(dir: &Path) -> PathBuf {
+    let out = dir.join("run");
+    let run = with_flag(synthetic_run(&out, 96), "--epochs", "1");
+    expect_success(&run_bounded(tandem().args(run), LIMIT));
+    out.join("epoch_1.safetensors")
+}
+
+/// A copy of `trained` as `dir/name`, its metadata entry `key` set to `value`.
+fn with_metadata(trained: &Path, dir: &Path, name: &str, key: &str, value: &str) -> PathBuf {
+    let mut metadata = tandem_models::read_safetensors_metadata(trained).unwrap();
+    assert!(metadata.contains_key(key), "{key} is not in {metadata:?}");
+    metadata.insert(key.to_string(), value.to_string());
+    let bytes = std::fs::read(trained).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let edited = tandem_models::serialize_safetensors(tensors.tensors(), &metadata).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, edited).unwrap();
+    path
+}
+
+/// A black 32x32 PNG at `path`.
+fn write_png(path: &Path) {
+    image::RgbImage::new(32, 32).save(path).unwrap();
+}
+
+/// The per-class lines of `eval`'s text report: each starts with two spaces.
+fn report_rows(stdout: &str) -> usize {
+    stdout.lines().filter(|line| line.starts_with("  ")).count()
+}
+
+#[test]
+fn eval_and_predict_print_a_checkpoints_class_names_escaped_and_json_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let names = hostile_class_names(3_000_000);
+    let checkpoint = with_metadata(
+        &trained_checkpoint(dir.path()),
+        dir.path(),
+        "hostile.safetensors",
+        "tandem.class-names",
+        &serde_json::to_string(&names).unwrap(),
+    );
+    let long_shown = format!("{}… (3000000 characters in all)", "x".repeat(NAME_LIMIT));
+    let checkpoint_arg = checkpoint.display().to_string();
+
+    let output = run(
+        dir.path(),
+        &["eval", "--checkpoint", &checkpoint_arg, "--threads", "1"],
+    );
+    let stdout = succeeded(&output);
+    assert_printable("eval's report", &output.stdout);
+    assert!(stdout.len() < 20_000, "eval printed {} bytes", stdout.len());
+    // Ten classes, each once in the per-class accuracies and once in the confusion matrix.
+    assert_eq!(report_rows(&stdout), 20, "{}", excerpt(&stdout));
+    for shown in [
+        format!("{TITLE_SHOWN}cat: "),
+        "two\\nerror: lines: ".to_string(),
+        format!("{long_shown}: "),
+    ] {
+        assert!(
+            stdout.contains(&shown),
+            "{shown} is not in {}",
+            excerpt(&stdout)
+        );
+    }
+
+    let image = dir.path().join(format!("{TITLE}photo.png"));
+    write_png(&image);
+    let predict = |extra: &[&str]| {
+        let mut args = vec!["predict", "--checkpoint", &checkpoint_arg, "--top", "10"];
+        args.extend(extra);
+        args.push(image.to_str().unwrap());
+        run(dir.path(), &args)
+    };
+    let output = predict(&[]);
+    let stdout = succeeded(&output);
+    assert_printable("predict's output", &output.stdout);
+    assert_eq!(stdout.lines().count(), 1, "{}", excerpt(&stdout));
+    let file_shown = format!("{}/{TITLE_SHOWN}photo.png: ", dir.path().display());
+    assert!(stdout.starts_with(&file_shown), "{}", excerpt(&stdout));
+    for shown in [
+        format!("{TITLE_SHOWN}cat ("),
+        "two\\nerror: lines (".to_string(),
+        format!("{long_shown} ("),
+    ] {
+        assert!(
+            stdout.contains(&shown),
+            "{shown} is not in {}",
+            excerpt(&stdout)
+        );
+    }
+    assert!(
+        stdout.len() < 2_000,
+        "predict printed {} bytes",
+        stdout.len()
+    );
+
+    // JSON carries the exact text, escaped as JSON escapes it.
+    let output = predict(&["--json"]);
+    let stdout = succeeded(&output);
+    assert_printable("predict's JSON", &output.stdout);
+    let prediction: serde_json::Value = serde_json::from_str(stdout.trim_end()).unwrap();
+    assert_eq!(prediction["file"], image.to_str().unwrap());
+    let mut listed: Vec<String> = prediction["top"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|entry| entry["name"].as_str().unwrap().to_string())
+        .collect();
+    listed.sort();
+    let mut expected = names.clone();
+    expected.sort();
+    assert!(listed == expected, "the names in the JSON differ");
+}
+
+/// A `batches.meta` pickle (protocol 2) whose `label_names` are `names`.
+fn batches_meta(names: &[String]) -> Vec<u8> {
+    let mut pickle = vec![0x80, 2, b'}', b'U', 11];
+    pickle.extend_from_slice(b"label_names");
+    pickle.extend([b']', b'(']);
+    for name in names {
+        pickle.push(b'X');
+        pickle.extend_from_slice(&(name.len() as u32).to_le_bytes());
+        pickle.extend_from_slice(name.as_bytes());
+    }
+    pickle.extend([b'e', b's', b'.']);
+    pickle
+}
+
+/// The small model's weights, without Tandem metadata (no class names of their own).
+fn plain_weights(dir: &Path) -> PathBuf {
+    let spec = tandem_models::ModelSpec::ResNetBase(tandem_models::ResNetBaseSpec {
+        n_blocks: vec![1, 1, 1],
+        n_channels: vec![8, 16, 32],
+        bottlenecks: None,
+        first_kernel_size: 3,
+        img_channels: 3,
+        num_classes: 10,
+    });
+    let mut model = tandem_models::Model::new(&spec).unwrap();
+    model.init_default(5);
+    let path = dir.join("weights.safetensors");
+    tandem_models::save_safetensors(&model, &path, &BTreeMap::new()).unwrap();
+    path
+}
+
+#[test]
+fn eval_prints_the_class_names_of_batches_meta_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("cifar-py");
+    std::fs::create_dir(&data).unwrap();
+    let mini = shared_dir().join("data/cifar10/py-mini/cifar-10-batches-py");
+    for entry in std::fs::read_dir(&mini).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), data.join(entry.file_name())).unwrap();
+    }
+    // batches.meta may hold 64 KiB: a name of 60,000 characters fits.
+    let names = hostile_class_names(60_000);
+    std::fs::write(data.join("batches.meta"), batches_meta(&names)).unwrap();
+    let weights = plain_weights(dir.path());
+    let mut args: Vec<String> = vec!["eval".into()];
+    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
+    args.extend(
+        [
+            "--checkpoint",
+            weights.to_str().unwrap(),
+            "--data",
+            "cifar10-py",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--threads",
+            "1",
+        ]
+        .map(String::from),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let output = run(dir.path(), &args);
+    let stdout = succeeded(&output);
+    assert_printable("eval's report", &output.stdout);
+    assert_eq!(report_rows(&stdout), 20, "{}", excerpt(&stdout));
+    let long_shown = format!("{}… (60000 characters in all)", "x".repeat(NAME_LIMIT));
+    for shown in [
+        format!("{TITLE_SHOWN}cat: "),
+        "two\\nerror: lines: ".to_string(),
+        format!("{long_shown}: "),
+    ] {
+        assert!(
+            stdout.contains(&shown),
+            "{shown} is not in {}",
+            excerpt(&stdout)
+        );
+    }
+    assert!(stdout.len() < 20_000, "eval printed {} bytes", stdout.len());
+}
+
+/// Fails unless `output` failed with one line on standard error, printable, holding `shown`.
+fn assert_one_printable_error(what: &str, output: &Output, shown: &str) {
+    let stderr = stderr_of(output);
+    assert!(!output.status.success(), "{what} succeeded: {stderr}");
+    assert_printable(what, &output.stderr);
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|line| !line.starts_with("device: "))
+        .collect();
+    assert_eq!(errors.len(), 1, "{what}: {stderr}");
+    assert!(errors[0].starts_with("error: "), "{what}: {stderr}");
+    assert!(
+        errors[0].contains(shown),
+        "{what}: {shown} is not in {stderr}"
+    );
+}
+
+#[test]
+fn errors_that_quote_hostile_names_are_escaped_and_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    // A metadata value of three megabytes behind an escape sequence.
+    let value = format!("{TITLE}{}", "x".repeat(3_000_000));
+    let trained = trained_checkpoint(dir.path());
+    let checkpoint = with_metadata(
+        &trained,
+        dir.path(),
+        "hostile.safetensors",
+        "tandem.data",
+        &value,
+    );
+    let output = run(
+        dir.path(),
+        &["eval", "--checkpoint", checkpoint.to_str().unwrap()],
+    );
+    let shown = format!(
+        "its metadata tandem.data = '{TITLE_SHOWN}{}… (3000010 characters in all)' is not valid",
+        "x".repeat(NAME_LIMIT - TITLE_SHOWN.len())
+    );
+    assert_one_printable_error("eval of a hostile checkpoint", &output, &shown);
+    assert!(
+        output.stderr.len() < 10_000,
+        "{} bytes",
+        output.stderr.len()
+    );
+
+    // An image whose name holds an escape sequence and a line break, which is no image.
+    let image = dir
+        .path()
+        .join(format!("{TITLE}\nerror: everything is fine.png"));
+    std::fs::write(&image, "not a PNG").unwrap();
+    let output = run(
+        dir.path(),
+        &[
+            "predict",
+            "--checkpoint",
+            trained.to_str().unwrap(),
+            image.to_str().unwrap(),
+        ],
+    );
+    let shown = format!(
+        "{}/{TITLE_SHOWN}\\nerror: everything is fine.png",
+        dir.path().display()
+    );
+    assert_one_printable_error("predict of a hostile file name", &output, &shown);
+
+    // An annotation file naming an image that way.
+    let data = dir.path().join("json");
+    std::fs::create_dir_all(data.join("annotations")).unwrap();
+    std::fs::create_dir_all(data.join("test_cifar10")).unwrap();
+    write_png(&data.join("test_cifar10/0.png"));
+    let annotation = serde_json::json!({
+        "images": [format!("{TITLE}\nerror: fine.png")],
+        "categories": [0],
+    });
+    std::fs::write(
+        data.join("annotations/cifar10_test.json"),
+        annotation.to_string(),
+    )
+    .unwrap();
+    let weights = plain_weights(dir.path());
+    let mut args: Vec<String> = vec!["eval".into()];
+    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
+    args.extend(
+        [
+            "--checkpoint",
+            weights.to_str().unwrap(),
+            "--data",
+            "json-folder",
+            "--data-dir",
+            data.to_str().unwrap(),
+        ]
+        .map(String::from),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let output = run(dir.path(), &args);
+    assert_one_printable_error(
+        "eval of a hostile annotation",
+        &output,
+        &format!("{TITLE_SHOWN}\\nerror: fine.png"),
+    );
+}
