@@ -17,8 +17,8 @@ use crate::train::stop_signal::{self, StoppedBySignal};
 pub struct SettingsError {
     /// The error and its causes, in one line.
     message: String,
-    /// Whether the error was a [`Summary`], whose lines [`fail`] keeps.
-    is_summary: bool,
+    /// The same as printed on a terminal (see [`shown_message_of`]).
+    shown: String,
 }
 
 impl SettingsError {
@@ -26,7 +26,7 @@ impl SettingsError {
     pub fn from_error(error: anyhow::Error) -> anyhow::Error {
         anyhow::Error::new(SettingsError {
             message: message_of(&error),
-            is_summary: is_summary(&error),
+            shown: shown_message_of(&error),
         })
     }
 }
@@ -39,37 +39,39 @@ impl std::fmt::Display for SettingsError {
 
 impl std::error::Error for SettingsError {}
 
-/// A message of several lines by design, the launcher's summary of a failed job, whose
-/// parts that come from elsewhere (a worker's error, its log) are escaped already: [`fail`]
-/// prints it line by line, where any other message is printed as one line, a line break in
-/// it escaped like any control character.
-#[derive(Debug)]
-pub struct Summary(pub String);
-
-impl std::fmt::Display for Summary {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Summary {}
-
-/// Whether `error` is a [`Summary`] (under context, or made a [`SettingsError`]).
-fn is_summary(error: &anyhow::Error) -> bool {
-    error.chain().any(|cause| {
-        cause.is::<Summary>()
-            || cause
-                .downcast_ref::<SettingsError>()
-                .is_some_and(|settings| settings.is_summary)
-    })
-}
-
 /// The error and its causes in one line, as `{:#}` writes them, but without a cause whose
 /// text its error already ends with (an error that writes its source into its own message
 /// would otherwise say it twice: `x.png: No such file or directory (os error 2): No such
 /// file or directory (os error 2)`).
 pub fn message_of(error: &anyhow::Error) -> String {
+    distinct_causes(error)
+        .into_iter()
+        .map(|cause| cause.to_string())
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+/// [`message_of`] as printed on a terminal: an error of a library crate (data, weights,
+/// pickle, object storage, the system) is one line by design, so it is escaped whole, a
+/// line break in it (from a file name it quotes) included; tandem's own messages keep their
+/// lines (the launcher's summary, `load it with: ...`), escaped within each, as they escape
+/// the names they quote themselves. Every line is bounded (see [`crate::terminal`]).
+fn shown_message_of(error: &anyhow::Error) -> String {
+    distinct_causes(error)
+        .into_iter()
+        .map(|cause| match cause.downcast_ref::<SettingsError>() {
+            Some(settings) => settings.shown.clone(),
+            None if is_library_error(cause) => printable_line(&cause.to_string()),
+            None => printable_lines(&cause.to_string()),
+        })
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+/// The causes [`message_of`] writes.
+fn distinct_causes(error: &anyhow::Error) -> Vec<&(dyn std::error::Error + 'static)> {
     let mut text = String::new();
+    let mut causes = Vec::new();
     for cause in error.chain() {
         let part = cause.to_string();
         if !text.is_empty() && text.ends_with(&part) {
@@ -79,23 +81,30 @@ pub fn message_of(error: &anyhow::Error) -> String {
             text.push_str(": ");
         }
         text.push_str(&part);
+        causes.push(cause);
     }
-    text
+    causes
+}
+
+/// Whether `cause` is an error of a library crate or the system, whose messages are one line.
+fn is_library_error(cause: &(dyn std::error::Error + 'static)) -> bool {
+    cause.is::<tandem_data::DataError>()
+        || cause.is::<tandem_models::ModelError>()
+        || cause.is::<tandem_pickle::PickleError>()
+        || cause.is::<tandem_remote::RemoteError>()
+        || cause.is::<std::io::Error>()
 }
 
 /// Ends the process on `error`: prints it (prefixed with the rank on ranks other than 0),
 /// records it in the worker's error file under `tandem launch`, and exits with its code.
 /// An error quotes names from files and peers: it is printed escaped and bounded (see
-/// [`crate::terminal`]), and recorded exactly (the error file is JSON).
+/// [`shown_message_of`]), and recorded exactly (the error file is JSON).
 /// A run stopped on request is no error: rank 0 has said where it stopped, and the process
 /// ends on the signal (see [`stop_signal::end_on`]).
 pub fn fail(error: &anyhow::Error) -> ! {
     let rank = worker_rank();
     let message = message_of(error);
-    let shown = match is_summary(error) {
-        true => printable_lines(&message),
-        false => printable_line(&message),
-    };
+    let shown = shown_message_of(error);
     let stopped = error.downcast_ref::<StoppedBySignal>();
     match (rank.filter(|rank| *rank != 0), stopped) {
         (None, Some(_)) => {}
@@ -182,15 +191,26 @@ mod tests {
     }
 
     #[test]
-    fn only_a_summary_keeps_its_lines_made_a_settings_error_or_not() {
-        let summary = || anyhow::Error::new(Summary("job failed\nroot cause: rank 1".into()));
-        assert!(is_summary(&summary()));
-        assert!(is_summary(&SettingsError::from_error(summary())));
-        assert!(is_summary(&summary().context("launch")));
-        assert!(!is_summary(&anyhow::anyhow!("cat\nerror: fake")));
-        assert!(!is_summary(&SettingsError::from_error(anyhow::anyhow!(
-            "x"
-        ))));
+    fn a_library_error_is_shown_as_one_line_and_tandems_own_keep_their_lines() {
+        let data = tandem_data::DataError::Io {
+            path: "\u{1b}]0;pwned\u{7}\nerror: fake.png".into(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        };
+        let error = anyhow::Error::new(data).context("cannot classify\nthe image");
+        assert_eq!(
+            shown_message_of(&error),
+            "cannot classify\nthe image: \\x1b]0;pwned\\x07\\nerror: fake.png: entity not found"
+        );
+        assert_eq!(
+            message_of(&error),
+            "cannot classify\nthe image: \u{1b}]0;pwned\u{7}\nerror: fake.png: entity not found"
+        );
+        let summary = anyhow::anyhow!("the job failed\nroot cause: \u{1b}[2J");
+        let refused = SettingsError::from_error(summary).context("launch");
+        assert_eq!(
+            shown_message_of(&refused),
+            "launch: the job failed\nroot cause: \\x1b[2J"
+        );
     }
 
     #[test]

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 
 use anyhow::Context;
 
-use crate::exit::{SettingsError, Summary};
+use crate::exit::SettingsError;
 
 pub use options::{missing_separator_hint, LaunchArgs};
 
@@ -63,10 +63,8 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
             agent::say("every worker finished successfully");
             Ok(())
         }
-        JobEnd::Failed { summary } => Err(anyhow::Error::new(Summary(summary))),
-        JobEnd::Refused { summary } => Err(SettingsError::from_error(anyhow::Error::new(Summary(
-            summary,
-        )))),
+        JobEnd::Failed { summary } => Err(anyhow::anyhow!(summary)),
+        JobEnd::Refused { summary } => Err(SettingsError::from_error(anyhow::anyhow!(summary))),
         JobEnd::Stopped {
             reason,
             signal,
