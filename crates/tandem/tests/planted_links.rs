@@ -26,6 +26,15 @@ fn victim(dir: &Path) -> PathBuf {
     path
 }
 
+/// A temporary folder holding a victim file and an empty run folder `run`.
+fn run_folder() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let victim = victim(dir.path());
+    let out = dir.path().join("run");
+    std::fs::create_dir(&out).unwrap();
+    (dir, victim, out)
+}
+
 fn assert_untouched(victim: &Path) {
     assert_eq!(
         std::fs::read_to_string(victim).unwrap(),
@@ -83,10 +92,7 @@ fn stderr_of(output: &Output) -> String {
 
 #[test]
 fn a_lock_file_that_is_a_link_is_refused_and_its_target_untouched() {
-    let dir = tempfile::tempdir().unwrap();
-    let victim = victim(dir.path());
-    let out = dir.path().join("run");
-    std::fs::create_dir(&out).unwrap();
+    let (_dir, victim, out) = run_folder();
     let lock = out.join("tandem.lock");
     plant_link(&victim, &lock);
     let output = run_bounded(tandem().args(one_epoch_run(&out)), LIMIT);
@@ -115,10 +121,7 @@ fn a_temporary_name_that_is_a_link_is_refused_and_its_target_untouched() {
         "epoch_1.safetensors",
         "snapshot.safetensors",
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        let victim = victim(dir.path());
-        let out = dir.path().join("run");
-        std::fs::create_dir(&out).unwrap();
+        let (_dir, victim, out) = run_folder();
         let run = HeldStart::spawn(&one_epoch_run(&out));
         let pid = run.pid();
         let temporary = out.join(format!("{name}.{pid}.tmp"));
@@ -155,10 +158,7 @@ fn a_temporary_name_that_is_a_link_is_refused_and_its_target_untouched() {
 #[test]
 fn a_file_that_is_a_link_is_replaced_by_the_regular_file_its_target_untouched() {
     // The atomic rename replaces a link at the final name; its target is never opened.
-    let dir = tempfile::tempdir().unwrap();
-    let victim = victim(dir.path());
-    let out = dir.path().join("run");
-    std::fs::create_dir(&out).unwrap();
+    let (_dir, victim, out) = run_folder();
     plant_link(&victim, &out.join("metrics.jsonl"));
     expect_success(&run_bounded(tandem().args(one_epoch_run(&out)), LIMIT));
     assert_untouched(&victim);
@@ -184,10 +184,7 @@ fn host_name() -> String {
 
 #[test]
 fn an_event_file_name_that_is_a_link_is_refused_and_its_target_untouched() {
-    let dir = tempfile::tempdir().unwrap();
-    let victim = victim(dir.path());
-    let out = dir.path().join("run");
-    std::fs::create_dir(&out).unwrap();
+    let (_dir, victim, out) = run_folder();
     let run = HeldStart::spawn(&one_epoch_run(&out));
     let pid = run.pid();
     let host = host_name();

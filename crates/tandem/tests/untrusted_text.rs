@@ -111,6 +111,23 @@ fn write_png(path: &Path) {
     image::RgbImage::new(32, 32).save(path).unwrap();
 }
 
+/// Fails unless `stdout` shows each of [`hostile_class_names`]`(long)` escaped and cut,
+/// followed by `after`.
+fn assert_shows_the_names(stdout: &str, long: usize, after: &str) {
+    let long_shown = format!("{}… ({long} characters in all)", "x".repeat(NAME_LIMIT));
+    for shown in [
+        format!("{TITLE_SHOWN}cat{after}"),
+        format!("two\\nerror: lines{after}"),
+        format!("{long_shown}{after}"),
+    ] {
+        assert!(
+            stdout.contains(&shown),
+            "{shown} is not in {}",
+            excerpt(stdout)
+        );
+    }
+}
+
 /// The per-class lines of `eval`'s text report: each starts with two spaces.
 fn report_rows(stdout: &str) -> usize {
     stdout.lines().filter(|line| line.starts_with("  ")).count()
@@ -127,7 +144,6 @@ fn eval_and_predict_print_a_checkpoints_class_names_escaped_and_json_keeps_them(
         "tandem.class-names",
         &serde_json::to_string(&names).unwrap(),
     );
-    let long_shown = format!("{}… (3000000 characters in all)", "x".repeat(NAME_LIMIT));
     let checkpoint_arg = checkpoint.display().to_string();
 
     let output = run(
@@ -139,17 +155,7 @@ fn eval_and_predict_print_a_checkpoints_class_names_escaped_and_json_keeps_them(
     assert!(stdout.len() < 20_000, "eval printed {} bytes", stdout.len());
     // Ten classes, each once in the per-class accuracies and once in the confusion matrix.
     assert_eq!(report_rows(&stdout), 20, "{}", excerpt(&stdout));
-    for shown in [
-        format!("{TITLE_SHOWN}cat: "),
-        "two\\nerror: lines: ".to_string(),
-        format!("{long_shown}: "),
-    ] {
-        assert!(
-            stdout.contains(&shown),
-            "{shown} is not in {}",
-            excerpt(&stdout)
-        );
-    }
+    assert_shows_the_names(&stdout, 3_000_000, ": ");
 
     let image = dir.path().join(format!("{TITLE}photo.png"));
     write_png(&image);
@@ -165,17 +171,7 @@ fn eval_and_predict_print_a_checkpoints_class_names_escaped_and_json_keeps_them(
     assert_eq!(stdout.lines().count(), 1, "{}", excerpt(&stdout));
     let file_shown = format!("{}/{TITLE_SHOWN}photo.png: ", dir.path().display());
     assert!(stdout.starts_with(&file_shown), "{}", excerpt(&stdout));
-    for shown in [
-        format!("{TITLE_SHOWN}cat ("),
-        "two\\nerror: lines (".to_string(),
-        format!("{long_shown} ("),
-    ] {
-        assert!(
-            stdout.contains(&shown),
-            "{shown} is not in {}",
-            excerpt(&stdout)
-        );
-    }
+    assert_shows_the_names(&stdout, 3_000_000, " (");
     assert!(
         stdout.len() < 2_000,
         "predict printed {} bytes",
@@ -216,19 +212,27 @@ fn batches_meta(names: &[String]) -> Vec<u8> {
 
 /// The small model's weights, without Tandem metadata (no class names of their own).
 fn plain_weights(dir: &Path) -> PathBuf {
-    let spec = tandem_models::ModelSpec::ResNetBase(tandem_models::ResNetBaseSpec {
-        n_blocks: vec![1, 1, 1],
-        n_channels: vec![8, 16, 32],
-        bottlenecks: None,
-        first_kernel_size: 3,
-        img_channels: 3,
-        num_classes: 10,
-    });
-    let mut model = tandem_models::Model::new(&spec).unwrap();
-    model.init_default(5);
     let path = dir.join("weights.safetensors");
-    tandem_models::save_safetensors(&model, &path, &BTreeMap::new()).unwrap();
+    tandem_models::save_safetensors(&small_model(), &path, &BTreeMap::new()).unwrap();
     path
+}
+
+/// `tandem eval` of [`plain_weights`] on `data` in `data_dir`, in the files of `dir`.
+fn eval_plain_weights(dir: &Path, data: &str, data_dir: &Path) -> Output {
+    let weights = plain_weights(dir);
+    let mut args: Vec<&str> = vec!["eval"];
+    args.extend(SMALL_MODEL);
+    args.extend([
+        "--checkpoint",
+        weights.to_str().unwrap(),
+        "--data",
+        data,
+        "--data-dir",
+        data_dir.to_str().unwrap(),
+        "--threads",
+        "1",
+    ]);
+    run(dir, &args)
 }
 
 #[test]
@@ -244,39 +248,11 @@ fn eval_prints_the_class_names_of_batches_meta_escaped() {
     // batches.meta may hold 64 KiB: a name of 60,000 characters fits.
     let names = hostile_class_names(60_000);
     std::fs::write(data.join("batches.meta"), batches_meta(&names)).unwrap();
-    let weights = plain_weights(dir.path());
-    let mut args: Vec<String> = vec!["eval".into()];
-    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
-    args.extend(
-        [
-            "--checkpoint",
-            weights.to_str().unwrap(),
-            "--data",
-            "cifar10-py",
-            "--data-dir",
-            data.to_str().unwrap(),
-            "--threads",
-            "1",
-        ]
-        .map(String::from),
-    );
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let output = run(dir.path(), &args);
+    let output = eval_plain_weights(dir.path(), "cifar10-py", &data);
     let stdout = succeeded(&output);
     assert_printable("eval's report", &output.stdout);
     assert_eq!(report_rows(&stdout), 20, "{}", excerpt(&stdout));
-    let long_shown = format!("{}… (60000 characters in all)", "x".repeat(NAME_LIMIT));
-    for shown in [
-        format!("{TITLE_SHOWN}cat: "),
-        "two\\nerror: lines: ".to_string(),
-        format!("{long_shown}: "),
-    ] {
-        assert!(
-            stdout.contains(&shown),
-            "{shown} is not in {}",
-            excerpt(&stdout)
-        );
-    }
+    assert_shows_the_names(&stdout, 60_000, ": ");
     assert!(stdout.len() < 20_000, "eval printed {} bytes", stdout.len());
 }
 
@@ -359,22 +335,7 @@ fn errors_that_quote_hostile_names_are_escaped_and_bounded() {
         annotation.to_string(),
     )
     .unwrap();
-    let weights = plain_weights(dir.path());
-    let mut args: Vec<String> = vec!["eval".into()];
-    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
-    args.extend(
-        [
-            "--checkpoint",
-            weights.to_str().unwrap(),
-            "--data",
-            "json-folder",
-            "--data-dir",
-            data.to_str().unwrap(),
-        ]
-        .map(String::from),
-    );
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let output = run(dir.path(), &args);
+    let output = eval_plain_weights(dir.path(), "json-folder", &data);
     assert_one_printable_error(
         "eval of a hostile annotation",
         &output,
