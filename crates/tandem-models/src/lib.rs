@@ -29,10 +29,11 @@ pub mod workspace;
 pub use error::ModelError;
 pub use executor::Executor;
 pub use inspect::{infer_spec, spec_tensor_shapes, StateDictMismatch, TensorShapes};
+pub use io::state_dict_safetensors;
 pub use io::{
     load_named_tensors, load_safetensors, read_safetensors, read_safetensors_metadata,
-    save_safetensors, serialize_safetensors, state_dict_safetensors, NamedTensor, TensorData,
-    TorchCheckpoint, TorchSaveFile,
+    save_safetensors, serialize_safetensors, NamedTensor, TensorData, TorchCheckpoint,
+    TorchSaveFile,
 };
 pub use model::{LossOptions, Model};
 pub use network::{BatchNormLayer, ConvLayer, Head};
