@@ -18,13 +18,27 @@ use tandem_pickle::{open_torch_state_dict, TensorDtype, TensorHeader, TorchState
 /// so a checkpoint read there loads here without conversion.
 pub use tandem_pickle::{NamedTensor, TensorData, TorchCheckpoint};
 
-/// Writes the model's `state_dict` to a safetensors file, atomically (temporary file in the
-/// same directory, fsync, rename), with `metadata` as the header's string metadata.
+/// Writes the model's `state_dict` to a safetensors file, atomically (a new temporary file
+/// in the same directory, fsync, rename), with `metadata` as the header's string metadata.
 pub fn save_safetensors(
     model: &Model,
     path: &Path,
     metadata: &BTreeMap<String, String>,
 ) -> Result<(), ModelError> {
+    let bytes =
+        state_dict_safetensors(model, metadata).map_err(|error| ModelError::SafeTensors {
+            path: path.to_path_buf(),
+            message: error.to_string(),
+        })?;
+    write_atomically(path, &bytes)
+}
+
+/// The model's `state_dict` serialized as safetensors, with `metadata` as the header's
+/// string metadata: the bytes [`save_safetensors`] writes.
+pub fn state_dict_safetensors(
+    model: &Model,
+    metadata: &BTreeMap<String, String>,
+) -> Result<Vec<u8>, safetensors::SafeTensorError> {
     let mut views = Vec::with_capacity(model.tensors().len());
     for info in model.tensors() {
         let view = match info.kind {
@@ -51,12 +65,7 @@ pub fn save_safetensors(
         };
         views.push((info.name.clone(), view));
     }
-    let bytes =
-        serialize_safetensors(views, metadata).map_err(|error| ModelError::SafeTensors {
-            path: path.to_path_buf(),
-            message: error.to_string(),
-        })?;
-    write_atomically(path, &bytes)
+    serialize_safetensors(views, metadata)
 }
 
 /// Serializes tensors and string metadata as safetensors, the same bytes for the same
@@ -534,6 +543,8 @@ impl View for ByteView {
 }
 
 /// Writes `bytes` to `path` via a temporary file in the same directory, synced, then renamed.
+/// The temporary file must be new (`O_EXCL`): a symbolic link planted at its name is an
+/// error, not a way to write elsewhere.
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
     let io_error = |source| ModelError::Io {
         path: path.to_path_buf(),
@@ -544,8 +555,16 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
         .map(|name| name.to_string_lossy().into_owned())
         .unwrap_or_else(|| "weights".into());
     let temporary = path.with_file_name(format!(".{file_name}.{}.tmp", std::process::id()));
+    // What holds the name already is not this writer's: it is left alone.
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&temporary)
+        .map_err(|source| ModelError::Io {
+            path: temporary.clone(),
+            source,
+        })?;
     let result = (|| {
-        let mut file = std::fs::File::create(&temporary)?;
         file.write_all(bytes)?;
         file.sync_all()?;
         std::fs::rename(&temporary, path)?;

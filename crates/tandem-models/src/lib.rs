@@ -29,6 +29,7 @@ pub mod workspace;
 pub use error::ModelError;
 pub use executor::Executor;
 pub use inspect::{infer_spec, spec_tensor_shapes, StateDictMismatch, TensorShapes};
+pub use io::state_dict_safetensors;
 pub use io::{
     load_named_tensors, load_safetensors, read_safetensors, read_safetensors_header,
     read_safetensors_metadata, save_safetensors, serialize_safetensors, NamedTensor,

@@ -513,6 +513,31 @@ fn safetensors_round_trip_keeps_everything() {
     assert_eq!(leftovers.len(), 1, "no temporary file left: {leftovers:?}");
 }
 
+#[test]
+fn a_symbolic_link_at_the_temporary_name_is_refused_and_its_target_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("weights.safetensors");
+    let victim = dir.path().join("victim.txt");
+    std::fs::write(&victim, "precious").unwrap();
+    let temporary = dir
+        .path()
+        .join(format!(".weights.safetensors.{}.tmp", std::process::id()));
+    std::os::unix::fs::symlink(&victim, &temporary).unwrap();
+    let mut model = Model::new(&small_spec(None)).unwrap();
+    model.init_default(3);
+    let error = save_safetensors(&model, &path, &BTreeMap::new()).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        format!("{}: File exists (os error 17)", temporary.display())
+    );
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    assert!(std::fs::symlink_metadata(&temporary)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert!(!path.exists());
+}
+
 /// The model's state as named tensors (PyTorch layout), like a torch.save state_dict.
 fn named_tensors(model: &Model, prefix: &str) -> Vec<NamedTensor> {
     model

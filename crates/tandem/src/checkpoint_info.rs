@@ -17,6 +17,7 @@ use tandem_models::ModelSpec;
 
 use crate::model_args::{ModelArgs, ModelKind};
 use crate::settings::{DataKind, Rgb, TrainSettings};
+use crate::terminal::printable;
 use crate::train::history::EpochRecord;
 
 /// The key whose presence marks a file as carrying Tandem's description.
@@ -263,11 +264,12 @@ fn normalization_flags((mean, std): &Normalization) -> String {
     format!("--mean {} --std {}", rgb_text(mean), rgb_text(std))
 }
 
-/// The name of class `class`, or its number when there are fewer names.
+/// The name of class `class` as printed (escaped and bounded, see [`printable`]: names come
+/// from data and checkpoint files), or its number when there are fewer names.
 pub fn class_name(class_names: &[String], class: usize) -> String {
     class_names
         .get(class)
-        .cloned()
+        .map(|name| printable(name))
         .unwrap_or_else(|| class.to_string())
 }
 
@@ -288,7 +290,11 @@ impl Entries<'_> {
         match self.0.get(key) {
             None => bail!("its metadata has {MODEL_KEY} but lacks {key}"),
             Some(text) => parse(text).map_err(|error| {
-                anyhow::anyhow!("its metadata {key} = '{text}' is not valid: {error}")
+                anyhow::anyhow!(
+                    "its metadata {key} = '{}' is not valid: {}",
+                    printable(text),
+                    printable(&error.to_string())
+                )
             }),
         }
     }

@@ -16,6 +16,7 @@ use crate::data_source::{load_split, normalization, Split};
 use crate::evaluation::{evaluate, EvaluationReport};
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, DataKind, DataOptions, DataSettings};
+use crate::terminal::printable;
 use crate::weights::read_checkpoint_info;
 
 /// Settings of `tandem eval`.
@@ -165,7 +166,7 @@ fn data_for(
             "{} was trained on {} from '{}', as given to train (relative to the folder it ran in); give --data-dir",
             path.display(),
             value_name(&trained),
-            info.data.data_dir.display()
+            printable(&info.data.data_dir.display().to_string())
         ));
     }
     let (normalization, warning) = normalization_for(flags.mean, flags.std, Some(info))?;

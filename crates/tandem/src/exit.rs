@@ -6,6 +6,7 @@ use tandem_dist::cluster::contract::{WorkerErrorRecord, ERROR_FILE_ENV};
 
 pub use tandem_dist::cluster::contract::SETTINGS_ERROR_EXIT_CODE;
 
+use crate::terminal::{printable_line, printable_lines};
 use crate::train::stop_signal::{self, StoppedBySignal};
 
 /// Settings that no run can use (a value out of range, a config file that does not read,
@@ -16,6 +17,8 @@ use crate::train::stop_signal::{self, StoppedBySignal};
 pub struct SettingsError {
     /// The error and its causes, in one line.
     message: String,
+    /// The same as printed on a terminal (see [`shown_message_of`]).
+    shown: String,
 }
 
 impl SettingsError {
@@ -23,6 +26,7 @@ impl SettingsError {
     pub fn from_error(error: anyhow::Error) -> anyhow::Error {
         anyhow::Error::new(SettingsError {
             message: message_of(&error),
+            shown: shown_message_of(&error),
         })
     }
 }
@@ -40,7 +44,34 @@ impl std::error::Error for SettingsError {}
 /// would otherwise say it twice: `x.png: No such file or directory (os error 2): No such
 /// file or directory (os error 2)`).
 pub fn message_of(error: &anyhow::Error) -> String {
+    distinct_causes(error)
+        .into_iter()
+        .map(|cause| cause.to_string())
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+/// [`message_of`] as printed on a terminal: an error of a library crate (data, weights,
+/// pickle, object storage, the system) is one line by design, so it is escaped whole, a
+/// line break in it (from a file name it quotes) included; tandem's own messages keep their
+/// lines (the launcher's summary, `load it with: ...`), escaped within each, as they escape
+/// the names they quote themselves. Every line is bounded (see [`crate::terminal`]).
+fn shown_message_of(error: &anyhow::Error) -> String {
+    distinct_causes(error)
+        .into_iter()
+        .map(|cause| match cause.downcast_ref::<SettingsError>() {
+            Some(settings) => settings.shown.clone(),
+            None if is_library_error(cause) => printable_line(&cause.to_string()),
+            None => printable_lines(&cause.to_string()),
+        })
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+/// The causes [`message_of`] writes.
+fn distinct_causes(error: &anyhow::Error) -> Vec<&(dyn std::error::Error + 'static)> {
     let mut text = String::new();
+    let mut causes = Vec::new();
     for cause in error.chain() {
         let part = cause.to_string();
         if !text.is_empty() && text.ends_with(&part) {
@@ -50,23 +81,36 @@ pub fn message_of(error: &anyhow::Error) -> String {
             text.push_str(": ");
         }
         text.push_str(&part);
+        causes.push(cause);
     }
-    text
+    causes
+}
+
+/// Whether `cause` is an error of a library crate or the system, whose messages are one line.
+fn is_library_error(cause: &(dyn std::error::Error + 'static)) -> bool {
+    cause.is::<tandem_data::DataError>()
+        || cause.is::<tandem_models::ModelError>()
+        || cause.is::<tandem_pickle::PickleError>()
+        || cause.is::<tandem_remote::RemoteError>()
+        || cause.is::<std::io::Error>()
 }
 
 /// Ends the process on `error`: prints it (prefixed with the rank on ranks other than 0),
 /// records it in the worker's error file under `tandem launch`, and exits with its code.
+/// An error quotes names from files and peers: it is printed escaped and bounded (see
+/// [`shown_message_of`]), and recorded exactly (the error file is JSON).
 /// A run stopped on request is no error: rank 0 has said where it stopped, and the process
 /// ends on the signal (see [`stop_signal::end_on`]).
 pub fn fail(error: &anyhow::Error) -> ! {
     let rank = worker_rank();
     let message = message_of(error);
+    let shown = shown_message_of(error);
     let stopped = error.downcast_ref::<StoppedBySignal>();
     match (rank.filter(|rank| *rank != 0), stopped) {
         (None, Some(_)) => {}
-        (Some(rank), Some(_)) => tell!("[rank {rank}] {message}"),
-        (Some(rank), None) => tell!("[rank {rank}] error: {message}"),
-        (None, None) => tell!("error: {message}"),
+        (Some(rank), Some(_)) => tell!("[rank {rank}] {shown}"),
+        (Some(rank), None) => tell!("[rank {rank}] error: {shown}"),
+        (None, None) => tell!("error: {shown}"),
     }
     record_in_error_file(rank, message);
     if let Some(stopped) = stopped {
@@ -143,6 +187,29 @@ mod tests {
         assert_eq!(
             message_of(&anyhow::anyhow!("inner").context("outer")),
             "outer: inner"
+        );
+    }
+
+    #[test]
+    fn a_library_error_is_shown_as_one_line_and_tandems_own_keep_their_lines() {
+        let data = tandem_data::DataError::Io {
+            path: "\u{1b}]0;pwned\u{7}\nerror: fake.png".into(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        };
+        let error = anyhow::Error::new(data).context("cannot classify\nthe image");
+        assert_eq!(
+            shown_message_of(&error),
+            "cannot classify\nthe image: \\x1b]0;pwned\\x07\\nerror: fake.png: entity not found"
+        );
+        assert_eq!(
+            message_of(&error),
+            "cannot classify\nthe image: \u{1b}]0;pwned\u{7}\nerror: fake.png: entity not found"
+        );
+        let summary = anyhow::anyhow!("the job failed\nroot cause: \u{1b}[2J");
+        let refused = SettingsError::from_error(summary).context("launch");
+        assert_eq!(
+            shown_message_of(&refused),
+            "launch: the job failed\nroot cause: \\x1b[2J"
         );
     }
 

@@ -1,6 +1,15 @@
-//! Writing files so that a crash at any instant leaves either the old file or the new one.
+//! Writing files in the folders a run writes to: a crash at any instant leaves either the
+//! old file or the new one, and nothing is written through a symbolic link (or into a FIFO)
+//! that someone else put at a name tandem writes.
+//!
+//! Every file is opened with `O_NOFOLLOW`; a file that must be new (a temporary file, a
+//! TensorBoard event file) with `O_EXCL` too, so a name already taken is refused rather than
+//! written through; a file that is appended to or locked must be a regular file. A name
+//! that is taken is refused with an error naming it, never removed: it is not ours.
 
+use std::fs::{File, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -13,6 +22,9 @@ pub fn temporary_path(path: &Path) -> PathBuf {
 }
 
 /// Writes `bytes` to a temporary name beside `path`, syncs it, and renames it to `path`.
+/// The temporary file must be new: a symbolic link (or anything else) already at its name
+/// is refused, naming it. Whatever `path` itself was, a link included, the rename replaces
+/// it with the new regular file; a link's target is never opened.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     if let Some(parent) = path
         .parent()
@@ -22,8 +34,14 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
             .with_context(|| format!("cannot create folder {}", parent.display()))?;
     }
     let temporary = temporary_path(path);
+    let mut file = create_new_file(&temporary).with_context(|| {
+        format!(
+            "cannot write {}: cannot create its temporary file {}",
+            path.display(),
+            temporary.display()
+        )
+    })?;
     let result = (|| {
-        let mut file = std::fs::File::create(&temporary)?;
         file.write_all(bytes)?;
         file.sync_all()?;
         std::fs::rename(&temporary, path)
@@ -34,6 +52,106 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     result.with_context(|| format!("cannot write {}", path.display()))?;
     sync_parent(path);
     Ok(())
+}
+
+/// Creates `path` for writing; the name must be free. A name already taken, by a file, a
+/// symbolic link (dangling or not) or anything else, is refused, saying what holds it.
+pub fn create_new_file(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|error| match error.kind() {
+            std::io::ErrorKind::AlreadyExists => std::io::Error::new(
+                error.kind(),
+                format!(
+                    "the name is taken already, by {}; tandem writes only files it creates: \
+                     remove it",
+                    what_is_at(path)
+                ),
+            ),
+            _ => error,
+        })
+}
+
+/// Opens `path` with `options` (creating it when they say so) when it is a regular file: a
+/// symbolic link, a FIFO, a socket or a folder at that name is refused, saying which, rather
+/// than written through or waited on.
+pub fn open_regular_file(path: &Path, options: &OpenOptions) -> std::io::Result<File> {
+    let mut options = options.clone();
+    // O_NONBLOCK: opening a FIFO must fail or return at once, not wait for a reader; it has
+    // no effect on a regular file.
+    options.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK);
+    let file = options.open(path).map_err(|error| {
+        match error.raw_os_error() {
+            // ELOOP: the name is a symbolic link; ENXIO: a FIFO without a reader or a socket.
+            Some(libc::ELOOP | libc::ENXIO) => not_a_regular_file(path),
+            _ => error,
+        }
+    })?;
+    if !file.metadata()?.file_type().is_file() {
+        return Err(not_a_regular_file(path));
+    }
+    Ok(file)
+}
+
+/// Creates the folder `path` (and its parents) where a run keeps files of its own
+/// (`logs/`, `errors/`); a symbolic link at that name is refused, as what is written there
+/// would land wherever it points.
+pub fn create_own_folder(path: &Path) -> std::io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(metadata) if metadata.is_dir() => Ok(()),
+        Ok(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "it is {}, not a folder; tandem writes only into folders it creates: remove it",
+                what_is_at(path)
+            ),
+        )),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir_all(path),
+        Err(error) => Err(error),
+    }
+}
+
+/// The refusal of a name that holds something other than a regular file.
+fn not_a_regular_file(path: &Path) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!(
+            "it is {}, not a regular file; tandem writes only regular files: remove it",
+            what_is_at(path)
+        ),
+    )
+}
+
+/// What holds the name `path`, in words ("a symbolic link to /etc/passwd").
+fn what_is_at(path: &Path) -> String {
+    let Ok(metadata) = std::fs::symlink_metadata(path) else {
+        return "something that cannot be examined".to_string();
+    };
+    let kind = metadata.file_type();
+    if kind.is_symlink() {
+        return match std::fs::read_link(path) {
+            Ok(target) => format!(
+                "a symbolic link to {}",
+                crate::terminal::printable(&target.to_string_lossy())
+            ),
+            Err(_) => "a symbolic link".to_string(),
+        };
+    }
+    let words = if kind.is_file() {
+        "a regular file"
+    } else if kind.is_dir() {
+        "a folder"
+    } else if kind.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "a device"
+    };
+    words.to_string()
 }
 
 /// Removes the temporary files that writers which are no longer running left in `folder`
@@ -133,6 +251,158 @@ mod tests {
         assert_eq!(temporary_writer_pid("notes.tmp"), None);
         assert_eq!(temporary_writer_pid("a.12x.tmp"), None);
         assert_eq!(temporary_writer_pid(".12.tmp"), None);
+    }
+
+    /// A file outside the folder, and a link to it planted at `at`.
+    fn planted_link(dir: &Path, at: &Path) -> PathBuf {
+        let victim = dir.join("victim.txt");
+        std::fs::write(&victim, "precious").expect("write the victim");
+        std::os::unix::fs::symlink(&victim, at).expect("plant the link");
+        victim
+    }
+
+    #[test]
+    fn a_link_at_the_temporary_name_is_refused_and_its_target_untouched() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("metrics.jsonl");
+        let temporary = temporary_path(&path);
+        let victim = planted_link(dir.path(), &temporary);
+        let error = write_atomically(&path, b"{}\n").expect_err("written through the link");
+        assert_eq!(
+            format!("{error:#}"),
+            format!(
+                "cannot write {}: cannot create its temporary file {}: the name is taken \
+                 already, by a symbolic link to {}; tandem writes only files it creates: \
+                 remove it",
+                path.display(),
+                temporary.display(),
+                victim.display()
+            )
+        );
+        assert_eq!(
+            std::fs::read_to_string(&victim).expect("victim"),
+            "precious"
+        );
+        assert!(std::fs::symlink_metadata(&temporary)
+            .expect("the link")
+            .file_type()
+            .is_symlink());
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_link_at_the_final_name_is_replaced_by_a_regular_file() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("config.toml");
+        let victim = planted_link(dir.path(), &path);
+        write_atomically(&path, b"epochs = 1\n").expect("write");
+        assert_eq!(
+            std::fs::read_to_string(&victim).expect("victim"),
+            "precious"
+        );
+        assert!(std::fs::symlink_metadata(&path)
+            .expect("the file")
+            .file_type()
+            .is_file());
+        assert_eq!(std::fs::read(&path).expect("read"), b"epochs = 1\n");
+    }
+
+    #[test]
+    fn a_new_file_refuses_any_name_that_is_taken() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let link = dir.path().join("events.out.tfevents.1.host.2");
+        let victim = planted_link(dir.path(), &link);
+        let error = create_new_file(&link).expect_err("opened through the link");
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "the name is taken already, by a symbolic link to {}; tandem writes only \
+                 files it creates: remove it",
+                victim.display()
+            )
+        );
+        let dangling = dir.path().join("dangling");
+        std::os::unix::fs::symlink(dir.path().join("absent"), &dangling).expect("link");
+        assert!(create_new_file(&dangling).is_err());
+        assert!(
+            !dir.path().join("absent").exists(),
+            "the link's target was created"
+        );
+        let error = create_new_file(&victim).expect_err("a file was opened again");
+        assert!(error.to_string().contains("by a regular file"), "{error}");
+        assert_eq!(
+            std::fs::read_to_string(&victim).expect("victim"),
+            "precious"
+        );
+        create_new_file(&dir.path().join("free")).expect("a free name");
+    }
+
+    #[test]
+    fn only_a_regular_file_is_opened_for_appending_or_locking() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut append = OpenOptions::new();
+        append.create(true).append(true);
+        let link = dir.path().join("rank_0.log");
+        let victim = planted_link(dir.path(), &link);
+        let error = open_regular_file(&link, &append).expect_err("opened through the link");
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "it is a symbolic link to {}, not a regular file; tandem writes only regular \
+                 files: remove it",
+                victim.display()
+            )
+        );
+        assert_eq!(
+            std::fs::read_to_string(&victim).expect("victim"),
+            "precious"
+        );
+
+        let fifo = dir.path().join("tandem.lock");
+        let name = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("name");
+        // SAFETY: `name` is a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        let mut lock = OpenOptions::new();
+        lock.read(true).write(true).create(true);
+        for options in [&append, &lock] {
+            let error = open_regular_file(&fifo, options).expect_err("a FIFO was opened");
+            assert_eq!(
+                error.to_string(),
+                "it is a FIFO (named pipe), not a regular file; tandem writes only regular \
+                 files: remove it"
+            );
+        }
+        let error = open_regular_file(dir.path(), &lock).expect_err("a folder was opened");
+        assert_eq!(error.raw_os_error(), Some(libc::EISDIR), "{error}");
+
+        let log = dir.path().join("rank_1.log");
+        let mut file = open_regular_file(&log, &append).expect("a new log");
+        file.write_all(b"line\n").expect("append");
+        let mut file = open_regular_file(&log, &append).expect("the log again");
+        file.write_all(b"more\n").expect("append");
+        assert_eq!(std::fs::read(&log).expect("read"), b"line\nmore\n");
+    }
+
+    #[test]
+    fn a_folder_of_our_own_is_never_a_link() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).expect("folder");
+        let logs = dir.path().join("logs");
+        std::os::unix::fs::symlink(&elsewhere, &logs).expect("link");
+        let error = create_own_folder(&logs).expect_err("a link was taken for a folder");
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "it is a symbolic link to {}, not a folder; tandem writes only into folders \
+                 it creates: remove it",
+                elsewhere.display()
+            )
+        );
+        let errors = dir.path().join("run/errors");
+        create_own_folder(&errors).expect("a new folder");
+        create_own_folder(&errors).expect("the folder again");
+        assert!(errors.is_dir());
     }
 
     #[test]

@@ -41,6 +41,7 @@ mod plot;
 mod predict;
 mod remote;
 mod settings;
+mod terminal;
 mod train;
 mod weights;
 

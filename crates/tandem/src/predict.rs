@@ -11,6 +11,7 @@ use crate::compute::Compute;
 use crate::evaluation::softmax;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, Rgb};
+use crate::terminal::printable;
 use crate::weights::read_checkpoint_info;
 
 /// Settings of `tandem predict`.
@@ -113,10 +114,9 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
                 probability: probabilities[class],
             })
             .collect();
-        let file = path.display().to_string();
         if args.json {
             let prediction = Prediction {
-                file,
+                file: path.display().to_string(),
                 logits,
                 probabilities,
                 top,
@@ -130,6 +130,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
                     format!("{name} ({:.3})", entry.probability)
                 })
                 .collect();
+            let file = printable(&path.display().to_string());
             say!("{file}: {}", listed.join(", "));
         }
     }

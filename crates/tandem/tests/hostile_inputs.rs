@@ -17,8 +17,8 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{synthetic_run, tandem, with_flag, SMALL_MODEL};
-use tandem_models::{Model, ModelSpec, ResNetBaseSpec, TensorKind};
+use common::{small_model, synthetic_run, tandem, with_flag, SMALL_MODEL};
+use tandem_models::TensorKind;
 
 /// Peak memory a refused hostile file may add to a legitimate evaluation's: below each
 /// payload (64 MiB and more), above the noise of a run.
@@ -141,21 +141,6 @@ fn run_measured(args: &[String]) -> Measured {
         stderr: std::fs::read_to_string(&stderr_path).unwrap_or_default(),
         peak_kib: usage.ru_maxrss,
     }
-}
-
-/// The model `SMALL_MODEL` selects.
-fn small_model() -> Model {
-    let spec = ModelSpec::ResNetBase(ResNetBaseSpec {
-        n_blocks: vec![1, 1, 1],
-        n_channels: vec![8, 16, 32],
-        bottlenecks: None,
-        first_kernel_size: 3,
-        img_channels: 3,
-        num_classes: 10,
-    });
-    let mut model = Model::new(&spec).expect("valid spec");
-    model.init_default(11);
-    model
 }
 
 /// A CIFAR-10 binary folder whose test batch holds `records` records (and whose training

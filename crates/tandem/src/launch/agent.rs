@@ -101,7 +101,7 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
     let topology = &plan.topology;
     for folder in ["logs", "errors"] {
         let path = plan.log_dir.join(folder);
-        std::fs::create_dir_all(&path)
+        crate::files::create_own_folder(&path)
             .with_context(|| format!("create the log folder {}", path.display()))?;
     }
     let interrupted = || signals::stop_requested().is_some();
@@ -335,7 +335,13 @@ fn start_worker(
         now_micros() / 1_000_000
     );
     let log = retry_while_short_of_resources(|| RankLog::open(&plan.log_dir, place.rank, &header))
-        .with_context(|| format!("open the log of rank {}", place.rank))?;
+        .with_context(|| {
+            format!(
+                "open the log of rank {} ({})",
+                place.rank,
+                super::logs::rank_log_path(&plan.log_dir, place.rank).display()
+            )
+        })?;
     let env = worker_env(&place, job, &error_file);
     let echo = plan.tee || place.rank == 0;
     Ok(Worker::start(

@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::Instant;
 
+use crate::files::{create_own_folder, open_regular_file};
+
 /// Longest line copied in one piece: longer ones (a progress bar redrawn with `\r` for hours)
 /// are cut, so a worker cannot make the launcher hold its whole output in memory.
 const MAX_LINE_BYTES: u64 = 64 * 1024;
@@ -32,12 +34,15 @@ pub struct RankLog {
 
 impl RankLog {
     /// Opens (creating if needed) rank `rank`'s log and appends `header` as a line of its own.
+    /// A log (or `logs` folder) that is a symbolic link, or not a regular file, is refused.
     pub fn open(log_dir: &Path, rank: usize, header: &str) -> std::io::Result<RankLog> {
         let path = rank_log_path(log_dir, rank);
         if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent)?;
+            create_own_folder(parent)?;
         }
-        let mut file = OpenOptions::new().create(true).append(true).open(&path)?;
+        let mut options = OpenOptions::new();
+        options.create(true).append(true);
+        let mut file = open_regular_file(&path, &options)?;
         writeln!(file, "{header}")?;
         let round_start = file.seek(SeekFrom::End(0))?;
         let (pump_alive, pumps_done) = mpsc::channel();

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use tandem_dist::cluster::contract::{WorkerErrorRecord, SETTINGS_ERROR_EXIT_CODE};
 
 use super::worker::WorkerEnd;
+use crate::terminal::{printable, printable_line};
 
 /// How many log lines the summary shows when a worker left no error file.
 pub const LOG_TAIL_LINES: usize = 10;
@@ -223,23 +224,35 @@ fn describe_peer_reports(text: &mut String, stuck_rank: usize, reports: &[Option
         .filter(|worker| worker.rank != stuck_rank && worker.end.is_failure());
     for peer in peers {
         if let Some(error) = &peer.error {
-            let _ = writeln!(text, "rank {} reported: {}", peer.rank, error.message);
+            let _ = writeln!(
+                text,
+                "rank {} reported: {}",
+                peer.rank,
+                printable_line(&error.message)
+            );
         }
     }
 }
 
+/// What the worker left: its error file's message, else the last lines of its log. Both are
+/// the worker's text, printed escaped and bounded (see [`crate::terminal`]).
 fn describe_evidence(text: &mut String, worker: &WorkerReport) {
     if let Some(error) = &worker.error {
         let when = error
             .timestamp
             .as_deref()
-            .map(|timestamp| format!(", at {timestamp}"))
+            .map(|timestamp| format!(", at {}", printable(timestamp)))
             .unwrap_or_default();
-        let _ = writeln!(text, "error (from {}{when}): {}", error.file, error.message);
+        let _ = writeln!(
+            text,
+            "error (from {}{when}): {}",
+            error.file,
+            printable_line(&error.message)
+        );
         return;
     }
     if let Some(problem) = &worker.error_file_problem {
-        let _ = writeln!(text, "({problem})");
+        let _ = writeln!(text, "({})", printable_line(problem));
     }
     if worker.log_tail.is_empty() {
         let _ = writeln!(
@@ -255,7 +268,7 @@ fn describe_evidence(text: &mut String, worker: &WorkerReport) {
         worker.log_file
     );
     for line in &worker.log_tail {
-        let _ = writeln!(text, "  | {line}");
+        let _ = writeln!(text, "  | {}", printable_line(line));
     }
 }
 

@@ -534,7 +534,7 @@ impl Trainer {
             for path in crate::files::remove_stale_temporaries(&folder)? {
                 tell!(
                     "removed {}, left by a writer that is no longer running",
-                    path.display()
+                    crate::terminal::printable(&path.display().to_string())
                 );
             }
         }
@@ -968,8 +968,9 @@ impl Trainer {
             .output_dir
             .join(format!("epoch_{epoch_number}.safetensors"));
         let metadata = self.checkpoint_metadata(self.history.last())?;
-        tandem_models::save_safetensors(self.compute.host_model()?, &path, &metadata)
-            .with_context(|| format!("cannot write checkpoint {}", path.display()))?;
+        let bytes = tandem_models::state_dict_safetensors(self.compute.host_model()?, &metadata)
+            .with_context(|| format!("cannot serialize checkpoint {}", path.display()))?;
+        crate::files::write_atomically(&path, &bytes)?;
         self.publish(&path);
         if self.settings.keep_last > 0 {
             prune_checkpoints(&self.settings.output_dir, self.settings.keep_last)?;

@@ -12,6 +12,8 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
 use crate::clock::UtcTime;
+use crate::files::open_regular_file;
+use crate::terminal::printable;
 
 /// The lock file's name in the output folder.
 pub const LOCK_FILE_NAME: &str = "tandem.lock";
@@ -39,11 +41,15 @@ impl LockOwner {
 }
 
 impl std::fmt::Display for LockOwner {
+    /// The owner in words; the host and time come from the lock file, which anyone who can
+    /// write the folder can edit, so they are printed escaped.
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             formatter,
             "pid {} on host {}, started {}",
-            self.pid, self.host, self.started
+            self.pid,
+            printable(&self.host),
+            printable(&self.started)
         )
     }
 }
@@ -56,17 +62,16 @@ pub struct RunLock {
 
 impl RunLock {
     /// Takes the lock of `output_dir` (creating the folder), or fails naming the process that
-    /// holds it. A description left by a run that died is reported and replaced.
+    /// holds it. A description left by a run that died is reported and replaced. A lock
+    /// file that is not a regular file (a symbolic link, a FIFO) is refused, naming it: the
+    /// lock file is emptied and written, and so would be whatever a link points to.
     pub fn acquire(output_dir: &Path) -> anyhow::Result<RunLock> {
         std::fs::create_dir_all(output_dir)
             .with_context(|| format!("cannot create output folder {}", output_dir.display()))?;
         let path = output_dir.join(LOCK_FILE_NAME);
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
+        let mut options = std::fs::OpenOptions::new();
+        options.read(true).write(true).create(true).truncate(false);
+        let mut file = open_regular_file(&path, &options)
             .with_context(|| format!("cannot open lock file {}", path.display()))?;
         let locked =
             try_lock_exclusive(&file).with_context(|| format!("cannot lock {}", path.display()))?;
@@ -156,6 +161,19 @@ pub fn host_name() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_owner_read_from_the_lock_file_is_printed_escaped() {
+        let owner = LockOwner {
+            pid: 7,
+            host: "node\u{1b}]0;pwned\u{7}\nerror: x".into(),
+            started: "2026-12-01 01:32:07 UTC".into(),
+        };
+        assert_eq!(
+            owner.to_string(),
+            "pid 7 on host node\\x1b]0;pwned\\x07\\nerror: x, started 2026-12-01 01:32:07 UTC"
+        );
+    }
 
     #[test]
     fn a_second_lock_is_refused_naming_the_owner_and_freed_on_drop() {

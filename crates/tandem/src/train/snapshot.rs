@@ -282,7 +282,8 @@ pub fn load_latest(path: &Path) -> anyhow::Result<Option<Snapshot>> {
             Ok(snapshot) => {
                 if let Some(error) = &first_error {
                     tell!(
-                        "warning: {error:#}; resuming from {} instead",
+                        "warning: {}; resuming from {} instead",
+                        crate::terminal::printable_line(&format!("{error:#}")),
                         candidate.display()
                     );
                 }

@@ -30,14 +30,14 @@ impl EventWriter {
     }
 
     /// Creates `folder/events.out.tfevents.<seconds>.<host>.<pid>` and writes its first
-    /// event.
+    /// event. The name must be free: a symbolic link planted there is refused, naming it.
     pub fn create(folder: &Path, host: &str) -> anyhow::Result<Self> {
         let seconds = now_seconds() as u64;
         let path = folder.join(format!(
             "events.out.tfevents.{seconds}.{host}.{}",
             std::process::id()
         ));
-        let file = File::create(&path)
+        let file = crate::files::create_new_file(&path)
             .with_context(|| format!("cannot create event file {}", path.display()))?;
         let mut writer = EventWriter {
             file: BufWriter::new(file),

@@ -74,6 +74,21 @@ pub const SMALL_MODEL: &[&str] = &[
     "none",
 ];
 
+/// The model `SMALL_MODEL` selects, initialized.
+pub fn small_model() -> tandem_models::Model {
+    let spec = tandem_models::ModelSpec::ResNetBase(tandem_models::ResNetBaseSpec {
+        n_blocks: vec![1, 1, 1],
+        n_channels: vec![8, 16, 32],
+        bottlenecks: None,
+        first_kernel_size: 3,
+        img_channels: 3,
+        num_classes: 10,
+    });
+    let mut model = tandem_models::Model::new(&spec).expect("valid spec");
+    model.init_default(11);
+    model
+}
+
 /// Training flags for a short synthetic run of the small model.
 pub fn small_synthetic_run(output_dir: &Path) -> Vec<String> {
     synthetic_run(output_dir, 192)
