@@ -107,7 +107,13 @@ impl RemoteStore {
         }
         let temporary = temporary_path(local);
         let result = (|| {
-            let mut file = std::fs::File::create(&temporary).map_err(local_error)?;
+            // A new file only: a name that exists (a link planted there) is never written
+            // through.
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&temporary)
+                .map_err(local_error)?;
             let mut received = 0;
             while received < size {
                 let end = (received + RANGE_BYTES).min(size);

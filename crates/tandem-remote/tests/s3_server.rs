@@ -67,6 +67,37 @@ fn pattern(len: usize) -> Vec<u8> {
 }
 
 #[test]
+fn a_link_planted_at_a_downloads_temporary_name_is_not_written_through() {
+    let Some(server) = server_with_object("data.bin", 1000) else {
+        return;
+    };
+    let store = good_client(&server);
+    let folder = tempfile::tempdir().expect("a temporary folder");
+    let victim = folder.path().join("victim.txt");
+    std::fs::write(&victim, b"keep me").expect("the victim");
+    let local = folder.path().join("data.bin");
+    let planted = folder
+        .path()
+        .join(format!("data.bin.{}.tmp", std::process::id()));
+    std::os::unix::fs::symlink(&victim, &planted).expect("the link");
+    let error = store
+        .download(&url("s3://data/data.bin"), &local)
+        .expect_err("a taken temporary name");
+    assert!(error.to_string().contains("exists"), "{error}");
+    assert_eq!(std::fs::read(&victim).expect("the victim"), b"keep me");
+    assert!(!local.exists());
+    // The refused name was cleared: the next download lands whole.
+    assert_eq!(
+        store
+            .download(&url("s3://data/data.bin"), &local)
+            .expect("download"),
+        1000
+    );
+    assert_eq!(std::fs::read(&local).expect("the copy"), pattern(1000));
+    assert_eq!(std::fs::read(&victim).expect("the victim"), b"keep me");
+}
+
+#[test]
 fn files_round_trip_whole_single_and_multipart() {
     let Some(server) = S3Server::start() else {
         return;
