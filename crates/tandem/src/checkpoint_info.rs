@@ -15,7 +15,7 @@ use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 use tandem_models::ModelSpec;
 
-use crate::model_args::{ModelArgs, ModelKind};
+use crate::model_args::{value_name, ModelArgs, ModelKind};
 use crate::settings::{DataKind, Rgb, TrainSettings};
 use crate::terminal::printable;
 use crate::train::history::EpochRecord;
@@ -316,14 +316,6 @@ impl Entries<'_> {
 pub fn rgb_text(rgb: &Rgb) -> String {
     let [r, g, b] = rgb.0;
     format!("{r},{g},{b}")
-}
-
-/// The command-line spelling of a value of a `clap::ValueEnum`.
-pub fn value_name<T: ValueEnum>(value: &T) -> String {
-    value
-        .to_possible_value()
-        .map(|value| value.get_name().to_string())
-        .unwrap_or_default()
 }
 
 fn as_text(text: &str) -> Result<String, String> {

@@ -3,7 +3,7 @@
 use anyhow::{bail, Context};
 use tandem_data::{DataSource, Dataset, Normalize, SyntheticSpec};
 
-use crate::checkpoint_info::value_name;
+use crate::model_args::value_name;
 use crate::settings::{DataKind, DataSettings};
 
 pub use tandem_data::Split;

@@ -8,12 +8,11 @@ use clap::Args;
 use serde::Serialize;
 use tandem_models::Model;
 
-use crate::checkpoint_info::{
-    class_name, model_for, normalization_for, value_name, CheckpointInfo,
-};
+use crate::checkpoint_info::{class_name, model_for, normalization_for, CheckpointInfo};
 use crate::compute::Compute;
 use crate::data_source::{load_split, normalization, Split};
 use crate::evaluation::{evaluate, EvaluationReport};
+use crate::model_args::value_name;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, DataKind, DataOptions, DataSettings};
 use crate::terminal::printable;

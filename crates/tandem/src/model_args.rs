@@ -102,9 +102,7 @@ impl ModelArgs {
 
     /// The settings given, as (flag name without `--`, value) pairs in the flags' order.
     pub fn flag_values(&self) -> Vec<(&'static str, String)> {
-        let model = self
-            .model
-            .map(|kind| crate::checkpoint_info::value_name(&kind));
+        let model = self.model.map(|kind| value_name(&kind));
         [
             ("model", model),
             ("n-blocks", self.n_blocks.as_deref().map(comma_list)),
@@ -258,4 +256,12 @@ mod tests {
         };
         assert!(resnet18.to_spec().is_err());
     }
+}
+
+/// The command-line spelling of a value of a `clap::ValueEnum`.
+pub fn value_name<T: clap::ValueEnum>(value: &T) -> String {
+    value
+        .to_possible_value()
+        .map(|value| value.get_name().to_string())
+        .unwrap_or_default()
 }

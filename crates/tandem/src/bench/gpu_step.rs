@@ -16,7 +16,7 @@ use tandem_cuda::CudaExecutor;
 use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model, ModelSpec};
 
-use super::step::{adam_config, random_batch, sgd_config, OptimizerKind, IMAGE_SIZE};
+use super::workload::{adam_config, random_batch, sgd_config, OptimizerKind, IMAGE_SIZE};
 use crate::compute::GpuMath;
 
 /// Runs the benchmark on GPU `ordinal`: `train:`, `eval:`, `peak memory:` (the most GPU

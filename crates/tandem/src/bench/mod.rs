@@ -4,6 +4,7 @@ mod allreduce;
 mod gpu_step;
 mod loader;
 mod step;
+mod workload;
 
 use clap::Subcommand;
 

@@ -10,11 +10,11 @@
 use std::time::Instant;
 
 use anyhow::Context;
-use clap::{Args, ValueEnum};
-use tandem_engine::rng::Rng;
-use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use clap::Args;
+use tandem_engine::{Adam, Optimizer, Sgd};
 use tandem_models::{LossOptions, Model, ModelSpec};
 
+use super::workload::{adam_config, random_batch, sgd_config, OptimizerKind, IMAGE_SIZE};
 use crate::backend::BackendRequest;
 use crate::device::Announce;
 use crate::model_args::ModelArgs;
@@ -25,18 +25,6 @@ use crate::train::placement::find_placement;
 /// Gradient buckets as `tandem train` uses them by default.
 const BUCKET_BYTES: usize = 25_000_000;
 const FIRST_BUCKET_BYTES: usize = 1_000_000;
-
-/// Side of the square random images, as CIFAR-10.
-pub(super) const IMAGE_SIZE: usize = 32;
-
-/// The optimizers the benchmark can step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum OptimizerKind {
-    /// Adam, lr 0.01 (seed 000's choice).
-    Adam,
-    /// Plain SGD, lr 1e-3 (seed 004's choice).
-    Sgd,
-}
 
 /// Settings of `tandem bench step`.
 #[derive(Args)]
@@ -174,35 +162,6 @@ fn build_optimizer(kind: OptimizerKind, len: usize) -> Box<dyn Optimizer> {
         OptimizerKind::Adam => Box::new(Adam::new(len, adam_config())),
         OptimizerKind::Sgd => Box::new(Sgd::new(len, sgd_config())),
     }
-}
-
-/// Adam's settings in the benchmark (seed 000's).
-pub(super) fn adam_config() -> AdamConfig {
-    AdamConfig::with_lr(0.01)
-}
-
-/// SGD's settings in the benchmark (seed 004's).
-pub(super) fn sgd_config() -> SgdConfig {
-    SgdConfig {
-        lr: 1e-3,
-        momentum: 0.0,
-        dampening: 0.0,
-        nesterov: false,
-        weight_decay: 0.0,
-    }
-}
-
-/// Uniform random NHWC images in [-1, 1) and random labels.
-pub(super) fn random_batch(spec: &ModelSpec, batch: usize) -> (Vec<f32>, Vec<u32>) {
-    let mut rng = Rng::new(2024);
-    let images = (0..batch * IMAGE_SIZE * IMAGE_SIZE * spec.img_channels())
-        .map(|_| rng.uniform(-1.0, 1.0))
-        .collect();
-    let classes = spec.num_classes() as u64;
-    let labels = (0..batch)
-        .map(|_| (rng.next_u64() % classes) as u32)
-        .collect();
-    (images, labels)
 }
 
 /// Runs `step` once to warm up (workspaces are allocated then), then `steps` times timed.

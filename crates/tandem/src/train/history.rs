@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 
 use tandem_models::ModelSpec;
 
-use crate::checkpoint_info::value_name;
 use crate::files::write_atomically;
+use crate::model_args::value_name;
 use crate::model_args::ModelArgs;
 use crate::plot::{render_training_curves, CurvePoint};
 

@@ -35,12 +35,13 @@ use tandem_engine::{AdamConfig, SgdConfig};
 use tandem_models::{BatchNormReducer, LossOptions, Model};
 
 use crate::backend::{Backend, BackendRequest};
-use crate::checkpoint_info::{value_name, CheckpointInfo};
+use crate::checkpoint_info::CheckpointInfo;
 use crate::compute::{Compute, GpuMath, OptimizerConfig, TrainBatch};
 use crate::data_source::{load_split, normalization, Split};
 use crate::device::Announce;
 use crate::evaluation::{evaluate, Evaluation};
 use crate::exit::SettingsError;
+use crate::model_args::value_name;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use batches::{EpochBatches, IndexBatches, MicroBatch};

@@ -10,7 +10,7 @@ use std::fmt::Debug;
 use clap::ValueEnum;
 
 use super::schedule::ScheduleKind;
-use crate::checkpoint_info::value_name;
+use crate::model_args::value_name;
 use crate::model_args::ModelArgs;
 use crate::settings::{DataKind, OptimizerKind, TrainSettings};
 
