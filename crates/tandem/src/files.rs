@@ -9,6 +9,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -229,6 +230,23 @@ fn sync_parent(path: &Path) {
         };
         if let Ok(handle) = std::fs::File::open(folder) {
             let _ = handle.sync_all();
+        }
+    }
+}
+
+/// Takes `flock(LOCK_EX | LOCK_NB)` on `file`: `Ok(false)` when another process holds it.
+pub fn try_lock_exclusive(file: &File) -> std::io::Result<bool> {
+    loop {
+        // SAFETY: the descriptor belongs to `file`, which is open for the whole call.
+        let result = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if result == 0 {
+            return Ok(true);
+        }
+        let error = std::io::Error::last_os_error();
+        match error.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => return Ok(false),
+            Some(libc::EINTR) => continue,
+            _ => return Err(error),
         }
     }
 }

@@ -266,7 +266,7 @@ fn wait_for_turn(lock_path: &Path, url: &ObjectUrl) -> anyhow::Result<std::fs::F
         .open(lock_path)
         .with_context(|| format!("cannot open lock file {}", lock_path.display()))?;
     let mut noticed = Instant::now() - WAIT_NOTICE;
-    while !crate::train::run_lock::try_lock_exclusive(&file)
+    while !crate::files::try_lock_exclusive(&file)
         .with_context(|| format!("cannot lock {}", lock_path.display()))?
     {
         if noticed.elapsed() >= WAIT_NOTICE {

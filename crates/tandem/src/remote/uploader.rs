@@ -279,7 +279,8 @@ fn prune(store: &RemoteStore, prefix: &ObjectUrl, keep: usize) -> Result<(), Rem
         .list(prefix)?
         .into_iter()
         .filter_map(|object| {
-            let epoch = crate::train::checkpoint_epoch(prefix.relative_key(&object.url)?)?;
+            let epoch =
+                crate::checkpoint_info::checkpoint_epoch(prefix.relative_key(&object.url)?)?;
             Some((epoch, object.url))
         })
         .collect();

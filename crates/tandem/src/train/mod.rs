@@ -35,7 +35,7 @@ use tandem_engine::{AdamConfig, SgdConfig};
 use tandem_models::{BatchNormReducer, LossOptions, Model};
 
 use crate::backend::{Backend, BackendRequest};
-use crate::checkpoint_info::CheckpointInfo;
+use crate::checkpoint_info::{checkpoint_epoch, checkpoint_name, CheckpointInfo};
 use crate::compute::{Compute, GpuMath, OptimizerConfig, TrainBatch};
 use crate::data_source::{load_split, normalization, Split};
 use crate::device::Announce;
@@ -964,10 +964,7 @@ impl Trainer {
         if every == 0 || !epoch_number.is_multiple_of(every) {
             return Ok(());
         }
-        let path = self
-            .settings
-            .output_dir
-            .join(format!("epoch_{epoch_number}.safetensors"));
+        let path = self.settings.output_dir.join(checkpoint_name(epoch_number));
         let metadata = self.checkpoint_metadata(self.history.last())?;
         let bytes = tandem_models::state_dict_safetensors(self.compute.host_model()?, &metadata)
             .with_context(|| format!("cannot serialize checkpoint {}", path.display()))?;
@@ -1402,14 +1399,6 @@ fn build_optimizer(settings: &TrainSettings, lr: f64) -> OptimizerConfig {
             decoupled: settings.optimizer == OptimizerKind::Adamw,
         }),
     }
-}
-
-/// N of an epoch checkpoint's name, `epoch_N.safetensors`.
-pub fn checkpoint_epoch(name: &str) -> Option<u64> {
-    name.strip_prefix("epoch_")?
-        .strip_suffix(".safetensors")?
-        .parse()
-        .ok()
 }
 
 /// Deletes `epoch_N.safetensors` files in `folder` except the `keep` with the largest N.

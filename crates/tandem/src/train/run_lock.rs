@@ -5,14 +5,14 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, Write};
-use std::os::fd::AsRawFd;
+
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
 use crate::clock::UtcTime;
-use crate::files::open_regular_file;
+use crate::files::{open_regular_file, try_lock_exclusive};
 use crate::terminal::printable;
 
 /// The lock file's name in the output folder.
@@ -114,23 +114,6 @@ impl Drop for RunLock {
     /// releases the lock.
     fn drop(&mut self) {
         let _ = self.file.set_len(0);
-    }
-}
-
-/// Takes `flock(LOCK_EX | LOCK_NB)` on `file`: `Ok(false)` when another process holds it.
-pub fn try_lock_exclusive(file: &File) -> std::io::Result<bool> {
-    loop {
-        // SAFETY: the descriptor belongs to `file`, which is open for the whole call.
-        let result = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if result == 0 {
-            return Ok(true);
-        }
-        let error = std::io::Error::last_os_error();
-        match error.raw_os_error() {
-            Some(libc::EWOULDBLOCK) => return Ok(false),
-            Some(libc::EINTR) => continue,
-            _ => return Err(error),
-        }
     }
 }
 
