@@ -179,6 +179,14 @@ fn parse_bottlenecks(text: &str) -> anyhow::Result<Option<Vec<usize>>> {
     Ok(Some(channels))
 }
 
+/// The command-line spelling of a value of a `clap::ValueEnum`.
+pub fn value_name<T: clap::ValueEnum>(value: &T) -> String {
+    value
+        .to_possible_value()
+        .map(|value| value.get_name().to_string())
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,12 +264,4 @@ mod tests {
         };
         assert!(resnet18.to_spec().is_err());
     }
-}
-
-/// The command-line spelling of a value of a `clap::ValueEnum`.
-pub fn value_name<T: clap::ValueEnum>(value: &T) -> String {
-    value
-        .to_possible_value()
-        .map(|value| value.get_name().to_string())
-        .unwrap_or_default()
 }
