@@ -15,7 +15,7 @@ use crate::error::ModelError;
 use crate::executor::{
     Executor, GradBuffer, GradTarget, GradientsReady, ResidualInput, Unit, UnitGrad,
 };
-use crate::network::Head;
+use crate::network::{Head, Network};
 use crate::workspace::{Mode, Plan, Slot, UnitPlan};
 
 /// Everything the CPU keeps for one [`Plan`]: activation slots, head and loss buffers,
@@ -435,4 +435,26 @@ fn two_ranges_mut<'a>(
 ) -> (&'a mut [f32], &'a mut [f32]) {
     let (head, tail) = buffer.split_at_mut(second.start);
     (&mut head[first.clone()], &mut tail[..second.len()])
+}
+
+/// A plan and the CPU executor's storage for it.
+pub(crate) struct Workspace {
+    pub plan: Plan,
+    pub storage: CpuStorage,
+}
+
+impl Workspace {
+    /// Plans `network` for this batch shape and allocates the storage of the plan.
+    pub fn new(
+        network: &Network,
+        mode: Mode,
+        batch: usize,
+        height: usize,
+        width: usize,
+        channels: usize,
+    ) -> Result<Self, ModelError> {
+        let plan = Plan::new(network, mode, batch, height, width, channels)?;
+        let storage = CpuStorage::new(&plan);
+        Ok(Workspace { plan, storage })
+    }
 }

@@ -6,6 +6,7 @@ use tandem_engine::batchnorm::BatchNormReducer;
 use tandem_engine::rng::Rng;
 
 use crate::cpu::CpuStep;
+use crate::cpu::Workspace;
 use crate::error::ModelError;
 use crate::executor::{
     Executor, GradBuffer, GradTarget, GradientsReady, ResidualInput, Unit, UnitGrad,
@@ -13,7 +14,7 @@ use crate::executor::{
 use crate::network::{Block, ConvBn, Network};
 use crate::spec::ModelSpec;
 use crate::tensors::{from_pytorch_order, to_pytorch_order, TensorInfo, TensorKind};
-use crate::workspace::{BlockPlan, Mode, Plan, UnitPlan, Workspace};
+use crate::workspace::{BlockPlan, Mode, Plan, UnitPlan};
 
 /// Settings of the training loss.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

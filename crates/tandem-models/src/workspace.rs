@@ -8,7 +8,6 @@
 
 use tandem_engine::shape::Conv2dShape;
 
-use crate::cpu::CpuStorage;
 use crate::error::ModelError;
 use crate::network::{ConvLayer, Network};
 
@@ -89,12 +88,6 @@ pub struct Plan {
     pub units: usize,
 }
 
-/// A plan and the CPU executor's storage for it.
-pub(crate) struct Workspace {
-    pub plan: Plan,
-    pub storage: CpuStorage,
-}
-
 /// Assigns buffers: in training each activation gets its own; in evaluation the lowest
 /// buffer not holding a live activation is reused.
 struct SlotPlanner {
@@ -115,22 +108,6 @@ impl SlotPlanner {
         }
         self.sizes[slot] = self.sizes[slot].max(len);
         slot
-    }
-}
-
-impl Workspace {
-    /// Plans `network` for this batch shape and allocates the storage of the plan.
-    pub fn new(
-        network: &Network,
-        mode: Mode,
-        batch: usize,
-        height: usize,
-        width: usize,
-        channels: usize,
-    ) -> Result<Self, ModelError> {
-        let plan = Plan::new(network, mode, batch, height, width, channels)?;
-        let storage = CpuStorage::new(&plan);
-        Ok(Workspace { plan, storage })
     }
 }
 
