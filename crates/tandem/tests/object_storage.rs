@@ -803,10 +803,13 @@ fn assert_the_next_runs_recover(
             .contains(&format!("an earlier run left pending are now in {url}")),
         "{stderr}"
     );
-    assert!(
-        stdout.contains(&format!("resumed from {url}/snapshot.safetensors (epoch ")),
-        "{stdout}"
-    );
+    // The first run stopped mid-run, or (on a fast machine) had trained to its end when its
+    // failing uploads stopped it: either way the second run resumes or finds it done.
+    let resumed = stdout.contains(&format!("resumed from {url}/snapshot.safetensors (epoch "));
+    let finished = stdout.contains(&format!(
+        "finished: {url}/snapshot.safetensors holds the end of epoch 2"
+    ));
+    assert!(resumed || finished, "{stdout}");
     let third = run(endpoint, cache, args);
     let stdout = expect_success(&third);
     assert!(stdout.contains("2/2 epochs done"), "{stdout}");
@@ -815,7 +818,9 @@ fn assert_the_next_runs_recover(
         .iter()
         .filter(|name| name.starts_with("events.out.tfevents."))
         .count();
-    assert_eq!(event_files, 2, "{:?}", names_in(bucket));
+    // One event file per session that trained.
+    let sessions = if resumed { 2 } else { 1 };
+    assert_eq!(event_files, sessions, "{:?}", names_in(bucket));
     for name in [
         "epoch_1.safetensors",
         "epoch_2.safetensors",
