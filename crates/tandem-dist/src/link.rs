@@ -221,6 +221,15 @@ impl PeerLink {
                     op: "rendezvous".into(),
                 });
             };
+            // Finished handshakes first, so that a flood of connections neither keeps an
+            // admitted peer waiting nor has it closed as the oldest.
+            while let Ok((id, link)) = results.try_recv() {
+                let live = handshakes.finish(id);
+                if let Some(link) = link.filter(|_| live) {
+                    handshakes.close_all();
+                    return Ok(link);
+                }
+            }
             if let Some(stream) = listeners.try_accept() {
                 let Ok(handle) = stream.try_clone() else {
                     continue;
@@ -242,17 +251,7 @@ impl PeerLink {
                 });
                 continue;
             }
-            match results.recv_timeout(ACCEPT_POLL) {
-                Ok((id, link)) => {
-                    let live = handshakes.finish(id);
-                    if let Some(link) = link.filter(|_| live) {
-                        handshakes.close_all();
-                        return Ok(link);
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => unreachable!("a sender is kept"),
-            }
+            thread::sleep(ACCEPT_POLL);
         }
     }
 
