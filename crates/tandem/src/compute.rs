@@ -1,5 +1,5 @@
 //! Where a model's steps run: [`Compute`] is the one interface `train`, `eval` and `predict`
-//! are written against, over the CPU (the model's own host buffers, exactly as before) or the
+//! are written against, over the CPU (the model's own host buffers) or the
 //! GPU executor of `tandem-cuda` (device copies of the flat buffers).
 //!
 //! # Host/device crossings on the GPU

@@ -7,7 +7,7 @@
 //! ([`CudaExecutor::gather_to_host`]).
 //!
 //! The labels stay on the host (4 bytes a sample, the size of the indices): the loss copies
-//! them to the device as before, and the host names a bad label's sample.
+//! them to the device with each batch, and the host names a bad label's sample.
 //!
 //! A batch is assembled in two parts so that a training step can be captured as a CUDA graph:
 //! its indices and epoch are copied to fixed device buffers first ([`CudaExecutor::load_indices`],
