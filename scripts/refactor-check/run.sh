@@ -30,7 +30,7 @@ run sync-bn-2-processes launch --standalone --nproc-per-node 2 -- train "${small
     --optimizer sgd --momentum 0.9 --lr 0.05 --sync-bn --threads 1 --seed 5
 
 for name in adam-2-threads adam-1-thread sgd-nesterov-smoothing-accum adamw-no-bottleneck resnet18 sync-bn-2-processes; do
-    snapshot=$(find "$out/$name" -name 'snapshot*.safetensors' | sort | head -1)
-    [ -n "$snapshot" ] || { echo "no snapshot in $out/$name"; ls -R "$out/$name"; exit 1; }
+    snapshot=$out/$name/snapshot.safetensors
+    [ -f "$snapshot" ] || { echo "no snapshot in $out/$name"; ls -R "$out/$name"; exit 1; }
     printf '%-30s %s\n' "$name" "$(python3 "$here/state_hash.py" "$snapshot" | cut -d' ' -f1)"
 done
