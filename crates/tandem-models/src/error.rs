@@ -46,6 +46,9 @@ pub enum ModelError {
     /// An engine kernel failed (bad label, SyncBatchNorm failure, ...).
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// Writing a file atomically failed.
+    #[error(transparent)]
+    File(#[from] tandem_files::FileError),
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {

@@ -4,7 +4,6 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
-use std::io::Write;
 use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors, View};
@@ -30,7 +29,7 @@ pub fn save_safetensors(
             path: path.to_path_buf(),
             message: error.to_string(),
         })?;
-    write_atomically(path, &bytes)
+    Ok(tandem_files::write_atomically(path, &bytes)?)
 }
 
 /// The model's `state_dict` serialized as safetensors, with `metadata` as the header's
@@ -540,46 +539,6 @@ impl View for ByteView {
     fn data_len(&self) -> usize {
         self.bytes.len()
     }
-}
-
-/// Writes `bytes` to `path` via a temporary file in the same directory, synced, then renamed.
-/// The temporary file must be new (`O_EXCL`): a symbolic link planted at its name is an
-/// error, not a way to write elsewhere.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ModelError> {
-    let io_error = |source| ModelError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let file_name = path
-        .file_name()
-        .map(|name| name.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "weights".into());
-    let temporary = path.with_file_name(format!(".{file_name}.{}.tmp", std::process::id()));
-    // What holds the name already is not this writer's: it is left alone.
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&temporary)
-        .map_err(|source| ModelError::Io {
-            path: temporary.clone(),
-            source,
-        })?;
-    let result = (|| {
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&temporary, path)?;
-        if let Some(directory) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
-            // Persist the rename; not every platform or file system allows syncing a directory.
-            if let Ok(directory) = std::fs::File::open(directory) {
-                let _ = directory.sync_all();
-            }
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&temporary);
-    }
-    result.map_err(io_error)
 }
 
 #[cfg(test)]

@@ -521,14 +521,27 @@ fn a_symbolic_link_at_the_temporary_name_is_refused_and_its_target_left_alone() 
     std::fs::write(&victim, "precious").unwrap();
     let temporary = dir
         .path()
-        .join(format!(".weights.safetensors.{}.tmp", std::process::id()));
+        .join(format!("weights.safetensors.{}.tmp", std::process::id()));
     std::os::unix::fs::symlink(&victim, &temporary).unwrap();
     let mut model = Model::new(&small_spec(None)).unwrap();
     model.init_default(3);
     let error = save_safetensors(&model, &path, &BTreeMap::new()).unwrap_err();
     assert_eq!(
         error.to_string(),
-        format!("{}: File exists (os error 17)", temporary.display())
+        format!(
+            "cannot write {}: cannot create its temporary file {}",
+            path.display(),
+            temporary.display()
+        )
+    );
+    let reason = std::error::Error::source(&error).expect("the reason");
+    assert_eq!(
+        reason.to_string(),
+        format!(
+            "the name is taken already, by a symbolic link to {}; tandem writes only files it \
+             creates: remove it",
+            victim.display()
+        )
     );
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
     assert!(std::fs::symlink_metadata(&temporary)

@@ -4,11 +4,14 @@
 //! [`ObjectUrl`] reads `s3://bucket/key` and `obs://bucket/key`; [`Connection`] gathers the
 //! endpoint, region and credentials from flags and the usual variables; [`RemoteStore`]
 //! moves whole files in and out, blocking, through the `object_store` crate (signing,
-//! retries with back-off, multipart uploads). Nothing here ever prints a secret.
+//! retries with back-off, multipart uploads); [`uploads`] carries out a run's uploads on a
+//! thread beside training, each recorded on disk until it is done. Nothing here ever prints
+//! a secret.
 
 mod client;
 mod connection;
 mod error;
+pub mod uploads;
 mod url;
 
 #[cfg(feature = "test-server")]
@@ -18,3 +21,9 @@ pub use client::{ObjectInfo, RemoteStore, PART_BYTES};
 pub use connection::{Connection, ConnectionOptions, Credentials, Secret, DEFAULT_RETRY_TIMEOUT};
 pub use error::RemoteError;
 pub use url::{ObjectUrl, Scheme};
+
+/// The local folder for objects fetched from and staged for object storage when no
+/// `--cache-dir` is given: `TMPDIR/tandem-cache`.
+pub fn default_cache_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join("tandem-cache")
+}

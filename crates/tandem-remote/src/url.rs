@@ -1,6 +1,7 @@
 //! `s3://bucket/key` and `obs://bucket/key`: where an object or a prefix of objects lives.
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 
 use crate::RemoteError;
 
@@ -93,6 +94,16 @@ impl ObjectUrl {
     /// The key within the bucket (empty for the bucket itself).
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// `CACHE/AREA/BUCKET/KEY`: where this object is kept in area `area` (`data`, `objects`,
+    /// `runs`) of the cache folder `cache_dir`.
+    pub fn staging_path(&self, cache_dir: &Path, area: &str) -> PathBuf {
+        let mut path = cache_dir.join(area).join(self.bucket());
+        for segment in self.key.split('/').filter(|segment| !segment.is_empty()) {
+            path.push(segment);
+        }
+        path
     }
 
     /// The object `relative` below this prefix (`relative` is a `/`-separated path).

@@ -332,18 +332,7 @@ fn parse_list(text: &str) -> Result<Vec<usize>, String> {
     text.split(',').map(parse_number).collect()
 }
 
-/// The name of epoch `epoch`'s checkpoint, `epoch_N.safetensors`.
-pub fn checkpoint_name(epoch: u64) -> String {
-    format!("epoch_{epoch}.safetensors")
-}
-
-/// N of an epoch checkpoint's name, `epoch_N.safetensors`.
-pub fn checkpoint_epoch(name: &str) -> Option<u64> {
-    name.strip_prefix("epoch_")?
-        .strip_suffix(".safetensors")?
-        .parse()
-        .ok()
-}
+pub use tandem_files::{checkpoint_epoch, checkpoint_name};
 
 #[cfg(test)]
 mod tests {

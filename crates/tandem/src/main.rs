@@ -1,28 +1,12 @@
 //! `tandem`: data-parallel training of image classifiers, in pure Rust.
 //!
-//! One binary, one subcommand per job: `train`, `eval`, `predict`, `bench`, `launch`, and `completions` (shell completions).
-//! Each subcommand lives in a module of its own; this file only parses the command line
+//! One binary, one subcommand per job: `train`, `eval`, `predict`, `bench`, `launch` (the
+//! `tandem-launch` crate) and `completions` (shell completions). Each subcommand lives in a
+//! module of its own; this file only parses the command line
 //! and reports errors.
 
-/// Prints a line to standard output like `println!`, but a closed output (`tandem ... | head`)
-/// does not panic: the line is dropped and the job goes on.
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
-    }};
-}
-
-/// Prints a line to standard error like `eprintln!`, but in one write: `eprintln!` writes its
-/// pieces one by one to the unbuffered stderr, and the lines of ranks sharing a terminal or
-/// pipe (mpirun, srun) would interleave mid-line. A closed stderr drops the line.
-macro_rules! tell {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let line = format!("{}\n", format_args!($($arg)*));
-        let _ = std::io::stderr().lock().write_all(line.as_bytes());
-    }};
-}
+#[macro_use]
+extern crate tandem_files;
 
 mod backend;
 mod bench;
@@ -34,18 +18,17 @@ mod device;
 mod eval;
 mod evaluation;
 mod exit;
-mod files;
-mod launch;
 mod model_args;
 mod plot;
 mod predict;
 mod remote;
 mod settings;
-mod terminal;
 mod train;
 mod weights;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use tandem_files as files;
+use tandem_files::terminal;
 
 /// The command line of `tandem`.
 #[derive(Parser)]
@@ -72,7 +55,7 @@ enum Command {
     #[command(subcommand)]
     Bench(bench::BenchCommand),
     /// Start workers on this node, restart them on failure (like torchrun).
-    Launch(launch::LaunchArgs),
+    Launch(tandem_launch::LaunchArgs),
     /// Print shell completions for tandem (e.g. `tandem completions bash > ~/.local/share/bash-completion/completions/tandem`).
     Completions {
         /// The shell.
@@ -84,7 +67,7 @@ enum Command {
 fn main() {
     let matches = command().try_get_matches().unwrap_or_else(|error| {
         let words: Vec<String> = std::env::args().collect();
-        if let Some(hint) = launch::missing_separator_hint(&words, &error) {
+        if let Some(hint) = tandem_launch::missing_separator_hint(&words, &error) {
             tell!("error: {hint}");
             std::process::exit(exit::SETTINGS_ERROR_EXIT_CODE);
         }
@@ -97,7 +80,7 @@ fn main() {
         Command::Eval(args) => eval::run(args),
         Command::Predict(args) => predict::run(args),
         Command::Bench(command) => bench::run(command),
-        Command::Launch(args) => launch::run(args),
+        Command::Launch(args) => launch(&args),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut command(), "tandem", &mut std::io::stdout());
             Ok(())
@@ -105,6 +88,16 @@ fn main() {
     };
     if let Err(error) = result {
         exit::fail(&error);
+    }
+}
+
+/// Runs `tandem launch`; the logs of a run in object storage are uploaded when the job ends.
+fn launch(args: &tandem_launch::LaunchArgs) -> anyhow::Result<()> {
+    match tandem_launch::run(args, remote::launcher_logs::upload)? {
+        tandem_launch::Outcome::Succeeded => Ok(()),
+        tandem_launch::Outcome::Refused(summary) => {
+            Err(exit::SettingsError::from_error(anyhow::anyhow!(summary)))
+        }
     }
 }
 

@@ -625,7 +625,10 @@ impl TrainSettings {
 
     /// Writes [`TrainSettings::to_config_toml`] to `path`, atomically.
     pub fn write_toml(&self, path: &Path) -> anyhow::Result<()> {
-        crate::files::write_atomically(path, self.to_config_toml()?.as_bytes())
+        Ok(crate::files::write_atomically(
+            path,
+            self.to_config_toml()?.as_bytes(),
+        )?)
     }
 }
 

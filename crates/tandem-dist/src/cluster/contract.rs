@@ -38,6 +38,10 @@ pub const ERROR_FILE_ENV: &str = "TANDEM_ERROR_FILE";
 /// `tandem launch` ends the job at once instead of restarting it.
 pub const SETTINGS_ERROR_EXIT_CODE: i32 = 2;
 
+/// How the error of a rank stopped by another rank's request begins: the launcher reads it
+/// to tell such a rank, which only followed, from the one whose stop it followed.
+pub const STOPPED_ON_REQUEST: &str = "stopped with the other ranks on another rank's request";
+
 /// torchrun's default port of the store, used where a cluster names no port.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 

@@ -19,7 +19,9 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use tandem_remote::{ObjectInfo, ObjectUrl};
 
-use super::{object_url, sidecar, Storage};
+use tandem_files::sidecar;
+
+use super::{object_url, Storage};
 use crate::settings::{DataKind, DataSettings};
 
 /// CIFAR-10's official files: name, size and md5. A fetched file with an official name and
@@ -254,7 +256,10 @@ fn read_manifest(path: &Path) -> BTreeMap<String, FetchedObject> {
 }
 
 fn write_manifest(path: &Path, manifest: &BTreeMap<String, FetchedObject>) -> anyhow::Result<()> {
-    crate::files::write_atomically(path, &serde_json::to_vec_pretty(manifest)?)
+    Ok(crate::files::write_atomically(
+        path,
+        &serde_json::to_vec_pretty(manifest)?,
+    )?)
 }
 
 /// Holds the cache folder's lock: waits while another process of this node fetches into it.

@@ -12,7 +12,7 @@ use anyhow::bail;
 use clap::Parser;
 use tandem_remote::ObjectUrl;
 
-use super::{object_url, staging_path, Storage};
+use super::{object_url, Storage};
 use crate::settings::TrainOptions;
 use crate::train::mirror::Mirror;
 
@@ -88,7 +88,7 @@ fn staged_run(command: &[String]) -> anyhow::Result<Option<(TrainOptions, Object
     else {
         return Ok(None);
     };
-    let staging = std::path::absolute(staging_path(&options.storage.cache_dir(), "runs", &url))?;
+    let staging = std::path::absolute(url.staging_path(&options.storage.cache_dir(), "runs"))?;
     Ok(Some((options, url, staging)))
 }
 

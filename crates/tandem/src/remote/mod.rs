@@ -9,8 +9,6 @@
 
 pub mod data;
 pub mod launcher_logs;
-pub mod pending;
-pub mod uploader;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,6 +17,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use serde::{Deserialize, Serialize};
+use tandem_files::sidecar;
 use tandem_remote::{Connection, ConnectionOptions, ObjectUrl, RemoteStore};
 
 /// The object-storage flags shared by `train`, `eval` and `predict` (the `[storage]` table
@@ -55,7 +54,7 @@ impl StorageOptions {
     pub fn cache_dir(&self) -> PathBuf {
         self.cache_dir
             .clone()
-            .unwrap_or_else(|| std::env::temp_dir().join("tandem-cache"))
+            .unwrap_or_else(tandem_remote::default_cache_dir)
     }
 }
 
@@ -101,7 +100,7 @@ impl Storage {
 
     /// Where the object `url` is kept in the cache's `area` (`data`, `objects`, `runs`).
     pub fn cache_path(&self, area: &str, url: &ObjectUrl) -> PathBuf {
-        staging_path(&self.cache_dir, area, url)
+        url.staging_path(&self.cache_dir, area)
     }
 
     /// A local copy of the object `url`: fetched into the cache unless the copy there has
@@ -127,23 +126,6 @@ impl Storage {
         }
         Ok(local)
     }
-}
-
-/// `CACHE/AREA/BUCKET/KEY`: where the object `url` is kept in area `area` (`data`, `objects`,
-/// `runs`) of the cache folder `cache_dir`.
-pub fn staging_path(cache_dir: &Path, area: &str, url: &ObjectUrl) -> PathBuf {
-    let mut path = cache_dir.join(area).join(url.bucket());
-    for segment in url.key().split('/').filter(|segment| !segment.is_empty()) {
-        path.push(segment);
-    }
-    path
-}
-
-/// `PATH.NAME`: a file kept beside `path` (a folder or a file).
-pub fn sidecar(path: &Path, name: &str) -> PathBuf {
-    let mut file_name = path.file_name().unwrap_or_default().to_os_string();
-    file_name.push(format!(".{name}"));
-    path.with_file_name(file_name)
 }
 
 /// `path` itself when it is local; for an object URL, its copy fetched into the cache.

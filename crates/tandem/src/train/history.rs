@@ -65,10 +65,8 @@ pub fn write_history(
             val_accuracy: record.val_accuracy,
         })
         .collect();
-    write_atomically(
-        &output_dir.join("curves.png"),
-        &render_training_curves(title, &points)?,
-    )
+    let png = render_training_curves(title, &points)?;
+    Ok(write_atomically(&output_dir.join("curves.png"), &png)?)
 }
 
 #[cfg(test)]

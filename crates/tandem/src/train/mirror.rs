@@ -5,7 +5,7 @@
 //! The staging folder is `CACHE/runs/BUCKET/KEY`: on the same node a relaunch finds its own
 //! newest files there; on a fresh node with an empty disk it finds nothing and resumes from
 //! the bucket. What a process could not upload stays recorded beside the staging folder
-//! (see [`crate::remote::pending`]): the next run with the same cache uploads it before it
+//! (see `tandem_remote::uploads::pending`): the next run with the same cache uploads it before it
 //! trains, or drops it when the bucket is further on (another machine carried the run on).
 
 use std::path::{Path, PathBuf};
@@ -13,12 +13,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
+use tandem_files::sidecar;
+use tandem_remote::uploads::{pending_folder, Job, PendingUploads, Uploader};
 use tandem_remote::ObjectUrl;
 
 use crate::remote::data::fetched_data_dir;
-use crate::remote::pending::{pending_folder, PendingUploads};
-use crate::remote::uploader::{Job, Uploader};
-use crate::remote::{object_url, sidecar, Storage};
+use crate::remote::{object_url, Storage};
 use crate::settings::TrainSettings;
 
 /// The run's settings with every object URL replaced by a local path, and what the URLs

@@ -137,7 +137,7 @@ impl Snapshot {
                 format!("cannot move {} to {}", path.display(), previous.display())
             })?;
         }
-        write_atomically(path, &bytes)
+        Ok(write_atomically(path, &bytes)?)
     }
 
     /// Serializes the snapshot as safetensors.

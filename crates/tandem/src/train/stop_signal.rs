@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context;
+use tandem_dist::cluster::contract::STOPPED_ON_REQUEST;
 
 /// The flags the handlers set.
 #[derive(Clone)]
@@ -58,10 +59,6 @@ pub fn install() -> anyhow::Result<StopSignal> {
 fn under_a_launcher() -> bool {
     std::env::var_os(tandem_dist::cluster::contract::RESTART_COUNT_ENV).is_some()
 }
-
-/// How the error of a rank stopped by another rank's request begins: the launcher reads it
-/// to tell such a rank, which only followed, from the one whose stop it followed.
-pub const STOPPED_ON_REQUEST: &str = "stopped with the other ranks on another rank's request";
 
 /// The end of a run stopped on request: the snapshot is written, and the process should now
 /// end on `signal` if it received it (see [`end_on`]), else exit with 128 + `signal`.

@@ -5,10 +5,12 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use tandem_dist::cluster::contract::{WorkerErrorRecord, SETTINGS_ERROR_EXIT_CODE};
+use tandem_dist::cluster::contract::{
+    WorkerErrorRecord, SETTINGS_ERROR_EXIT_CODE, STOPPED_ON_REQUEST,
+};
 
 use super::worker::WorkerEnd;
-use crate::terminal::{printable, printable_line};
+use tandem_files::terminal::{printable, printable_line};
 
 /// How many log lines the summary shows when a worker left no error file.
 pub const LOG_TAIL_LINES: usize = 10;
@@ -123,11 +125,10 @@ pub fn root_cause(reports: &[Option<NodeReport>]) -> Option<RootCause> {
 
 /// Whether the worker's error says it stopped only because another rank asked.
 fn followed_a_stop_request(worker: &WorkerReport) -> bool {
-    worker.error.as_ref().is_some_and(|error| {
-        error
-            .message
-            .starts_with(crate::train::stop_signal::STOPPED_ON_REQUEST)
-    })
+    worker
+        .error
+        .as_ref()
+        .is_some_and(|error| error.message.starts_with(STOPPED_ON_REQUEST))
 }
 
 /// One line naming the root cause, e.g. "rank 1 (node 0, local rank 1) exited with code 3".
@@ -235,7 +236,7 @@ fn describe_peer_reports(text: &mut String, stuck_rank: usize, reports: &[Option
 }
 
 /// What the worker left: its error file's message, else the last lines of its log. Both are
-/// the worker's text, printed escaped and bounded (see [`crate::terminal`]).
+/// the worker's text, printed escaped and bounded (see [`tandem_files::terminal`]).
 fn describe_evidence(text: &mut String, worker: &WorkerReport) {
     if let Some(error) = &worker.error {
         let when = error
@@ -331,7 +332,7 @@ mod tests {
         follower.error = Some(ErrorRecord {
             message: format!(
                 "{} at epoch 1, step 3; the snapshot is run/snapshot.safetensors",
-                crate::train::stop_signal::STOPPED_ON_REQUEST
+                STOPPED_ON_REQUEST
             ),
             timestamp: None,
             file: "errors/rank_0.json".into(),

@@ -314,11 +314,9 @@ pub fn default_log_dir(log_dir: Option<&Path>, command: &[String]) -> PathBuf {
     };
     match tandem_remote::ObjectUrl::parse(&output_dir) {
         Ok(Some(url)) => {
-            let cache = crate::remote::StorageOptions {
-                cache_dir: flag_value(command, "--cache-dir").map(PathBuf::from),
-                ..Default::default()
-            };
-            crate::remote::staging_path(&cache.cache_dir(), "runs", &url)
+            let cache_dir = flag_value(command, "--cache-dir")
+                .map_or_else(tandem_remote::default_cache_dir, PathBuf::from);
+            url.staging_path(&cache_dir, "runs")
         }
         _ => PathBuf::from(output_dir),
     }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::Instant;
 
-use crate::files::{create_own_folder, open_regular_file};
+use tandem_files::{create_own_folder, open_regular_file};
 
 /// Longest line copied in one piece: longer ones (a progress bar redrawn with `\r` for hours)
 /// are cut, so a worker cannot make the launcher hold its whole output in memory.

@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use tandem_files::tell;
 
 use super::logs::RankLog;
 use super::options::LaunchPlan;
@@ -101,7 +102,7 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
     let topology = &plan.topology;
     for folder in ["logs", "errors"] {
         let path = plan.log_dir.join(folder);
-        crate::files::create_own_folder(&path)
+        tandem_files::create_own_folder(&path)
             .with_context(|| format!("create the log folder {}", path.display()))?;
     }
     let interrupted = || signals::stop_requested().is_some();

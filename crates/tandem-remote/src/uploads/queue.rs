@@ -3,7 +3,7 @@
 //!
 //! A file queued again before its previous upload started is uploaded once, as it is then
 //! (the newer version is the one that matters). Each upload is whole or absent (see
-//! `tandem_remote::RemoteStore::upload`). Every job is recorded on disk until it is done
+//! [`crate::RemoteStore::upload`]). Every job is recorded on disk until it is done
 //! (see [`super::pending`]). The first failure that outlasts the retries is kept, the queue
 //! stops (what is left, and what is queued after, stays recorded for the next process), and
 //! `on_failure` is called, so the run can stop with its snapshot kept locally.
@@ -13,40 +13,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use tandem_remote::{ObjectUrl, RemoteError, RemoteStore};
-
 use super::pending::PendingUploads;
-
-/// One thing to do in the bucket.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Job {
-    /// Copy the local file to the object.
-    Put {
-        /// The staged file.
-        local: PathBuf,
-        /// The object it becomes.
-        url: ObjectUrl,
-    },
-    /// Delete `epoch_N.safetensors` objects directly under the prefix but the `keep`
-    /// with the largest N.
-    PruneCheckpoints {
-        /// The output folder's prefix.
-        prefix: ObjectUrl,
-        /// How many checkpoints stay.
-        keep: usize,
-    },
-}
-
-impl Job {
-    /// Whether `other` does the same thing (an upload of the same object, maybe of a newer
-    /// version of its file).
-    fn same_as(&self, other: &Job) -> bool {
-        match (self, other) {
-            (Job::Put { url, .. }, Job::Put { url: other, .. }) => url == other,
-            _ => self == other,
-        }
-    }
-}
+use super::{Job, UploadsError};
+use crate::{ObjectUrl, RemoteError, RemoteStore};
 
 struct State {
     queue: VecDeque<Job>,
@@ -143,7 +112,7 @@ impl Uploader {
     pub fn enqueue(&self, job: Job) {
         let mut state = self.shared.lock();
         if let Err(error) = state.pending.record(&job) {
-            state.fail(format!("{error:#}"));
+            state.fail(tandem_files::with_causes(&error));
         }
         if state.closed || state.failure.is_some() {
             self.shared.changed.notify_all();
@@ -155,7 +124,7 @@ impl Uploader {
     }
 
     /// Forgets the pending `job` without doing it.
-    pub fn forget(&self, job: &Job) -> anyhow::Result<()> {
+    pub fn forget(&self, job: &Job) -> Result<(), UploadsError> {
         self.shared.lock().pending.done(job)
     }
 
@@ -239,7 +208,7 @@ fn work(shared: &Shared, store: &RemoteStore, on_failure: impl FnOnce()) {
                 state
                     .pending
                     .done(&job)
-                    .map_err(|error| format!("{error:#}"))?;
+                    .map_err(|error| tandem_files::with_causes(&error))?;
             }
             Ok(uploaded)
         });
@@ -279,8 +248,7 @@ fn prune(store: &RemoteStore, prefix: &ObjectUrl, keep: usize) -> Result<(), Rem
         .list(prefix)?
         .into_iter()
         .filter_map(|object| {
-            let epoch =
-                crate::checkpoint_info::checkpoint_epoch(prefix.relative_key(&object.url)?)?;
+            let epoch = tandem_files::checkpoint_epoch(prefix.relative_key(&object.url)?)?;
             Some((epoch, object.url))
         })
         .collect();

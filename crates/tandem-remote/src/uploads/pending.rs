@@ -12,12 +12,11 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::Context;
 use serde::{Deserialize, Serialize};
-use tandem_remote::ObjectUrl;
+use tandem_files::{sidecar, tell};
 
-use super::sidecar;
-use super::uploader::Job;
+use super::{Job, UploadsError};
+use crate::ObjectUrl;
 
 /// A job as its file records it: the objects only, since the staged file of an object
 /// follows from its URL.
@@ -65,13 +64,13 @@ impl PendingUploads {
     pub fn open(
         folder: &Path,
         local_of: impl Fn(&ObjectUrl) -> Option<PathBuf>,
-    ) -> anyhow::Result<(PendingUploads, Vec<Job>)> {
+    ) -> Result<(PendingUploads, Vec<Job>), UploadsError> {
         let mut pending = PendingUploads {
             folder: folder.to_path_buf(),
             files: HashMap::new(),
             written: 0,
         };
-        crate::files::remove_stale_temporaries(folder)?;
+        tandem_files::remove_stale_temporaries(folder)?;
         let mut jobs = Vec::new();
         for (path, record) in read_records(folder)? {
             let Some(job) = job_of(&record, &path, &local_of)? else {
@@ -104,7 +103,7 @@ impl PendingUploads {
     }
 
     /// Records `job` as pending (once, however often it is queued).
-    pub fn record(&mut self, job: &Job) -> anyhow::Result<()> {
+    pub fn record(&mut self, job: &Job) -> Result<(), UploadsError> {
         let record = Record::of(job);
         if self.files.contains_key(&record) {
             return Ok(());
@@ -119,27 +118,20 @@ impl PendingUploads {
             std::process::id(),
             self.written
         ));
-        crate::files::write_atomically(&path, &serde_json::to_vec(&record)?)
-            .context("cannot record a pending upload")?;
+        let bytes = serde_json::to_vec(&record).map_err(UploadsError::Encode)?;
+        tandem_files::write_atomically(&path, &bytes).map_err(UploadsError::Record)?;
         self.files.insert(record, vec![path]);
         Ok(())
     }
 
     /// Forgets `job`: it is done.
-    pub fn done(&mut self, job: &Job) -> anyhow::Result<()> {
+    pub fn done(&mut self, job: &Job) -> Result<(), UploadsError> {
         for path in self.files.remove(&Record::of(job)).unwrap_or_default() {
             match std::fs::remove_file(&path) {
                 Ok(()) => {}
                 // Another process that shares the cache did the same job.
                 Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-                Err(error) => {
-                    return Err(error).with_context(|| {
-                        format!(
-                            "cannot remove {}, a finished upload's record",
-                            path.display()
-                        )
-                    })
-                }
+                Err(source) => return Err(UploadsError::Remove { path, source }),
             }
         }
         if self.files.is_empty() {
@@ -151,19 +143,19 @@ impl PendingUploads {
 }
 
 /// The records in `folder` with their files, oldest first; none when it does not exist.
-fn read_records(folder: &Path) -> anyhow::Result<Vec<(PathBuf, Record)>> {
+fn read_records(folder: &Path) -> Result<Vec<(PathBuf, Record)>, UploadsError> {
+    let list_error = |source| UploadsError::List {
+        path: folder.to_path_buf(),
+        source,
+    };
     let entries = match std::fs::read_dir(folder) {
         Ok(entries) => entries,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(error) => {
-            return Err(error).with_context(|| format!("cannot list {}", folder.display()))
-        }
+        Err(error) => return Err(list_error(error)),
     };
     let mut paths = Vec::new();
     for entry in entries {
-        let path = entry
-            .with_context(|| format!("cannot list {}", folder.display()))?
-            .path();
+        let path = entry.map_err(list_error)?.path();
         if path
             .extension()
             .is_some_and(|extension| extension == "json")
@@ -175,17 +167,14 @@ fn read_records(folder: &Path) -> anyhow::Result<Vec<(PathBuf, Record)>> {
     paths
         .into_iter()
         .map(|path| {
-            let bytes =
-                std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
-            let record = serde_json::from_slice(&bytes).with_context(|| {
-                format!(
-                    "{} is not a pending upload (expected {{\"put\":{{\"url\":\"s3://...\"}}}} \
-                     or {{\"prune-checkpoints\":{{\"prefix\":\"s3://...\",\"keep\":N}}}}); \
-                     remove it to forget it",
-                    path.display()
-                )
-            })?;
-            Ok((path, record))
+            let bytes = match std::fs::read(&path) {
+                Ok(bytes) => bytes,
+                Err(source) => return Err(UploadsError::Read { path, source }),
+            };
+            match serde_json::from_slice(&bytes) {
+                Ok(record) => Ok((path, record)),
+                Err(source) => Err(UploadsError::NotARecord { path, source }),
+            }
         })
         .collect()
 }
@@ -196,11 +185,17 @@ fn job_of(
     record: &Record,
     path: &Path,
     local_of: &impl Fn(&ObjectUrl) -> Option<PathBuf>,
-) -> anyhow::Result<Option<Job>> {
-    let parse = |text: &str| -> anyhow::Result<ObjectUrl> {
+) -> Result<Option<Job>, UploadsError> {
+    let parse = |text: &str| -> Result<ObjectUrl, UploadsError> {
         ObjectUrl::parse(text)
-            .with_context(|| format!("{}: not an object URL", path.display()))?
-            .with_context(|| format!("{}: {text} is not an object URL", path.display()))
+            .map_err(|source| UploadsError::InvalidUrl {
+                path: path.to_path_buf(),
+                source,
+            })?
+            .ok_or_else(|| UploadsError::NotAnObjectUrl {
+                path: path.to_path_buf(),
+                text: text.to_string(),
+            })
     };
     Ok(match record {
         Record::Put { url } => {
@@ -288,11 +283,11 @@ mod tests {
             .err()
             .expect("refused");
         assert!(
-            format!("{error:#}").starts_with(&format!(
+            error.to_string().starts_with(&format!(
                 "{} is not a pending upload (expected {{\"put\":",
                 damaged.display()
             )),
-            "{error:#}"
+            "{error}"
         );
     }
 }

@@ -1,58 +1,156 @@
-//! Writing files in the folders a run writes to: a crash at any instant leaves either the
-//! old file or the new one, and nothing is written through a symbolic link (or into a FIFO)
-//! that someone else put at a name tandem writes.
+//! Files and text that a Tandem run writes. A crash at any instant leaves either the old
+//! file or the new one, and nothing is written through a symbolic link (or into a FIFO) that
+//! someone else put at a name Tandem writes.
 //!
-//! Every file is opened with `O_NOFOLLOW`; a file that must be new (a temporary file, a
-//! TensorBoard event file) with `O_EXCL` too, so a name already taken is refused rather than
-//! written through; a file that is appended to or locked must be a regular file. A name
-//! that is taken is refused with an error naming it, never removed: it is not ours.
+//! Every file is opened so that a link is never followed: a file that must be new (a
+//! temporary file, a TensorBoard event file) with `O_EXCL`, so a name already taken is
+//! refused rather than written through; a file that is appended to or locked must be a
+//! regular file. A name that is taken is refused with an error naming it, never removed: it
+//! is not ours. [`terminal`] makes text that Tandem did not write safe to print.
 
-use std::fs::{File, OpenOptions};
+pub mod terminal;
+
+use std::fs::{File, OpenOptions, Permissions};
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use anyhow::Context;
+/// A file operation that failed, naming the file.
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    /// The folder that holds a file could not be created.
+    #[error("cannot create folder {}", .path.display())]
+    CreateFolder {
+        /// The folder.
+        path: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+    /// The temporary file a write goes through could not be created.
+    #[error("cannot write {}: cannot create its temporary file {}", .path.display(), .temporary.display())]
+    CreateTemporary {
+        /// The file being written.
+        path: PathBuf,
+        /// Its temporary name.
+        temporary: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+    /// Writing, syncing or renaming a file failed.
+    #[error("cannot write {}", .path.display())]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+    /// A folder could not be listed.
+    #[error("cannot list folder {}", .path.display())]
+    ListFolder {
+        /// The folder.
+        path: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+    /// A file could not be removed.
+    #[error("cannot remove {}", .path.display())]
+    Remove {
+        /// The file.
+        path: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+}
 
-/// The temporary name a file is written under before it is renamed into place.
+/// `error` and its causes in one line, joined by `: ` (as `anyhow` prints an error with `{:#}`).
+pub fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(next) = cause {
+        text.push_str(": ");
+        text.push_str(&next.to_string());
+        cause = next.source();
+    }
+    text
+}
+
+/// `PATH.NAME`: a file kept beside `path` (a folder or a file).
+pub fn sidecar(path: &Path, name: &str) -> PathBuf {
+    let mut file_name = path.file_name().unwrap_or_default().to_os_string();
+    file_name.push(format!(".{name}"));
+    path.with_file_name(file_name)
+}
+
+/// The name of the checkpoint of epoch `epoch`: `epoch_N.safetensors`.
+pub fn checkpoint_name(epoch: u64) -> String {
+    format!("epoch_{epoch}.safetensors")
+}
+
+/// N of an epoch checkpoint's name, `epoch_N.safetensors`.
+pub fn checkpoint_epoch(name: &str) -> Option<u64> {
+    name.strip_prefix("epoch_")?
+        .strip_suffix(".safetensors")?
+        .parse()
+        .ok()
+}
+
+/// The temporary name a file is written under before it is renamed into place:
+/// `<name>.<pid>.tmp`, so that a writer that died can be told from one still running.
 pub fn temporary_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".{}.tmp", std::process::id()));
     path.with_file_name(name)
 }
 
-/// Writes `bytes` to a temporary name beside `path`, syncs it, and renames it to `path`.
-/// The temporary file must be new: a symbolic link (or anything else) already at its name
-/// is refused, naming it. Whatever `path` itself was, a link included, the rename replaces
-/// it with the new regular file; a link's target is never opened.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
-    if let Some(parent) = path
-        .parent()
-        .filter(|parent| !parent.as_os_str().is_empty())
-    {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("cannot create folder {}", parent.display()))?;
-    }
-    let temporary = temporary_path(path);
-    let mut file = create_new_file(&temporary).with_context(|| {
-        format!(
-            "cannot write {}: cannot create its temporary file {}",
-            path.display(),
-            temporary.display()
-        )
+/// Writes `bytes` to a temporary name beside `path`, syncs it, renames it to `path` and syncs
+/// the folder. The temporary file must be new: a symbolic link (or anything else) already at
+/// its name is refused, naming it. Whatever `path` itself was, a link included, the rename
+/// replaces it with the new regular file; a link's target is never opened.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
+    let folder = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(folder).map_err(|source| FileError::CreateFolder {
+        path: folder.to_path_buf(),
+        source,
     })?;
-    let result = (|| {
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&temporary, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&temporary);
-    }
-    result.with_context(|| format!("cannot write {}", path.display()))?;
-    sync_parent(path);
+    let temporary = temporary_path(path);
+    let mut file = new_temporary_file(&temporary).map_err(|source| FileError::CreateTemporary {
+        path: path.to_path_buf(),
+        temporary: temporary.clone(),
+        source,
+    })?;
+    let write_error = |source| FileError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    file.write_all(bytes)
+        .and_then(|()| file.as_file().sync_all())
+        .map_err(write_error)?;
+    // A failed rename hands the file back; dropping it removes the temporary name.
+    file.persist(path)
+        .map_err(|persist| write_error(persist.error))?;
+    sync_folder(folder);
     Ok(())
+}
+
+/// Creates the temporary file at exactly `temporary` (no random part, one try), readable as an
+/// ordinary file would be, removed again if it is dropped before it is persisted.
+fn new_temporary_file(temporary: &Path) -> std::io::Result<tempfile::NamedTempFile> {
+    let name = temporary.file_name().unwrap_or_default();
+    let folder = temporary.parent().unwrap_or(Path::new("."));
+    tempfile::Builder::new()
+        .prefix(name)
+        .suffix("")
+        .rand_bytes(0)
+        .permissions(Permissions::from_mode(0o666))
+        .tempfile_in(folder)
+        .map_err(|error| match error.kind() {
+            std::io::ErrorKind::AlreadyExists => name_taken(temporary),
+            _ => error,
+        })
 }
 
 /// Creates `path` for writing; the name must be free. A name already taken, by a file, a
@@ -64,16 +162,20 @@ pub fn create_new_file(path: &Path) -> std::io::Result<File> {
         .custom_flags(libc::O_NOFOLLOW)
         .open(path)
         .map_err(|error| match error.kind() {
-            std::io::ErrorKind::AlreadyExists => std::io::Error::new(
-                error.kind(),
-                format!(
-                    "the name is taken already, by {}; tandem writes only files it creates: \
-                     remove it",
-                    what_is_at(path)
-                ),
-            ),
+            std::io::ErrorKind::AlreadyExists => name_taken(path),
             _ => error,
         })
+}
+
+/// The refusal of a name that is taken already.
+fn name_taken(path: &Path) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::AlreadyExists,
+        format!(
+            "the name is taken already, by {}; tandem writes only files it creates: remove it",
+            what_is_at(path)
+        ),
+    )
 }
 
 /// Opens `path` with `options` (creating it when they say so) when it is a regular file: a
@@ -136,7 +238,7 @@ fn what_is_at(path: &Path) -> String {
         return match std::fs::read_link(path) {
             Ok(target) => format!(
                 "a symbolic link to {}",
-                crate::terminal::printable(&target.to_string_lossy())
+                terminal::printable(&target.to_string_lossy())
             ),
             Err(_) => "a symbolic link".to_string(),
         };
@@ -157,22 +259,23 @@ fn what_is_at(path: &Path) -> String {
 
 /// Removes the temporary files that writers which are no longer running left in `folder`
 /// (a process killed between creating its temporary file and renaming it). A temporary
-/// file is one named `<name>.<pid>.tmp`, as [`temporary_path`] and the weights writer of
-/// `tandem-models` (`.<name>.<pid>.tmp`) name them; it is stale when no process with that
+/// file is one named `<name>.<pid>.tmp`, as [`temporary_path`] names them; it is stale when no process with that
 /// pid is running, or when the pid is this process's own (it has written nothing yet when
 /// this runs). A file of a writer that is still running is left alone, whatever its age.
 /// Returns the names removed; a folder that does not exist has none.
-pub fn remove_stale_temporaries(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
+pub fn remove_stale_temporaries(folder: &Path) -> Result<Vec<PathBuf>, FileError> {
+    let list_error = |source| FileError::ListFolder {
+        path: folder.to_path_buf(),
+        source,
+    };
     let entries = match std::fs::read_dir(folder) {
         Ok(entries) => entries,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(error) => {
-            return Err(error).with_context(|| format!("cannot list folder {}", folder.display()))
-        }
+        Err(error) => return Err(list_error(error)),
     };
     let mut removed = Vec::new();
     for entry in entries {
-        let entry = entry.with_context(|| format!("cannot list folder {}", folder.display()))?;
+        let entry = entry.map_err(list_error)?;
         let name = entry.file_name();
         let Some(pid) = name.to_str().and_then(temporary_writer_pid) else {
             continue;
@@ -185,9 +288,7 @@ pub fn remove_stale_temporaries(folder: &Path) -> anyhow::Result<Vec<PathBuf>> {
             Ok(()) => removed.push(path),
             // Another process cleaning the same folder got there first.
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-            Err(error) => {
-                return Err(error).with_context(|| format!("cannot remove {}", path.display()))
-            }
+            Err(source) => return Err(FileError::Remove { path, source }),
         }
     }
     Ok(removed)
@@ -220,17 +321,11 @@ fn is_running_elsewhere(pid: u32) -> bool {
     alive || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
-/// Syncs the folder holding `path`, so that a rename in it survives a power loss.
-fn sync_parent(path: &Path) {
-    if let Some(parent) = path.parent() {
-        let folder = if parent.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            parent
-        };
-        if let Ok(handle) = std::fs::File::open(folder) {
-            let _ = handle.sync_all();
-        }
+/// Syncs `folder`, so that a rename in it survives a power loss. Not every file system
+/// allows syncing a folder; where it does not, the rename stands unsynced.
+fn sync_folder(folder: &Path) {
+    if let Ok(handle) = File::open(folder) {
+        let _ = handle.sync_all();
     }
 }
 
@@ -287,7 +382,7 @@ mod tests {
         let victim = planted_link(dir.path(), &temporary);
         let error = write_atomically(&path, b"{}\n").expect_err("written through the link");
         assert_eq!(
-            format!("{error:#}"),
+            with_causes(&error),
             format!(
                 "cannot write {}: cannot create its temporary file {}: the name is taken \
                  already, by a symbolic link to {}; tandem writes only files it creates: \

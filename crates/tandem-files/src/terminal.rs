@@ -4,6 +4,28 @@
 //! newline starts a line that looks like tandem's own, and the length bounded, so that a
 //! name of megabytes prints as a line. JSON output keeps the exact text: JSON escapes it.
 
+/// Prints a line to standard output like `println!`, but a closed output (`tandem ... | head`)
+/// does not panic: the line is dropped and the job goes on.
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
+/// Prints a line to standard error like `eprintln!`, but in one write: `eprintln!` writes its
+/// pieces one by one to the unbuffered stderr, and the lines of ranks sharing a terminal or
+/// pipe (mpirun, srun) would interleave mid-line. A closed stderr drops the line.
+#[macro_export]
+macro_rules! tell {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let line = format!("{}\n", format_args!($($arg)*));
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    }};
+}
+
 /// The most characters of a name (a class, a file, a metadata value) printed.
 pub const NAME_LIMIT: usize = 200;
 

@@ -22,10 +22,10 @@ mod signals;
 mod worker;
 
 use std::collections::HashMap;
+use std::path::Path;
 
 use anyhow::Context;
-
-use crate::exit::SettingsError;
+use tandem_files::tell;
 
 pub use options::{missing_separator_hint, LaunchArgs};
 
@@ -51,16 +51,31 @@ fn how_they_stopped(workers: &WorkersStopped, grace: std::time::Duration) -> Str
     }
 }
 
-/// Runs `tandem launch`: returns when the job succeeded; exits the process with 128 + the
-/// signal (143 for SIGTERM) when a stop signal ended it; fails with the summary of the root
-/// cause when the workers failed past `--max-restarts`. However it ended, the logs of a run
-/// in object storage are then uploaded; a job that succeeded fails when they cannot be.
-pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
+/// How a job that did not fail ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every worker finished successfully.
+    Succeeded,
+    /// A worker refused its settings (exit code 2): restarting it would not help. The text
+    /// names the worker and what it refused.
+    Refused(String),
+}
+
+/// Runs `tandem launch`: returns when the job succeeded or a worker refused its settings;
+/// exits the process with 128 + the signal (143 for SIGTERM) when a stop signal ended it;
+/// fails with the summary of the root cause when the workers failed past `--max-restarts`.
+/// However it ended, `upload_logs` is then given the worker command and the log folder (the
+/// binary uploads the logs of a run in object storage; it returns what to say); a job that
+/// succeeded fails when they cannot be uploaded.
+pub fn run(
+    args: &LaunchArgs,
+    upload_logs: impl FnOnce(&[String], &Path) -> anyhow::Result<Option<String>>,
+) -> anyhow::Result<Outcome> {
     let env: HashMap<String, String> = std::env::vars().collect();
-    let plan = options::LaunchPlan::resolve(&args, &env)?;
+    let plan = options::LaunchPlan::resolve(args, &env)?;
     signals::catch_stop_signals().context("install the SIGTERM/SIGINT handlers")?;
     let end = agent::run_job(&plan)?;
-    let logs_uploaded = crate::remote::launcher_logs::upload(&args.command, &plan.log_dir);
+    let logs_uploaded = upload_logs(&args.command, &plan.log_dir);
     match &logs_uploaded {
         Ok(Some(uploaded)) => agent::say(uploaded),
         Ok(None) => {}
@@ -71,10 +86,10 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
     match end {
         JobEnd::Succeeded => {
             agent::say("every worker finished successfully");
-            logs_uploaded.map(|_| ())
+            logs_uploaded.map(|_| Outcome::Succeeded)
         }
         JobEnd::Failed { summary } => Err(anyhow::anyhow!(summary)),
-        JobEnd::Refused { summary } => Err(SettingsError::from_error(anyhow::anyhow!(summary))),
+        JobEnd::Refused { summary } => Ok(Outcome::Refused(summary)),
         JobEnd::Stopped {
             reason,
             signal,
