@@ -4,10 +4,12 @@
 //! [`ObjectUrl`] reads `s3://bucket/key` and `obs://bucket/key`; [`Connection`] gathers the
 //! endpoint, region and credentials from flags and the usual variables; [`RemoteStore`]
 //! moves whole files in and out, blocking, through the `object_store` crate (signing,
-//! retries with back-off, multipart uploads); [`uploads`] carries out a run's uploads on a
+//! retries with back-off, multipart uploads); [`cache`] keeps local copies of objects and
+//! data sets, and the staging folders of runs; [`uploads`] carries out a run's uploads on a
 //! thread beside training, each recorded on disk until it is done. Nothing here ever prints
 //! a secret.
 
+pub mod cache;
 mod client;
 mod connection;
 mod error;
@@ -17,6 +19,7 @@ mod url;
 #[cfg(feature = "test-server")]
 pub mod test_server;
 
+pub use cache::{CacheError, Storage};
 pub use client::{ObjectInfo, RemoteStore, PART_BYTES};
 pub use connection::{Connection, ConnectionOptions, Credentials, Secret, DEFAULT_RETRY_TIMEOUT};
 pub use error::RemoteError;

@@ -1,7 +1,9 @@
 //! The uploads of a run in object storage: a queue that a thread carries out beside
 //! training ([`queue`]), each job recorded on disk until it is done ([`pending`]), so that
-//! what one process could not upload is uploaded by the next.
+//! what one process could not upload is uploaded by the next; [`mirror`] ties them to a
+//! run's staging folders.
 
+pub mod mirror;
 pub mod pending;
 pub mod queue;
 
@@ -11,6 +13,7 @@ use tandem_files::FileError;
 
 use crate::{ObjectUrl, RemoteError};
 
+pub use mirror::Mirror;
 pub use pending::{pending_folder, PendingUploads};
 pub use queue::Uploader;
 
@@ -100,6 +103,33 @@ pub enum UploadsError {
         /// The record's file.
         path: PathBuf,
         /// Why the URL is invalid.
+        source: RemoteError,
+    },
+    /// A mirror was started without a staging folder.
+    #[error("a mirror needs a staging folder")]
+    NoStagingFolder,
+    /// What an earlier process left pending could not be uploaded.
+    #[error(
+        "{failure}\nthe uploads an earlier run left pending are still pending (recorded in \
+         {}): run the same command again once {url} can be reached",
+        .folder.display()
+    )]
+    EarlierStillPending {
+        /// The upload's failure, in words.
+        failure: String,
+        /// Where the pending jobs are recorded.
+        folder: PathBuf,
+        /// The prefix of the run's outputs.
+        url: String,
+    },
+    /// The bucket's snapshot could not be looked for or fetched.
+    #[error("cannot {action} the snapshot {url}")]
+    Snapshot {
+        /// "look for" or "fetch".
+        action: &'static str,
+        /// The snapshot's object.
+        url: String,
+        /// What the store said.
         source: RemoteError,
     },
     /// A record names a local path rather than an object URL.

@@ -12,7 +12,7 @@ use anyhow::bail;
 use clap::Parser;
 use tandem_remote::ObjectUrl;
 
-use super::{object_url, Storage};
+use super::object_url;
 use crate::settings::TrainOptions;
 use crate::train::mirror::Mirror;
 
@@ -36,7 +36,7 @@ pub fn upload(command: &[String], log_dir: &Path) -> anyhow::Result<Option<Strin
     if staging != log_dir {
         return Ok(None);
     }
-    let storage = Storage::connect(&options.storage)?;
+    let storage = crate::remote::connect(&options.storage)?;
     let mut mirror = Mirror::start(
         storage,
         vec![(staging.clone(), url.clone())],

@@ -17,8 +17,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use serde::{Deserialize, Serialize};
-use tandem_files::sidecar;
-use tandem_remote::{Connection, ConnectionOptions, ObjectUrl, RemoteStore};
+use tandem_remote::{Connection, ConnectionOptions, ObjectUrl, RemoteStore, Storage};
 
 /// The object-storage flags shared by `train`, `eval` and `predict` (the `[storage]` table
 /// of a config file). Credentials are not among them: they come from the environment only.
@@ -66,73 +65,33 @@ pub fn object_url(path: &Path) -> anyhow::Result<Option<ObjectUrl>> {
     Ok(ObjectUrl::parse(text)?)
 }
 
-/// A connection to the object store and the local cache beside it.
-#[derive(Clone)]
-pub struct Storage {
-    /// The client, shared with the uploader's thread.
-    pub store: Arc<RemoteStore>,
-    /// Where fetched objects and staged outputs live.
-    pub cache_dir: PathBuf,
-}
-
-impl Storage {
-    /// Connects as `options` and the environment say (nothing is sent yet).
-    pub fn connect(options: &StorageOptions) -> anyhow::Result<Storage> {
-        let retry_timeout = match options.s3_retry_timeout {
-            Some(seconds) if !(seconds.is_finite() && seconds > 0.0) => {
-                bail!("--s3-retry-timeout must be a positive number of seconds, got {seconds}")
-            }
-            Some(seconds) => Some(Duration::from_secs_f64(seconds)),
-            None => None,
-        };
-        let connection = Connection::from_env(&ConnectionOptions {
-            endpoint: options.s3_endpoint.clone(),
-            region: options.s3_region.clone(),
-            // Not given: the connection decides by the endpoint.
-            path_style: options.s3_path_style.then_some(true),
-            retry_timeout,
-        })?;
-        Ok(Storage {
-            store: Arc::new(RemoteStore::new(connection)?),
-            cache_dir: options.cache_dir(),
-        })
-    }
-
-    /// Where the object `url` is kept in the cache's `area` (`data`, `objects`, `runs`).
-    pub fn cache_path(&self, area: &str, url: &ObjectUrl) -> PathBuf {
-        url.staging_path(&self.cache_dir, area)
-    }
-
-    /// A local copy of the object `url`: fetched into the cache unless the copy there has
-    /// the object's size and entity tag already.
-    pub fn fetch_object(&self, url: &ObjectUrl) -> anyhow::Result<PathBuf> {
-        let local = self.cache_path("objects", url);
-        let info = self
-            .store
-            .head(url)?
-            .ok_or_else(|| tandem_remote::RemoteError::NoSuchKey {
-                url: url.to_string(),
-            })?;
-        let tag_path = sidecar(&local, "etag");
-        let cached_tag = std::fs::read_to_string(&tag_path).ok();
-        let current = local.metadata().is_ok_and(|meta| meta.len() == info.size)
-            && info.e_tag.is_some()
-            && cached_tag.as_deref() == info.e_tag.as_deref();
-        if !current {
-            self.store.download_listed(url, info.size, &local)?;
-            if let Some(tag) = &info.e_tag {
-                crate::files::write_atomically(&tag_path, tag.as_bytes())?;
-            }
+/// Connects as `options` and the environment say (nothing is sent yet).
+pub fn connect(options: &StorageOptions) -> anyhow::Result<Storage> {
+    let retry_timeout = match options.s3_retry_timeout {
+        Some(seconds) if !(seconds.is_finite() && seconds > 0.0) => {
+            bail!("--s3-retry-timeout must be a positive number of seconds, got {seconds}")
         }
-        Ok(local)
-    }
+        Some(seconds) => Some(Duration::from_secs_f64(seconds)),
+        None => None,
+    };
+    let connection = Connection::from_env(&ConnectionOptions {
+        endpoint: options.s3_endpoint.clone(),
+        region: options.s3_region.clone(),
+        // Not given: the connection decides by the endpoint.
+        path_style: options.s3_path_style.then_some(true),
+        retry_timeout,
+    })?;
+    Ok(Storage {
+        store: Arc::new(RemoteStore::new(connection)?),
+        cache_dir: options.cache_dir(),
+    })
 }
 
 /// `path` itself when it is local; for an object URL, its copy fetched into the cache.
 pub fn local_copy(options: &StorageOptions, path: &Path) -> anyhow::Result<PathBuf> {
     match object_url(path)? {
         None => Ok(path.to_path_buf()),
-        Some(url) => Storage::connect(options)?
+        Some(url) => connect(options)?
             .fetch_object(&url)
             .with_context(|| format!("cannot fetch {url}")),
     }
@@ -144,7 +103,7 @@ pub fn local_data(
     mut data: crate::settings::DataSettings,
 ) -> anyhow::Result<crate::settings::DataSettings> {
     if object_url(&data.data_dir)?.is_some() {
-        if let Some(folder) = data::fetched_data_dir(&Storage::connect(options)?, &data)? {
+        if let Some(folder) = data::fetched_data_dir(&connect(options)?, &data)? {
             data.data_dir = folder;
         }
     }
