@@ -1,16 +1,11 @@
-//! Wall-clock times as people read them, in UTC, without a calendar crate.
+//! Wall-clock times as people read them, in UTC, to the second (humantime's RFC 3339).
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// A moment in UTC, to the second.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A moment in UTC, to the second, as RFC 3339 writes it (`2026-12-01T01:32:07Z`).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UtcTime {
-    pub year: i64,
-    pub month: u32,
-    pub day: u32,
-    pub hour: u32,
-    pub minute: u32,
-    pub second: u32,
+    rfc3339: String,
 }
 
 impl UtcTime {
@@ -21,56 +16,24 @@ impl UtcTime {
 
     /// The UTC date and time of `time` (times before 1970 read as 1970-01-01).
     pub fn from_system_time(time: SystemTime) -> Self {
-        let seconds = time
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |elapsed| elapsed.as_secs());
-        let (year, month, day) = civil_from_days((seconds / 86_400) as i64);
-        let of_day = seconds % 86_400;
+        let time = time.max(UNIX_EPOCH);
         UtcTime {
-            year,
-            month,
-            day,
-            hour: (of_day / 3600) as u32,
-            minute: (of_day / 60 % 60) as u32,
-            second: (of_day % 60) as u32,
+            rfc3339: humantime::format_rfc3339_seconds(time).to_string(),
         }
     }
 
     /// `2026-12-01 01:32:07 UTC`.
     pub fn readable(&self) -> String {
-        format!(
-            "{:04}-{:02}-{:02} {:02}:{:02}:{:02} UTC",
-            self.year, self.month, self.day, self.hour, self.minute, self.second
-        )
+        let time = self.rfc3339.trim_end_matches('Z').replacen('T', " ", 1);
+        format!("{time} UTC")
     }
 
     /// `20261201-013207`, for file names.
     pub fn compact(&self) -> String {
-        format!(
-            "{:04}{:02}{:02}-{:02}{:02}{:02}",
-            self.year, self.month, self.day, self.hour, self.minute, self.second
-        )
+        let digits: String = self.rfc3339.chars().filter(char::is_ascii_digit).collect();
+        let (date, time) = digits.split_at(8.min(digits.len()));
+        format!("{date}-{time}")
     }
-}
-
-/// The proleptic Gregorian (year, month, day) of a count of days since 1970-01-01
-/// (Howard Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let day_of_era = z.rem_euclid(146_097);
-    let year_of_era =
-        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let month_index = (5 * day_of_year + 2) / 153;
-    let day = (day_of_year - (153 * month_index + 2) / 5 + 1) as u32;
-    let month = if month_index < 10 {
-        month_index + 3
-    } else {
-        month_index - 9
-    } as u32;
-    let year = year_of_era + era * 400 + i64::from(month <= 2);
-    (year, month, day)
 }
 
 #[cfg(test)]
@@ -87,5 +50,10 @@ mod tests {
         assert_eq!(at(1_700_000_000).readable(), "2023-11-14 22:13:20 UTC");
         assert_eq!(at(1_700_000_000).compact(), "20231114-221320");
         assert_eq!(at(4_102_444_799).readable(), "2099-12-31 23:59:59 UTC");
+        let before_1970 = UNIX_EPOCH - Duration::from_secs(86_400);
+        assert_eq!(
+            UtcTime::from_system_time(before_1970).readable(),
+            "1970-01-01 00:00:00 UTC"
+        );
     }
 }

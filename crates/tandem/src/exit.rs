@@ -149,8 +149,9 @@ fn record_in_error_file(rank: Option<u64>, message: String) {
         crate::files::write_atomically(std::path::Path::new(&path), record.to_json().as_bytes())
     {
         tell!(
-            "warning: cannot record the error in {}: {write_error:#}",
-            path.to_string_lossy()
+            "warning: cannot record the error in {}: {}",
+            path.to_string_lossy(),
+            crate::files::with_causes(&write_error)
         );
     }
 }
