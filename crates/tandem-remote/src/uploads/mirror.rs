@@ -159,7 +159,7 @@ impl Mirror {
                 .map_err(|source| UploadsError::Snapshot {
                     action: "look for",
                     url: url.to_string(),
-                    source,
+                    source: Box::new(source),
                 })?
         else {
             return Ok(None);
@@ -171,7 +171,7 @@ impl Mirror {
             .map_err(|source| UploadsError::Snapshot {
                 action: "fetch",
                 url: url.to_string(),
-                source,
+                source: Box::new(source),
             })?;
         Ok(Some(fetched))
     }

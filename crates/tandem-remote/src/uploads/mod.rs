@@ -103,7 +103,7 @@ pub enum UploadsError {
         /// The record's file.
         path: PathBuf,
         /// Why the URL is invalid.
-        source: RemoteError,
+        source: Box<RemoteError>,
     },
     /// A mirror was started without a staging folder.
     #[error("a mirror needs a staging folder")]
@@ -130,7 +130,7 @@ pub enum UploadsError {
         /// The snapshot's object.
         url: String,
         /// What the store said.
-        source: RemoteError,
+        source: Box<RemoteError>,
     },
     /// A record names a local path rather than an object URL.
     #[error("{}: {text} is not an object URL", .path.display())]

@@ -102,6 +102,11 @@ impl PendingUploads {
         self.files.len()
     }
 
+    /// Whether no job is pending, as far as this process knows.
+    pub fn is_empty(&self) -> bool {
+        self.files.is_empty()
+    }
+
     /// Records `job` as pending (once, however often it is queued).
     pub fn record(&mut self, job: &Job) -> Result<(), UploadsError> {
         let record = Record::of(job);
@@ -190,7 +195,7 @@ fn job_of(
         ObjectUrl::parse(text)
             .map_err(|source| UploadsError::InvalidUrl {
                 path: path.to_path_buf(),
-                source,
+                source: Box::new(source),
             })?
             .ok_or_else(|| UploadsError::NotAnObjectUrl {
                 path: path.to_path_buf(),
