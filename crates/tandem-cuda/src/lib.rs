@@ -1,13 +1,14 @@
-//! Tandem's NVIDIA GPU side, everything that can be built and checked without a GPU:
+//! Tandem's NVIDIA GPU side. The crate's README says what its tests check without a GPU and
+//! what only a GPU can show.
 //!
 //! - [`probe`]: finds the CUDA libraries (driver, NVRTC, cuBLAS, cuDNN, NCCL) once, before any
 //!   call into `cudarc`, which would panic on a missing one;
 //! - [`device`]: the rules of `--device auto|cpu|cuda|cuda:N` and of the GPU a local rank takes;
-//! - [`kernels`] and [`compile`]: the CUDA C kernel files and their compilation to machine code (and PTX) with
-//!   NVRTC, cached on disk by [`ptx_cache`];
+//! - [`kernels`] and [`compile`]: the CUDA C kernel files and their compilation to machine
+//!   code (and PTX) with NVRTC, cached on disk by [`ptx_cache`];
 //! - [`collective`]: NCCL between GPU ranks ([`NcclGroup`]), bounded by a watchdog;
 //! - [`executor`]: the GPU executor ([`CudaExecutor`]) over cuDNN, cuBLAS and our kernels,
-//!   which implements `tandem_models::Executor`; **it has not yet run on a GPU**.
+//!   which implements `tandem_models::Executor`.
 
 pub mod arch;
 pub mod bf16;

@@ -1,10 +1,4 @@
-//! A dataset held in memory, and where it comes from.
-
-use std::path::PathBuf;
-
-use crate::error::DataError;
-use crate::synthetic::SyntheticSpec;
-use crate::{cifar_bin, cifar_py, json_folder, synthetic};
+//! A dataset held in memory.
 
 /// CIFAR-10's class names, in label order.
 pub const CIFAR10_CLASS_NAMES: [&str; 10] = [
@@ -19,31 +13,6 @@ pub const CIFAR10_CLASS_NAMES: [&str; 10] = [
     "ship",
     "truck",
 ];
-
-/// Where a dataset comes from.
-#[derive(Debug, Clone, PartialEq)]
-pub enum DataSource {
-    /// CIFAR-10's binary layout. `dir` is the `cifar-10-batches-bin` folder, a folder
-    /// holding it, a folder holding `cifar-10-binary.tar.gz` (or `cifar-10-batches-bin.tar.gz`),
-    /// or the archive itself.
-    Cifar10Bin {
-        /// See above.
-        dir: PathBuf,
-    },
-    /// CIFAR-10's python-pickle layout: the `cifar-10-batches-py` folder or a folder holding it.
-    Cifar10Py {
-        /// See above.
-        dir: PathBuf,
-    },
-    /// Seed 004's layout: `<root>/annotations/cifar10_{train,test}.json` and images in
-    /// `<root>/{train,test}_cifar10/`.
-    JsonFolder {
-        /// See above.
-        root: PathBuf,
-    },
-    /// Seed 000's "custom data": standard-normal noise with labels 0 and 1.
-    Synthetic(SyntheticSpec),
-}
 
 /// Which half of a dataset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -145,16 +114,6 @@ impl Dataset {
             num_classes: 10,
             class_names,
         }
-    }
-}
-
-/// Reads one split of a data source into memory.
-pub fn load_dataset(source: &DataSource, split: Split) -> Result<Dataset, DataError> {
-    match source {
-        DataSource::Cifar10Bin { dir } => cifar_bin::load(dir, split),
-        DataSource::Cifar10Py { dir } => cifar_py::load(dir, split),
-        DataSource::JsonFolder { root } => json_folder::load(root, split),
-        DataSource::Synthetic(spec) => synthetic::generate(spec, split),
     }
 }
 

@@ -19,10 +19,11 @@ mod json_folder;
 mod loader;
 mod rng;
 mod sampler;
+mod source;
 mod synthetic;
 mod transform;
 
-pub use dataset::{load_dataset, DataSource, Dataset, Pixels, Split, CIFAR10_CLASS_NAMES};
+pub use dataset::{Dataset, Pixels, Split, CIFAR10_CLASS_NAMES};
 pub use download::{
     download_cifar10, download_file, download_file_bounded, ensure_cifar10_downloaded, file_md5,
     DownloadLimits, CIFAR10_ARCHIVE_NAME, CIFAR10_MAX_DOWNLOAD_BYTES, CIFAR10_MD5, CIFAR10_URL,
@@ -34,5 +35,6 @@ pub use json_folder::parse_annotations;
 pub use loader::{Batch, Loader, LoaderOptions};
 pub use rng::SampleRng;
 pub use sampler::{eval_shard, DistributedSampler};
+pub use source::{load_dataset, DataSource};
 pub use synthetic::SyntheticSpec;
 pub use transform::{transform_image, Augment, Normalize, IMAGENET_NORMALIZE};

@@ -12,6 +12,7 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use crate::auth::JobToken;
+use crate::cluster::contract::HOST_ENV;
 use crate::element::{chunk_range, Element, ReduceOp};
 use crate::error::{DistError, Result};
 use crate::link::{collective, collective_name, kind, resolve, PeerLink};
@@ -26,8 +27,6 @@ use crate::transport::PeerListeners;
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// The default size of one ring message.
 pub const DEFAULT_SEGMENT_BYTES: usize = 1 << 20;
-/// The environment variable that overrides the address this rank advertises to its peers.
-pub const HOST_ENV: &str = "TANDEM_HOST";
 /// The largest buffer [`ProcessGroup::broadcast_bytes`] accepts from the root.
 pub const MAX_BROADCAST_BYTES: u64 = 1 << 32;
 /// How long a failing rank spends on each store request while reporting its failure.

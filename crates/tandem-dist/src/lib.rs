@@ -27,6 +27,7 @@ mod store;
 mod transport;
 
 pub use auth::{JobToken, JOB_TOKEN_ENV};
+pub use cluster::contract::HOST_ENV;
 pub use comm_thread::{CommThread, Pending};
 pub use element::{chunk_range, Element, ReduceOp};
 pub use error::{DistError, Result};
@@ -35,8 +36,7 @@ pub use exchange::{
     NCCL_UNIQUE_ID_BYTES,
 };
 pub use group::{
-    ProcessGroup, ProcessGroupOptions, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT, HOST_ENV,
-    MAX_BROADCAST_BYTES,
+    ProcessGroup, ProcessGroupOptions, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT, MAX_BROADCAST_BYTES,
 };
 pub use shared::SharedBuffer;
 pub use store::{StoreClient, StoreLimits, StoreServer, MAX_KEY_BYTES, MAX_VALUE_BYTES};

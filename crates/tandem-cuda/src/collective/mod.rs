@@ -3,9 +3,6 @@
 //! the compute stream's work by CUDA events, and aborts the communicator when a collective
 //! does not finish within the timeout ([`watchdog`]). [`buckets`] is the bookkeeping of which
 //! gradient buckets the backward pass has finished.
-//!
-//! **Unverified on a GPU:** this compiles and its host-side pieces are tested; NCCL has not
-//! run (see the crate's README).
 
 pub mod buckets;
 mod group;

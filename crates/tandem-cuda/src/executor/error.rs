@@ -114,7 +114,7 @@ pub enum GpuError {
         /// The number of images on the device.
         len: usize,
     },
-    /// A setting the GPU executor does not support yet.
+    /// A setting the GPU executor does not support.
     #[error("the GPU executor does not support {0} yet")]
     Unsupported(&'static str),
     /// `--precision bf16` on a GPU without bfloat16 tensor cores.

@@ -9,15 +9,12 @@
 //! finished gradient range to a host mirror before reporting it (the interface's gradient-ready
 //! hook hands out host values).
 //!
-//! [`CudaExecutor::train_step`] runs a whole single-process training step, eagerly or as a
-//! CUDA graph with the same result (`whole_step.rs`, `graph.rs`, `scalars.rs`).
+//! [`CudaExecutor::train_step`] runs a whole training step, alone or through an NCCL group,
+//! eagerly or as a CUDA graph with the same result (`whole_step.rs`, `graph.rs`, `scalars.rs`).
 //!
 //! The interface's methods that cannot return an error (CUDA reports most errors at a later
 //! call anyway) keep the first error; every later call does nothing, and the next method that
 //! returns a `Result` (and [`CudaExecutor::take_error`]) returns it.
-//!
-//! **Unverified on a GPU:** this compiles and its host-side pieces are tested, but it has not
-//! run on a GPU (see the crate's README).
 
 pub mod algorithm;
 pub mod algorithm_store;

@@ -7,7 +7,6 @@
 use serde::{Deserialize, Serialize};
 
 pub use crate::auth::JOB_TOKEN_ENV;
-pub use crate::group::HOST_ENV;
 
 /// Global rank of the worker (torchrun's name).
 pub const RANK_ENV: &str = "RANK";
@@ -23,6 +22,8 @@ pub const LOCAL_WORLD_SIZE_ENV: &str = "LOCAL_WORLD_SIZE";
 pub const MASTER_ADDR_ENV: &str = "MASTER_ADDR";
 /// Port of the store.
 pub const MASTER_PORT_ENV: &str = "MASTER_PORT";
+/// The environment variable that overrides the address this rank advertises to its peers.
+pub const HOST_ENV: &str = "TANDEM_HOST";
 /// Set by `tandem launch`: how many times the job has been restarted.
 pub const RESTART_COUNT_ENV: &str = "TANDEM_RESTART_COUNT";
 /// Set by `tandem launch`: the namespace of this round's process-group keys in the store.
