@@ -31,7 +31,7 @@ pub struct EvalArgs {
     #[command(flatten)]
     pub data: DataOptions,
     #[command(flatten)]
-    pub storage: crate::remote::StorageOptions,
+    pub storage: crate::settings::StorageOptions,
     /// Images per forward pass.
     #[arg(long, default_value_t = 256)]
     pub batch_size: usize,

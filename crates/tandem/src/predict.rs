@@ -25,7 +25,7 @@ pub struct PredictArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
-    pub storage: crate::remote::StorageOptions,
+    pub storage: crate::settings::StorageOptions,
     /// Per-channel mean used in training [default: the checkpoint's, else none].
     #[arg(long)]
     pub mean: Option<Rgb>,

@@ -15,47 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::Args;
-use serde::{Deserialize, Serialize};
 use tandem_remote::{Connection, ConnectionOptions, ObjectUrl, RemoteStore, Storage};
 
-/// The object-storage flags shared by `train`, `eval` and `predict` (the `[storage]` table
-/// of a config file). Credentials are not among them: they come from the environment only.
-#[derive(Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "kebab-case")]
-pub struct StorageOptions {
-    /// Endpoint of the object store for s3:// and obs:// paths, e.g. http://127.0.0.1:9000
-    /// or https://obs.cn-north-4.myhuaweicloud.com [default: AWS_ENDPOINT_URL, OBS_ENDPOINT
-    /// or S3_ENDPOINT; else Amazon S3, for s3:// paths only].
-    #[arg(long)]
-    pub s3_endpoint: Option<String>,
-    /// Signing region of the object store [default: AWS_REGION; an OBS endpoint's own; else
-    /// us-east-1].
-    #[arg(long)]
-    pub s3_region: Option<String>,
-    /// Path-style addressing (ENDPOINT/BUCKET/KEY) [default: only for an IP or localhost
-    /// endpoint].
-    #[arg(long)]
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub s3_path_style: bool,
-    /// How long a failing object-store request is retried, with back-off, before the failure
-    /// is final, in seconds [default: 120].
-    #[arg(long)]
-    pub s3_retry_timeout: Option<f64>,
-    /// Local folder for data and weights fetched from object storage, and for staging the
-    /// outputs of a run whose --output-dir is in object storage [default: TMPDIR/tandem-cache].
-    #[arg(long)]
-    pub cache_dir: Option<PathBuf>,
-}
-
-impl StorageOptions {
-    /// The cache folder.
-    pub fn cache_dir(&self) -> PathBuf {
-        self.cache_dir
-            .clone()
-            .unwrap_or_else(tandem_remote::default_cache_dir)
-    }
-}
+use crate::settings::StorageOptions;
 
 /// The object URL `path` holds, or `None` for a local path.
 pub fn object_url(path: &Path) -> anyhow::Result<Option<ObjectUrl>> {
