@@ -4,7 +4,7 @@
 //! bfloat16 weight gradients are added into the float32 ones as fp32 adds them). The
 //! conversion kernels of `convert.cu` and the `_bf16` kernels' float32 twins are checked with
 //! the other kernels (`gpu_kernels.rs`). CI runs them on the fake GPU of `tests/fake_gpu`;
-//! without a GPU they are skipped with a printed reason. **They have not yet run on a GPU.**
+//! without a GPU they are skipped with a printed reason.
 
 mod common;
 

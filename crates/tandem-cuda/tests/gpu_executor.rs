@@ -5,7 +5,7 @@
 //! forward; two AdamW steps from the same buffers bit for bit; whole training steps replayed as
 //! CUDA graphs against the same steps run eagerly and through the separate calls, bit for bit.
 //! CI runs them on the fake GPU of `tests/fake_gpu`; without a GPU they are skipped with a
-//! printed reason. They have not yet run on a GPU.
+//! printed reason.
 
 mod common;
 

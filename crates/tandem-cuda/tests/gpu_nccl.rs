@@ -11,7 +11,7 @@
 //! ranks must train as one.
 //!
 //! Skipped with a printed reason without a driver, the CUDA libraries, libnccl or a GPU (as
-//! on CI's machines); **it has not yet run on a GPU**.
+//! on CI's machines).
 
 mod common;
 

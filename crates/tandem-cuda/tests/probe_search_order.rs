@@ -1,7 +1,7 @@
 //! One release of each library: with the GPU check's search path
 //! (`scripts/gpu-check/library-path.sh`), a library that two folders hold (PyTorch's wheel and
 //! the toolkit) is loaded from the first folder only, and the probe reports that file; with the
-//! toolkit's folder ahead of the links, as the GPU check once ordered them, the probe refuses
+//! toolkit's folder ahead of the links, the probe refuses
 //! the second copy by name instead of loading both.
 //!
 //! The loader reads `LD_LIBRARY_PATH` when a process starts, so each case runs in a child:
