@@ -173,24 +173,7 @@ pub fn worker_env(vars: &EnvMap) -> Result<Option<WorkerEnv>> {
 pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
     let env = Reader { source, vars };
     let node = match source {
-        ClusterSource::Torchrun => {
-            let world_size = env.count(WORLD_SIZE_ENV)?;
-            let local_world_size = env.count(LOCAL_WORLD_SIZE_ENV)?;
-            if world_size % local_world_size != 0 {
-                return Err(env.invalid(
-                    WORLD_SIZE_ENV,
-                    &format!("is not a multiple of LOCAL_WORLD_SIZE={local_world_size}"),
-                ));
-            }
-            NodeEnv {
-                source,
-                nnodes: world_size / local_world_size,
-                node_rank: env.index(GROUP_RANK_ENV)?,
-                nproc_per_node: Some(local_world_size),
-                master_addr: env.text(MASTER_ADDR_ENV)?,
-                master_port: Some(env.port(MASTER_PORT_ENV)?),
-            }
-        }
+        ClusterSource::Torchrun => env.torchrun_node()?,
         ClusterSource::Kubeflow => NodeEnv {
             source,
             nnodes: env.count_either("PET_NNODES", WORLD_SIZE_ENV)?,
@@ -199,71 +182,9 @@ pub fn node_env_from(source: ClusterSource, vars: &EnvMap) -> Result<NodeEnv> {
             master_addr: env.text_either("PET_MASTER_ADDR", MASTER_ADDR_ENV)?,
             master_port: Some(env.port_either("PET_MASTER_PORT", MASTER_PORT_ENV)?),
         },
-        ClusterSource::OpenMpi => {
-            let local_size = env.count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
-            if local_size != 1 {
-                return Err(env.invalid(
-                    "OMPI_COMM_WORLD_LOCAL_SIZE",
-                    "must be 1: start one launcher per node (mpirun --npernode 1)",
-                ));
-            }
-            NodeEnv {
-                source,
-                nnodes: env.count("OMPI_COMM_WORLD_SIZE")?,
-                node_rank: env.index("OMPI_COMM_WORLD_RANK")?,
-                nproc_per_node: None,
-                master_addr: env.text(MASTER_ADDR_ENV)?,
-                master_port: env.optional_port(MASTER_PORT_ENV)?,
-            }
-        }
-        ClusterSource::Slurm => {
-            // `srun -n 2 tandem launch` on one node would start two launchers, each taking
-            // itself for the node and starting the node's workers: one of them only may run.
-            if env.optional_text(SLURM_STEP_TASKS_ENV).is_some() {
-                let tasks = env.slurm_task_count(SLURM_STEP_TASKS_ENV)?;
-                if tasks != 1 {
-                    return Err(env.invalid(
-                        SLURM_STEP_TASKS_ENV,
-                        &format!(
-                            "srun started {tasks} tasks on this node, and each would run its own \
-                             `tandem launch` of the node's workers: start one launcher per node \
-                             (srun --ntasks=$SLURM_NNODES --ntasks-per-node=1 tandem launch \
-                             --nproc-per-node N ...), or let srun start the workers without \
-                             `tandem launch` (srun --ntasks-per-node=N tandem train ...)"
-                        ),
-                    ));
-                }
-            }
-            NodeEnv {
-                source,
-                nnodes: env.count_either("SLURM_NNODES", "SLURM_JOB_NUM_NODES")?,
-                node_rank: env.index("SLURM_NODEID")?,
-                nproc_per_node: None,
-                master_addr: env.slurm_first_host()?,
-                master_port: env.optional_port(MASTER_PORT_ENV)?,
-            }
-        }
-        ClusterSource::ModelArts => {
-            let hosts = env.text("VC_WORKER_HOSTS")?;
-            let master_addr = hosts
-                .split(',')
-                .next()
-                .unwrap_or_default()
-                .trim()
-                .to_string();
-            if master_addr.is_empty() {
-                return Err(env.invalid("VC_WORKER_HOSTS", "does not start with a host name"));
-            }
-            NodeEnv {
-                source,
-                nnodes: env.count("MA_NUM_HOSTS")?,
-                node_rank: env.index("VC_TASK_INDEX")?,
-                // MA_NUM_GPUS is 0 on CPU flavours: then the launcher decides.
-                nproc_per_node: env.optional_count("MA_NUM_GPUS")?,
-                master_addr,
-                master_port: env.optional_port(MASTER_PORT_ENV)?,
-            }
-        }
+        ClusterSource::OpenMpi => env.open_mpi_node()?,
+        ClusterSource::Slurm => env.slurm_node()?,
+        ClusterSource::ModelArts => env.model_arts_node()?,
     };
     if node.node_rank >= node.nnodes {
         let variable = match source {
@@ -303,58 +224,8 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
             master_addr: Some(env.text(MASTER_ADDR_ENV)?),
             master_port: Some(env.port(MASTER_PORT_ENV)?),
         },
-        ClusterSource::OpenMpi => {
-            let world_size = env.count("OMPI_COMM_WORLD_SIZE")?;
-            let local_world_size = env.count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
-            // Open MPI names no rank's host: when every rank is on this node rank 0 is too;
-            // across nodes its HNP URI names mpirun's host, where rank 0 runs under the
-            // default mapping (rank 0 checks that it does, see `tandem`'s placement).
-            let single_node = local_world_size == world_size;
-            WorkerEnv {
-                source,
-                rank: env.index("OMPI_COMM_WORLD_RANK")?,
-                world_size,
-                local_rank: env.index("OMPI_COMM_WORLD_LOCAL_RANK")?,
-                local_world_size,
-                master_addr: env
-                    .optional_text(MASTER_ADDR_ENV)
-                    .or_else(|| single_node.then(|| OPEN_MPI_SINGLE_NODE_MASTER.to_string()))
-                    .or_else(|| {
-                        env.optional_text(OPEN_MPI_HNP_URI_ENV)
-                            .and_then(|uri| open_mpi_hnp_host(&uri))
-                    }),
-                master_port: env.optional_port(MASTER_PORT_ENV)?,
-            }
-        }
-        ClusterSource::Slurm => {
-            let world_size = env.count("SLURM_NTASKS")?;
-            // The step's own count first: an `srun` inside `sbatch` inherits the job's.
-            let per_node = [
-                SLURM_STEP_TASKS_ENV,
-                "SLURM_NTASKS_PER_NODE",
-                "SLURM_TASKS_PER_NODE",
-            ]
-            .into_iter()
-            .find(|name| env.optional_text(name).is_some());
-            let local_world_size = match per_node {
-                Some(name) => env.slurm_task_count(name)?,
-                None => {
-                    world_size
-                        / env
-                            .count_either("SLURM_NNODES", "SLURM_JOB_NUM_NODES")?
-                            .max(1)
-                }
-            };
-            WorkerEnv {
-                source,
-                rank: env.index("SLURM_PROCID")?,
-                world_size,
-                local_rank: env.index("SLURM_LOCALID")?,
-                local_world_size: local_world_size.max(1),
-                master_addr: Some(env.slurm_first_host()?),
-                master_port: env.optional_port(MASTER_PORT_ENV)?,
-            }
-        }
+        ClusterSource::OpenMpi => env.open_mpi_worker()?,
+        ClusterSource::Slurm => env.slurm_worker()?,
         ClusterSource::ModelArts => {
             // Without a launcher, ModelArts runs one worker per node.
             let node = node_env_from(source, vars)?;
@@ -369,28 +240,184 @@ pub fn worker_env_from(source: ClusterSource, vars: &EnvMap) -> Result<WorkerEnv
             }
         }
     };
-    let (rank_variable, local_variable) = match source {
-        ClusterSource::Torchrun | ClusterSource::Kubeflow => (RANK_ENV, LOCAL_RANK_ENV),
-        ClusterSource::OpenMpi => ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ClusterSource::Slurm => ("SLURM_PROCID", "SLURM_LOCALID"),
-        ClusterSource::ModelArts => ("VC_TASK_INDEX", "VC_TASK_INDEX"),
-    };
-    if worker.rank >= worker.world_size {
-        return Err(env.invalid(
-            rank_variable,
-            &format!("is not below the world size, {}", worker.world_size),
-        ));
-    }
-    if worker.local_rank >= worker.local_world_size {
-        return Err(env.invalid(
-            local_variable,
-            &format!(
-                "is not below the local world size, {}",
-                worker.local_world_size
-            ),
-        ));
-    }
+    env.check_ranks(&worker)?;
     Ok(worker)
+}
+
+/// The node and worker environments of each cluster that needs more than a table of names.
+impl Reader<'_> {
+    /// torchrun's node: the world in nodes of `LOCAL_WORLD_SIZE` workers.
+    fn torchrun_node(&self) -> Result<NodeEnv> {
+        let world_size = self.count(WORLD_SIZE_ENV)?;
+        let local_world_size = self.count(LOCAL_WORLD_SIZE_ENV)?;
+        if world_size % local_world_size != 0 {
+            return Err(self.invalid(
+                WORLD_SIZE_ENV,
+                &format!("is not a multiple of LOCAL_WORLD_SIZE={local_world_size}"),
+            ));
+        }
+        Ok(NodeEnv {
+            source: self.source,
+            nnodes: world_size / local_world_size,
+            node_rank: self.index(GROUP_RANK_ENV)?,
+            nproc_per_node: Some(local_world_size),
+            master_addr: self.text(MASTER_ADDR_ENV)?,
+            master_port: Some(self.port(MASTER_PORT_ENV)?),
+        })
+    }
+
+    /// Open MPI's node: one launcher per node, each an MPI rank.
+    fn open_mpi_node(&self) -> Result<NodeEnv> {
+        let local_size = self.count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
+        if local_size != 1 {
+            return Err(self.invalid(
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+                "must be 1: start one launcher per node (mpirun --npernode 1)",
+            ));
+        }
+        Ok(NodeEnv {
+            source: self.source,
+            nnodes: self.count("OMPI_COMM_WORLD_SIZE")?,
+            node_rank: self.index("OMPI_COMM_WORLD_RANK")?,
+            nproc_per_node: None,
+            master_addr: self.text(MASTER_ADDR_ENV)?,
+            master_port: self.optional_port(MASTER_PORT_ENV)?,
+        })
+    }
+
+    /// Slurm's node: one launcher task per node.
+    fn slurm_node(&self) -> Result<NodeEnv> {
+        // `srun -n 2 tandem launch` on one node would start two launchers, each taking
+        // itself for the node and starting the node's workers: one of them only may run.
+        if self.optional_text(SLURM_STEP_TASKS_ENV).is_some() {
+            let tasks = self.slurm_task_count(SLURM_STEP_TASKS_ENV)?;
+            if tasks != 1 {
+                return Err(self.invalid(
+                    SLURM_STEP_TASKS_ENV,
+                    &format!(
+                        "srun started {tasks} tasks on this node, and each would run its own \
+                         `tandem launch` of the node's workers: start one launcher per node \
+                         (srun --ntasks=$SLURM_NNODES --ntasks-per-node=1 tandem launch \
+                         --nproc-per-node N ...), or let srun start the workers without \
+                         `tandem launch` (srun --ntasks-per-node=N tandem train ...)"
+                    ),
+                ));
+            }
+        }
+        Ok(NodeEnv {
+            source: self.source,
+            nnodes: self.count_either("SLURM_NNODES", "SLURM_JOB_NUM_NODES")?,
+            node_rank: self.index("SLURM_NODEID")?,
+            nproc_per_node: None,
+            master_addr: self.slurm_first_host()?,
+            master_port: self.optional_port(MASTER_PORT_ENV)?,
+        })
+    }
+
+    /// ModelArts' node: the first of `VC_WORKER_HOSTS` hosts the store.
+    fn model_arts_node(&self) -> Result<NodeEnv> {
+        let hosts = self.text("VC_WORKER_HOSTS")?;
+        let master_addr = hosts
+            .split(',')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        if master_addr.is_empty() {
+            return Err(self.invalid("VC_WORKER_HOSTS", "does not start with a host name"));
+        }
+        Ok(NodeEnv {
+            source: self.source,
+            nnodes: self.count("MA_NUM_HOSTS")?,
+            node_rank: self.index("VC_TASK_INDEX")?,
+            // MA_NUM_GPUS is 0 on CPU flavours: then the launcher decides.
+            nproc_per_node: self.optional_count("MA_NUM_GPUS")?,
+            master_addr,
+            master_port: self.optional_port(MASTER_PORT_ENV)?,
+        })
+    }
+
+    /// A worker that `mpirun` started.
+    fn open_mpi_worker(&self) -> Result<WorkerEnv> {
+        let world_size = self.count("OMPI_COMM_WORLD_SIZE")?;
+        let local_world_size = self.count("OMPI_COMM_WORLD_LOCAL_SIZE")?;
+        // Open MPI names no rank's host: when every rank is on this node rank 0 is too;
+        // across nodes its HNP URI names mpirun's host, where rank 0 runs under the
+        // default mapping (rank 0 checks that it does, see `tandem`'s placement).
+        let single_node = local_world_size == world_size;
+        Ok(WorkerEnv {
+            source: self.source,
+            rank: self.index("OMPI_COMM_WORLD_RANK")?,
+            world_size,
+            local_rank: self.index("OMPI_COMM_WORLD_LOCAL_RANK")?,
+            local_world_size,
+            master_addr: self
+                .optional_text(MASTER_ADDR_ENV)
+                .or_else(|| single_node.then(|| OPEN_MPI_SINGLE_NODE_MASTER.to_string()))
+                .or_else(|| {
+                    self.optional_text(OPEN_MPI_HNP_URI_ENV)
+                        .and_then(|uri| open_mpi_hnp_host(&uri))
+                }),
+            master_port: self.optional_port(MASTER_PORT_ENV)?,
+        })
+    }
+
+    /// A worker that `srun` started.
+    fn slurm_worker(&self) -> Result<WorkerEnv> {
+        let world_size = self.count("SLURM_NTASKS")?;
+        // The step's own count first: an `srun` inside `sbatch` inherits the job's.
+        let per_node = [
+            SLURM_STEP_TASKS_ENV,
+            "SLURM_NTASKS_PER_NODE",
+            "SLURM_TASKS_PER_NODE",
+        ]
+        .into_iter()
+        .find(|name| self.optional_text(name).is_some());
+        let local_world_size = match per_node {
+            Some(name) => self.slurm_task_count(name)?,
+            None => {
+                world_size
+                    / self
+                        .count_either("SLURM_NNODES", "SLURM_JOB_NUM_NODES")?
+                        .max(1)
+            }
+        };
+        Ok(WorkerEnv {
+            source: self.source,
+            rank: self.index("SLURM_PROCID")?,
+            world_size,
+            local_rank: self.index("SLURM_LOCALID")?,
+            local_world_size: local_world_size.max(1),
+            master_addr: Some(self.slurm_first_host()?),
+            master_port: self.optional_port(MASTER_PORT_ENV)?,
+        })
+    }
+
+    /// Fails, naming the variable, when a worker's rank or local rank is out of range.
+    fn check_ranks(&self, worker: &WorkerEnv) -> Result<()> {
+        let (rank_variable, local_variable) = match self.source {
+            ClusterSource::Torchrun | ClusterSource::Kubeflow => (RANK_ENV, LOCAL_RANK_ENV),
+            ClusterSource::OpenMpi => ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+            ClusterSource::Slurm => ("SLURM_PROCID", "SLURM_LOCALID"),
+            ClusterSource::ModelArts => ("VC_TASK_INDEX", "VC_TASK_INDEX"),
+        };
+        if worker.rank >= worker.world_size {
+            return Err(self.invalid(
+                rank_variable,
+                &format!("is not below the world size, {}", worker.world_size),
+            ));
+        }
+        if worker.local_rank >= worker.local_world_size {
+            return Err(self.invalid(
+                local_variable,
+                &format!(
+                    "is not below the local world size, {}",
+                    worker.local_world_size
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Typed access to the variables of one environment; errors name the variable and value.
