@@ -13,12 +13,12 @@ use std::str::FromStr;
 use anyhow::{bail, Context};
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
+use tandem_metrics::EpochRecord;
 use tandem_models::ModelSpec;
 
 use crate::model_args::{value_name, ModelArgs, ModelKind};
 use crate::settings::{DataKind, Rgb, TrainSettings};
 use crate::terminal::printable;
-use crate::train::history::EpochRecord;
 
 /// The key whose presence marks a file as carrying Tandem's description.
 const MODEL_KEY: &str = "tandem.model";

@@ -19,7 +19,6 @@ mod eval;
 mod evaluation;
 mod exit;
 mod model_args;
-mod plot;
 mod predict;
 mod remote;
 mod settings;

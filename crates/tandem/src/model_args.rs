@@ -187,6 +187,16 @@ pub fn value_name<T: clap::ValueEnum>(value: &T) -> String {
         .unwrap_or_default()
 }
 
+/// The title of `curves.png`: the run folder (as the user gave it) and the model, as
+/// `--model` names it.
+pub fn curves_title(run_folder: &str, spec: &ModelSpec) -> String {
+    let model = ModelArgs::from_spec(spec)
+        .model
+        .map(|kind| value_name(&kind))
+        .unwrap_or_default();
+    format!("{run_folder} | {model}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,5 +273,18 @@ mod tests {
             ..ModelArgs::default()
         };
         assert!(resnet18.to_spec().is_err());
+    }
+
+    #[test]
+    fn the_curves_are_titled_with_the_run_folder_and_model() {
+        assert_eq!(
+            curves_title("runs/demo", &ModelSpec::ResNet18 { num_classes: 10 }),
+            "runs/demo | resnet18"
+        );
+        let base = ModelSpec::ResNetBase(tandem_models::ResNetBaseSpec::tutorial_default());
+        assert_eq!(
+            curves_title("s3://runs/a", &base),
+            "s3://runs/a | resnet-base"
+        );
     }
 }

@@ -8,7 +8,6 @@
 pub mod batches;
 pub mod ddp;
 pub mod fresh_start;
-pub mod history;
 pub mod mirror;
 pub mod placement;
 pub mod resume_settings;
@@ -16,7 +15,6 @@ pub mod run_lock;
 pub mod schedule;
 pub mod snapshot;
 pub mod stop_signal;
-pub mod tensorboard;
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -32,6 +30,8 @@ use tandem_data::{
     eval_shard, Augment, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
 };
 use tandem_engine::{AdamConfig, SgdConfig};
+use tandem_metrics::tensorboard::EventWriter;
+use tandem_metrics::{write_history, EpochRecord};
 use tandem_models::{BatchNormReducer, LossOptions, Model};
 
 use crate::backend::{Backend, BackendRequest};
@@ -41,19 +41,16 @@ use crate::data_source::{load_split, normalization, Split};
 use crate::device::Announce;
 use crate::evaluation::{evaluate, Evaluation};
 use crate::exit::SettingsError;
-use crate::model_args::value_name;
-use crate::model_args::ModelArgs;
+use crate::model_args::{curves_title, value_name, ModelArgs};
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use batches::{EpochBatches, IndexBatches, MicroBatch};
 use ddp::{graphs_agree, Ddp};
-use history::{curves_title, write_history, EpochRecord};
 use mirror::{localize, Mirror};
 use placement::find_placement_of;
 use resume_settings::fingerprint;
 use run_lock::{host_name, RunLock};
 use schedule::Schedule;
 use snapshot::{load_latest, Progress, Snapshot};
-use tensorboard::EventWriter;
 
 /// Runs `tandem train`.
 ///

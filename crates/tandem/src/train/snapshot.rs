@@ -15,10 +15,10 @@ use anyhow::{bail, Context};
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 use tandem_engine::OptimizerState;
+use tandem_metrics::EpochRecord;
 use tandem_models::Model;
 
 use crate::files::write_atomically;
-use crate::train::history::EpochRecord;
 
 /// Metadata key under which the snapshot's JSON description is stored.
 pub const METADATA_KEY: &str = "tandem.snapshot";

@@ -10,8 +10,9 @@
 
 use std::io::Cursor;
 
-use anyhow::Context;
 use image::{ImageFormat, Rgb, RgbImage};
+
+use crate::MetricsError;
 
 /// One epoch's figures, as the plot needs them.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -29,7 +30,7 @@ pub struct CurvePoint {
 /// Draws `title` above training/validation loss (left panel) and validation accuracy
 /// (right panel) per epoch as a PNG and returns its bytes. Non-finite values are left out
 /// of the curves.
-pub fn render_training_curves(title: &str, points: &[CurvePoint]) -> anyhow::Result<Vec<u8>> {
+pub fn render_training_curves(title: &str, points: &[CurvePoint]) -> Result<Vec<u8>, MetricsError> {
     let mut canvas = RgbImage::from_pixel(IMAGE_WIDTH as u32, IMAGE_HEIGHT as u32, BACKGROUND);
     draw_title(&mut canvas, title);
     let epoch_axis = epoch_axis(points);
@@ -771,11 +772,11 @@ fn draw_text(canvas: &mut RgbImage, left: i64, top: i64, text: &str, colour: Rgb
 // Encoding
 
 /// The canvas as PNG bytes.
-fn encode_png(canvas: &RgbImage) -> anyhow::Result<Vec<u8>> {
+fn encode_png(canvas: &RgbImage) -> Result<Vec<u8>, MetricsError> {
     let mut bytes = Cursor::new(Vec::new());
     canvas
         .write_to(&mut bytes, ImageFormat::Png)
-        .context("encoding the training curves as PNG")?;
+        .map_err(MetricsError::Png)?;
     Ok(bytes.into_inner())
 }
 

@@ -1,16 +1,40 @@
-//! The per-epoch record of a run, kept in the snapshot and written out as `metrics.jsonl`
-//! and `curves.png` after every epoch.
+//! What a run reports as it trains: the per-epoch record ([`EpochRecord`]), written out
+//! after every epoch as `metrics.jsonl` and `curves.png` ([`curves`]), and TensorBoard event
+//! files ([`tensorboard`]). It knows nothing of models, devices or processes.
 
-use std::path::Path;
+pub mod curves;
+pub mod tensorboard;
+
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use tandem_files::{write_atomically, FileError};
 
-use tandem_models::ModelSpec;
+use curves::{render_training_curves, CurvePoint};
 
-use crate::files::write_atomically;
-use crate::model_args::value_name;
-use crate::model_args::ModelArgs;
-use crate::plot::{render_training_curves, CurvePoint};
+/// Why a report of the run could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    /// `metrics.jsonl` or `curves.png` could not be written.
+    #[error(transparent)]
+    File(#[from] FileError),
+    /// A record could not be encoded as JSON.
+    #[error("cannot encode an epoch's record")]
+    Json(#[from] serde_json::Error),
+    /// The curves could not be encoded as PNG.
+    #[error("encoding the training curves as PNG")]
+    Png(#[source] image::ImageError),
+    /// An event file could not be created or written.
+    #[error("cannot {action} event file {}", .path.display())]
+    EventFile {
+        /// "create" or "write".
+        action: &'static str,
+        /// The event file.
+        path: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
+    },
+}
 
 /// What one epoch of training measured.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -33,23 +57,13 @@ pub struct EpochRecord {
     pub steps: u64,
 }
 
-/// The title of `curves.png`: the run folder (as the user gave it) and the model, as
-/// `--model` names it.
-pub fn curves_title(run_folder: &str, spec: &ModelSpec) -> String {
-    let model = ModelArgs::from_spec(spec)
-        .model
-        .map(|kind| value_name(&kind))
-        .unwrap_or_default();
-    format!("{run_folder} | {model}")
-}
-
 /// Rewrites `metrics.jsonl` (one JSON object per epoch) and `curves.png` (under `title`)
 /// in `output_dir`.
 pub fn write_history(
     output_dir: &Path,
     history: &[EpochRecord],
     title: &str,
-) -> anyhow::Result<()> {
+) -> Result<(), MetricsError> {
     let mut lines = String::new();
     for record in history {
         lines.push_str(&serde_json::to_string(record)?);
@@ -67,22 +81,4 @@ pub fn write_history(
         .collect();
     let png = render_training_curves(title, &points)?;
     Ok(write_atomically(&output_dir.join("curves.png"), &png)?)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_curves_are_titled_with_the_run_folder_and_model() {
-        assert_eq!(
-            curves_title("runs/demo", &ModelSpec::ResNet18 { num_classes: 10 }),
-            "runs/demo | resnet18"
-        );
-        let base = ModelSpec::ResNetBase(tandem_models::ResNetBaseSpec::tutorial_default());
-        assert_eq!(
-            curves_title("s3://runs/a", &base),
-            "s3://runs/a | resnet-base"
-        );
-    }
 }

@@ -12,7 +12,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::Context;
+use crate::MetricsError;
 
 /// The file-version string of the first event.
 pub const FILE_VERSION: &str = "brain.Event:2";
@@ -31,14 +31,22 @@ impl EventWriter {
 
     /// Creates `folder/events.out.tfevents.<seconds>.<host>.<pid>` and writes its first
     /// event. The name must be free: a symbolic link planted there is refused, naming it.
-    pub fn create(folder: &Path, host: &str) -> anyhow::Result<Self> {
+    pub fn create(folder: &Path, host: &str) -> Result<Self, MetricsError> {
         let seconds = now_seconds() as u64;
         let path = folder.join(format!(
             "events.out.tfevents.{seconds}.{host}.{}",
             std::process::id()
         ));
-        let file = crate::files::create_new_file(&path)
-            .with_context(|| format!("cannot create event file {}", path.display()))?;
+        let file = match tandem_files::create_new_file(&path) {
+            Ok(file) => file,
+            Err(source) => {
+                return Err(MetricsError::EventFile {
+                    action: "create",
+                    path,
+                    source,
+                })
+            }
+        };
         let mut writer = EventWriter {
             file: BufWriter::new(file),
             path,
@@ -52,7 +60,7 @@ impl EventWriter {
 
     /// Appends scalar values, all at `step`, as one event. Call [`EventWriter::flush`] to
     /// make them visible.
-    pub fn add_scalars(&mut self, step: u64, scalars: &[(&str, f64)]) -> anyhow::Result<()> {
+    pub fn add_scalars(&mut self, step: u64, scalars: &[(&str, f64)]) -> Result<(), MetricsError> {
         let mut summary = Vec::new();
         for (tag, value) in scalars {
             let mut entry = Vec::new();
@@ -69,7 +77,7 @@ impl EventWriter {
     /// Marks the start of a session that resumes at `first_step`, as TensorFlow's writers do
     /// after a restart: TensorBoard then drops what earlier files hold at `first_step` and
     /// later, which the resumed run writes again, so each step is shown once.
-    pub fn add_session_start(&mut self, first_step: u64) -> anyhow::Result<()> {
+    pub fn add_session_start(&mut self, first_step: u64) -> Result<(), MetricsError> {
         let mut session_log = Vec::new();
         put_key(&mut session_log, 1, WIRE_VARINT);
         put_varint(&mut session_log, SESSION_STATUS_START);
@@ -79,14 +87,12 @@ impl EventWriter {
     }
 
     /// Pushes what was written to the file.
-    pub fn flush(&mut self) -> anyhow::Result<()> {
-        self.file
-            .flush()
-            .with_context(|| format!("cannot write event file {}", self.path.display()))
+    pub fn flush(&mut self) -> Result<(), MetricsError> {
+        self.file.flush().map_err(|source| self.write_error(source))
     }
 
     /// Writes `data` as one TFRecord.
-    fn write_record(&mut self, data: &[u8]) -> anyhow::Result<()> {
+    fn write_record(&mut self, data: &[u8]) -> Result<(), MetricsError> {
         let length = (data.len() as u64).to_le_bytes();
         let result = (|| {
             self.file.write_all(&length)?;
@@ -94,7 +100,16 @@ impl EventWriter {
             self.file.write_all(data)?;
             self.file.write_all(&masked_crc32c(data).to_le_bytes())
         })();
-        result.with_context(|| format!("cannot write event file {}", self.path.display()))
+        result.map_err(|source| self.write_error(source))
+    }
+
+    /// A failed write to the event file, naming it.
+    fn write_error(&self, source: std::io::Error) -> MetricsError {
+        MetricsError::EventFile {
+            action: "write",
+            path: self.path.clone(),
+            source,
+        }
     }
 }
 
