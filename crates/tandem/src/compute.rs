@@ -33,129 +33,12 @@ use tandem_cuda::executor::{
     StepOptimizer, TrainStep,
 };
 use tandem_cuda::{CudaExecutor, Device, GpuSettings, Precision, Probe, PtxCache};
+
+use crate::math::{Algorithms, GpuMath};
 use tandem_data::{Augment, Dataset, Normalize, Pixels};
-use tandem_engine::{Adam, AdamConfig, Optimizer, OptimizerState, Sgd, SgdConfig};
+use tandem_engine::{Optimizer, OptimizerConfig, OptimizerState};
 use tandem_models::workspace::{Mode, Plan};
 use tandem_models::{BatchNormReducer, LossOptions, Model, ModelSpec};
-
-/// The `--precision` flag.
-pub const PRECISION_HELP: &str = "Math of convolutions and matrix products on a GPU: fp32 (strict float32), tf32 (TF32 tensor cores, PyTorch's default on GPUs) or bf16 (PyTorch autocast's rules: bfloat16 operands with float32 accumulation for convolutions and the linear layer; batch norm, loss, optimizer and master weights in float32) [default: tf32 on a GPU; the CPU always computes in fp32]";
-
-/// What `--precision` asked for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum PrecisionRequest {
-    /// Strict float32.
-    Fp32,
-    /// TF32 tensor cores for convolutions and matrix products.
-    Tf32,
-    /// bfloat16 autocast: bfloat16 convolutions and linear layer, float32 accumulation.
-    Bf16,
-}
-
-/// The `--algorithms` flag.
-pub const ALGORITHMS_HELP: &str = "cuDNN convolution algorithms on a GPU: deterministic (the same bits on every run, so a run resumed after a crash ends bit-identical to an uninterrupted one) or fastest (the fastest measured, like PyTorch's cudnn.benchmark without cudnn.deterministic: results may differ in the last bits between runs) [default: deterministic; the CPU is always deterministic]";
-
-/// Which cuDNN convolution algorithms a GPU may use.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum Algorithms {
-    /// Only algorithms cuDNN declares deterministic, chosen in a fixed order.
-    #[default]
-    Deterministic,
-    /// The fastest measured algorithm.
-    Fastest,
-}
-
-/// How a GPU computes: the precision of convolutions and matrix products, and the
-/// convolution algorithms it may use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GpuMath {
-    /// `--precision`.
-    pub precision: Precision,
-    /// `--algorithms`.
-    pub algorithms: Algorithms,
-}
-
-impl std::fmt::Display for GpuMath {
-    /// `tf32`, or `tf32, fastest algorithms`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(precision_name(self.precision))?;
-        match self.algorithms {
-            Algorithms::Deterministic => Ok(()),
-            Algorithms::Fastest => f.write_str(", fastest algorithms"),
-        }
-    }
-}
-
-/// The precision a GPU computes in for `request`: the one asked for, else TF32 (PyTorch's
-/// default on GPUs).
-pub fn gpu_precision(request: Option<PrecisionRequest>) -> Precision {
-    match request {
-        Some(PrecisionRequest::Fp32) => Precision::Fp32,
-        Some(PrecisionRequest::Tf32) | None => Precision::Tf32,
-        Some(PrecisionRequest::Bf16) => Precision::Bf16,
-    }
-}
-
-/// How the device computes for `precision` and `algorithms`: on a GPU [`gpu_precision`] and
-/// the algorithms asked for; on the CPU `None`: it computes in fp32, deterministically,
-/// whatever is asked, and a request for `tf32`, `bf16` or the fastest algorithms gets a note
-/// saying so.
-pub fn resolve_math(
-    precision: Option<PrecisionRequest>,
-    algorithms: Algorithms,
-    device: &Device,
-) -> Option<GpuMath> {
-    match device {
-        Device::Cuda { .. } => Some(GpuMath {
-            precision: gpu_precision(precision),
-            algorithms,
-        }),
-        Device::Cpu { .. } => {
-            if let Some(note) = cpu_precision_note(precision) {
-                tell!("{note}");
-            }
-            if algorithms == Algorithms::Fastest {
-                tell!("note: --algorithms fastest applies to a GPU; the CPU is deterministic");
-            }
-            None
-        }
-    }
-}
-
-/// The note a CPU run prints for `request`: none for fp32 or no request.
-fn cpu_precision_note(request: Option<PrecisionRequest>) -> Option<String> {
-    let name = match request? {
-        PrecisionRequest::Fp32 => return None,
-        PrecisionRequest::Tf32 => "tf32",
-        PrecisionRequest::Bf16 => "bf16",
-    };
-    Some(format!(
-        "note: --precision {name} applies to a GPU; the CPU computes in fp32"
-    ))
-}
-
-/// The name of `precision` as `--precision` spells it.
-pub fn precision_name(precision: Precision) -> &'static str {
-    match precision {
-        Precision::Fp32 => "fp32",
-        Precision::Tf32 => "tf32",
-        Precision::Bf16 => "bf16",
-    }
-}
-
-/// The device and how it computes in a few words, for banners: `cpu` or `cuda:0 (tf32)`.
-pub fn describe(device: &Device, math: Option<GpuMath>) -> String {
-    match device {
-        Device::Cuda { ordinal, .. } => {
-            let math = math.unwrap_or(GpuMath {
-                precision: Precision::Tf32,
-                algorithms: Algorithms::Deterministic,
-            });
-            format!("cuda:{ordinal} ({math})")
-        }
-        Device::Cpu { .. } => "cpu".to_string(),
-    }
-}
 
 /// The images of one training micro-batch.
 #[derive(Clone, Copy, Debug)]
@@ -253,43 +136,6 @@ fn join_micro_batches<'a>(
         }
     };
     Ok((images, Cow::Owned(labels)))
-}
-
-/// An optimizer's settings, whichever device runs it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum OptimizerConfig {
-    /// `torch.optim.SGD`.
-    Sgd(SgdConfig),
-    /// `torch.optim.Adam` / `AdamW`.
-    Adam(AdamConfig),
-}
-
-impl OptimizerConfig {
-    /// The CPU optimizer of these settings over `len` parameters, with a zero state.
-    pub fn cpu(&self, len: usize) -> Box<dyn Optimizer> {
-        match *self {
-            OptimizerConfig::Sgd(config) => Box::new(Sgd::new(len, config)),
-            OptimizerConfig::Adam(config) => Box::new(Adam::new(len, config)),
-        }
-    }
-
-    /// Sets the learning rate, as [`Optimizer::set_lr`].
-    fn set_lr(&mut self, lr: f32) {
-        match self {
-            OptimizerConfig::Sgd(config) => config.lr = lr,
-            OptimizerConfig::Adam(config) => config.lr = lr,
-        }
-    }
-
-    /// Sets the momentum, as [`Optimizer::set_momentum`]: SGD's factor unless it has none,
-    /// Adam's `beta1`.
-    fn set_momentum(&mut self, momentum: f32) {
-        match self {
-            OptimizerConfig::Sgd(config) if config.momentum != 0.0 => config.momentum = momentum,
-            OptimizerConfig::Sgd(_) => {}
-            OptimizerConfig::Adam(config) => config.beta1 = momentum,
-        }
-    }
 }
 
 /// A model and the device its steps run on.
@@ -1072,17 +918,11 @@ fn check_labels(labels: &[u32], batch: usize, classes: usize) -> anyhow::Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tandem_engine::{AdamConfig, Sgd, SgdConfig};
     use tandem_models::ResNetBaseSpec;
 
     fn cpu() -> Device {
         Device::Cpu {
-            reason: "requested".to_string(),
-        }
-    }
-
-    fn gpu() -> Device {
-        Device::Cuda {
-            ordinal: 1,
             reason: "requested".to_string(),
         }
     }
@@ -1104,82 +944,6 @@ mod tests {
             .collect();
         let labels = (0..batch as u32).map(|i| (i * 7 + 3) % 10).collect();
         (images, labels)
-    }
-
-    #[test]
-    fn precision_defaults_to_tf32_on_a_gpu_and_the_cpu_computes_in_fp32() {
-        let math = |precision, algorithms| {
-            Some(GpuMath {
-                precision,
-                algorithms,
-            })
-        };
-        let deterministic = Algorithms::Deterministic;
-        assert_eq!(
-            resolve_math(None, deterministic, &gpu()),
-            math(Precision::Tf32, deterministic)
-        );
-        for (request, precision) in [
-            (PrecisionRequest::Fp32, Precision::Fp32),
-            (PrecisionRequest::Tf32, Precision::Tf32),
-            (PrecisionRequest::Bf16, Precision::Bf16),
-        ] {
-            for algorithms in [Algorithms::Deterministic, Algorithms::Fastest] {
-                assert_eq!(
-                    resolve_math(Some(request), algorithms, &gpu()),
-                    math(precision, algorithms)
-                );
-                assert_eq!(resolve_math(Some(request), algorithms, &cpu()), None);
-            }
-        }
-        assert_eq!(resolve_math(None, deterministic, &cpu()), None);
-        assert_eq!(cpu_precision_note(None), None);
-        assert_eq!(cpu_precision_note(Some(PrecisionRequest::Fp32)), None);
-        assert_eq!(
-            cpu_precision_note(Some(PrecisionRequest::Bf16)).as_deref(),
-            Some("note: --precision bf16 applies to a GPU; the CPU computes in fp32")
-        );
-        assert_eq!(
-            cpu_precision_note(Some(PrecisionRequest::Tf32)).as_deref(),
-            Some("note: --precision tf32 applies to a GPU; the CPU computes in fp32")
-        );
-        assert_eq!(
-            describe(&gpu(), math(Precision::Fp32, deterministic)),
-            "cuda:1 (fp32)"
-        );
-        assert_eq!(
-            describe(&gpu(), math(Precision::Bf16, Algorithms::Fastest)),
-            "cuda:1 (bf16, fastest algorithms)"
-        );
-        assert_eq!(describe(&gpu(), None), "cuda:1 (tf32)");
-        assert_eq!(describe(&cpu(), None), "cpu");
-    }
-
-    #[test]
-    fn the_gpu_optimizer_settings_follow_the_cpu_optimizers_rules() {
-        let mut sgd = OptimizerConfig::Sgd(SgdConfig {
-            lr: 0.1,
-            momentum: 0.0,
-            dampening: 0.0,
-            nesterov: false,
-            weight_decay: 0.0,
-        });
-        sgd.set_momentum(0.9);
-        sgd.set_lr(0.5);
-        let OptimizerConfig::Sgd(config) = sgd else {
-            unreachable!()
-        };
-        assert_eq!(
-            (config.lr, config.momentum),
-            (0.5, 0.0),
-            "no momentum stays none"
-        );
-        let mut adam = OptimizerConfig::Adam(AdamConfig::with_lr(0.01));
-        adam.set_momentum(0.85);
-        let OptimizerConfig::Adam(config) = adam else {
-            unreachable!()
-        };
-        assert_eq!(config.beta1, 0.85);
     }
 
     /// Two SGD steps through [`Compute`] on the CPU give the bits of the model and optimizer

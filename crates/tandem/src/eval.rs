@@ -46,8 +46,8 @@ pub struct EvalArgs {
     pub json: bool,
     #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
     pub device: tandem_cuda::DeviceRequest,
-    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
-    pub precision: Option<crate::compute::PrecisionRequest>,
+    #[arg(long, value_enum, help = crate::math::PRECISION_HELP)]
+    pub precision: Option<crate::math::PrecisionRequest>,
 }
 
 /// Runs `tandem eval`.
@@ -56,7 +56,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let (device, math) = crate::device::select(
         args.device,
         args.precision,
-        crate::compute::Algorithms::Deterministic,
+        crate::math::Algorithms::Deterministic,
         crate::device::announce_for_json(args.json),
     )?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));

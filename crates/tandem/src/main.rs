@@ -29,6 +29,7 @@ mod bench;
 mod checkpoint_info;
 mod clock;
 mod compute;
+mod math;
 mod data_source;
 mod device;
 mod eval;

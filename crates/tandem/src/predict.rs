@@ -43,8 +43,8 @@ pub struct PredictArgs {
     pub threads: Option<usize>,
     #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
     pub device: tandem_cuda::DeviceRequest,
-    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
-    pub precision: Option<crate::compute::PrecisionRequest>,
+    #[arg(long, value_enum, help = crate::math::PRECISION_HELP)]
+    pub precision: Option<crate::math::PrecisionRequest>,
     /// Image files (PNG or JPEG, 32x32 RGB).
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
@@ -75,7 +75,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     let (device, math) = crate::device::select(
         args.device,
         args.precision,
-        crate::compute::Algorithms::Deterministic,
+        crate::math::Algorithms::Deterministic,
         crate::device::Announce::Stderr,
     )?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));

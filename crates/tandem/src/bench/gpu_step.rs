@@ -17,7 +17,7 @@ use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model, ModelSpec};
 
 use super::workload::{adam_config, random_batch, sgd_config, OptimizerKind, IMAGE_SIZE};
-use crate::compute::GpuMath;
+use crate::math::GpuMath;
 
 /// Runs the benchmark on GPU `ordinal`: `train:`, `eval:`, `peak memory:` (the most GPU
 /// memory in use after the warm-up and after each timed phase, from `cuMemGetInfo`) and

@@ -46,10 +46,10 @@ pub struct StepArgs {
     pub optimizer: Option<OptimizerKind>,
     #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
     pub device: tandem_cuda::DeviceRequest,
-    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
-    pub precision: Option<crate::compute::PrecisionRequest>,
-    #[arg(long, value_enum, default_value_t, help = crate::compute::ALGORITHMS_HELP)]
-    pub algorithms: crate::compute::Algorithms,
+    #[arg(long, value_enum, help = crate::math::PRECISION_HELP)]
+    pub precision: Option<crate::math::PrecisionRequest>,
+    #[arg(long, value_enum, default_value_t, help = crate::math::ALGORITHMS_HELP)]
+    pub algorithms: crate::math::Algorithms,
     /// What carries the gradients under `launch`: auto (nccl when every rank has its own GPU
     /// and NCCL loads, else ring), nccl or ring.
     #[arg(long, value_enum, default_value_t)]

@@ -31,12 +31,13 @@ use tandem_cuda::Device;
 use tandem_data::{
     eval_shard, Augment, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
 };
-use tandem_engine::{AdamConfig, SgdConfig};
+use tandem_engine::{AdamConfig, OptimizerConfig, SgdConfig};
 use tandem_models::{BatchNormReducer, LossOptions, Model};
 
 use crate::backend::{Backend, BackendRequest};
 use crate::checkpoint_info::{checkpoint_epoch, checkpoint_name, CheckpointInfo};
-use crate::compute::{Compute, GpuMath, OptimizerConfig, TrainBatch};
+use crate::compute::{Compute, TrainBatch};
+use crate::math::GpuMath;
 use crate::data_source::{load_split, normalization, Split};
 use crate::device::Announce;
 use crate::evaluation::{evaluate, Evaluation};
@@ -271,7 +272,7 @@ impl Trainer {
             settings,
             given,
             compute,
-            device: crate::compute::describe(device, math),
+            device: crate::math::describe(device, math),
             schedule,
             train_set,
             test_set,
