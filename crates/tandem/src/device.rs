@@ -3,7 +3,8 @@
 
 use anyhow::Context;
 use tandem_cuda::device::{resolve, Device, DeviceRequest, GpuFacts};
-use tandem_cuda::Probe;
+use tandem_cuda::{GpuJob, Probe};
+use tandem_models::{CpuDevice, Model, TrainingDevice};
 
 use crate::math::{Algorithms, GpuMath, PrecisionRequest};
 
@@ -65,6 +66,23 @@ pub fn select(
     }
     let math = crate::math::resolve_math(precision, algorithms, &device);
     Ok((device, math))
+}
+
+/// `model` on `device`, ready for its training job: on the CPU as it is; on a GPU, its
+/// parameters and running statistics copied to a new executor computing as `math` says
+/// ([`GpuMath::DEFAULT`] when `None`).
+pub fn open_training_device(
+    model: Model,
+    device: &Device,
+    math: Option<GpuMath>,
+) -> anyhow::Result<Box<dyn TrainingDevice>> {
+    Ok(match device {
+        Device::Cpu { .. } => Box::new(CpuDevice::new(model)),
+        Device::Cuda { ordinal, .. } => {
+            let settings = math.unwrap_or(GpuMath::DEFAULT).settings(*ordinal);
+            Box::new(GpuJob::open(model, settings)?)
+        }
+    })
 }
 
 /// A GPU's reason with its precision and algorithms and the note that the GPU executor has

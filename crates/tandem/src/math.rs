@@ -2,7 +2,7 @@
 //! texts, the policy that turns them into a [`GpuMath`] (the CPU always computes in fp32,
 //! deterministically), and the words a banner uses for it.
 
-use tandem_cuda::{Device, Precision};
+use tandem_cuda::{Device, GpuSettings, Precision};
 
 /// The `--precision` flag.
 pub const PRECISION_HELP: &str = "Math of convolutions and matrix products on a GPU: fp32 (strict float32), tf32 (TF32 tensor cores, PyTorch's default on GPUs) or bf16 (PyTorch autocast's rules: bfloat16 operands with float32 accumulation for convolutions and the linear layer; batch norm, loss, optimizer and master weights in float32) [default: tf32 on a GPU; the CPU always computes in fp32]";
@@ -39,6 +39,23 @@ pub struct GpuMath {
     pub precision: Precision,
     /// `--algorithms`.
     pub algorithms: Algorithms,
+}
+
+impl GpuMath {
+    /// TF32 with deterministic algorithms: how a GPU computes when nothing was asked.
+    pub const DEFAULT: GpuMath = GpuMath {
+        precision: Precision::Tf32,
+        algorithms: Algorithms::Deterministic,
+    };
+
+    /// The executor's settings for GPU `ordinal` computing so.
+    pub fn settings(&self, ordinal: usize) -> GpuSettings {
+        GpuSettings {
+            ordinal,
+            precision: self.precision,
+            deterministic: self.algorithms == Algorithms::Deterministic,
+        }
+    }
 }
 
 impl std::fmt::Display for GpuMath {
@@ -113,10 +130,7 @@ pub fn precision_name(precision: Precision) -> &'static str {
 pub fn describe(device: &Device, math: Option<GpuMath>) -> String {
     match device {
         Device::Cuda { ordinal, .. } => {
-            let math = math.unwrap_or(GpuMath {
-                precision: Precision::Tf32,
-                algorithms: Algorithms::Deterministic,
-            });
+            let math = math.unwrap_or(GpuMath::DEFAULT);
             format!("cuda:{ordinal} ({math})")
         }
         Device::Cpu { .. } => "cpu".to_string(),

@@ -7,7 +7,6 @@ use serde::Serialize;
 use tandem_models::Model;
 
 use crate::checkpoint_info::{class_name, model_for, normalization_for};
-use crate::compute::Compute;
 use crate::evaluation::softmax;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, Rgb};
@@ -89,7 +88,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     let class_names = info.map(|info| info.class_names).unwrap_or_default();
     let mut model = Model::new(&spec)?;
     crate::weights::load_weights(&mut model, &checkpoint)?;
-    let mut compute = Compute::new(model, &device, math)?;
+    let mut compute = crate::device::open_training_device(model, &device, math)?;
     for path in &args.images {
         let image = tandem_data::read_image(path)?;
         let mut pixels = image.pixels;
