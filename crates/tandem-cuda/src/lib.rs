@@ -16,6 +16,7 @@ pub mod collective;
 pub mod compile;
 pub mod device;
 pub mod executor;
+pub mod job;
 pub mod kernels;
 pub mod nccl;
 pub mod probe;
@@ -29,6 +30,7 @@ pub use device::{
     test_gpu_available, why_no_gpu, Device, DeviceError, DeviceRequest, GpuFacts, REQUIRE_GPU_ENV,
 };
 pub use executor::{CudaExecutor, GpuError, GpuSettings, Precision};
+pub use job::GpuJob;
 pub use kernels::{KernelSource, KERNELS};
 pub use probe::{Library, MissingLibrary, Probe, SearchPath};
 pub use ptx_cache::PtxCache;

@@ -32,5 +32,5 @@ mod winograd;
 
 pub use batchnorm::BatchNormReducer;
 pub use error::EngineError;
-pub use optim::{Adam, AdamConfig, Optimizer, OptimizerState, Sgd, SgdConfig};
+pub use optim::{Adam, AdamConfig, Optimizer, OptimizerConfig, OptimizerState, Sgd, SgdConfig};
 pub use threads::{run_on_kernel_threads, set_threads, threads};

@@ -309,6 +309,43 @@ impl Optimizer for Adam {
     }
 }
 
+/// An optimizer's settings, whichever device runs it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OptimizerConfig {
+    /// `torch.optim.SGD`.
+    Sgd(SgdConfig),
+    /// `torch.optim.Adam` / `AdamW`.
+    Adam(AdamConfig),
+}
+
+impl OptimizerConfig {
+    /// The CPU optimizer of these settings over `len` parameters, with a zero state.
+    pub fn cpu(&self, len: usize) -> Box<dyn Optimizer> {
+        match *self {
+            OptimizerConfig::Sgd(config) => Box::new(Sgd::new(len, config)),
+            OptimizerConfig::Adam(config) => Box::new(Adam::new(len, config)),
+        }
+    }
+
+    /// Sets the learning rate, as [`Optimizer::set_lr`].
+    pub fn set_lr(&mut self, lr: f32) {
+        match self {
+            OptimizerConfig::Sgd(config) => config.lr = lr,
+            OptimizerConfig::Adam(config) => config.lr = lr,
+        }
+    }
+
+    /// Sets the momentum, as [`Optimizer::set_momentum`]: SGD's factor unless it has none,
+    /// Adam's `beta1`.
+    pub fn set_momentum(&mut self, momentum: f32) {
+        match self {
+            OptimizerConfig::Sgd(config) if config.momentum != 0.0 => config.momentum = momentum,
+            OptimizerConfig::Sgd(_) => {}
+            OptimizerConfig::Adam(config) => config.beta1 = momentum,
+        }
+    }
+}
+
 /// `torch.lerp(start, end, weight)` as ATen computes it.
 fn lerp(start: f32, end: f32, weight: f32) -> f32 {
     if weight.abs() < 0.5 {
@@ -364,4 +401,36 @@ fn load_slots(
         target.copy_from_slice(values);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gpu_optimizer_settings_follow_the_cpu_optimizers_rules() {
+        let mut sgd = OptimizerConfig::Sgd(SgdConfig {
+            lr: 0.1,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        });
+        sgd.set_momentum(0.9);
+        sgd.set_lr(0.5);
+        let OptimizerConfig::Sgd(config) = sgd else {
+            unreachable!()
+        };
+        assert_eq!(
+            (config.lr, config.momentum),
+            (0.5, 0.0),
+            "no momentum stays none"
+        );
+        let mut adam = OptimizerConfig::Adam(AdamConfig::with_lr(0.01));
+        adam.set_momentum(0.85);
+        let OptimizerConfig::Adam(config) = adam else {
+            unreachable!()
+        };
+        assert_eq!(config.beta1, 0.85);
+    }
 }

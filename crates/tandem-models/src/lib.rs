@@ -16,6 +16,7 @@
 #![warn(missing_docs)]
 
 mod cpu;
+mod cpu_device;
 mod error;
 pub mod executor;
 mod inspect;
@@ -24,8 +25,10 @@ mod model;
 mod network;
 mod spec;
 mod tensors;
+pub mod training_device;
 pub mod workspace;
 
+pub use cpu_device::CpuDevice;
 pub use error::ModelError;
 pub use executor::Executor;
 pub use inspect::{infer_spec, spec_tensor_shapes, StateDictMismatch, TensorShapes};
@@ -40,3 +43,4 @@ pub use network::{BatchNormLayer, ConvLayer, Head};
 pub use spec::{ModelSpec, ResNetBaseSpec};
 pub use tandem_engine::BatchNormReducer;
 pub use tensors::{StorageLayout, TensorInfo, TensorKind};
+pub use training_device::{TrainingDevice, TrainingDeviceError};

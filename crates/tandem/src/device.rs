@@ -3,9 +3,10 @@
 
 use anyhow::Context;
 use tandem_cuda::device::{resolve, Device, DeviceRequest, GpuFacts};
-use tandem_cuda::Probe;
+use tandem_cuda::{GpuJob, Probe};
+use tandem_models::{CpuDevice, Model, TrainingDevice};
 
-use crate::compute::{Algorithms, GpuMath, PrecisionRequest};
+use crate::math::{Algorithms, GpuMath, PrecisionRequest};
 
 /// The `--device` flag.
 pub const DEVICE_HELP: &str = "Where to compute: auto (a GPU when the CUDA driver, libraries and a GPU are found, else the CPU), cpu, cuda (under `launch`, local rank r takes GPU r modulo the visible ones) or cuda:N; gpu and gpu:N, the DDP tutorial's names, mean cuda and cuda:N";
@@ -32,7 +33,7 @@ pub fn announce_for_json(json: bool) -> Announce {
 /// first. `cuda` without what it needs is an error saying what is missing; `auto` takes a GPU
 /// when one can be used, else the CPU, saying why. A GPU's line names its precision and
 /// algorithms and says that the GPU executor is unverified: it has not yet run on a GPU. The
-/// math is `None` on the CPU (see [`crate::compute::resolve_math`]).
+/// math is `None` on the CPU (see [`crate::math::resolve_math`]).
 pub fn select(
     request: DeviceRequest,
     precision: Option<PrecisionRequest>,
@@ -53,7 +54,7 @@ pub fn select(
             let device = resolve(request, &facts, local_rank)
                 .with_context(|| format!("--device {request}"))?;
             let math = GpuMath {
-                precision: crate::compute::gpu_precision(precision),
+                precision: crate::math::gpu_precision(precision),
                 algorithms,
             };
             unverified_gpu(device, math)
@@ -63,8 +64,25 @@ pub fn select(
         Announce::Stdout => say!("device: {device}"),
         Announce::Stderr => tell!("device: {device}"),
     }
-    let math = crate::compute::resolve_math(precision, algorithms, &device);
+    let math = crate::math::resolve_math(precision, algorithms, &device);
     Ok((device, math))
+}
+
+/// `model` on `device`, ready for its training job: on the CPU as it is; on a GPU, its
+/// parameters and running statistics copied to a new executor computing as `math` says
+/// ([`GpuMath::DEFAULT`] when `None`).
+pub fn open_training_device(
+    model: Model,
+    device: &Device,
+    math: Option<GpuMath>,
+) -> anyhow::Result<Box<dyn TrainingDevice>> {
+    Ok(match device {
+        Device::Cpu { .. } => Box::new(CpuDevice::new(model)),
+        Device::Cuda { ordinal, .. } => {
+            let settings = math.unwrap_or(GpuMath::DEFAULT).settings(*ordinal);
+            Box::new(GpuJob::open(model, settings)?)
+        }
+    })
 }
 
 /// A GPU's reason with its precision and algorithms and the note that the GPU executor has
@@ -79,7 +97,7 @@ fn unverified_gpu(device: Device, math: GpuMath) -> Device {
             ordinal,
             reason: format!(
                 "{reason}; precision {}, {algorithms} algorithms; GPU executor unverified on a GPU",
-                crate::compute::precision_name(math.precision)
+                crate::math::precision_name(math.precision)
             ),
         },
         device => device,

@@ -9,7 +9,6 @@ use serde::Serialize;
 use tandem_models::Model;
 
 use crate::checkpoint_info::{class_name, model_for, normalization_for, CheckpointInfo};
-use crate::compute::Compute;
 use crate::data_source::{load_split, normalization, Split};
 use crate::evaluation::{evaluate, EvaluationReport};
 use crate::model_args::value_name;
@@ -46,8 +45,8 @@ pub struct EvalArgs {
     pub json: bool,
     #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
     pub device: tandem_cuda::DeviceRequest,
-    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
-    pub precision: Option<crate::compute::PrecisionRequest>,
+    #[arg(long, value_enum, help = crate::math::PRECISION_HELP)]
+    pub precision: Option<crate::math::PrecisionRequest>,
 }
 
 /// Runs `tandem eval`.
@@ -56,7 +55,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let (device, math) = crate::device::select(
         args.device,
         args.precision,
-        crate::compute::Algorithms::Deterministic,
+        crate::math::Algorithms::Deterministic,
         crate::device::announce_for_json(args.json),
     )?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
@@ -67,7 +66,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     data.settings = crate::remote::local_data(&args.storage, data.settings)?;
     let mut model = Model::new(&spec)?;
     crate::weights::load_weights(&mut model, &checkpoint)?;
-    let mut compute = Compute::new(model, &device, math)?;
+    let mut compute = crate::device::open_training_device(model, &device, math)?;
     for warning in &data.warnings {
         tell!("warning: {warning}");
     }
@@ -82,8 +81,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let test_set = Arc::new(test_set);
     let indices = (0..test_set.len()).collect();
     let evaluation = evaluate(
-        &mut compute,
+        &mut *compute,
         &test_set,
+        false,
         indices,
         args.batch_size,
         normalization(&data.settings),

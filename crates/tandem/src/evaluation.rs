@@ -5,8 +5,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use tandem_data::{Dataset, Loader, LoaderOptions, Normalize};
-
-use crate::compute::Compute;
+use tandem_models::TrainingDevice;
 
 /// Sums that make up the metrics of an evaluation; two of them add up to the metrics of
 /// the union of their samples, which is how ranks combine their shares.
@@ -158,10 +157,12 @@ pub fn argmax(logits: &[f32]) -> usize {
 }
 
 /// Evaluates the model of `compute` on the samples `indices` of `dataset`, in batches of
-/// `batch_size`, on its device.
+/// `batch_size`, on its device; from its copy in device memory when `on_device` (it was
+/// uploaded with [`TrainingDevice::upload_eval_set`]).
 pub fn evaluate(
-    compute: &mut Compute,
+    compute: &mut dyn TrainingDevice,
     dataset: &Arc<Dataset>,
+    on_device: bool,
     indices: Vec<usize>,
     batch_size: usize,
     normalize: Option<Normalize>,
@@ -169,7 +170,7 @@ pub fn evaluate(
 ) -> anyhow::Result<Evaluation> {
     let classes = compute.spec().num_classes();
     let mut evaluation = Evaluation::new(classes);
-    if compute.evaluates_on_device(dataset) {
+    if on_device {
         // The pixels are in GPU memory: only the indices cross, and the GPU normalizes.
         for batch in indices.chunks(batch_size.max(1)) {
             let labels: Vec<u32> = batch.iter().map(|&index| dataset.labels[index]).collect();

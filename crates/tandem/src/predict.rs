@@ -7,7 +7,6 @@ use serde::Serialize;
 use tandem_models::Model;
 
 use crate::checkpoint_info::{class_name, model_for, normalization_for};
-use crate::compute::Compute;
 use crate::evaluation::softmax;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, Rgb};
@@ -43,8 +42,8 @@ pub struct PredictArgs {
     pub threads: Option<usize>,
     #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
     pub device: tandem_cuda::DeviceRequest,
-    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
-    pub precision: Option<crate::compute::PrecisionRequest>,
+    #[arg(long, value_enum, help = crate::math::PRECISION_HELP)]
+    pub precision: Option<crate::math::PrecisionRequest>,
     /// Image files (PNG or JPEG, 32x32 RGB).
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
@@ -75,7 +74,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     let (device, math) = crate::device::select(
         args.device,
         args.precision,
-        crate::compute::Algorithms::Deterministic,
+        crate::math::Algorithms::Deterministic,
         crate::device::Announce::Stderr,
     )?;
     tandem_engine::set_threads(args.threads.unwrap_or_else(available_cores).max(1));
@@ -89,7 +88,7 @@ pub fn run(args: PredictArgs) -> anyhow::Result<()> {
     let class_names = info.map(|info| info.class_names).unwrap_or_default();
     let mut model = Model::new(&spec)?;
     crate::weights::load_weights(&mut model, &checkpoint)?;
-    let mut compute = Compute::new(model, &device, math)?;
+    let mut compute = crate::device::open_training_device(model, &device, math)?;
     for path in &args.images {
         let image = tandem_data::read_image(path)?;
         let mut pixels = image.pixels;

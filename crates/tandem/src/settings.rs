@@ -312,12 +312,12 @@ pub struct TrainOptions {
     #[arg(long, help = crate::device::DEVICE_HELP, help_heading = heading::DEVICES)]
     #[serde(skip)]
     pub device: Option<tandem_cuda::DeviceRequest>,
-    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP, help_heading = heading::DEVICES)]
+    #[arg(long, value_enum, help = crate::math::PRECISION_HELP, help_heading = heading::DEVICES)]
     #[serde(skip)]
-    pub precision: Option<crate::compute::PrecisionRequest>,
-    #[arg(long, value_enum, help = crate::compute::ALGORITHMS_HELP, help_heading = heading::DEVICES)]
+    pub precision: Option<crate::math::PrecisionRequest>,
+    #[arg(long, value_enum, help = crate::math::ALGORITHMS_HELP, help_heading = heading::DEVICES)]
     #[serde(skip)]
-    pub algorithms: Option<crate::compute::Algorithms>,
+    pub algorithms: Option<crate::math::Algorithms>,
     /// Compute threads of this process [default: the cores available, shared among the
     /// processes of this node].
     #[arg(long, help_heading = heading::DEVICES)]

@@ -17,6 +17,8 @@
 use std::collections::HashMap;
 use std::fmt;
 
+pub use tandem_models::training_device::{NotWholeStep, StepConditions, StepRun};
+
 /// The environment variable that turns capture off (`0`, `false`, `off` or `no`).
 pub const GRAPHS_ENV: &str = "TANDEM_CUDA_GRAPHS";
 
@@ -28,56 +30,6 @@ pub fn graphs_requested(value: Option<&str>) -> bool {
             .as_deref(),
         Some("0" | "false" | "off" | "no")
     )
-}
-
-/// What a training step involves, as far as capturing it is concerned.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StepConditions {
-    /// Whether the step averages gradients with other processes.
-    pub data_parallel: bool,
-    /// Whether batch-norm statistics are summed across processes (through NCCL on the
-    /// device when `nccl`, else through the host).
-    pub sync_bn: bool,
-    /// Whether the executor joined an NCCL group.
-    pub nccl: bool,
-}
-
-/// Why a step is not a whole step that may be captured.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NotWholeStep {
-    /// Several processes on the host ring: the gradients cross the host inside the step.
-    DataParallel,
-    /// SyncBatchNorm on the host ring: statistics cross the host inside the step.
-    SyncBatchNorm,
-}
-
-impl fmt::Display for NotWholeStep {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            NotWholeStep::DataParallel => {
-                write!(f, "data-parallel steps average gradients through the host")
-            }
-            NotWholeStep::SyncBatchNorm => {
-                write!(f, "--sync-bn sums batch statistics through the host")
-            }
-        }
-    }
-}
-
-impl StepConditions {
-    /// `None` when the step runs in one process or with its gradients (and, with
-    /// SyncBatchNorm, its batch statistics) summed through NCCL, of one micro-batch or of
-    /// several (`--grad-accum`): the executor's `train_step`, eager or graphed, the
-    /// all-reduces inside it. Else the first reason it is not.
-    pub fn refusal(&self) -> Option<NotWholeStep> {
-        if self.sync_bn && !self.nccl {
-            Some(NotWholeStep::SyncBatchNorm)
-        } else if self.data_parallel && !self.nccl {
-            Some(NotWholeStep::DataParallel)
-        } else {
-            None
-        }
-    }
 }
 
 /// Which optimizer kernel a step ends with.
@@ -122,17 +74,6 @@ pub struct GraphKey {
     pub label_smoothing_bits: u32,
     /// Where the images come from.
     pub images: ImagesKey,
-}
-
-/// How one step runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StepRun {
-    /// Its kernels are launched one by one.
-    Eager,
-    /// It is captured as a graph, which is then launched.
-    Capture,
-    /// Its key's graph is launched.
-    Replay,
 }
 
 /// The mode of `cuStreamBeginCapture` for the steps of a run.

@@ -71,9 +71,7 @@ use scalars::{
 };
 pub use whole_step::{StepImages, StepOptimizer, StepOutcome, TrainStep};
 
-/// A gradient-ready hook: called with each finished range of the flat gradients and its
-/// host values.
-pub type GradientHook<'a> = &'a mut dyn FnMut(std::ops::Range<usize>, &[f32]);
+pub use tandem_models::training_device::GradientHook;
 
 /// The math of convolutions and the linear layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

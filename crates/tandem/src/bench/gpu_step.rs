@@ -1,5 +1,5 @@
-//! `tandem bench step --device cuda`: the same three lines as on the CPU, measured with the
-//! GPU executor of `tandem-cuda` (`--precision`, TF32 by default; deterministic algorithms; one
+//! `tandem bench step --device cuda`: the same three lines as on the CPU, measured through
+//! the GPU's training device (`--precision`, TF32 by default; deterministic algorithms; one
 //! process), and a `graphs:` line saying whether the timed training steps replayed a CUDA
 //! graph (`TANDEM_CUDA_GRAPHS=0` turns capture off, as in `train`). The batch lives in GPU
 //! memory, as a training set does in `train` (and as PyTorch's benchmark keeps its batch):
@@ -8,85 +8,80 @@
 
 use std::time::Instant;
 
-use tandem_cuda::executor::graph::StepRun;
-use tandem_cuda::executor::{
-    AugmentSettings, DatasetShape, HostPixels, StepImages, StepOptimizer, TrainStep,
+use anyhow::Context;
+use tandem_models::training_device::{
+    DatasetUpload, StepRequest, StepRun, TrainBatch, TrainImages, UploadPixels, Uploaded,
 };
-use tandem_cuda::CudaExecutor;
-use tandem_models::workspace::Mode;
-use tandem_models::{LossOptions, Model, ModelSpec};
+use tandem_models::{LossOptions, Model, TrainingDevice};
 
-use super::workload::{adam_config, random_batch, sgd_config, OptimizerKind, IMAGE_SIZE};
-use crate::compute::GpuMath;
+use super::workload::{random_batch, GpuBench, IMAGE_SIZE};
 
-/// Runs the benchmark on GPU `ordinal`: `train:`, `eval:`, `peak memory:` (the most GPU
-/// memory in use after the warm-up and after each timed phase, from `cuMemGetInfo`) and
-/// `graphs:`. A training step is the executor's whole step (`train_step`) over the random
-/// batch in GPU memory (no crop, flip or normalization): two warm-up steps (the eager first
-/// run and the capture), then the timed ones; an evaluation is a forward of the same batch.
-pub fn run(
-    spec: &ModelSpec,
-    batch: usize,
-    steps: usize,
-    optimizer: OptimizerKind,
-    ordinal: usize,
-    math: GpuMath,
-) -> anyhow::Result<()> {
-    let model = Model::new(spec)?;
-    let mut exec = crate::compute::open_executor(&model, ordinal, math)?;
-    let (images, labels) = random_batch(spec, batch);
-    let shape = DatasetShape {
+/// Runs the benchmark: `train:`, `eval:`, `peak memory:` (the most GPU memory in use after
+/// the warm-up and after each timed phase, from `cuMemGetInfo`) and `graphs:`. A training
+/// step is the device's whole step over the random batch in GPU memory (no crop, flip or
+/// normalization): two warm-up steps (the eager first run and the capture), then the timed
+/// ones; an evaluation is a forward of the same batch, from its own copy in GPU memory.
+pub fn run(bench: GpuBench) -> anyhow::Result<()> {
+    let GpuBench {
+        spec,
+        batch,
+        steps,
+        optimizer,
+        device,
+        math,
+    } = bench;
+    let model = Model::new(&spec)?;
+    let mut job = crate::device::open_training_device(model, &device, Some(math))?;
+    job.set_optimizer(optimizer.config());
+    let (images, labels) = random_batch(&spec, batch);
+    let as_they_are = DatasetUpload {
+        pixels: UploadPixels::F32(&images),
         len: batch,
         height: IMAGE_SIZE,
         width: IMAGE_SIZE,
         channels: spec.img_channels(),
-    };
-    let as_they_are = AugmentSettings {
         crop_padding: 0,
         horizontal_flip: false,
         mean: [0.0; 3],
         std: [1.0; 3],
         seed: 0,
     };
-    let mut dataset = exec.upload_dataset(HostPixels::F32(&images), shape, as_they_are)?;
+    in_device_memory(job.upload_train_set(as_they_are)?)?;
+    in_device_memory(job.upload_eval_set(as_they_are)?)?;
     let indices: Vec<usize> = (0..batch).collect();
-    let train_plan = model.plan(Mode::Train, batch, IMAGE_SIZE, IMAGE_SIZE)?;
-    let eval_plan = model.plan(Mode::Eval, batch, IMAGE_SIZE, IMAGE_SIZE)?;
     let loss = LossOptions::default();
-    let mut peak_bytes = 0;
-    let (sgd, adam) = (sgd_config(), adam_config());
-    let step_optimizer = match optimizer {
-        OptimizerKind::Sgd => StepOptimizer::Sgd(&sgd),
-        OptimizerKind::Adam => StepOptimizer::Adam(&adam),
+    let micro_batches = [TrainBatch {
+        images: TrainImages::OnDevice {
+            indices: &indices,
+            epoch: 0,
+        },
+        labels: &labels,
+    }];
+    let request = StepRequest {
+        micro_batches: &micro_batches,
+        height: IMAGE_SIZE,
+        width: IMAGE_SIZE,
+        loss: &loss,
+        lr: f64::from(optimizer.lr()),
+        momentum: None,
     };
+    let mut peak_bytes = 0;
     let mut runs = Vec::new();
     let mut graphs_off = None;
     let mut relaxed_capture = None;
-    let mut train_step = |exec: &mut CudaExecutor| -> anyhow::Result<()> {
-        let step = TrainStep {
-            images: StepImages::Gathered {
-                dataset: &mut dataset,
-                indices: &indices,
-                epoch: 0,
-            },
-            labels: &labels,
-            micro_batches: 1,
-            loss: &loss,
-            optimizer: step_optimizer,
-        };
-        let outcome = exec.train_step(&model, &train_plan, step)?;
-        runs.push(outcome.run);
-        graphs_off = graphs_off.take().or(outcome.graphs_off);
-        relaxed_capture = relaxed_capture.take().or(outcome.relaxed_capture);
+    let mut train_step = |job: &mut dyn TrainingDevice| -> anyhow::Result<()> {
+        let report = job.train_step(request)?;
+        runs.push(report.run.context("a GPU step says how it ran")?);
+        graphs_off = graphs_off.take().or(report.graphs_off);
+        relaxed_capture = relaxed_capture.take().or(report.relaxed_capture);
         Ok(())
     };
     // The first run is eager; the second is captured when graphs are on.
-    train_step(&mut exec)?;
-    let train_rate = timed(batch, steps, &mut exec, &mut peak_bytes, &mut train_step)?;
+    train_step(&mut *job)?;
+    let train_rate = timed(batch, steps, &mut *job, &mut peak_bytes, &mut train_step)?;
     let timed_runs = runs.split_off(runs.len().saturating_sub(steps));
-    let mut logits = Vec::new();
-    let eval_rate = timed(batch, steps, &mut exec, &mut peak_bytes, |exec| {
-        exec.forward_eval_gathered(&model, &eval_plan, &mut dataset, &indices, &mut logits)?;
+    let eval_rate = timed(batch, steps, &mut *job, &mut peak_bytes, |job| {
+        job.forward_eval_on_device(&indices, IMAGE_SIZE, IMAGE_SIZE)?;
         Ok(())
     })?;
     say!("train: {train_rate:.1} img/s");
@@ -101,6 +96,18 @@ pub fn run(
         )
     );
     Ok(())
+}
+
+/// An error unless the random batch went to GPU memory.
+fn in_device_memory(uploaded: Uploaded) -> anyhow::Result<()> {
+    match uploaded {
+        Uploaded::OnDevice(_) => Ok(()),
+        Uploaded::OnHost => anyhow::bail!("the benchmark's batch stayed on the host"),
+        Uploaded::TooLarge { bytes, free } => anyhow::bail!(
+            "the benchmark's batch of {bytes} bytes does not fit in half the GPU's {free} bytes \
+             of free memory: lower --batch"
+        ),
+    }
 }
 
 /// The `graphs:` line: whether each timed training step replayed a captured graph, and in
@@ -139,19 +146,19 @@ fn graphs_runs_line(timed: usize, replayed: usize, off: Option<&str>) -> String 
 fn timed(
     batch: usize,
     steps: usize,
-    exec: &mut CudaExecutor,
+    job: &mut dyn TrainingDevice,
     peak_bytes: &mut usize,
-    mut step: impl FnMut(&mut CudaExecutor) -> anyhow::Result<()>,
+    mut step: impl FnMut(&mut dyn TrainingDevice) -> anyhow::Result<()>,
 ) -> anyhow::Result<f64> {
-    step(exec)?;
-    exec.synchronize()?;
-    *peak_bytes = (*peak_bytes).max(exec.device_memory_in_use()?);
+    step(job)?;
+    job.synchronize()?;
+    *peak_bytes = (*peak_bytes).max(job.memory_in_use()?.unwrap_or(0));
     let start = Instant::now();
     for _ in 0..steps {
-        step(exec)?;
+        step(job)?;
     }
-    exec.synchronize()?;
+    job.synchronize()?;
     let seconds = start.elapsed().as_secs_f64();
-    *peak_bytes = (*peak_bytes).max(exec.device_memory_in_use()?);
+    *peak_bytes = (*peak_bytes).max(job.memory_in_use()?.unwrap_or(0));
     Ok((batch * steps) as f64 / seconds.max(1e-9))
 }

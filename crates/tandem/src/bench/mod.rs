@@ -22,7 +22,10 @@ pub enum BenchCommand {
 /// Runs one benchmark.
 pub fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
-        BenchCommand::Step(args) => step::run(args),
+        BenchCommand::Step(args) => match step::run(args)? {
+            Some(on_gpu) => gpu_step::run(on_gpu),
+            None => Ok(()),
+        },
         BenchCommand::Allreduce(args) => allreduce::run(args),
         BenchCommand::Loader(args) => loader::run(args),
     }

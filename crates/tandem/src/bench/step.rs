@@ -11,15 +11,14 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use tandem_engine::{Adam, Optimizer, Sgd};
 use tandem_models::{LossOptions, Model, ModelSpec};
 
-use super::workload::{adam_config, random_batch, sgd_config, OptimizerKind, IMAGE_SIZE};
+use super::workload::{random_batch, GpuBench, OptimizerKind, IMAGE_SIZE};
 use crate::backend::BackendRequest;
 use crate::device::Announce;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, PlacementFlags};
-use crate::train::ddp::Ddp;
+use crate::train::ddp::{Ddp, WorkerPlacement};
 use crate::train::placement::find_placement;
 
 /// Gradient buckets as `tandem train` uses them by default.
@@ -46,18 +45,18 @@ pub struct StepArgs {
     pub optimizer: Option<OptimizerKind>,
     #[arg(long, default_value = "auto", help = crate::device::DEVICE_HELP)]
     pub device: tandem_cuda::DeviceRequest,
-    #[arg(long, value_enum, help = crate::compute::PRECISION_HELP)]
-    pub precision: Option<crate::compute::PrecisionRequest>,
-    #[arg(long, value_enum, default_value_t, help = crate::compute::ALGORITHMS_HELP)]
-    pub algorithms: crate::compute::Algorithms,
+    #[arg(long, value_enum, help = crate::math::PRECISION_HELP)]
+    pub precision: Option<crate::math::PrecisionRequest>,
+    #[arg(long, value_enum, default_value_t, help = crate::math::ALGORITHMS_HELP)]
+    pub algorithms: crate::math::Algorithms,
     /// What carries the gradients under `launch`: auto (nccl when every rank has its own GPU
     /// and NCCL loads, else ring), nccl or ring.
     #[arg(long, value_enum, default_value_t)]
     pub backend: BackendRequest,
 }
 
-/// Runs the benchmark.
-pub fn run(args: StepArgs) -> anyhow::Result<()> {
+/// Runs the benchmark on the CPU; on a GPU, returns what to measure there.
+pub fn run(args: StepArgs) -> anyhow::Result<Option<GpuBench>> {
     let (device, math) = crate::device::select(
         args.device,
         args.precision,
@@ -75,14 +74,21 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
         OptimizerKind::Sgd
     });
     let placement = find_placement(&PlacementFlags::default())?;
-    if let tandem_cuda::Device::Cuda { ordinal, .. } = device {
+    if let tandem_cuda::Device::Cuda { .. } = device {
         anyhow::ensure!(
             placement.is_none(),
             "--device {}: bench step runs on a GPU in one process only (no launch, WORLD_SIZE 1)",
             args.device
         );
         let math = math.context("a GPU computes with a precision and algorithms")?;
-        return super::gpu_step::run(&spec, batch, args.steps, optimizer_kind, ordinal, math);
+        return Ok(Some(GpuBench {
+            spec,
+            batch,
+            steps: args.steps,
+            optimizer: optimizer_kind,
+            device,
+            math,
+        }));
     }
     let local_world_size = placement.as_ref().map_or(1, |place| place.local_world_size);
     let threads = args
@@ -93,27 +99,15 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
 
     let mut model = Model::new(&spec)?;
     model.init_default(0);
-    let mut ddp = match &placement {
-        Some(place) => {
-            let token = tandem_dist::JobToken::from_env()?.context(
-                "a job of several processes needs TANDEM_JOB_TOKEN (tandem launch sets it)",
-            )?;
-            Some(Ddp::join(
-                place,
-                token,
-                tandem_dist::DEFAULT_TIMEOUT,
-                model.params().len(),
-                BUCKET_BYTES,
-                FIRST_BUCKET_BYTES,
-            )?)
-        }
-        None => None,
-    };
+    let mut ddp = placement
+        .as_ref()
+        .map(|place| join_job(place, model.params().len()))
+        .transpose()?;
     crate::backend::choose(args.backend, &device, ddp.as_ref(), Announce::Stdout)?;
     if let Some(ddp) = ddp.as_mut() {
         ddp.broadcast_model(&mut model)?;
     }
-    let mut optimizer = build_optimizer(optimizer_kind, model.params().len());
+    let mut optimizer = optimizer_kind.config().cpu(model.params().len());
     let (images, labels) = random_batch(&spec, batch);
     let loss = LossOptions::default();
 
@@ -144,7 +138,7 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
     if let Some(ddp) = ddp.as_mut() {
         ddp.sum_f64(&mut rates)?;
         if ddp.rank() != 0 {
-            return Ok(());
+            return Ok(None);
         }
         say!(
             "gradients: all-reduced through {}",
@@ -154,14 +148,21 @@ pub fn run(args: StepArgs) -> anyhow::Result<()> {
     say!("train: {:.1} img/s", rates[0]);
     say!("eval: {:.1} img/s", rates[1]);
     say!("peak memory: {} MB", peak_memory_kib()? / 1024);
-    Ok(())
+    Ok(None)
 }
 
-fn build_optimizer(kind: OptimizerKind, len: usize) -> Box<dyn Optimizer> {
-    match kind {
-        OptimizerKind::Adam => Box::new(Adam::new(len, adam_config())),
-        OptimizerKind::Sgd => Box::new(Sgd::new(len, sgd_config())),
-    }
+/// Joins the job of `place` with `params` parameters in `tandem train`'s default buckets.
+fn join_job(place: &WorkerPlacement, params: usize) -> anyhow::Result<Ddp> {
+    let token = tandem_dist::JobToken::from_env()?
+        .context("a job of several processes needs TANDEM_JOB_TOKEN (tandem launch sets it)")?;
+    Ddp::join(
+        place,
+        token,
+        tandem_dist::DEFAULT_TIMEOUT,
+        params,
+        BUCKET_BYTES,
+        FIRST_BUCKET_BYTES,
+    )
 }
 
 /// Runs `step` once to warm up (workspaces are allocated then), then `steps` times timed.

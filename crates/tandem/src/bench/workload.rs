@@ -3,8 +3,10 @@
 
 use clap::ValueEnum;
 use tandem_engine::rng::Rng;
-use tandem_engine::{AdamConfig, SgdConfig};
+use tandem_engine::{AdamConfig, OptimizerConfig, SgdConfig};
 use tandem_models::ModelSpec;
+
+use crate::math::GpuMath;
 
 /// Side of the square random images, as CIFAR-10.
 pub(super) const IMAGE_SIZE: usize = 32;
@@ -16,6 +18,40 @@ pub enum OptimizerKind {
     Adam,
     /// Plain SGD, lr 1e-3 (seed 004's choice).
     Sgd,
+}
+
+/// A step benchmark on a GPU, as `bench step` settled it.
+pub struct GpuBench {
+    /// The model measured.
+    pub spec: ModelSpec,
+    /// Images per step.
+    pub batch: usize,
+    /// Timed steps for each of train and eval.
+    pub steps: usize,
+    /// The optimizer of the training step.
+    pub optimizer: OptimizerKind,
+    /// The GPU.
+    pub device: tandem_cuda::Device,
+    /// How it computes.
+    pub math: GpuMath,
+}
+
+impl OptimizerKind {
+    /// The benchmark's settings of this optimizer.
+    pub(super) fn config(self) -> OptimizerConfig {
+        match self {
+            OptimizerKind::Adam => OptimizerConfig::Adam(adam_config()),
+            OptimizerKind::Sgd => OptimizerConfig::Sgd(sgd_config()),
+        }
+    }
+
+    /// The learning rate of [`OptimizerKind::config`].
+    pub(super) fn lr(self) -> f32 {
+        match self {
+            OptimizerKind::Adam => adam_config().lr,
+            OptimizerKind::Sgd => sgd_config().lr,
+        }
+    }
 }
 
 /// Adam's settings in the benchmark (seed 000's).

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use tandem_data::{Batch, Dataset, Loader};
 
-use crate::compute::TrainImages;
+use tandem_models::training_device::{TrainBatch, TrainImages};
 
 /// One micro-batch.
 pub enum MicroBatch {
@@ -48,12 +48,20 @@ impl MicroBatch {
         }
     }
 
-    /// The images for [`crate::compute::Compute::forward_train`], augmented with the
-    /// draws of `epoch` on the device (the host loader already used them).
+    /// The images for the training device, augmented with the draws of `epoch` on the
+    /// device (the host loader already used them).
     pub fn images(&self, epoch: u64) -> TrainImages<'_> {
         match self {
             MicroBatch::Host(batch) => TrainImages::Host(&batch.images),
             MicroBatch::Indices { indices, .. } => TrainImages::OnDevice { indices, epoch },
+        }
+    }
+
+    /// The micro-batch for the training device, its images drawn as [`MicroBatch::images`].
+    pub fn train_batch(&self, epoch: u64) -> TrainBatch<'_> {
+        TrainBatch {
+            images: self.images(epoch),
+            labels: self.labels(),
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod batches;
 pub mod ddp;
 pub mod fresh_start;
 pub mod mirror;
+pub mod on_device;
 pub mod placement;
 pub mod resume_settings;
 pub mod run_lock;
@@ -24,28 +25,31 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use tandem_cuda::executor::graph::{StepConditions, StepRun};
 use tandem_cuda::Device;
 use tandem_data::{
     eval_shard, Augment, Dataset, DistributedSampler, Loader, LoaderOptions, Normalize,
 };
-use tandem_engine::{AdamConfig, SgdConfig};
+use tandem_engine::{AdamConfig, OptimizerConfig, SgdConfig};
 use tandem_metrics::tensorboard::EventWriter;
 use tandem_metrics::{write_history, EpochRecord};
-use tandem_models::{BatchNormReducer, LossOptions, Model};
+use tandem_models::training_device::{
+    update_host, with_host_grads, NcclJoin, StepConditions, StepRequest, StepRun, TrainBatch,
+};
+use tandem_models::{BatchNormReducer, LossOptions, Model, TrainingDevice};
 
 use crate::backend::{Backend, BackendRequest};
 use crate::checkpoint_info::{checkpoint_epoch, checkpoint_name, CheckpointInfo};
-use crate::compute::{Compute, GpuMath, OptimizerConfig, TrainBatch};
 use crate::data_source::{load_split, normalization, Split};
 use crate::device::Announce;
 use crate::evaluation::{evaluate, Evaluation};
 use crate::exit::SettingsError;
+use crate::math::GpuMath;
 use crate::model_args::{curves_title, value_name, ModelArgs};
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use batches::{EpochBatches, IndexBatches, MicroBatch};
 use ddp::{graphs_agree, Ddp};
 use mirror::{localize, Mirror};
+use on_device::{dataset_upload, uploaded_bytes, StepNotes};
 use placement::find_placement_of;
 use resume_settings::fingerprint;
 use run_lock::{host_name, RunLock};
@@ -102,7 +106,9 @@ struct Trainer {
     /// The settings as given, written to `config.toml`.
     given: TrainSettings,
     /// The model and its optimizer on the run's device.
-    compute: Compute,
+    compute: Box<dyn TrainingDevice>,
+    /// The notes on CUDA graphs printed so far.
+    step_notes: StepNotes,
     /// The device and precision in a few words, for the banner.
     device: String,
     schedule: Schedule,
@@ -112,6 +118,8 @@ struct Trainer {
     normalize: Option<Normalize>,
     /// Whether the training set is in GPU memory and batches are assembled there.
     batches_on_device: bool,
+    /// Whether the test set is in GPU memory and evaluation batches are assembled there.
+    eval_on_device: bool,
     progress: Progress,
     history: Vec<EpochRecord>,
     ddp: Option<Ddp>,
@@ -215,17 +223,18 @@ impl Trainer {
         // device, and the broadcasts copy the flat buffers both ways (the CPU's code). With
         // NCCL the gradients, parameters, running statistics and SyncBatchNorm's sums stay on
         // the device; the snapshot on resume, the batch count and the metrics stay on the ring.
-        let mut compute = Compute::new(model, device, math)?.with_optimizer(optimizer);
+        let mut compute = crate::device::open_training_device(model, device, math)?;
+        compute.set_optimizer(optimizer);
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
             let timeout = Duration::from_secs_f64(settings.collective_timeout);
             let unique_id = ddp.nccl_unique_id(timeout)?;
-            compute.join_nccl(
-                &unique_id,
-                ddp.rank(),
-                ddp.world_size(),
+            compute.join_nccl(NcclJoin {
+                unique_id: &unique_id,
+                rank: ddp.rank(),
+                world_size: ddp.world_size(),
                 timeout,
-                ddp.buckets(),
-            )?;
+                buckets: ddp.buckets(),
+            })?;
             if settings.sync_bn {
                 compute.sync_batch_norm_through_nccl()?;
             }
@@ -241,12 +250,12 @@ impl Trainer {
         }
         let batches_on_device = match host_batches_requested() {
             true => None,
-            false => compute.upload_train_set(
+            false => uploaded_bytes(compute.upload_train_set(dataset_upload(
                 &train_set,
                 train_augment(&settings),
                 normalize,
                 settings.seed,
-            )?,
+            ))?),
         };
         if let (Some(bytes), 0) = (batches_on_device, rank) {
             say!(
@@ -255,7 +264,9 @@ impl Trainer {
             );
         }
         let eval_on_device = match batches_on_device {
-            Some(_) => compute.upload_eval_set(&test_set, normalize)?,
+            Some(_) => uploaded_bytes(
+                compute.upload_eval_set(dataset_upload(&test_set, None, normalize, 0))?,
+            ),
             None => None,
         };
         if let (Some(bytes), 0) = (eval_on_device, rank) {
@@ -268,13 +279,15 @@ impl Trainer {
             settings,
             given,
             compute,
-            device: crate::compute::describe(device, math),
+            step_notes: StepNotes::default(),
+            device: crate::math::describe(device, math),
             schedule,
             train_set,
             test_set,
             sampler,
             normalize,
             batches_on_device: batches_on_device.is_some(),
+            eval_on_device: eval_on_device.is_some(),
             progress: Progress::default(),
             history: Vec::new(),
             ddp,
@@ -291,13 +304,11 @@ impl Trainer {
         if let Some(ddp) = trainer.ddp.as_mut() {
             if trainer.compute.uses_nccl() {
                 trainer.compute.broadcast_on_device(true)?;
-                trainer
-                    .compute
-                    .update_host(|model| ddp.agree_on_batches_tracked(model))?;
+                update_host(&mut *trainer.compute, |model| {
+                    ddp.agree_on_batches_tracked(model)
+                })?;
             } else {
-                trainer
-                    .compute
-                    .update_host(|model| ddp.broadcast_model(model))?;
+                update_host(&mut *trainer.compute, |model| ddp.broadcast_model(model))?;
             }
         }
         Ok(trainer)
@@ -339,8 +350,7 @@ impl Trainer {
             return Ok(false);
         };
         self.check_resumable(&snapshot)?;
-        self.compute
-            .update_host(|model| snapshot.restore_model(model))?;
+        update_host(&mut *self.compute, |model| snapshot.restore_model(model))?;
         self.compute.load_optimizer_state(&snapshot.optimizer)?;
         self.progress = snapshot.progress;
         self.history = snapshot.history;
@@ -695,7 +705,10 @@ impl Trainer {
         let one_size = micro_batches
             .windows(2)
             .all(|pair| pair[0].len() == pair[1].len());
-        if one_size && !micro_batches.is_empty() && self.compute.whole_steps(&conditions) {
+        if one_size
+            && !micro_batches.is_empty()
+            && self.step_notes.whole_steps(&*self.compute, &conditions)
+        {
             return self.whole_step(micro_batches, lr);
         }
         // Through NCCL the executor sums the batch statistics itself (on the device).
@@ -703,9 +716,7 @@ impl Trainer {
         self.compute.zero_grads()?;
         match self.ddp.as_mut() {
             Some(_) if nccl => self.compute.broadcast_on_device(false)?,
-            Some(ddp) => self
-                .compute
-                .update_host(|model| ddp.broadcast_buffers(model))?,
+            Some(ddp) => update_host(&mut *self.compute, |model| ddp.broadcast_buffers(model))?,
             None => {}
         }
         let mut loss_sum = 0.0f64;
@@ -718,11 +729,9 @@ impl Trainer {
                 .filter(|_| host_sync_bn)
                 .map(Ddp::batch_norm_reducer);
             let loss = self.compute.forward_train(
-                batch.images(self.progress.epoch),
-                batch.len(),
+                batch.train_batch(self.progress.epoch),
                 height,
                 width,
-                batch.labels(),
                 &loss_options,
                 reducer
                     .as_mut()
@@ -760,9 +769,7 @@ impl Trainer {
         if let Some(ddp) = self.ddp.as_mut() {
             match nccl {
                 true => self.compute.finish_all_reduce()?,
-                false => self
-                    .compute
-                    .with_host_grads(|grads| ddp.finish_gradients(grads))?,
+                false => with_host_grads(&mut *self.compute, |grads| ddp.finish_gradients(grads))?,
             }
         }
         let (mean_loss, stop) =
@@ -783,14 +790,14 @@ impl Trainer {
         })
     }
 
-    /// [`Trainer::averaged_step`] of micro-batches of one size on a GPU, in one process or
-    /// with the gradients averaged through NCCL: one [`Compute::train_step`] (captured as a
-    /// CUDA graph after its first run, the bucket all-reduces inside it). With NCCL, rank 0's running
-    /// statistics are broadcast before it, eagerly, as the other NCCL steps do (outside the
-    /// graph: the broadcast keeps its own deadline with the watchdog and the graph stays the
-    /// body of the step alone). The loss is read after the update, so a non-finite loss stops
-    /// the run after that step's update rather than before it (the run ends with the same
-    /// error and writes nothing).
+    /// [`Trainer::averaged_step`] of micro-batches of one size as one
+    /// [`TrainingDevice::train_step`]: on the CPU in one process; on a GPU in one process or
+    /// with the gradients averaged through NCCL (captured as a CUDA graph after its first
+    /// run, the bucket all-reduces inside it). With NCCL, rank 0's running statistics are
+    /// broadcast before it, eagerly, outside the graph: the broadcast keeps its own deadline
+    /// with the watchdog and the graph stays the body of the step alone. The loss is read
+    /// after the update, so a non-finite loss stops the run after that step's update rather
+    /// than before it; the run ends with the same error and writes nothing.
     fn whole_step(&mut self, micro_batches: &[MicroBatch], lr: f64) -> anyhow::Result<StepOutcome> {
         let loss_options = LossOptions {
             label_smoothing: self.settings.label_smoothing as f32,
@@ -803,16 +810,21 @@ impl Trainer {
         let epoch = self.progress.epoch;
         let step_batches: Vec<TrainBatch<'_>> = micro_batches
             .iter()
-            .map(|batch| TrainBatch {
-                images: batch.images(epoch),
-                labels: batch.labels(),
-            })
+            .map(|batch| batch.train_batch(epoch))
             .collect();
-        let loss =
-            self.compute
-                .train_step(&step_batches, height, width, &loss_options, lr, momentum)?;
-        let run = self.compute.last_step_run();
-        let (mean_loss, stop) = self.over_the_ranks(loss, run)?;
+        let report = self.compute.train_step(StepRequest {
+            micro_batches: &step_batches,
+            height,
+            width,
+            loss: &loss_options,
+            lr,
+            momentum,
+        })?;
+        let count = step_batches.len();
+        let batch = step_batches.first().map_or(0, TrainBatch::len);
+        self.step_notes
+            .after_step(&report, count, batch, height, width);
+        let (mean_loss, stop) = self.over_the_ranks(report.mean_loss(), report.run)?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -864,8 +876,9 @@ impl Trainer {
             .map_or((0, 1), |ddp| (ddp.rank(), ddp.world_size()));
         let test_indices: Vec<usize> = eval_shard(self.test_set.len(), world_size, rank).collect();
         let mut evaluation = evaluate(
-            &mut self.compute,
+            &mut *self.compute,
             &self.test_set,
+            self.eval_on_device,
             test_indices,
             self.settings.batch_size,
             self.normalize,
