@@ -395,7 +395,7 @@ impl CudaExecutor {
         reducer: Option<&mut dyn BatchNormReducer>,
         ready: &mut GradientsReady,
     ) -> Result<(), GpuError> {
-        let (conv, bn, plan) = (unit.conv, unit.bn, unit.plan);
+        let (bn, plan) = (unit.bn, unit.plan);
         let channels = plan.shape.out_channels;
         let len = plan.output_len();
         let rows = len / channels.max(1);
@@ -474,6 +474,22 @@ impl CudaExecutor {
             dz,
             masked_dy,
         )?;
+        self.conv_backward(unit, dz, grad_input, ready)
+    }
+
+    /// The convolution's part of a unit's backward, from `dz`, the batch norm's input
+    /// gradient: the bias gradient, the filter gradient and the input gradient.
+    fn conv_backward(
+        &mut self,
+        unit: Unit,
+        dz: ActPtr,
+        grad_input: GradTarget,
+        ready: &mut GradientsReady,
+    ) -> Result<(), GpuError> {
+        let (conv, plan) = (unit.conv, unit.plan);
+        let channels = plan.shape.out_channels;
+        let rows = plan.output_len() / channels.max(1);
+        let (params, grads) = (self.params.ptr(&self.stream), self.grads.ptr(&self.stream));
         if let Some(bias) = &conv.bias {
             self.bias_gradient(dz, rows, channels, grads.at(bias.start))?;
         }

@@ -337,10 +337,12 @@ impl<'a> Queue<'a> {
         activations: &[Option<Activations>],
     ) -> Result<(), GpuError> {
         let kind = launch_activations(activations)?;
-        let Some(signature) = signature(name) else {
-            return Err(GpuError::Unsupported("a kernel without a signature"));
+        let Some(kernel) = self.kernels.functions.get(name) else {
+            return Err(GpuError::Unsupported(
+                "launching a kernel that was not loaded",
+            ));
         };
-        let entry = signature.entry(kind)?;
+        let entry = kernel.signature.entry(kind)?;
         self.kernels.launch(self.stream, entry, config, args)
     }
 }
