@@ -1,19 +1,20 @@
-//! Our kernels as typed functions, one module per kernel file of `kernels/`. Each module's
-//! [`kernels!`] block writes a kernel's name, its bfloat16 twin and its parameters once, and
-//! makes of them both the typed function and the kernel's [`Signature`]. [`Kernels::load`]
+//! Our kernels as typed functions, one module per kernel file of `kernels/` (the executor's
+//! own: the crate's). Each module's [`kernels!`] block writes a kernel's name, its bfloat16
+//! twin and its parameters once, and makes of them both the typed function and the kernel's
+//! [`Signature`]. [`Kernels::load`]
 //! checks every signature against the kernel's PTX, and every launch, typed or not, passes
 //! through one place that hands its arguments to the driver.
 
 mod args;
-pub mod augment;
-pub mod batchnorm;
-pub mod bias;
-pub mod collective;
-pub mod convert;
-pub mod epilogue;
-pub mod loss;
-pub mod optimizers;
-pub mod pooling;
+pub(crate) mod augment;
+pub(crate) mod batchnorm;
+pub(crate) mod bias;
+pub(crate) mod collective;
+pub(crate) mod convert;
+pub(crate) mod epilogue;
+pub(crate) mod loss;
+pub(crate) mod optimizers;
+pub(crate) mod pooling;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -303,8 +304,9 @@ impl Kernels {
         // driver copies every parameter from a value of its type. Through its pointers the
         // kernel touches only device memory; that each one addresses an allocation of the
         // extent the kernel's doc names, alive until the stream has run it, is the contract
-        // of the callers: the typed functions get views of the executor's own allocations,
-        // which it keeps until its streams are done with them, and `launch_untyped` is unsafe.
+        // of the callers: the typed functions are the crate's, called by the executor with views
+        // of its own allocations, which it keeps until its streams are done with them, and
+        // `launch_untyped` is unsafe.
         unsafe { builder.launch(config) }
             .map(|_| ())
             .map_err(|status| GpuError::Kernel {
@@ -324,7 +326,7 @@ pub struct Queue<'a> {
 
 impl<'a> Queue<'a> {
     /// Launches of `kernels` on `stream`.
-    pub fn new(kernels: &'a Kernels, stream: &'a Arc<CudaStream>) -> Self {
+    pub(crate) fn new(kernels: &'a Kernels, stream: &'a Arc<CudaStream>) -> Self {
         Queue { kernels, stream }
     }
 
