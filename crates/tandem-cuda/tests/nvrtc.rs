@@ -150,6 +150,39 @@ fn every_kernel_file_compiles_for_sm_90() {
     );
 }
 
+/// Every kernel's typed signature (`executor::kernels`) declares the parameters of its PTX
+/// entry points, its own and its bfloat16 twin's, and every entry point of every kernel file
+/// has a signature: what makes a typed launch fill its kernel's parameters one for one.
+#[test]
+fn every_kernel_signature_matches_its_ptx() {
+    let Some(probe) = common::probe_with_nvrtc("every_kernel_signature_matches_its_ptx") else {
+        return;
+    };
+    use tandem_cuda::executor::kernels::FILES;
+    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
+    assert_eq!(FILES.len(), KERNELS.len());
+    for (file, kernel) in FILES.iter().zip(KERNELS) {
+        assert_eq!(file.name, kernel.name);
+        let (compiled, _) = compiler
+            .compile(kernel)
+            .unwrap_or_else(|error| panic!("{error}"));
+        for signature in file.signatures {
+            signature
+                .check_ptx(&compiled.ptx)
+                .unwrap_or_else(|error| panic!("{}: {error}", kernel.name));
+        }
+        let mut declared: Vec<&str> = file
+            .signatures
+            .iter()
+            .flat_map(|signature| signature.entries())
+            .collect();
+        let mut entries = entry_points(kernel.source);
+        declared.sort_unstable();
+        entries.sort_unstable();
+        assert_eq!(declared, entries, "{}: entry points", kernel.name);
+    }
+}
+
 #[test]
 fn a_broken_kernel_returns_nvrtcs_log() {
     let Some(probe) = common::probe_with_nvrtc("a_broken_kernel_returns_nvrtcs_log") else {

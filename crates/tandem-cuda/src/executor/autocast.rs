@@ -16,7 +16,8 @@
 use tandem_engine::shape::Conv2dShape;
 
 use super::conv::{ConvBuffers, ConvPlan};
-use super::launch::{per_element, Arg};
+use super::kernels::{convert, Ptr};
+use super::launch::per_element;
 use super::linear::{self, Gemm};
 use super::{address, CudaExecutor, GpuError, Precision};
 
@@ -100,34 +101,20 @@ impl CudaExecutor {
     /// `to[..n] = bfloat16(from[..n])`.
     fn narrow(&self, from: u64, to: Buffer, n: usize) -> Result<(), GpuError> {
         fits(to, n)?;
-        // SAFETY: float_to_bf16(const float*, long long, unsigned short*): `from` holds n
-        // floats (the caller's operand), `to` at least n bfloat16s (checked above).
-        unsafe {
-            self.launch(
-                "float_to_bf16",
-                per_element(n),
-                &[Arg::Ptr(from), Arg::I64(n as i64), Arg::Ptr(to.address)],
-            )
-        }
+        let (from, to) = (Ptr::from_address(from), Ptr::from_address(to.address));
+        convert::float_to_bf16(&self.queue(), per_element(n), from, n as i64, to)
     }
 
     /// `to[..n] (+)= float(from[..n])`: added when `add`, else overwritten.
     fn widen(&self, from: Buffer, to: u64, n: usize, add: bool) -> Result<(), GpuError> {
         fits(from, n)?;
-        let kernel = if add {
-            "bf16_add_to_float"
+        let widen = if add {
+            convert::bf16_add_to_float
         } else {
-            "bf16_to_float"
+            convert::bf16_to_float
         };
-        // SAFETY: bf16_to_float and bf16_add_to_float(const unsigned short*, long long,
-        // float*): `from` holds n bfloat16s, `to` n floats.
-        unsafe {
-            self.launch(
-                kernel,
-                per_element(n),
-                &[Arg::Ptr(from.address), Arg::I64(n as i64), Arg::Ptr(to)],
-            )
-        }
+        let (from, to) = (Ptr::from_address(from.address), Ptr::from_address(to));
+        widen(&self.queue(), per_element(n), from, n as i64, to)
     }
 
     /// `buffers.output = conv(buffers.input, buffers.filter)` of `shape` with `plan`; in bf16

@@ -21,7 +21,9 @@ use tandem_models::workspace::Plan;
 use tandem_models::{BatchNormReducer, Model, ModelError};
 
 use super::graph::StepRun;
-use super::launch::{per_element, Arg};
+use super::kernels::collective::divide_in_place;
+use super::kernels::{Ptr, Queue};
+use super::launch::per_element;
 use super::{address, at, device, driver, CudaExecutor, GpuError};
 use crate::collective::{bucket_ops, BucketCursor, BucketOp, NcclGroup};
 use crate::nccl::UNIQUE_ID_BYTES;
@@ -292,22 +294,9 @@ impl CudaExecutor {
                 // stream waits for the group's stream before the optimizer reads it).
                 BucketOp::AllReduceSum(bucket) => unsafe { group.all_reduce_sum(base, bucket)? },
                 BucketOp::DivideByWorld(bucket) => {
-                    let n = bucket.len();
-                    let args = [
-                        Arg::Ptr(at(base, bucket.start)),
-                        Arg::I64(n as i64),
-                        Arg::F32(world_size as f32),
-                    ];
-                    // SAFETY: divide_in_place(float*, long long, float) over the bucket's
-                    // `n` floats, queued on the group's stream after its all-reduce.
-                    unsafe {
-                        self.kernels.launch(
-                            group.stream(),
-                            "divide_in_place",
-                            per_element(n),
-                            &args,
-                        )?
-                    };
+                    let (n, queue) = (bucket.len(), Queue::new(&self.kernels, group.stream()));
+                    let floats = Ptr::from_address(at(base, bucket.start));
+                    divide_in_place(&queue, per_element(n), floats, n as i64, world_size as f32)?;
                 }
                 BucketOp::HandBack => group.hand_back(
                     &self.stream,

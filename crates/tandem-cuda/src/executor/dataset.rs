@@ -23,7 +23,8 @@ use tandem_models::Executor;
 use tandem_models::{LossOptions, Model, ModelError};
 
 use super::error::{driver, int, same_length};
-use super::launch::{per_element, Arg};
+use super::kernels::{augment, Ptr};
+use super::launch::per_element;
 use super::scalars::EPOCH_OFFSET;
 use super::{address, device, CudaExecutor, GpuError};
 
@@ -155,14 +156,6 @@ impl DevicePixels {
             HostPixels::F32(floats) => stream.clone_htod(floats).map(DevicePixels::F32),
         };
         copied.map_err(driver("cuMemcpyHtoDAsync"))
-    }
-
-    /// The address of the first value, and the augmentation kernel for this kind of value.
-    fn address_and_kernel(&self, stream: &CudaStream) -> (u64, &'static str) {
-        match self {
-            DevicePixels::U8(bytes) => (address(bytes, stream), "augment_apply"),
-            DevicePixels::F32(floats) => (address(floats, stream), "augment_apply_f32"),
-        }
     }
 }
 
@@ -398,59 +391,72 @@ impl CudaExecutor {
             });
         }
         let settings = dataset.settings;
-        let stream = &self.stream;
-        let (pixels, apply) = dataset.pixels.address_and_kernel(stream);
-        let (indices_address, draws, mean, std) = (
-            address(&dataset.indices, stream) + (first * std::mem::size_of::<u32>()) as u64,
-            address(&dataset.draws, stream),
-            address(&dataset.mean, stream),
-            address(&dataset.std, stream),
+        let (stream, queue) = (&self.stream, self.queue());
+        let indices = Ptr::of(&dataset.indices, stream).at(first);
+        let (draws, mean, std) = (
+            Ptr::of(&dataset.draws, stream),
+            Ptr::of(&dataset.mean, stream),
+            Ptr::of(&dataset.std, stream),
+        );
+        let (epoch, output) = (
+            Ptr::from_address(self.scalars_at(EPOCH_OFFSET)),
+            Ptr::from_address(output),
         );
         let batch_int = int("batch", batch)?;
         let padding = int("crop padding", settings.crop_padding)?;
-        // SAFETY: augment_draws(const unsigned*, int, u64, const u64*, int, int, int*): one
-        // thread per sample reads the epoch (8 bytes at its offset of the step scalars) and
-        // indices[first + s] and writes draws[3s..3s+3]; the indices hold at least
-        // `first + batch`, the draws 3 * batch (grown with them) elements (checked above).
-        // augment_apply(const unsigned char*, ...) and augment_apply_f32(const float*, ...),
-        // each chosen with pixels of its type, (..., const unsigned*, const int*, int, int,
-        // int, int, int, const float*, const float*, float*): one thread per output value,
-        // writing output[i] for i < batch * image_len ≤ capacity (checked above) and reading
-        // image indices[s] < len (checked by `device_indices`) of the pixels, which hold
-        // len * image_len values (checked at upload), and mean/std of 3 floats (c % 3).
-        // Every buffer lives in `dataset` or the caller's storage, which outlive the stream's
-        // work: the next use of either is ordered after it on this one stream.
-        unsafe {
-            self.launch(
-                "augment_draws",
-                per_element(batch),
-                &[
-                    Arg::Ptr(indices_address),
-                    Arg::I32(batch_int),
-                    Arg::U64(settings.seed),
-                    Arg::Ptr(self.scalars_at(EPOCH_OFFSET)),
-                    Arg::I32(padding),
-                    Arg::I32(i32::from(settings.horizontal_flip)),
-                    Arg::Ptr(draws),
-                ],
-            )?;
-            self.launch(
-                apply,
-                per_element(values),
-                &[
-                    Arg::Ptr(pixels),
-                    Arg::Ptr(indices_address),
-                    Arg::Ptr(draws),
-                    Arg::I32(batch_int),
-                    Arg::I32(int("image height", shape.height)?),
-                    Arg::I32(int("image width", shape.width)?),
-                    Arg::I32(int("image channels", shape.channels)?),
-                    Arg::I32(padding),
-                    Arg::Ptr(mean),
-                    Arg::Ptr(std),
-                    Arg::Ptr(output),
-                ],
-            )
+        let flip = i32::from(settings.horizontal_flip);
+        // One thread per sample reads the epoch and indices[first + s] and writes
+        // draws[3s..3s+3]: the indices hold at least `first + batch`, the draws 3 * batch
+        // (grown with them) elements (checked above).
+        augment::augment_draws(
+            &queue,
+            per_element(batch),
+            indices,
+            batch_int,
+            settings.seed,
+            epoch,
+            padding,
+            flip,
+            draws,
+        )?;
+        // One thread per output value writes output[i] for i < batch * image_len ≤ capacity
+        // (checked above) and reads image indices[s] < len (checked by `device_indices`) of
+        // the pixels, which hold len * image_len values (checked at upload).
+        let height = int("image height", shape.height)?;
+        let width = int("image width", shape.width)?;
+        let channels = int("image channels", shape.channels)?;
+        let config = per_element(values);
+        match &dataset.pixels {
+            DevicePixels::U8(bytes) => augment::augment_apply(
+                &queue,
+                config,
+                Ptr::of(bytes, stream),
+                indices,
+                draws,
+                batch_int,
+                height,
+                width,
+                channels,
+                padding,
+                mean,
+                std,
+                output,
+            ),
+            DevicePixels::F32(floats) => augment::augment_apply_f32(
+                &queue,
+                config,
+                Ptr::of(floats, stream),
+                indices,
+                draws,
+                batch_int,
+                height,
+                width,
+                channels,
+                padding,
+                mean,
+                std,
+                output,
+            ),
         }
     }
 }

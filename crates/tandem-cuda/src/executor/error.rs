@@ -34,15 +34,25 @@ pub enum GpuError {
         /// The driver's status.
         status: DriverError,
     },
-    /// A launch's arguments do not match its kernel's parameters (read from the PTX).
+    /// A launch's arguments do not match its kernel's signature.
     #[error("kernel {kernel}: launched with {found}, its parameters are {expected}")]
     KernelArguments {
         /// The kernel's name.
         kernel: &'static str,
-        /// The parameters its PTX declares.
+        /// The parameters of its signature.
         expected: String,
         /// The arguments of the launch.
         found: String,
+    },
+    /// A kernel's signature does not match the parameters its PTX declares.
+    #[error("kernel {kernel}: its signature is {signature}, its PTX declares {ptx}")]
+    KernelSignature {
+        /// The kernel's entry point.
+        kernel: &'static str,
+        /// The parameters of its signature.
+        signature: String,
+        /// The parameters of its PTX entry, or `no entry`.
+        ptx: String,
     },
     /// A cuDNN call failed.
     #[error("cuDNN: {call} failed: {status:?}")]

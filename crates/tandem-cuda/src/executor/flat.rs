@@ -13,6 +13,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use super::error::{driver, GpuError};
+use super::kernels::Ptr;
 use super::{address, at};
 
 /// A flat buffer of `len` floats starting `offset` floats into its allocation.
@@ -76,6 +77,11 @@ impl FlatBuffer {
     /// The device address of value 0.
     pub fn address(&self, stream: &CudaStream) -> u64 {
         at(address(&self.allocation, stream), self.offset)
+    }
+
+    /// The first value as a kernel argument.
+    pub fn ptr(&self, stream: &CudaStream) -> Ptr<f32> {
+        Ptr::from_address(self.address(stream))
     }
 
     /// Values `range` (of the buffer's own indices).

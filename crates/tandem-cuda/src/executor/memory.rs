@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use tandem_models::workspace::{Mode, Plan};
 
 use super::error::{driver, GpuError};
-use super::launch::{channel_groups, row_blocks, FUNCTIONS};
+use super::launch::{channel_groups, row_blocks};
 use super::{address, Precision};
 
 /// The element type of a plan's activations: every slot but the images', the gradients at
@@ -37,22 +37,6 @@ impl Activations {
         match self {
             Activations::F32 => 4,
             Activations::Bf16 => 2,
-        }
-    }
-
-    /// The kernel `name` for these activations: itself for float32, its `_bf16` twin (in
-    /// [`FUNCTIONS`]) for bfloat16; an error for a kernel that has none.
-    pub fn kernel(self, name: &'static str) -> Result<&'static str, GpuError> {
-        match self {
-            Activations::F32 => Ok(name),
-            Activations::Bf16 => FUNCTIONS
-                .iter()
-                .flat_map(|(_, names)| names.iter())
-                .find(|twin| twin.strip_suffix("_bf16") == Some(name))
-                .copied()
-                .ok_or(GpuError::Unsupported(
-                    "a kernel over activations without a bfloat16 twin",
-                )),
         }
     }
 }
@@ -514,26 +498,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bfloat16_activations_take_each_kernels_twin() {
+    fn bfloat16_activations_are_two_bytes_an_element() {
         let bf16 = Activations::of(Precision::Bf16);
         assert_eq!(bf16, Activations::Bf16);
         assert_eq!(Activations::of(Precision::Tf32), Activations::F32);
         assert_eq!(bf16.bytes(), 2);
         assert_eq!(Activations::F32.bytes(), 4);
-        for name in [
-            "bn_stats",
-            "bn_apply",
-            "relu_backward",
-            "average_pool_backward",
-        ] {
-            assert_eq!(Activations::F32.kernel(name).unwrap(), name);
-            assert_eq!(bf16.kernel(name).unwrap(), format!("{name}_bf16"));
-        }
-        // A kernel that reads no activation has no twin: launching it for bfloat16 ones is
-        // a mistake, named.
-        assert!(matches!(
-            bf16.kernel("sgd_step"),
-            Err(GpuError::Unsupported(_))
-        ));
     }
 }

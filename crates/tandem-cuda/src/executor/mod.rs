@@ -27,6 +27,7 @@ pub mod error;
 pub mod flat;
 pub mod graph;
 mod host_grads;
+pub mod kernels;
 pub mod launch;
 pub mod linear;
 pub mod memory;
@@ -62,7 +63,8 @@ use error::{driver, same_length};
 use flat::FlatBuffer;
 use graph::{GraphSchedule, OptimizerKind};
 use host_grads::HostGradients;
-use launch::{per_element, Arg, Kernels};
+use kernels::{optimizers, Kernels, Ptr, Queue};
+use launch::per_element;
 use memory::PlanStorages;
 use micro_batches::MicroBatchBuffers;
 pub use scalars::AdamScalars;
@@ -614,49 +616,41 @@ impl CudaExecutor {
     /// scalars in the step-scalar buffer.
     fn launch_optimizer(&self) -> Result<(), GpuError> {
         let n = self.host_grads.len();
-        let scalars = Arg::Ptr(self.scalars_at(OPTIMIZER_OFFSET));
-        let (params, grads) = (
-            Arg::Ptr(self.params.address(&self.stream)),
-            Arg::Ptr(self.grads.address(&self.stream)),
-        );
+        let (queue, config) = (self.queue(), per_element(n));
+        let scalars = self.scalars_at(OPTIMIZER_OFFSET);
+        let (params, grads) = (self.params.ptr(&self.stream), self.grads.ptr(&self.stream));
+        let state = |buffer| Ptr::of(buffer, &self.stream);
         match &self.optimizer {
             DeviceOptimizer::None => Err(GpuError::Unsupported("an optimizer step without state")),
             DeviceOptimizer::Sgd { momentum, .. } => {
-                let args = [
+                let scalars = Ptr::from_address(scalars);
+                optimizers::sgd_step(
+                    &queue,
+                    config,
                     params,
                     grads,
-                    Arg::Ptr(address(momentum, &self.stream)),
-                    Arg::I64(n as i64),
+                    state(momentum),
+                    n as i64,
                     scalars,
-                ];
-                // SAFETY: sgd_step(float*, const float*, float*, long long, const SgdScalars*);
-                // the three buffers hold n floats each, the scalars 24 bytes at their offset.
-                unsafe {
-                    self.kernels
-                        .launch(&self.stream, "sgd_step", per_element(n), &args)
-                }
+                )
             }
             DeviceOptimizer::Adam {
                 exp_avg,
                 exp_avg_sq,
                 ..
             } => {
-                let args = [
-                    params,
-                    grads,
-                    Arg::Ptr(address(exp_avg, &self.stream)),
-                    Arg::Ptr(address(exp_avg_sq, &self.stream)),
-                    Arg::I64(n as i64),
-                    scalars,
-                ];
-                // SAFETY: adam_step(float*, const float*, float*, float*, long long, const
-                // AdamScalars*); the four buffers hold n floats each, the scalars 36 bytes.
-                unsafe {
-                    self.kernels
-                        .launch(&self.stream, "adam_step", per_element(n), &args)
-                }
+                let (exp_avg, exp_avg_sq) = (state(exp_avg), state(exp_avg_sq));
+                let scalars = Ptr::from_address(scalars);
+                optimizers::adam_step(
+                    &queue, config, params, grads, exp_avg, exp_avg_sq, n as i64, scalars,
+                )
             }
         }
+    }
+
+    /// Launches of our kernels on the executor's stream.
+    fn queue(&self) -> Queue<'_> {
+        Queue::new(&self.kernels, &self.stream)
     }
 
     /// The optimizer state on the device, copied to the host in the slot layout of

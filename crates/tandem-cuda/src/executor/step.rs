@@ -10,10 +10,11 @@ use tandem_models::{Head, ModelError};
 
 use super::autocast::{GemmOperand, Role};
 use super::error::driver;
-use super::launch::{per_element, Arg};
+use super::kernels::{batchnorm, epilogue, loss, pooling, ActPtr, Ptr};
+use super::launch::per_element;
 use super::linear::LinearShape;
-use super::memory::{Activations, StatePart};
-use super::{address, at, device, CudaExecutor, GpuError};
+use super::memory::StatePart;
+use super::{device, CudaExecutor, GpuError};
 
 /// The bad-label record's value before the loss kernel: no sample. A `static`, because a copy
 /// from pageable memory may read its source after the call returns.
@@ -53,9 +54,10 @@ impl Executor for CudaExecutor {
         self.run(|exec| {
             let plan = unit.plan;
             let addresses = exec.addresses()?;
+            // Unused pointers are null and not read (`kind` says which are).
             let (kind, residual, scale2, shift2) = match residual {
-                ResidualInput::None => (0, 0, 0, 0),
-                ResidualInput::Identity(slot) => (1, addresses.slot(slot), 0, 0),
+                ResidualInput::None => (0, ActPtr::NULL, Ptr::NULL, Ptr::NULL),
+                ResidualInput::Identity(slot) => (1, addresses.slot(slot), Ptr::NULL, Ptr::NULL),
                 ResidualInput::Normalized(projection) => (
                     2,
                     addresses.slot(projection.z),
@@ -64,23 +66,21 @@ impl Executor for CudaExecutor {
                 ),
             };
             let len = plan.output_len();
-            let args = [
-                Arg::Ptr(addresses.slot(plan.z)),
-                Arg::Ptr(addresses.state(plan, StatePart::Scale)),
-                Arg::Ptr(addresses.state(plan, StatePart::Shift)),
-                Arg::Ptr(residual),
-                Arg::Ptr(scale2),
-                Arg::Ptr(shift2),
-                Arg::I32(kind),
-                Arg::I32(i32::from(relu)),
-                Arg::I64(len as i64),
-                Arg::I32(plan.shape.out_channels as i32),
-                Arg::Ptr(addresses.slot(plan.out)),
-            ];
-            // SAFETY: bn_apply(_bf16)'s eleven parameters in order; z, the residual and out
-            // hold `len` activations, the state vectors `channels` floats; unused pointers are null and
-            // not read (residual_kind says which are).
-            unsafe { exec.launch(exec.activation_kernel("bn_apply")?, per_element(len), &args) }
+            epilogue::bn_apply(
+                &exec.queue(),
+                per_element(len),
+                addresses.slot(plan.z),
+                addresses.state(plan, StatePart::Scale),
+                addresses.state(plan, StatePart::Shift),
+                residual,
+                scale2,
+                shift2,
+                kind,
+                i32::from(relu),
+                len as i64,
+                plan.shape.out_channels as i32,
+                addresses.slot(plan.out),
+            )
         });
     }
 
@@ -89,8 +89,8 @@ impl Executor for CudaExecutor {
             let (plan, bn) = (unit.plan, unit.bn);
             let channels = plan.shape.out_channels;
             let (params, buffers) = (
-                exec.params.address(&exec.stream),
-                address(&exec.buffers, &exec.stream),
+                exec.params.ptr(&exec.stream),
+                Ptr::of(&exec.buffers, &exec.stream),
             );
             let (invstd, scale, shift) = {
                 let addresses = exec.addresses()?;
@@ -100,40 +100,40 @@ impl Executor for CudaExecutor {
                     addresses.state(plan, StatePart::Shift),
                 )
             };
-            let args = [
-                Arg::I32(channels as i32),
-                Arg::Ptr(at(params, bn.weight.start)),
-                Arg::Ptr(at(params, bn.bias.start)),
-                Arg::Ptr(at(buffers, bn.running_mean.start)),
-                Arg::Ptr(at(buffers, bn.running_var.start)),
-                Arg::Ptr(invstd),
-                Arg::Ptr(scale),
-                Arg::Ptr(shift),
-            ];
-            // SAFETY: bn_eval_coefficients' eight parameters in order, `channels` floats each.
-            unsafe { exec.launch("bn_eval_coefficients", per_element(channels), &args) }?;
+            batchnorm::bn_eval_coefficients(
+                &exec.queue(),
+                per_element(channels),
+                channels as i32,
+                params.at(bn.weight.start),
+                params.at(bn.bias.start),
+                buffers.at(bn.running_mean.start),
+                buffers.at(bn.running_var.start),
+                invstd,
+                scale,
+                shift,
+            )?;
             exec.conv_forward(unit, output)?;
             let addresses = exec.addresses()?;
             let out = addresses.slot(output);
-            let residual = residual.map_or(0, |slot| addresses.slot(slot));
+            let residual = residual.map_or(ActPtr::NULL, |slot| addresses.slot(slot));
             let len = plan.output_len();
-            let args = [
-                Arg::Ptr(out),
-                Arg::Ptr(scale),
-                Arg::Ptr(shift),
-                Arg::Ptr(residual),
-                Arg::Ptr(0),
-                Arg::Ptr(0),
-                Arg::I32(i32::from(residual != 0)),
-                Arg::I32(i32::from(relu)),
-                Arg::I64(len as i64),
-                Arg::I32(channels as i32),
-                Arg::Ptr(out),
-            ];
-            // SAFETY: bn_apply in place: each thread reads x[i] before it writes out[i] and
-            // touches no other element; the residual slot is not the output (the planner keeps
-            // it live).
-            unsafe { exec.launch(exec.activation_kernel("bn_apply")?, per_element(len), &args) }
+            // In place: each thread reads x[i] before it writes out[i] and touches no other
+            // element; the residual slot is not the output (the planner keeps it live).
+            epilogue::bn_apply(
+                &exec.queue(),
+                per_element(len),
+                out,
+                scale,
+                shift,
+                residual,
+                Ptr::NULL,
+                Ptr::NULL,
+                i32::from(residual.non_null().is_some()),
+                i32::from(relu),
+                len as i64,
+                channels as i32,
+                out,
+            )
         });
     }
 
@@ -141,31 +141,26 @@ impl Executor for CudaExecutor {
         self.run(|exec| {
             let batch = features.shape.batch;
             let pixels = features.shape.out_height() * features.shape.out_width();
-            let params = exec.params.address(&exec.stream);
+            let params = exec.params.ptr(&exec.stream);
             let (input, pooled, logits) = {
                 let addresses = exec.addresses()?;
                 (
                     addresses.slot(features.out),
-                    address(&addresses.storage.pooled, &exec.stream),
-                    address(&addresses.storage.logits, &exec.stream),
+                    Ptr::of(&addresses.storage.pooled, &exec.stream),
+                    Ptr::of(&addresses.storage.logits, &exec.stream),
                 )
             };
-            // SAFETY: average_pool_forward(_bf16)(const Act*, int, int, int, float*): the
-            // features hold batch * pixels * channels activations, pooled batch * channels
-            // floats.
-            unsafe {
-                exec.launch(
-                    exec.activation_kernel("average_pool_forward")?,
-                    per_element(batch * head.in_features),
-                    &[
-                        Arg::Ptr(input),
-                        Arg::I32(batch as i32),
-                        Arg::I32(pixels as i32),
-                        Arg::I32(head.in_features as i32),
-                        Arg::Ptr(pooled),
-                    ],
-                )
-            }?;
+            // The features hold batch * pixels * channels activations, pooled batch *
+            // channels floats.
+            pooling::average_pool_forward(
+                &exec.queue(),
+                per_element(batch * head.in_features),
+                input,
+                batch as i32,
+                pixels as i32,
+                head.in_features as i32,
+                pooled,
+            )?;
             let shape = LinearShape {
                 batch,
                 inputs: head.in_features,
@@ -176,21 +171,20 @@ impl Executor for CudaExecutor {
             exec.linear_gemm(
                 &shape.forward()?,
                 GemmOperand {
-                    address: at(params, head.weight.start),
+                    address: params.at(head.weight.start).address(),
                     len: head.weight.len(),
                     role: Role::Filter,
                 },
                 GemmOperand {
-                    address: pooled,
+                    address: pooled.address(),
                     len: batch * head.in_features,
                     role: Role::Input,
                 },
-                logits,
+                logits.address(),
             )?;
             exec.bias_add(
-                logits,
-                Activations::F32,
-                at(params, head.bias.start),
+                ActPtr::f32(logits),
+                params.at(head.bias.start),
                 batch * head.classes,
                 head.classes,
             )
@@ -237,28 +231,16 @@ impl Executor for CudaExecutor {
         self.run(|exec| {
             let addresses = exec.addresses()?;
             let (values, relu_out) = (addresses.grad(grad), addresses.slot(output));
-            // SAFETY: relu_backward(_bf16)(const Act*, const Act*, long long, Act*) in place:
-            // each thread reads and writes only element i; both buffers hold `len`
-            // activations.
-            unsafe {
-                exec.launch(
-                    exec.activation_kernel("relu_backward")?,
-                    per_element(len),
-                    &[
-                        Arg::Ptr(values),
-                        Arg::Ptr(relu_out),
-                        Arg::I64(len as i64),
-                        Arg::Ptr(values),
-                    ],
-                )
-            }
+            // In place: each thread reads and writes only element i.
+            let config = per_element(len);
+            epilogue::relu_backward(&exec.queue(), config, values, relu_out, len as i64, values)
         });
     }
 
     fn copy_gradient(&mut self, from: GradBuffer, to: GradBuffer, len: usize) {
         self.run(|exec| {
             let addresses = exec.addresses()?;
-            let (source, target) = (addresses.grad(from), addresses.grad(to));
+            let (source, target) = (addresses.grad(from).address(), addresses.grad(to).address());
             let bytes = len * addresses.storage.sizes.activations.bytes();
             // SAFETY: two distinct gradient buffers of grad_len ≥ len activations, on the
             // stream.
@@ -321,39 +303,29 @@ impl CudaExecutor {
         let storage = self.storage()?;
         let batch = storage.shape.1;
         let classes = storage.sizes.logits / batch.max(1);
-        let pointer = |slice: u64| Arg::Ptr(slice);
-        let (logits, labels_address, probabilities, sample_loss, bad_sample, loss) = (
-            address(&storage.logits, stream),
-            address(&storage.labels, stream),
-            address(&storage.probabilities, stream),
-            address(&storage.sample_loss, stream),
-            address(&storage.bad_sample, stream),
-            address(&storage.loss, stream),
+        let (logits, labels, probabilities, sample_loss, bad_sample, loss) = (
+            Ptr::of(&storage.logits, stream),
+            Ptr::of(&storage.labels, stream),
+            Ptr::of(&storage.probabilities, stream),
+            Ptr::of(&storage.sample_loss, stream),
+            Ptr::of(&storage.bad_sample, stream),
+            Ptr::of(&storage.loss, stream),
         );
-        // SAFETY: cross_entropy_rows(const float*, const unsigned*, int, int, float, float*,
-        // double*, int*): logits and probabilities hold batch * classes floats, sample_loss
-        // batch doubles. cross_entropy_mean(const double*, int, float*): one thread.
-        unsafe {
-            self.launch(
-                "cross_entropy_rows",
-                per_element(batch),
-                &[
-                    pointer(logits),
-                    pointer(labels_address),
-                    Arg::I32(batch as i32),
-                    Arg::I32(classes as i32),
-                    Arg::F32(label_smoothing),
-                    pointer(probabilities),
-                    pointer(sample_loss),
-                    pointer(bad_sample),
-                ],
-            )?;
-            self.launch(
-                "cross_entropy_mean",
-                per_element(1),
-                &[pointer(sample_loss), Arg::I32(batch as i32), pointer(loss)],
-            )
-        }
+        let queue = self.queue();
+        loss::cross_entropy_rows(
+            &queue,
+            per_element(batch),
+            logits,
+            labels,
+            batch as i32,
+            classes as i32,
+            label_smoothing,
+            probabilities,
+            sample_loss,
+            bad_sample,
+        )?;
+        // One thread.
+        loss::cross_entropy_mean(&queue, per_element(1), sample_loss, batch as i32, loss)
     }
 
     /// Waits for the queued work and reads the mean loss of the active storage; a label out

@@ -2,7 +2,7 @@
 //! a unit's convolution and batch-norm statistics, its backward, the head's backward, and the
 //! column sums and biases they share; plus the plumbing of device addresses and kept errors.
 
-use cudarc::driver::{CudaStream, LaunchConfig};
+use cudarc::driver::CudaStream;
 use tandem_engine::shape::Conv2dShape;
 use tandem_engine::BatchNormReducer;
 use tandem_models::executor::{GradBuffer, GradTarget, GradientsReady, Unit, UnitGrad};
@@ -12,13 +12,12 @@ use tandem_models::{Head, ModelError};
 use super::autocast::{ConvBackward, GemmOperand, Role};
 use super::conv::{ConvBuffers, ConvPlan};
 use super::error::driver;
-#[cfg(doc)]
-use super::launch::Kernels;
-use super::launch::{column_sums, per_element, Arg};
+use super::kernels::{batchnorm, bias, loss, pooling, ActPtr, Ptr};
+use super::launch::{column_sums, per_element};
 use super::launch::{row_blocks, ROWS_PER_BLOCK};
 use super::linear::LinearShape;
-use super::memory::{Activations, DeviceStorage, StatePart};
-use super::{address, at, device, CudaExecutor, GpuError};
+use super::memory::{DeviceStorage, StatePart};
+use super::{address, device, CudaExecutor, GpuError};
 #[cfg(doc)]
 use tandem_models::executor::Executor;
 
@@ -29,51 +28,65 @@ pub(super) struct Addresses<'a> {
 }
 
 impl Addresses<'_> {
-    pub(super) fn slot(&self, slot: Slot) -> u64 {
-        self.storage.slots[slot].address(self.stream)
+    /// The activations of `slot` (of the plan's element type; the images slot is only ever
+    /// read as float32 by the stem's convolution, which [`Self::reads_images`] tells).
+    pub(super) fn slot(&self, slot: Slot) -> ActPtr {
+        self.activations(self.storage.slots[slot].address(self.stream))
     }
     /// Whether `unit` reads the images, float32 whatever the activations.
     pub(super) fn reads_images(&self, unit: &UnitPlan) -> bool {
         unit.index == self.storage.image_reader
     }
-    pub(super) fn grad(&self, buffer: GradBuffer) -> u64 {
-        self.storage.grads[buffer.0].address(self.stream)
+    pub(super) fn grad(&self, buffer: GradBuffer) -> ActPtr {
+        self.activations(self.storage.grads[buffer.0].address(self.stream))
     }
-    pub(super) fn state(&self, unit: &UnitPlan, part: StatePart) -> u64 {
+    /// The batch norm's input gradient.
+    pub(super) fn dz(&self) -> ActPtr {
+        self.activations(self.storage.dz.address(self.stream))
+    }
+    pub(super) fn state(&self, unit: &UnitPlan, part: StatePart) -> Ptr<f32> {
         let offset = self.storage.sizes.bn_state.offset(unit.index, part);
-        at(address(&self.storage.bn_state, self.stream), offset)
+        Ptr::of(&self.storage.bn_state, self.stream).at(offset)
+    }
+    /// The column sums' partial sums, arrival counters and totals.
+    pub(super) fn column_scratch(&self) -> (Ptr<f64>, Ptr<u32>, Ptr<f64>) {
+        let storage = self.storage;
+        (
+            Ptr::of(&storage.partials, self.stream),
+            Ptr::of(&storage.arrivals, self.stream),
+            Ptr::of(&storage.totals, self.stream),
+        )
+    }
+    fn activations(&self, address: u64) -> ActPtr {
+        ActPtr::new(address, self.storage.sizes.activations)
     }
 }
 
 /// Where `bn_stats` writes a batch norm's training coefficients and updates its running
-/// statistics (device addresses of `channels` floats each).
+/// statistics (`channels` floats each).
 pub(super) struct TrainCoefficients {
-    pub(super) weight: u64,
-    pub(super) bias: u64,
-    pub(super) running_mean: u64,
-    pub(super) running_var: u64,
-    pub(super) mean: u64,
-    pub(super) invstd: u64,
-    pub(super) scale: u64,
-    pub(super) shift: u64,
+    pub(super) weight: Ptr<f32>,
+    pub(super) bias: Ptr<f32>,
+    pub(super) running_mean: Ptr<f32>,
+    pub(super) running_var: Ptr<f32>,
+    pub(super) mean: Ptr<f32>,
+    pub(super) invstd: Ptr<f32>,
+    pub(super) scale: Ptr<f32>,
+    pub(super) shift: Ptr<f32>,
 }
 
 impl TrainCoefficients {
-    /// The eight pointers as the kernels take them (`weight, bias, running_mean, running_var,
-    /// mean, invstd, scale, shift`).
-    fn args(&self) -> [Arg; 8] {
-        [
-            self.weight,
-            self.bias,
-            self.running_mean,
-            self.running_var,
-            self.mean,
-            self.invstd,
-            self.scale,
-            self.shift,
-        ]
-        .map(Arg::Ptr)
-    }
+    /// No coefficients: `bn_stats` computes the totals alone.
+    const NULL: TrainCoefficients = TrainCoefficients {
+        weight: Ptr::NULL,
+        bias: Ptr::NULL,
+        running_mean: Ptr::NULL,
+        running_var: Ptr::NULL,
+        mean: Ptr::NULL,
+        invstd: Ptr::NULL,
+        scale: Ptr::NULL,
+        shift: Ptr::NULL,
+    };
 }
 
 impl CudaExecutor {
@@ -96,11 +109,6 @@ impl CudaExecutor {
         self.storages.active().ok_or(GpuError::NotPrepared)
     }
 
-    /// The kernel `name` for the active plan's activations (its `_bf16` twin for bfloat16).
-    pub(super) fn activation_kernel(&self, name: &'static str) -> Result<&'static str, GpuError> {
-        self.storage()?.sizes.activations.kernel(name)
-    }
-
     pub(super) fn addresses(&self) -> Result<Addresses<'_>, GpuError> {
         Ok(Addresses {
             storage: self.storage()?,
@@ -108,114 +116,71 @@ impl CudaExecutor {
         })
     }
 
-    /// `launch` of the executor's kernels on its stream.
-    ///
-    /// # Safety
-    /// As [`Kernels::launch`].
-    pub(super) unsafe fn launch(
-        &self,
-        name: &'static str,
-        config: LaunchConfig,
-        args: &[Arg],
-    ) -> Result<(), GpuError> {
-        // SAFETY: the caller's contract.
-        unsafe { self.kernels.launch(&self.stream, name, config, args) }
-    }
-
-    /// `totals = [rows, Σx…, Σx²…]` of the `[rows, channels]` tensor of `kind` at `values`, in the
+    /// `totals = [rows, Σx…, Σx²…]` of the `[rows, channels]` activations at `values`, in the
     /// fixed two-pass order of `batchnorm.cu`, in one launch; with `coefficients`, also a
     /// batch norm's training coefficients and running statistics from those totals.
     pub(super) fn column_totals(
         &self,
-        values: u64,
-        kind: Activations,
+        values: ActPtr,
         rows: usize,
         channels: usize,
         coefficients: Option<&TrainCoefficients>,
     ) -> Result<(), GpuError> {
-        let addresses = self.addresses()?;
-        let storage = addresses.storage;
-        let [weight, bias, running_mean, running_var, mean, invstd, scale, shift] =
-            coefficients.map_or([Arg::Ptr(0); 8], TrainCoefficients::args);
-        // SAFETY: bn_stats(_bf16)(const Act*, int, int, int, double*, unsigned int*, double*,
-        // const float* x2, float* x6): `values` holds rows * channels values of `kind`; partials holds at
-        // least row_blocks * 2 * channels doubles and arrivals one zero per channel group
-        // (StorageSizes: the maxima over the plan); totals holds 1 + 2 * channels doubles;
-        // each coefficient pointer addresses `channels` floats, or all are null.
-        unsafe {
-            self.launch(
-                kind.kernel("bn_stats")?,
-                column_sums(channels, row_blocks(rows)),
-                &[
-                    Arg::Ptr(values),
-                    Arg::I32(rows as i32),
-                    Arg::I32(channels as i32),
-                    Arg::I32(ROWS_PER_BLOCK as i32),
-                    Arg::Ptr(address(&storage.partials, &self.stream)),
-                    Arg::Ptr(address(&storage.arrivals, &self.stream)),
-                    Arg::Ptr(address(&storage.totals, &self.stream)),
-                    weight,
-                    bias,
-                    running_mean,
-                    running_var,
-                    mean,
-                    invstd,
-                    scale,
-                    shift,
-                ],
-            )
-        }
+        // The storage's scratch holds the largest column sums of the plan (`StorageSizes`).
+        let (partials, arrivals, totals) = self.addresses()?.column_scratch();
+        let c = coefficients.unwrap_or(&TrainCoefficients::NULL);
+        batchnorm::bn_stats(
+            &self.queue(),
+            column_sums(channels, row_blocks(rows)),
+            values,
+            rows as i32,
+            channels as i32,
+            ROWS_PER_BLOCK as i32,
+            partials,
+            arrivals,
+            totals,
+            c.weight,
+            c.bias,
+            c.running_mean,
+            c.running_var,
+            c.mean,
+            c.invstd,
+            c.scale,
+            c.shift,
+        )
     }
 
-    /// `grad_bias += column sums of the [rows, channels] gradient at values` (of `kind`).
+    /// `grad_bias += column sums of the [rows, channels] gradient at values`.
     pub(super) fn bias_gradient(
         &self,
-        values: u64,
-        kind: Activations,
+        values: ActPtr,
         rows: usize,
         channels: usize,
-        grad_bias: u64,
+        grad_bias: Ptr<f32>,
     ) -> Result<(), GpuError> {
-        self.column_totals(values, kind, rows, channels, None)?;
-        let totals = address(&self.storage()?.totals, &self.stream);
-        // SAFETY: add_channel_sums(const double*, int, float*): totals as bn_stats wrote
-        // them; grad_bias holds `channels` floats.
-        unsafe {
-            self.launch(
-                "add_channel_sums",
-                per_element(channels),
-                &[
-                    Arg::Ptr(totals),
-                    Arg::I32(channels as i32),
-                    Arg::Ptr(grad_bias),
-                ],
-            )
-        }
+        self.column_totals(values, rows, channels, None)?;
+        let totals = Ptr::of(&self.storage()?.totals, &self.stream);
+        let config = per_element(channels);
+        bias::add_channel_sums(&self.queue(), config, totals, channels as i32, grad_bias)
     }
 
-    /// `values[i] += bias[i % channels]` over `n` values of `kind`.
+    /// `values[i] += bias[i % channels]` over `n` activations.
     pub(super) fn bias_add(
         &self,
-        values: u64,
-        kind: Activations,
-        bias: u64,
+        values: ActPtr,
+        bias: Ptr<f32>,
         n: usize,
         channels: usize,
     ) -> Result<(), GpuError> {
-        // SAFETY: bias_add(_bf16)(float* or bf16_bits*, const float*, long long, int); `values`
-        // holds n values of `kind` and `bias` `channels` floats.
-        unsafe {
-            self.launch(
-                kind.kernel("bias_add")?,
-                per_element(n),
-                &[
-                    Arg::Ptr(values),
-                    Arg::Ptr(bias),
-                    Arg::I64(n as i64),
-                    Arg::I32(channels as i32),
-                ],
-            )
-        }
+        let config = per_element(n);
+        bias::bias_add(
+            &self.queue(),
+            config,
+            values,
+            bias,
+            n as i64,
+            channels as i32,
+        )
     }
 
     /// The plan of the convolution of `shape` under the executor's settings, which
@@ -229,13 +194,13 @@ impl CudaExecutor {
     /// `output slot = conv(input slot) [+ bias]`.
     pub(super) fn conv_forward(&mut self, unit: Unit, output: Slot) -> Result<(), GpuError> {
         let shape = unit.plan.shape;
-        let (input, input_is_f32, output_address, params, workspace) = {
+        let (input, input_is_f32, output, params, workspace) = {
             let addresses = self.addresses()?;
             (
-                addresses.slot(unit.plan.input),
+                addresses.slot(unit.plan.input).address(),
                 addresses.reads_images(unit.plan),
                 addresses.slot(output),
-                self.params.address(&self.stream),
+                self.params.ptr(&self.stream),
                 address(&self.workspace, &self.stream),
             )
         };
@@ -246,22 +211,15 @@ impl CudaExecutor {
             &shape,
             &ConvBuffers {
                 input,
-                filter: at(params, unit.conv.weight.start),
-                output: output_address,
+                filter: params.at(unit.conv.weight.start).address(),
+                output: output.address(),
                 workspace: (workspace, workspace_len),
             },
             input_is_f32,
         )?;
         if let Some(bias) = &unit.conv.bias {
-            let bias = at(params, bias.start);
-            let kind = self.storage()?.sizes.activations;
-            self.bias_add(
-                output_address,
-                kind,
-                bias,
-                shape.output_len(),
-                shape.out_channels,
-            )?;
+            let bias = params.at(bias.start);
+            self.bias_add(output, bias, shape.output_len(), shape.out_channels)?;
         }
         Ok(())
     }
@@ -357,21 +315,20 @@ impl CudaExecutor {
         let too_few = |count: f64| {
             (count <= 1.0).then_some(tandem_engine::EngineError::BatchNormTooFewValues { count })
         };
-        let activations = self.storage().map_err(device)?.sizes.activations;
         let (z, coefficients) = {
             let addresses = self.addresses().map_err(device)?;
             let (params, buffers) = (
-                self.params.address(&self.stream),
-                address(&self.buffers, &self.stream),
+                self.params.ptr(&self.stream),
+                Ptr::of(&self.buffers, &self.stream),
             );
             let bn = unit.bn;
             (
                 addresses.slot(plan.z),
                 TrainCoefficients {
-                    weight: at(params, bn.weight.start),
-                    bias: at(params, bn.bias.start),
-                    running_mean: at(buffers, bn.running_mean.start),
-                    running_var: at(buffers, bn.running_var.start),
+                    weight: params.at(bn.weight.start),
+                    bias: params.at(bn.bias.start),
+                    running_mean: buffers.at(bn.running_mean.start),
+                    running_var: buffers.at(bn.running_var.start),
                     mean: addresses.state(plan, StatePart::Mean),
                     invstd: addresses.state(plan, StatePart::InvStd),
                     scale: addresses.state(plan, StatePart::Scale),
@@ -385,12 +342,12 @@ impl CudaExecutor {
                 if let Some(error) = too_few(count) {
                     return Err(error.into());
                 }
-                self.column_totals(z, activations, rows, channels, Some(&coefficients))
+                self.column_totals(z, rows, channels, Some(&coefficients))
                     .map_err(device)?;
                 count
             }
             mut sync => {
-                self.column_totals(z, activations, rows, channels, None)
+                self.column_totals(z, rows, channels, None)
                     .map_err(device)?;
                 self.sum_totals(1 + 2 * channels, &mut sync)
                     .map_err(device)?;
@@ -403,26 +360,23 @@ impl CudaExecutor {
                 if let Some(error) = too_few(count) {
                     return Err(error.into());
                 }
-                let totals = address(&self.storage().map_err(device)?.totals, &self.stream);
-                let [weight, bias, running_mean, running_var, mean, invstd, scale, shift] =
-                    coefficients.args();
-                let args = [
-                    Arg::Ptr(totals),
-                    Arg::I32(channels as i32),
-                    weight,
-                    bias,
-                    running_mean,
-                    running_var,
-                    mean,
-                    invstd,
-                    scale,
-                    shift,
-                ];
-                // SAFETY: bn_train_coefficients' ten parameters in order; every per-channel
-                // pointer addresses `channels` floats (the layer's ranges and the unit's
-                // state).
-                unsafe { self.launch("bn_train_coefficients", per_element(channels), &args) }
-                    .map_err(device)?;
+                let totals = Ptr::of(&self.storage().map_err(device)?.totals, &self.stream);
+                let c = &coefficients;
+                batchnorm::bn_train_coefficients(
+                    &self.queue(),
+                    per_element(channels),
+                    totals,
+                    channels as i32,
+                    c.weight,
+                    c.bias,
+                    c.running_mean,
+                    c.running_var,
+                    c.mean,
+                    c.invstd,
+                    c.scale,
+                    c.shift,
+                )
+                .map_err(device)?;
                 count
             }
         };
@@ -441,129 +395,119 @@ impl CudaExecutor {
         reducer: Option<&mut dyn BatchNormReducer>,
         ready: &mut GradientsReady,
     ) -> Result<(), GpuError> {
-        let (conv, bn, plan) = (unit.conv, unit.bn, unit.plan);
+        let (bn, plan) = (unit.bn, unit.plan);
         let channels = plan.shape.out_channels;
         let len = plan.output_len();
         let rows = len / channels.max(1);
-        let (params, grads) = (
-            self.params.address(&self.stream),
-            self.grads.address(&self.stream),
-        );
+        let (params, grads) = (self.params.ptr(&self.stream), self.grads.ptr(&self.stream));
         let count = self.storage()?.counts[plan.index];
-        let (dy, relu_out, z, mean, invstd, partials, arrivals, totals, coefficients, dz) = {
+        let (dy, relu_out, z, mean, invstd, coefficients, dz) = {
             let addresses = self.addresses()?;
-            let storage = addresses.storage;
             (
                 addresses.grad(grad_output.values),
                 grad_output
                     .relu_output
-                    .map_or(0, |slot| addresses.slot(slot)),
+                    .map_or(ActPtr::NULL, |slot| addresses.slot(slot)),
                 addresses.slot(plan.z),
                 addresses.state(plan, StatePart::Mean),
                 addresses.state(plan, StatePart::InvStd),
-                address(&storage.partials, &self.stream),
-                address(&storage.arrivals, &self.stream),
-                address(&storage.totals, &self.stream),
-                address(&storage.coefficients, &self.stream),
-                storage.dz.address(&self.stream),
+                Ptr::of(&addresses.storage.coefficients, &self.stream),
+                addresses.dz(),
             )
         };
-        let weight = at(params, bn.weight.start);
+        let (partials, arrivals, totals) = self.addresses()?.column_scratch();
+        let weight = params.at(bn.weight.start);
         let mut sync = self.totals_sync(reducer);
         let local = matches!(sync, TotalsSync::Local);
         // Without SyncBatchNorm the sums' launch also computes the coefficients.
-        let coefficients_in_sums = if local { coefficients } else { 0 };
-        // SAFETY: bn_backward_sums(_bf16)(const Act* x3, const float* x2, int, int, int,
-        // double*, unsigned int*, double*, float*, float*, double, const float*, float*): dy,
-        // relu_out (or null), z hold `len` activations, mean and invstd `channels` floats; partials holds at least
-        // row_blocks * 2 * channels doubles and arrivals one zero per channel group; totals
-        // 2 * channels doubles; the gradient ranges and the weight `channels` floats; the
-        // coefficients (or null) 3 * channels floats.
-        unsafe {
-            self.launch(
-                self.activation_kernel("bn_backward_sums")?,
-                column_sums(channels, row_blocks(rows)),
-                &[
-                    Arg::Ptr(dy),
-                    Arg::Ptr(relu_out),
-                    Arg::Ptr(z),
-                    Arg::Ptr(mean),
-                    Arg::Ptr(invstd),
-                    Arg::I32(rows as i32),
-                    Arg::I32(channels as i32),
-                    Arg::I32(ROWS_PER_BLOCK as i32),
-                    Arg::Ptr(partials),
-                    Arg::Ptr(arrivals),
-                    Arg::Ptr(totals),
-                    Arg::Ptr(at(grads, bn.weight.start)),
-                    Arg::Ptr(at(grads, bn.bias.start)),
-                    Arg::F64(count),
-                    Arg::Ptr(weight),
-                    Arg::Ptr(coefficients_in_sums),
-                ],
-            )?;
-        }
+        let coefficients_in_sums = if local { coefficients } else { Ptr::NULL };
+        batchnorm::bn_backward_sums(
+            &self.queue(),
+            column_sums(channels, row_blocks(rows)),
+            dy,
+            relu_out,
+            z,
+            mean,
+            invstd,
+            rows as i32,
+            channels as i32,
+            ROWS_PER_BLOCK as i32,
+            partials,
+            arrivals,
+            totals,
+            grads.at(bn.weight.start),
+            grads.at(bn.bias.start),
+            count,
+            weight,
+            coefficients_in_sums,
+        )?;
         if !local {
             self.sum_totals(2 * channels, &mut sync)?;
-            // SAFETY: bn_backward_coefficients(const double*, double, int, const float*, const
-            // float*, float*): totals as above, summed across processes; coefficients holds
-            // 3 * channels floats.
-            unsafe {
-                self.launch(
-                    "bn_backward_coefficients",
-                    per_element(channels),
-                    &[
-                        Arg::Ptr(totals),
-                        Arg::F64(count),
-                        Arg::I32(channels as i32),
-                        Arg::Ptr(weight),
-                        Arg::Ptr(invstd),
-                        Arg::Ptr(coefficients),
-                    ],
-                )?;
-            }
+            batchnorm::bn_backward_coefficients(
+                &self.queue(),
+                per_element(channels),
+                totals,
+                count,
+                channels as i32,
+                weight,
+                invstd,
+                coefficients,
+            )?;
         }
         self.report(bn.param_range().end, ready)?;
         // The block's output gradient, masked in place for the shortcut that reads it next.
-        let masked_dy = if grad_output.keep_masked && relu_out != 0 {
-            dy
-        } else {
-            0
+        let masked_dy = match relu_out.non_null() {
+            Some(_) if grad_output.keep_masked => dy,
+            _ => ActPtr::NULL,
         };
-        // SAFETY: bn_backward_input(_bf16)(const Act* x3, const float* x3, long long, int,
-        // Act*, Act*): dy, relu_out, z as above; dz holds at least `len` activations
-        // (grad_len); masked_dy is dy or null, each thread reading and writing only element i
-        // of it.
-        unsafe {
-            self.launch(
-                self.activation_kernel("bn_backward_input")?,
-                per_element(len),
-                &[
-                    Arg::Ptr(dy),
-                    Arg::Ptr(relu_out),
-                    Arg::Ptr(z),
-                    Arg::Ptr(mean),
-                    Arg::Ptr(invstd),
-                    Arg::Ptr(coefficients),
-                    Arg::I64(len as i64),
-                    Arg::I32(channels as i32),
-                    Arg::Ptr(dz),
-                    Arg::Ptr(masked_dy),
-                ],
-            )?;
-        }
+        batchnorm::bn_backward_input(
+            &self.queue(),
+            per_element(len),
+            dy,
+            relu_out,
+            z,
+            mean,
+            invstd,
+            coefficients,
+            len as i64,
+            channels as i32,
+            dz,
+            masked_dy,
+        )?;
+        self.conv_backward(unit, dz, grad_input, ready)
+    }
+
+    /// The convolution's part of a unit's backward, from `dz`, the batch norm's input
+    /// gradient: the bias gradient, the filter gradient and the input gradient.
+    fn conv_backward(
+        &mut self,
+        unit: Unit,
+        dz: ActPtr,
+        grad_input: GradTarget,
+        ready: &mut GradientsReady,
+    ) -> Result<(), GpuError> {
+        let (conv, plan) = (unit.conv, unit.plan);
+        let channels = plan.shape.out_channels;
+        let rows = plan.output_len() / channels.max(1);
+        let (params, grads) = (self.params.ptr(&self.stream), self.grads.ptr(&self.stream));
         if let Some(bias) = &conv.bias {
-            let kind = self.storage()?.sizes.activations;
-            self.bias_gradient(dz, kind, rows, channels, at(grads, bias.start))?;
+            self.bias_gradient(dz, rows, channels, grads.at(bias.start))?;
         }
         let (input, input_is_f32) = {
             let addresses = self.addresses()?;
-            (addresses.slot(plan.input), addresses.reads_images(plan))
+            (
+                addresses.slot(plan.input).address(),
+                addresses.reads_images(plan),
+            )
         };
         let target = match grad_input {
             GradTarget::Skip => None,
-            GradTarget::Overwrite(buffer) => Some((self.addresses()?.grad(buffer), false)),
-            GradTarget::Accumulate(buffer) => Some((self.addresses()?.grad(buffer), true)),
+            GradTarget::Overwrite(buffer) => {
+                Some((self.addresses()?.grad(buffer).address(), false))
+            }
+            GradTarget::Accumulate(buffer) => {
+                Some((self.addresses()?.grad(buffer).address(), true))
+            }
         };
         let workspace = (address(&self.workspace, &self.stream), self.workspace.len());
         let conv_plan = self.conv_plan(&plan.shape)?;
@@ -573,9 +517,9 @@ impl CudaExecutor {
             &ConvBackward {
                 input,
                 input_is_f32,
-                filter: at(params, conv.weight.start),
-                grad_output: dz,
-                grad_filter: at(grads, conv.weight.start),
+                filter: params.at(conv.weight.start).address(),
+                grad_output: dz.address(),
+                grad_filter: grads.at(conv.weight.start).address(),
                 grad_input: target,
                 workspace,
             },
@@ -599,54 +543,44 @@ impl CudaExecutor {
             inputs: head.in_features,
             outputs: classes,
         };
-        let (params, grads) = (
-            self.params.address(&self.stream),
-            self.grads.address(&self.stream),
-        );
-        let (probabilities, labels, grad_logits, pooled, grad_pooled, into_address, smoothing) = {
+        let (params, grads) = (self.params.ptr(&self.stream), self.grads.ptr(&self.stream));
+        let (probabilities, labels, grad_logits, pooled, grad_pooled, into) = {
             let addresses = self.addresses()?;
-            let storage = addresses.storage;
+            let (storage, stream) = (addresses.storage, &self.stream);
             (
-                address(&storage.probabilities, &self.stream),
-                address(&storage.labels, &self.stream),
-                address(&storage.grad_logits, &self.stream),
-                address(&storage.pooled, &self.stream),
-                address(&storage.grad_pooled, &self.stream),
+                Ptr::of(&storage.probabilities, stream),
+                Ptr::of(&storage.labels, stream),
+                Ptr::of(&storage.grad_logits, stream),
+                Ptr::of(&storage.pooled, stream),
+                Ptr::of(&storage.grad_pooled, stream),
                 addresses.grad(into),
-                self.label_smoothing,
             )
         };
-        // SAFETY: cross_entropy_backward(const float*, const unsigned*, int, int, float,
-        // float, float*): probabilities and grad_logits hold batch * classes floats.
-        unsafe {
-            self.launch(
-                "cross_entropy_backward",
-                per_element(batch * classes),
-                &[
-                    Arg::Ptr(probabilities),
-                    Arg::Ptr(labels),
-                    Arg::I32(batch as i32),
-                    Arg::I32(classes as i32),
-                    Arg::F32(smoothing),
-                    Arg::F32(loss_scale),
-                    Arg::Ptr(grad_logits),
-                ],
-            )?;
-        }
+        loss::cross_entropy_backward(
+            &self.queue(),
+            per_element(batch * classes),
+            probabilities,
+            labels,
+            batch as i32,
+            classes as i32,
+            self.label_smoothing,
+            loss_scale,
+            grad_logits,
+        )?;
         // pooled is [batch, inputs], grad_logits [batch, outputs], the weight gradient range
         // [outputs, inputs], grad_pooled [batch, inputs], as the GEMMs address them.
         let pooled = GemmOperand {
-            address: pooled,
+            address: pooled.address(),
             len: batch * head.in_features,
             role: Role::Input,
         };
         let grad_logits_operand = GemmOperand {
-            address: grad_logits,
+            address: grad_logits.address(),
             len: batch * classes,
             role: Role::Output,
         };
         let weight = GemmOperand {
-            address: at(params, head.weight.start),
+            address: params.at(head.weight.start).address(),
             len: head.weight.len(),
             role: Role::Filter,
         };
@@ -654,39 +588,33 @@ impl CudaExecutor {
             &shape.weight_gradient()?,
             pooled,
             grad_logits_operand,
-            at(grads, head.weight.start),
+            grads.at(head.weight.start).address(),
         )?;
         self.bias_gradient(
-            grad_logits,
-            Activations::F32,
+            ActPtr::f32(grad_logits),
             batch,
             classes,
-            at(grads, head.bias.start),
+            grads.at(head.bias.start),
         )?;
         self.linear_gemm(
             &shape.input_gradient()?,
             weight,
             grad_logits_operand,
-            grad_pooled,
+            grad_pooled.address(),
         )?;
         self.report(head.bias.end, ready)?;
+        // The target buffer holds batch * pixels * channels activations (the features'
+        // length ≤ grad_len).
         let pixels = features.shape.out_height() * features.shape.out_width();
-        // SAFETY: average_pool_backward(_bf16)(const float*, int, int, int, Act*): the target
-        // buffer holds batch * pixels * channels activations (the features' length ≤
-        // grad_len).
-        unsafe {
-            self.launch(
-                self.activation_kernel("average_pool_backward")?,
-                per_element(features.output_len()),
-                &[
-                    Arg::Ptr(grad_pooled),
-                    Arg::I32(batch as i32),
-                    Arg::I32(pixels as i32),
-                    Arg::I32(head.in_features as i32),
-                    Arg::Ptr(into_address),
-                ],
-            )
-        }
+        pooling::average_pool_backward(
+            &self.queue(),
+            per_element(features.output_len()),
+            grad_pooled,
+            batch as i32,
+            pixels as i32,
+            head.in_features as i32,
+            into,
+        )
     }
 }
 

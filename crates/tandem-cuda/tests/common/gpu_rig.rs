@@ -1,11 +1,12 @@
 //! GPU 0 for the kernel checks: every kernel compiled and loaded as the executor loads them
-//! ([`Kernels`]), launched with the executor's argument check, and buffers by address.
+//! ([`Kernels`]), launched by name with arguments checked against each kernel's signature,
+//! and buffers by address.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig};
-use tandem_cuda::executor::launch::{Arg, Kernels};
+use tandem_cuda::executor::kernels::{Arg, Kernels};
 use tandem_cuda::Library;
 
 use super::kernel_checks::{bytes_of, values_of, Buffer, Plain};
@@ -67,11 +68,13 @@ impl GpuRig {
     /// Runs kernel `name` over `config` with `args` and waits for it; panics with the
     /// kernel's name when the arguments do not fit its parameters or the launch fails.
     pub fn launch(&mut self, name: &'static str, config: LaunchConfig, args: &[Arg]) {
-        // SAFETY: the arguments are checked against the kernel's PTX parameters; every pointer
-        // is a buffer of this rig, sized by the check for this launch, and the rig keeps its
-        // buffers until it is dropped, after the synchronize below.
-        unsafe { self.kernels.launch(&self.stream, name, config, args) }
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        // SAFETY: every pointer is a buffer of this rig, sized by the check for this launch,
+        // and the rig keeps its buffers until it is dropped, after the synchronize below.
+        unsafe {
+            self.kernels
+                .launch_untyped(&self.stream, name, config, args)
+        }
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
         self.stream
             .synchronize()
             .unwrap_or_else(|e| panic!("{name}: {e:?}"));

@@ -1,12 +1,13 @@
 //! The CUDA kernels against the CPU engine and loader, on odd shapes (`gpu_kernels.rs` runs
 //! them, on a GPU or on the fake GPU of `tests/fake_gpu`). Launches go through the executor's
-//! [`Arg`] lists, launch shapes and argument check.
+//! untyped path ([`Arg`] lists checked against each kernel's signature) and launch shapes.
 
 use std::marker::PhantomData;
 
 use cudarc::driver::LaunchConfig;
 use tandem_cuda::bf16::f32_to_bf16_bits;
-use tandem_cuda::executor::launch::{column_sums, per_element, Arg};
+use tandem_cuda::executor::kernels::Arg;
+use tandem_cuda::executor::launch::{column_sums, per_element};
 use tandem_cuda::executor::scalars::{AdamStepScalars, OptimizerScalars, SgdScalars};
 use tandem_engine::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 
@@ -987,9 +988,9 @@ enum Written {
 /// every float32 or double it writes equals the float32 kernel's, bit for bit (both compute
 /// in float on the same numbers).
 fn twins_agree(rig: &mut GpuRig, name: &'static str, config: LaunchConfig, args: &[Twin]) {
-    let twin = tandem_cuda::executor::memory::Activations::Bf16
-        .kernel(name)
-        .unwrap_or_else(|error| panic!("{name}: {error}"));
+    let twin = tandem_cuda::executor::kernels::signature(name)
+        .and_then(|signature| signature.twin)
+        .unwrap_or_else(|| panic!("{name}: no bfloat16 twin"));
     let mut runs = Vec::new();
     for bf16 in [false, true] {
         let mut launch_args = Vec::new();
