@@ -189,6 +189,46 @@ pub struct CudaExecutor {
 // kernel thread.
 unsafe impl Send for CudaExecutor {}
 
+/// Opens GPU `settings.ordinal` once every library the executor calls has been found: its
+/// context, with `cudarc`'s event tracking off, and its architecture, which must run
+/// `settings.precision`.
+fn open_context(
+    probe: &Probe,
+    settings: &GpuSettings,
+) -> Result<(Arc<CudaContext>, GpuArch), GpuError> {
+    for library in [
+        Library::Driver,
+        Library::Nvrtc,
+        Library::Cublas,
+        Library::Cudnn,
+    ] {
+        probe.require(library)?;
+    }
+    let context = CudaContext::new(settings.ordinal).map_err(driver("CudaContext::new"))?;
+    // SAFETY: before any allocation, so no slice of this context records events. The
+    // contract (ordering between streams is ours) holds: every launch, copy and library
+    // call runs on the executor's one stream, in order, and the NCCL group's stream orders
+    // itself against it with events of its own (`NcclGroup::wait_for`/`hand_back`). With
+    // tracking on, the executor's own stream would make every `device_ptr` wait on and
+    // record per-slice events, which inside a stream capture would wait on events
+    // recorded outside it.
+    unsafe { context.disable_event_tracking() };
+    let (major, minor) = context
+        .compute_capability()
+        .map_err(driver("cuDeviceGetAttribute(compute capability)"))?;
+    let arch = GpuArch {
+        major: major as u32,
+        minor: minor as u32,
+    };
+    if !precision_supported(settings.precision, arch) {
+        return Err(GpuError::Bf16NeedsAmpere {
+            ordinal: settings.ordinal,
+            arch,
+        });
+    }
+    Ok((context, arch))
+}
+
 impl CudaExecutor {
     /// Opens GPU `settings.ordinal`, compiles our kernels (with the PTX cache in `cache`, whose
     /// folder also keeps the chosen convolution algorithms, `algorithm_store.rs`) and
@@ -209,36 +249,7 @@ impl CudaExecutor {
                 .filter(|tensor| tensor.kind == TensorKind::Param && tensor.shape.len() == 4)
                 .map(|tensor| tensor.offset),
         );
-        for library in [
-            Library::Driver,
-            Library::Nvrtc,
-            Library::Cublas,
-            Library::Cudnn,
-        ] {
-            probe.require(library)?;
-        }
-        let context = CudaContext::new(settings.ordinal).map_err(driver("CudaContext::new"))?;
-        // SAFETY: before any allocation, so no slice of this context records events. The
-        // contract (ordering between streams is ours) holds: every launch, copy and library
-        // call runs on the executor's one stream, in order, and the NCCL group's stream orders
-        // itself against it with events of its own (`NcclGroup::wait_for`/`hand_back`). With
-        // tracking on, the second stream below would make every `device_ptr` wait on and
-        // record per-slice events, which inside a stream capture would wait on events
-        // recorded outside it.
-        unsafe { context.disable_event_tracking() };
-        let (major, minor) = context
-            .compute_capability()
-            .map_err(driver("cuDeviceGetAttribute(compute capability)"))?;
-        let arch = GpuArch {
-            major: major as u32,
-            minor: minor as u32,
-        };
-        if !precision_supported(settings.precision, arch) {
-            return Err(GpuError::Bf16NeedsAmpere {
-                ordinal: settings.ordinal,
-                arch,
-            });
-        }
+        let (context, arch) = open_context(probe, &settings)?;
         let algorithm_store = match &cache {
             Some(cache) => Some(AlgorithmStore::new(
                 cache.clone(),

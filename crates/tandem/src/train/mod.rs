@@ -35,7 +35,7 @@ use tandem_metrics::{write_history, EpochRecord};
 use tandem_models::training_device::{
     update_host, with_host_grads, NcclJoin, StepConditions, StepRequest, StepRun, TrainBatch,
 };
-use tandem_models::{BatchNormReducer, LossOptions, Model, TrainingDevice};
+use tandem_models::{BatchNormReducer, LossOptions, Model, ModelSpec, TrainingDevice};
 
 use crate::backend::{Backend, BackendRequest};
 use crate::checkpoint_info::{checkpoint_epoch, checkpoint_name, CheckpointInfo};
@@ -97,6 +97,137 @@ pub fn run(options: TrainOptions) -> anyhow::Result<()> {
         snapshot: trainer.shown(&trainer.settings.snapshot),
     }
     .into())
+}
+
+/// Rank 0's uploads of the run's staging `places` to object storage, if it has any; a failed
+/// upload sets `stop_requested`.
+fn start_mirror(
+    storage: tandem_remote::Storage,
+    places: Vec<(std::path::PathBuf, tandem_remote::ObjectUrl)>,
+    stop_requested: &Arc<AtomicBool>,
+) -> anyhow::Result<Option<Mirror>> {
+    if places.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(Mirror::start(
+        storage,
+        places,
+        Arc::clone(stop_requested),
+    )?))
+}
+
+/// The run's model, initialized from the seed or from `--init-from` (`given` names it as the
+/// user wrote it), and how the banner names those weights.
+fn build_model(
+    settings: &TrainSettings,
+    given: &TrainSettings,
+) -> anyhow::Result<(ModelSpec, Model, Option<String>)> {
+    let spec = settings
+        .model
+        .to_spec()
+        .map_err(SettingsError::from_error)?;
+    let mut model = Model::new(&spec)?;
+    model.init_default(settings.seed);
+    let initial_weights = match (&settings.init_from, &given.init_from) {
+        (Some(local), Some(as_given)) => {
+            let progress = crate::weights::load_weights(&mut model, local)?;
+            Some(describe_initial_weights(as_given, &progress))
+        }
+        _ => None,
+    };
+    Ok((spec, model, initial_weights))
+}
+
+/// Joins the job's other processes as `place` says: the job token from the environment, the
+/// gradient buckets of `param_len` parameters.
+fn join_the_job(
+    place: &ddp::WorkerPlacement,
+    settings: &TrainSettings,
+    param_len: usize,
+) -> anyhow::Result<Ddp> {
+    let token = tandem_dist::JobToken::from_env()?
+        .context(MISSING_TOKEN)
+        .map_err(SettingsError::from_error)?;
+    let bucket_bytes = (settings.bucket_mb * 1e6) as usize;
+    Ddp::join(
+        place,
+        token,
+        Duration::from_secs_f64(settings.collective_timeout),
+        param_len,
+        bucket_bytes,
+        FIRST_BUCKET_BYTES.min(bucket_bytes),
+    )
+}
+
+/// Joins the device to the job's NCCL group (and SyncBatchNorm through it), saying so on
+/// rank 0.
+fn join_nccl(
+    compute: &mut dyn TrainingDevice,
+    ddp: &Ddp,
+    settings: &TrainSettings,
+) -> anyhow::Result<()> {
+    let timeout = Duration::from_secs_f64(settings.collective_timeout);
+    let unique_id = ddp.nccl_unique_id(timeout)?;
+    compute.join_nccl(NcclJoin {
+        unique_id: &unique_id,
+        rank: ddp.rank(),
+        world_size: ddp.world_size(),
+        timeout,
+        buckets: ddp.buckets(),
+    })?;
+    if settings.sync_bn {
+        compute.sync_batch_norm_through_nccl()?;
+    }
+    if ddp.rank() == 0 {
+        say!(
+            "gradients: averaged by NCCL on the GPUs in {} buckets as backward finishes them",
+            ddp.buckets().len()
+        );
+        if settings.sync_bn {
+            say!("sync-bn: batch statistics summed by NCCL on the GPUs");
+        }
+    }
+    Ok(())
+}
+
+/// Uploads the training set (and then the test set) to the device when it keeps them, saying
+/// so on rank 0; returns whether each is there.
+fn upload_data_sets(
+    compute: &mut dyn TrainingDevice,
+    train_set: &Arc<Dataset>,
+    test_set: &Arc<Dataset>,
+    settings: &TrainSettings,
+    normalize: Option<Normalize>,
+    rank: usize,
+) -> anyhow::Result<(bool, bool)> {
+    let batches_on_device = match host_batches_requested() {
+        true => None,
+        false => uploaded_bytes(compute.upload_train_set(dataset_upload(
+            &train_set,
+            train_augment(&settings),
+            normalize,
+            settings.seed,
+        ))?),
+    };
+    if let (Some(bytes), 0) = (batches_on_device, rank) {
+        say!(
+            "data: the training set is in GPU memory ({:.1} MB); batches are assembled there",
+            bytes as f64 / 1e6
+        );
+    }
+    let eval_on_device = match batches_on_device {
+        Some(_) => {
+            uploaded_bytes(compute.upload_eval_set(dataset_upload(&test_set, None, normalize, 0))?)
+        }
+        None => None,
+    };
+    if let (Some(bytes), 0) = (eval_on_device, rank) {
+        say!(
+            "data: the test set is in GPU memory ({:.1} MB); evaluation batches are assembled there",
+            bytes as f64 / 1e6
+        );
+    }
+    Ok((batches_on_device.is_some(), eval_on_device.is_some()))
 }
 
 /// A training run in progress.
@@ -162,28 +293,12 @@ impl Trainer {
             settings.threads = (available_cores() / local_world_size.max(1)).max(1);
         }
         given.threads = settings.threads;
-        let mirror = match localized.storage {
-            Some(storage) if rank == 0 && !localized.places.is_empty() => Some(Mirror::start(
-                storage,
-                localized.places,
-                Arc::clone(&stop_requested),
-            )?),
+        let mirror = match (localized.storage, rank) {
+            (Some(storage), 0) => start_mirror(storage, localized.places, &stop_requested)?,
             _ => None,
         };
         tandem_engine::set_threads(settings.threads);
-        let spec = settings
-            .model
-            .to_spec()
-            .map_err(SettingsError::from_error)?;
-        let mut model = Model::new(&spec)?;
-        model.init_default(settings.seed);
-        let initial_weights = match (&settings.init_from, &given.init_from) {
-            (Some(local), Some(as_given)) => {
-                let progress = crate::weights::load_weights(&mut model, local)?;
-                Some(describe_initial_weights(as_given, &progress))
-            }
-            _ => None,
-        };
+        let (spec, model, initial_weights) = build_model(&settings, &given)?;
         let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
         let test_set = Arc::new(load_split(&settings.data, settings.seed, Split::Test)?);
         check_classes(&train_set, spec.num_classes()).map_err(SettingsError::from_error)?;
@@ -200,23 +315,10 @@ impl Trainer {
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
         let optimizer = build_optimizer(&settings, schedule.lr_at(0));
         let normalize = normalization(&settings.data);
-        let ddp = match &placement {
-            Some(place) => {
-                let token = tandem_dist::JobToken::from_env()?
-                    .context(MISSING_TOKEN)
-                    .map_err(SettingsError::from_error)?;
-                let bucket_bytes = (settings.bucket_mb * 1e6) as usize;
-                Some(Ddp::join(
-                    place,
-                    token,
-                    Duration::from_secs_f64(settings.collective_timeout),
-                    model.params().len(),
-                    bucket_bytes,
-                    FIRST_BUCKET_BYTES.min(bucket_bytes),
-                )?)
-            }
-            None => None,
-        };
+        let ddp = placement
+            .as_ref()
+            .map(|place| join_the_job(place, &settings, model.params().len()))
+            .transpose()?;
         let backend = crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
         // On the ring, a job of several processes on GPUs exchanges gradients through the
         // host: the gradient-ready hook hands out host copies, the average goes back to the
@@ -226,55 +328,16 @@ impl Trainer {
         let mut compute = crate::device::open_training_device(model, device, math)?;
         compute.set_optimizer(optimizer);
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
-            let timeout = Duration::from_secs_f64(settings.collective_timeout);
-            let unique_id = ddp.nccl_unique_id(timeout)?;
-            compute.join_nccl(NcclJoin {
-                unique_id: &unique_id,
-                rank: ddp.rank(),
-                world_size: ddp.world_size(),
-                timeout,
-                buckets: ddp.buckets(),
-            })?;
-            if settings.sync_bn {
-                compute.sync_batch_norm_through_nccl()?;
-            }
-            if ddp.rank() == 0 {
-                say!(
-                    "gradients: averaged by NCCL on the GPUs in {} buckets as backward finishes them",
-                    ddp.buckets().len()
-                );
-                if settings.sync_bn {
-                    say!("sync-bn: batch statistics summed by NCCL on the GPUs");
-                }
-            }
+            join_nccl(&mut *compute, ddp, &settings)?;
         }
-        let batches_on_device = match host_batches_requested() {
-            true => None,
-            false => uploaded_bytes(compute.upload_train_set(dataset_upload(
-                &train_set,
-                train_augment(&settings),
-                normalize,
-                settings.seed,
-            ))?),
-        };
-        if let (Some(bytes), 0) = (batches_on_device, rank) {
-            say!(
-                "data: the training set is in GPU memory ({:.1} MB); batches are assembled there",
-                bytes as f64 / 1e6
-            );
-        }
-        let eval_on_device = match batches_on_device {
-            Some(_) => uploaded_bytes(
-                compute.upload_eval_set(dataset_upload(&test_set, None, normalize, 0))?,
-            ),
-            None => None,
-        };
-        if let (Some(bytes), 0) = (eval_on_device, rank) {
-            say!(
-                "data: the test set is in GPU memory ({:.1} MB); evaluation batches are assembled there",
-                bytes as f64 / 1e6
-            );
-        }
+        let (batches_on_device, eval_on_device) = upload_data_sets(
+            &mut *compute,
+            &train_set,
+            &test_set,
+            &settings,
+            normalize,
+            rank,
+        )?;
         let mut trainer = Trainer {
             settings,
             given,
@@ -286,8 +349,8 @@ impl Trainer {
             test_set,
             sampler,
             normalize,
-            batches_on_device: batches_on_device.is_some(),
-            eval_on_device: eval_on_device.is_some(),
+            batches_on_device,
+            eval_on_device,
             progress: Progress::default(),
             history: Vec::new(),
             ddp,
@@ -301,17 +364,25 @@ impl Trainer {
         if trainer.is_leader() {
             trainer.announce_start(resumed);
         }
-        if let Some(ddp) = trainer.ddp.as_mut() {
-            if trainer.compute.uses_nccl() {
-                trainer.compute.broadcast_on_device(true)?;
-                update_host(&mut *trainer.compute, |model| {
-                    ddp.agree_on_batches_tracked(model)
-                })?;
-            } else {
-                update_host(&mut *trainer.compute, |model| ddp.broadcast_model(model))?;
-            }
-        }
+        trainer.agree_on_the_model()?;
         Ok(trainer)
+    }
+
+    /// Makes every rank start from rank 0's model: its parameters and buffers (on the
+    /// device through NCCL, else through the host ring).
+    fn agree_on_the_model(&mut self) -> anyhow::Result<()> {
+        let Some(ddp) = self.ddp.as_mut() else {
+            return Ok(());
+        };
+        if self.compute.uses_nccl() {
+            self.compute.broadcast_on_device(true)?;
+            update_host(&mut *self.compute, |model| {
+                ddp.agree_on_batches_tracked(model)
+            })?;
+        } else {
+            update_host(&mut *self.compute, |model| ddp.broadcast_model(model))?;
+        }
+        Ok(())
     }
 
     /// Whether this process speaks for the job: prints progress and writes files.
@@ -739,32 +810,7 @@ impl Trainer {
             )?;
             loss_sum += loss as f64;
             images += batch.len();
-            match self.ddp.as_mut().filter(|_| last) {
-                Some(_) if nccl => {
-                    self.compute.backward_all_reduced(loss_scale, None)?;
-                }
-                Some(ddp) if !host_sync_bn => {
-                    self.compute.backward(
-                        loss_scale,
-                        None,
-                        Some(&mut |range, values| ddp.gradients_ready(range, values)),
-                    )?;
-                }
-                _ => {
-                    let mut reducer = self
-                        .ddp
-                        .as_ref()
-                        .filter(|_| host_sync_bn)
-                        .map(Ddp::batch_norm_reducer);
-                    self.compute.backward(
-                        loss_scale,
-                        reducer
-                            .as_mut()
-                            .map(|reducer| reducer as &mut dyn BatchNormReducer),
-                        None,
-                    )?;
-                }
-            }
+            self.backward_of_micro_batch(last, loss_scale, nccl, host_sync_bn)?;
         }
         if let Some(ddp) = self.ddp.as_mut() {
             match nccl {
@@ -788,6 +834,41 @@ impl Trainer {
             images,
             stop,
         })
+    }
+
+    /// The backward of one micro-batch of [`Trainer::averaged_step`]: the last one's gradients
+    /// go to the job (through NCCL, or range by range to the host ring unless SyncBatchNorm
+    /// reduces on the host); the others only accumulate.
+    fn backward_of_micro_batch(
+        &mut self,
+        last: bool,
+        loss_scale: f32,
+        nccl: bool,
+        host_sync_bn: bool,
+    ) -> anyhow::Result<()> {
+        match self.ddp.as_mut().filter(|_| last) {
+            Some(_) if nccl => self.compute.backward_all_reduced(loss_scale, None)?,
+            Some(ddp) if !host_sync_bn => self.compute.backward(
+                loss_scale,
+                None,
+                Some(&mut |range, values| ddp.gradients_ready(range, values)),
+            )?,
+            _ => {
+                let mut reducer = self
+                    .ddp
+                    .as_ref()
+                    .filter(|_| host_sync_bn)
+                    .map(Ddp::batch_norm_reducer);
+                self.compute.backward(
+                    loss_scale,
+                    reducer
+                        .as_mut()
+                        .map(|reducer| reducer as &mut dyn BatchNormReducer),
+                    None,
+                )?
+            }
+        }
+        Ok(())
     }
 
     /// [`Trainer::averaged_step`] of micro-batches of one size as one
