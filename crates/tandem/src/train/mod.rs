@@ -203,8 +203,8 @@ fn upload_data_sets(
     let batches_on_device = match host_batches_requested() {
         true => None,
         false => uploaded_bytes(compute.upload_train_set(dataset_upload(
-            &train_set,
-            train_augment(&settings),
+            train_set,
+            train_augment(settings),
             normalize,
             settings.seed,
         ))?),
@@ -217,7 +217,7 @@ fn upload_data_sets(
     }
     let eval_on_device = match batches_on_device {
         Some(_) => {
-            uploaded_bytes(compute.upload_eval_set(dataset_upload(&test_set, None, normalize, 0))?)
+            uploaded_bytes(compute.upload_eval_set(dataset_upload(test_set, None, normalize, 0))?)
         }
         None => None,
     };
