@@ -18,25 +18,23 @@ pub trait Real:
     fn max(self, other: Self) -> Self;
 }
 
-impl Real for f32 {
-    const ONE: Self = 1.0;
-    fn abs(self) -> Self {
-        f32::abs(self)
-    }
-    fn max(self, other: Self) -> Self {
-        f32::max(self, other)
-    }
+/// Implements [`Real`] for a float type through its inherent methods.
+macro_rules! real {
+    ($float:ty) => {
+        impl Real for $float {
+            const ONE: Self = 1.0;
+            fn abs(self) -> Self {
+                <$float>::abs(self)
+            }
+            fn max(self, other: Self) -> Self {
+                <$float>::max(self, other)
+            }
+        }
+    };
 }
 
-impl Real for f64 {
-    const ONE: Self = 1.0;
-    fn abs(self) -> Self {
-        f64::abs(self)
-    }
-    fn max(self, other: Self) -> Self {
-        f64::max(self, other)
-    }
-}
+real!(f32);
+real!(f64);
 
 /// How far a value may be from the one expected, for an expected value `e`.
 #[derive(Clone, Copy, Debug)]

@@ -46,3 +46,15 @@ pub fn expect_success(output: &Output) -> String {
     );
     stdout
 }
+
+/// Asserts that a child failed and returns its stderr, showing both streams where it
+/// succeeded.
+pub fn expect_failure(output: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+    assert!(
+        !output.status.success(),
+        "the command succeeded, where it should fail\nstdout:\n{}\nstderr:\n{stderr}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    stderr
+}
