@@ -23,6 +23,7 @@ use tandem_engine::shape::Conv2dShape;
 use tandem_engine::AdamConfig;
 use tandem_models::workspace::Mode;
 use tandem_models::{Model, ModelSpec, ResNetBaseSpec};
+use tandem_testdata::{assert_close, Tolerance};
 
 fn shape() -> Conv2dShape {
     Conv2dShape {
@@ -424,15 +425,8 @@ fn values(len: usize, salt: u32) -> Vec<f32> {
         .collect()
 }
 
-fn assert_close(found: &[f32], expected: &[f32], what: &str) {
-    assert_eq!(found.len(), expected.len(), "{what}: lengths");
-    for (i, (f, e)) in found.iter().zip(expected).enumerate() {
-        assert!(
-            (f - e).abs() <= 1e-5 * (1.0 + e.abs()),
-            "{what}[{i}]: {f} vs {e}"
-        );
-    }
-}
+/// How close the reference GEMMs come to the CPU engine's products.
+const GEMM: Tolerance<f32> = Tolerance::OnePlus(1e-5);
 
 #[test]
 fn the_linear_layers_gemms_compute_the_cpu_engines_products() {
@@ -450,7 +444,7 @@ fn the_linear_layers_gemms_compute_the_cpu_engines_products() {
     tandem_engine::head::linear_forward(&input, &weight, &zero_bias, &mut cpu_output);
     let mut gpu_output = vec![9.0; shape.batch * shape.outputs];
     reference_gemm(&shape.forward().unwrap(), &weight, &input, &mut gpu_output);
-    assert_close(&gpu_output, &cpu_output, "forward");
+    assert_close("forward", &gpu_output, &cpu_output, GEMM);
 
     let initial_grad_weight = values(shape.outputs * shape.inputs, 4);
     let mut cpu_grad_weight = initial_grad_weight.clone();
@@ -472,9 +466,10 @@ fn the_linear_layers_gemms_compute_the_cpu_engines_products() {
         &mut gpu_grad_weight,
     );
     assert_close(
+        "weight gradient (accumulated)",
         &gpu_grad_weight,
         &cpu_grad_weight,
-        "weight gradient (accumulated)",
+        GEMM,
     );
     let mut gpu_grad_input = vec![9.0; shape.batch * shape.inputs];
     reference_gemm(
@@ -483,7 +478,7 @@ fn the_linear_layers_gemms_compute_the_cpu_engines_products() {
         &grad_output,
         &mut gpu_grad_input,
     );
-    assert_close(&gpu_grad_input, &cpu_grad_input, "input gradient");
+    assert_close("input gradient", &gpu_grad_input, &cpu_grad_input, GEMM);
 }
 
 fn seed_004_small() -> Model {

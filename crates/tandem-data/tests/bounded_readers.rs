@@ -157,23 +157,7 @@ fn a_python_batch_of_more_than_ten_thousand_rows_is_refused() {
 /// A PNG that declares `width` x `height` RGB pixels but carries almost none: a reader that
 /// decoded before checking the size would fail on the missing data, not on the size.
 fn png_header_only(path: &Path, width: u32, height: u32) {
-    let chunk = |out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]| {
-        out.extend((data.len() as u32).to_be_bytes());
-        let mut crc = flate2::Crc::new();
-        crc.update(kind);
-        crc.update(data);
-        out.extend(kind);
-        out.extend(data);
-        out.extend(crc.sum().to_be_bytes());
-    };
-    let mut header = Vec::new();
-    header.extend(width.to_be_bytes());
-    header.extend(height.to_be_bytes());
-    header.extend([8, 2, 0, 0, 0]);
-    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
-    chunk(&mut png, b"IHDR", &header);
-    chunk(&mut png, b"IDAT", &[0x78, 0x9c]);
-    chunk(&mut png, b"IEND", &[]);
+    let png = tandem_testdata::png::rgb_png(width, height, &[0x78, 0x9c]);
     std::fs::write(path, png).expect("png");
 }
 

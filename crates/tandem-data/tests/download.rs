@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -152,6 +152,73 @@ fn no_progress() -> impl FnMut(u64, Option<u64>) {
     |_, _| {}
 }
 
+/// A test's body and where it downloads it to, in a folder of its own.
+struct Fixture {
+    body: Vec<u8>,
+    dir: tempfile::TempDir,
+    destination: PathBuf,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let destination = dir.path().join("archive.tar.gz");
+        Self {
+            body: body(),
+            dir,
+            destination,
+        }
+    }
+
+    /// Serves the body to one connection per reply.
+    fn serve(&self, replies: Vec<Reply>) -> (String, JoinHandle<Vec<String>>) {
+        serve(self.body.clone(), replies)
+    }
+
+    /// Downloads `url` to the destination, expecting the body's md5.
+    fn fetch(&self, url: &str) -> Result<(), DataError> {
+        download_file(
+            url,
+            &self.destination,
+            &md5_hex(&self.body),
+            &mut no_progress(),
+        )
+    }
+
+    /// Downloads `url` to the destination within `limits`, expecting the body's md5.
+    fn fetch_bounded(&self, url: &str, limits: DownloadLimits) -> Result<(), DataError> {
+        let md5 = md5_hex(&self.body);
+        download_file_bounded(url, &self.destination, &md5, limits, &mut no_progress())
+    }
+
+    /// Asserts the whole body under the final name.
+    fn assert_downloaded(&self) {
+        assert_eq!(std::fs::read(&self.destination).unwrap(), self.body);
+    }
+
+    /// Asserts neither the file nor its partial file there.
+    fn assert_nothing_left(&self) {
+        assert!(!self.destination.exists() && !partial(&self.destination).exists());
+    }
+
+    /// Asserts nothing under the final name and the first `len` bytes in the partial file.
+    fn assert_part_kept(&self, len: usize) {
+        assert!(!self.destination.exists(), "nothing under the final name");
+        assert_eq!(
+            std::fs::read(partial(&self.destination)).unwrap(),
+            self.body[..len]
+        );
+    }
+}
+
+/// Limits that give up on a server silent for 300 ms.
+fn stall_after_300ms() -> DownloadLimits {
+    DownloadLimits {
+        stall_timeout: Duration::from_millis(300),
+        ..DownloadLimits::up_to(1 << 20)
+    }
+}
+
 /// `<destination>.part`, where an unfinished download lives.
 fn partial(destination: &Path) -> std::path::PathBuf {
     let mut name = destination.file_name().unwrap().to_os_string();
@@ -182,87 +249,73 @@ fn whole_download_lands_under_its_final_name() {
 
 #[test]
 fn cut_short_download_keeps_its_part_and_resumes_with_range() {
-    let body = body();
-    let (url, server) = serve(body.clone(), vec![Reply::CutAfter(100_000), Reply::Serve]);
-    let dir = tempfile::tempdir().unwrap();
-    let destination = dir.path().join("archive.tar.gz");
-    let error = download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap_err();
+    let fixture = Fixture::new();
+    let (url, server) = fixture.serve(vec![Reply::CutAfter(100_000), Reply::Serve]);
+    let error = fixture.fetch(&url).unwrap_err();
     assert_eq!(
         error.to_string(),
         format!(
             "download of {url}: truncated: the connection closed after 100000 of 300000 bytes; the partial file {} is kept, run again to resume",
-            partial(&destination).display()
+            partial(&fixture.destination).display()
         )
     );
-    assert!(!destination.exists(), "nothing under the final name");
-    assert_eq!(
-        std::fs::read(partial(&destination)).unwrap(),
-        body[..100_000]
-    );
+    fixture.assert_part_kept(100_000);
 
-    download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap();
-    assert_eq!(std::fs::read(&destination).unwrap(), body);
+    fixture.fetch(&url).unwrap();
+    fixture.assert_downloaded();
     let heads = server.join().unwrap();
     assert!(heads[1].contains("Range: bytes=100000-"), "{}", heads[1]);
 }
 
 #[test]
 fn server_ignoring_range_restarts_the_file() {
-    let body = body();
-    let (url, server) = serve(body.clone(), vec![Reply::IgnoreRange]);
-    let dir = tempfile::tempdir().unwrap();
-    let destination = dir.path().join("archive.tar.gz");
-    std::fs::write(partial(&destination), &body[..5000]).unwrap();
-    download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap();
-    assert_eq!(std::fs::read(&destination).unwrap(), body);
+    let fixture = Fixture::new();
+    let (url, server) = fixture.serve(vec![Reply::IgnoreRange]);
+    std::fs::write(partial(&fixture.destination), &fixture.body[..5000]).unwrap();
+    fixture.fetch(&url).unwrap();
+    fixture.assert_downloaded();
     assert!(server.join().unwrap()[0].contains("Range: bytes=5000-"));
 }
 
 #[test]
 fn corrupted_download_is_refused_and_removed() {
-    let body = body();
-    let (url, server) = serve(body.clone(), vec![Reply::Corrupt]);
-    let dir = tempfile::tempdir().unwrap();
-    let destination = dir.path().join("archive.tar.gz");
-    let error = download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap_err();
-    let mut corrupted = body.clone();
-    corrupted[body.len() / 2] ^= 0xff;
+    let fixture = Fixture::new();
+    let (url, server) = fixture.serve(vec![Reply::Corrupt]);
+    let error = fixture.fetch(&url).unwrap_err();
+    let mut corrupted = fixture.body.clone();
+    corrupted[fixture.body.len() / 2] ^= 0xff;
     assert_eq!(
         error.to_string(),
         format!(
             "{}: md5 is {}, expected {} (the partial file was removed; run again to download afresh)",
-            destination.display(),
+            fixture.destination.display(),
             md5_hex(&corrupted),
-            md5_hex(&body)
+            md5_hex(&fixture.body)
         )
     );
-    assert!(!destination.exists() && !partial(&destination).exists());
+    fixture.assert_nothing_left();
     server.join().unwrap();
 }
 
 #[test]
 fn redirects_are_followed_and_http_errors_reported() {
-    let body = body();
-    let (url, server) = serve(
-        body.clone(),
-        vec![
-            Reply::Redirect,
-            Reply::Serve,
-            Reply::Missing,
-            Reply::RedirectNowhere,
-        ],
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let destination = dir.path().join("archive.tar.gz");
-    download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap();
-    assert_eq!(std::fs::read(&destination).unwrap(), body);
-    let other = dir.path().join("other.tar.gz");
-    let error = download_file(&url, &other, &md5_hex(&body), &mut no_progress()).unwrap_err();
+    let fixture = Fixture::new();
+    let (url, server) = fixture.serve(vec![
+        Reply::Redirect,
+        Reply::Serve,
+        Reply::Missing,
+        Reply::RedirectNowhere,
+    ]);
+    fixture.fetch(&url).unwrap();
+    fixture.assert_downloaded();
+    let body = &fixture.body;
+    let other = fixture.dir.path().join("other.tar.gz");
+    let error = download_file(&url, &other, &md5_hex(body), &mut no_progress()).unwrap_err();
     assert_eq!(
         error.to_string(),
         format!("download of {url}: server answered 404 Not Found")
     );
-    let error = download_file(&url, &other, &md5_hex(&body), &mut no_progress()).unwrap_err();
+    let error = download_file(&url, &other, &md5_hex(body), &mut no_progress()).unwrap_err();
     assert_eq!(
         error.to_string(),
         format!("download of {url}: server answered 302 Found instead of the file")
@@ -298,9 +351,8 @@ fn a_redirect_loop_gives_up() {
         }
         requests
     });
-    let dir = tempfile::tempdir().unwrap();
-    let destination = dir.path().join("archive.tar.gz");
-    let error = download_file(&url, &destination, "00", &mut no_progress()).unwrap_err();
+    let fixture = Fixture::new();
+    let error = download_file(&url, &fixture.destination, "00", &mut no_progress()).unwrap_err();
     done.send(()).unwrap();
     let requests = server.join().unwrap();
     assert_eq!(
@@ -308,7 +360,7 @@ fn a_redirect_loop_gives_up() {
         format!("download of {url}: more than 5 redirects")
     );
     assert_eq!(requests, 6, "the first request and 5 redirects followed");
-    assert!(!destination.exists() && !partial(&destination).exists());
+    fixture.assert_nothing_left();
 }
 
 #[test]
@@ -326,13 +378,11 @@ fn cifar10_download_checks_the_official_md5() {
 
 #[test]
 fn chunked_body_is_read_whole() {
-    let body = body();
-    let (url, server) = serve(body.clone(), vec![Reply::Chunked]);
-    let dir = tempfile::tempdir().unwrap();
-    let destination = dir.path().join("archive.tar.gz");
-    download_file(&url, &destination, &md5_hex(&body), &mut no_progress()).unwrap();
-    assert_eq!(std::fs::read(&destination).unwrap(), body);
-    assert!(!partial(&destination).exists());
+    let fixture = Fixture::new();
+    let (url, server) = fixture.serve(vec![Reply::Chunked]);
+    fixture.fetch(&url).unwrap();
+    fixture.assert_downloaded();
+    assert!(!partial(&fixture.destination).exists());
     server.join().unwrap();
 }
 
@@ -347,15 +397,16 @@ fn a_silent_server_times_out_and_leaves_nothing() {
         let _ = wait_for_done.recv_timeout(Duration::from_secs(20));
         drop(stream);
     });
-    let dir = tempfile::tempdir().unwrap();
-    let destination = dir.path().join("archive.tar.gz");
-    let limits = DownloadLimits {
-        stall_timeout: Duration::from_millis(300),
-        ..DownloadLimits::up_to(1 << 20)
-    };
+    let fixture = Fixture::new();
     let started = Instant::now();
-    let error =
-        download_file_bounded(&url, &destination, "00", limits, &mut no_progress()).unwrap_err();
+    let error = download_file_bounded(
+        &url,
+        &fixture.destination,
+        "00",
+        stall_after_300ms(),
+        &mut no_progress(),
+    )
+    .unwrap_err();
     let waited = started.elapsed();
     done.send(()).unwrap();
     server.join().unwrap();
@@ -366,60 +417,39 @@ fn a_silent_server_times_out_and_leaves_nothing() {
     );
     // Bounded by the stall timeout, not by the 20 s the server would have held on.
     assert!(waited < Duration::from_secs(10), "{waited:?}");
-    assert!(!destination.exists() && !partial(&destination).exists());
+    fixture.assert_nothing_left();
 }
 
 #[test]
 fn a_body_that_stalls_times_out_and_keeps_its_part() {
-    let body = body();
-    let (url, server) = serve(body.clone(), vec![Reply::StallAfter(100_000)]);
-    let dir = tempfile::tempdir().unwrap();
-    let destination = dir.path().join("archive.tar.gz");
-    let limits = DownloadLimits {
-        stall_timeout: Duration::from_millis(300),
-        ..DownloadLimits::up_to(1 << 20)
-    };
-    let error = download_file_bounded(
-        &url,
-        &destination,
-        &md5_hex(&body),
-        limits,
-        &mut no_progress(),
-    )
-    .unwrap_err();
+    let fixture = Fixture::new();
+    let (url, server) = fixture.serve(vec![Reply::StallAfter(100_000)]);
+    let error = fixture
+        .fetch_bounded(&url, stall_after_300ms())
+        .unwrap_err();
     server.join().unwrap();
     assert_eq!(
         error.to_string(),
         format!(
             "download of {url}: timed out: the server sent nothing for 300ms after 100000 bytes; the partial file {} is kept, run again to resume",
-            partial(&destination).display()
+            partial(&fixture.destination).display()
         )
     );
-    assert!(!destination.exists());
-    assert_eq!(
-        std::fs::read(partial(&destination)).unwrap(),
-        body[..100_000]
-    );
+    fixture.assert_part_kept(100_000);
 }
 
 #[test]
 fn an_unreachable_host_is_named_in_the_error() {
     // A port that was free a moment ago: nothing listens there.
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("http://127.0.0.1:{port}/file");
-    let dir = tempfile::tempdir().unwrap();
-    let destination = dir.path().join("archive.tar.gz");
-    let error = download_file(&url, &destination, "00", &mut no_progress()).unwrap_err();
+    let url = format!("http://127.0.0.1:{}/file", tandem_testdata::free_port());
+    let fixture = Fixture::new();
+    let error = download_file(&url, &fixture.destination, "00", &mut no_progress()).unwrap_err();
     let message = error.to_string();
     assert!(
         message.starts_with(&format!("download of {url}: cannot connect: ")),
         "{message}"
     );
-    assert!(!destination.exists() && !partial(&destination).exists());
+    fixture.assert_nothing_left();
 }
 
 #[test]
@@ -439,60 +469,39 @@ fn ensure_downloaded_keeps_data_already_there_and_fetches_otherwise() {
 
 #[test]
 fn a_file_longer_than_its_bound_is_refused_and_not_kept() {
-    let dir = tempfile::tempdir().unwrap();
-    let destination = dir.path().join("archive.tar.gz");
-    let body = body();
-    let bound = body.len() as u64 - 1;
+    let fixture = Fixture::new();
+    let len = fixture.body.len();
+    let bound = len as u64 - 1;
+    let past_the_bound = |replies| {
+        let (url, server) = fixture.serve(replies);
+        let error = fixture
+            .fetch_bounded(&url, DownloadLimits::up_to(bound))
+            .unwrap_err();
+        server.join().unwrap();
+        (url, error.to_string())
+    };
 
     // Announced by Content-Length: refused before the body is read.
-    let (url, server) = serve(body.clone(), vec![Reply::Serve]);
-    let error = download_file_bounded(
-        &url,
-        &destination,
-        &md5_hex(&body),
-        DownloadLimits::up_to(bound),
-        &mut no_progress(),
-    )
-    .unwrap_err();
-    server.join().unwrap();
+    let (url, message) = past_the_bound(vec![Reply::Serve]);
     assert_eq!(
-        error.to_string(),
+        message,
         format!(
-            "download of {url}: the server announces {} bytes, more than the {bound} this file can have",
-            body.len()
+            "download of {url}: the server announces {len} bytes, more than the {bound} this file can have"
         )
     );
-    assert!(!destination.exists() && !partial(&destination).exists());
+    fixture.assert_nothing_left();
 
     // Resumed from a partial file: the announced rest plus what is there is too long.
-    std::fs::write(partial(&destination), &body[..1000]).unwrap();
-    let (url, server) = serve(body.clone(), vec![Reply::Serve]);
-    let error = download_file_bounded(
-        &url,
-        &destination,
-        &md5_hex(&body),
-        DownloadLimits::up_to(bound),
-        &mut no_progress(),
-    )
-    .unwrap_err();
-    server.join().unwrap();
-    assert!(error.to_string().contains("more than the"), "{error}");
-    assert!(!destination.exists() && !partial(&destination).exists());
+    std::fs::write(partial(&fixture.destination), &fixture.body[..1000]).unwrap();
+    let (_, message) = past_the_bound(vec![Reply::Serve]);
+    assert!(message.contains("more than the"), "{message}");
+    fixture.assert_nothing_left();
 
     // Not announced: cut off once it runs past the bound, and the partial file removed.
-    let (url, server) = serve(body.clone(), vec![Reply::Unannounced]);
-    let error = download_file_bounded(
-        &url,
-        &destination,
-        &md5_hex(&body),
-        DownloadLimits::up_to(bound),
-        &mut no_progress(),
-    )
-    .unwrap_err();
-    server.join().unwrap();
+    let (url, message) = past_the_bound(vec![Reply::Unannounced]);
     assert_eq!(
-        error.to_string(),
+        message,
         format!("download of {url}: the body runs past {bound} bytes, more than this file can have; the partial file was removed")
     );
-    assert!(!destination.exists() && !partial(&destination).exists());
+    fixture.assert_nothing_left();
 }

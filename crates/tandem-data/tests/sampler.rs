@@ -69,16 +69,21 @@ fn check_dropped(dataset_len: usize, world: usize, shuffle: bool, epoch: u64) {
     assert_eq!(all.len(), per_rank * world);
 }
 
+/// Every rank's indices of epoch `epoch` over 10 items, without dropping the last.
+fn shards_of_ten(world: usize, shuffle: bool, seed: u64, epoch: u64) -> Vec<Vec<usize>> {
+    (0..world)
+        .map(|rank| {
+            DistributedSampler::new(10, world, rank, shuffle, seed, false)
+                .unwrap()
+                .indices(epoch)
+        })
+        .collect()
+}
+
 #[test]
 fn rank_r_takes_every_world_th_index_of_the_shared_order() {
     let world = 3;
-    let unshuffled: Vec<Vec<usize>> = (0..world)
-        .map(|rank| {
-            DistributedSampler::new(10, world, rank, false, 0, false)
-                .unwrap()
-                .indices(0)
-        })
-        .collect();
+    let unshuffled = shards_of_ten(world, false, 0, 0);
     // 10 items, 3 ranks: padded to 12 by wrapping around to 0 and 1.
     assert_eq!(
         unshuffled,
@@ -86,13 +91,7 @@ fn rank_r_takes_every_world_th_index_of_the_shared_order() {
     );
 
     // With shuffling, interleaving the ranks' lists gives back one permutation (+ padding).
-    let shuffled: Vec<Vec<usize>> = (0..world)
-        .map(|rank| {
-            DistributedSampler::new(10, world, rank, true, 7, false)
-                .unwrap()
-                .indices(3)
-        })
-        .collect();
+    let shuffled = shards_of_ten(world, true, 7, 3);
     let interleaved: Vec<usize> = (0..4)
         .flat_map(|step| shuffled.iter().map(move |shard| shard[step]))
         .collect();

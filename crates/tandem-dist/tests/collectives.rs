@@ -281,10 +281,7 @@ fn mean_divides_once_and_identically() {
 #[test]
 fn rank_zero_can_host_the_store_itself() {
     // The store's port must be known before rank 0 binds it: probe a free one.
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe");
-        probe.local_addr().expect("address").port()
-    };
+    let port = tandem_testdata::free_port();
     let token = tandem_dist::JobToken::generate().expect("token");
     let results = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..3)

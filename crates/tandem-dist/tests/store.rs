@@ -196,10 +196,7 @@ fn server_survives_garbage_and_early_closes() {
 
 #[test]
 fn connect_retries_until_the_store_is_up_and_gives_up_at_the_timeout() {
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe");
-        probe.local_addr().expect("addr").port()
-    };
+    let port = tandem_testdata::free_port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
     let token = JobToken::generate().expect("token");
     let started = Instant::now();

@@ -809,6 +809,7 @@ fn column_sums(input: &[f32], channels: usize, scratch: &mut BatchNormScratch) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tandem_testdata::Tolerance;
 
     /// Channel counts that use every column-group width (32, 16, 8 and single columns) and
     /// rows read several to a line (1, 2 and 8 channels, with rows left after the last whole
@@ -832,10 +833,7 @@ mod tests {
     }
 
     fn assert_close(got: f64, expected: f64, what: &str) {
-        assert!(
-            (got - expected).abs() <= 1e-5 * expected.abs().max(1.0),
-            "{what}: {got} vs {expected}"
-        );
+        tandem_testdata::assert_close_one(what, got, expected, Tolerance::Scaled(1e-5));
     }
 
     #[test]

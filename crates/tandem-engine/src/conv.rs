@@ -771,6 +771,7 @@ fn col2im_add(shape: &Conv2dShape, columns: &[f32], grad_images: &mut [f32]) {
 mod tests {
     use super::*;
     use crate::rng::Rng;
+    use tandem_testdata::Tolerance;
 
     fn random(len: usize, seed: u64) -> Vec<f32> {
         let mut rng = Rng::new(seed);
@@ -828,14 +829,8 @@ mod tests {
     }
 
     fn assert_close(what: &str, got: &[f32], expected: &[f64]) {
-        assert_eq!(got.len(), expected.len(), "{what}: length");
-        let scale = expected.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-        for (index, (g, e)) in got.iter().zip(expected).enumerate() {
-            assert!(
-                (f64::from(*g) - e).abs() <= 1e-5 * scale,
-                "{what}: index {index}: {g} vs {e}"
-            );
-        }
+        let got: Vec<f64> = got.iter().map(|&g| f64::from(g)).collect();
+        tandem_testdata::assert_close(what, &got, expected, Tolerance::OfLargest(1e-5));
     }
 
     /// Every code path (direct kernels for narrow layers with multiples of 8 channels,

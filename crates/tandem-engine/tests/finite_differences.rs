@@ -58,6 +58,23 @@ fn check(
     );
 }
 
+/// One argument of a layer's loss: its name, its value and the backward's gradient of it,
+/// and the finite differences' tolerance.
+type Argument<'a> = (String, &'a [f32], &'a [f32], f64);
+
+/// Checks every argument's gradient with [`check`], shifting that argument alone: `loss`
+/// takes the arguments' values in order.
+fn check_each(arguments: &[Argument], step: f32, loss: impl Fn(&[&[f32]]) -> f64) {
+    let points: Vec<&[f32]> = arguments.iter().map(|argument| argument.1).collect();
+    for (index, (what, point, analytic, tolerance)) in arguments.iter().enumerate() {
+        check(what, point, analytic, step, *tolerance, |shifted| {
+            let mut values = points.clone();
+            values[index] = shifted;
+            loss(&values)
+        });
+    }
+}
+
 fn conv_case(shape: Conv2dShape, with_bias: bool, seed: u64) {
     let input = random(shape.input_len(), seed);
     let weight = random(shape.weight_len(), seed + 1);
@@ -89,32 +106,31 @@ fn conv_case(shape: Conv2dShape, with_bias: bool, seed: u64) {
         &mut ConvScratch::default(),
     );
     let label = format!("{shape:?} bias={with_bias}");
-    check(
-        &format!("conv input {label}"),
-        &input,
-        &grad_input,
-        1e-2,
-        1e-3,
-        |x| forward(x, &weight, bias.as_deref()),
-    );
-    check(
-        &format!("conv weight {label}"),
-        &weight,
-        &grad_weight,
-        1e-2,
-        1e-3,
-        |w| forward(&input, w, bias.as_deref()),
-    );
-    if let Some(bias) = &bias {
-        check(
-            &format!("conv bias {label}"),
-            bias,
-            &grad_bias,
-            1e-2,
+    let mut arguments = vec![
+        (
+            format!("conv input {label}"),
+            &input[..],
+            &grad_input[..],
             1e-3,
-            |b| forward(&input, &weight, Some(b)),
-        );
+        ),
+        (
+            format!("conv weight {label}"),
+            &weight[..],
+            &grad_weight[..],
+            1e-3,
+        ),
+    ];
+    if let Some(bias) = &bias {
+        arguments.push((
+            format!("conv bias {label}"),
+            &bias[..],
+            &grad_bias[..],
+            1e-3,
+        ));
     }
+    check_each(&arguments, 1e-2, |values| {
+        forward(values[0], values[1], values.get(2).copied())
+    });
 
     // Accumulating adds to what is there; the weight gradient accumulates too.
     let mut accumulated = vec![0.5; shape.input_len()];
@@ -156,35 +172,24 @@ fn shape(
     }
 }
 
+/// Each convolution's shape (batch, size, channels, kernel, stride, padding), whether it
+/// has a bias, and the seed of its values.
 #[test]
-fn conv_3x3_stride_2_padding_1_odd_sizes_with_bias() {
-    conv_case(shape(2, (5, 7), (3, 4), 3, 2, 1), true, 10);
-}
-
-#[test]
-fn conv_3x3_stride_1_padding_0_without_bias() {
-    conv_case(shape(3, (6, 5), (2, 5), 3, 1, 0), false, 20);
-}
-
-#[test]
-fn conv_1x1_pointwise_with_bias() {
-    conv_case(shape(3, (4, 3), (5, 6), 1, 1, 0), true, 30);
-}
-
-#[test]
-fn conv_1x1_stride_2_without_bias() {
-    conv_case(shape(2, (5, 5), (4, 3), 1, 2, 0), false, 40);
-}
-
-#[test]
-fn conv_7x7_stride_2_padding_3_with_bias() {
-    conv_case(shape(2, (9, 11), (3, 4), 7, 2, 3), true, 50);
-}
-
-#[test]
-fn conv_many_images_spread_over_chunks() {
-    // More images than one chunk holds, so several chunks and workers are involved.
-    conv_case(shape(37, (3, 3), (2, 3), 3, 1, 1), true, 60);
+fn conv_backward_matches_finite_differences() {
+    let cases = [
+        // 3x3 stride 2 padding 1, odd sizes.
+        (shape(2, (5, 7), (3, 4), 3, 2, 1), true, 10),
+        (shape(3, (6, 5), (2, 5), 3, 1, 0), false, 20),
+        // 1x1 pointwise.
+        (shape(3, (4, 3), (5, 6), 1, 1, 0), true, 30),
+        (shape(2, (5, 5), (4, 3), 1, 2, 0), false, 40),
+        (shape(2, (9, 11), (3, 4), 7, 2, 3), true, 50),
+        // More images than one chunk holds, so several chunks and workers are involved.
+        (shape(37, (3, 3), (2, 3), 3, 1, 1), true, 60),
+    ];
+    for (shape, with_bias, seed) in cases {
+        conv_case(shape, with_bias, seed);
+    }
 }
 
 #[test]
@@ -305,30 +310,19 @@ fn batchnorm_backward_case(relu: bool) {
     .expect("backward");
     let loss = |x: &[f32], w: &[f32], b: &[f32]| dot(&layer(x, w, b).0, &output_grad);
     let what = if relu { "batchnorm+relu" } else { "batchnorm" };
-    check(
-        &format!("{what} input"),
-        &input,
-        &grad_input,
-        1e-3,
-        2e-3,
-        |x| loss(x, &weight, &bias),
-    );
-    check(
-        &format!("{what} weight"),
-        &weight,
-        &grad_weight,
-        1e-3,
-        1e-3,
-        |w| loss(&input, w, &bias),
-    );
-    check(
-        &format!("{what} bias"),
-        &bias,
-        &grad_bias,
-        1e-3,
-        1e-3,
-        |b| loss(&input, &weight, b),
-    );
+    let arguments = [
+        (format!("{what} input"), &input[..], &grad_input[..], 2e-3),
+        (
+            format!("{what} weight"),
+            &weight[..],
+            &grad_weight[..],
+            1e-3,
+        ),
+        (format!("{what} bias"), &bias[..], &grad_bias[..], 1e-3),
+    ];
+    check_each(&arguments, 1e-3, |values| {
+        loss(values[0], values[1], values[2])
+    });
 }
 
 #[test]
@@ -414,14 +408,23 @@ fn linear_backward_matches_finite_differences() {
         &mut grad_bias,
         Some(&mut grad_input),
     );
-    check("linear input", &input, &grad_input, 1e-2, 1e-3, |x| {
-        forward(x, &weight, &bias)
-    });
-    check("linear weight", &weight, &grad_weight, 1e-2, 1e-3, |w| {
-        forward(&input, w, &bias)
-    });
-    check("linear bias", &bias, &grad_bias, 1e-2, 1e-3, |b| {
-        forward(&input, &weight, b)
+    let arguments = [
+        (
+            "linear input".to_string(),
+            &input[..],
+            &grad_input[..],
+            1e-3,
+        ),
+        (
+            "linear weight".to_string(),
+            &weight[..],
+            &grad_weight[..],
+            1e-3,
+        ),
+        ("linear bias".to_string(), &bias[..], &grad_bias[..], 1e-3),
+    ];
+    check_each(&arguments, 1e-2, |values| {
+        forward(values[0], values[1], values[2])
     });
 }
 

@@ -9,6 +9,7 @@ use tandem_pickle::{
 };
 
 use tandem_testdata::shared_path as shared_file;
+use tandem_testdata::{assert_close, Tolerance};
 
 #[test]
 fn python2_cifar_batch_holds_a_uint8_array_and_bytes_keys() {
@@ -82,15 +83,8 @@ fn formula_tensor(name: &str, shape: &[usize]) -> Vec<f32> {
     }
 }
 
-fn assert_close(actual: &[f32], expected: &[f32], name: &str) {
-    assert_eq!(actual.len(), expected.len(), "{name}: length");
-    for (index, (a, e)) in actual.iter().zip(expected).enumerate() {
-        assert!(
-            (a - e).abs() <= 2e-6 * e.abs().max(1.0),
-            "{name}[{index}]: {a} vs formula {e}"
-        );
-    }
-}
+/// How close a tensor read from a file is to the formula it was written from.
+const FORMULA: Tolerance<f32> = Tolerance::Scaled(2e-6);
 
 /// The formula implemented here matches PyTorch's: the golden `x` is the formula with the
 /// name `input`.
@@ -107,7 +101,7 @@ fn formula_matches_the_golden_input() {
         .map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]))
         .collect();
     assert_eq!(x.shape(), [16, 3, 32, 32]);
-    assert_close(&values, &formula_wave("input", values.len()), "x");
+    assert_close("x", &values, &formula_wave("input", values.len()), FORMULA);
 }
 
 /// Checks a checkpoint against the formula and the golden file's shapes.
@@ -128,7 +122,7 @@ fn check_seed004_state_dict(checkpoint: &TorchCheckpoint, prefix: &str) {
                 assert!(tensor.shape.is_empty());
             }
             TensorData::F32(values) => {
-                assert_close(values, &formula_tensor(name, &tensor.shape), name);
+                assert_close(name, values, &formula_tensor(name, &tensor.shape), FORMULA);
                 // Parameters have a gradient in the golden file, buffers an updated copy.
                 let golden_name = if name.contains("running_") {
                     format!("buffer.{name}")

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
-use common::{expect_success, run_bounded, tandem};
+use common::{assert_contains, expect_success, run_bounded, standalone_launch, tandem, BENCH_STEP};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -16,18 +16,12 @@ const LIMIT: Duration = Duration::from_secs(120);
 fn launch_bench(log_dir: &Path, backend: &str) -> Output {
     run_bounded(
         tandem()
-            .args(["launch", "--standalone", "--nproc-per-node", "2"])
-            .args(["--max-restarts", "0", "--log-dir"])
+            .args(standalone_launch("2"))
+            .arg("--log-dir")
             .arg(log_dir)
-            .args([
-                "--",
-                "bench",
-                "step",
-                "--model",
-                "resnet-base",
-                "--batch",
-                "2",
-            ])
+            .arg("--")
+            .args(BENCH_STEP)
+            .args(["--batch", "2"])
             .args(["--steps", "1", "--threads", "1", "--device", "cpu"])
             .args(["--backend", backend]),
         LIMIT,
@@ -42,7 +36,7 @@ fn rank_log(log_dir: &Path, rank: usize) -> String {
 fn cpu_ranks_announce_the_ring_after_the_device() {
     let logs = tempfile::tempdir().unwrap();
     let stdout = expect_success(&launch_bench(logs.path(), "auto"));
-    assert!(stdout.contains("train: "), "{stdout}");
+    assert_contains(&stdout, "train: ");
     for rank in 0..2 {
         let log = rank_log(logs.path(), rank);
         let lines: Vec<&str> = log
@@ -74,10 +68,7 @@ fn nccl_on_cpu_ranks_is_refused_on_every_rank_with_the_reason() {
 
 #[test]
 fn ranks_started_by_hand_all_report_the_refusal_though_rank_0_serves_the_store() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .unwrap()
-        .port();
+    let port = common::free_port();
     // As torchrun starts them: rank 0 serves the store and leaves right after deciding.
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
@@ -146,8 +137,8 @@ fn nproc_per_node_gpu_without_a_visible_gpu_is_a_clear_error() {
     let launch = |hide_gpus: bool| {
         let mut command = tandem();
         command
-            .args(["launch", "--standalone", "--nproc-per-node", "gpu"])
-            .args(["--max-restarts", "0", "--log-dir"])
+            .args(standalone_launch("gpu"))
+            .arg("--log-dir")
             .arg(logs.path())
             .args(["--", "true"])
             .env("TANDEM_CUDA_LIBRARY_PATH", empty.path());
@@ -183,6 +174,6 @@ fn nproc_per_node_gpu_without_a_visible_gpu_is_a_clear_error() {
     assert!(stderr.contains("); use a number or auto"), "{stderr}");
     if stderr.contains("libcuda not found") {
         let folder = format!("TANDEM_CUDA_LIBRARY_PATH={}", empty.path().display());
-        assert!(stderr.contains(&folder), "{stderr}");
+        assert_contains(&stderr, &folder);
     }
 }

@@ -24,36 +24,12 @@ fn json_subset() -> PathBuf {
 /// and returns the output folder.
 fn train_tiny_real_run(dir: &Path) -> PathBuf {
     let out = dir.join("run");
-    let mut args: Vec<String> = vec!["train".into()];
-    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
-    args.extend(
-        [
-            "--data",
-            "json-folder",
-            "--data-dir",
-            &json_subset().display().to_string(),
-            "--mean",
-            MEAN,
-            "--std",
-            STD,
-            "--epochs",
-            "1",
-            "--batch-size",
-            "64",
-            "--optimizer",
-            "sgd",
-            "--momentum",
-            "0.9",
-            "--lr",
-            "0.05",
-            "--threads",
-            "1",
-            "--output-dir",
-            &out.display().to_string(),
-        ]
-        .iter()
-        .map(|arg| arg.to_string()),
-    );
+    let mut args = small_model_train(&format!(
+        "--data json-folder --mean {MEAN} --std {STD} --epochs 1 --batch-size 64 \
+         --optimizer sgd --momentum 0.9 --lr 0.05 --threads 1"
+    ));
+    args.extend(["--data-dir".into(), json_subset().display().to_string()]);
+    args.extend(["--output-dir".into(), out.display().to_string()]);
     expect_success(&run_bounded(tandem().args(&args), LIMIT));
     out
 }
@@ -71,19 +47,19 @@ fn metadata(path: &Path) -> BTreeMap<String, String> {
 }
 
 /// Runs tandem with `args`, expecting failure; returns stderr.
-fn expect_failure(args: &[String]) -> String {
-    let output = run_bounded(tandem().args(args), LIMIT);
-    let stderr = String::from_utf8_lossy(&output.stderr).to_string();
-    assert!(
-        !output.status.success(),
-        "expected a failure, got success\nstdout:\n{}\nstderr:\n{stderr}",
-        String::from_utf8_lossy(&output.stdout)
-    );
-    stderr
+fn refused(args: &[String]) -> String {
+    expect_failure(&run_bounded(tandem().args(args), LIMIT))
 }
 
 fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|arg| arg.to_string()).collect()
+}
+
+/// `args`, then `flags` split at white space.
+fn words(args: &[&str], flags: &str) -> Vec<String> {
+    let mut words = strings(args);
+    words.extend(flags.split_whitespace().map(String::from));
+    words
 }
 
 fn test_images(count: usize) -> Vec<String> {
@@ -190,20 +166,11 @@ fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
         tandem().args(["eval", "--checkpoint", &checkpoint]),
         LIMIT,
     ));
-    assert!(text.contains("    automobile: "), "{text}");
+    assert_contains(&text, "    automobile: ");
     // ... and the confusion matrix's columns, as its rows.
-    let classes = [
-        "airplane",
-        "automobile",
-        "bird",
-        "cat",
-        "deer",
-        "dog",
-        "frog",
-        "horse",
-        "ship",
-        "truck",
-    ];
+    let classes: Vec<&str> = "airplane automobile bird cat deer dog frog horse ship truck"
+        .split(' ')
+        .collect();
     let mut matrix = text
         .lines()
         .skip_while(|line| !line.starts_with("confusion matrix"))
@@ -251,74 +218,40 @@ fn flags_that_contradict_the_checkpoint_are_named() {
     let small_model_flags =
         "--model resnet-base --n-blocks 1,1,1 --n-channels 8,16,32 --bottlenecks none --first-kernel-size 3 --num-classes 10";
 
-    let stderr = expect_failure(&strings(&[
-        "eval",
-        "--checkpoint",
-        &checkpoint,
-        "--n-blocks",
-        "2,2,2",
-    ]));
-    assert!(
-        stderr.contains(&format!(
+    let eval = ["eval", "--checkpoint", &checkpoint];
+    let stderr = refused(&words(&eval, "--n-blocks 2,2,2"));
+    assert_contains(&stderr, &format!(
             "--n-blocks 2,2,2 contradicts {checkpoint}, which holds the model `{small_model_flags}` (from its metadata)"
-        )),
-        "{stderr}"
+        ));
+
+    let stderr = refused(&words(&eval, "--data synthetic"));
+    assert_contains(
+        &stderr,
+        &format!("--data synthetic contradicts {checkpoint}, which was trained on json-folder"),
     );
 
-    let stderr = expect_failure(&strings(&[
-        "eval",
-        "--checkpoint",
-        &checkpoint,
-        "--data",
-        "synthetic",
-    ]));
-    assert!(
-        stderr.contains(&format!(
-            "--data synthetic contradicts {checkpoint}, which was trained on json-folder"
-        )),
-        "{stderr}"
-    );
-
-    let output = run_bounded(
-        tandem().args([
-            "eval",
-            "--checkpoint",
-            &checkpoint,
-            "--mean",
-            "0.5,0.5,0.5",
-            "--std",
-            "0.5,0.5,0.5",
-        ]),
-        LIMIT,
-    );
+    let normalization = "--mean 0.5,0.5,0.5 --std 0.5,0.5,0.5";
+    let output = run_bounded(tandem().args(words(&eval, normalization)), LIMIT);
     expect_success(&output);
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains(&format!(
+    assert_contains(&stderr, &format!(
             "warning: --mean 0.5,0.5,0.5 --std 0.5,0.5,0.5 differ from what the checkpoint was trained with (--mean {MEAN} --std {STD})"
-        )),
-        "{stderr}"
-    );
+        ));
 
     // An epoch checkpoint given to another model says what it holds and how to load it.
-    let stderr = expect_failure(&strings(&[
+    let other = dir.path().join("other").display().to_string();
+    let stderr = refused(&strings(&[
         "train",
         "--init-from",
         &checkpoint,
         "--output-dir",
-        &dir.path().join("other").display().to_string(),
+        &other,
     ]));
-    assert!(
-        stderr.contains(&format!(
+    assert_contains(&stderr, &format!(
             "{checkpoint} holds the model `{small_model_flags}` (from its metadata), not the model built here \
              (`--model resnet-base --n-blocks 6,6,6 --n-channels 16,32,64 --bottlenecks 8,16,16 --first-kernel-size 3 --num-classes 10`)"
-        )),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains(&format!("load it with: {small_model_flags}")),
-        "{stderr}"
-    );
+        ));
+    assert_contains(&stderr, &format!("load it with: {small_model_flags}"));
 }
 
 #[test]
@@ -365,16 +298,10 @@ fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
     let checkpoint = out.join("epoch_1.safetensors").display().to_string();
     let mut with_flags = strings(&["eval", "--json", "--checkpoint", &bare]);
     with_flags.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
-    with_flags.extend(strings(&[
-        "--data",
-        "json-folder",
-        "--data-dir",
-        &json_subset().display().to_string(),
-        "--mean",
-        MEAN,
-        "--std",
-        STD,
-    ]));
+    with_flags.extend(words(
+        &["--data-dir", &json_subset().display().to_string()],
+        &format!("--data json-folder --mean {MEAN} --std {STD}"),
+    ));
     let bare_report = expect_success(&run_bounded(tandem().args(&with_flags), LIMIT));
     let described = expect_success(&run_bounded(
         tandem().args(["eval", "--json", "--checkpoint", &checkpoint]),
@@ -386,13 +313,10 @@ fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
     // tensors' names and shapes.
     let mut default_model = with_flags.clone();
     default_model.retain(|arg| !SMALL_MODEL.contains(&arg.as_str()));
-    let stderr = expect_failure(&default_model);
-    assert!(
-        stderr.contains(&format!(
+    let stderr = refused(&default_model);
+    assert_contains(&stderr, &format!(
             "{bare} holds the model `--model resnet-base --n-blocks 1,1,1 --n-channels 8,16,32 --bottlenecks none --first-kernel-size 3 --num-classes 10` (told from its tensors)"
-        )),
-        "{stderr}"
-    );
+        ));
 
     // PyTorch's own torch.save file of the tutorial's model, with `module.` keys.
     let pytorch = tandem_testdata::shared_dir()
@@ -413,7 +337,7 @@ fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
     let mut wrong = strings(&["predict", "--checkpoint", &pytorch]);
     wrong.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
     wrong.extend(test_images(1));
-    let stderr = expect_failure(&wrong);
+    let stderr = refused(&wrong);
     assert!(
         stderr.contains(
             "(told from its tensors), not the model built here (`--model resnet-base --n-blocks 1,1,1"

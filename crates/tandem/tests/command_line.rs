@@ -48,7 +48,7 @@ fn a_repeated_flag_takes_its_last_value_as_argparse_does() {
         stdout.contains("model: resnet-base (blocks 2,1,1, channels 8,16,32,"),
         "{stdout}"
     );
-    assert!(stdout.contains(" | 1 epoch\n"), "{stdout}");
+    assert_contains(&stdout, " | 1 epoch\n");
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 1, "{metrics}");
     let config: toml::Table =
@@ -189,11 +189,7 @@ fn the_banner_names_the_optimizer_the_learning_rate_and_the_initial_weights() {
 #[test]
 fn joining_by_hand_without_a_token_says_how_to_make_one() {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let init_method = format!("tcp://127.0.0.1:{port}");
     let args = run_args(
         &dir.path().join("run"),

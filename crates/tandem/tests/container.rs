@@ -336,10 +336,7 @@ fn the_pytorchjob_manifest_places_every_pod_through_tandems_kubeflow_reader() {
             tandem().args(&args).env_remove("PET_NNODES"),
             Duration::from_secs(60),
         ));
-        assert!(
-            stdout.contains("--epochs is 0: nothing to train"),
-            "{stdout}"
-        );
+        assert_contains(&stdout, "--epochs is 0: nothing to train");
     }
     ranks.sort_unstable();
     assert_eq!(

@@ -24,32 +24,11 @@ fn run_args(
     batch: usize,
     extra: &[&str],
 ) -> Vec<String> {
-    let mut args: Vec<String> = vec!["train".into()];
-    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
-    let samples = samples.to_string();
-    let batch = batch.to_string();
-    args.extend(
-        [
-            "--data",
-            "synthetic",
-            "--synthetic-train",
-            &samples,
-            "--synthetic-test",
-            "64",
-            "--epochs",
-            "1",
-            "--batch-size",
-            &batch,
-            "--threads",
-            "1",
-            "--seed",
-            "3",
-        ]
-        .iter()
-        .chain(optimizer)
-        .chain(extra)
-        .map(|arg| arg.to_string()),
-    );
+    let mut args = small_model_train(&format!(
+        "--data synthetic --synthetic-train {samples} --synthetic-test 64 --epochs 1 \
+         --batch-size {batch} --threads 1 --seed 3"
+    ));
+    args.extend(optimizer.iter().chain(extra).map(|arg| arg.to_string()));
     args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
     args
 }
@@ -145,27 +124,11 @@ fn ranks_of_one_host_all_reduce_gradients_through_shared_memory() {
     let logs = tempfile::tempdir().expect("temporary directory");
     let log_dir = logs.path().display().to_string();
     let output = run_bounded(
-        tandem().args([
-            "launch",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "0",
-            "--log-dir",
-            &log_dir,
-            "--",
-            "bench",
-            "step",
-            "--model",
-            "resnet-base",
-            "--batch",
-            "4",
-            "--steps",
-            "1",
-            "--threads",
-            "1",
-        ]),
+        tandem()
+            .args(standalone_launch("2"))
+            .args(["--log-dir", &log_dir, "--"])
+            .args(BENCH_STEP)
+            .args(["--batch", "4", "--steps", "1", "--threads", "1"]),
         LIMIT,
     );
     expect_success(&output);

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{expect_success, run_bounded, tandem};
+use common::{assert_contains, expect_success, run_bounded, tandem};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -65,7 +65,7 @@ fn the_first_line_names_the_device_and_why() {
             "{first}"
         );
     }
-    assert!(text.contains("train: "), "{text}");
+    assert_contains(&text, "train: ");
 }
 
 #[test]
@@ -92,7 +92,7 @@ fn cuda_runs_on_a_gpu_or_fails_with_the_reason_instead_of_pretending() {
                 first.contains("; precision tf32, deterministic algorithms; "),
                 "{first}"
             );
-            assert!(text.contains("peak memory: "), "{text}");
+            assert_contains(&text, "peak memory: ");
             continue;
         }
         assert!(!output.status.success(), "{device} ran: {stderr}");
@@ -103,8 +103,8 @@ fn cuda_runs_on_a_gpu_or_fails_with_the_reason_instead_of_pretending() {
         if stderr.contains("libcuda not found") {
             // The missing library is named with the places searched and dlopen's reason.
             let folder = format!("TANDEM_CUDA_LIBRARY_PATH={}", empty.path().display());
-            assert!(stderr.contains(&folder), "{stderr}");
-            assert!(stderr.contains("libcuda.so.1"), "{stderr}");
+            assert_contains(&stderr, &folder);
+            assert_contains(&stderr, "libcuda.so.1");
         } else {
             assert!(
                 stderr.contains("not found") || stderr.contains("no GPU is visible"),
@@ -136,7 +136,7 @@ fn train_eval_and_predict_take_the_device_flags() {
             "{stderr}"
         );
         assert_eq!(stdout.lines().next(), Some("device: cpu (requested)"));
-        assert!(stdout.contains("| device: cpu |"), "{stdout}");
+        assert_contains(&stdout, "| device: cpu |");
     }
     let checkpoint = out.join("snapshot.safetensors").display().to_string();
     let mut eval_args = vec!["eval", "--checkpoint", &checkpoint, "--json"];
@@ -201,7 +201,7 @@ fn bench_step_takes_bf16_and_names_it_first() {
         stderr.contains("note: --precision bf16 applies to a GPU; the CPU computes in fp32"),
         "{stderr}"
     );
-    assert!(text.contains("train: "), "{text}");
+    assert_contains(&text, "train: ");
 }
 
 #[test]
@@ -209,17 +209,14 @@ fn a_bad_device_value_is_refused_by_the_parser() {
     let output = run_bounded(tandem().args(["bench", "step", "--device", "gpus"]), LIMIT);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
-    assert!(
-        stderr.contains("device `gpus` is not one of auto, cpu, cuda, cuda:N"),
-        "{stderr}"
+    assert_contains(
+        &stderr,
+        "device `gpus` is not one of auto, cpu, cuda, cuda:N",
     );
     let output = run_bounded(tandem().args(["bench", "step", "--device", "npu"]), LIMIT);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());
-    assert!(
-        stderr.contains("Tandem does not run on Ascend NPUs"),
-        "{stderr}"
-    );
+    assert_contains(&stderr, "Tandem does not run on Ascend NPUs");
 }
 
 #[test]
@@ -237,7 +234,7 @@ fn bench_step_takes_the_fastest_algorithms_and_names_them_first() {
             first.contains("; precision tf32, fastest algorithms; "),
             "{first}"
         );
-        assert!(text.contains("train: "), "{text}");
+        assert_contains(&text, "train: ");
     }
     // On the CPU: a note, and the CPU's (deterministic) step.
     let output = bench_step_with("cpu", empty.path(), &["--algorithms", "fastest"]);

@@ -177,10 +177,7 @@ fn sigterm_to_the_launcher_stops_with_a_snapshot_and_a_relaunch_finishes_the_job
 
     let resumed = run_bounded(tandem().args(&args), LIMIT);
     let stdout = expect_success(&resumed);
-    assert!(
-        stdout.contains("Resuming training from snapshot at epoch 1"),
-        "{stdout}"
-    );
+    assert_contains(&stdout, "Resuming training from snapshot at epoch 1");
     for epoch in 1..=3 {
         let name = format!("epoch_{epoch}.safetensors");
         let expected = std::fs::read(straight.join(&name)).unwrap();

@@ -184,9 +184,9 @@ fn sigterm_to_one_worker_is_a_failure_naming_its_rank_the_signal_and_the_epoch()
     let status = launcher.wait(LIMIT);
     let stderr = launcher.stderr();
     assert_eq!(status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("root cause: rank 1 (node 0, local rank 1) killed by SIGTERM\n"),
-        "{stderr}"
+    assert_contains(
+        &stderr,
+        "root cause: rank 1 (node 0, local rank 1) killed by SIGTERM\n",
     );
     assert!(
         stderr.contains("): stopped by SIGTERM at epoch "),
@@ -226,7 +226,7 @@ fn a_stopped_worker_is_killed_at_once_and_named_as_the_root_cause() {
         "{stderr}"
     );
     assert!(stderr.contains("rank 0 reported: rank 1 ("), "{stderr}");
-    assert!(stderr.contains("  rank 0: exited with code 1"), "{stderr}");
+    assert_contains(&stderr, "  rank 0: exited with code 1");
     // Without the kill, the launcher would wait the 60 s grace on the stopped process.
     assert!(waited < Duration::from_secs(40), "took {waited:?}");
 }

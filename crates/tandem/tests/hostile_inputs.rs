@@ -296,6 +296,20 @@ fn write_torch_save(path: &Path, pickle: &mut dyn Read, storages: Vec<Storage>) 
     zip.finish().expect("finish archive");
 }
 
+/// Writes `file` in `dir`, a torch.save archive of the state dict of `entries` over
+/// `storages`, and evaluates it on the CIFAR records in `data`.
+fn eval_state_dict(
+    dir: &Path,
+    file: &str,
+    entries: &[TensorEntry],
+    storages: Vec<Storage>,
+    data: &Path,
+) -> Measured {
+    let path = dir.join(file);
+    write_torch_save(&path, &mut state_dict_pickle(entries).as_slice(), storages);
+    run_measured(&eval_args(&path, "cifar10-bin", data))
+}
+
 fn zeros(len: u64) -> Box<dyn Read> {
     Box::new(std::io::repeat(0).take(len))
 }
@@ -321,14 +335,9 @@ fn tensors_sharing_one_large_storage_are_checked_against_the_model_before_it_is_
             long: false,
         })
         .collect();
-    let path = dir.path().join("shared_whole_storage.pth");
-    let pickle = state_dict_pickle(&entries);
-    write_torch_save(
-        &path,
-        &mut pickle.as_slice(),
-        vec![("0".into(), zeros(BIG_STORAGE_ELEMENTS as u64 * 4))],
-    );
-    let measured = run_measured(&eval_args(&path, "cifar10-bin", &data));
+    let storages = vec![("0".into(), zeros(BIG_STORAGE_ELEMENTS as u64 * 4))];
+    let file = "shared_whole_storage.pth";
+    let measured = eval_state_dict(dir.path(), file, &entries, storages, &data);
     measured.expect_refusal(&[
         "shared_whole_storage.pth",
         "not the model built here",
@@ -359,17 +368,12 @@ fn a_storage_larger_than_the_model_needs_is_refused_before_it_is_read() {
             }
         })
         .collect();
-    let path = dir.path().join("oversized_storage.pth");
-    let pickle = state_dict_pickle(&entries);
-    write_torch_save(
-        &path,
-        &mut pickle.as_slice(),
-        vec![
-            ("0".into(), zeros(BIG_STORAGE_ELEMENTS as u64 * 4)),
-            ("1".into(), zeros(8)),
-        ],
-    );
-    let measured = run_measured(&eval_args(&path, "cifar10-bin", &data));
+    let storages = vec![
+        ("0".into(), zeros(BIG_STORAGE_ELEMENTS as u64 * 4)),
+        ("1".into(), zeros(8)),
+    ];
+    let file = "oversized_storage.pth";
+    let measured = eval_state_dict(dir.path(), file, &entries, storages, &data);
     measured.expect_refusal(&[
         "oversized_storage.pth",
         &format!(
@@ -425,10 +429,8 @@ fn a_key_repeated_thousands_of_times_is_refused_before_any_storage_is_decoded() 
             (index.to_string(), zeros(elements * bytes))
         })
         .collect();
-    let path = dir.path().join("repeated_key.pth");
-    let pickle = state_dict_pickle(&entries);
-    write_torch_save(&path, &mut pickle.as_slice(), storages);
-    let measured = run_measured(&eval_args(&path, "cifar10-bin", &data));
+    let file = "repeated_key.pth";
+    let measured = eval_state_dict(dir.path(), file, &entries, storages, &data);
     measured.expect_refusal(&[
         "repeated_key.pth",
         &format!("state dict key \"{}\" appears more than once", info.name),
@@ -513,20 +515,15 @@ fn tensors_sharing_one_storage_of_the_models_size_load_as_from_safetensors() {
         .flat_map(|value| value.to_le_bytes())
         .collect();
     let count_bytes = (model.num_batches_tracked() as i64).to_le_bytes().to_vec();
-    let path = dir.path().join("shared_storage.pth");
-    let pickle = state_dict_pickle(&entries);
-    write_torch_save(
-        &path,
-        &mut pickle.as_slice(),
-        vec![
-            (
-                "weights".into(),
-                Box::new(std::io::Cursor::new(float_bytes)),
-            ),
-            ("counts".into(), Box::new(std::io::Cursor::new(count_bytes))),
-        ],
-    );
-    let measured = run_measured(&eval_args(&path, "cifar10-bin", &data));
+    let storages: Vec<Storage> = vec![
+        (
+            "weights".into(),
+            Box::new(std::io::Cursor::new(float_bytes)),
+        ),
+        ("counts".into(), Box::new(std::io::Cursor::new(count_bytes))),
+    ];
+    let file = "shared_storage.pth";
+    let measured = eval_state_dict(dir.path(), file, &entries, storages, &data);
     assert_eq!(measured.exit_code, Some(0), "{}", measured.describe());
     assert_eq!(measured.stdout, baseline.stdout);
     assert!(
@@ -579,29 +576,13 @@ fn a_cifar_archive_member_longer_than_a_batch_is_refused_before_it_is_read() {
 
 /// Writes an RGB PNG of `width` x `height` black pixels, compressed row by row.
 fn write_black_png(path: &Path, width: u32, height: u32) {
-    let chunk = |out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]| {
-        out.extend((data.len() as u32).to_be_bytes());
-        let mut crc = flate2::Crc::new();
-        crc.update(kind);
-        crc.update(data);
-        out.extend(kind);
-        out.extend(data);
-        out.extend(crc.sum().to_be_bytes());
-    };
-    let mut header = Vec::new();
-    header.extend(width.to_be_bytes());
-    header.extend(height.to_be_bytes());
-    header.extend([8, 2, 0, 0, 0]);
     let mut pixels = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
     let row = vec![0u8; 1 + 3 * width as usize];
     for _ in 0..height {
         pixels.write_all(&row).expect("row");
     }
     let pixels = pixels.finish().expect("zlib end");
-    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
-    chunk(&mut png, b"IHDR", &header);
-    chunk(&mut png, b"IDAT", &pixels);
-    chunk(&mut png, b"IEND", &[]);
+    let png = tandem_testdata::png::rgb_png(width, height, &pixels);
     std::fs::write(path, png).expect("png");
 }
 

@@ -4,7 +4,7 @@
 //! is killed if a test fails.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -13,7 +13,7 @@ use tandem_dist::{JobToken, ProcessGroup, ProcessGroupOptions, ReduceOp, StoreCl
 
 mod common;
 
-use common::Launcher;
+use common::{assert_contains, free_port, Launcher};
 
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 /// Bound on any launcher in these tests.
@@ -63,15 +63,6 @@ fn read_env_file(path: &Path) -> HashMap<String, String> {
         .filter_map(|line| line.split_once('='))
         .map(|(name, value)| (name.to_string(), value.to_string()))
         .collect()
-}
-
-/// A port that was free a moment ago.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Whether process `pid` is gone (or a zombie nobody reaped yet, which is dead too).
@@ -182,7 +173,7 @@ fn workers_get_their_ranks_and_the_store_the_agent_hosts() {
     assert!(status.success(), "launcher failed: {}", launcher.stderr());
     // Rank 0's output is on the console, prefixed; rank 1's only in its log.
     let console = launcher.stdout();
-    assert!(console.contains("[rank 0] hello from 0\n"), "{console}");
+    assert_contains(&console, "[rank 0] hello from 0\n");
     assert!(!console.contains("hello from 1"), "{console}");
     let rank_1_log = read(&log_dir.join("logs/rank_1.log"));
     assert!(rank_1_log.starts_with(
@@ -307,7 +298,7 @@ fn a_job_that_trains_nothing_keeps_its_logs_out_of_runs_latest() {
         launcher.stderr()
     );
     let log = read(&logs.join("logs/rank_0.log"));
-    assert!(log.contains("\nsamples: 64\n"), "{log}");
+    assert_contains(&log, "\nsamples: 64\n");
     assert!(
         !run.join("logs").exists(),
         "eval's logs went into the run's folder"
@@ -443,7 +434,7 @@ fn a_worker_that_always_fails_ends_the_job_with_one_summary_naming_it() {
         let line = format!(
             "round {round} failed: rank 1 (node 0, local rank 1) exited with code 7; restarting"
         );
-        assert!(stderr.contains(&line), "{stderr}");
+        assert_contains(&stderr, &line);
     }
 }
 
@@ -487,10 +478,7 @@ fn a_program_that_cannot_start_is_named() {
     let status = launcher.wait(LAUNCH_TIMEOUT);
     let stderr = launcher.stderr();
     assert_eq!(status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("root cause: rank 0 (node 0, local rank 0) could not start: ./no-such-program: No such file or directory"),
-        "{stderr}"
-    );
+    assert_contains(&stderr, "root cause: rank 0 (node 0, local rank 0) could not start: ./no-such-program: No such file or directory");
 }
 
 #[test]
@@ -634,7 +622,7 @@ fn a_worker_refusing_its_settings_ends_the_job_at_once_with_one_message() {
          --output-dir NEW, or start over here with --fresh\n",
         snapshot = snapshot.display()
     );
-    assert!(stdout.contains(&format!("[rank 0] {conflict}")), "{stdout}");
+    assert_contains(&stdout, &format!("[rank 0] {conflict}"));
     assert_eq!(
         console(&launcher).matches("settings conflict").count(),
         1,
@@ -691,9 +679,9 @@ fn a_bad_flag_of_the_worker_ends_the_job_at_once() {
         "{stderr}"
     );
     let record = read(&dir.path().join("runs/latest/errors/rank_0.json"));
-    assert!(
-        record.contains("\"message\":\"unexpected argument '--no-such-flag' found\""),
-        "{record}"
+    assert_contains(
+        &record,
+        "\"message\":\"unexpected argument '--no-such-flag' found\"",
     );
 }
 
@@ -1178,14 +1166,14 @@ fn cutting_the_link_between_two_hosts_fails_both_sides_naming_the_peer() {
     assert_eq!(status_0.code(), Some(1), "{stderr_0}");
     assert_eq!(status_1.code(), Some(1), "{stderr_1}");
     // Each side's summary names its own worker and that worker's error names the other rank.
-    assert!(
-        stderr_0.contains("root cause: rank 0 (node 0, local rank 0) exited with code 1"),
-        "{stderr_0}"
+    assert_contains(
+        &stderr_0,
+        "root cause: rank 0 (node 0, local rank 0) exited with code 1",
     );
     assert!(stderr_0.contains("rank 1 (10.201.0.2:"), "{stderr_0}");
-    assert!(
-        stderr_1.contains("root cause: rank 1 (node 1, local rank 0) exited with code 1"),
-        "{stderr_1}"
+    assert_contains(
+        &stderr_1,
+        "root cause: rank 1 (node 1, local rank 0) exited with code 1",
     );
     assert!(stderr_1.contains("rank 0 (10.201.0.1:"), "{stderr_1}");
     drop(pair);

@@ -136,30 +136,10 @@ fn assert_no_secret(folders: &[&Path], output: &Output) {
 
 /// Training flags of the small model on the pickle mini set of CIFAR-10 in `data_dir`.
 fn pickle_run(data_dir: &str, output_dir: &str) -> Vec<String> {
-    let mut args: Vec<String> = vec!["train".into()];
-    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
-    args.extend(
-        [
-            "--data",
-            "cifar10-py",
-            "--data-dir",
-            data_dir,
-            "--epochs",
-            "2",
-            "--batch-size",
-            "64",
-            "--threads",
-            "1",
-            "--seed",
-            "3",
-            "--keep-last",
-            "1",
-            "--output-dir",
-            output_dir,
-        ]
-        .iter()
-        .map(|arg| arg.to_string()),
+    let mut args = small_model_train(
+        "--data cifar10-py --epochs 2 --batch-size 64 --threads 1 --seed 3 --keep-last 1",
     );
+    args.extend(["--data-dir", data_dir, "--output-dir", output_dir].map(String::from));
     args
 }
 
@@ -265,9 +245,9 @@ fn a_run_reads_cifar10_from_a_bucket_and_writes_every_output_to_another() {
     );
     let again_stdout = expect_success(&again);
     let again_stderr = String::from_utf8_lossy(&again.stderr);
-    assert!(
-        again_stderr.contains("holds a current copy of obs://datasets/cifar10-py (7 files)"),
-        "{again_stderr}"
+    assert_contains(
+        &again_stderr,
+        "holds a current copy of obs://datasets/cifar10-py (7 files)",
     );
     assert!(
         again_stdout.contains("2/2 epochs done; raise --epochs to continue"),
@@ -360,8 +340,7 @@ fn json_and_binary_layouts_are_fetched_and_a_damaged_official_file_is_refused() 
         &scratch.path().join("bin-run").display().to_string(),
     );
     let refused = run(&server.endpoint(), &cache, &bin);
-    assert!(!refused.status.success());
-    let stderr = String::from_utf8_lossy(&refused.stderr);
+    let stderr = expect_failure(&refused);
     assert!(
         stderr.contains("s3://datasets/bin/cifar-10-batches-bin/data_batch_3.bin: md5 is ")
             && stderr.contains("expected CIFAR-10's 942cd6a4bcdd0dd3c604fbe906cb4421"),
@@ -376,10 +355,7 @@ fn json_and_binary_layouts_are_fetched_and_a_damaged_official_file_is_refused() 
     let repaired = run(&server.endpoint(), &cache, &bin);
     expect_success(&repaired);
     let stderr = String::from_utf8_lossy(&repaired.stderr);
-    assert!(
-        stderr.contains("data: fetched 1 of 7 files (30.7 MB)"),
-        "{stderr}"
-    );
+    assert_contains(&stderr, "data: fetched 1 of 7 files (30.7 MB)");
 }
 
 /// Flags of a synthetic run long enough to be killed mid-way, its outputs in the bucket.
@@ -504,12 +480,12 @@ fn each_object_storage_failure_is_a_named_error_without_credentials() {
         .arg(&cache)
         .args(&train("s3://runs/anonymous")[1..]);
     let message = stderr_of(&run_bounded(&mut anonymous, JOB_LIMIT));
-    assert!(
-        message.contains(&format!(
+    assert_contains(
+        &message,
+        &format!(
             "no credentials for {}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
             server.endpoint()
-        )),
-        "{message}"
+        ),
     );
 
     // A missing bucket, a missing key.
@@ -523,9 +499,9 @@ fn each_object_storage_failure_is_a_named_error_without_credentials() {
         ),
     );
     let message = stderr_of(&missing_bucket);
-    assert!(
-        message.contains("s3://no-such-bucket/cifar: no such bucket 'no-such-bucket'"),
-        "{message}"
+    assert_contains(
+        &message,
+        "s3://no-such-bucket/cifar: no such bucket 'no-such-bucket'",
     );
     let missing_key = run(
         &server.endpoint(),
@@ -537,9 +513,9 @@ fn each_object_storage_failure_is_a_named_error_without_credentials() {
         ),
     );
     let message = stderr_of(&missing_key);
-    assert!(
-        message.contains("s3://runs/none/weights.safetensors: no such object"),
-        "{message}"
+    assert_contains(
+        &message,
+        "s3://runs/none/weights.safetensors: no such object",
     );
 
     // A stopped server, after a bounded retry.
@@ -674,8 +650,8 @@ fn a_failed_launch_job_uploads_its_logs_and_error_files() {
     );
     let mut launch = tandem_at(&server.endpoint());
     launch
-        .args(["launch", "--standalone", "--nproc-per-node", "1"])
-        .args(["--max-restarts", "0", "--"])
+        .args(standalone_launch("1"))
+        .arg("--")
         .args(&train)
         .env_remove("TANDEM_JOB_TOKEN");
     let output = run_bounded(&mut launch, JOB_LIMIT);
@@ -692,10 +668,7 @@ fn a_failed_launch_job_uploads_its_logs_and_error_files() {
         );
     }
     let error = std::fs::read_to_string(bucket.join("errors/rank_0.json")).expect("the record");
-    assert!(
-        error.contains("s3://runs/none/weights.safetensors: no such object"),
-        "{error}"
-    );
+    assert_contains(&error, "s3://runs/none/weights.safetensors: no such object");
 }
 
 /// Flags of a synthetic run of two epochs of a few seconds each (so that an outage's
@@ -812,7 +785,7 @@ fn assert_the_next_runs_recover(
     assert!(resumed || finished, "{stdout}");
     let third = run(endpoint, cache, args);
     let stdout = expect_success(&third);
-    assert!(stdout.contains("2/2 epochs done"), "{stdout}");
+    assert_contains(&stdout, "2/2 epochs done");
     assert_bucket_holds_every_staged_file(staged, bucket);
     let event_files = names_in(bucket)
         .iter()
@@ -937,15 +910,15 @@ fn uploads_left_pending_in_a_cache_never_overwrite_a_bucket_that_moved_on() {
     );
     let stdout = expect_success(&again);
     let stderr = String::from_utf8_lossy(&again.stderr);
-    assert!(
-        stderr.contains(&format!(
+    assert_contains(
+        &stderr,
+        &format!(
             "left pending in {}.pending-uploads by an earlier run are dropped: s3://runs/moved \
              is further on than they are",
             staged.display()
-        )),
-        "{stderr}"
+        ),
     );
-    assert!(stdout.contains("2/2 epochs done"), "{stdout}");
+    assert_contains(&stdout, "2/2 epochs done");
     assert!(!left_behind.join("runs/runs/moved.pending-uploads").exists());
 }
 
@@ -1021,15 +994,12 @@ fn an_obs_url_with_no_endpoint_is_refused_before_any_request() {
         ));
     let started = Instant::now();
     let output = run_bounded(&mut command, JOB_LIMIT);
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains(
-            "obs://runs/no-endpoint/snapshot.safetensors: no endpoint is set, and Amazon S3 (the \
+    let stderr = expect_failure(&output);
+    assert_contains(
+        &stderr,
+        "obs://runs/no-endpoint/snapshot.safetensors: no endpoint is set, and Amazon S3 (the \
              default) does not serve obs:// buckets: set OBS_ENDPOINT or --s3-endpoint to the \
-             OBS endpoint of the bucket's region, e.g. https://obs.cn-north-4.myhuaweicloud.com"
-        ),
-        "{stderr}"
+             OBS endpoint of the bucket's region, e.g. https://obs.cn-north-4.myhuaweicloud.com",
     );
     assert!(
         started.elapsed() < Duration::from_secs(20),

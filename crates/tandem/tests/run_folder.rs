@@ -163,7 +163,7 @@ fn a_finished_run_says_so_and_fresh_starts_over_keeping_the_old_files() {
     );
     assert!(aside.join("snapshot.safetensors").is_file());
     assert!(aside.join("metrics.jsonl").is_file());
-    assert!(stdout.contains("train | epoch: 1"), "{stdout}");
+    assert_contains(&stdout, "train | epoch: 1");
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 1, "{metrics}");
 }
@@ -176,29 +176,26 @@ fn more_epochs_continue_a_constant_schedule_and_a_conflict_names_the_way_out() {
 
     let longer = with_flag(one_epoch_run(&out), "--epochs", "2");
     let stdout = expect_success(&run_bounded(tandem().args(&longer), LIMIT));
-    assert!(
-        stdout.contains(
-            "Resuming training from snapshot: 1 epoch run, continuing with epoch 2 of 2\n"
-        ),
-        "{stdout}"
+    assert_contains(
+        &stdout,
+        "Resuming training from snapshot: 1 epoch run, continuing with epoch 2 of 2\n",
     );
     let snapshot = out.join("snapshot.safetensors");
-    assert!(
-        stdout.contains(&format!(
+    assert_contains(
+        &stdout,
+        &format!(
             "output: {} | resumed from {} after 1 epoch\n",
             out.display(),
             snapshot.display()
-        )),
-        "{stdout}"
+        ),
     );
-    assert!(stdout.contains("train | epoch: 2"), "{stdout}");
+    assert_contains(&stdout, "train | epoch: 2");
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 2, "{metrics}");
 
     let changed = with_flag(longer.clone(), "--lr", "0.2");
     let output = run_bounded(tandem().args(&changed), LIMIT);
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = expect_failure(&output);
     assert!(
         stderr.contains("--lr is 0.2, the snapshot has 0.05")
             && stderr.contains(&format!(
@@ -215,7 +212,7 @@ fn more_epochs_continue_a_constant_schedule_and_a_conflict_names_the_way_out() {
     from_weights.extend(["--init-from".to_string(), snapshot.display().to_string()]);
     let stdout = expect_success(&run_bounded(tandem().args(&from_weights), LIMIT));
     assert!(!stdout.contains("Resuming"), "{stdout}");
-    assert!(stdout.contains("train | epoch: 2"), "{stdout}");
+    assert_contains(&stdout, "train | epoch: 2");
 }
 
 #[test]
@@ -308,10 +305,7 @@ fn max_steps_and_zero_epochs_say_why_the_run_ended() {
     );
     let zero = with_flag(one_epoch_run(&dir.path().join("zero")), "--epochs", "0");
     let stdout = expect_success(&run_bounded(tandem().args(&zero), LIMIT));
-    assert!(
-        stdout.contains("--epochs is 0: nothing to train"),
-        "{stdout}"
-    );
+    assert_contains(&stdout, "--epochs is 0: nothing to train");
 }
 
 /// TFRecord's masked CRC-32C.
@@ -769,12 +763,7 @@ fn launch_without_the_separator_says_to_put_it() {
     );
     assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains(
-            "put `--` before the worker's command, as in `tandem launch --standalone -- train --epochs 1`"
-        ),
-        "{stderr}"
-    );
+    assert_contains(&stderr, "put `--` before the worker's command, as in `tandem launch --standalone -- train --epochs 1`");
 }
 
 #[test]

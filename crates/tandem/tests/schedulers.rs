@@ -26,15 +26,7 @@ fn mpirun_train(mpirun: &Path, output_dir: &Path, env: &[(&str, String)]) -> Out
     command
         .arg(env!("CARGO_BIN_EXE_tandem"))
         .args(tiny_job(output_dir));
-    for name in [
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TANDEM_JOB_TOKEN",
-        "TANDEM_ERROR_FILE",
-    ] {
+    for name in PLACING_VARIABLES {
         command.env_remove(name);
     }
     command.envs(env.iter().map(|(name, value)| (name, value)));
@@ -61,10 +53,7 @@ fn mpirun_ends_bit_identical_to_tandem_launch_with_and_without_master_addr() {
         ],
     );
     expect_success(&output);
-    assert!(
-        final_weights(&named) == expected,
-        "mpirun with MASTER_ADDR ended with other weights than tandem launch"
-    );
+    assert_weights_as_under_launch(&named, &expected, "mpirun with MASTER_ADDR");
 
     // Without MASTER_ADDR, every rank on one node: rank 0's host is this one.
     let derived = dir.path().join("mpirun-derived");
@@ -77,10 +66,7 @@ fn mpirun_ends_bit_identical_to_tandem_launch_with_and_without_master_addr() {
         ],
     );
     expect_success(&output);
-    assert!(
-        final_weights(&derived) == expected,
-        "mpirun without MASTER_ADDR ended with other weights than tandem launch"
-    );
+    assert_weights_as_under_launch(&derived, &expected, "mpirun without MASTER_ADDR");
 }
 
 #[test]
@@ -151,12 +137,9 @@ fn modelarts_script_on_two_loopback_nodes_ends_bit_identical_to_tandem_launch() 
     let command_line = format!(
         "launch --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr 127.0.0.1 --master-port {port} -- train"
     );
-    assert!(stdout0.contains(&command_line), "{stdout0}");
-    assert!(stdout1.contains("--node-rank 1"), "{stdout1}");
-    assert!(
-        final_weights(&output_dir) == expected,
-        "two ModelArts nodes ended with other weights than tandem launch"
-    );
+    assert_contains(&stdout0, &command_line);
+    assert_contains(&stdout1, "--node-rank 1");
+    assert_weights_as_under_launch(&output_dir, &expected, "two ModelArts nodes");
 }
 
 #[test]

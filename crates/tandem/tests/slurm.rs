@@ -288,18 +288,12 @@ impl SlurmCluster {
                 command.env_remove(name.as_ref());
             }
         }
-        for name in [
-            "RANK",
-            "LOCAL_RANK",
-            "WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "TANDEM_JOB_TOKEN",
-            "TANDEM_ERROR_FILE",
+        let others = [
             "TANDEM_RESTART_COUNT",
             "OMPI_COMM_WORLD_RANK",
             "VC_WORKER_HOSTS",
-        ] {
+        ];
+        for name in PLACING_VARIABLES.into_iter().chain(others) {
             command.env_remove(name);
         }
         command
@@ -392,11 +386,8 @@ fn srun_of_two_tasks_without_tandem_launch_ends_bit_identical_to_tandem_launch()
         .env("MASTER_PORT", free_port().to_string())
         .env("TANDEM_JOB_TOKEN", "slurm-test");
     let stdout = expect_success(&GroupJob::start(&mut srun).wait(JOB_LIMIT));
-    assert!(stdout.contains("world size 2"), "{stdout}");
-    assert!(
-        final_weights(&output_dir) == expected,
-        "srun's 2 tasks ended with other weights than tandem launch"
-    );
+    assert_contains(&stdout, "world size 2");
+    assert_weights_as_under_launch(&output_dir, &expected, "srun's 2 tasks");
 }
 
 #[test]

@@ -14,9 +14,9 @@ fn short_synthetic_run_writes_every_file() {
     let out = dir.path().join("run");
     let output = run_bounded(tandem().args(small_synthetic_run(&out)), LIMIT);
     let stdout = expect_success(&output);
-    assert!(stdout.contains("train | epoch: 1 | loss: "), "{stdout}");
-    assert!(stdout.contains("val | epoch: 2 | loss: "), "{stdout}");
-    assert!(stdout.contains("| accuracy: "), "{stdout}");
+    assert_contains(&stdout, "train | epoch: 1 | loss: ");
+    assert_contains(&stdout, "val | epoch: 2 | loss: ");
+    assert_contains(&stdout, "| accuracy: ");
     for file in [
         "config.toml",
         "metrics.jsonl",
@@ -51,7 +51,7 @@ fn short_synthetic_run_writes_every_file() {
         assert!((0.0..=1.0).contains(&accuracy));
     }
     let config = std::fs::read_to_string(out.join("config.toml")).unwrap();
-    assert!(config.contains("batch-size = 32"), "{config}");
+    assert_contains(&config, "batch-size = 32");
     // Rerunning the finished job says it is done and trains nothing more.
     let again = run_bounded(tandem().args(small_synthetic_run(&out)), LIMIT);
     let stdout = expect_success(&again);
@@ -60,7 +60,7 @@ fn short_synthetic_run_writes_every_file() {
         "{stdout}"
     );
     assert!(!stdout.contains("train | epoch"), "{stdout}");
-    assert!(stdout.contains("holds the end of epoch 2"), "{stdout}");
+    assert_contains(&stdout, "holds the end of epoch 2");
     assert!(!stdout.contains("resumed from"), "{stdout}");
 }
 
@@ -80,9 +80,9 @@ fn config_file_is_read_and_flags_override_it() {
     let output = run_bounded(tandem().args(&args), LIMIT);
     expect_success(&output);
     let resolved = std::fs::read_to_string(out.join("config.toml")).unwrap();
-    assert!(resolved.contains("batch-size = 32"), "{resolved}");
-    assert!(resolved.contains("lr = 0.05"), "{resolved}");
-    assert!(resolved.contains("synthetic-train = 192"), "{resolved}");
+    assert_contains(&resolved, "batch-size = 32");
+    assert_contains(&resolved, "lr = 0.05");
+    assert_contains(&resolved, "synthetic-train = 192");
 
     let mut args: Vec<String> = vec![
         "train".into(),
@@ -99,9 +99,9 @@ fn config_file_is_read_and_flags_override_it() {
     args.push(out2.display().to_string());
     expect_success(&run_bounded(tandem().args(&args), LIMIT));
     let resolved = std::fs::read_to_string(out2.join("config.toml")).unwrap();
-    assert!(resolved.contains("batch-size = 16"), "{resolved}");
-    assert!(resolved.contains("synthetic-train = 64"), "{resolved}");
-    assert!(resolved.contains("epochs = 1"), "{resolved}");
+    assert_contains(&resolved, "batch-size = 16");
+    assert_contains(&resolved, "synthetic-train = 64");
+    assert_contains(&resolved, "epochs = 1");
 }
 
 #[test]
@@ -113,12 +113,8 @@ fn bad_settings_are_refused_with_their_name() {
         "0",
     );
     let output = run_bounded(tandem().args(&args), LIMIT);
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains("--batch-size must be at least 1"),
-        "{stderr}"
-    );
+    let stderr = expect_failure(&output);
+    assert_contains(&stderr, "--batch-size must be at least 1");
 
     let config = dir.path().join("bad.toml");
     std::fs::write(&config, "epochz = 3\n").unwrap();
@@ -126,8 +122,7 @@ fn bad_settings_are_refused_with_their_name() {
         tandem().args(["train", "--config", &config.display().to_string()]),
         LIMIT,
     );
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = expect_failure(&output);
     assert!(
         stderr.contains("bad.toml") && stderr.contains("epochz"),
         "{stderr}"
@@ -150,10 +145,7 @@ fn resume_after_kill_mid_epoch_is_bit_identical() {
     kill_after_second_snapshot(&args, &interrupted, LIMIT);
     let resumed = run_bounded(tandem().args(&args), LIMIT);
     let stdout = expect_success(&resumed);
-    assert!(
-        stdout.contains("Resuming training from snapshot"),
-        "{stdout}"
-    );
+    assert_contains(&stdout, "Resuming training from snapshot");
     let expected = std::fs::read(straight.join("epoch_2.safetensors")).unwrap();
     let actual = std::fs::read(interrupted.join("epoch_2.safetensors")).unwrap();
     assert!(
@@ -171,12 +163,8 @@ fn conflicting_resume_setting_is_named() {
     expect_success(&run_bounded(tandem().args(&args), LIMIT));
     let changed = with_flag(small_synthetic_run(&out), "--lr", "0.2");
     let output = run_bounded(tandem().args(&changed), LIMIT);
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains("--lr is 0.2, the snapshot has 0.05"),
-        "{stderr}"
-    );
+    let stderr = expect_failure(&output);
+    assert_contains(&stderr, "--lr is 0.2, the snapshot has 0.05");
 }
 
 #[test]
@@ -196,11 +184,11 @@ fn corrupt_snapshot_is_reported_and_the_previous_one_used() {
     let output = run_bounded(tandem().args(&args), LIMIT);
     let stdout = expect_success(&output);
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("checksum does not match"), "{stderr}");
-    assert!(stderr.contains("snapshot.safetensors.prev"), "{stderr}");
-    assert!(
-        stdout.contains("Resuming training from snapshot at epoch 1, step 2"),
-        "{stdout}"
+    assert_contains(&stderr, "checksum does not match");
+    assert_contains(&stderr, "snapshot.safetensors.prev");
+    assert_contains(
+        &stdout,
+        "Resuming training from snapshot at epoch 1, step 2",
     );
 }
 
@@ -235,8 +223,8 @@ fn eval_and_predict_on_a_saved_checkpoint() {
         .map(|arg| arg.to_string()),
     );
     let text = expect_success(&run_bounded(tandem().args(&eval_args), LIMIT));
-    assert!(text.contains("samples: 64"), "{text}");
-    assert!(text.contains("confusion matrix"), "{text}");
+    assert_contains(&text, "samples: 64");
+    assert_contains(&text, "confusion matrix");
     eval_args.push("--json".into());
     let json = expect_success(&run_bounded(tandem().args(&eval_args), LIMIT));
     let report: serde_json::Value = serde_json::from_str(json.trim()).unwrap();

@@ -283,7 +283,7 @@ fn eval_prints_the_class_names_of_batches_meta_escaped() {
     std::fs::write(data.join("test_batch"), test_batch(20)).unwrap();
     // Without batches.meta, the data set's names are CIFAR-10's.
     let plain = succeeded(&eval_plain_weights(dir.path(), "cifar10-py", &data));
-    assert!(plain.contains("samples: 20\n"), "{plain}");
+    assert_contains(&plain, "samples: 20\n");
     // batches.meta may hold 64 KiB: a name of 60,000 characters fits.
     let names = hostile_class_names(60_000);
     std::fs::write(data.join("batches.meta"), batches_meta(&names)).unwrap();

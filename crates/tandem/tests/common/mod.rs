@@ -1,12 +1,12 @@
 //! Helpers shared by the end-to-end tests: running the real `tandem` binary with bounded
-//! waits, and finding the shared data.
+//! waits (the test kit's), and the flags of the small runs they train.
 
 #![allow(dead_code)]
 
 pub mod scheduler;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// The `tandem` binary under test.
@@ -19,47 +19,27 @@ pub fn tandem() -> Command {
     command
 }
 
-/// Runs a command to completion within `limit`, killing it if it takes longer.
-pub fn run_bounded(command: &mut Command, limit: Duration) -> Output {
-    let child = command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("cannot start tandem");
-    wait_bounded(child, limit)
+// Each test binary uses some of these.
+#[allow(unused_imports)]
+pub use tandem_testdata::{
+    assert_contains, expect_failure, expect_success, free_port, run_bounded, wait_bounded,
+};
+
+/// The flags of a one-node `tandem launch` of `nproc` workers that restarts none; the
+/// launcher's other flags, `--` and the workers' command follow.
+pub fn standalone_launch(nproc: &str) -> [&str; 6] {
+    [
+        "launch",
+        "--standalone",
+        "--nproc-per-node",
+        nproc,
+        "--max-restarts",
+        "0",
+    ]
 }
 
-/// Waits for a child within `limit`, killing it and failing the test past that.
-pub fn wait_bounded(mut child: Child, limit: Duration) -> Output {
-    let deadline = Instant::now() + limit;
-    loop {
-        match child.try_wait().expect("cannot poll child") {
-            Some(_) => return child.wait_with_output().expect("cannot collect output"),
-            None if Instant::now() > deadline => {
-                let _ = child.kill();
-                let output = child.wait_with_output().expect("cannot collect output");
-                panic!(
-                    "command took longer than {limit:?}\nstdout:\n{}\nstderr:\n{}",
-                    String::from_utf8_lossy(&output.stdout),
-                    String::from_utf8_lossy(&output.stderr)
-                );
-            }
-            None => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
-}
-
-/// Asserts success and returns stdout, showing both streams on failure.
-pub fn expect_success(output: &Output) -> String {
-    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
-    assert!(
-        output.status.success(),
-        "tandem failed with {}\nstdout:\n{stdout}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
-}
+/// A worker command: the step benchmark of the seed-004 model; `--batch` and the rest follow.
+pub const BENCH_STEP: [&str; 4] = ["bench", "step", "--model", "resnet-base"];
 
 /// A small residual network that trains in seconds: the seed-004 model with one plain
 /// block per stage.
@@ -96,37 +76,22 @@ pub fn small_synthetic_run(output_dir: &Path) -> Vec<String> {
 
 /// Training flags for a synthetic run of the small model on `train_samples` images.
 pub fn synthetic_run(output_dir: &Path, train_samples: usize) -> Vec<String> {
-    let mut args: Vec<String> = vec!["train".into()];
-    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
-    args.extend(
-        [
-            "--data",
-            "synthetic",
-            "--synthetic-train",
-            &train_samples.to_string(),
-            "--synthetic-test",
-            "64",
-            "--epochs",
-            "2",
-            "--batch-size",
-            "32",
-            "--optimizer",
-            "sgd",
-            "--momentum",
-            "0.9",
-            "--lr",
-            "0.05",
-            "--threads",
-            "1",
-            "--seed",
-            "7",
-            "--output-dir",
-        ]
-        .iter()
-        .map(|arg| arg.to_string()),
-    );
-    args.push(output_dir.display().to_string());
+    let mut args = small_model_train(&format!(
+        "--data synthetic --synthetic-train {train_samples} --synthetic-test 64 --epochs 2 \
+         --batch-size 32 --optimizer sgd --momentum 0.9 --lr 0.05 --threads 1 --seed 7"
+    ));
+    args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
     args
+}
+
+/// `train` of the small model (`SMALL_MODEL`) with `flags`, split at white space; a flag
+/// whose value may hold white space (a path) is pushed after.
+pub fn small_model_train(flags: &str) -> Vec<String> {
+    std::iter::once("train")
+        .chain(SMALL_MODEL.iter().copied())
+        .chain(flags.split_whitespace())
+        .map(String::from)
+        .collect()
 }
 
 /// `args` with `flag` set to `value`: replaces the flag's value if present, else appends it.

@@ -1,14 +1,14 @@
 //! What the scheduler tests (`schedulers.rs`, `slurm.rs`) share: jobs started in their own
-//! process group and killed whole when a test fails, free ports, programs that may be missing,
-//! and the tiny job whose final weights they compare with `tandem launch`'s.
+//! process group and killed whole when a test fails, programs that may be missing, the variables
+//! a job must not inherit, and the tiny job whose final weights they compare with
+//! `tandem launch`'s.
 
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{expect_success, synthetic_run, tandem, with_flag};
+use super::{expect_success, standalone_launch, synthetic_run, tandem, with_flag};
 
 /// Bound on any job in these tests.
 pub const JOB_LIMIT: Duration = Duration::from_secs(120);
@@ -106,15 +106,6 @@ fn signal_group(group: Option<i32>, signal: i32) {
     }
 }
 
-/// A port that was free a moment ago.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind a free port")
-        .local_addr()
-        .expect("its address")
-        .port()
-}
-
 /// The program `name` on `PATH` (or in `/usr/sbin` and `/sbin`, where daemons live and a
 /// user's `PATH` may not look), or `None` (and a printed reason) when the test should be
 /// skipped; under `CI` a missing program fails the test.
@@ -146,21 +137,36 @@ pub fn tiny_job(output_dir: &Path) -> Vec<String> {
 pub fn under_tandem_launch(output_dir: &Path) -> Vec<u8> {
     let mut command = tandem();
     command
-        .args([
-            "launch",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "0",
-            "--",
-        ])
+        .args(standalone_launch("2"))
+        .arg("--")
         .args(tiny_job(output_dir))
         .env_remove("TANDEM_JOB_TOKEN");
     expect_success(&GroupJob::start(&mut command).wait(JOB_LIMIT));
     final_weights(output_dir)
 }
 
+/// The variables that place a rank or join a job, which a test's own environment must not
+/// pass to the job it starts.
+pub const PLACING_VARIABLES: [&str; 7] = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TANDEM_JOB_TOKEN",
+    "TANDEM_ERROR_FILE",
+];
+
+/// Asserts that the job `what` wrote to `output_dir` ended with the weights `expected` of
+/// the same job under `tandem launch`.
+pub fn assert_weights_as_under_launch(output_dir: &Path, expected: &[u8], what: &str) {
+    assert!(
+        final_weights(output_dir) == expected,
+        "{what} ended with other weights than tandem launch"
+    );
+}
+
+/// The final weights of the tiny job written to `output_dir`.
 pub fn final_weights(output_dir: &Path) -> Vec<u8> {
     let path = output_dir.join("epoch_1.safetensors");
     std::fs::read(&path).unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()))
