@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -105,7 +105,7 @@ impl RemoteStore {
         {
             std::fs::create_dir_all(parent).map_err(local_error)?;
         }
-        let temporary = temporary_path(local);
+        let temporary = tandem_files::temporary_path(local);
         let result = (|| {
             // A new file only: a name that exists (a link planted there) is never written
             // through.
@@ -385,13 +385,6 @@ fn store_path(url: &ObjectUrl) -> Result<StorePath, RemoteError> {
         url: url.to_string(),
         reason: error.to_string(),
     })
-}
-
-/// The name a download is written under before it is renamed into place.
-fn temporary_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".{}.tmp", std::process::id()));
-    path.with_file_name(name)
 }
 
 #[cfg(test)]
