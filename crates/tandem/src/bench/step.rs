@@ -11,7 +11,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use tandem_models::{LossOptions, Model, ModelSpec};
+use tandem_models::training_device::{StepRequest, TrainBatch, TrainImages};
+use tandem_models::{CpuDevice, LossOptions, Model, ModelSpec, TrainingDevice};
 
 use super::workload::{random_batch, GpuBench, OptimizerKind, IMAGE_SIZE};
 use crate::backend::BackendRequest;
@@ -19,6 +20,8 @@ use crate::device::Announce;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, PlacementFlags};
 use crate::train::ddp::{Ddp, WorkerPlacement};
+use crate::train::gradient_sync::{self, run_step};
+use crate::train::on_device::StepNotes;
 use crate::train::placement::find_placement;
 
 /// Gradient buckets as `tandem train` uses them by default.
@@ -99,43 +102,40 @@ pub fn run(args: StepArgs) -> anyhow::Result<Option<GpuBench>> {
 
     let mut model = Model::new(&spec)?;
     model.init_default(0);
-    let mut ddp = placement
+    let ddp = placement
         .as_ref()
         .map(|place| join_job(place, model.params().len()))
         .transpose()?;
     crate::backend::choose(args.backend, &device, ddp.as_ref(), Announce::Stdout)?;
-    if let Some(ddp) = ddp.as_mut() {
-        ddp.broadcast_model(&mut model)?;
-    }
-    let mut optimizer = optimizer_kind.config().cpu(model.params().len());
+    let mut cpu = CpuDevice::new(model);
+    cpu.set_optimizer(optimizer_kind.config());
+    let mut sync = gradient_sync::choose(ddp, &cpu, false);
+    sync.agree_on_the_model(&mut cpu)?;
     let (images, labels) = random_batch(&spec, batch);
     let loss = LossOptions::default();
-
+    let micro_batches = [TrainBatch {
+        images: TrainImages::Host(&images),
+        labels: &labels,
+    }];
+    let request = StepRequest {
+        micro_batches: &micro_batches,
+        height: IMAGE_SIZE,
+        width: IMAGE_SIZE,
+        loss: &loss,
+        lr: f64::from(optimizer_kind.lr()),
+        momentum: None,
+    };
+    let mut notes = StepNotes::default();
     let train_rate = images_per_second(batch, args.steps, || -> anyhow::Result<()> {
-        model.zero_grads();
-        if let Some(ddp) = ddp.as_mut() {
-            ddp.broadcast_buffers(&mut model)?;
-        }
-        model.forward_train(&images, batch, IMAGE_SIZE, IMAGE_SIZE, &labels, &loss, None)?;
-        match ddp.as_mut() {
-            Some(ddp) => {
-                model.backward(1.0, None, &mut |range, values| {
-                    ddp.gradients_ready(range, values)
-                })?;
-                ddp.finish_gradients(model.grads_mut())?;
-            }
-            None => model.backward(1.0, None, &mut |_, _| {})?,
-        }
-        let (params, grads) = model.params_and_grads_mut();
-        optimizer.step(params, grads);
+        run_step(&mut cpu, &mut *sync, &mut notes, request)?;
         Ok(())
     })?;
     let eval_rate = images_per_second(batch, args.steps, || -> anyhow::Result<()> {
-        model.forward_eval(&images, batch, IMAGE_SIZE, IMAGE_SIZE)?;
+        cpu.forward_eval(&images, batch, IMAGE_SIZE, IMAGE_SIZE)?;
         Ok(())
     })?;
     let mut rates = [train_rate, eval_rate];
-    if let Some(ddp) = ddp.as_mut() {
+    if let Some(ddp) = sync.group_mut() {
         ddp.sum_f64(&mut rates)?;
         if ddp.rank() != 0 {
             return Ok(None);

@@ -349,7 +349,7 @@ pub fn graphs_agree(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -373,7 +373,8 @@ mod tests {
     }
     use tandem_models::{LossOptions, ModelSpec, ResNetBaseSpec};
 
-    fn small_model() -> Model {
+    /// A small seed-004 model, the same on every rank.
+    pub(crate) fn small_model() -> Model {
         let spec = ModelSpec::ResNetBase(ResNetBaseSpec {
             n_blocks: vec![1, 1],
             n_channels: vec![8, 16],
@@ -388,7 +389,7 @@ mod tests {
     }
 
     /// A batch of 6 images for `rank`, different on each rank.
-    fn batch_of(rank: usize) -> (Vec<f32>, Vec<u32>) {
+    pub(crate) fn batch_of(rank: usize) -> (Vec<f32>, Vec<u32>) {
         let images = (0..6 * 32 * 32 * 3)
             .map(|index| ((index * 7919 + rank * 104_729) % 1000) as f32 / 500.0 - 1.0)
             .collect();
@@ -409,60 +410,72 @@ mod tests {
         model.grads().to_vec()
     }
 
+    /// Runs `body` on `world_size` ranks, each a thread with its own [`Ddp`] over loopback
+    /// (small buckets, so that many are sent while backward runs); returns their results in
+    /// rank order.
+    pub(crate) fn on_ranks<T: Send>(
+        world_size: usize,
+        body: impl Fn(usize, Ddp) -> T + Sync,
+    ) -> Vec<T> {
+        let port = tandem_testdata::free_port();
+        let grad_len = small_model().params().len();
+        std::thread::scope(|scope| {
+            let ranks: Vec<_> = (0..world_size)
+                .map(|rank| {
+                    let body = &body;
+                    scope.spawn(move || {
+                        let placement = WorkerPlacement {
+                            rank,
+                            world_size,
+                            local_world_size: world_size,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                            store_hosted: false,
+                            key_prefix: "ddp-test".into(),
+                        };
+                        let token = tandem_dist::JobToken::new("ddp-test-token").unwrap();
+                        let ddp = Ddp::join(
+                            &placement,
+                            token,
+                            Duration::from_secs(30),
+                            grad_len,
+                            4096,
+                            1024,
+                        )
+                        .unwrap();
+                        body(rank, ddp)
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|rank| rank.join().unwrap()).collect()
+        })
+    }
+
     #[test]
     fn without_sync_bn_each_rank_uses_its_batch_and_gradients_are_averaged() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .unwrap()
-            .port();
-        let ranks: Vec<_> = (0..2)
-            .map(|rank| {
-                std::thread::spawn(move || {
-                    let placement = WorkerPlacement {
-                        rank,
-                        world_size: 2,
-                        local_world_size: 2,
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                        store_hosted: false,
-                        key_prefix: "ddp-test".into(),
-                    };
-                    let token = tandem_dist::JobToken::new("ddp-test-token").unwrap();
-                    let mut model = small_model();
-                    // Small buckets: many of them are sent while backward runs.
-                    let mut ddp = Ddp::join(
-                        &placement,
-                        token,
-                        Duration::from_secs(30),
-                        model.params().len(),
-                        4096,
-                        1024,
-                    )
-                    .unwrap();
-                    let (images, labels) = batch_of(rank);
-                    model
-                        .forward_train(&images, 6, 32, 32, &labels, &LossOptions::default(), None)
-                        .unwrap();
-                    let mut reported = 0;
-                    model
-                        .backward(1.0, None, &mut |range, values| {
-                            reported += values.len();
-                            ddp.gradients_ready(range, values)
-                        })
-                        .unwrap();
-                    ddp.finish_gradients(model.grads_mut()).unwrap();
-                    assert_eq!(reported, model.grads().len());
-                    let own_statistics = model.buffers().to_vec();
-                    ddp.broadcast_buffers(&mut model).unwrap();
-                    (
-                        model.grads().to_vec(),
-                        own_statistics,
-                        model.buffers().to_vec(),
-                    )
+        let results = on_ranks(2, |rank, mut ddp| {
+            let mut model = small_model();
+            let (images, labels) = batch_of(rank);
+            model
+                .forward_train(&images, 6, 32, 32, &labels, &LossOptions::default(), None)
+                .unwrap();
+            let mut reported = 0;
+            model
+                .backward(1.0, None, &mut |range, values| {
+                    reported += values.len();
+                    ddp.gradients_ready(range, values)
                 })
-            })
-            .collect();
-        let results: Vec<_> = ranks.into_iter().map(|rank| rank.join().unwrap()).collect();
+                .unwrap();
+            ddp.finish_gradients(model.grads_mut()).unwrap();
+            assert_eq!(reported, model.grads().len());
+            let own_statistics = model.buffers().to_vec();
+            ddp.broadcast_buffers(&mut model).unwrap();
+            (
+                model.grads().to_vec(),
+                own_statistics,
+                model.buffers().to_vec(),
+            )
+        });
         let (first, second) = (local_gradient(0), local_gradient(1));
         let scale = first
             .iter()

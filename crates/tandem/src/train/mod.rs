@@ -8,6 +8,7 @@
 pub mod batches;
 pub mod ddp;
 pub mod fresh_start;
+pub mod gradient_sync;
 pub mod mirror;
 pub mod on_device;
 pub mod placement;
@@ -32,10 +33,8 @@ use tandem_data::{
 use tandem_engine::{AdamConfig, OptimizerConfig, SgdConfig};
 use tandem_metrics::tensorboard::EventWriter;
 use tandem_metrics::{write_history, EpochRecord};
-use tandem_models::training_device::{
-    update_host, with_host_grads, NcclJoin, StepConditions, StepRequest, StepRun, TrainBatch,
-};
-use tandem_models::{BatchNormReducer, LossOptions, Model, ModelSpec, TrainingDevice};
+use tandem_models::training_device::{update_host, NcclJoin, StepRequest, StepRun, TrainBatch};
+use tandem_models::{LossOptions, Model, ModelSpec, TrainingDevice};
 
 use crate::backend::{Backend, BackendRequest};
 use crate::checkpoint_info::{checkpoint_epoch, checkpoint_name, CheckpointInfo};
@@ -48,6 +47,7 @@ use crate::model_args::{curves_title, value_name, ModelArgs};
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use batches::{EpochBatches, IndexBatches, MicroBatch};
 use ddp::{graphs_agree, Ddp};
+use gradient_sync::{run_step, GradientSync};
 use mirror::{localize, Mirror};
 use on_device::{dataset_upload, uploaded_bytes, StepNotes};
 use placement::find_placement_of;
@@ -253,7 +253,8 @@ struct Trainer {
     eval_on_device: bool,
     progress: Progress,
     history: Vec<EpochRecord>,
-    ddp: Option<Ddp>,
+    /// How a step's gradients meet the other ranks', with the job's process group.
+    sync: Box<dyn GradientSync>,
     stop_requested: Arc<AtomicBool>,
     /// The output folder's lock, held by rank 0 (the rank that writes) for the whole run.
     _lock: Option<RunLock>,
@@ -330,6 +331,7 @@ impl Trainer {
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
             join_nccl(&mut *compute, ddp, &settings)?;
         }
+        let sync = gradient_sync::choose(ddp, &*compute, settings.sync_bn);
         let (batches_on_device, eval_on_device) = upload_data_sets(
             &mut *compute,
             &train_set,
@@ -353,7 +355,7 @@ impl Trainer {
             eval_on_device,
             progress: Progress::default(),
             history: Vec::new(),
-            ddp,
+            sync,
             stop_requested,
             _lock: lock,
             events: None,
@@ -371,27 +373,16 @@ impl Trainer {
     /// Makes every rank start from rank 0's model: its parameters and buffers (on the
     /// device through NCCL, else through the host ring).
     fn agree_on_the_model(&mut self) -> anyhow::Result<()> {
-        let Some(ddp) = self.ddp.as_mut() else {
-            return Ok(());
-        };
-        if self.compute.uses_nccl() {
-            self.compute.broadcast_on_device(true)?;
-            update_host(&mut *self.compute, |model| {
-                ddp.agree_on_batches_tracked(model)
-            })?;
-        } else {
-            update_host(&mut *self.compute, |model| ddp.broadcast_model(model))?;
-        }
-        Ok(())
+        self.sync.agree_on_the_model(&mut *self.compute)
     }
 
     /// Whether this process speaks for the job: prints progress and writes files.
     fn is_leader(&self) -> bool {
-        self.ddp.as_ref().is_none_or(|ddp| ddp.rank() == 0)
+        self.sync.group().is_none_or(|ddp| ddp.rank() == 0)
     }
 
     fn world_size(&self) -> usize {
-        self.ddp.as_ref().map_or(1, Ddp::world_size)
+        self.sync.group().map_or(1, Ddp::world_size)
     }
 
     /// Continues from the latest good snapshot, if there is one. Rank 0 reads it and gives
@@ -402,7 +393,7 @@ impl Trainer {
         } else {
             None
         };
-        let snapshot = match self.ddp.as_mut() {
+        let snapshot = match self.sync.group_mut() {
             Some(ddp) => {
                 let bytes = match &local {
                     Some(snapshot) => snapshot.to_bytes()?,
@@ -632,33 +623,18 @@ impl Trainer {
         let started = Instant::now();
         let seconds_before = self.progress.epoch_seconds;
         let mut images_this_session = 0usize;
-        let mut log_window = (Instant::now(), 0usize);
+        let mut log_window = LogWindow::new();
         let mut lr = self.schedule.lr_at(self.progress.global_step);
         while let Some(micro_batches) = batches.next_step(accumulation)? {
             lr = self.schedule.lr_at(self.progress.global_step);
             let outcome = self.train_step(&micro_batches, lr)?;
-            images_this_session += outcome.images * self.world_size();
-            log_window.1 += outcome.images * self.world_size();
+            let job_images = outcome.images * self.world_size();
+            images_this_session += job_images;
             self.progress.epoch_loss_sum += outcome.mean_loss;
             self.progress.step_in_epoch += 1;
             self.progress.global_step += 1;
             self.progress.epoch_seconds = seconds_before + started.elapsed().as_secs_f64();
-            let every = self.settings.log_every_steps;
-            if every > 0 && self.progress.global_step.is_multiple_of(every) {
-                if let Some(events) = self.events.as_mut() {
-                    let rate = log_window.1 as f64 / log_window.0.elapsed().as_secs_f64().max(1e-9);
-                    events.add_scalars(
-                        self.progress.global_step,
-                        &[
-                            ("train/loss", outcome.mean_loss),
-                            ("train/lr", lr),
-                            ("train/images_per_second", rate),
-                        ],
-                    )?;
-                    events.flush()?;
-                }
-                log_window = (Instant::now(), 0);
-            }
+            self.log_step(&mut log_window, job_images, outcome.mean_loss, lr)?;
             if let Some(bar) = bar.as_mut() {
                 bar.update(
                     self.progress.step_in_epoch,
@@ -667,31 +643,16 @@ impl Trainer {
                     started,
                 );
             }
-            if outcome.stop || self.reached_max_steps() {
+            let end = match (outcome.stop, self.reached_max_steps()) {
+                (true, _) => Some(RunEnd::StoppedOnRequest),
+                (false, true) => Some(RunEnd::MaxSteps),
+                (false, false) => None,
+            };
+            if let Some(end) = end {
                 if let Some(bar) = &bar {
                     bar.finish();
                 }
-                self.save_snapshot()?;
-                self.publish_events();
-                let end = if outcome.stop {
-                    RunEnd::StoppedOnRequest
-                } else {
-                    RunEnd::MaxSteps
-                };
-                // After a failed upload the error that ends the run says where things are.
-                let upload_failed = self.mirror.as_ref().is_some_and(Mirror::has_failed);
-                if self.is_leader() && !upload_failed {
-                    let reason = match end {
-                        RunEnd::StoppedOnRequest => "Stopped on request".to_string(),
-                        _ => format!("Stopped after --max-steps {}", self.progress.global_step),
-                    };
-                    tell!(
-                        "{reason} at epoch {}, step {}; the snapshot is {}",
-                        epoch + 1,
-                        self.progress.step_in_epoch,
-                        self.snapshot_place()
-                    );
-                }
+                self.stop_within_epoch(end)?;
                 return Ok(EpochEnd::Stopped(end));
             }
             let every = self.settings.snapshot_every_steps;
@@ -704,6 +665,59 @@ impl Trainer {
         }
         self.finish_epoch(steps_in_epoch, lr)?;
         Ok(EpochEnd::Completed)
+    }
+
+    /// Counts a step's `images` (the job's) in `window`, and every `--log-every-steps` steps
+    /// writes the loss, the learning rate and the window's images per second to TensorBoard.
+    fn log_step(
+        &mut self,
+        window: &mut LogWindow,
+        images: usize,
+        loss: f64,
+        lr: f64,
+    ) -> anyhow::Result<()> {
+        window.images += images;
+        let every = self.settings.log_every_steps;
+        if every == 0 || !self.progress.global_step.is_multiple_of(every) {
+            return Ok(());
+        }
+        if let Some(events) = self.events.as_mut() {
+            let seconds = window.started.elapsed().as_secs_f64().max(1e-9);
+            events.add_scalars(
+                self.progress.global_step,
+                &[
+                    ("train/loss", loss),
+                    ("train/lr", lr),
+                    ("train/images_per_second", window.images as f64 / seconds),
+                ],
+            )?;
+            events.flush()?;
+        }
+        *window = LogWindow::new();
+        Ok(())
+    }
+
+    /// Ends the run within an epoch: writes the snapshot and the event file, and says why
+    /// and where the snapshot is.
+    fn stop_within_epoch(&mut self, end: RunEnd) -> anyhow::Result<()> {
+        self.save_snapshot()?;
+        self.publish_events();
+        // After a failed upload the error that ends the run says where things are.
+        let upload_failed = self.mirror.as_ref().is_some_and(Mirror::has_failed);
+        if !self.is_leader() || upload_failed {
+            return Ok(());
+        }
+        let reason = match end {
+            RunEnd::StoppedOnRequest => "Stopped on request".to_string(),
+            _ => format!("Stopped after --max-steps {}", self.progress.global_step),
+        };
+        tell!(
+            "{reason} at epoch {}, step {}; the snapshot is {}",
+            self.progress.epoch + 1,
+            self.progress.step_in_epoch,
+            self.snapshot_place()
+        );
+        Ok(())
     }
 
     /// The batches of the rest of `epoch`: the CPU loader's, or their indices when the GPU
@@ -744,168 +758,49 @@ impl Trainer {
     /// out, the error also names the peer that stopped answering, as the ring finds it.
     fn train_step(&mut self, micro_batches: &[MicroBatch], lr: f64) -> anyhow::Result<StepOutcome> {
         let outcome = self.averaged_step(micro_batches, lr);
-        outcome.map_err(|error| match (&self.ddp, self.compute.nccl_failure()) {
-            (Some(ddp), Some(_)) => match ddp.name_stalled_peer() {
-                Some(peer) => error.context(format!("the ring's view of the failure: {peer}")),
-                None => error,
+        outcome.map_err(
+            |error| match (self.sync.group(), self.compute.nccl_failure()) {
+                (Some(ddp), Some(_)) => match ddp.name_stalled_peer() {
+                    Some(peer) => error.context(format!("the ring's view of the failure: {peer}")),
+                    None => error,
+                },
+                _ => error,
             },
-            _ => error,
-        })
+        )
     }
 
-    /// [`Trainer::train_step`]'s work.
+    /// [`Trainer::train_step`]'s work: the step through the gradient-sync strategy, then
+    /// the loss over the ranks. The loss is read after the update, so a non-finite loss stops
+    /// the run after that step's update rather than before it; the run ends with the same
+    /// error and writes nothing.
     fn averaged_step(
         &mut self,
         micro_batches: &[MicroBatch],
         lr: f64,
     ) -> anyhow::Result<StepOutcome> {
-        let loss_options = LossOptions {
+        let loss = LossOptions {
             label_smoothing: self.settings.label_smoothing as f32,
         };
-        let loss_scale = 1.0 / micro_batches.len().max(1) as f32;
-        let (height, width) = (self.train_set.height, self.train_set.width);
-        let sync_bn = self.settings.sync_bn;
-        let nccl = self.compute.uses_nccl();
-        let conditions = StepConditions {
-            data_parallel: self.ddp.is_some(),
-            sync_bn: sync_bn && self.ddp.is_some(),
-            nccl,
-        };
-        // An epoch's last step may end with a shorter micro-batch: that step alone runs
-        // through the separate calls (with the same result).
-        let one_size = micro_batches
-            .windows(2)
-            .all(|pair| pair[0].len() == pair[1].len());
-        if one_size
-            && !micro_batches.is_empty()
-            && self.step_notes.whole_steps(&*self.compute, &conditions)
-        {
-            return self.whole_step(micro_batches, lr);
-        }
-        // Through NCCL the executor sums the batch statistics itself (on the device).
-        let host_sync_bn = sync_bn && !nccl;
-        self.compute.zero_grads()?;
-        match self.ddp.as_mut() {
-            Some(_) if nccl => self.compute.broadcast_on_device(false)?,
-            Some(ddp) => update_host(&mut *self.compute, |model| ddp.broadcast_buffers(model))?,
-            None => {}
-        }
-        let mut loss_sum = 0.0f64;
-        let mut images = 0;
-        for (index, batch) in micro_batches.iter().enumerate() {
-            let last = index + 1 == micro_batches.len();
-            let mut reducer = self
-                .ddp
-                .as_ref()
-                .filter(|_| host_sync_bn)
-                .map(Ddp::batch_norm_reducer);
-            let loss = self.compute.forward_train(
-                batch.train_batch(self.progress.epoch),
-                height,
-                width,
-                &loss_options,
-                reducer
-                    .as_mut()
-                    .map(|reducer| reducer as &mut dyn BatchNormReducer),
-            )?;
-            loss_sum += loss as f64;
-            images += batch.len();
-            self.backward_of_micro_batch(last, loss_scale, nccl, host_sync_bn)?;
-        }
-        if let Some(ddp) = self.ddp.as_mut() {
-            match nccl {
-                true => self.compute.finish_all_reduce()?,
-                false => with_host_grads(&mut *self.compute, |grads| ddp.finish_gradients(grads))?,
-            }
-        }
-        let (mean_loss, stop) =
-            self.over_the_ranks(loss_sum / micro_batches.len().max(1) as f64, None)?;
-        if !mean_loss.is_finite() {
-            bail!(
-                "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
-                self.progress.epoch + 1,
-                self.progress.step_in_epoch + 1
-            );
-        }
-        let momentum = self.schedule.momentum_at(self.progress.global_step);
-        self.compute.optimizer_step(lr, momentum)?;
-        Ok(StepOutcome {
-            mean_loss,
-            images,
-            stop,
-        })
-    }
-
-    /// The backward of one micro-batch of [`Trainer::averaged_step`]: the last one's gradients
-    /// go to the job (through NCCL, or range by range to the host ring unless SyncBatchNorm
-    /// reduces on the host); the others only accumulate.
-    fn backward_of_micro_batch(
-        &mut self,
-        last: bool,
-        loss_scale: f32,
-        nccl: bool,
-        host_sync_bn: bool,
-    ) -> anyhow::Result<()> {
-        match self.ddp.as_mut().filter(|_| last) {
-            Some(_) if nccl => self.compute.backward_all_reduced(loss_scale, None)?,
-            Some(ddp) if !host_sync_bn => self.compute.backward(
-                loss_scale,
-                None,
-                Some(&mut |range, values| ddp.gradients_ready(range, values)),
-            )?,
-            _ => {
-                let mut reducer = self
-                    .ddp
-                    .as_ref()
-                    .filter(|_| host_sync_bn)
-                    .map(Ddp::batch_norm_reducer);
-                self.compute.backward(
-                    loss_scale,
-                    reducer
-                        .as_mut()
-                        .map(|reducer| reducer as &mut dyn BatchNormReducer),
-                    None,
-                )?
-            }
-        }
-        Ok(())
-    }
-
-    /// [`Trainer::averaged_step`] of micro-batches of one size as one
-    /// [`TrainingDevice::train_step`]: on the CPU in one process; on a GPU in one process or
-    /// with the gradients averaged through NCCL (captured as a CUDA graph after its first
-    /// run, the bucket all-reduces inside it). With NCCL, rank 0's running statistics are
-    /// broadcast before it, eagerly, outside the graph: the broadcast keeps its own deadline
-    /// with the watchdog and the graph stays the body of the step alone. The loss is read
-    /// after the update, so a non-finite loss stops the run after that step's update rather
-    /// than before it; the run ends with the same error and writes nothing.
-    fn whole_step(&mut self, micro_batches: &[MicroBatch], lr: f64) -> anyhow::Result<StepOutcome> {
-        let loss_options = LossOptions {
-            label_smoothing: self.settings.label_smoothing as f32,
-        };
-        let (height, width) = (self.train_set.height, self.train_set.width);
-        let momentum = self.schedule.momentum_at(self.progress.global_step);
-        if self.ddp.is_some() {
-            self.compute.broadcast_on_device(false)?;
-        }
         let epoch = self.progress.epoch;
         let step_batches: Vec<TrainBatch<'_>> = micro_batches
             .iter()
             .map(|batch| batch.train_batch(epoch))
             .collect();
-        let report = self.compute.train_step(StepRequest {
+        let request = StepRequest {
             micro_batches: &step_batches,
-            height,
-            width,
-            loss: &loss_options,
+            height: self.train_set.height,
+            width: self.train_set.width,
+            loss: &loss,
             lr,
-            momentum,
-        })?;
-        let count = step_batches.len();
-        let batch = step_batches.first().map_or(0, TrainBatch::len);
-        self.step_notes
-            .after_step(&report, count, batch, height, width);
-        let (mean_loss, stop) = self.over_the_ranks(report.mean_loss(), report.run)?;
+            momentum: self.schedule.momentum_at(self.progress.global_step),
+        };
+        let local = run_step(
+            &mut *self.compute,
+            &mut *self.sync,
+            &mut self.step_notes,
+            request,
+        )?;
+        let (mean_loss, stop) = self.over_the_ranks(local.mean_loss, local.run)?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -932,7 +827,7 @@ impl Trainer {
         run: Option<StepRun>,
     ) -> anyhow::Result<(f64, bool)> {
         let local_stop = self.stop_requested.load(Ordering::Relaxed);
-        let Some(ddp) = self.ddp.as_mut() else {
+        let Some(ddp) = self.sync.group_mut() else {
             return Ok((mean_loss, local_stop));
         };
         let flag = |on: bool| if on { 1.0 } else { 0.0 };
@@ -952,8 +847,8 @@ impl Trainer {
         let epoch_number = self.progress.epoch + 1;
         let train_loss = self.progress.epoch_loss_sum / steps_in_epoch.max(1) as f64;
         let (rank, world_size) = self
-            .ddp
-            .as_ref()
+            .sync
+            .group()
             .map_or((0, 1), |ddp| (ddp.rank(), ddp.world_size()));
         let test_indices: Vec<usize> = eval_shard(self.test_set.len(), world_size, rank).collect();
         let mut evaluation = evaluate(
@@ -965,7 +860,7 @@ impl Trainer {
             self.normalize,
             self.settings.loader_threads,
         )?;
-        if let Some(ddp) = self.ddp.as_mut() {
+        if let Some(ddp) = self.sync.group_mut() {
             let mut sums = evaluation.to_sums();
             ddp.sum_f64(&mut sums)?;
             evaluation = Evaluation::from_sums(evaluation.classes, &sums);
@@ -1206,7 +1101,7 @@ impl Trainer {
 
     /// Every rank's `value`, indexed by rank (all ranks take part; one process: its own).
     fn gather_per_rank(&mut self, value: f64) -> anyhow::Result<Vec<f64>> {
-        let Some(ddp) = self.ddp.as_mut() else {
+        let Some(ddp) = self.sync.group_mut() else {
             return Ok(vec![value]);
         };
         let mut values = vec![0.0; ddp.world_size()];
@@ -1271,6 +1166,22 @@ fn start_fresh(settings: &TrainSettings) -> anyhow::Result<()> {
         ),
     }
     Ok(())
+}
+
+/// The steps since the last TensorBoard record of the images per second.
+struct LogWindow {
+    started: Instant,
+    /// The job's images in the window.
+    images: usize,
+}
+
+impl LogWindow {
+    fn new() -> Self {
+        LogWindow {
+            started: Instant::now(),
+            images: 0,
+        }
+    }
 }
 
 /// What one optimizer step reports.
