@@ -155,21 +155,13 @@ pub fn train_statistics_from_sums(
             .all_reduce_sum(totals)
             .map_err(|error| EngineError::BatchNormSync(error.to_string()))?;
     }
+    update_running_statistics(totals, running_mean, running_var)?;
     let count = totals[0];
-    if count <= 1.0 {
-        return Err(EngineError::BatchNormTooFewValues { count });
-    }
     state.count = count;
     let (sums, sums_sq) = totals[1..].split_at(channels);
     for channel in 0..channels {
-        let mean = sums[channel] / count;
-        let variance = (sums_sq[channel] / count - mean * mean).max(0.0);
+        let (mean, variance) = batch_moments(count, sums[channel], sums_sq[channel]);
         let invstd = 1.0 / (variance + EPS).sqrt();
-        let unbiased = variance * count / (count - 1.0);
-        running_mean[channel] =
-            ((1.0 - MOMENTUM) * f64::from(running_mean[channel]) + MOMENTUM * mean) as f32;
-        running_var[channel] =
-            ((1.0 - MOMENTUM) * f64::from(running_var[channel]) + MOMENTUM * unbiased) as f32;
         let scale = f64::from(params.weight[channel]) * invstd;
         state.mean[channel] = mean as f32;
         state.invstd[channel] = invstd as f32;
@@ -178,6 +170,45 @@ pub fn train_statistics_from_sums(
     }
     state.refresh_tiles();
     Ok(())
+}
+
+/// Moves the running statistics towards one batch's (momentum [`MOMENTUM`], unbiased
+/// variance), from the batch's `totals`: `[count, Σx per channel…, Σx² per channel…]`, as
+/// a training forward hands them to its [`BatchNormReducer`] (and gets them back summed).
+pub fn update_running_statistics(
+    totals: &[f64],
+    running_mean: &mut [f32],
+    running_var: &mut [f32],
+) -> Result<(), EngineError> {
+    let channels = running_mean.len();
+    if totals.len() != 1 + 2 * channels || running_var.len() != channels {
+        return Err(EngineError::BatchNormSync(format!(
+            "{} batch totals for {channels} channels, expected {}",
+            totals.len(),
+            1 + 2 * channels
+        )));
+    }
+    let count = totals[0];
+    if count <= 1.0 {
+        return Err(EngineError::BatchNormTooFewValues { count });
+    }
+    let (sums, sums_sq) = totals[1..].split_at(channels);
+    for channel in 0..channels {
+        let (mean, variance) = batch_moments(count, sums[channel], sums_sq[channel]);
+        let unbiased = variance * count / (count - 1.0);
+        running_mean[channel] =
+            ((1.0 - MOMENTUM) * f64::from(running_mean[channel]) + MOMENTUM * mean) as f32;
+        running_var[channel] =
+            ((1.0 - MOMENTUM) * f64::from(running_var[channel]) + MOMENTUM * unbiased) as f32;
+    }
+    Ok(())
+}
+
+/// The mean and biased variance of `count` values with sum `sum` and sum of squares
+/// `sum_sq`.
+fn batch_moments(count: f64, sum: f64, sum_sq: f64) -> (f64, f64) {
+    let mean = sum / count;
+    (mean, (sum_sq / count - mean * mean).max(0.0))
 }
 
 /// Eval-mode statistics: fills `state.scale`/`state.shift` from the running statistics.

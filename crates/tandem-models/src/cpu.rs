@@ -428,7 +428,7 @@ fn with_output<R>(
 }
 
 /// Two disjoint ranges of one buffer, mutably; `first` must end before `second` starts.
-fn two_ranges_mut<'a>(
+pub(crate) fn two_ranges_mut<'a>(
     buffer: &'a mut [f32],
     first: &std::ops::Range<usize>,
     second: &std::ops::Range<usize>,

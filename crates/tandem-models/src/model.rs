@@ -5,8 +5,8 @@ use std::ops::Range;
 use tandem_engine::batchnorm::BatchNormReducer;
 use tandem_engine::rng::Rng;
 
-use crate::cpu::CpuStep;
 use crate::cpu::Workspace;
+use crate::cpu::{two_ranges_mut, CpuStep};
 use crate::error::ModelError;
 use crate::executor::{
     Executor, GradBuffer, GradTarget, GradientsReady, ResidualInput, Unit, UnitGrad,
@@ -192,6 +192,41 @@ impl Model {
     /// Sets the count of train-mode forward passes.
     pub fn set_num_batches_tracked(&mut self, n: u64) {
         self.num_batches_tracked = n;
+    }
+
+    /// The length of one training forward's batch statistics: per batch norm, its count
+    /// and its sums and sums of squares per channel.
+    pub fn batch_statistics_len(&self) -> usize {
+        self.network.conv_bns().count() + self.buffers.len()
+    }
+
+    /// Moves the running statistics as one training forward did, and counts that batch:
+    /// `statistics` is what the forward handed its [`BatchNormReducer`], one batch norm after
+    /// the other (`[count, Σx per channel…, Σx² per channel…]` each). Applied in the order the
+    /// forwards ran, the statistics of forwards recorded elsewhere leave the running
+    /// statistics as if those forwards had run here.
+    pub fn apply_batch_statistics(&mut self, statistics: &[f64]) -> Result<(), ModelError> {
+        if statistics.len() != self.batch_statistics_len() {
+            return Err(ModelError::InputLength {
+                what: "batch statistics",
+                found: statistics.len(),
+                expected: self.batch_statistics_len(),
+                shape: "a count, sums and sums of squares per batch norm".to_string(),
+            });
+        }
+        let mut rest = statistics;
+        for unit in self.network.conv_bns_in_statistics_order() {
+            let (totals, next) = rest.split_at(1 + unit.bn.running_mean.len() * 2);
+            let (running_mean, running_var) = two_ranges_mut(
+                &mut self.buffers,
+                &unit.bn.running_mean,
+                &unit.bn.running_var,
+            );
+            tandem_engine::batchnorm::update_running_statistics(totals, running_mean, running_var)?;
+            rest = next;
+        }
+        self.num_batches_tracked += 1;
+        Ok(())
     }
 
     /// Sets every gradient to zero.

@@ -179,6 +179,16 @@ impl Network {
         )
     }
 
+    /// Every conv-bn pair in the order a training forward computes their batch statistics:
+    /// the stem, then each block's shortcut before its units.
+    pub fn conv_bns_in_statistics_order(&self) -> impl Iterator<Item = &ConvBn> {
+        std::iter::once(&self.stem).chain(
+            self.blocks
+                .iter()
+                .flat_map(|block| block.shortcut.iter().chain(&block.units)),
+        )
+    }
+
     /// Gives every parameter its range, in the order the backward pass finishes gradients:
     /// classifier, then blocks from last to first (shortcut, then units from last to first,
     /// batch norm before convolution), then the stem.

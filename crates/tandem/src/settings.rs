@@ -196,9 +196,16 @@ pub struct TrainOptions {
     #[arg(long, help_heading = heading::DATA)]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_augment: bool,
-    /// Images per optimizer step on each process [default: 128].
+    /// Images per optimizer step on each process [default: 128]; with
+    /// --global-batch-size, the images of one micro-batch (a logical shard).
     #[arg(long, help_heading = heading::OPTIMIZATION)]
     pub batch_size: Option<usize>,
+    /// Images per optimizer step for the whole job, whatever its number of processes: each
+    /// step's images form --global-batch-size / --batch-size logical shards, shared out
+    /// among the processes, and every step ends with the same bits on 1 process or as many
+    /// as there are shards; a snapshot resumes on any of those numbers.
+    #[arg(long, help_heading = heading::OPTIMIZATION)]
+    pub global_batch_size: Option<usize>,
     /// Base learning rate [default: 0.01].
     #[arg(long, help_heading = heading::OPTIMIZATION)]
     pub lr: Option<f64>,
@@ -445,6 +452,9 @@ pub struct TrainSettings {
     pub storage: StorageOptions,
     pub epochs: u64,
     pub batch_size: usize,
+    /// `--global-batch-size`: images per step for the whole job, in shards of `batch_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_batch_size: Option<usize>,
     pub lr: f64,
     pub optimizer: OptimizerKind,
     pub momentum: f64,
@@ -519,6 +529,7 @@ impl TrainOptions {
             storage: self.storage,
             epochs: self.epochs.unwrap_or(10),
             batch_size: self.batch_size.unwrap_or(128),
+            global_batch_size: self.global_batch_size,
             lr: self.lr.unwrap_or(0.01),
             optimizer: self.optimizer.unwrap_or(OptimizerKind::Adam),
             momentum: self.momentum.unwrap_or(0.0),
@@ -572,6 +583,22 @@ impl TrainSettings {
         }
         if self.grad_accum == 0 {
             bail!("--grad-accum must be at least 1");
+        }
+        if let Some(global) = self.global_batch_size {
+            if self.grad_accum != 1 {
+                bail!(
+                    "--grad-accum and --global-batch-size both set a step's micro-batches: \
+                     --global-batch-size {global} with --batch-size {} already makes {} of them",
+                    self.batch_size,
+                    global / self.batch_size.max(1)
+                );
+            }
+            if self.sync_bn || self.scale_lr {
+                bail!(
+                    "--global-batch-size does not go with --sync-bn or --scale-lr: its steps \
+                     are the same whatever the number of processes"
+                );
+            }
         }
         if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
             bail!(
@@ -718,6 +745,8 @@ mod tests {
             },
             epochs: Some(7),
             batch_size: Some(12),
+            // Goes with neither --grad-accum nor --sync-bn: see the test of its own.
+            global_batch_size: None,
             lr: Some(0.3),
             optimizer: Some(OptimizerKind::Sgd),
             momentum: Some(0.8),
@@ -789,6 +818,37 @@ mod tests {
         let text = every_setting().resolve().unwrap().to_config_toml().unwrap();
         let written: toml::Table = toml::from_str(&text).unwrap();
         assert_eq!(key_paths(&written, ""), key_paths(&options, ""), "{text}");
+    }
+
+    #[test]
+    fn config_toml_holds_the_global_batch_size_and_its_refusals_name_the_flags() {
+        let options = TrainOptions {
+            batch_size: Some(12),
+            global_batch_size: Some(48),
+            ..TrainOptions::default()
+        };
+        let settings = options.clone().resolve().unwrap();
+        let text = settings.to_config_toml().unwrap();
+        assert!(text.contains("global-batch-size = 48"), "{text}");
+        let read_back = TrainOptions::from_toml(&text).unwrap().resolve().unwrap();
+        assert_eq!(read_back, settings, "{text}");
+        let refused = |options: TrainOptions| options.resolve().unwrap_err().to_string();
+        assert_eq!(
+            refused(TrainOptions {
+                grad_accum: Some(2),
+                ..options.clone()
+            }),
+            "--grad-accum and --global-batch-size both set a step's micro-batches: \
+             --global-batch-size 48 with --batch-size 12 already makes 4 of them"
+        );
+        assert_eq!(
+            refused(TrainOptions {
+                sync_bn: true,
+                ..options
+            }),
+            "--global-batch-size does not go with --sync-bn or --scale-lr: its steps are the \
+             same whatever the number of processes"
+        );
     }
 
     #[test]

@@ -127,7 +127,7 @@ pub fn run(args: StepArgs) -> anyhow::Result<Option<GpuBench>> {
     };
     let mut notes = StepNotes::default();
     let train_rate = images_per_second(batch, args.steps, || -> anyhow::Result<()> {
-        run_step(&mut cpu, &mut *sync, &mut notes, request)?;
+        run_step(&mut cpu, &mut *sync, &mut notes, request, 0)?;
         Ok(())
     })?;
     let eval_rate = images_per_second(batch, args.steps, || -> anyhow::Result<()> {

@@ -153,8 +153,14 @@ impl EpochBatches {
     /// The next step's micro-batches: `accumulation` of them, fewer at the end of the epoch;
     /// `None` once the epoch is done.
     pub fn next_step(&mut self, accumulation: usize) -> anyhow::Result<Option<Vec<MicroBatch>>> {
-        let mut step = Vec::with_capacity(accumulation);
-        while step.len() < accumulation.max(1) {
+        let step = self.take(accumulation.max(1))?;
+        Ok((!step.is_empty()).then_some(step))
+    }
+
+    /// The next `count` micro-batches, fewer at the end of the epoch.
+    pub fn take(&mut self, count: usize) -> anyhow::Result<Vec<MicroBatch>> {
+        let mut step = Vec::with_capacity(count);
+        while step.len() < count {
             let batch = match self {
                 EpochBatches::Host { loader, .. } => match loader.next() {
                     Some(batch) => Some(MicroBatch::Host(batch?)),
@@ -167,7 +173,7 @@ impl EpochBatches {
                 None => break,
             }
         }
-        Ok((!step.is_empty()).then_some(step))
+        Ok(step)
     }
 }
 

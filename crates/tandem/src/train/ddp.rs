@@ -227,6 +227,21 @@ impl Ddp {
         Ok(())
     }
 
+    /// The element-wise largest of every rank's `values`.
+    pub fn max_f32(&self, values: Vec<f32>) -> anyhow::Result<Vec<f32>> {
+        Ok(self.comm.all_reduce_f32(values, ReduceOp::Max).wait()?)
+    }
+
+    /// The element-wise sum of every rank's `values`: exact, so the same in any order.
+    pub fn sum_i64(&self, values: Vec<i64>) -> anyhow::Result<Vec<i64>> {
+        Ok(self.comm.all_reduce_i64(values, ReduceOp::Sum).wait()?)
+    }
+
+    /// Every rank's `part`, all of one length, concatenated in rank order.
+    pub fn all_gather_f64(&self, part: Vec<f64>) -> anyhow::Result<Vec<f64>> {
+        Ok(self.comm.run(move |group| group.all_gather(&part))?)
+    }
+
     /// Called by backward with each range of gradients that is final: copies it out and
     /// sends every bucket that is now complete.
     pub fn gradients_ready(&mut self, range: Range<usize>, values: &[f32]) {

@@ -35,8 +35,13 @@ pub trait GradientSync: Send {
     /// Gives every rank rank 0's model: parameters, BN buffers and batch count.
     fn agree_on_the_model(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()>;
 
-    /// Before a step: gives every rank rank 0's BN running statistics.
-    fn before_step(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()>;
+    /// Before step `step` of its epoch: gives every rank rank 0's BN running statistics.
+    fn before_step(&mut self, device: &mut dyn TrainingDevice, step: u64) -> anyhow::Result<()>;
+
+    /// The scale of each micro-batch's loss when this rank computes `count` of them.
+    fn loss_scale(&self, count: usize) -> f32 {
+        1.0 / count.max(1) as f32
+    }
 
     /// The train-mode forward of one micro-batch; returns its mean loss.
     fn forward(
@@ -57,8 +62,14 @@ pub trait GradientSync: Send {
         last: bool,
     ) -> anyhow::Result<()>;
 
-    /// After the last backward: the gradients averaged over the ranks.
-    fn finish(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()>;
+    /// After the last backward, given this rank's micro-batch `losses`: the gradients
+    /// averaged over the ranks. Returns the job's mean loss where the strategy agrees on it
+    /// itself, else `None` (each rank's mean is then averaged).
+    fn finish(
+        &mut self,
+        device: &mut dyn TrainingDevice,
+        losses: &[f32],
+    ) -> anyhow::Result<Option<f64>>;
 }
 
 /// The strategy of a job: [`Alone`] without a group, else [`Nccl`] when the device joined
@@ -78,22 +89,26 @@ pub fn choose(
 /// This rank's part of one optimizer step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LocalStep {
-    /// This rank's mean loss over its micro-batches.
+    /// This rank's mean loss over its micro-batches, or the job's when `agreed`.
     pub mean_loss: f64,
+    /// Whether `mean_loss` is already the job's, the same bits on every rank.
+    pub agreed: bool,
     /// How a GPU ran a whole step; `None` for separate calls and on the CPU.
     pub run: Option<StepRun>,
 }
 
-/// One optimizer step of `request` on `device`, its gradients averaged through `sync`: as
-/// one [`TrainingDevice::train_step`] where the device runs the step whole (then `notes`
-/// prints what it says of CUDA graphs), else as separate calls with the strategy's hooks.
+/// Step `step` of its epoch, of `request` on `device`, its gradients averaged through
+/// `sync`: as one [`TrainingDevice::train_step`] where the device runs the step whole (then
+/// `notes` prints what it says of CUDA graphs), else as separate calls with the strategy's
+/// hooks.
 pub fn run_step(
     device: &mut dyn TrainingDevice,
     sync: &mut dyn GradientSync,
     notes: &mut StepNotes,
     request: StepRequest<'_>,
+    step: u64,
 ) -> anyhow::Result<LocalStep> {
-    sync.before_step(device)?;
+    sync.before_step(device, step)?;
     let batches = request.micro_batches;
     // An epoch's last step may end with a shorter micro-batch: that step alone runs through
     // the separate calls (with the same result).
@@ -106,20 +121,26 @@ pub fn run_step(
         notes.after_step(&report, batches.len(), batch, request.height, request.width);
         return Ok(LocalStep {
             mean_loss: report.mean_loss(),
+            agreed: false,
             run: report.run,
         });
     }
     device.zero_grads()?;
-    let loss_scale = 1.0 / batches.len().max(1) as f32;
-    let mut loss_sum = 0.0f64;
+    let loss_scale = sync.loss_scale(batches.len());
+    let mut losses = Vec::with_capacity(batches.len());
     for (index, &batch) in batches.iter().enumerate() {
-        loss_sum += f64::from(sync.forward(device, batch, &request)?);
+        losses.push(sync.forward(device, batch, &request)?);
         sync.backward(device, loss_scale, index + 1 == batches.len())?;
     }
-    sync.finish(device)?;
+    let agreed = sync.finish(device, &losses)?;
     device.optimizer_step(request.lr, request.momentum)?;
+    let local_mean = || {
+        let sum: f64 = losses.iter().map(|&loss| f64::from(loss)).sum();
+        sum / losses.len().max(1) as f64
+    };
     Ok(LocalStep {
-        mean_loss: loss_sum / batches.len().max(1) as f64,
+        mean_loss: agreed.unwrap_or_else(local_mean),
+        agreed: agreed.is_some(),
         run: None,
     })
 }
@@ -148,7 +169,7 @@ impl GradientSync for Alone {
         Ok(())
     }
 
-    fn before_step(&mut self, _device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
+    fn before_step(&mut self, _device: &mut dyn TrainingDevice, _step: u64) -> anyhow::Result<()> {
         Ok(())
     }
 
@@ -161,8 +182,12 @@ impl GradientSync for Alone {
         Ok(device.backward(loss_scale, None, None)?)
     }
 
-    fn finish(&mut self, _device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
-        Ok(())
+    fn finish(
+        &mut self,
+        _device: &mut dyn TrainingDevice,
+        _losses: &[f32],
+    ) -> anyhow::Result<Option<f64>> {
+        Ok(None)
     }
 }
 
@@ -197,7 +222,7 @@ impl GradientSync for HostRing {
         update_host(device, |model| self.ddp.broadcast_model(model))
     }
 
-    fn before_step(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
+    fn before_step(&mut self, device: &mut dyn TrainingDevice, _step: u64) -> anyhow::Result<()> {
         update_host(device, |model| self.ddp.broadcast_buffers(model))
     }
 
@@ -241,8 +266,13 @@ impl GradientSync for HostRing {
         Ok(())
     }
 
-    fn finish(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
-        with_host_grads(device, |grads| self.ddp.finish_gradients(grads))
+    fn finish(
+        &mut self,
+        device: &mut dyn TrainingDevice,
+        _losses: &[f32],
+    ) -> anyhow::Result<Option<f64>> {
+        with_host_grads(device, |grads| self.ddp.finish_gradients(grads))?;
+        Ok(None)
     }
 }
 
@@ -278,7 +308,7 @@ impl GradientSync for Nccl {
         update_host(device, |model| self.ddp.agree_on_batches_tracked(model))
     }
 
-    fn before_step(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
+    fn before_step(&mut self, device: &mut dyn TrainingDevice, _step: u64) -> anyhow::Result<()> {
         Ok(device.broadcast_on_device(false)?)
     }
 
@@ -295,8 +325,13 @@ impl GradientSync for Nccl {
         Ok(())
     }
 
-    fn finish(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
-        Ok(device.finish_all_reduce()?)
+    fn finish(
+        &mut self,
+        device: &mut dyn TrainingDevice,
+        _losses: &[f32],
+    ) -> anyhow::Result<Option<f64>> {
+        device.finish_all_reduce()?;
+        Ok(None)
     }
 }
 
@@ -362,7 +397,7 @@ mod tests {
                     lr: 0.1,
                     momentum: None,
                 };
-                run_step(&mut device, sync, &mut notes, request)
+                run_step(&mut device, sync, &mut notes, request, 0)
                     .unwrap()
                     .mean_loss
             })

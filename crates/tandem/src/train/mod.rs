@@ -15,6 +15,7 @@ pub mod placement;
 pub mod resume_settings;
 pub mod run_lock;
 pub mod schedule;
+pub mod shards;
 pub mod snapshot;
 pub mod stop_signal;
 
@@ -47,13 +48,14 @@ use crate::model_args::{curves_title, value_name, ModelArgs};
 use crate::settings::{available_cores, OptimizerKind, TrainOptions, TrainSettings};
 use batches::{EpochBatches, IndexBatches, MicroBatch};
 use ddp::{graphs_agree, Ddp};
-use gradient_sync::{run_step, GradientSync};
+use gradient_sync::{run_step, GradientSync, LocalStep};
 use mirror::{localize, Mirror};
 use on_device::{dataset_upload, uploaded_bytes, StepNotes};
 use placement::find_placement_of;
 use resume_settings::fingerprint;
 use run_lock::{host_name, RunLock};
 use schedule::Schedule;
+use shards::{ShardPlan, ShardSync};
 use snapshot::{load_latest, Progress, Snapshot};
 
 /// Runs `tandem train`.
@@ -246,6 +248,8 @@ struct Trainer {
     train_set: Arc<Dataset>,
     test_set: Arc<Dataset>,
     sampler: DistributedSampler,
+    /// The logical shards of `--global-batch-size`; `None` for per-process batches.
+    shards: Option<ShardPlan>,
     normalize: Option<Normalize>,
     /// Whether the training set is in GPU memory and batches are assembled there.
     batches_on_device: bool,
@@ -303,16 +307,26 @@ impl Trainer {
         let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
         let test_set = Arc::new(load_split(&settings.data, settings.seed, Split::Test)?);
         check_classes(&train_set, spec.num_classes()).map_err(SettingsError::from_error)?;
+        let shards = shard_plan(&settings, device, train_set.len(), world_size)
+            .map_err(SettingsError::from_error)?;
+        // With shards every worker draws the epoch's whole order and takes its shards of it.
+        let (sampler_world, sampler_rank) = match shards {
+            Some(_) => (1, 0),
+            None => (world_size, rank),
+        };
         let sampler = DistributedSampler::new(
             train_set.len(),
-            world_size,
-            rank,
+            sampler_world,
+            sampler_rank,
             true,
             settings.seed,
             false,
         )?;
         let batches_per_epoch = sampler.num_samples().div_ceil(settings.batch_size) as u64;
-        let steps_per_epoch = batches_per_epoch.div_ceil(settings.grad_accum);
+        let steps_per_epoch = match &shards {
+            Some(plan) => plan.steps_per_epoch(),
+            None => batches_per_epoch.div_ceil(settings.grad_accum),
+        };
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
         let optimizer = build_optimizer(&settings, schedule.lr_at(0));
         let normalize = normalization(&settings.data);
@@ -331,7 +345,10 @@ impl Trainer {
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
             join_nccl(&mut *compute, ddp, &settings)?;
         }
-        let sync = gradient_sync::choose(ddp, &*compute, settings.sync_bn);
+        let sync: Box<dyn GradientSync> = match shards {
+            Some(plan) => Box::new(ShardSync::new(ddp, plan, &mut *compute)?),
+            None => gradient_sync::choose(ddp, &*compute, settings.sync_bn),
+        };
         let (batches_on_device, eval_on_device) = upload_data_sets(
             &mut *compute,
             &train_set,
@@ -350,6 +367,7 @@ impl Trainer {
             train_set,
             test_set,
             sampler,
+            shards,
             normalize,
             batches_on_device,
             eval_on_device,
@@ -471,14 +489,25 @@ impl Trainer {
             describe_model(self.compute.spec()),
             group_digits(self.compute.param_count())
         );
-        say!(
-            "global batch {} ({} per process x {} x {} accumulated) | {}",
-            settings.batch_size * world_size * settings.grad_accum as usize,
-            settings.batch_size,
-            count(world_size as u64, "process"),
-            settings.grad_accum,
-            count(settings.epochs, "epoch")
-        );
+        match self.shards {
+            Some(plan) => say!(
+                "global batch {} in {} shards of {}, shared by {} (the same steps on 1 to {}) | {}",
+                plan.global_batch,
+                plan.shards_per_step(),
+                plan.micro_batch,
+                count(world_size as u64, "process"),
+                plan.shards_per_step(),
+                count(settings.epochs, "epoch")
+            ),
+            None => say!(
+                "global batch {} ({} per process x {} x {} accumulated) | {}",
+                settings.batch_size * world_size * settings.grad_accum as usize,
+                settings.batch_size,
+                count(world_size as u64, "process"),
+                settings.grad_accum,
+                count(settings.epochs, "epoch")
+            ),
+        }
         say!(
             "optimizer: {} | {} | schedule: {}",
             describe_optimizer(settings),
@@ -616,7 +645,10 @@ impl Trainer {
         let epoch = self.progress.epoch;
         let accumulation = self.settings.grad_accum as usize;
         let mut batches = self.epoch_batches(epoch)?;
-        let steps_in_epoch = batches.num_batches().div_ceil(accumulation) as u64;
+        let steps_in_epoch = match &self.shards {
+            Some(plan) => plan.steps_per_epoch(),
+            None => batches.num_batches().div_ceil(accumulation) as u64,
+        };
         let mut bar = self
             .is_leader()
             .then(|| ProgressLine::new(epoch + 1, steps_in_epoch, self.progress.step_in_epoch));
@@ -625,7 +657,7 @@ impl Trainer {
         let mut images_this_session = 0usize;
         let mut log_window = LogWindow::new();
         let mut lr = self.schedule.lr_at(self.progress.global_step);
-        while let Some(micro_batches) = batches.next_step(accumulation)? {
+        while let Some(micro_batches) = self.next_step(&mut batches, steps_in_epoch)? {
             lr = self.schedule.lr_at(self.progress.global_step);
             let outcome = self.train_step(&micro_batches, lr)?;
             let job_images = outcome.images * self.world_size();
@@ -724,8 +756,18 @@ impl Trainer {
     /// assembles them; the same samples either way.
     fn epoch_batches(&self, epoch: u64) -> anyhow::Result<EpochBatches> {
         let accumulation = self.settings.grad_accum as usize;
-        let start_batch = self.progress.step_in_epoch as usize * accumulation;
-        let indices = self.sampler.indices(epoch);
+        let step = self.progress.step_in_epoch;
+        let (indices, start_batch) = match &self.shards {
+            Some(plan) => {
+                let (world_size, rank) = self.rank_in_world();
+                let order = self.sampler.indices(epoch);
+                (
+                    plan.worker_indices(&order, world_size, rank),
+                    plan.micro_batches_before(step, world_size, rank),
+                )
+            }
+            None => (self.sampler.indices(epoch), step as usize * accumulation),
+        };
         if self.batches_on_device {
             let batches = IndexBatches::new(
                 Arc::clone(&self.train_set),
@@ -751,6 +793,35 @@ impl Trainer {
             },
         )?;
         Ok(EpochBatches::host(loader))
+    }
+
+    /// The micro-batches of the epoch's next step, `None` once its `steps_in_epoch` are done:
+    /// `--grad-accum` of them (fewer at the end), or this worker's shards of the step (none,
+    /// in an epoch's last step with fewer shards than workers).
+    fn next_step(
+        &self,
+        batches: &mut EpochBatches,
+        steps_in_epoch: u64,
+    ) -> anyhow::Result<Option<Vec<MicroBatch>>> {
+        let step = self.progress.step_in_epoch;
+        if step >= steps_in_epoch {
+            return Ok(None);
+        }
+        match &self.shards {
+            Some(plan) => {
+                let (world_size, rank) = self.rank_in_world();
+                let count = plan.worker_shards(step, world_size, rank).len();
+                Ok(Some(batches.take(count)?))
+            }
+            None => batches.next_step(self.settings.grad_accum as usize),
+        }
+    }
+
+    /// The number of processes and this one's rank.
+    fn rank_in_world(&self) -> (usize, usize) {
+        self.sync
+            .group()
+            .map_or((1, 0), |ddp| (ddp.world_size(), ddp.rank()))
     }
 
     /// One optimizer step over `micro_batches` (one, or `--grad-accum` of them): forward,
@@ -799,8 +870,9 @@ impl Trainer {
             &mut *self.sync,
             &mut self.step_notes,
             request,
+            self.progress.step_in_epoch,
         )?;
-        let (mean_loss, stop) = self.over_the_ranks(local.mean_loss, local.run)?;
+        let (mean_loss, stop) = self.over_the_ranks(local)?;
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",
@@ -815,17 +887,19 @@ impl Trainer {
         })
     }
 
-    /// This rank's mean loss of the step and whether to stop, as the job's: the mean loss
-    /// over the ranks and whether any rank was asked to stop (summed on the host ring); this
-    /// rank's own without DDP. With `run` (a whole step through NCCL: how this rank ran it),
-    /// the ranks that ran it as a CUDA graph, and those that captured a new one, are counted
-    /// too, and an error says so when not all or none did (NCCL requires every rank's
-    /// collectives captured alike, and launched from the same capture).
-    fn over_the_ranks(
-        &mut self,
-        mean_loss: f64,
-        run: Option<StepRun>,
-    ) -> anyhow::Result<(f64, bool)> {
+    /// The step's loss and whether to stop, as the job's: the mean of the ranks' losses
+    /// (unless the strategy agreed on the job's already) and whether any rank was asked to
+    /// stop (summed on the host ring); this rank's own without DDP. With a `run` (a whole
+    /// step through NCCL: how this rank ran it), the ranks that ran it as a CUDA graph, and
+    /// those that captured a new one, are counted too, and an error says so when not all or
+    /// none did (NCCL requires every rank's collectives captured alike, and launched from the
+    /// same capture).
+    fn over_the_ranks(&mut self, local: LocalStep) -> anyhow::Result<(f64, bool)> {
+        let LocalStep {
+            mean_loss,
+            agreed,
+            run,
+        } = local;
         let local_stop = self.stop_requested.load(Ordering::Relaxed);
         let Some(ddp) = self.sync.group_mut() else {
             return Ok((mean_loss, local_stop));
@@ -839,17 +913,18 @@ impl Trainer {
         if let [_, _, graphed_ranks, captured_ranks] = sums[..] {
             graphs_agree(graphed_ranks, captured_ranks, ddp.world_size())?;
         }
-        Ok((sums[0] / ddp.world_size() as f64, sums[1] > 0.0))
+        let mean_loss = match agreed {
+            true => mean_loss,
+            false => sums[0] / ddp.world_size() as f64,
+        };
+        Ok((mean_loss, sums[1] > 0.0))
     }
 
     /// Evaluates, records and prints the epoch, and writes checkpoint and snapshot.
     fn finish_epoch(&mut self, steps_in_epoch: u64, lr: f64) -> anyhow::Result<()> {
         let epoch_number = self.progress.epoch + 1;
         let train_loss = self.progress.epoch_loss_sum / steps_in_epoch.max(1) as f64;
-        let (rank, world_size) = self
-            .sync
-            .group()
-            .map_or((0, 1), |ddp| (ddp.rank(), ddp.world_size()));
+        let (world_size, rank) = self.rank_in_world();
         let test_indices: Vec<usize> = eval_shard(self.test_set.len(), world_size, rank).collect();
         let mut evaluation = evaluate(
             &mut *self.compute,
@@ -866,7 +941,11 @@ impl Trainer {
             evaluation = Evaluation::from_sums(evaluation.classes, &sums);
         }
         let epoch_seconds = self.progress.epoch_seconds;
-        let images = (self.sampler.num_samples() * world_size) as f64;
+        // With shards the job visits the data set once; per process each rank visits its share.
+        let images = match self.shards {
+            Some(plan) => plan.dataset_len,
+            None => self.sampler.num_samples() * world_size,
+        } as f64;
         let record = EpochRecord {
             epoch: epoch_number,
             train_loss,
@@ -883,7 +962,7 @@ impl Trainer {
             global_step: self.progress.global_step,
             ..Progress::default()
         };
-        let own_rate = self.sampler.num_samples() as f64 / epoch_seconds.max(1e-9);
+        let own_rate = images / world_size as f64 / epoch_seconds.max(1e-9);
         let rates = self.gather_per_rank(own_rate)?;
         if !self.is_leader() {
             say!(
@@ -1132,6 +1211,25 @@ impl Trainer {
             .max_steps
             .is_some_and(|max_steps| self.progress.global_step >= max_steps)
     }
+}
+
+/// The logical shards of `--global-batch-size` over `dataset_len` samples, checked against
+/// the job's `world_size`; `None` without it.
+fn shard_plan(
+    settings: &TrainSettings,
+    device: &Device,
+    dataset_len: usize,
+    world_size: usize,
+) -> anyhow::Result<Option<ShardPlan>> {
+    let Some(global) = settings.global_batch_size else {
+        return Ok(None);
+    };
+    if !matches!(device, Device::Cpu { .. }) {
+        bail!("--global-batch-size trains on the CPU only for now: add --device cpu");
+    }
+    let plan = ShardPlan::new(global, settings.batch_size, dataset_len)?;
+    plan.check_world_size(world_size)?;
+    Ok(Some(plan))
 }
 
 /// The training augmentation of `settings`: pad-4 random crop and horizontal flip, or none.

@@ -39,7 +39,11 @@ pub fn fingerprint(settings: &TrainSettings, world_size: usize) -> BTreeMap<Stri
         format!("{:?} {:?}", settings.data.mean, settings.data.std),
     );
     put("seed", settings.seed.to_string());
-    put("world-size", world_size.to_string());
+    // Steps of a global batch are the same on any number of processes.
+    match settings.global_batch_size {
+        Some(global) => put("global-batch-size", global.to_string()),
+        None => put("world-size", world_size.to_string()),
+    }
     put("grad-accum", settings.grad_accum.to_string());
     put("sync-bn", settings.sync_bn.to_string());
     // More epochs continue a constant or step schedule as they would have run; the

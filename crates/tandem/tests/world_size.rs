@@ -1,0 +1,175 @@
+//! Steps independent of the number of workers (`--global-batch-size`): the same global batch
+//! of 128 in 8 shards of 16 trained by one process and under `tandem launch` by 1, 2, 3, 4
+//! and 8 workers ends with the same bits, and a snapshot resumes on another number of
+//! workers with the bits of the uninterrupted run.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+use tandem_testdata::{assert_close_one, Tolerance};
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// 20 steps of 128 samples in one epoch, on one thread per worker.
+fn run_args(output_dir: &Path, optimizer: &str) -> Vec<String> {
+    let mut args = small_model_train(&format!(
+        "--data synthetic --synthetic-train 2560 --synthetic-test 64 --epochs 1 \
+         --global-batch-size 128 --batch-size 16 --threads 1 --seed 5 --device cpu \
+         --log-every-steps 0 {optimizer}"
+    ));
+    args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
+    args
+}
+
+const SGD_NESTEROV: &str = "--optimizer sgd --momentum 0.9 --nesterov --lr 0.05";
+const ADAMW: &str = "--optimizer adamw --lr 0.002 --weight-decay 0.01";
+
+/// Trains `args` in one process (`workers` 0) or under `launch` with `workers` workers.
+fn train(workers: usize, args: &[String]) -> String {
+    let output = match workers {
+        0 => run_bounded(tandem().args(args), LIMIT),
+        _ => run_bounded(
+            tandem()
+                .args(standalone_launch(&workers.to_string()))
+                .arg("--")
+                .args(args),
+            LIMIT,
+        ),
+    };
+    expect_success(&output)
+}
+
+/// The tensors of a snapshot as bit patterns, and each epoch's training and validation loss.
+type FinalState = (BTreeMap<String, Vec<u64>>, Vec<(f64, f64)>);
+
+/// What must be the same bits: every tensor of the final snapshot (parameters, BN buffers,
+/// optimizer state) as bit patterns, and each epoch's training loss (the mean of its steps'
+/// losses) from metrics.jsonl. With it the validation loss, which is summed over the ranks'
+/// parts of the test set in the ring's order and may differ in its last bit.
+fn final_state(output_dir: &Path) -> FinalState {
+    let tensors = read_tensors(&output_dir.join("snapshot.safetensors"))
+        .into_iter()
+        .map(|(name, values)| (name, values.iter().map(|value| value.to_bits()).collect()))
+        .collect();
+    let metrics = std::fs::read_to_string(output_dir.join("metrics.jsonl")).unwrap();
+    let losses = metrics
+        .lines()
+        .map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            let loss = |name: &str| record[name].as_f64().unwrap();
+            (loss("train_loss"), loss("val_loss"))
+        })
+        .collect();
+    (tensors, losses)
+}
+
+fn assert_same_bits(expected: &Path, actual: &Path, what: &str) {
+    let (expected_tensors, expected_losses) = final_state(expected);
+    let (actual_tensors, actual_losses) = final_state(actual);
+    assert_eq!(
+        expected_tensors.keys().collect::<Vec<_>>(),
+        actual_tensors.keys().collect::<Vec<_>>(),
+        "{what}: tensor names"
+    );
+    for (name, values) in &expected_tensors {
+        let differ = values
+            .iter()
+            .zip(&actual_tensors[name])
+            .filter(|(a, b)| a != b)
+            .count();
+        assert_eq!(differ, 0, "{what}: {differ} values of {name} differ");
+    }
+    assert_eq!(expected_losses.len(), actual_losses.len(), "{what}: epochs");
+    for (expected, actual) in expected_losses.iter().zip(&actual_losses) {
+        assert_eq!(
+            expected.0.to_bits(),
+            actual.0.to_bits(),
+            "{what}: training loss"
+        );
+        let what = format!("{what}: validation loss");
+        assert_close_one(&what, actual.1, expected.1, Tolerance::Scaled(1e-12));
+    }
+}
+
+fn the_same_bits_on_any_number_of_workers(optimizer: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let alone = dir.path().join("alone");
+    train(0, &run_args(&alone, optimizer));
+    for workers in [1, 2, 3, 4, 8] {
+        let output_dir = dir.path().join(format!("workers-{workers}"));
+        let stdout = train(workers, &run_args(&output_dir, optimizer));
+        assert_contains(
+            &stdout,
+            &format!("global batch 128 in 8 shards of 16, shared by {workers} process"),
+        );
+        assert_same_bits(
+            &alone,
+            &output_dir,
+            &format!("{workers} workers ({optimizer})"),
+        );
+    }
+}
+
+#[test]
+fn sgd_with_nesterov_ends_with_the_same_bits_on_1_2_3_4_and_8_workers() {
+    the_same_bits_on_any_number_of_workers(SGD_NESTEROV);
+}
+
+#[test]
+fn adamw_ends_with_the_same_bits_on_1_2_3_4_and_8_workers() {
+    the_same_bits_on_any_number_of_workers(ADAMW);
+}
+
+#[test]
+fn a_snapshot_of_4_workers_resumes_on_2_and_on_3_with_the_bits_of_the_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let uninterrupted = dir.path().join("uninterrupted");
+    train(4, &run_args(&uninterrupted, SGD_NESTEROV));
+    for workers in [2, 3] {
+        let output_dir = dir.path().join(format!("resumed-on-{workers}"));
+        let args = run_args(&output_dir, SGD_NESTEROV);
+        train(4, &with_flag(args.clone(), "--max-steps", "7"));
+        let stdout = train(workers, &args);
+        assert_contains(
+            &stdout,
+            "Resuming training from snapshot at epoch 1, step 7",
+        );
+        assert_same_bits(
+            &uninterrupted,
+            &output_dir,
+            &format!("stopped at step 7 on 4 workers, resumed on {workers}"),
+        );
+    }
+}
+
+#[test]
+fn more_workers_than_shards_and_a_batch_that_does_not_divide_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = run_args(&dir.path().join("run"), SGD_NESTEROV);
+    let output = run_bounded(
+        tandem().args(with_flag(args.clone(), "--batch-size", "24")),
+        LIMIT,
+    );
+    assert_contains(
+        &expect_failure(&output),
+        "--global-batch-size 128 is not a whole number of micro-batches of --batch-size 24",
+    );
+    let output = run_bounded(
+        tandem()
+            .args(standalone_launch("3"))
+            .arg("--")
+            .args(with_flag(args, "--batch-size", "64")),
+        LIMIT,
+    );
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!output.status.success(), "{printed}");
+    assert_contains(&printed, "3 workers cannot share the 2 shards of a step");
+}
