@@ -67,11 +67,24 @@ impl DistributedSampler {
 
     /// The indices of this rank for `epoch`, in visiting order.
     pub fn indices(&self, epoch: u64) -> Vec<usize> {
+        self.indices_from(epoch, 0)
+    }
+
+    /// The indices of this rank for the rest of `epoch` once the job has visited the first
+    /// `position` of the epoch's order (on any number of ranks): the rest of the order,
+    /// padded or cut and shared among the ranks as [`DistributedSampler::indices`] shares
+    /// the whole of it.
+    pub fn indices_from(&self, epoch: u64, position: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.dataset_len).collect();
         if self.shuffle {
             SampleRng::new(self.seed, stream::SHUFFLE, epoch, 0).shuffle(&mut order);
         }
-        let total = self.num_samples * self.num_replicas;
+        order.drain(..position.min(order.len()));
+        let per_rank = match self.drop_last {
+            true => order.len() / self.num_replicas,
+            false => order.len().div_ceil(self.num_replicas),
+        };
+        let total = per_rank * self.num_replicas;
         if total > order.len() && !order.is_empty() {
             // Wrap around as often as needed (more than once when the dataset is smaller
             // than the padding).

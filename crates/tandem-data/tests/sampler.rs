@@ -151,3 +151,30 @@ fn eval_shards_cover_every_index_exactly_once() {
     assert_eq!(eval_shard(10, 0, 0), 0..0);
     assert_eq!(eval_shard(10, 2, 5), 0..0);
 }
+
+/// A job that visited the first 4 of an epoch's 10 indices on 2 ranks (2 each) and goes on
+/// with 3 ranks visits every index of the epoch exactly once: the rest of the epoch's order,
+/// rank r taking every third index of it from r.
+#[test]
+fn the_rest_of_an_epoch_is_shared_among_another_number_of_ranks() {
+    let sampler = |world: usize, rank: usize| {
+        DistributedSampler::new(10, world, rank, true, 7, false).unwrap()
+    };
+    let order = sampler(1, 0).indices(3);
+    let mut visited: Vec<usize> = (0..2)
+        .flat_map(|rank| sampler(2, rank).indices(3)[..2].to_vec())
+        .collect();
+    let mut visited_order = order[..4].to_vec();
+    visited.sort_unstable();
+    visited_order.sort_unstable();
+    assert_eq!(visited, visited_order);
+    for rank in 0..3 {
+        let rest = sampler(3, rank).indices_from(3, 4);
+        assert_eq!(rest, vec![order[4 + rank], order[7 + rank]], "rank {rank}");
+        visited.extend(rest);
+    }
+    visited.sort_unstable();
+    assert_eq!(visited, (0..10).collect::<Vec<_>>());
+    assert_eq!(sampler(3, 1).indices_from(3, 0), sampler(3, 1).indices(3));
+    assert!(sampler(3, 1).indices_from(3, 12).is_empty());
+}

@@ -5,6 +5,8 @@
 //! - [`ProcessGroup`]: ranks found through the store, linked in a TCP ring, with pipelined ring
 //!   collectives (all-reduce, broadcast, all-gather, reduce-scatter, barrier). Every operation
 //!   has a deadline and a failed peer is named in the error of every rank.
+//! - [`exact`]: a sum of float vectors over the ranks whose bits do not depend on how the terms
+//!   are spread over them ([`ProcessGroup::exact_sum`]).
 //! - [`SharedBuffer`]: a buffer in shared memory that ranks of one host all-reduce without
 //!   copying it through sockets.
 //! - [`gather_records`], [`publish_nccl_unique_id`], [`receive_nccl_unique_id`]: small values
@@ -18,6 +20,7 @@ pub mod cluster;
 mod comm_thread;
 mod element;
 mod error;
+pub mod exact;
 mod exchange;
 mod group;
 mod link;

@@ -55,6 +55,21 @@ pub struct EpochRecord {
     pub lr: f64,
     /// Optimizer steps in the epoch.
     pub steps: u64,
+    /// The changes of the job's number of processes during the epoch, when it resumed on
+    /// another number than it stopped with.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub world_size_changes: Vec<WorldSizeChange>,
+}
+
+/// A run resumed on another number of processes than it stopped with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorldSizeChange {
+    /// The optimizer steps taken before the change, in the whole run.
+    pub step: u64,
+    /// The number of processes before.
+    pub from: usize,
+    /// The number of processes after.
+    pub to: usize,
 }
 
 /// Rewrites `metrics.jsonl` (one JSON object per epoch) and `curves.png` (under `title`)

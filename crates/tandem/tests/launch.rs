@@ -616,8 +616,7 @@ fn a_worker_refusing_its_settings_ends_the_job_at_once_with_one_message() {
     let snapshot = out.join("snapshot.safetensors");
     let conflict = format!(
         "error: settings conflict with the snapshot {snapshot}: --lr is 0.2, the snapshot has \
-         0.05; this job has 2 processes (tandem launch --nnodes 1 --nproc-per-node 2), the \
-         snapshot was written by 1 process. To resume it, use the settings it was written with; \
+         0.05. To resume it, use the settings it was written with; \
          to change them, start a new run from its weights with --init-from {snapshot} \
          --output-dir NEW, or start over here with --fresh\n",
         snapshot = snapshot.display()

@@ -138,12 +138,71 @@ fn a_snapshot_of_4_workers_resumes_on_2_and_on_3_with_the_bits_of_the_uninterrup
             &stdout,
             "Resuming training from snapshot at epoch 1, step 7",
         );
+        assert_contains(
+            &stdout,
+            &format!(
+                "world size: 4 -> {workers} at epoch 1, step 7: the steps stay the same (global \
+                 batch 128 in 8 shards of 16)"
+            ),
+        );
+        assert_eq!(
+            world_size_changes(&output_dir),
+            [format!(r#"[{{"from":4,"step":7,"to":{workers}}}]"#)]
+        );
         assert_same_bits(
             &uninterrupted,
             &output_dir,
             &format!("stopped at step 7 on 4 workers, resumed on {workers}"),
         );
     }
+}
+
+/// Each epoch's record of the changes of the number of processes, as JSON.
+fn world_size_changes(output_dir: &Path) -> Vec<String> {
+    let metrics = std::fs::read_to_string(output_dir.join("metrics.jsonl")).unwrap();
+    metrics
+        .lines()
+        .map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            record["world_size_changes"].to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn a_per_process_run_resumed_on_fewer_processes_goes_on_at_its_sample_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let output_dir = dir.path().join("run");
+    let mut args = small_model_train(
+        "--data synthetic --synthetic-train 600 --synthetic-test 64 --epochs 2 --batch-size 16 \
+         --threads 1 --seed 3 --device cpu --optimizer sgd --lr 0.05 --scale-lr \
+         --log-every-steps 0",
+    );
+    args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
+    train(2, &with_flag(args.clone(), "--max-steps", "5"));
+    let stdout = train(0, &args);
+    assert_contains(
+        &stdout,
+        "world size: 2 -> 1 at epoch 1, step 5: the global batch goes from 32 to 16 (16 per \
+         process); training goes on from sample 160 of the epoch's 600; --scale-lr: the \
+         learning rate is now 0.05. --global-batch-size 32 would have kept the steps the same \
+         on any number of processes",
+    );
+    // 5 steps of 32, then the other 440 samples in 28 steps of 16 (the last of 8); then an
+    // epoch of 38 steps of 16.
+    let metrics = std::fs::read_to_string(output_dir.join("metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = metrics
+        .lines()
+        .map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            record["steps"].as_u64().unwrap()
+        })
+        .collect();
+    assert_eq!(steps, [33, 38]);
+    assert_eq!(
+        world_size_changes(&output_dir),
+        [r#"[{"from":2,"step":5,"to":1}]"#, "null"]
+    );
 }
 
 #[test]

@@ -56,6 +56,10 @@ pub struct AllreduceArgs {
     /// All-reduce through the ring even when the workers could share memory.
     #[arg(long)]
     no_shared_memory: bool,
+    /// Time the exact sum of `--global-batch-size` (a max all-reduce of the blocks' largest
+    /// values, then an i64 all-reduce through the ring) instead of the f32 all-reduce.
+    #[arg(long)]
+    exact: bool,
 }
 
 /// Runs the benchmark: as the parent, or as a worker when started by the parent.
@@ -140,10 +144,11 @@ fn run_worker(args: &AllreduceArgs, spec: &str) -> anyhow::Result<()> {
     options.unix_sockets = !args.tcp;
     options.shared_memory = !args.no_shared_memory;
     let mut group = ProcessGroup::connect(options)?;
+    if args.exact {
+        return time_exact_sum(args, &mut group, rank);
+    }
 
-    let template: Vec<f32> = (0..args.numel)
-        .map(|i| ((i % 1024) as f32) * (rank + 1) as f32)
-        .collect();
+    let template = rank_values(args.numel, rank);
     // The buffer DDP would use for its gradient buckets.
     let mut buffer = group.shared_buffer::<f32>(args.numel)?;
     buffer.copy_from_slice(&template);
@@ -175,6 +180,47 @@ fn run_worker(args: &AllreduceArgs, spec: &str) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Times [`ProcessGroup::exact_sum`] of one term per rank, as `--global-batch-size` with one
+/// shard per process sums its gradients.
+fn time_exact_sum(
+    args: &AllreduceArgs,
+    group: &mut ProcessGroup,
+    rank: usize,
+) -> anyhow::Result<()> {
+    let template = rank_values(args.numel, rank);
+    let mut buffers = group.exact_sum_buffers(args.numel)?;
+    let mut sum = vec![0.0f32; args.numel];
+    group.exact_sum(&mut buffers, &[&template], args.nproc, &mut sum)?;
+    check_sum(&sum, args.nproc)?;
+    for _ in 0..args.warmup {
+        group.exact_sum(&mut buffers, &[&template], args.nproc, &mut sum)?;
+    }
+    let mut seconds = Vec::with_capacity(args.iters);
+    for _ in 0..args.iters {
+        group.barrier()?;
+        let started = Instant::now();
+        group.exact_sum(&mut buffers, &[&template], args.nproc, &mut sum)?;
+        seconds.push(started.elapsed().as_secs_f64());
+    }
+    check_sum(&sum, args.nproc)?;
+    group.all_reduce_f64(&mut seconds, ReduceOp::Max)?;
+    if rank == 0 {
+        let transport = match group.shared_memory_refusal() {
+            None if args.nproc > 1 && !args.no_shared_memory => "shared memory, exact sum",
+            _ => "the ring, exact sum",
+        };
+        report(args, transport, &mut seconds);
+    }
+    Ok(())
+}
+
+/// Rank `rank`'s values: element i is (i mod 1024) * (rank + 1).
+fn rank_values(numel: usize, rank: usize) -> Vec<f32> {
+    (0..numel)
+        .map(|i| ((i % 1024) as f32) * (rank + 1) as f32)
+        .collect()
 }
 
 /// Every rank fills element i with (i mod 1024) * (rank + 1), so the sum is exact in f32.

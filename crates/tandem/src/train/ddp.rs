@@ -11,6 +11,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use anyhow::Context;
+use tandem_dist::exact::ExactSumBuffers;
 use tandem_dist::{CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer};
 use tandem_models::{BatchNormReducer, Model};
 
@@ -61,6 +62,8 @@ pub struct Ddp {
     staging: Vec<Option<SharedBuffer<f32>>>,
     in_flight: Vec<(usize, Pending<SharedBuffer<f32>>)>,
     next_bucket: usize,
+    /// The shared buffers of [`Ddp::exact_sum`], once made.
+    exact_buffers: Option<ExactSumBuffers>,
 }
 
 impl Ddp {
@@ -106,6 +109,7 @@ impl Ddp {
             staging,
             in_flight: Vec::new(),
             next_bucket: 0,
+            exact_buffers: None,
         })
     }
 
@@ -227,14 +231,32 @@ impl Ddp {
         Ok(())
     }
 
-    /// The element-wise largest of every rank's `values`.
-    pub fn max_f32(&self, values: Vec<f32>) -> anyhow::Result<Vec<f32>> {
-        Ok(self.comm.all_reduce_f32(values, ReduceOp::Max).wait()?)
-    }
-
-    /// The element-wise sum of every rank's `values`: exact, so the same in any order.
-    pub fn sum_i64(&self, values: Vec<i64>) -> anyhow::Result<Vec<i64>> {
-        Ok(self.comm.all_reduce_i64(values, ReduceOp::Sum).wait()?)
+    /// The exact sum over every rank of the first `own` of this rank's `terms`, `total_terms`
+    /// of them over all ranks, into `into` ([`tandem_dist::exact`]); hands `terms` back. The
+    /// first call makes the sum's shared buffers, so every rank's first call must be for the
+    /// same length.
+    pub fn exact_sum(
+        &mut self,
+        terms: Vec<Vec<f32>>,
+        own: usize,
+        total_terms: usize,
+        into: &mut [f32],
+    ) -> anyhow::Result<Vec<Vec<f32>>> {
+        let len = into.len();
+        let buffers = self.exact_buffers.take();
+        let (terms, buffers, sum) = self.comm.run(move |group| {
+            let mut buffers = match buffers {
+                Some(buffers) if buffers.len() == len => buffers,
+                _ => group.exact_sum_buffers(len)?,
+            };
+            let mut sum = vec![0.0f32; len];
+            let views: Vec<&[f32]> = terms[..own].iter().map(Vec::as_slice).collect();
+            group.exact_sum(&mut buffers, &views, total_terms, &mut sum)?;
+            Ok((terms, buffers, sum))
+        })?;
+        self.exact_buffers = Some(buffers);
+        into.copy_from_slice(&sum);
+        Ok(terms)
     }
 
     /// Every rank's `part`, all of one length, concatenated in rank order.

@@ -57,6 +57,7 @@ use run_lock::{host_name, RunLock};
 use schedule::Schedule;
 use shards::{ShardPlan, ShardSync};
 use snapshot::{load_latest, Progress, Snapshot};
+use tandem_metrics::WorldSizeChange;
 
 /// Runs `tandem train`.
 ///
@@ -268,6 +269,8 @@ struct Trainer {
     mirror: Option<Mirror>,
     /// `--init-from`'s weights, as the banner names them.
     initial_weights: Option<String>,
+    /// The line saying that the run resumed on another number of processes.
+    resize_note: Option<String>,
 }
 
 impl Trainer {
@@ -371,7 +374,10 @@ impl Trainer {
             normalize,
             batches_on_device,
             eval_on_device,
-            progress: Progress::default(),
+            progress: Progress {
+                world_size,
+                ..Progress::default()
+            },
             history: Vec::new(),
             sync,
             stop_requested,
@@ -379,6 +385,7 @@ impl Trainer {
             events: None,
             mirror,
             initial_weights,
+            resize_note: None,
         };
         let resumed = trainer.resume_if_possible()?;
         if trainer.is_leader() {
@@ -434,7 +441,69 @@ impl Trainer {
         self.compute.load_optimizer_state(&snapshot.optimizer)?;
         self.progress = snapshot.progress;
         self.history = snapshot.history;
+        let saved_world_size = snapshot
+            .settings
+            .get("world-size")
+            .and_then(|size| size.parse().ok());
+        self.resize_note = self.adopt_world_size(saved_world_size);
         Ok(true)
+    }
+
+    /// Records this job's number of processes in the progress. When the snapshot was written
+    /// by another number (`saved_world_size` in a snapshot that kept it among its settings),
+    /// records the change and moves per-process batches to the same position in the epoch's
+    /// order; returns the line that says so.
+    fn adopt_world_size(&mut self, saved_world_size: Option<usize>) -> Option<String> {
+        let now = self.world_size();
+        let before = match self.progress.world_size {
+            0 => saved_world_size.unwrap_or(now),
+            recorded => recorded,
+        };
+        self.progress.world_size = now;
+        if before == now {
+            return None;
+        }
+        let progress = &mut self.progress;
+        progress.world_size_changes.push(WorldSizeChange {
+            step: progress.global_step,
+            from: before,
+            to: now,
+        });
+        let at = format!(
+            "world size: {before} -> {now} at epoch {}, step {}",
+            progress.epoch + 1,
+            progress.step_in_epoch
+        );
+        if let Some(plan) = self.shards {
+            return Some(format!(
+                "{at}: the steps stay the same (global batch {} in {} shards of {})",
+                plan.global_batch,
+                plan.shards_per_step(),
+                plan.micro_batch
+            ));
+        }
+        let per_step = self.settings.batch_size as u64 * self.settings.grad_accum;
+        let base = &mut progress.epoch_base;
+        base.samples += (progress.step_in_epoch - base.step) * per_step * before as u64;
+        base.step = progress.step_in_epoch;
+        let lr = match self.settings.scale_lr {
+            true => format!(
+                "; --scale-lr: the learning rate is now {}",
+                self.schedule.base_lr
+            ),
+            false => String::new(),
+        };
+        Some(format!(
+            "{at}: the global batch goes from {} to {} ({} per process); training goes on from \
+             sample {} of the epoch's {}{lr}. --global-batch-size {} would have kept the steps \
+             the same on any number of processes",
+            per_step * before as u64,
+            per_step * now as u64,
+            per_step,
+            base.samples,
+            self.train_set.len(),
+            per_step * before as u64
+        ))
     }
 
     /// Fails, as a settings error, when this run's settings differ from those the snapshot was
@@ -446,9 +515,8 @@ impl Trainer {
         let context = resume_settings::ResumeContext {
             settings: &self.settings,
             snapshot_model: snapshot_info.as_ref().map(|info| &info.model),
-            world: resume_settings::WorldSource::of_this_process(&self.settings),
         };
-        let current = fingerprint(&self.settings, self.world_size());
+        let current = fingerprint(&self.settings);
         let conflicts = resume_settings::conflicts(&snapshot.settings, &current, &context);
         if conflicts.is_empty() {
             return Ok(());
@@ -561,6 +629,9 @@ impl Trainer {
         } else {
             say!("{}", self.resume_line());
         }
+        if let Some(note) = &self.resize_note {
+            say!("{note}");
+        }
     }
 
     /// The line that says where a resumed run goes on: `... at epoch 2, step 17` within an
@@ -647,7 +718,10 @@ impl Trainer {
         let mut batches = self.epoch_batches(epoch)?;
         let steps_in_epoch = match &self.shards {
             Some(plan) => plan.steps_per_epoch(),
-            None => batches.num_batches().div_ceil(accumulation) as u64,
+            None => {
+                let base = self.progress.epoch_base.step;
+                base + batches.num_batches().div_ceil(accumulation) as u64
+            }
         };
         let mut bar = self
             .is_leader()
@@ -766,7 +840,13 @@ impl Trainer {
                     plan.micro_batches_before(step, world_size, rank),
                 )
             }
-            None => (self.sampler.indices(epoch), step as usize * accumulation),
+            None => {
+                let base = self.progress.epoch_base;
+                (
+                    self.sampler.indices_from(epoch, base.samples as usize),
+                    (step - base.step) as usize * accumulation,
+                )
+            }
         };
         if self.batches_on_device {
             let batches = IndexBatches::new(
@@ -955,11 +1035,13 @@ impl Trainer {
             images_per_second: images / epoch_seconds.max(1e-9),
             lr,
             steps: steps_in_epoch,
+            world_size_changes: std::mem::take(&mut self.progress.world_size_changes),
         };
         self.history.push(record.clone());
         self.progress = Progress {
             epoch: epoch_number,
             global_step: self.progress.global_step,
+            world_size: self.progress.world_size,
             ..Progress::default()
         };
         let own_rate = images / world_size as f64 / epoch_seconds.max(1e-9);
@@ -1055,7 +1137,7 @@ impl Trainer {
                 .last()
                 .filter(|_| self.progress.step_in_epoch == 0),
         )?;
-        let settings = fingerprint(&self.settings, self.world_size());
+        let settings = fingerprint(&self.settings);
         let snapshot = Snapshot::capture(
             self.compute.host_model()?,
             optimizer,

@@ -15,7 +15,9 @@ use crate::model_args::ModelArgs;
 use crate::settings::{DataKind, OptimizerKind, TrainSettings};
 
 /// The settings that decide a run's numbers, which a resumed run must share.
-pub fn fingerprint(settings: &TrainSettings, world_size: usize) -> BTreeMap<String, String> {
+/// The number of processes is not among them: a run resumes on any number (see
+/// [`crate::train::Trainer`]'s resume).
+pub fn fingerprint(settings: &TrainSettings) -> BTreeMap<String, String> {
     let mut values = BTreeMap::new();
     let mut put = |key: &str, value: String| {
         values.insert(key.to_string(), value);
@@ -39,11 +41,10 @@ pub fn fingerprint(settings: &TrainSettings, world_size: usize) -> BTreeMap<Stri
         format!("{:?} {:?}", settings.data.mean, settings.data.std),
     );
     put("seed", settings.seed.to_string());
-    // Steps of a global batch are the same on any number of processes.
-    match settings.global_batch_size {
-        Some(global) => put("global-batch-size", global.to_string()),
-        None => put("world-size", world_size.to_string()),
-    }
+    let global_batch = settings
+        .global_batch_size
+        .map_or("per process".to_string(), |global| global.to_string());
+    put("global-batch-size", global_batch);
     put("grad-accum", settings.grad_accum.to_string());
     put("sync-bn", settings.sync_bn.to_string());
     // More epochs continue a constant or step schedule as they would have run; the
@@ -67,39 +68,6 @@ pub struct ResumeContext<'a> {
     pub settings: &'a TrainSettings,
     /// The model the snapshot's description records (complete settings), if it has one.
     pub snapshot_model: Option<&'a ModelArgs>,
-    /// How this job got its number of processes.
-    pub world: WorldSource,
-}
-
-/// Where a job's number of processes came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WorldSource {
-    /// `--world-size`.
-    Flag,
-    /// `tandem launch`: `--nnodes` nodes of `--nproc-per-node` workers.
-    Launcher {
-        /// Workers per node.
-        per_node: usize,
-    },
-    /// One process, or the cluster's variables (`WORLD_SIZE`, `mpirun`, `srun`, ...).
-    Environment,
-}
-
-impl WorldSource {
-    /// How this process learned the job's size.
-    pub fn of_this_process(settings: &TrainSettings) -> WorldSource {
-        use tandem_dist::cluster::contract::{LOCAL_WORLD_SIZE_ENV, RESTART_COUNT_ENV};
-        if settings.placement_flags.world_size.is_some() {
-            return WorldSource::Flag;
-        }
-        let per_node = std::env::var(LOCAL_WORLD_SIZE_ENV)
-            .ok()
-            .and_then(|text| text.parse::<usize>().ok());
-        match (std::env::var_os(RESTART_COUNT_ENV), per_node) {
-            (Some(_), Some(per_node)) if per_node > 0 => WorldSource::Launcher { per_node },
-            _ => WorldSource::Environment,
-        }
-    }
 }
 
 /// Every setting that differs between the snapshot's fingerprint and this run's, each said
@@ -150,7 +118,16 @@ fn describe(key: &str, value: &str, saved: &str, context: &ResumeContext<'_>) ->
             normalization_flags(&format!("{:?} {:?}", settings.data.mean, settings.data.std)),
             normalization_flags(saved)
         ),
-        "world-size" => describe_world(value, saved, context.world),
+        "global-batch-size" => match (value, saved) {
+            ("per process", _) => format!(
+                "--global-batch-size is not given, but the snapshot's run had \
+                 --global-batch-size {saved}"
+            ),
+            (_, "per process") => format!(
+                "--global-batch-size is {value}, but the snapshot's run had per-process batches"
+            ),
+            _ => flag_conflict(key, value.to_string(), saved.to_string()),
+        },
         "epochs" => format!(
             "--epochs is {value}, the snapshot has {saved}: the {} schedule's curve depends on \
              the number of epochs, so it cannot be raised on resume (a constant or step \
@@ -243,29 +220,6 @@ fn normalization_flags(fingerprint: &str) -> String {
     }
 }
 
-/// The job's number of processes against the snapshot's, naming how this job got its own.
-fn describe_world(value: &str, saved: &str, world: WorldSource) -> String {
-    let processes = |count: &str| match count {
-        "1" => "1 process".to_string(),
-        count => format!("{count} processes"),
-    };
-    let (ours, theirs) = (processes(value), processes(saved));
-    match world {
-        WorldSource::Flag => flag_conflict("world-size", value.to_string(), saved.to_string()),
-        WorldSource::Launcher { per_node } => {
-            let nodes = value.parse::<usize>().map_or(1, |total| total / per_node);
-            format!(
-                "this job has {ours} (tandem launch --nnodes {nodes} --nproc-per-node \
-                 {per_node}), the snapshot was written by {theirs}"
-            )
-        }
-        WorldSource::Environment => format!(
-            "this job has {ours}, the snapshot was written by {theirs} (start as many, e.g. \
-             with tandem launch --nproc-per-node)"
-        ),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -279,7 +233,6 @@ mod tests {
     fn conflicts_are_said_in_the_flags_words() {
         let saved = fingerprint(
             &settings_of("lr-schedule = \"onecycle\"\nepochs = 1\noptimizer = \"sgd\"\nbeta2 = 0.99\n[data]\nmean = [0.5, 0.5, 0.5]\nstd = [0.25, 0.25, 0.25]\n"),
-            1,
         );
         let settings = settings_of(
             "lr-schedule = \"onecycle\"\nepochs = 3\nno-augment = true\nsync-bn = true\n[data]\ndata = \"cifar10-bin\"\n",
@@ -287,9 +240,8 @@ mod tests {
         let context = ResumeContext {
             settings: &settings,
             snapshot_model: None,
-            world: WorldSource::Launcher { per_node: 2 },
         };
-        let found = conflicts(&saved, &fingerprint(&settings, 2), &context);
+        let found = conflicts(&saved, &fingerprint(&settings), &context);
         assert_eq!(
             found,
             [
@@ -302,8 +254,6 @@ mod tests {
                 "no --mean and --std, the snapshot has --mean 0.5,0.5,0.5 --std 0.25,0.25,0.25",
                 "--optimizer is adam, the snapshot has sgd",
                 "--sync-bn is given, but the snapshot's run did without it",
-                "this job has 2 processes (tandem launch --nnodes 1 --nproc-per-node 2), the \
-                 snapshot was written by 1 process",
             ]
         );
     }
@@ -322,15 +272,6 @@ mod tests {
             "--n-blocks 2,2,2 builds another model than the snapshot's (--model resnet-base \
              --n-blocks 1,1,1 --n-channels 16,32,64 --bottlenecks 8,16,16 --first-kernel-size 3 \
              --num-classes 10)"
-        );
-        assert_eq!(
-            describe_world("1", "2", WorldSource::Environment),
-            "this job has 1 process, the snapshot was written by 2 processes (start as many, \
-             e.g. with tandem launch --nproc-per-node)"
-        );
-        assert_eq!(
-            describe_world("2", "1", WorldSource::Flag),
-            "--world-size is 2, the snapshot has 1"
         );
     }
 }

@@ -6,12 +6,10 @@
 //! shard as a micro-batch of its own, so a shard's gradient, loss and batch statistics are
 //! the same bits on any number of workers. What remains is to combine them without an order
 //! that depends on who held which shard:
-//! - Gradients are added exactly. Per block of [`BLOCK`] values the largest magnitude over
-//!   all shards (a maximum: the same in any order) fixes a power of two, the unit; every
-//!   shard's value becomes a whole number of units (truncated below 2^-50 or so of the
-//!   block's largest), and those integers are summed over the shards and then the workers.
-//!   Integer sums do not depend on their order, so the result is one rounding of the exact
-//!   sum, the same on 1 to S workers.
+//! - Gradients are added exactly ([`tandem_dist::exact`]): as whole numbers of a unit fixed
+//!   per block of values by the largest magnitude over all shards, summed as integers over
+//!   the shards and then the workers. Integer sums do not depend on their order, so the
+//!   result is one rounding of the exact sum, the same on 1 to S workers.
 //! - The running statistics of batch norm move shard by shard in shard order, as in one
 //!   process: each worker records its shards' batch statistics, every worker gathers all of
 //!   them and replays them from the statistics the step started with.
@@ -21,15 +19,13 @@ use std::ops::Range;
 
 use anyhow::{bail, Context};
 use tandem_data::eval_shard;
+use tandem_dist::exact;
 use tandem_models::training_device::TrainBatch;
 use tandem_models::training_device::{update_host, with_host_grads, StepConditions, StepRequest};
 use tandem_models::{BatchNormReducer, TrainingDevice};
 
 use super::ddp::Ddp;
 use super::gradient_sync::GradientSync;
-
-/// Values that share one unit in the exact sum of gradients.
-pub const BLOCK: usize = 64;
 
 /// How an epoch's samples form steps of logical shards.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -154,6 +150,8 @@ pub struct ShardSync {
     shard_grads: Vec<Vec<f32>>,
     /// This worker's shards' batch statistics, in shard order.
     shard_statistics: Vec<Vec<f64>>,
+    /// The step's gradient: the exact sum of every shard's.
+    summed: Vec<f32>,
     /// The running statistics and batch count the step started with.
     buffers_before: (Vec<f32>, u64),
     /// The length of one forward's batch statistics.
@@ -181,54 +179,10 @@ impl ShardSync {
             step_shards: (0, 0..0),
             shard_grads: Vec::new(),
             shard_statistics: Vec::new(),
+            summed: Vec::new(),
             buffers_before: (Vec::new(), 0),
             statistics_len,
         })
-    }
-
-    /// The block maxima of `|gradient|` over every shard of the step (NaN where any is).
-    fn block_maxima(&self, shards: usize) -> anyhow::Result<Vec<f32>> {
-        let len = self.shard_grads.first().map_or(0, Vec::len);
-        let mut maxima = vec![0.0f32; len.div_ceil(BLOCK)];
-        for grads in &self.shard_grads[..shards] {
-            for (maximum, block) in maxima.iter_mut().zip(grads.chunks(BLOCK)) {
-                *maximum = block
-                    .iter()
-                    .fold(*maximum, |largest, value| nan_max(largest, value.abs()));
-            }
-        }
-        match &self.group {
-            Some(ddp) => ddp.max_f32(maxima),
-            None => Ok(maxima),
-        }
-    }
-
-    /// The exact sum over all shards of the step, `total_shards` of them, of which this
-    /// worker holds the first `own` of `shard_grads`: written into `grads`.
-    fn exact_sum(&self, own: usize, total_shards: usize, grads: &mut [f32]) -> anyhow::Result<()> {
-        let maxima = self.block_maxima(own)?;
-        let units: Vec<f64> = maxima
-            .iter()
-            .map(|&largest| unit_of(largest, total_shards))
-            .collect();
-        let mut sums = vec![0i64; grads.len()];
-        for shard in &self.shard_grads[..own] {
-            for (index, (sum, &value)) in sums.iter_mut().zip(shard).enumerate() {
-                *sum += to_units(value, units[index / BLOCK]);
-            }
-        }
-        let sums = match &self.group {
-            Some(ddp) => ddp.sum_i64(sums)?,
-            None => sums,
-        };
-        for (index, (grad, sum)) in grads.iter_mut().zip(sums).enumerate() {
-            let block = index / BLOCK;
-            *grad = match maxima[block].is_finite() {
-                true => (sum as f64 * units[block]) as f32,
-                false => f32::NAN,
-            };
-        }
-        Ok(())
     }
 
     /// Every shard's loss and batch statistics of the step, in shard order: this worker's
@@ -360,7 +314,21 @@ impl GradientSync for ShardSync {
             let len = device.param_count();
             self.shard_grads.push(vec![0.0; len]);
         }
-        with_host_grads(device, |grads| self.exact_sum(own, total_shards, grads))?;
+        self.summed.resize(device.param_count(), 0.0);
+        let shard_grads = std::mem::take(&mut self.shard_grads);
+        self.shard_grads = match self.group.as_mut() {
+            Some(ddp) => ddp.exact_sum(shard_grads, own, total_shards, &mut self.summed)?,
+            None => {
+                let terms: Vec<&[f32]> = shard_grads[..own].iter().map(Vec::as_slice).collect();
+                exact::local_exact_sum(&terms, &mut self.summed);
+                shard_grads
+            }
+        };
+        let summed = &self.summed;
+        with_host_grads(device, |grads| -> anyhow::Result<()> {
+            grads.copy_from_slice(summed);
+            Ok(())
+        })?;
         let records = self.all_shard_records(losses, total_shards)?;
         let record_len = 1 + self.statistics_len;
         let (buffers, batches) = &self.buffers_before;
@@ -393,36 +361,6 @@ impl BatchNormReducer for StatisticsRecorder {
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         self.statistics.extend_from_slice(values);
         Ok(())
-    }
-}
-
-/// The larger of two magnitudes, NaN when either is.
-fn nan_max(a: f32, b: f32) -> f32 {
-    match a.is_nan() || b.is_nan() {
-        true => f32::NAN,
-        false => a.max(b),
-    }
-}
-
-/// The unit of a block whose largest magnitude is `largest`, in a sum of `terms` values: a
-/// power of two so small that each value is a whole number of units below 2^(62 -
-/// ceil(log2 terms)), so that the sum of `terms` of them stays below 2^62.
-fn unit_of(largest: f32, terms: usize) -> f64 {
-    if !(largest.is_finite() && largest > 0.0) {
-        return 1.0;
-    }
-    let exponent = ((f64::from(largest).to_bits() >> 52) & 0x7ff) as i64 - 1023;
-    let terms_bits = i64::from(usize::BITS - terms.max(1).saturating_sub(1).leading_zeros());
-    let unit_exponent = exponent + 1 - (62 - terms_bits);
-    f64::from_bits(((unit_exponent + 1023) as u64) << 52)
-}
-
-/// `value` as a whole number of `unit`s, truncated toward zero (exact: `unit` is a power of
-/// two and the quotient fits in 62 bits).
-fn to_units(value: f32, unit: f64) -> i64 {
-    match value.is_finite() {
-        true => (f64::from(value) / unit).trunc() as i64,
-        false => 0,
     }
 }
 
@@ -502,50 +440,5 @@ mod tests {
             }
         }
         assert!(seen.iter().all(|&count| count == 1), "{seen:?}");
-    }
-
-    #[test]
-    fn the_exact_sum_does_not_depend_on_the_order_of_its_terms() {
-        // Two large values that cancel among small ones: a float sum loses the small ones
-        // that it adds while a large one is in it.
-        let mut values: Vec<f32> = (0..14)
-            .map(|k| ((k * 7919 % 1000) as f32 - 500.0) * 10f32.powi(k % 5 - 3))
-            .collect();
-        values.insert(3, 1.0e8);
-        values.push(-1.0e8);
-        let largest = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let unit = unit_of(largest, values.len());
-        let sum_of = |order: &[usize]| -> f32 {
-            let units: i64 = order.iter().map(|&k| to_units(values[k], unit)).sum();
-            (units as f64 * unit) as f32
-        };
-        let forward: Vec<usize> = (0..16).collect();
-        let backward: Vec<usize> = (0..16).rev().collect();
-        let shuffled = [3, 15, 5, 11, 0, 8, 1, 14, 9, 2, 12, 7, 4, 13, 6, 10];
-        let exact: f64 = values.iter().map(|&v| f64::from(v)).sum();
-        assert_eq!(sum_of(&forward).to_bits(), sum_of(&backward).to_bits());
-        assert_eq!(sum_of(&forward).to_bits(), sum_of(&shuffled).to_bits());
-        assert_eq!(sum_of(&forward), exact as f32);
-        // The float sum itself depends on the order.
-        let float_sum = |order: &[usize]| order.iter().fold(0.0f32, |sum, &k| sum + values[k]);
-        assert_ne!(
-            float_sum(&forward).to_bits(),
-            float_sum(&shuffled).to_bits()
-        );
-    }
-
-    #[test]
-    fn the_unit_leaves_room_for_every_term() {
-        for terms in [1, 2, 3, 8, 1000] {
-            let unit = unit_of(1.5, terms);
-            let whole = to_units(1.5, unit) as i128 * terms as i128;
-            assert!(whole < 1i128 << 62, "{terms} terms: {whole}");
-            assert!(
-                whole > 1i128 << 59,
-                "{terms} terms keep their precision: {whole}"
-            );
-        }
-        assert_eq!(unit_of(0.0, 8), 1.0);
-        assert_eq!(to_units(f32::NAN, 1.0), 0);
     }
 }

@@ -15,7 +15,7 @@ use anyhow::{bail, Context};
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 use tandem_engine::OptimizerState;
-use tandem_metrics::EpochRecord;
+use tandem_metrics::{EpochRecord, WorldSizeChange};
 use tandem_models::Model;
 
 use crate::files::write_atomically;
@@ -41,6 +41,26 @@ pub struct Progress {
     pub epoch_loss_sum: f64,
     /// Seconds spent in this epoch before the snapshot was taken.
     pub epoch_seconds: f64,
+    /// The job's number of processes (0 in a snapshot that did not record it).
+    #[serde(default)]
+    pub world_size: usize,
+    /// Where per-process batches started on the current number of processes in this epoch.
+    #[serde(default)]
+    pub epoch_base: EpochBase,
+    /// The changes of the number of processes in this epoch so far.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub world_size_changes: Vec<WorldSizeChange>,
+}
+
+/// Where the per-process batches of an epoch started on the job's current number of
+/// processes: after `step` steps of the epoch, at `samples` of the epoch's order (both 0
+/// unless the run resumed on another number of processes within the epoch).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochBase {
+    /// Steps of the epoch before it.
+    pub step: u64,
+    /// Samples of the epoch's order visited before it.
+    pub samples: u64,
 }
 
 /// The JSON description stored in the snapshot's metadata.
@@ -367,6 +387,16 @@ mod tests {
                 global_step: 42,
                 epoch_loss_sum: 1.5,
                 epoch_seconds: 3.0,
+                world_size: 2,
+                epoch_base: EpochBase {
+                    step: 1,
+                    samples: 128,
+                },
+                world_size_changes: vec![WorldSizeChange {
+                    step: 41,
+                    from: 4,
+                    to: 2,
+                }],
             },
             history: Vec::new(),
             settings: BTreeMap::from([("lr".to_string(), "0.05".to_string())]),
