@@ -2,7 +2,7 @@
 //! directory record (and the zip64 one) declares how many entries the central directory
 //! holds, and the zip crate allocates and loops for that many. An archive that declares more
 //! entries than its file can hold, or more than any `torch.save` checkpoint has, is refused
-//! here, having read at most the last 64 KiB of the file.
+//! here, having read at most the last 64 KiB of the file and the 56-byte zip64 record.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
