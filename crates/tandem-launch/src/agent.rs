@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tandem_files::tell;
 
+use super::descriptors;
 use super::logs::RankLog;
 use super::options::LaunchPlan;
 use super::rendezvous::{AgentStore, Heartbeats, Member, Waited};
@@ -282,15 +283,21 @@ fn start_workers(
     };
     let mut workers = Vec::with_capacity(topology.nproc_per_node);
     for local_rank in 0..topology.nproc_per_node {
-        match start_worker(
-            plan,
-            restart,
-            &job,
-            world_size,
-            first_rank + local_rank,
-            local_rank,
-        ) {
-            Ok(worker) => workers.push(worker),
+        let rank = first_rank + local_rank;
+        match start_worker(plan, restart, &job, world_size, rank, local_rank) {
+            Ok(worker) => {
+                let not_started = matches!(worker.end(), Some((WorkerEnd::NotStarted(_), _)));
+                workers.push(worker);
+                // The round has failed: the rest would only wait out the same shortage.
+                let left = topology.nproc_per_node - local_rank - 1;
+                if not_started && left > 0 {
+                    say(&format!(
+                        "rank {rank} could not start, so the {left} worker(s) after it on this \
+                         node were not started either"
+                    ));
+                    break;
+                }
+            }
             Err(error) => {
                 kill_and_reap(&workers);
                 return Err(error);
@@ -336,6 +343,7 @@ fn start_worker(
         now_micros() / 1_000_000
     );
     let log = retry_while_short_of_resources(|| RankLog::open(&plan.log_dir, place.rank, &header))
+        .map_err(|error| anyhow::anyhow!(descriptors::explain(&error)))
         .with_context(|| {
             format!(
                 "open the log of rank {} ({})",

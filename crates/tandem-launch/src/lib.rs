@@ -11,9 +11,11 @@
 //! - [`logs`]: per-rank log files and the console.
 //! - [`report`]: root cause and summary of a failed round.
 //! - [`signals`]: catching and sending signals.
+//! - [`descriptors`]: the launcher's limit on open files.
 
 mod agent;
 mod cluster;
+mod descriptors;
 mod logs;
 mod options;
 mod rendezvous;
@@ -71,6 +73,7 @@ pub fn run(
     args: &LaunchArgs,
     upload_logs: impl FnOnce(&[String], &Path) -> anyhow::Result<Option<String>>,
 ) -> anyhow::Result<Outcome> {
+    descriptors::raise_soft_limit();
     let env: HashMap<String, String> = std::env::vars().collect();
     let plan = options::LaunchPlan::resolve(args, &env)?;
     signals::catch_stop_signals().context("install the SIGTERM/SIGINT handlers")?;

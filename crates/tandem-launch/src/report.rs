@@ -256,6 +256,10 @@ fn describe_evidence(text: &mut String, worker: &WorkerReport) {
         let _ = writeln!(text, "({})", printable_line(problem));
     }
     if worker.log_tail.is_empty() {
+        if matches!(worker.end, WorkerEnd::NotStarted(_)) {
+            // The program never ran: there is nothing it could have written.
+            return;
+        }
         let _ = writeln!(
             text,
             "it wrote no error file and no output (log: {})",
@@ -462,6 +466,25 @@ mod tests {
                 "the error file {} has no \"message\" field",
                 no_message.display()
             ))
+        );
+    }
+
+    #[test]
+    fn a_worker_that_never_started_has_no_output_to_show() {
+        let not_started = WorkerEnd::NotStarted("sh: Too many open files (os error 24)".into());
+        let reports = vec![Some(NodeReport {
+            node_rank: 0,
+            workers: vec![
+                worker(0, WorkerEnd::StoppedByLauncher { signal: 15 }, 900),
+                worker(1, not_started, 500),
+            ],
+        })];
+        let cause = root_cause(&reports).unwrap();
+        assert_eq!(
+            summary("job failed", &cause, &reports),
+            "job failed\nroot cause: rank 1 (node 0, local rank 1) could not start: sh: Too \
+             many open files (os error 24)\nother ranks:\n  rank 0: stopped by the launcher \
+             (SIGTERM)"
         );
     }
 }

@@ -17,6 +17,7 @@ use tandem_dist::cluster::contract::{
     STORE_PREFIX_ENV, WORLD_SIZE_ENV,
 };
 
+use super::descriptors;
 use super::logs::RankLog;
 use super::signals::{self, signal_name};
 
@@ -244,7 +245,12 @@ impl SpawnError {
 
 impl std::fmt::Display for SpawnError {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(formatter, "{}: {}", self.what, self.error)
+        write!(
+            formatter,
+            "{}: {}",
+            self.what,
+            descriptors::explain(&self.error)
+        )
     }
 }
 
@@ -288,10 +294,13 @@ fn spawn(
         .stdin(Stdio::null())
         .stdout(output_for_stdout)
         .stderr(output_for_stderr);
-    // SAFETY: the closure runs between fork and exec and only calls `prctl`, which is
-    // async-signal-safe.
+    // SAFETY: the closure runs between fork and exec and only calls `setrlimit` and
+    // `prctl`, which are async-signal-safe, after an atomic load.
     unsafe {
-        command.pre_exec(die_with_the_launcher);
+        command.pre_exec(|| {
+            descriptors::restore_given_limit();
+            die_with_the_launcher()
+        });
     }
     let child = command
         .spawn()

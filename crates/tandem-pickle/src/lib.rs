@@ -14,6 +14,7 @@ mod machine;
 pub mod numpy;
 pub mod torch;
 mod value;
+mod zip_end;
 
 pub use error::PickleError;
 pub use machine::{loads, loads_with_limits, Limits};
@@ -24,3 +25,4 @@ pub use torch::{
     DEFAULT_MAX_PICKLE_BYTES,
 };
 pub use value::Value;
+pub use zip_end::MAX_ARCHIVE_ENTRIES;

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use crate::error::PickleError;
 use crate::machine::loads;
 use crate::value::Value;
+use crate::zip_end::check_declared_entries;
 
 /// One named tensor of a state dict, contiguous and row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -403,7 +404,8 @@ struct Archive<R> {
 }
 
 impl<R: Read + Seek> Archive<R> {
-    fn open(reader: R, path: &Path) -> Result<Archive<R>, PickleError> {
+    fn open(mut reader: R, path: &Path) -> Result<Archive<R>, PickleError> {
+        check_declared_entries(&mut reader, path)?;
         let zip = zip::ZipArchive::new(reader).map_err(|error| PickleError::Archive {
             path: path.to_path_buf(),
             message: format!("not a torch.save zip archive: {error}"),

@@ -1,6 +1,7 @@
 //! Hostile files given to `tandem eval` and `tandem train`: `torch.save` archives whose
-//! tensors share or overstate one storage, compressed pickle and archive "bombs", a giant
-//! PNG, empty CIFAR files, and temporary files left by a killed writer. Each file is built
+//! tensors share or overstate one storage or whose end records declare millions of entries,
+//! compressed pickle and archive "bombs", a giant PNG, empty CIFAR files, and temporary
+//! files left by a killed writer. Each file is built
 //! by the test; each run is a child process whose peak resident memory (`ru_maxrss` from
 //! `wait4`) must stay within what a legitimate evaluation of the same model takes, plus a
 //! margin smaller than any of the hostile payloads.
@@ -790,4 +791,59 @@ fn a_checkpoint_describing_a_huge_model_is_refused_before_it_is_built() {
             assert_peak_within(&format!("predict, {file} with {key}"), &measured, &baseline);
         }
     }
+}
+
+/// `archive` (as the zip crate writes it: no comment, no zip64 records) with its
+/// end-of-central-directory record replaced by zip64 end records declaring `entries`.
+fn declaring_entries(archive: &[u8], entries: u64) -> Vec<u8> {
+    let (body, end) = archive.split_at(archive.len() - 22);
+    assert_eq!(
+        &end[..4],
+        b"PK\x05\x06",
+        "the archive ends with its end record"
+    );
+    let field = |at: usize| u32::from_le_bytes([end[at], end[at + 1], end[at + 2], end[at + 3]]);
+    let (directory_bytes, directory_offset) = (field(12), field(16));
+    let mut bytes = body.to_vec();
+    let record_at = bytes.len() as u64;
+    bytes.extend(b"PK\x06\x06");
+    bytes.extend(44u64.to_le_bytes());
+    bytes.extend([45, 0, 45, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    bytes.extend(entries.to_le_bytes());
+    bytes.extend(entries.to_le_bytes());
+    bytes.extend(u64::from(directory_bytes).to_le_bytes());
+    bytes.extend(u64::from(directory_offset).to_le_bytes());
+    bytes.extend(b"PK\x06\x07");
+    bytes.extend([0; 4]);
+    bytes.extend(record_at.to_le_bytes());
+    bytes.extend(1u32.to_le_bytes());
+    bytes.extend(b"PK\x05\x06");
+    bytes.extend([0; 4]);
+    bytes.extend([0xff; 12]);
+    bytes.extend([0; 2]);
+    bytes
+}
+
+#[test]
+fn an_archive_declaring_millions_of_entries_is_refused_before_the_zip_reader_sees_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (baseline, _) = legitimate_eval(dir.path());
+    let path = dir.path().join("millions.pth");
+    write_torch_save(&path, &mut state_dict_pickle(&[]).as_slice(), Vec::new());
+    let archive = std::fs::read(&path).expect("archive");
+    std::fs::write(&path, declaring_entries(&archive, 4_000_000)).expect("edited archive");
+    let output = dir.path().join("run");
+    let train = with_flag(
+        synthetic_run(&output, 64),
+        "--init-from",
+        &path.display().to_string(),
+    );
+    let measured = run_measured(&train);
+    let path = path.display();
+    measured.expect_refusal(&[&format!(
+        "error: cannot read PyTorch checkpoint {path}: {path}: the zip archive declares \
+         4000000 entries in a central directory of 125 bytes, which holds at most 2 (each \
+         entry takes at least 46 bytes)\n"
+    )]);
+    assert_peak_within("4,000,000 entries declared", &measured, &baseline);
 }
