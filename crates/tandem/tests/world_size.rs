@@ -30,17 +30,55 @@ const ADAMW: &str = "--optimizer adamw --lr 0.002 --weight-decay 0.01";
 
 /// Trains `args` in one process (`workers` 0) or under `launch` with `workers` workers.
 fn train(workers: usize, args: &[String]) -> String {
-    let output = match workers {
-        0 => run_bounded(tandem().args(args), LIMIT),
-        _ => run_bounded(
-            tandem()
-                .args(standalone_launch(&workers.to_string()))
-                .arg("--")
-                .args(args),
-            LIMIT,
-        ),
-    };
-    expect_success(&output)
+    train_tracing(workers, args, None)
+}
+
+/// [`train`], each process recording the samples of its steps in `trace` (a folder).
+fn train_tracing(workers: usize, args: &[String], trace: Option<&Path>) -> String {
+    let mut command = tandem();
+    if workers > 0 {
+        command
+            .args(standalone_launch(&workers.to_string()))
+            .arg("--");
+    }
+    if let Some(folder) = trace {
+        command.env("TANDEM_SAMPLE_TRACE", folder);
+    }
+    expect_success(&run_bounded(command.args(args), LIMIT))
+}
+
+/// How often each sample was trained in each epoch, from the per-step records in `trace`.
+fn samples_per_epoch(trace: &Path) -> BTreeMap<u64, BTreeMap<u64, usize>> {
+    let mut counts: BTreeMap<u64, BTreeMap<u64, usize>> = BTreeMap::new();
+    for entry in std::fs::read_dir(trace).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        for line in text.lines() {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            let epoch = counts.entry(record["epoch"].as_u64().unwrap()).or_default();
+            for index in record["indices"].as_array().unwrap() {
+                *epoch.entry(index.as_u64().unwrap()).or_default() += 1;
+            }
+        }
+    }
+    counts
+}
+
+/// Asserts that each of `epochs` epochs trained each of `samples` samples exactly once.
+fn assert_each_sample_once(trace: &Path, epochs: u64, samples: u64) {
+    let counts = samples_per_epoch(trace);
+    assert_eq!(
+        counts.keys().copied().collect::<Vec<_>>(),
+        (0..epochs).collect::<Vec<_>>()
+    );
+    for (epoch, count) in counts {
+        let wrong: Vec<_> = (0..samples)
+            .filter(|index| count.get(index) != Some(&1))
+            .take(5)
+            .map(|index| (index, count.get(&index).copied().unwrap_or(0)))
+            .collect();
+        assert!(wrong.is_empty(), "epoch {epoch}: (sample, times) {wrong:?}");
+        assert_eq!(count.len() as u64, samples, "epoch {epoch}");
+    }
 }
 
 /// The tensors of a snapshot as bit patterns, and each epoch's training and validation loss.
@@ -179,8 +217,15 @@ fn a_per_process_run_resumed_on_fewer_processes_goes_on_at_its_sample_and_says_s
          --log-every-steps 0",
     );
     args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
-    train(2, &with_flag(args.clone(), "--max-steps", "5"));
-    let stdout = train(0, &args);
+    let trace = dir.path().join("trace");
+    std::fs::create_dir(&trace).unwrap();
+    train_tracing(
+        2,
+        &with_flag(args.clone(), "--max-steps", "5"),
+        Some(&trace),
+    );
+    let stdout = train_tracing(0, &args, Some(&trace));
+    assert_each_sample_once(&trace, 2, 600);
     assert_contains(
         &stdout,
         "world size: 2 -> 1 at epoch 1, step 5: the global batch goes from 32 to 16 (16 per \
@@ -202,6 +247,35 @@ fn a_per_process_run_resumed_on_fewer_processes_goes_on_at_its_sample_and_says_s
     assert_eq!(
         world_size_changes(&output_dir),
         [r#"[{"from":2,"step":5,"to":1}]"#, "null"]
+    );
+}
+
+#[test]
+fn every_sample_is_trained_once_per_epoch_on_4_then_2_then_3_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace");
+    std::fs::create_dir(&trace).unwrap();
+    let output_dir = dir.path().join("run");
+    let args = with_flag(run_args(&output_dir, SGD_NESTEROV), "--epochs", "2");
+    // 20 steps an epoch: 7 on 4 workers, 16 on 2 (into the second epoch), the rest on 3.
+    train_tracing(
+        4,
+        &with_flag(args.clone(), "--max-steps", "7"),
+        Some(&trace),
+    );
+    train_tracing(
+        2,
+        &with_flag(args.clone(), "--max-steps", "23"),
+        Some(&trace),
+    );
+    train_tracing(3, &args, Some(&trace));
+    assert_each_sample_once(&trace, 2, 2560);
+    assert_eq!(
+        world_size_changes(&output_dir),
+        [
+            r#"[{"from":4,"step":7,"to":2}]"#.to_string(),
+            r#"[{"from":2,"step":23,"to":3}]"#.to_string()
+        ]
     );
 }
 

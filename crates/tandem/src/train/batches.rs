@@ -40,7 +40,6 @@ impl MicroBatch {
     }
 
     /// The dataset index of each image.
-    #[cfg(test)]
     pub fn indices(&self) -> &[usize] {
         match self {
             MicroBatch::Host(batch) => &batch.indices,

@@ -14,6 +14,7 @@ pub mod on_device;
 pub mod placement;
 pub mod resume_settings;
 pub mod run_lock;
+pub mod sample_trace;
 pub mod schedule;
 pub mod shards;
 pub mod snapshot;
@@ -54,6 +55,7 @@ use on_device::{dataset_upload, uploaded_bytes, StepNotes};
 use placement::find_placement_of;
 use resume_settings::fingerprint;
 use run_lock::{host_name, RunLock};
+use sample_trace::SampleTrace;
 use schedule::Schedule;
 use shards::{ShardPlan, ShardSync};
 use snapshot::{load_latest, Progress, Snapshot};
@@ -271,6 +273,8 @@ struct Trainer {
     initial_weights: Option<String>,
     /// The line saying that the run resumed on another number of processes.
     resize_note: Option<String>,
+    /// The per-step record of the samples trained, when `TANDEM_SAMPLE_TRACE` asks for it.
+    sample_trace: Option<SampleTrace>,
 }
 
 impl Trainer {
@@ -386,6 +390,7 @@ impl Trainer {
             mirror,
             initial_weights,
             resize_note: None,
+            sample_trace: SampleTrace::from_env()?,
         };
         let resumed = trainer.resume_if_possible()?;
         if trainer.is_leader() {
@@ -953,6 +958,14 @@ impl Trainer {
             self.progress.step_in_epoch,
         )?;
         let (mean_loss, stop) = self.over_the_ranks(local)?;
+        let place = self.rank_in_world();
+        if let Some(trace) = self.sample_trace.as_mut() {
+            let indices: Vec<usize> = micro_batches
+                .iter()
+                .flat_map(|batch| batch.indices().iter().copied())
+                .collect();
+            trace.record(epoch, self.progress.step_in_epoch, place, &indices)?;
+        }
         if !mean_loss.is_finite() {
             bail!(
                 "the training loss became {mean_loss} at epoch {}, step {}: lower --lr",

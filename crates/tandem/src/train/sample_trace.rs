@@ -1,0 +1,70 @@
+//! The per-step record of which samples each process trained on, for checking that an epoch
+//! visits every sample exactly once however the number of processes changed.
+//!
+//! With `TANDEM_SAMPLE_TRACE=FOLDER`, every process appends one JSON line per optimizer step
+//! to `FOLDER/samples-<pid>.jsonl`: `{"epoch":0,"step":3,"world_size":2,"rank":1,
+//! "indices":[...]}`, the dataset indices of its micro-batches in order. A step that a
+//! resumed run takes again appears again; the last record of an (epoch, step, rank) is the
+//! one that counts.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use serde::Serialize;
+
+/// The variable that names the folder of the records.
+pub const SAMPLE_TRACE_ENV: &str = "TANDEM_SAMPLE_TRACE";
+
+/// One step's record.
+#[derive(Serialize)]
+struct StepSamples<'a> {
+    epoch: u64,
+    step: u64,
+    world_size: usize,
+    rank: usize,
+    indices: &'a [usize],
+}
+
+/// This process's record file, when `TANDEM_SAMPLE_TRACE` asks for one.
+pub struct SampleTrace {
+    file: File,
+    path: PathBuf,
+}
+
+impl SampleTrace {
+    /// The record file the environment asks for; `None` without `TANDEM_SAMPLE_TRACE`.
+    pub fn from_env() -> anyhow::Result<Option<SampleTrace>> {
+        let Some(folder) = std::env::var_os(SAMPLE_TRACE_ENV) else {
+            return Ok(None);
+        };
+        let path = PathBuf::from(folder).join(format!("samples-{}.jsonl", std::process::id()));
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open the sample record {}", path.display()))?;
+        Ok(Some(SampleTrace { file, path }))
+    }
+
+    /// Appends the record of step `step` of epoch `epoch`: `indices`, trained by `rank` of
+    /// `world_size` processes.
+    pub fn record(
+        &mut self,
+        epoch: u64,
+        step: u64,
+        (world_size, rank): (usize, usize),
+        indices: &[usize],
+    ) -> anyhow::Result<()> {
+        let line = serde_json::to_string(&StepSamples {
+            epoch,
+            step,
+            world_size,
+            rank,
+            indices,
+        })?;
+        writeln!(self.file, "{line}")
+            .with_context(|| format!("cannot write the sample record {}", self.path.display()))
+    }
+}
