@@ -46,7 +46,7 @@ fn one_step(
         .forward_train(model, &plan, &images, &labels, &loss, None)
         .unwrap();
     let mut gpu_logits = Vec::new();
-    exec.logits_to_host(&mut gpu_logits);
+    exec.logits_to_host(&mut gpu_logits).unwrap();
     exec.backward(model, &plan, 1.0, None, None).unwrap();
     let mut gpu_grads = vec![0.0; model.params().len()];
     exec.grads_to_host(&mut gpu_grads).unwrap();

@@ -24,7 +24,7 @@ use super::graph::StepRun;
 use super::kernels::collective::divide_in_place;
 use super::kernels::{Ptr, Queue};
 use super::launch::per_element;
-use super::{address, at, device, driver, CudaExecutor, GpuError};
+use super::{address, at, driver, CudaExecutor, GpuError};
 use crate::collective::{bucket_ops, BucketCursor, BucketOp, NcclGroup};
 use crate::nccl::UNIQUE_ID_BYTES;
 use crate::probe::Probe;
@@ -185,9 +185,8 @@ impl CudaExecutor {
     ) -> Result<(), ModelError> {
         self.context
             .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))
-            .map_err(device)?;
-        self.restart_buckets().map_err(device)?;
+            .map_err(driver("cuCtxSetCurrent"))?;
+        self.restart_buckets()?;
         self.grads_on_host = 0;
         self.gradients_to_host = false;
         self.all_reducing = true;

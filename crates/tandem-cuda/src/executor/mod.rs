@@ -11,10 +11,6 @@
 //!
 //! [`CudaExecutor::train_step`] runs a whole training step, alone or through an NCCL group,
 //! eagerly or as a CUDA graph with the same result (`whole_step.rs`, `graph.rs`, `scalars.rs`).
-//!
-//! The interface's methods that cannot return an error (CUDA reports most errors at a later
-//! call anyway) keep the first error; every later call does nothing, and the next method that
-//! returns a `Result` (and [`CudaExecutor::take_error`]) returns it.
 
 pub mod algorithm;
 pub mod algorithm_store;
@@ -37,7 +33,6 @@ mod step;
 mod units;
 mod whole_step;
 
-use std::cell::RefCell;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
@@ -169,8 +164,6 @@ pub struct CudaExecutor {
     gradients_to_host: bool,
     /// The label smoothing of the last loss.
     label_smoothing: f32,
-    /// The first error of a method that cannot return one.
-    error: RefCell<Option<GpuError>>,
     /// The NCCL group and gradient buckets, once joined (a job of several GPU ranks).
     data_parallel: Option<DeviceDataParallel>,
     /// Whether this backward all-reduces its finished buckets through `data_parallel`.
@@ -302,7 +295,6 @@ impl CudaExecutor {
             grads_on_host: 0,
             gradients_to_host: false,
             label_smoothing: 0.0,
-            error: RefCell::new(None),
             data_parallel: None,
             all_reducing: false,
             stream,
@@ -349,14 +341,6 @@ impl CudaExecutor {
         self.algorithms.counts()
     }
 
-    /// Returns (and clears) the first error kept by a method that could not return it.
-    pub fn take_error(&self) -> Result<(), GpuError> {
-        match self.error.borrow_mut().take() {
-            Some(error) => Err(error),
-            None => Ok(()),
-        }
-    }
-
     /// A training forward of `images` (NHWC) and `labels` with `model`'s walk: returns the
     /// mean loss; the running statistics on the device are updated (the caller counts the
     /// step in `num_batches_tracked`, which lives in the model). `model` supplies only the
@@ -370,9 +354,9 @@ impl CudaExecutor {
         loss: &LossOptions,
         bn_sync: Option<&mut dyn BatchNormReducer>,
     ) -> Result<f32, ModelError> {
-        check_batch(plan, images, Some(labels)).map_err(device)?;
-        self.prepare(plan).map_err(device)?;
-        self.images_from_host(images);
+        check_batch(plan, images, Some(labels))?;
+        self.prepare(plan)?;
+        self.images_from_host(images)?;
         self.forward_train_loaded(model, plan, labels, loss, bn_sync)
     }
 
@@ -386,9 +370,7 @@ impl CudaExecutor {
         bn_sync: Option<&mut dyn BatchNormReducer>,
     ) -> Result<f32, ModelError> {
         model.forward_on(self, plan, bn_sync)?;
-        let value = self.loss_forward(labels, loss.label_smoothing)?;
-        self.take_error().map_err(device)?;
-        Ok(value)
+        self.loss_forward(labels, loss.label_smoothing)
     }
 
     /// An evaluation forward of `images`; the logits go to `logits`.
@@ -399,12 +381,11 @@ impl CudaExecutor {
         images: &[f32],
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
-        check_batch(plan, images, None).map_err(device)?;
-        self.prepare(plan).map_err(device)?;
-        self.images_from_host(images);
+        check_batch(plan, images, None)?;
+        self.prepare(plan)?;
+        self.images_from_host(images)?;
         model.forward_on(self, plan, None)?;
-        self.logits_to_host(logits);
-        self.take_error().map_err(device)
+        self.logits_to_host(logits)
     }
 
     /// The backward of the last [`CudaExecutor::forward_train`]: adds the gradients of
@@ -421,8 +402,7 @@ impl CudaExecutor {
     ) -> Result<(), ModelError> {
         self.context
             .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))
-            .map_err(device)?;
+            .map_err(driver("cuCtxSetCurrent"))?;
         self.grads_on_host = 0;
         self.gradients_to_host = grad_ready.is_some();
         self.all_reducing = false;
@@ -445,8 +425,7 @@ impl CudaExecutor {
         }
         let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
         let mut ready = GradientsReady::new(grad_ready.unwrap_or(&mut ignore));
-        model.backward_on(self, plan, loss_scale, bn_sync, &mut ready)?;
-        self.take_error().map_err(device)
+        model.backward_on(self, plan, loss_scale, bn_sync, &mut ready)
     }
 
     /// Sets every device gradient to zero.
@@ -830,11 +809,6 @@ fn check_batch(plan: &Plan, images: &[f32], labels: Option<&[u32]>) -> Result<()
         same_length("labels", labels.len(), plan.batch)?;
     }
     Ok(())
-}
-
-/// A GPU error as the models crate's error.
-fn device(error: GpuError) -> ModelError {
-    ModelError::Device(Box::new(error))
 }
 
 /// The device address of `slice`. Every launch and library call runs on the executor's one

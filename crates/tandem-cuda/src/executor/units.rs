@@ -1,6 +1,6 @@
 //! The GPU work of the units and the head that the [`Executor`] methods of `step.rs` run:
 //! a unit's convolution and batch-norm statistics, its backward, the head's backward, and the
-//! column sums and biases they share; plus the plumbing of device addresses and kept errors.
+//! column sums and biases they share; plus the plumbing of device addresses.
 
 use cudarc::driver::CudaStream;
 use tandem_engine::shape::Conv2dShape;
@@ -17,7 +17,7 @@ use super::launch::{column_sums, per_element};
 use super::launch::{row_blocks, ROWS_PER_BLOCK};
 use super::linear::LinearShape;
 use super::memory::{DeviceStorage, StatePart};
-use super::{address, device, CudaExecutor, GpuError};
+use super::{address, CudaExecutor, GpuError};
 #[cfg(doc)]
 use tandem_models::executor::Executor;
 
@@ -90,21 +90,6 @@ impl TrainCoefficients {
 }
 
 impl CudaExecutor {
-    /// Runs `work` unless an error is kept, and keeps its error.
-    pub(super) fn run(&mut self, work: impl FnOnce(&mut Self) -> Result<(), GpuError>) {
-        if self.error.borrow().is_some() {
-            return;
-        }
-        if let Err(error) = work(self) {
-            *self.error.borrow_mut() = Some(error);
-        }
-    }
-
-    /// The kept error, if any, as the models crate's error.
-    pub(super) fn kept(&self) -> Result<(), ModelError> {
-        self.take_error().map_err(device)
-    }
-
     pub(super) fn storage(&self) -> Result<&DeviceStorage, GpuError> {
         self.storages.active().ok_or(GpuError::NotPrepared)
     }
@@ -311,12 +296,12 @@ impl CudaExecutor {
         let plan = unit.plan;
         let channels = plan.shape.out_channels;
         let rows = plan.shape.output_len() / channels.max(1);
-        self.conv_forward(unit, plan.z).map_err(device)?;
+        self.conv_forward(unit, plan.z)?;
         let too_few = |count: f64| {
             (count <= 1.0).then_some(tandem_engine::EngineError::BatchNormTooFewValues { count })
         };
         let (z, coefficients) = {
-            let addresses = self.addresses().map_err(device)?;
+            let addresses = self.addresses()?;
             let (params, buffers) = (
                 self.params.ptr(&self.stream),
                 Ptr::of(&self.buffers, &self.stream),
@@ -342,25 +327,22 @@ impl CudaExecutor {
                 if let Some(error) = too_few(count) {
                     return Err(error.into());
                 }
-                self.column_totals(z, rows, channels, Some(&coefficients))
-                    .map_err(device)?;
+                self.column_totals(z, rows, channels, Some(&coefficients))?;
                 count
             }
             mut sync => {
-                self.column_totals(z, rows, channels, None)
-                    .map_err(device)?;
-                self.sum_totals(1 + 2 * channels, &mut sync)
-                    .map_err(device)?;
+                self.column_totals(z, rows, channels, None)?;
+                self.sum_totals(1 + 2 * channels, &mut sync)?;
                 let count = match sync {
                     // Every rank's batch has this unit's rows (see
                     // `sync_batch_norm_through_nccl`); the device reads the summed count.
                     TotalsSync::Nccl { world_size } => (rows * world_size) as f64,
-                    _ => self.storage().map_err(device)?.host_totals[0],
+                    _ => self.storage()?.host_totals[0],
                 };
                 if let Some(error) = too_few(count) {
                     return Err(error.into());
                 }
-                let totals = Ptr::of(&self.storage().map_err(device)?.totals, &self.stream);
+                let totals = Ptr::of(&self.storage()?.totals, &self.stream);
                 let c = &coefficients;
                 batchnorm::bn_train_coefficients(
                     &self.queue(),
@@ -375,8 +357,7 @@ impl CudaExecutor {
                     c.invstd,
                     c.scale,
                     c.shift,
-                )
-                .map_err(device)?;
+                )?;
                 count
             }
         };
