@@ -11,7 +11,7 @@ mod common;
 use common::{formula_batch, gpu_probe, seed_004, shallow_seed_004};
 use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe};
 use tandem_models::workspace::Mode;
-use tandem_models::{Executor, LossOptions, Model};
+use tandem_models::{LossOptions, Model};
 
 const BATCH: usize = 8;
 const SIDE: usize = 32;

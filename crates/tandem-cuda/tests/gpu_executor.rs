@@ -18,7 +18,7 @@ use tandem_cuda::executor::HostPixels;
 use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe, PtxCache};
 use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tandem_models::workspace::Mode;
-use tandem_models::{Executor, LossOptions, Model};
+use tandem_models::{LossOptions, Model};
 
 const BATCH: usize = 8;
 const SIDE: usize = 32;

@@ -9,7 +9,7 @@ use common::{formula_batch, gpu_probe, seed_004};
 use tandem_cuda::probe::{duplicated_stems, mapped_cuda_files};
 use tandem_cuda::{CudaExecutor, GpuSettings, Precision};
 use tandem_models::workspace::Mode;
-use tandem_models::{Executor, LossOptions, Model, ModelSpec};
+use tandem_models::{LossOptions, Model, ModelSpec};
 
 const BATCH: usize = 4;
 const SIDE: usize = 32;

@@ -19,13 +19,13 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 use tandem_engine::BatchNormReducer;
 use tandem_models::workspace::Plan;
-use tandem_models::Executor;
 use tandem_models::{LossOptions, Model, ModelError};
 
 use super::error::{driver, int, same_length};
 use super::kernels::{augment, Ptr};
 use super::launch::per_element;
 use super::scalars::EPOCH_OFFSET;
+use super::step::GpuStep;
 use super::{address, CudaExecutor, GpuError};
 
 /// The id of the next uploaded dataset.
@@ -268,8 +268,8 @@ impl CudaExecutor {
         self.prepare(plan)?;
         let images = self.input_slot()?;
         self.gather(dataset, indices, 0, images)?;
-        model.forward_on(self, plan, None)?;
-        self.logits_to_host(logits)
+        model.forward_on(&mut GpuStep::forward(self), plan, None)?;
+        Ok(self.logits_to_host(logits)?)
     }
 
     /// The address and length of the active storage's image slot.

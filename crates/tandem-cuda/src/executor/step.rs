@@ -1,5 +1,6 @@
-//! [`Executor`] for [`CudaExecutor`]: each method launches the GPU work of one step of the
-//! shared walk in `tandem-models`.
+//! [`Executor`] for the GPU ([`GpuStep`]): each method launches the GPU work of one step of
+//! the shared walk in `tandem-models`; a backward's [`GradientSink`] says where its finished
+//! gradients go.
 
 use tandem_engine::BatchNormReducer;
 use tandem_models::executor::{
@@ -20,9 +21,39 @@ use super::{CudaExecutor, GpuError};
 /// from pageable memory may read its source after the call returns.
 static NO_BAD_SAMPLE: [i32; 1] = [i32::MAX];
 
-impl Executor for CudaExecutor {
+/// The executor of one walk of the model over the GPU: the [`CudaExecutor`] and where the
+/// walk's finished gradients go.
+pub(super) struct GpuStep<'a> {
+    /// The executor.
+    pub(super) exec: &'a mut CudaExecutor,
+    /// Where a backward's finished gradients go (a forward finishes none).
+    pub(super) gradients: GradientSink,
+}
+
+/// Where a backward puts each gradient range as it becomes final.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum GradientSink {
+    /// Nowhere: they stay in the device gradients (one process).
+    Device,
+    /// Copied to the page-locked host gradients and reported to the walk's hook with them.
+    Host,
+    /// All-reduced bucket by bucket through the NCCL group.
+    AllReduce,
+}
+
+impl<'a> GpuStep<'a> {
+    /// A forward walk over `exec`.
+    pub(super) fn forward(exec: &'a mut CudaExecutor) -> Self {
+        GpuStep {
+            exec,
+            gradients: GradientSink::Device,
+        }
+    }
+}
+
+impl Executor for GpuStep<'_> {
     fn images_from_host(&mut self, images: &[f32]) -> Result<(), ModelError> {
-        Ok(self.copy_images(images)?)
+        Ok(self.exec.copy_images(images)?)
     }
 
     fn conv_bn_statistics(
@@ -30,7 +61,7 @@ impl Executor for CudaExecutor {
         unit: Unit,
         reducer: Option<&mut dyn BatchNormReducer>,
     ) -> Result<(), ModelError> {
-        self.unit_statistics(unit, reducer)
+        self.exec.unit_statistics(unit, reducer)
     }
 
     fn bn_apply(
@@ -39,6 +70,86 @@ impl Executor for CudaExecutor {
         residual: ResidualInput,
         relu: bool,
     ) -> Result<(), ModelError> {
+        Ok(self.exec.bn_apply(unit, residual, relu)?)
+    }
+
+    fn conv_bn_eval(
+        &mut self,
+        unit: Unit,
+        residual: Option<Slot>,
+        relu: bool,
+        output: Slot,
+    ) -> Result<(), ModelError> {
+        Ok(self.exec.conv_bn_eval(unit, residual, relu, output)?)
+    }
+
+    fn head_forward(&mut self, head: &Head, features: &UnitPlan) -> Result<(), ModelError> {
+        Ok(self.exec.head_forward(head, features)?)
+    }
+
+    fn loss_forward(&mut self, labels: &[u32], label_smoothing: f32) -> Result<f32, ModelError> {
+        self.exec.loss_on_device(labels, label_smoothing)
+    }
+
+    fn logits_to_host(&self, logits: &mut Vec<f32>) -> Result<(), ModelError> {
+        Ok(self.exec.logits_to_host(logits)?)
+    }
+
+    fn head_backward(
+        &mut self,
+        head: &Head,
+        features: &UnitPlan,
+        loss_scale: f32,
+        into: GradBuffer,
+        ready: &mut GradientsReady,
+    ) -> Result<(), ModelError> {
+        let sink = self.gradients;
+        Ok(self
+            .exec
+            .head_gradients(head, features, loss_scale, into, ready, sink)?)
+    }
+
+    fn relu_backward(
+        &mut self,
+        grad: GradBuffer,
+        output: Slot,
+        len: usize,
+    ) -> Result<(), ModelError> {
+        Ok(self.exec.relu_backward(grad, output, len)?)
+    }
+
+    fn copy_gradient(
+        &mut self,
+        from: GradBuffer,
+        to: GradBuffer,
+        len: usize,
+    ) -> Result<(), ModelError> {
+        Ok(self.exec.copy_gradient(from, to, len)?)
+    }
+
+    fn conv_bn_backward(
+        &mut self,
+        unit: Unit,
+        grad_output: UnitGrad,
+        grad_input: GradTarget,
+        reducer: Option<&mut dyn BatchNormReducer>,
+        ready: &mut GradientsReady,
+    ) -> Result<(), ModelError> {
+        let sink = self.gradients;
+        Ok(self
+            .exec
+            .unit_backward(unit, grad_output, grad_input, reducer, ready, sink)?)
+    }
+}
+
+impl CudaExecutor {
+    /// See [`Executor::bn_apply`].
+    pub(super) fn bn_apply(
+        &mut self,
+        unit: Unit,
+        residual: ResidualInput,
+        relu: bool,
+    ) -> Result<(), GpuError> {
         let plan = unit.plan;
         let addresses = self.addresses()?;
         // Unused pointers are null and not read (`kind` says which are).
@@ -67,22 +178,22 @@ impl Executor for CudaExecutor {
             len as i64,
             plan.shape.out_channels as i32,
             addresses.slot(plan.out),
-        )?;
-        Ok(())
+        )
     }
 
-    fn conv_bn_eval(
+    /// See [`Executor::conv_bn_eval`].
+    pub(super) fn conv_bn_eval(
         &mut self,
         unit: Unit,
         residual: Option<Slot>,
         relu: bool,
         output: Slot,
-    ) -> Result<(), ModelError> {
+    ) -> Result<(), GpuError> {
         let (plan, bn) = (unit.plan, unit.bn);
         let channels = plan.shape.out_channels;
         let (params, buffers) = (
-            self.params.ptr(&self.stream),
-            Ptr::of(&self.buffers, &self.stream),
+            self.flat.params.ptr(&self.stream),
+            Ptr::of(&self.flat.buffers, &self.stream),
         );
         let (invstd, scale, shift) = {
             let addresses = self.addresses()?;
@@ -125,14 +236,18 @@ impl Executor for CudaExecutor {
             len as i64,
             channels as i32,
             out,
-        )?;
-        Ok(())
+        )
     }
 
-    fn head_forward(&mut self, head: &Head, features: &UnitPlan) -> Result<(), ModelError> {
+    /// See [`Executor::head_forward`].
+    pub(super) fn head_forward(
+        &mut self,
+        head: &Head,
+        features: &UnitPlan,
+    ) -> Result<(), GpuError> {
         let batch = features.shape.batch;
         let pixels = features.shape.out_height() * features.shape.out_width();
-        let params = self.params.ptr(&self.stream);
+        let params = self.flat.params.ptr(&self.stream);
         let (input, pooled, logits) = {
             let addresses = self.addresses()?;
             (
@@ -178,16 +293,11 @@ impl Executor for CudaExecutor {
             params.at(head.bias.start),
             batch * head.classes,
             head.classes,
-        )?;
-        Ok(())
+        )
     }
 
-    fn loss_forward(&mut self, labels: &[u32], label_smoothing: f32) -> Result<f32, ModelError> {
-        self.label_smoothing = label_smoothing;
-        self.loss_on_device(labels, label_smoothing)
-    }
-
-    fn logits_to_host(&self, logits: &mut Vec<f32>) -> Result<(), ModelError> {
+    /// Copies the logits `[batch, classes]` of the last forward to the host.
+    pub fn logits_to_host(&self, logits: &mut Vec<f32>) -> Result<(), GpuError> {
         let storage = self.storage()?;
         let host = self
             .stream
@@ -199,37 +309,27 @@ impl Executor for CudaExecutor {
         Ok(())
     }
 
-    fn head_backward(
-        &mut self,
-        head: &Head,
-        features: &UnitPlan,
-        loss_scale: f32,
-        into: GradBuffer,
-        ready: &mut GradientsReady,
-    ) -> Result<(), ModelError> {
-        Ok(self.head_gradients(head, features, loss_scale, into, ready)?)
-    }
-
-    fn relu_backward(
+    /// See [`Executor::relu_backward`].
+    pub(super) fn relu_backward(
         &mut self,
         grad: GradBuffer,
         output: Slot,
         len: usize,
-    ) -> Result<(), ModelError> {
+    ) -> Result<(), GpuError> {
         let addresses = self.addresses()?;
         let (values, relu_out) = (addresses.grad(grad), addresses.slot(output));
         // In place: each thread reads and writes only element i.
         let config = per_element(len);
-        epilogue::relu_backward(&self.queue(), config, values, relu_out, len as i64, values)?;
-        Ok(())
+        epilogue::relu_backward(&self.queue(), config, values, relu_out, len as i64, values)
     }
 
-    fn copy_gradient(
+    /// See [`Executor::copy_gradient`].
+    pub(super) fn copy_gradient(
         &mut self,
         from: GradBuffer,
         to: GradBuffer,
         len: usize,
-    ) -> Result<(), ModelError> {
+    ) -> Result<(), GpuError> {
         let addresses = self.addresses()?;
         let (source, target) = (addresses.grad(from).address(), addresses.grad(to).address());
         let bytes = len * addresses.storage.sizes.activations.bytes();
@@ -243,26 +343,16 @@ impl Executor for CudaExecutor {
                 self.stream.cu_stream(),
             )
         }
-        .map_err(driver("cuMemcpyDtoDAsync"))?;
-        Ok(())
+        .map_err(driver("cuMemcpyDtoDAsync"))
     }
 
-    fn conv_bn_backward(
-        &mut self,
-        unit: Unit,
-        grad_output: UnitGrad,
-        grad_input: GradTarget,
-        reducer: Option<&mut dyn BatchNormReducer>,
-        ready: &mut GradientsReady,
-    ) -> Result<(), ModelError> {
-        Ok(self.unit_backward(unit, grad_output, grad_input, reducer, ready)?)
-    }
-}
-
-impl CudaExecutor {
     /// The loss on the device: labels in, probabilities kept for the backward, the mean loss
     /// copied to the host (this waits for the forward to finish).
-    fn loss_on_device(&mut self, labels: &[u32], label_smoothing: f32) -> Result<f32, ModelError> {
+    pub(super) fn loss_on_device(
+        &mut self,
+        labels: &[u32],
+        label_smoothing: f32,
+    ) -> Result<f32, ModelError> {
         self.load_labels(labels)?;
         self.loss_kernels(label_smoothing)?;
         self.read_loss(labels)
@@ -271,7 +361,7 @@ impl CudaExecutor {
     /// Copies the NHWC `images` into the start of the active storage's image slot.
     pub(super) fn copy_images(&mut self, images: &[f32]) -> Result<(), GpuError> {
         let stream = self.stream.clone();
-        let Some(storage) = self.storages.active_mut() else {
+        let Some(storage) = self.memory.storages.active_mut() else {
             return Err(GpuError::NotPrepared);
         };
         let slot = storage.slots[storage.images].f32_mut()?;
@@ -290,7 +380,7 @@ impl CudaExecutor {
     /// Copies `labels` to the active storage and clears its bad-label record, before a step.
     pub(super) fn load_labels(&mut self, labels: &[u32]) -> Result<(), GpuError> {
         let stream = self.stream.clone();
-        let Some(storage) = self.storages.active_mut() else {
+        let Some(storage) = self.memory.storages.active_mut() else {
             return Err(GpuError::NotPrepared);
         };
         let batch = labels.len();
@@ -306,7 +396,7 @@ impl CudaExecutor {
     /// The loss kernels over the active storage's logits and labels: probabilities, each
     /// sample's loss, the mean (no host work: capturable).
     pub(super) fn loss_kernels(&mut self, label_smoothing: f32) -> Result<(), GpuError> {
-        self.label_smoothing = label_smoothing;
+        self.memory.label_smoothing = label_smoothing;
         let stream = &self.stream;
         let storage = self.storage()?;
         let batch = storage.shape.1;

@@ -46,6 +46,7 @@ use super::dataset::{check_gathered_batch, DeviceDataset};
 use super::error::{cublas, driver, same_length};
 use super::graph::{CaptureFailure, CaptureMode, GraphKey, ImagesKey, OptimizerKind, StepRun};
 use super::scalars::{StepScalars, STEP_SCALARS_BYTES};
+use super::step::{GpuStep, GradientSink};
 use super::{address, check_batch, CudaExecutor, GpuError};
 
 /// Bytes of cuBLAS's workspace: 32 MiB, what cuBLAS recommends for Hopper (and PyTorch's
@@ -310,7 +311,7 @@ impl CudaExecutor {
         if !several {
             self.load_labels(step.labels)?;
         }
-        self.label_smoothing = step.loss.label_smoothing;
+        self.memory.label_smoothing = step.loss.label_smoothing;
         let scalars = StepScalars { epoch, optimizer }.bytes();
         debug_assert_eq!(scalars.len(), STEP_SCALARS_BYTES);
         self.write_scalars(0, &scalars)?;
@@ -335,23 +336,21 @@ impl CudaExecutor {
                 let images = self.input_slot()?;
                 self.augment(dataset, 0, plan.batch, images)?;
             }
-            model.forward_on(self, plan, None)?;
-            self.loss_kernels(self.label_smoothing)?;
+            model.forward_on(&mut GpuStep::forward(self), plan, None)?;
+            self.loss_kernels(self.memory.label_smoothing)?;
             if micro_batches > 1 {
                 self.keep_micro_batch_loss(index)?;
             }
             // As the separate calls: only the last micro-batch's backward all-reduces.
-            self.grads_on_host = 0;
-            self.gradients_to_host = false;
-            self.all_reducing = self.has_nccl() && index + 1 == micro_batches;
-            if self.all_reducing {
+            let sink = if self.has_nccl() && index + 1 == micro_batches {
                 self.restart_buckets()?;
-            }
+                GradientSink::AllReduce
+            } else {
+                GradientSink::Device
+            };
             let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
             let mut ready = GradientsReady::new(&mut ignore);
-            let walked = model.backward_on(self, plan, loss_scale, None, &mut ready);
-            self.all_reducing = false;
-            walked?;
+            self.backward_walk(model, plan, loss_scale, None, &mut ready, sink)?;
         }
         if self.has_nccl() {
             self.finish_all_reduce()?;
@@ -403,7 +402,7 @@ impl CudaExecutor {
         dataset: Option<&DeviceDataset>,
         key: &GraphKey,
     ) -> Result<(), String> {
-        let searches = self.algorithms.searches();
+        let searches = self.libraries.algorithms.searches();
         let generation = self.generation;
         let mode = match self.graphs.capture_mode() {
             CaptureMode::ThreadLocal => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
@@ -422,7 +421,7 @@ impl CudaExecutor {
         self.nccl_capture(false);
         // `prepare` searched for every convolution's algorithms before the capture, so a miss
         // of the cache here would be a shape outside the plan.
-        if self.algorithms.searches() != searches {
+        if self.libraries.algorithms.searches() != searches {
             return Err("a convolution algorithm was searched for during capture".to_string());
         }
         if self.generation != generation {
