@@ -8,7 +8,7 @@
 //!   code (and PTX) with NVRTC, cached on disk by [`ptx_cache`];
 //! - [`collective`]: NCCL between GPU ranks ([`NcclGroup`]), bounded by a watchdog;
 //! - [`executor`]: the GPU executor ([`CudaExecutor`]) over cuDNN, cuBLAS and our kernels,
-//!   which implements `tandem_models::Executor`.
+//!   whose walks of the model run through `tandem_models::Executor`.
 
 pub mod arch;
 pub mod bf16;

@@ -11,7 +11,7 @@ mod common;
 use common::{formula_batch, gpu_probe, seed_004, shallow_seed_004};
 use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe};
 use tandem_models::workspace::Mode;
-use tandem_models::{Executor, LossOptions, Model};
+use tandem_models::{LossOptions, Model};
 
 const BATCH: usize = 8;
 const SIDE: usize = 32;
@@ -96,8 +96,7 @@ fn a_bf16_training_step_is_within_bf16_tolerances_of_the_fp32_cpu() {
         .unwrap();
     exec.backward(&model, &plan, 1.0, None, None).unwrap();
     let mut logits = Vec::new();
-    exec.logits_to_host(&mut logits);
-    exec.take_error().unwrap();
+    exec.logits_to_host(&mut logits).unwrap();
 
     let loss_error = (gpu_loss - cpu_loss).abs() / cpu_loss.abs();
     eprintln!("bf16 loss {gpu_loss}, fp32 CPU {cpu_loss}: relative error {loss_error:e}");

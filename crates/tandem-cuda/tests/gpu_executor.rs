@@ -18,7 +18,7 @@ use tandem_cuda::executor::HostPixels;
 use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe, PtxCache};
 use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tandem_models::workspace::Mode;
-use tandem_models::{Executor, LossOptions, Model};
+use tandem_models::{LossOptions, Model};
 
 const BATCH: usize = 8;
 const SIDE: usize = 32;
@@ -150,7 +150,7 @@ fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
         .forward_train(&model, &plan, &images, &labels, &loss, None)
         .unwrap();
     let mut gpu_logits = Vec::new();
-    exec.logits_to_host(&mut gpu_logits);
+    exec.logits_to_host(&mut gpu_logits).unwrap();
     let mut gpu_ranges: Vec<Range<usize>> = Vec::new();
     let mut reported = vec![f32::NAN; model.params().len()];
     exec.backward(
@@ -649,7 +649,7 @@ fn device_assembled_batches_equal_the_cpu_loaders() {
         .forward_train(&model, &plan, &host_images, &labels, &loss, None)
         .unwrap();
     let mut host_logits = Vec::new();
-    exec.logits_to_host(&mut host_logits);
+    exec.logits_to_host(&mut host_logits).unwrap();
     let gathered = exec
         .forward_train_gathered(
             &model,
@@ -663,7 +663,7 @@ fn device_assembled_batches_equal_the_cpu_loaders() {
         )
         .unwrap();
     let mut gathered_logits = Vec::new();
-    exec.logits_to_host(&mut gathered_logits);
+    exec.logits_to_host(&mut gathered_logits).unwrap();
     assert_eq!(gathered.to_bits(), from_host.to_bits(), "loss");
     assert_eq!(gathered_logits, host_logits, "logits");
     let error = exec

@@ -9,7 +9,7 @@ use common::{formula_batch, gpu_probe, seed_004};
 use tandem_cuda::probe::{duplicated_stems, mapped_cuda_files};
 use tandem_cuda::{CudaExecutor, GpuSettings, Precision};
 use tandem_models::workspace::Mode;
-use tandem_models::{Executor, LossOptions, Model, ModelSpec};
+use tandem_models::{LossOptions, Model, ModelSpec};
 
 const BATCH: usize = 4;
 const SIDE: usize = 32;
@@ -46,7 +46,7 @@ fn one_step(
         .forward_train(model, &plan, &images, &labels, &loss, None)
         .unwrap();
     let mut gpu_logits = Vec::new();
-    exec.logits_to_host(&mut gpu_logits);
+    exec.logits_to_host(&mut gpu_logits).unwrap();
     exec.backward(model, &plan, 1.0, None, None).unwrap();
     let mut gpu_grads = vec![0.0; model.params().len()];
     exec.grads_to_host(&mut gpu_grads).unwrap();

@@ -89,8 +89,9 @@ pub(crate) struct CpuStep<'a> {
 }
 
 impl Executor for CpuStep<'_> {
-    fn images_from_host(&mut self, images: &[f32]) {
+    fn images_from_host(&mut self, images: &[f32]) -> Result<(), ModelError> {
         self.storage.slots[self.images][..images.len()].copy_from_slice(images);
+        Ok(())
     }
 
     fn conv_bn_statistics(
@@ -129,7 +130,12 @@ impl Executor for CpuStep<'_> {
         Ok(())
     }
 
-    fn bn_apply(&mut self, unit: Unit, residual: ResidualInput, relu: bool) {
+    fn bn_apply(
+        &mut self,
+        unit: Unit,
+        residual: ResidualInput,
+        relu: bool,
+    ) -> Result<(), ModelError> {
         let plan = unit.plan;
         let (z, len) = (plan.z, plan.output_len());
         let states = &self.storage.bn_states;
@@ -150,9 +156,16 @@ impl Executor for CpuStep<'_> {
                 &mut output[..len],
             );
         });
+        Ok(())
     }
 
-    fn conv_bn_eval(&mut self, unit: Unit, residual: Option<Slot>, relu: bool, output: Slot) {
+    fn conv_bn_eval(
+        &mut self,
+        unit: Unit,
+        residual: Option<Slot>,
+        relu: bool,
+        output: Slot,
+    ) -> Result<(), ModelError> {
         let bn = unit.bn;
         let storage = &mut *self.storage;
         let state = &mut storage.bn_states[unit.plan.index];
@@ -179,9 +192,10 @@ impl Executor for CpuStep<'_> {
             work,
             &mut storage.conv_scratch,
         );
+        Ok(())
     }
 
-    fn head_forward(&mut self, head: &Head, features: &UnitPlan) {
+    fn head_forward(&mut self, head: &Head, features: &UnitPlan) -> Result<(), ModelError> {
         let storage = &mut *self.storage;
         let values = &storage.slots[features.out][..features.output_len()];
         let pixels = features.shape.out_height() * features.shape.out_width();
@@ -192,6 +206,7 @@ impl Executor for CpuStep<'_> {
             &self.params[head.bias.clone()],
             &mut storage.logits,
         );
+        Ok(())
     }
 
     fn loss_forward(&mut self, labels: &[u32], label_smoothing: f32) -> Result<f32, ModelError> {
@@ -207,9 +222,10 @@ impl Executor for CpuStep<'_> {
         )?)
     }
 
-    fn logits_to_host(&self, logits: &mut Vec<f32>) {
+    fn logits_to_host(&self, logits: &mut Vec<f32>) -> Result<(), ModelError> {
         logits.clear();
         logits.extend_from_slice(&self.storage.logits);
+        Ok(())
     }
 
     fn head_backward(
@@ -219,7 +235,7 @@ impl Executor for CpuStep<'_> {
         loss_scale: f32,
         into: GradBuffer,
         ready: &mut GradientsReady,
-    ) {
+    ) -> Result<(), ModelError> {
         let storage = &mut *self.storage;
         head::cross_entropy_backward(
             &storage.probabilities,
@@ -245,21 +261,34 @@ impl Executor for CpuStep<'_> {
             head.in_features,
             &mut storage.grad_buffers[into.0][..features.output_len()],
         );
+        Ok(())
     }
 
-    fn relu_backward(&mut self, grad: GradBuffer, output: Slot, len: usize) {
+    fn relu_backward(
+        &mut self,
+        grad: GradBuffer,
+        output: Slot,
+        len: usize,
+    ) -> Result<(), ModelError> {
         let storage = &mut *self.storage;
         batchnorm::relu_backward_in_place(
             &mut storage.grad_buffers[grad.0][..len],
             &storage.slots[output][..len],
         );
+        Ok(())
     }
 
-    fn copy_gradient(&mut self, from: GradBuffer, to: GradBuffer, len: usize) {
+    fn copy_gradient(
+        &mut self,
+        from: GradBuffer,
+        to: GradBuffer,
+        len: usize,
+    ) -> Result<(), ModelError> {
         let buffers = &mut self.storage.grad_buffers;
         let source = std::mem::take(&mut buffers[from.0]);
         buffers[to.0][..len].copy_from_slice(&source[..len]);
         buffers[from.0] = source;
+        Ok(())
     }
 
     fn conv_bn_backward(
@@ -272,7 +301,7 @@ impl Executor for CpuStep<'_> {
     ) -> Result<(), ModelError> {
         let mut grad_output = grad_output;
         if let (true, Some(relu_output)) = (grad_output.keep_masked, grad_output.relu_output) {
-            self.relu_backward(grad_output.values, relu_output, unit.plan.output_len());
+            self.relu_backward(grad_output.values, relu_output, unit.plan.output_len())?;
             grad_output.relu_output = None;
         }
         let input_len = unit.plan.shape.input_len();

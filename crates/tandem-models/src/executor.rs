@@ -134,9 +134,15 @@ impl<'a> GradientsReady<'a> {
 /// evaluation step calls [`conv_bn_eval`](Executor::conv_bn_eval) per unit instead of the two
 /// training-mode calls. Lengths are those of the plan; the model never passes one buffer both
 /// as a method's input and its output.
+///
+/// # Errors
+/// Every method returns a [`ModelError`], and the walk stops at the first: the engine's own
+/// errors (a label out of range, a failed SyncBatchNorm reduction) as
+/// [`ModelError::Engine`], whichever device found them, and a device's failure (a call and
+/// its status) as [`ModelError::Device`].
 pub trait Executor {
     /// Copies the NHWC images `[batch, height, width, channels]` into the plan's image slot.
-    fn images_from_host(&mut self, images: &[f32]);
+    fn images_from_host(&mut self, images: &[f32]) -> Result<(), ModelError>;
 
     /// Training forward of a unit's convolution: `z = conv(input) [+ bias]`, then the batch
     /// norm's batch statistics of `z` (summed across processes by `reducer`), kept for
@@ -150,22 +156,33 @@ pub trait Executor {
 
     /// Training forward of a unit's batch norm: `out = [relu](bn(z) [+ residual])` with the
     /// statistics of the last [`conv_bn_statistics`](Executor::conv_bn_statistics) of `unit`.
-    fn bn_apply(&mut self, unit: Unit, residual: ResidualInput, relu: bool);
+    fn bn_apply(
+        &mut self,
+        unit: Unit,
+        residual: ResidualInput,
+        relu: bool,
+    ) -> Result<(), ModelError>;
 
     /// Evaluation forward of a unit: `slot output = [relu](bn(conv(input)) [+ slot residual])`
     /// with the running statistics.
-    fn conv_bn_eval(&mut self, unit: Unit, residual: Option<Slot>, relu: bool, output: Slot);
+    fn conv_bn_eval(
+        &mut self,
+        unit: Unit,
+        residual: Option<Slot>,
+        relu: bool,
+        output: Slot,
+    ) -> Result<(), ModelError>;
 
     /// Global average pooling of `features` (the last unit's output) and the linear layer,
     /// giving the logits `[batch, classes]`.
-    fn head_forward(&mut self, head: &Head, features: &UnitPlan);
+    fn head_forward(&mut self, head: &Head, features: &UnitPlan) -> Result<(), ModelError>;
 
     /// Cross-entropy of the logits against `labels` (with `label_smoothing`, as PyTorch's
     /// `CrossEntropyLoss`); keeps what the backward needs and returns the mean loss.
     fn loss_forward(&mut self, labels: &[u32], label_smoothing: f32) -> Result<f32, ModelError>;
 
     /// Copies the logits `[batch, classes]` of the last forward to the host.
-    fn logits_to_host(&self, logits: &mut Vec<f32>);
+    fn logits_to_host(&self, logits: &mut Vec<f32>) -> Result<(), ModelError>;
 
     /// Backward of the loss (scaled by `loss_scale`), the linear layer (adding to its
     /// parameter gradients, then reporting them to `ready`) and the pooling: writes the
@@ -177,14 +194,24 @@ pub trait Executor {
         loss_scale: f32,
         into: GradBuffer,
         ready: &mut GradientsReady,
-    );
+    ) -> Result<(), ModelError>;
 
     /// ReLU backward: zeroes the first `len` values of `grad` where slot `output` (the
     /// ReLU's output) is not positive.
-    fn relu_backward(&mut self, grad: GradBuffer, output: Slot, len: usize);
+    fn relu_backward(
+        &mut self,
+        grad: GradBuffer,
+        output: Slot,
+        len: usize,
+    ) -> Result<(), ModelError>;
 
     /// Copies the first `len` values of gradient buffer `from` into `to`.
-    fn copy_gradient(&mut self, from: GradBuffer, to: GradBuffer, len: usize);
+    fn copy_gradient(
+        &mut self,
+        from: GradBuffer,
+        to: GradBuffer,
+        len: usize,
+    ) -> Result<(), ModelError>;
 
     /// Backward of a unit given the gradient at its output: adds the batch norm's parameter
     /// gradients (sums across processes by `reducer`) and reports them to `ready`, then adds

@@ -272,7 +272,7 @@ impl Model {
         }
         let mut workspace = self.take_workspace(Mode::Train, images, batch, height, width)?;
         let result = self.run_step(&mut workspace, |exec, network, plan| {
-            exec.images_from_host(images);
+            exec.images_from_host(images)?;
             forward(exec, network, plan, bn_sync)?;
             exec.loss_forward(labels, loss.label_smoothing)
         });
@@ -293,7 +293,7 @@ impl Model {
     ) -> Result<&[f32], ModelError> {
         let mut workspace = self.take_workspace(Mode::Eval, images, batch, height, width)?;
         let result = self.run_step(&mut workspace, |exec, network, plan| {
-            exec.images_from_host(images);
+            exec.images_from_host(images)?;
             forward(exec, network, plan, None)
         });
         self.eval_workspace = Some(workspace);
@@ -432,8 +432,10 @@ impl Model {
             storage,
         };
         let result = work(&mut exec, network, plan);
-        exec.logits_to_host(logits);
-        result
+        let copied = exec.logits_to_host(logits);
+        let value = result?;
+        copied?;
+        Ok(value)
     }
 }
 
@@ -485,41 +487,43 @@ fn forward<E: Executor>(
     mut reducer: Reducer,
 ) -> Result<(), ModelError> {
     if plan.mode == Mode::Eval {
-        forward_eval_layers(exec, network, plan);
-        return Ok(());
+        return forward_eval_layers(exec, network, plan);
     }
     let stem = unit(&network.stem, &plan.stem);
     exec.conv_bn_statistics(stem, reborrow(&mut reducer))?;
-    exec.bn_apply(stem, ResidualInput::None, network.stem_relu);
+    exec.bn_apply(stem, ResidualInput::None, network.stem_relu)?;
     for (block, block_plan) in network.blocks.iter().zip(&plan.blocks) {
         block_forward(exec, block, block_plan, &mut reducer)?;
     }
-    exec.head_forward(&network.head, plan.final_output());
-    Ok(())
+    exec.head_forward(&network.head, plan.final_output())
 }
 
 /// The eval-mode network up to the logits: each convolution with its batch norm (running
 /// statistics), residual add and ReLU in one step.
-fn forward_eval_layers<E: Executor>(exec: &mut E, network: &Network, plan: &Plan) {
+fn forward_eval_layers<E: Executor>(
+    exec: &mut E,
+    network: &Network,
+    plan: &Plan,
+) -> Result<(), ModelError> {
     exec.conv_bn_eval(
         unit(&network.stem, &plan.stem),
         None,
         network.stem_relu,
         plan.stem.out,
-    );
+    )?;
     for (block, block_plan) in network.blocks.iter().zip(&plan.blocks) {
         let mut residual = block_plan.units.first().map(|unit_plan| unit_plan.input);
         if let Some(shortcut) = shortcut_unit(block, block_plan) {
-            exec.conv_bn_eval(shortcut, None, false, shortcut.plan.z);
+            exec.conv_bn_eval(shortcut, None, false, shortcut.plan.z)?;
             residual = Some(shortcut.plan.z);
         }
         let last = block.units.len().saturating_sub(1);
         for (index, unit) in chain_units(block, block_plan).enumerate() {
             let residual = if index == last { residual } else { None };
-            exec.conv_bn_eval(unit, residual, true, unit.plan.out);
+            exec.conv_bn_eval(unit, residual, true, unit.plan.out)?;
         }
     }
-    exec.head_forward(&network.head, plan.final_output());
+    exec.head_forward(&network.head, plan.final_output())
 }
 
 /// Forward of one residual block in training mode.
@@ -542,7 +546,7 @@ fn block_forward<E: Executor>(
             (false, Some(projection)) => ResidualInput::Normalized(projection.plan),
             (false, None) => ResidualInput::Identity(block_input),
         };
-        exec.bn_apply(unit, residual, true);
+        exec.bn_apply(unit, residual, true)?;
     }
     Ok(())
 }
@@ -578,7 +582,7 @@ fn backward_pass<E: Executor>(
         loss_scale,
         buffers.current,
         ready,
-    );
+    )?;
     for (block, block_plan) in network.blocks.iter().zip(&plan.blocks).rev() {
         let projected = block_backward(exec, block, block_plan, &mut buffers, &mut reducer, ready)?;
         if projected {
@@ -625,8 +629,8 @@ fn block_backward<E: Executor>(
     // since its unit reads the gradient in `current`.
     let input_in_other = projected || last == 0;
     let block_output = if !projected && last == 0 {
-        exec.relu_backward(buffers.current, last_plan.out, last_plan.output_len());
-        exec.copy_gradient(buffers.current, buffers.other, last_plan.shape.input_len());
+        exec.relu_backward(buffers.current, last_plan.out, last_plan.output_len())?;
+        exec.copy_gradient(buffers.current, buffers.other, last_plan.shape.input_len())?;
         UnitGrad {
             values: buffers.current,
             relu_output: None,
@@ -708,7 +712,9 @@ mod tests {
     }
 
     impl Executor for Recorder {
-        fn images_from_host(&mut self, _images: &[f32]) {}
+        fn images_from_host(&mut self, _images: &[f32]) -> Result<(), ModelError> {
+            Ok(())
+        }
 
         fn conv_bn_statistics(
             &mut self,
@@ -719,7 +725,12 @@ mod tests {
             Ok(())
         }
 
-        fn bn_apply(&mut self, unit: Unit, residual: ResidualInput, _relu: bool) {
+        fn bn_apply(
+            &mut self,
+            unit: Unit,
+            residual: ResidualInput,
+            _relu: bool,
+        ) -> Result<(), ModelError> {
             assert!(
                 self.statistics.contains(&unit.plan.index),
                 "apply before statistics"
@@ -732,21 +743,33 @@ mod tests {
             }
             assert_ne!(unit.plan.out, unit.plan.z, "apply in place");
             self.applied.push(unit.plan.index);
+            Ok(())
         }
 
-        fn conv_bn_eval(&mut self, unit: Unit, residual: Option<Slot>, _relu: bool, output: Slot) {
+        fn conv_bn_eval(
+            &mut self,
+            unit: Unit,
+            residual: Option<Slot>,
+            _relu: bool,
+            output: Slot,
+        ) -> Result<(), ModelError> {
             assert_ne!(output, unit.plan.input, "eval output over its input");
             assert_ne!(residual, Some(output), "eval output over its residual");
             self.evaluated.push(unit.plan.index);
+            Ok(())
         }
 
-        fn head_forward(&mut self, _head: &Head, _features: &UnitPlan) {}
+        fn head_forward(&mut self, _head: &Head, _features: &UnitPlan) -> Result<(), ModelError> {
+            Ok(())
+        }
 
         fn loss_forward(&mut self, _labels: &[u32], _smoothing: f32) -> Result<f32, ModelError> {
             Ok(0.0)
         }
 
-        fn logits_to_host(&self, _logits: &mut Vec<f32>) {}
+        fn logits_to_host(&self, _logits: &mut Vec<f32>) -> Result<(), ModelError> {
+            Ok(())
+        }
 
         fn head_backward(
             &mut self,
@@ -755,17 +778,30 @@ mod tests {
             _loss_scale: f32,
             _into: GradBuffer,
             ready: &mut GradientsReady,
-        ) {
+        ) -> Result<(), ModelError> {
             self.head_backward = true;
             ready.finished_up_to(head.bias.end, &self.grads);
+            Ok(())
         }
 
-        fn relu_backward(&mut self, _grad: GradBuffer, _output: Slot, _len: usize) {
+        fn relu_backward(
+            &mut self,
+            _grad: GradBuffer,
+            _output: Slot,
+            _len: usize,
+        ) -> Result<(), ModelError> {
             self.masks += 1;
+            Ok(())
         }
 
-        fn copy_gradient(&mut self, from: GradBuffer, to: GradBuffer, _len: usize) {
+        fn copy_gradient(
+            &mut self,
+            from: GradBuffer,
+            to: GradBuffer,
+            _len: usize,
+        ) -> Result<(), ModelError> {
             assert_ne!(from, to, "copy onto itself");
+            Ok(())
         }
 
         fn conv_bn_backward(

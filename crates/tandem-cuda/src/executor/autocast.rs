@@ -79,7 +79,7 @@ pub(super) struct ConvBackward {
 impl CudaExecutor {
     /// The scratch buffers' addresses in bf16, `None` in the other precisions.
     fn bf16_scratch(&self) -> Result<Option<Scratch>, GpuError> {
-        if self.settings.precision != Precision::Bf16 {
+        if self.libraries.settings.precision != Precision::Bf16 {
             return Ok(None);
         }
         let Some(scratch) = &self.storage()?.bf16 else {
@@ -127,7 +127,7 @@ impl CudaExecutor {
         input_is_f32: bool,
     ) -> Result<(), GpuError> {
         let Some(scratch) = self.bf16_scratch()? else {
-            return plan.forward(&self.cudnn, buffers);
+            return plan.forward(&self.libraries.cudnn, buffers);
         };
         let input = if input_is_f32 {
             self.narrow(buffers.input, scratch.input, shape.input_len())?;
@@ -137,7 +137,7 @@ impl CudaExecutor {
         };
         self.narrow(buffers.filter, scratch.filter, shape.weight_len())?;
         plan.forward(
-            &self.cudnn,
+            &self.libraries.cudnn,
             &ConvBuffers {
                 input,
                 filter: scratch.filter.address,
@@ -157,7 +157,7 @@ impl CudaExecutor {
     ) -> Result<(), GpuError> {
         let Some(scratch) = self.bf16_scratch()? else {
             plan.backward_filter(
-                &self.cudnn,
+                &self.libraries.cudnn,
                 &ConvBuffers {
                     input: buffers.input,
                     filter: buffers.grad_filter,
@@ -168,7 +168,7 @@ impl CudaExecutor {
             )?;
             if let Some((grad_input, accumulate)) = buffers.grad_input {
                 plan.backward_data(
-                    &self.cudnn,
+                    &self.libraries.cudnn,
                     &ConvBuffers {
                         input: grad_input,
                         filter: buffers.filter,
@@ -189,7 +189,7 @@ impl CudaExecutor {
             buffers.input
         };
         plan.backward_filter(
-            &self.cudnn,
+            &self.libraries.cudnn,
             &ConvBuffers {
                 input,
                 filter: scratch.filter.address,
@@ -209,7 +209,7 @@ impl CudaExecutor {
         };
         self.narrow(buffers.filter, scratch.filter, shape.weight_len())?;
         plan.backward_data(
-            &self.cudnn,
+            &self.libraries.cudnn,
             &ConvBuffers {
                 input: grad_input,
                 filter: scratch.filter.address,
@@ -232,7 +232,7 @@ impl CudaExecutor {
         let Some(scratch) = self.bf16_scratch()? else {
             // SAFETY: the caller's operands hold what the GEMM addresses (see
             // `linear::LinearShape`), on the executor's stream.
-            return unsafe { linear::run(&self.blas, gemm, a.address, b.address, c) };
+            return unsafe { linear::run(&self.libraries.blas, gemm, a.address, b.address, c) };
         };
         let into = |role| match role {
             Role::Input => scratch.input,
@@ -250,7 +250,7 @@ impl CudaExecutor {
         // fit); `c` as for SGEMM.
         unsafe {
             linear::run_bf16(
-                &self.blas,
+                &self.libraries.blas,
                 gemm,
                 into(a.role).address,
                 into(b.role).address,

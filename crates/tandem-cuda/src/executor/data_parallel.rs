@@ -24,7 +24,8 @@ use super::graph::StepRun;
 use super::kernels::collective::divide_in_place;
 use super::kernels::{Ptr, Queue};
 use super::launch::per_element;
-use super::{address, at, device, driver, CudaExecutor, GpuError};
+use super::step::GradientSink;
+use super::{address, at, driver, CudaExecutor, GpuError};
 use crate::collective::{bucket_ops, BucketCursor, BucketOp, NcclGroup};
 use crate::nccl::UNIQUE_ID_BYTES;
 use crate::probe::Probe;
@@ -52,7 +53,7 @@ impl CudaExecutor {
         timeout: Duration,
         buckets: Vec<Range<usize>>,
     ) -> Result<(), GpuError> {
-        check_buckets(&buckets, self.host_grads.len())?;
+        check_buckets(&buckets, self.flat.host_grads.len())?;
         self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
@@ -185,15 +186,10 @@ impl CudaExecutor {
     ) -> Result<(), ModelError> {
         self.context
             .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))
-            .map_err(device)?;
-        self.restart_buckets().map_err(device)?;
-        self.grads_on_host = 0;
-        self.gradients_to_host = false;
-        self.all_reducing = true;
-        let walked = self.backward_reporting(model, plan, loss_scale, bn_sync, None);
-        self.all_reducing = false;
-        walked
+            .map_err(driver("cuCtxSetCurrent"))?;
+        self.restart_buckets()?;
+        let sink = GradientSink::AllReduce;
+        self.backward_reporting(model, plan, loss_scale, bn_sync, None, sink)
     }
 
     /// Starts the bucket cursor over for a backward that all-reduces (see
@@ -246,17 +242,17 @@ impl CudaExecutor {
         group.wait_for(&self.stream)?;
         let mut what = Vec::new();
         if params {
-            let base = self.params.address(&self.stream);
+            let base = self.flat.params.address(&self.stream);
             // SAFETY: the parameter buffer holds `host_grads.len()` floats (one per
             // parameter) on this GPU and lives as long as the executor, which outlives the
             // hand-back below that the compute stream waits on.
-            unsafe { group.broadcast_from_rank0(base, self.host_grads.len())? };
+            unsafe { group.broadcast_from_rank0(base, self.flat.host_grads.len())? };
             what.push("the parameters");
         }
-        if self.buffer_len > 0 {
-            let base = address(&self.buffers, &self.stream);
+        if self.flat.buffer_len > 0 {
+            let base = address(&self.flat.buffers, &self.stream);
             // SAFETY: the running-statistic buffer holds `buffer_len` floats; as above.
-            unsafe { group.broadcast_from_rank0(base, self.buffer_len)? };
+            unsafe { group.broadcast_from_rank0(base, self.flat.buffer_len)? };
             what.push("the running statistics");
         }
         group.hand_back(&self.stream, format!("broadcast of {}", what.join(" and ")))?;
@@ -285,7 +281,7 @@ impl CudaExecutor {
         let group = &data_parallel.group;
         let buckets = data_parallel.cursor.buckets();
         let world_size = group.world_size();
-        let base = self.grads.address(&self.stream);
+        let base = self.flat.grads.address(&self.stream);
         for op in bucket_ops(buckets, indices, last) {
             match op {
                 BucketOp::WaitForCompute => group.wait_for(&self.stream)?,
@@ -294,7 +290,10 @@ impl CudaExecutor {
                 // stream waits for the group's stream before the optimizer reads it).
                 BucketOp::AllReduceSum(bucket) => unsafe { group.all_reduce_sum(base, bucket)? },
                 BucketOp::DivideByWorld(bucket) => {
-                    let (n, queue) = (bucket.len(), Queue::new(&self.kernels, group.stream()));
+                    let (n, queue) = (
+                        bucket.len(),
+                        Queue::new(&self.libraries.kernels, group.stream()),
+                    );
                     let floats = Ptr::from_address(at(base, bucket.start));
                     divide_in_place(&queue, per_element(n), floats, n as i64, world_size as f32)?;
                 }

@@ -19,14 +19,14 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 use tandem_engine::BatchNormReducer;
 use tandem_models::workspace::Plan;
-use tandem_models::Executor;
 use tandem_models::{LossOptions, Model, ModelError};
 
 use super::error::{driver, int, same_length};
 use super::kernels::{augment, Ptr};
 use super::launch::per_element;
 use super::scalars::EPOCH_OFFSET;
-use super::{address, device, CudaExecutor, GpuError};
+use super::step::GpuStep;
+use super::{address, CudaExecutor, GpuError};
 
 /// The id of the next uploaded dataset.
 static NEXT_DATASET_ID: AtomicU64 = AtomicU64::new(1);
@@ -240,12 +240,11 @@ impl CudaExecutor {
         loss: &LossOptions,
         bn_sync: Option<&mut dyn BatchNormReducer>,
     ) -> Result<f32, ModelError> {
-        same_length("labels", labels.len(), plan.batch).map_err(device)?;
-        check_gathered_batch(plan, dataset, indices, 1).map_err(device)?;
-        self.prepare(plan).map_err(device)?;
-        let images = self.input_slot().map_err(device)?;
-        self.gather(dataset, indices, epoch, images)
-            .map_err(device)?;
+        same_length("labels", labels.len(), plan.batch)?;
+        check_gathered_batch(plan, dataset, indices, 1)?;
+        self.prepare(plan)?;
+        let images = self.input_slot()?;
+        self.gather(dataset, indices, epoch, images)?;
         self.forward_train_loaded(model, plan, labels, loss, bn_sync)
     }
 
@@ -261,17 +260,16 @@ impl CudaExecutor {
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
         if dataset.settings.crop_padding != 0 || dataset.settings.horizontal_flip {
-            return Err(device(GpuError::Unsupported(
-                "evaluating a data set uploaded with augmentation",
-            )));
+            return Err(
+                GpuError::Unsupported("evaluating a data set uploaded with augmentation").into(),
+            );
         }
-        check_gathered_batch(plan, dataset, indices, 1).map_err(device)?;
-        self.prepare(plan).map_err(device)?;
-        let images = self.input_slot().map_err(device)?;
-        self.gather(dataset, indices, 0, images).map_err(device)?;
-        model.forward_on(self, plan, None)?;
-        self.logits_to_host(logits);
-        self.take_error().map_err(device)
+        check_gathered_batch(plan, dataset, indices, 1)?;
+        self.prepare(plan)?;
+        let images = self.input_slot()?;
+        self.gather(dataset, indices, 0, images)?;
+        model.forward_on(&mut GpuStep::forward(self), plan, None)?;
+        Ok(self.logits_to_host(logits)?)
     }
 
     /// The address and length of the active storage's image slot.

@@ -3,6 +3,7 @@
 use cudarc::cublas::result::CublasError;
 use cudarc::cudnn::result::CudnnError;
 use cudarc::driver::DriverError;
+use tandem_models::ModelError;
 
 use crate::compile::CompileError;
 use crate::probe::MissingLibrary;
@@ -147,6 +148,14 @@ pub enum GpuError {
     /// A data-parallel method was called before [`super::CudaExecutor::join_nccl`].
     #[error("the GPU executor has not joined an NCCL communicator")]
     NoCommunicator,
+}
+
+impl From<GpuError> for ModelError {
+    /// A GPU failure as the models crate's error, so that `?` carries it out of the
+    /// executor's methods and the model's walk.
+    fn from(error: GpuError) -> Self {
+        ModelError::Device(Box::new(error))
+    }
 }
 
 /// Maps a driver error to [`GpuError::Driver`] naming `call`.

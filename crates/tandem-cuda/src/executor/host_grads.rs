@@ -14,21 +14,43 @@ use cudarc::driver::{CudaContext, PinnedHostSlice};
 use super::error::{driver, GpuError};
 
 /// Page-locked host memory for the flat gradient buffer's `len` values, allocated (as zeros)
-/// at the first [`HostGradients::values`].
+/// at the first [`HostGradients::values`], and how many of them are current.
 pub(super) struct HostGradients {
     len: usize,
     pinned: Option<PinnedHostSlice<f32>>,
+    /// How many leading values are those of the device gradients: advanced by a reporting
+    /// backward's copies, reset by anything else that changes the device gradients.
+    current: usize,
 }
 
 impl HostGradients {
     /// Host gradients for a flat buffer of `len` values; nothing is allocated yet.
     pub(super) fn new(len: usize) -> Self {
-        HostGradients { len, pinned: None }
+        HostGradients {
+            len,
+            pinned: None,
+            current: 0,
+        }
     }
 
     /// How many values the flat gradient buffer holds.
     pub(super) fn len(&self) -> usize {
         self.len
+    }
+
+    /// How many leading values are those of the device gradients.
+    pub(super) fn current(&self) -> usize {
+        self.current
+    }
+
+    /// Records that the leading `count` values are those of the device gradients.
+    pub(super) fn mark_current(&mut self, count: usize) {
+        self.current = count;
+    }
+
+    /// Records that the device gradients changed: no host value is current.
+    pub(super) fn mark_stale(&mut self) {
+        self.current = 0;
     }
 
     /// The host values, allocated in `context` at the first call. A copy into them is only

@@ -72,7 +72,7 @@ impl CudaExecutor {
         images: Option<&[f32]>,
     ) -> Result<(), GpuError> {
         let stream = self.stream.clone();
-        let buffers = &mut self.micro_batches;
+        let buffers = &mut self.memory.micro_batches;
         let mut grown = grow(&stream, &mut buffers.labels, labels.len())?;
         grown |= grow(&stream, &mut buffers.losses, micro_batches)?;
         if let Some(images) = images {
@@ -81,7 +81,7 @@ impl CudaExecutor {
         if grown {
             self.generation += 1;
         }
-        let buffers = &mut self.micro_batches;
+        let buffers = &mut self.memory.micro_batches;
         stream
             .memcpy_htod(labels, &mut buffers.labels.slice_mut(..labels.len()))
             .map_err(driver("cuMemcpyHtoDAsync"))?;
@@ -104,19 +104,19 @@ impl CudaExecutor {
         dataset: Option<&DeviceDataset>,
     ) -> Result<(), GpuError> {
         let stream = self.stream.clone();
-        let Some(storage) = self.storages.active_mut() else {
+        let Some(storage) = self.memory.storages.active_mut() else {
             return Err(GpuError::NotPrepared);
         };
         let batch = storage.shape.1;
         let labels = index * batch..(index + 1) * batch;
         check_holds(
             "micro-batch labels",
-            self.micro_batches.labels.len(),
+            self.memory.micro_batches.labels.len(),
             labels.end,
         )?;
         stream
             .memcpy_dtod(
-                &self.micro_batches.labels.slice(labels),
+                &self.memory.micro_batches.labels.slice(labels),
                 &mut storage.labels.slice_mut(..batch),
             )
             .map_err(driver("cuMemcpyDtoDAsync"))?;
@@ -127,14 +127,14 @@ impl CudaExecutor {
         let images = index * image_values..(index + 1) * image_values;
         check_holds(
             "micro-batch images",
-            self.micro_batches.images.len(),
+            self.memory.micro_batches.images.len(),
             images.end,
         )?;
         let slot = storage.slots[storage.images].f32_mut()?;
         check_holds("the input slot", slot.len(), image_values)?;
         stream
             .memcpy_dtod(
-                &self.micro_batches.images.slice(images),
+                &self.memory.micro_batches.images.slice(images),
                 &mut slot.slice_mut(..image_values),
             )
             .map_err(driver("cuMemcpyDtoDAsync"))
@@ -143,13 +143,13 @@ impl CudaExecutor {
     /// Keeps the mean loss the loss kernels just wrote as micro-batch `index`'s (capturable).
     pub(super) fn keep_micro_batch_loss(&mut self, index: usize) -> Result<(), GpuError> {
         let stream = self.stream.clone();
-        let Some(storage) = self.storages.active() else {
+        let Some(storage) = self.memory.storages.active() else {
             return Err(GpuError::NotPrepared);
         };
         stream
             .memcpy_dtod(
                 &storage.loss,
-                &mut self.micro_batches.losses.slice_mut(index..index + 1),
+                &mut self.memory.micro_batches.losses.slice_mut(index..index + 1),
             )
             .map_err(driver("cuMemcpyDtoDAsync"))
     }
@@ -162,7 +162,7 @@ impl CudaExecutor {
         let mut losses = vec![0f32; micro_batches];
         self.stream
             .memcpy_dtoh(
-                &self.micro_batches.losses.slice(..micro_batches),
+                &self.memory.micro_batches.losses.slice(..micro_batches),
                 &mut losses,
             )
             .map_err(driver("cuMemcpyDtoHAsync"))?;

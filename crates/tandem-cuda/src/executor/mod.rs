@@ -4,17 +4,17 @@
 //! for batch norm, the fused epilogue, pooling, the loss, biases and the optimizers; in
 //! bfloat16 ([`Precision::Bf16`]) the convolutions and GEMMs go through `autocast.rs`.
 //!
-//! The flat parameter, gradient and running-statistic buffers live on the GPU; the host sees
-//! them through [`CudaExecutor::params_to_host`] and the like, and the backward copies each
-//! finished gradient range to a host mirror before reporting it (the interface's gradient-ready
-//! hook hands out host values).
+//! The executor owns, each in a part of its own: the libraries (cuDNN, cuBLAS, our kernels,
+//! the chosen convolution algorithms); the flat parameter, gradient and running-statistic
+//! buffers with the optimizer's state over them; the memory the steps run on (the plans'
+//! storage, micro-batches, per-step scalars); and, once joined, the NCCL group. The host sees
+//! the flat buffers through [`CudaExecutor::params_to_host`] and the like. Each walk of the
+//! model runs on a `GpuStep` (`step.rs`), made for that walk with where its backward's
+//! finished gradients go: nowhere, to the host (a host mirror, then the interface's
+//! gradient-ready hook, which hands out host values), or to NCCL.
 //!
 //! [`CudaExecutor::train_step`] runs a whole training step, alone or through an NCCL group,
 //! eagerly or as a CUDA graph with the same result (`whole_step.rs`, `graph.rs`, `scalars.rs`).
-//!
-//! The interface's methods that cannot return an error (CUDA reports most errors at a later
-//! call anyway) keep the first error; every later call does nothing, and the next method that
-//! returns a `Result` (and [`CudaExecutor::take_error`]) returns it.
 
 pub mod algorithm;
 pub mod algorithm_store;
@@ -37,14 +37,15 @@ mod step;
 mod units;
 mod whole_step;
 
-use std::cell::RefCell;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, CudaView, DevicePtr};
 use tandem_engine::{AdamConfig, BatchNormReducer, OptimizerState, SgdConfig};
-use tandem_models::executor::{Executor, GradientsReady};
+#[cfg(doc)]
+use tandem_models::executor::Executor;
+use tandem_models::executor::GradientsReady;
 use tandem_models::workspace::{Mode, Plan};
 use tandem_models::{LossOptions, Model, ModelError, TensorKind};
 
@@ -71,6 +72,7 @@ pub use scalars::AdamScalars;
 use scalars::{
     AdamStepScalars, OptimizerScalars, SgdScalars, OPTIMIZER_OFFSET, STEP_SCALARS_BYTES,
 };
+use step::{GpuStep, GradientSink};
 pub use whole_step::{StepImages, StepOptimizer, StepOutcome, TrainStep};
 
 pub use tandem_models::training_device::GradientHook;
@@ -128,55 +130,64 @@ enum DeviceOptimizer {
 /// A model's flat buffers and one plan's storage on one GPU.
 pub struct CudaExecutor {
     // Handles first: they are dropped before the stream and context they use.
+    libraries: Libraries,
+    flat: FlatState,
+    memory: StepMemory,
+    /// The captured training steps.
+    graphs: GraphSchedule<CudaGraph>,
+    /// How many times an allocation a captured step may address was freed (see `graph`).
+    generation: u64,
+    /// The NCCL group and gradient buckets, once joined (a job of several GPU ranks).
+    data_parallel: Option<DeviceDataParallel>,
+    stream: Arc<CudaStream>,
+    context: Arc<CudaContext>,
+}
+
+/// The libraries on the executor's stream: cuDNN and cuBLAS, our kernels, and the
+/// convolution algorithms chosen for the executor's settings with their workspace.
+struct Libraries {
     cudnn: CudnnHandle,
     /// Dropped by hand (in `CudaExecutor`'s `Drop`): cudarc's own drop panics when the handle
     /// cannot be destroyed, as after a sticky CUDA error.
     blas: ManuallyDrop<CudaBlas>,
-    kernels: Kernels,
-    algorithms: AlgorithmCache,
-    settings: GpuSettings,
-    params: FlatBuffer,
-    grads: FlatBuffer,
-    buffers: CudaSlice<f32>,
-    optimizer: DeviceOptimizer,
-    workspace: CudaSlice<u8>,
     /// cuBLAS's workspace, set explicitly (stream capture cannot allocate one); only cuBLAS
     /// reads it, so it is kept here until the handle is gone (`blas` is dropped first).
     #[allow(dead_code)]
     blas_workspace: CudaSlice<u8>,
+    kernels: Kernels,
+    algorithms: AlgorithmCache,
+    settings: GpuSettings,
+    /// cuDNN's workspace: as large as the largest that a prepared plan's algorithms need.
+    workspace: CudaSlice<u8>,
+}
+
+/// The model's flat buffers on the device, the optimizer's state over them, and the
+/// gradients' host side.
+struct FlatState {
+    params: FlatBuffer,
+    grads: FlatBuffer,
+    buffers: CudaSlice<f32>,
+    /// Values in the flat running-statistic buffer (its device allocation holds at least one).
+    buffer_len: usize,
+    optimizer: DeviceOptimizer,
+    /// The gradients on the host (page-locked), for a backward's host hook and
+    /// [`CudaExecutor::with_host_grads`].
+    host_grads: HostGradients,
+}
+
+/// What the steps run on: the plans' storage, the micro-batches of a whole step, and the
+/// per-step scalars.
+struct StepMemory {
+    storages: PlanStorages,
+    /// The labels, host images and losses of a step of several micro-batches.
+    micro_batches: MicroBatchBuffers,
     /// The per-step scalars the optimizer and augmentation kernels read (`scalars`).
     step_scalars: CudaSlice<u8>,
     /// The host side of the step-scalar copies: a copy from pageable memory may read its
     /// source after the call returns, so the source outlives the call.
     host_scalars: Box<[u8; STEP_SCALARS_BYTES]>,
-    storages: PlanStorages,
-    /// The labels, host images and losses of a step of several micro-batches.
-    micro_batches: MicroBatchBuffers,
-    /// The captured training steps.
-    graphs: GraphSchedule<CudaGraph>,
-    /// How many times an allocation a captured step may address was freed (see `graph`).
-    generation: u64,
-    /// Values in the flat running-statistic buffer (its device allocation holds at least one).
-    buffer_len: usize,
-    /// The gradients on the host (page-locked), for a backward's host hook and
-    /// [`CudaExecutor::with_host_grads`].
-    host_grads: HostGradients,
-    /// How many leading gradients `host_grads` holds as the device holds them: advanced by
-    /// a reporting backward's copies, reset by anything else that changes the device
-    /// gradients.
-    grads_on_host: usize,
-    /// Whether this backward reports its gradients to a hook (which reads host values).
-    gradients_to_host: bool,
     /// The label smoothing of the last loss.
     label_smoothing: f32,
-    /// The first error of a method that cannot return one.
-    error: RefCell<Option<GpuError>>,
-    /// The NCCL group and gradient buckets, once joined (a job of several GPU ranks).
-    data_parallel: Option<DeviceDataParallel>,
-    /// Whether this backward all-reduces its finished buckets through `data_parallel`.
-    all_reducing: bool,
-    stream: Arc<CudaStream>,
-    context: Arc<CudaContext>,
 }
 
 // SAFETY: the executor is not `Send` only because its cuDNN handle and descriptors are raw
@@ -277,34 +288,39 @@ impl CudaExecutor {
                     .map_err(driver("cuMemcpyHtoDAsync"))
             }
         };
-        Ok(CudaExecutor {
-            cudnn,
-            blas: ManuallyDrop::new(blas),
-            kernels,
-            algorithms: AlgorithmCache::new(algorithm_store),
-            settings,
+        let flat = FlatState {
             params: FlatBuffer::upload(&stream, params, offset)?,
             grads: FlatBuffer::zeros(&stream, params.len(), offset)?,
             buffers: upload(buffers)?,
-            optimizer: DeviceOptimizer::None,
             buffer_len: buffers.len(),
-            workspace: stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?,
-            blas_workspace,
+            optimizer: DeviceOptimizer::None,
+            host_grads: HostGradients::new(params.len()),
+        };
+        let workspace = stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?;
+        let memory = StepMemory {
+            storages: PlanStorages::default(),
             step_scalars: stream
                 .alloc_zeros(STEP_SCALARS_BYTES)
                 .map_err(driver("cuMemAllocAsync"))?,
             host_scalars: Box::new([0; STEP_SCALARS_BYTES]),
-            storages: PlanStorages::default(),
             micro_batches: MicroBatchBuffers::new(&stream)?,
+            label_smoothing: 0.0,
+        };
+        Ok(CudaExecutor {
+            libraries: Libraries {
+                cudnn,
+                blas: ManuallyDrop::new(blas),
+                blas_workspace,
+                kernels,
+                algorithms: AlgorithmCache::new(algorithm_store),
+                settings,
+                workspace,
+            },
+            flat,
+            memory,
             graphs: GraphSchedule::new(graphs_off),
             generation: 0,
-            host_grads: HostGradients::new(params.len()),
-            grads_on_host: 0,
-            gradients_to_host: false,
-            label_smoothing: 0.0,
-            error: RefCell::new(None),
             data_parallel: None,
-            all_reducing: false,
             stream,
             context,
         })
@@ -318,23 +334,24 @@ impl CudaExecutor {
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
         if self
+            .memory
             .storages
-            .activate(&self.stream, plan, self.settings.precision)?
+            .activate(&self.stream, plan, self.libraries.settings.precision)?
         {
             self.generation += 1;
         }
         let mut workspace = 0;
         for unit in plan.unit_plans() {
-            let measured = self.algorithms.get_or_measure(
-                &self.cudnn,
+            let measured = self.libraries.algorithms.get_or_measure(
+                &self.libraries.cudnn,
                 &unit.shape,
-                self.settings.algorithms(),
+                self.libraries.settings.algorithms(),
                 plan.mode == Mode::Train,
             )?;
             workspace = workspace.max(measured.workspace_bytes());
         }
-        if workspace > self.workspace.len() {
-            self.workspace = self
+        if workspace > self.libraries.workspace.len() {
+            self.libraries.workspace = self
                 .stream
                 .alloc_zeros(workspace)
                 .map_err(driver("cuMemAllocAsync"))?;
@@ -346,15 +363,7 @@ impl CudaExecutor {
     /// How many convolution algorithm searches this executor made and how many shapes it read
     /// from the kernel cache's folder instead (see `algorithm_store.rs`).
     pub fn algorithm_counts(&self) -> AlgorithmCounts {
-        self.algorithms.counts()
-    }
-
-    /// Returns (and clears) the first error kept by a method that could not return it.
-    pub fn take_error(&self) -> Result<(), GpuError> {
-        match self.error.borrow_mut().take() {
-            Some(error) => Err(error),
-            None => Ok(()),
-        }
+        self.libraries.algorithms.counts()
     }
 
     /// A training forward of `images` (NHWC) and `labels` with `model`'s walk: returns the
@@ -370,9 +379,9 @@ impl CudaExecutor {
         loss: &LossOptions,
         bn_sync: Option<&mut dyn BatchNormReducer>,
     ) -> Result<f32, ModelError> {
-        check_batch(plan, images, Some(labels)).map_err(device)?;
-        self.prepare(plan).map_err(device)?;
-        self.images_from_host(images);
+        check_batch(plan, images, Some(labels))?;
+        self.prepare(plan)?;
+        self.copy_images(images)?;
         self.forward_train_loaded(model, plan, labels, loss, bn_sync)
     }
 
@@ -385,10 +394,8 @@ impl CudaExecutor {
         loss: &LossOptions,
         bn_sync: Option<&mut dyn BatchNormReducer>,
     ) -> Result<f32, ModelError> {
-        model.forward_on(self, plan, bn_sync)?;
-        let value = self.loss_forward(labels, loss.label_smoothing)?;
-        self.take_error().map_err(device)?;
-        Ok(value)
+        model.forward_on(&mut GpuStep::forward(self), plan, bn_sync)?;
+        self.loss_on_device(labels, loss.label_smoothing)
     }
 
     /// An evaluation forward of `images`; the logits go to `logits`.
@@ -399,12 +406,11 @@ impl CudaExecutor {
         images: &[f32],
         logits: &mut Vec<f32>,
     ) -> Result<(), ModelError> {
-        check_batch(plan, images, None).map_err(device)?;
-        self.prepare(plan).map_err(device)?;
-        self.images_from_host(images);
-        model.forward_on(self, plan, None)?;
-        self.logits_to_host(logits);
-        self.take_error().map_err(device)
+        check_batch(plan, images, None)?;
+        self.prepare(plan)?;
+        self.copy_images(images)?;
+        model.forward_on(&mut GpuStep::forward(self), plan, None)?;
+        Ok(self.logits_to_host(logits)?)
     }
 
     /// The backward of the last [`CudaExecutor::forward_train`]: adds the gradients of
@@ -421,16 +427,16 @@ impl CudaExecutor {
     ) -> Result<(), ModelError> {
         self.context
             .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))
-            .map_err(device)?;
-        self.grads_on_host = 0;
-        self.gradients_to_host = grad_ready.is_some();
-        self.all_reducing = false;
-        self.backward_reporting(model, plan, loss_scale, bn_sync, grad_ready)
+            .map_err(driver("cuCtxSetCurrent"))?;
+        let sink = match grad_ready {
+            Some(_) => GradientSink::Host,
+            None => GradientSink::Device,
+        };
+        self.backward_reporting(model, plan, loss_scale, bn_sync, grad_ready, sink)
     }
 
-    /// The model's backward walk, reporting each finished range to `grad_ready` or, when
-    /// `all_reducing` is set, to the NCCL buckets.
+    /// The model's backward walk of the last training forward, handing each finished range
+    /// to `sink` (`grad_ready` is the hook of [`GradientSink::Host`]).
     fn backward_reporting(
         &mut self,
         model: &Model,
@@ -438,51 +444,75 @@ impl CudaExecutor {
         loss_scale: f32,
         bn_sync: Option<&mut dyn BatchNormReducer>,
         grad_ready: Option<GradientHook<'_>>,
+        sink: GradientSink,
     ) -> Result<(), ModelError> {
         // An evaluation since the forward would have left its storage active.
-        if !self.storages.resume_training(plan) {
+        if !self.memory.storages.resume_training(plan) {
             return Err(ModelError::NoForward);
         }
         let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
         let mut ready = GradientsReady::new(grad_ready.unwrap_or(&mut ignore));
-        model.backward_on(self, plan, loss_scale, bn_sync, &mut ready)?;
-        self.take_error().map_err(device)
+        self.backward_walk(model, plan, loss_scale, bn_sync, &mut ready, sink)
+    }
+
+    /// The model's backward walk over the device gradients, which it changes (no host
+    /// gradient is current after it but those `sink` copied).
+    fn backward_walk(
+        &mut self,
+        model: &Model,
+        plan: &Plan,
+        loss_scale: f32,
+        bn_sync: Option<&mut dyn BatchNormReducer>,
+        ready: &mut GradientsReady,
+        sink: GradientSink,
+    ) -> Result<(), ModelError> {
+        self.flat.host_grads.mark_stale();
+        let mut step = GpuStep {
+            exec: self,
+            gradients: sink,
+        };
+        model.backward_on(&mut step, plan, loss_scale, bn_sync, ready)
     }
 
     /// Sets every device gradient to zero.
     pub fn zero_grads(&mut self) -> Result<(), GpuError> {
-        self.grads_on_host = 0;
-        self.grads.zero(&self.stream)
+        self.flat.host_grads.mark_stale();
+        self.flat.grads.zero(&self.stream)
     }
 
     /// Copies the device parameters into `params`.
     pub fn params_to_host(&self, params: &mut [f32]) -> Result<(), GpuError> {
-        copy_to_host("parameters", &self.stream, self.params.values(), params)
+        copy_to_host(
+            "parameters",
+            &self.stream,
+            self.flat.params.values(),
+            params,
+        )
     }
 
     /// Copies the device gradients into `grads`.
     pub fn grads_to_host(&self, grads: &mut [f32]) -> Result<(), GpuError> {
-        copy_to_host("gradients", &self.stream, self.grads.values(), grads)
+        copy_to_host("gradients", &self.stream, self.flat.grads.values(), grads)
     }
 
     /// Copies the device running statistics into `buffers`.
     pub fn buffers_to_host(&self, buffers: &mut [f32]) -> Result<(), GpuError> {
-        let values = self.buffers.slice(..self.buffer_len);
+        let values = self.flat.buffers.slice(..self.flat.buffer_len);
         copy_to_host("running statistics", &self.stream, values, buffers)
     }
 
     /// Replaces the device parameters and running statistics (a checkpoint, a broadcast).
     pub fn params_from_host(&mut self, params: &[f32], buffers: &[f32]) -> Result<(), GpuError> {
-        same_length("parameters", params.len(), self.host_grads.len())?;
-        same_length("running statistics", buffers.len(), self.buffer_len)?;
+        same_length("parameters", params.len(), self.flat.host_grads.len())?;
+        same_length("running statistics", buffers.len(), self.flat.buffer_len)?;
         if !params.is_empty() {
             self.stream
-                .memcpy_htod(params, &mut self.params.values_mut())
+                .memcpy_htod(params, &mut self.flat.params.values_mut())
                 .map_err(driver("cuMemcpyHtoDAsync"))?;
         }
         if !buffers.is_empty() {
             self.stream
-                .memcpy_htod(buffers, &mut self.buffers.slice_mut(..buffers.len()))
+                .memcpy_htod(buffers, &mut self.flat.buffers.slice_mut(..buffers.len()))
                 .map_err(driver("cuMemcpyHtoDAsync"))?;
         }
         Ok(())
@@ -490,13 +520,13 @@ impl CudaExecutor {
 
     /// Replaces the device gradients by `grads`.
     pub fn grads_from_host(&mut self, grads: &[f32]) -> Result<(), GpuError> {
-        same_length("gradients", grads.len(), self.host_grads.len())?;
-        self.grads_on_host = 0;
+        same_length("gradients", grads.len(), self.flat.host_grads.len())?;
+        self.flat.host_grads.mark_stale();
         if grads.is_empty() {
             return Ok(());
         }
         self.stream
-            .memcpy_htod(grads, &mut self.grads.values_mut())
+            .memcpy_htod(grads, &mut self.flat.grads.values_mut())
             .map_err(driver("cuMemcpyHtoDAsync"))
     }
 
@@ -508,29 +538,30 @@ impl CudaExecutor {
         &mut self,
         change: impl FnOnce(&mut [f32]) -> R,
     ) -> Result<R, GpuError> {
-        let n = self.host_grads.len();
+        let n = self.flat.host_grads.len();
         if n == 0 {
             return Ok(change(&mut []));
         }
         self.context
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
-        if self.grads_on_host < n {
-            let range = self.grads_on_host..n;
-            let host = self.host_grads.values(&self.context)?;
+        let current = self.flat.host_grads.current();
+        if current < n {
+            let range = current..n;
+            let host = self.flat.host_grads.values(&self.context)?;
             self.stream
-                .memcpy_dtoh(&self.grads.view(range.clone()), &mut host[range])
+                .memcpy_dtoh(&self.flat.grads.view(range.clone()), &mut host[range])
                 .map_err(driver("cuMemcpyDtoHAsync"))?;
         }
         // Also ends a copy from the host gradients to the device that may still be reading
         // them (an earlier call's), before `change` writes them.
         self.synchronize()?;
-        let host = self.host_grads.values(&self.context)?;
+        let host = self.flat.host_grads.values(&self.context)?;
         let result = change(host);
         self.stream
-            .memcpy_htod(&host[..], &mut self.grads.values_mut())
+            .memcpy_htod(&host[..], &mut self.flat.grads.values_mut())
             .map_err(driver("cuMemcpyHtoDAsync"))?;
-        self.grads_on_host = n;
+        self.flat.host_grads.mark_current(n);
         Ok(result)
     }
 
@@ -557,9 +588,9 @@ impl CudaExecutor {
         &mut self,
         optimizer: StepOptimizer<'_>,
     ) -> Result<OptimizerScalars, GpuError> {
-        let n = self.host_grads.len();
+        let n = self.flat.host_grads.len();
         let kind = optimizer.kind();
-        let kept = match &self.optimizer {
+        let kept = match &self.flat.optimizer {
             DeviceOptimizer::None => None,
             DeviceOptimizer::Sgd { .. } => Some(OptimizerKind::Sgd),
             DeviceOptimizer::Adam { .. } => Some(OptimizerKind::Adam),
@@ -583,7 +614,7 @@ impl CudaExecutor {
             };
             self.replace_optimizer(fresh);
         }
-        match (&mut self.optimizer, optimizer) {
+        match (&mut self.flat.optimizer, optimizer) {
             (DeviceOptimizer::Sgd { steps, .. }, StepOptimizer::Sgd(config)) => {
                 let scalars = SgdScalars::new(config, *steps);
                 *steps += 1;
@@ -599,39 +630,42 @@ impl CudaExecutor {
 
     /// Replaces the optimizer state; freeing a device state is a new generation.
     fn replace_optimizer(&mut self, state: DeviceOptimizer) {
-        if !matches!(self.optimizer, DeviceOptimizer::None) {
+        if !matches!(self.flat.optimizer, DeviceOptimizer::None) {
             self.generation += 1;
         }
-        self.optimizer = state;
+        self.flat.optimizer = state;
     }
 
     /// Copies `bytes` into the step-scalar buffer at `offset` (on the stream: kernels queued
     /// before read the old values).
     fn write_scalars(&mut self, offset: usize, bytes: &[u8]) -> Result<(), GpuError> {
         let range = offset..offset + bytes.len();
-        self.host_scalars[range.clone()].copy_from_slice(bytes);
+        self.memory.host_scalars[range.clone()].copy_from_slice(bytes);
         self.stream
             .memcpy_htod(
-                &self.host_scalars[range.clone()],
-                &mut self.step_scalars.slice_mut(range),
+                &self.memory.host_scalars[range.clone()],
+                &mut self.memory.step_scalars.slice_mut(range),
             )
             .map_err(driver("cuMemcpyHtoDAsync"))
     }
 
     /// The device address of the step-scalar buffer's byte `offset`.
     fn scalars_at(&self, offset: usize) -> u64 {
-        address(&self.step_scalars, &self.stream) + offset as u64
+        address(&self.memory.step_scalars, &self.stream) + offset as u64
     }
 
     /// Launches the optimizer kernel of the device state over the flat buffers, with the
     /// scalars in the step-scalar buffer.
     fn launch_optimizer(&self) -> Result<(), GpuError> {
-        let n = self.host_grads.len();
+        let n = self.flat.host_grads.len();
         let (queue, config) = (self.queue(), per_element(n));
         let scalars = self.scalars_at(OPTIMIZER_OFFSET);
-        let (params, grads) = (self.params.ptr(&self.stream), self.grads.ptr(&self.stream));
+        let (params, grads) = (
+            self.flat.params.ptr(&self.stream),
+            self.flat.grads.ptr(&self.stream),
+        );
         let state = |buffer| Ptr::of(buffer, &self.stream);
-        match &self.optimizer {
+        match &self.flat.optimizer {
             DeviceOptimizer::None => Err(GpuError::Unsupported("an optimizer step without state")),
             DeviceOptimizer::Sgd { momentum, .. } => {
                 let scalars = Ptr::from_address(scalars);
@@ -661,14 +695,14 @@ impl CudaExecutor {
 
     /// Launches of our kernels on the executor's stream.
     fn queue(&self) -> Queue<'_> {
-        Queue::new(&self.kernels, &self.stream)
+        Queue::new(&self.libraries.kernels, &self.stream)
     }
 
     /// The optimizer state on the device, copied to the host in the slot layout of
     /// `tandem_engine`'s optimizers (SGD: `momentum_buffer`; Adam: `exp_avg`, `exp_avg_sq`)
     /// with the steps taken, for a snapshot; `None` before the first step or load.
     pub fn optimizer_state_to_host(&self) -> Result<Option<OptimizerState>, GpuError> {
-        let n = self.host_grads.len();
+        let n = self.flat.host_grads.len();
         let download =
             |name: &str, slot: &CudaSlice<f32>| -> Result<(String, Vec<f32>), GpuError> {
                 let mut values = vec![0.0; n];
@@ -680,7 +714,7 @@ impl CudaExecutor {
                 )?;
                 Ok((name.to_string(), values))
             };
-        Ok(match &self.optimizer {
+        Ok(match &self.flat.optimizer {
             DeviceOptimizer::None => None,
             DeviceOptimizer::Sgd { momentum, steps } => Some(OptimizerState {
                 step: *steps,
@@ -731,7 +765,7 @@ impl CudaExecutor {
         what: &'static str,
         values: Option<&[f32]>,
     ) -> Result<CudaSlice<f32>, GpuError> {
-        let n = self.host_grads.len();
+        let n = self.flat.host_grads.len();
         match values {
             Some(values) if n > 0 => {
                 same_length(what, values.len(), n)?;
@@ -806,14 +840,15 @@ impl Drop for CudaExecutor {
         let healthy = self.context.bind_to_thread().is_ok() && self.stream.synchronize().is_ok();
         if healthy {
             // SAFETY: `blas` is not used after this.
-            unsafe { ManuallyDrop::drop(&mut self.blas) };
+            unsafe { ManuallyDrop::drop(&mut self.libraries.blas) };
         } else {
             // After a sticky error cuBLAS may refuse to destroy its handle, which cudarc's drop
             // turns into a panic that would bury the error being reported; the handle (and
             // the stream reference it holds) is given up instead.
             // SAFETY: the handle is destroyed once, here, and `blas` is never used or dropped
             // after this (its `ManuallyDrop` is not dropped again).
-            let _ = unsafe { cudarc::cublas::result::destroy_handle(*self.blas.handle()) };
+            let _ =
+                unsafe { cudarc::cublas::result::destroy_handle(*self.libraries.blas.handle()) };
         }
     }
 }
@@ -830,11 +865,6 @@ fn check_batch(plan: &Plan, images: &[f32], labels: Option<&[u32]>) -> Result<()
         same_length("labels", labels.len(), plan.batch)?;
     }
     Ok(())
-}
-
-/// A GPU error as the models crate's error.
-fn device(error: GpuError) -> ModelError {
-    ModelError::Device(Box::new(error))
 }
 
 /// The device address of `slice`. Every launch and library call runs on the executor's one

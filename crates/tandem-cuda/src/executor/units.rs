@@ -1,6 +1,6 @@
 //! The GPU work of the units and the head that the [`Executor`] methods of `step.rs` run:
 //! a unit's convolution and batch-norm statistics, its backward, the head's backward, and the
-//! column sums and biases they share; plus the plumbing of device addresses and kept errors.
+//! column sums and biases they share; plus the plumbing of device addresses.
 
 use cudarc::driver::CudaStream;
 use tandem_engine::shape::Conv2dShape;
@@ -17,7 +17,8 @@ use super::launch::{column_sums, per_element};
 use super::launch::{row_blocks, ROWS_PER_BLOCK};
 use super::linear::LinearShape;
 use super::memory::{DeviceStorage, StatePart};
-use super::{address, device, CudaExecutor, GpuError};
+use super::step::GradientSink;
+use super::{address, CudaExecutor, GpuError};
 #[cfg(doc)]
 use tandem_models::executor::Executor;
 
@@ -90,23 +91,8 @@ impl TrainCoefficients {
 }
 
 impl CudaExecutor {
-    /// Runs `work` unless an error is kept, and keeps its error.
-    pub(super) fn run(&mut self, work: impl FnOnce(&mut Self) -> Result<(), GpuError>) {
-        if self.error.borrow().is_some() {
-            return;
-        }
-        if let Err(error) = work(self) {
-            *self.error.borrow_mut() = Some(error);
-        }
-    }
-
-    /// The kept error, if any, as the models crate's error.
-    pub(super) fn kept(&self) -> Result<(), ModelError> {
-        self.take_error().map_err(device)
-    }
-
     pub(super) fn storage(&self) -> Result<&DeviceStorage, GpuError> {
-        self.storages.active().ok_or(GpuError::NotPrepared)
+        self.memory.storages.active().ok_or(GpuError::NotPrepared)
     }
 
     pub(super) fn addresses(&self) -> Result<Addresses<'_>, GpuError> {
@@ -186,8 +172,9 @@ impl CudaExecutor {
     /// The plan of the convolution of `shape` under the executor's settings, which
     /// [`CudaExecutor::prepare`] measured for every convolution of the active plan.
     pub(super) fn conv_plan(&self, shape: &Conv2dShape) -> Result<&ConvPlan, GpuError> {
-        self.algorithms
-            .get(shape, self.settings.algorithms())
+        self.libraries
+            .algorithms
+            .get(shape, self.libraries.settings.algorithms())
             .ok_or(GpuError::NotPrepared)
     }
 
@@ -200,11 +187,11 @@ impl CudaExecutor {
                 addresses.slot(unit.plan.input).address(),
                 addresses.reads_images(unit.plan),
                 addresses.slot(output),
-                self.params.ptr(&self.stream),
-                address(&self.workspace, &self.stream),
+                self.flat.params.ptr(&self.stream),
+                address(&self.libraries.workspace, &self.stream),
             )
         };
-        let workspace_len = self.workspace.len();
+        let workspace_len = self.libraries.workspace.len();
         let plan = self.conv_plan(&shape)?;
         self.convolve_forward(
             plan,
@@ -224,32 +211,33 @@ impl CudaExecutor {
         Ok(())
     }
 
-    /// Copies the device gradients up to `end` to the (page-locked) host gradients and
-    /// reports them, when this backward has a hook to report to; in a backward that
-    /// all-reduces through NCCL, queues the buckets that are now complete instead (nothing
-    /// crosses to the host).
+    /// Hands the device gradients up to `end`, now final, to `sink`: to the host hook, copied
+    /// to the (page-locked) host gradients first; or to NCCL, which queues the buckets that
+    /// are now complete (nothing crosses to the host).
     pub(super) fn report(
         &mut self,
         end: usize,
         ready: &mut GradientsReady,
+        sink: GradientSink,
     ) -> Result<(), GpuError> {
-        if self.all_reducing {
-            return self.all_reduce_finished(end);
+        match sink {
+            GradientSink::Device => Ok(()),
+            GradientSink::AllReduce => self.all_reduce_finished(end),
+            GradientSink::Host => {
+                let current = self.flat.host_grads.current();
+                if end > current {
+                    let range = current..end;
+                    let host = self.flat.host_grads.values(&self.context)?;
+                    self.stream
+                        .memcpy_dtoh(&self.flat.grads.view(range.clone()), &mut host[range])
+                        .map_err(driver("cuMemcpyDtoHAsync"))?;
+                    self.synchronize()?;
+                    self.flat.host_grads.mark_current(end);
+                }
+                ready.finished_up_to(end, self.flat.host_grads.values(&self.context)?);
+                Ok(())
+            }
         }
-        if !self.gradients_to_host {
-            return Ok(());
-        }
-        if end > self.grads_on_host {
-            let range = self.grads_on_host..end;
-            let host = self.host_grads.values(&self.context)?;
-            self.stream
-                .memcpy_dtoh(&self.grads.view(range.clone()), &mut host[range])
-                .map_err(driver("cuMemcpyDtoHAsync"))?;
-            self.synchronize()?;
-            self.grads_on_host = end;
-        }
-        ready.finished_up_to(end, self.host_grads.values(&self.context)?);
-        Ok(())
     }
 
     /// How this training pass sums batch-norm totals over the processes: through `reducer`
@@ -279,7 +267,7 @@ impl CudaExecutor {
         reducer: &mut dyn BatchNormReducer,
     ) -> Result<(), GpuError> {
         let stream = self.stream.clone();
-        let Some(storage) = self.storages.active_mut() else {
+        let Some(storage) = self.memory.storages.active_mut() else {
             return Err(GpuError::NotPrepared);
         };
         storage.host_totals.resize(len, 0.0);
@@ -311,15 +299,15 @@ impl CudaExecutor {
         let plan = unit.plan;
         let channels = plan.shape.out_channels;
         let rows = plan.shape.output_len() / channels.max(1);
-        self.conv_forward(unit, plan.z).map_err(device)?;
+        self.conv_forward(unit, plan.z)?;
         let too_few = |count: f64| {
             (count <= 1.0).then_some(tandem_engine::EngineError::BatchNormTooFewValues { count })
         };
         let (z, coefficients) = {
-            let addresses = self.addresses().map_err(device)?;
+            let addresses = self.addresses()?;
             let (params, buffers) = (
-                self.params.ptr(&self.stream),
-                Ptr::of(&self.buffers, &self.stream),
+                self.flat.params.ptr(&self.stream),
+                Ptr::of(&self.flat.buffers, &self.stream),
             );
             let bn = unit.bn;
             (
@@ -342,25 +330,22 @@ impl CudaExecutor {
                 if let Some(error) = too_few(count) {
                     return Err(error.into());
                 }
-                self.column_totals(z, rows, channels, Some(&coefficients))
-                    .map_err(device)?;
+                self.column_totals(z, rows, channels, Some(&coefficients))?;
                 count
             }
             mut sync => {
-                self.column_totals(z, rows, channels, None)
-                    .map_err(device)?;
-                self.sum_totals(1 + 2 * channels, &mut sync)
-                    .map_err(device)?;
+                self.column_totals(z, rows, channels, None)?;
+                self.sum_totals(1 + 2 * channels, &mut sync)?;
                 let count = match sync {
                     // Every rank's batch has this unit's rows (see
                     // `sync_batch_norm_through_nccl`); the device reads the summed count.
                     TotalsSync::Nccl { world_size } => (rows * world_size) as f64,
-                    _ => self.storage().map_err(device)?.host_totals[0],
+                    _ => self.storage()?.host_totals[0],
                 };
                 if let Some(error) = too_few(count) {
                     return Err(error.into());
                 }
-                let totals = Ptr::of(&self.storage().map_err(device)?.totals, &self.stream);
+                let totals = Ptr::of(&self.storage()?.totals, &self.stream);
                 let c = &coefficients;
                 batchnorm::bn_train_coefficients(
                     &self.queue(),
@@ -375,12 +360,11 @@ impl CudaExecutor {
                     c.invstd,
                     c.scale,
                     c.shift,
-                )
-                .map_err(device)?;
+                )?;
                 count
             }
         };
-        if let Some(storage) = self.storages.active_mut() {
+        if let Some(storage) = self.memory.storages.active_mut() {
             storage.counts[plan.index] = count;
         }
         Ok(())
@@ -394,12 +378,16 @@ impl CudaExecutor {
         grad_input: GradTarget,
         reducer: Option<&mut dyn BatchNormReducer>,
         ready: &mut GradientsReady,
+        sink: GradientSink,
     ) -> Result<(), GpuError> {
         let (bn, plan) = (unit.bn, unit.plan);
         let channels = plan.shape.out_channels;
         let len = plan.output_len();
         let rows = len / channels.max(1);
-        let (params, grads) = (self.params.ptr(&self.stream), self.grads.ptr(&self.stream));
+        let (params, grads) = (
+            self.flat.params.ptr(&self.stream),
+            self.flat.grads.ptr(&self.stream),
+        );
         let count = self.storage()?.counts[plan.index];
         let (dy, relu_out, z, mean, invstd, coefficients, dz) = {
             let addresses = self.addresses()?;
@@ -454,7 +442,7 @@ impl CudaExecutor {
                 coefficients,
             )?;
         }
-        self.report(bn.param_range().end, ready)?;
+        self.report(bn.param_range().end, ready, sink)?;
         // The block's output gradient, masked in place for the shortcut that reads it next.
         let masked_dy = match relu_out.non_null() {
             Some(_) if grad_output.keep_masked => dy,
@@ -474,7 +462,7 @@ impl CudaExecutor {
             dz,
             masked_dy,
         )?;
-        self.conv_backward(unit, dz, grad_input, ready)
+        self.conv_backward(unit, dz, grad_input, ready, sink)
     }
 
     /// The convolution's part of a unit's backward, from `dz`, the batch norm's input
@@ -485,11 +473,15 @@ impl CudaExecutor {
         dz: ActPtr,
         grad_input: GradTarget,
         ready: &mut GradientsReady,
+        sink: GradientSink,
     ) -> Result<(), GpuError> {
         let (conv, plan) = (unit.conv, unit.plan);
         let channels = plan.shape.out_channels;
         let rows = plan.output_len() / channels.max(1);
-        let (params, grads) = (self.params.ptr(&self.stream), self.grads.ptr(&self.stream));
+        let (params, grads) = (
+            self.flat.params.ptr(&self.stream),
+            self.flat.grads.ptr(&self.stream),
+        );
         if let Some(bias) = &conv.bias {
             self.bias_gradient(dz, rows, channels, grads.at(bias.start))?;
         }
@@ -509,7 +501,10 @@ impl CudaExecutor {
                 Some((self.addresses()?.grad(buffer).address(), true))
             }
         };
-        let workspace = (address(&self.workspace, &self.stream), self.workspace.len());
+        let workspace = (
+            address(&self.libraries.workspace, &self.stream),
+            self.libraries.workspace.len(),
+        );
         let conv_plan = self.conv_plan(&plan.shape)?;
         self.convolve_backward(
             conv_plan,
@@ -524,7 +519,7 @@ impl CudaExecutor {
                 workspace,
             },
         )?;
-        self.report(conv.param_range().end, ready)
+        self.report(conv.param_range().end, ready, sink)
     }
 
     /// The head's backward (see [`Executor::head_backward`]).
@@ -535,6 +530,7 @@ impl CudaExecutor {
         loss_scale: f32,
         into: GradBuffer,
         ready: &mut GradientsReady,
+        sink: GradientSink,
     ) -> Result<(), GpuError> {
         let batch = self.storage()?.labels.len();
         let classes = head.classes;
@@ -543,7 +539,10 @@ impl CudaExecutor {
             inputs: head.in_features,
             outputs: classes,
         };
-        let (params, grads) = (self.params.ptr(&self.stream), self.grads.ptr(&self.stream));
+        let (params, grads) = (
+            self.flat.params.ptr(&self.stream),
+            self.flat.grads.ptr(&self.stream),
+        );
         let (probabilities, labels, grad_logits, pooled, grad_pooled, into) = {
             let addresses = self.addresses()?;
             let (storage, stream) = (addresses.storage, &self.stream);
@@ -563,7 +562,7 @@ impl CudaExecutor {
             labels,
             batch as i32,
             classes as i32,
-            self.label_smoothing,
+            self.memory.label_smoothing,
             loss_scale,
             grad_logits,
         )?;
@@ -602,7 +601,7 @@ impl CudaExecutor {
             grad_logits_operand,
             grad_pooled.address(),
         )?;
-        self.report(head.bias.end, ready)?;
+        self.report(head.bias.end, ready, sink)?;
         // The target buffer holds batch * pixels * channels activations (the features'
         // length ≤ grad_len).
         let pixels = features.shape.out_height() * features.shape.out_width();

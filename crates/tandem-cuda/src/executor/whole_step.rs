@@ -38,7 +38,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstrea
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use std::sync::Arc;
 use tandem_engine::{AdamConfig, SgdConfig};
-use tandem_models::executor::{Executor, GradientsReady};
+use tandem_models::executor::GradientsReady;
 use tandem_models::workspace::{Mode, Plan};
 use tandem_models::{LossOptions, Model, ModelError};
 
@@ -46,7 +46,8 @@ use super::dataset::{check_gathered_batch, DeviceDataset};
 use super::error::{cublas, driver, same_length};
 use super::graph::{CaptureFailure, CaptureMode, GraphKey, ImagesKey, OptimizerKind, StepRun};
 use super::scalars::{StepScalars, STEP_SCALARS_BYTES};
-use super::{address, check_batch, device, CudaExecutor, GpuError};
+use super::step::{GpuStep, GradientSink};
+use super::{address, check_batch, CudaExecutor, GpuError};
 
 /// Bytes of cuBLAS's workspace: 32 MiB, what cuBLAS recommends for Hopper (and PyTorch's
 /// default there); the head's GEMMs need far less.
@@ -179,34 +180,29 @@ impl CudaExecutor {
     ) -> Result<StepOutcome, ModelError> {
         self.context
             .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))
-            .map_err(device)?;
+            .map_err(driver("cuCtxSetCurrent"))?;
         if plan.mode != Mode::Train {
-            return Err(device(GpuError::Unsupported(
-                "a training step with an evaluation plan",
-            )));
+            return Err(GpuError::Unsupported("a training step with an evaluation plan").into());
         }
         let micro_batches = step.micro_batches;
         if micro_batches == 0 {
-            return Err(device(GpuError::Unsupported(
-                "a training step of no micro-batch",
-            )));
+            return Err(GpuError::Unsupported("a training step of no micro-batch").into());
         }
-        same_length("labels", step.labels.len(), plan.batch * micro_batches).map_err(device)?;
+        same_length("labels", step.labels.len(), plan.batch * micro_batches)?;
         let images_key = match &step.images {
             StepImages::Host(images) if micro_batches == 1 => {
-                check_batch(plan, images, None).map_err(device)?;
+                check_batch(plan, images, None)?;
                 ImagesKey::Host
             }
             StepImages::Host(images) => {
                 let values = plan.batch * plan.height * plan.width * plan.stem.shape.in_channels;
-                same_length("images", images.len(), values * micro_batches).map_err(device)?;
+                same_length("images", images.len(), values * micro_batches)?;
                 ImagesKey::Host
             }
             StepImages::Gathered {
                 dataset, indices, ..
             } => {
-                check_gathered_batch(plan, dataset, indices, micro_batches).map_err(device)?;
+                check_gathered_batch(plan, dataset, indices, micro_batches)?;
                 ImagesKey::Gathered {
                     dataset: dataset.id(),
                 }
@@ -223,7 +219,7 @@ impl CudaExecutor {
             images: images_key,
         };
         let labels = step.labels;
-        let gathered = self.load_step_inputs(plan, step).map_err(device)?;
+        let gathered = self.load_step_inputs(plan, step)?;
         let dataset = gathered.as_deref();
         let run = match self.graphs.next_run(&key, self.generation) {
             StepRun::Eager => {
@@ -241,22 +237,24 @@ impl CudaExecutor {
             },
             StepRun::Replay => {
                 let graph = self.graphs.graph(&key).ok_or_else(|| {
-                    device(GpuError::Unsupported(
+                    ModelError::from(GpuError::Unsupported(
                         "replaying a graph that was not captured",
                     ))
                 })?;
-                self.launch_graph(graph).map_err(device)?;
+                self.launch_graph(graph)?;
                 StepRun::Replay
             }
         };
-        self.watch_step(run).map_err(device)?;
+        self.watch_step(run)?;
         let losses = match micro_batches {
             1 => self.read_loss(labels).map(|loss| vec![loss]),
-            _ => self.read_micro_batch_losses(micro_batches).map_err(device),
+            _ => self
+                .read_micro_batch_losses(micro_batches)
+                .map_err(ModelError::from),
         };
         // A collective that timed out or failed is the step's error (the losses read after
         // the abort are meaningless).
-        self.nccl_health().map_err(device)?;
+        self.nccl_health()?;
         let losses = losses?;
         Ok(StepOutcome {
             losses,
@@ -295,8 +293,7 @@ impl CudaExecutor {
                 (0, None)
             }
             StepImages::Host(images) => {
-                self.images_from_host(images);
-                self.take_error()?;
+                self.copy_images(images)?;
                 (0, None)
             }
             StepImages::Gathered {
@@ -314,7 +311,7 @@ impl CudaExecutor {
         if !several {
             self.load_labels(step.labels)?;
         }
-        self.label_smoothing = step.loss.label_smoothing;
+        self.memory.label_smoothing = step.loss.label_smoothing;
         let scalars = StepScalars { epoch, optimizer }.bytes();
         debug_assert_eq!(scalars.len(), STEP_SCALARS_BYTES);
         self.write_scalars(0, &scalars)?;
@@ -329,42 +326,36 @@ impl CudaExecutor {
         dataset: Option<&DeviceDataset>,
         micro_batches: usize,
     ) -> Result<(), ModelError> {
-        self.zero_grads().map_err(device)?;
+        self.zero_grads()?;
         let loss_scale = 1.0 / micro_batches as f32;
         let image_values = plan.batch * plan.height * plan.width * plan.stem.shape.in_channels;
         for index in 0..micro_batches {
             if micro_batches > 1 {
-                self.move_in_micro_batch(index, image_values, dataset)
-                    .map_err(device)?;
+                self.move_in_micro_batch(index, image_values, dataset)?;
             } else if let Some(dataset) = dataset {
-                let images = self.input_slot().map_err(device)?;
-                self.augment(dataset, 0, plan.batch, images)
-                    .map_err(device)?;
+                let images = self.input_slot()?;
+                self.augment(dataset, 0, plan.batch, images)?;
             }
-            model.forward_on(self, plan, None)?;
-            self.take_error().map_err(device)?;
-            self.loss_kernels(self.label_smoothing).map_err(device)?;
+            model.forward_on(&mut GpuStep::forward(self), plan, None)?;
+            self.loss_kernels(self.memory.label_smoothing)?;
             if micro_batches > 1 {
-                self.keep_micro_batch_loss(index).map_err(device)?;
+                self.keep_micro_batch_loss(index)?;
             }
             // As the separate calls: only the last micro-batch's backward all-reduces.
-            self.grads_on_host = 0;
-            self.gradients_to_host = false;
-            self.all_reducing = self.has_nccl() && index + 1 == micro_batches;
-            if self.all_reducing {
-                self.restart_buckets().map_err(device)?;
-            }
+            let sink = if self.has_nccl() && index + 1 == micro_batches {
+                self.restart_buckets()?;
+                GradientSink::AllReduce
+            } else {
+                GradientSink::Device
+            };
             let mut ignore = |_: std::ops::Range<usize>, _: &[f32]| {};
             let mut ready = GradientsReady::new(&mut ignore);
-            let walked = model.backward_on(self, plan, loss_scale, None, &mut ready);
-            self.all_reducing = false;
-            walked?;
-            self.take_error().map_err(device)?;
+            self.backward_walk(model, plan, loss_scale, None, &mut ready, sink)?;
         }
         if self.has_nccl() {
-            self.finish_all_reduce().map_err(device)?;
+            self.finish_all_reduce()?;
         }
-        self.launch_optimizer().map_err(device)
+        Ok(self.launch_optimizer()?)
     }
 
     /// Ends a capture that cudarc's `end_capture` left open (it returns early, before
@@ -411,7 +402,7 @@ impl CudaExecutor {
         dataset: Option<&DeviceDataset>,
         key: &GraphKey,
     ) -> Result<(), String> {
-        let searches = self.algorithms.searches();
+        let searches = self.libraries.algorithms.searches();
         let generation = self.generation;
         let mode = match self.graphs.capture_mode() {
             CaptureMode::ThreadLocal => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
@@ -428,10 +419,9 @@ impl CudaExecutor {
             self.end_open_capture();
         }
         self.nccl_capture(false);
-        let kept = self.take_error();
         // `prepare` searched for every convolution's algorithms before the capture, so a miss
         // of the cache here would be a shape outside the plan.
-        if self.algorithms.searches() != searches {
+        if self.libraries.algorithms.searches() != searches {
             return Err("a convolution algorithm was searched for during capture".to_string());
         }
         if self.generation != generation {
@@ -439,10 +429,7 @@ impl CudaExecutor {
         }
         // A call that CUDA refused inside the capture fails itself (a library reports it in
         // its own status) and invalidates the capture, which the end's status names.
-        let call = body
-            .map_err(|error| error.to_string())
-            .and_then(|()| kept.map_err(|error| error.to_string()));
-        if let Err(error) = call {
+        if let Err(error) = body {
             return Err(match &ended {
                 Err(status) => format!(
                     "a call of the step cannot be captured: {error} (cuStreamEndCapture: {status:?})"
