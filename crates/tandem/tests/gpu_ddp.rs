@@ -282,6 +282,40 @@ fn two_processes_sharing_the_gpu_on_the_ring_match_one_with_twice_the_batch() {
     }
 }
 
+#[test]
+fn a_global_batch_on_the_gpu_ends_with_the_same_bits_on_one_and_two_processes() {
+    if !gpu_available(
+        "a_global_batch_on_the_gpu_ends_with_the_same_bits_on_one_and_two_processes",
+        false,
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name);
+    // 64 images in 2 steps of 4 shards of 8.
+    let run = |name: &str| {
+        let args = with_flag(short_run(&path(name), 64, 8, 1, "cuda"), "--threads", "2");
+        with_flag(args, "--global-batch-size", "32")
+    };
+    expect_success(&run_bounded(tandem().args(run("alone")), LIMIT));
+    let stdout = expect_success(&run_bounded(
+        &mut launch_command(2, 0, &[], &run("two")),
+        LIMIT,
+    ));
+    assert!(
+        stdout.contains("global batch 32 in 4 shards of 8, shared by 2 processes"),
+        "{stdout}"
+    );
+    // The tensors to the bit; the metadata's validation loss is summed over the ranks.
+    let bits = |name: &str| -> Vec<(String, Vec<u64>)> {
+        read_tensors(&path(name).join("epoch_1.safetensors"))
+            .into_iter()
+            .map(|(name, values)| (name, values.iter().map(|value| value.to_bits()).collect()))
+            .collect()
+    };
+    assert!(bits("alone") == bits("two"), "the two runs' tensors differ");
+}
+
 /// A two-worker GPU job on the ring of `epochs` epochs of 8 steps, with `extra` flags.
 fn two_worker_job(output_dir: &Path, epochs: usize, extra: &[&str]) -> Vec<String> {
     let train = short_run(output_dir, 256, 16, epochs, "cuda");

@@ -314,7 +314,7 @@ impl Trainer {
         let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
         let test_set = Arc::new(load_split(&settings.data, settings.seed, Split::Test)?);
         check_classes(&train_set, spec.num_classes()).map_err(SettingsError::from_error)?;
-        let shards = shard_plan(&settings, device, train_set.len(), world_size)
+        let shards = shard_plan(&settings, train_set.len(), world_size)
             .map_err(SettingsError::from_error)?;
         // With shards every worker draws the epoch's whole order and takes its shards of it.
         let (sampler_world, sampler_rank) = match shards {
@@ -341,6 +341,8 @@ impl Trainer {
             .as_ref()
             .map(|place| join_the_job(place, &settings, model.params().len()))
             .transpose()?;
+        let backend =
+            shard_backend(backend, shards.is_some()).map_err(SettingsError::from_error)?;
         let backend = crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
         // On the ring, a job of several processes on GPUs exchanges gradients through the
         // host: the gradient-ready hook hands out host copies, the average goes back to the
@@ -1312,19 +1314,28 @@ impl Trainer {
 /// the job's `world_size`; `None` without it.
 fn shard_plan(
     settings: &TrainSettings,
-    device: &Device,
     dataset_len: usize,
     world_size: usize,
 ) -> anyhow::Result<Option<ShardPlan>> {
     let Some(global) = settings.global_batch_size else {
         return Ok(None);
     };
-    if !matches!(device, Device::Cpu { .. }) {
-        bail!("--global-batch-size trains on the CPU only for now: add --device cpu");
-    }
     let plan = ShardPlan::new(global, settings.batch_size, dataset_len)?;
     plan.check_world_size(world_size)?;
     Ok(Some(plan))
+}
+
+/// The backend of a job with logical shards (`shards`): their exact sum runs on the host
+/// ring, so `auto` means the ring there and `nccl` is refused.
+fn shard_backend(backend: BackendRequest, shards: bool) -> anyhow::Result<BackendRequest> {
+    match (shards, backend) {
+        (false, backend) => Ok(backend),
+        (true, BackendRequest::Nccl) => bail!(
+            "--global-batch-size sums the shards' gradients exactly on the host ring; NCCL \
+             does not do that yet: use --backend ring or auto"
+        ),
+        (true, _) => Ok(BackendRequest::Ring),
+    }
 }
 
 /// The training augmentation of `settings`: pad-4 random crop and horizontal flip, or none.
