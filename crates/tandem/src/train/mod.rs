@@ -57,8 +57,9 @@ use resume_settings::fingerprint;
 use run_lock::{host_name, RunLock};
 use sample_trace::SampleTrace;
 use schedule::Schedule;
-use shards::{ShardPlan, ShardSync};
+use shards::ShardSync;
 use snapshot::{load_latest, Progress, Snapshot};
+use tandem_data::ShardPlan;
 use tandem_metrics::WorldSizeChange;
 
 /// Runs `tandem train`.
