@@ -195,6 +195,47 @@ fn a_snapshot_of_4_workers_resumes_on_2_and_on_3_with_the_bits_of_the_uninterrup
     }
 }
 
+#[test]
+fn a_4_worker_job_killed_with_sigkill_resumes_on_2_with_the_bits_of_the_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str| {
+        let args = with_flag(run_args(&dir.path().join(name), ADAMW), "--epochs", "3");
+        with_flag(args, "--snapshot-every-steps", "1")
+    };
+    train(4, &run("uninterrupted"));
+    let killed = dir.path().join("killed");
+    let mut command = tandem();
+    command
+        .args(standalone_launch("4"))
+        .arg("--")
+        .args(run("killed"));
+    let mut launcher = Launcher::spawn(command, dir.path(), "killed");
+    let deadline = std::time::Instant::now() + LIMIT;
+    while !killed.join("snapshot.safetensors.prev").exists() {
+        assert!(!launcher.has_exited(), "{}", launcher.stderr());
+        assert!(std::time::Instant::now() < deadline, "no second snapshot");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let workers = children(launcher.pid());
+    launcher.signal(libc::SIGKILL);
+    for worker in workers {
+        // SAFETY: `kill` has no memory-safety preconditions; a worker already gone is fine.
+        unsafe { libc::kill(worker as libc::pid_t, libc::SIGKILL) };
+    }
+    launcher.wait(LIMIT);
+    assert!(
+        !killed.join("epoch_3.safetensors").exists(),
+        "the run finished before it could be killed"
+    );
+    let stdout = train(2, &run("killed"));
+    assert_contains(&stdout, "world size: 4 -> 2 at epoch 1, step");
+    assert_same_bits(
+        &dir.path().join("uninterrupted"),
+        &killed,
+        "killed on 4 workers, resumed on 2",
+    );
+}
+
 /// Each epoch's record of the changes of the number of processes, as JSON.
 fn world_size_changes(output_dir: &Path) -> Vec<String> {
     let metrics = std::fs::read_to_string(output_dir.join("metrics.jsonl")).unwrap();
