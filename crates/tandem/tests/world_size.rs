@@ -347,3 +347,23 @@ fn more_workers_than_shards_and_a_batch_that_does_not_divide_are_refused() {
     assert!(!output.status.success(), "{printed}");
     assert_contains(&printed, "3 workers cannot share the 2 shards of a step");
 }
+
+/// `bench step --shards-per-process` times the step of `--global-batch-size` under launch.
+#[test]
+fn bench_step_times_the_step_of_logical_shards() {
+    let output = run_bounded(
+        tandem()
+            .args(standalone_launch("2"))
+            .arg("--")
+            .args(BENCH_STEP)
+            .args(["--batch", "4", "--steps", "1", "--threads", "1"])
+            .args(["--device", "cpu", "--shards-per-process", "2"]),
+        LIMIT,
+    );
+    let stdout = expect_success(&output);
+    assert_contains(
+        &stdout,
+        "gradients: 2 shard(s) of 4 images per process, summed exactly",
+    );
+    assert_contains(&stdout, "train: ");
+}

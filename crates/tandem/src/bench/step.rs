@@ -20,9 +20,11 @@ use crate::device::Announce;
 use crate::model_args::ModelArgs;
 use crate::settings::{available_cores, PlacementFlags};
 use crate::train::ddp::{Ddp, WorkerPlacement};
-use crate::train::gradient_sync::{self, run_step};
+use crate::train::gradient_sync::{self, run_step, GradientSync};
 use crate::train::on_device::StepNotes;
 use crate::train::placement::find_placement;
+use crate::train::shards::ShardSync;
+use tandem_data::ShardPlan;
 
 /// Gradient buckets as `tandem train` uses them by default.
 const BUCKET_BYTES: usize = 25_000_000;
@@ -56,6 +58,10 @@ pub struct StepArgs {
     /// and NCCL loads, else ring), nccl or ring.
     #[arg(long, value_enum, default_value_t)]
     pub backend: BackendRequest,
+    /// Time `train --global-batch-size`'s step instead: this many logical shards of `--batch`
+    /// images per process, their gradients summed exactly (CPU only).
+    #[arg(long)]
+    pub shards_per_process: Option<usize>,
 }
 
 /// Runs the benchmark on the CPU; on a GPU, returns what to measure there.
@@ -81,6 +87,11 @@ pub fn run(args: StepArgs) -> anyhow::Result<Option<GpuBench>> {
         anyhow::ensure!(
             placement.is_none(),
             "--device {}: bench step runs on a GPU in one process only (no launch, WORLD_SIZE 1)",
+            args.device
+        );
+        anyhow::ensure!(
+            args.shards_per_process.is_none(),
+            "--device {}: --shards-per-process is measured on the CPU only",
             args.device
         );
         let math = math.context("a GPU computes with a precision and algorithms")?;
@@ -109,14 +120,25 @@ pub fn run(args: StepArgs) -> anyhow::Result<Option<GpuBench>> {
     crate::backend::choose(args.backend, &device, ddp.as_ref(), Announce::Stdout)?;
     let mut cpu = CpuDevice::new(model);
     cpu.set_optimizer(optimizer_kind.config());
-    let mut sync = gradient_sync::choose(ddp, &cpu, false);
+    let shards = args.shards_per_process.unwrap_or(1);
+    anyhow::ensure!(shards > 0, "--shards-per-process must be at least 1");
+    let mut sync: Box<dyn GradientSync> = match args.shards_per_process {
+        Some(_) => {
+            let world_size = ddp.as_ref().map_or(1, Ddp::world_size);
+            let global = shards * batch * world_size;
+            let plan = ShardPlan::new(global, batch, global)?;
+            Box::new(ShardSync::new(ddp, plan, &mut cpu)?)
+        }
+        None => gradient_sync::choose(ddp, &cpu, false),
+    };
     sync.agree_on_the_model(&mut cpu)?;
     let (images, labels) = random_batch(&spec, batch);
     let loss = LossOptions::default();
-    let micro_batches = [TrainBatch {
+    let micro_batch = TrainBatch {
         images: TrainImages::Host(&images),
         labels: &labels,
-    }];
+    };
+    let micro_batches = vec![micro_batch; shards];
     let request = StepRequest {
         micro_batches: &micro_batches,
         height: IMAGE_SIZE,
@@ -126,7 +148,7 @@ pub fn run(args: StepArgs) -> anyhow::Result<Option<GpuBench>> {
         momentum: None,
     };
     let mut notes = StepNotes::default();
-    let train_rate = images_per_second(batch, args.steps, || -> anyhow::Result<()> {
+    let train_rate = images_per_second(shards * batch, args.steps, || -> anyhow::Result<()> {
         run_step(&mut cpu, &mut *sync, &mut notes, request, 0)?;
         Ok(())
     })?;
@@ -140,10 +162,15 @@ pub fn run(args: StepArgs) -> anyhow::Result<Option<GpuBench>> {
         if ddp.rank() != 0 {
             return Ok(None);
         }
-        say!(
-            "gradients: all-reduced through {}",
-            ddp.gradient_transport()
-        );
+        match args.shards_per_process {
+            Some(shards) => {
+                say!("gradients: {shards} shard(s) of {batch} images per process, summed exactly")
+            }
+            None => say!(
+                "gradients: all-reduced through {}",
+                ddp.gradient_transport()
+            ),
+        }
     }
     say!("train: {:.1} img/s", rates[0]);
     say!("eval: {:.1} img/s", rates[1]);
