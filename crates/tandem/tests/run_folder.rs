@@ -61,6 +61,17 @@ fn a_runs_own_config_gives_the_same_run_and_output_dir_moves_it() {
     assert_eq!(metrics.lines().count(), 1, "{metrics}");
 }
 
+/// Starts `tandem <args>` in the background, its standard output discarded and its
+/// standard error going to `stderr`.
+fn spawn_tandem(args: &[String], stderr: std::process::Stdio) -> std::process::Child {
+    tandem()
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .expect("start the tandem binary")
+}
+
 /// Waits until `path` exists and is not empty, failing past `LIMIT`.
 fn wait_for_content(path: &Path, child: &mut std::process::Child) {
     let deadline = std::time::Instant::now() + LIMIT;
@@ -84,12 +95,7 @@ fn a_busy_output_folder_is_refused_and_a_stale_lock_taken_over() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     let long_run = with_flag(synthetic_run(&out, 4096), "--epochs", "50");
-    let mut first = tandem()
-        .args(&long_run)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut first = spawn_tandem(&long_run, std::process::Stdio::null());
     let lock = out.join("tandem.lock");
     wait_for_content(&lock, &mut first);
 
@@ -245,15 +251,9 @@ fn more_epochs_of_a_onecycle_run_are_refused_with_the_way_out() {
 fn stop_a_run_with(signal: libc::c_int, out: &Path) -> (Option<i32>, String) {
     let mut args = with_flag(synthetic_run(out, 4096), "--epochs", "50");
     args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
-    let mut child = tandem()
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_tandem(&args, std::process::Stdio::piped());
     wait_for_content(&out.join("snapshot.safetensors"), &mut child);
-    // SAFETY: `kill` has no memory-safety preconditions; the child is not reaped yet.
-    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
+    send_signal(child.id(), signal);
     let output = wait_bounded(child, LIMIT);
     let shell_status = output
         .status
@@ -632,12 +632,7 @@ fn a_resumed_run_has_tensorboard_show_each_step_once() {
     let mut args = with_flag(synthetic_run(&out, 8192), "--epochs", "1");
     args = with_flag(args, "--batch-size", "16");
     args.extend(["--log-every-steps", "1", "--snapshot-every-steps", "20"].map(String::from));
-    let mut child = tandem()
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_tandem(&args, std::process::Stdio::null());
     // Killed at a step well past the last snapshot: the file then holds steps that the
     // resumed run trains again.
     let deadline = std::time::Instant::now() + LIMIT;

@@ -209,6 +209,13 @@ pub fn children(parent: u32) -> Vec<u32> {
     pids
 }
 
+/// Sends `signal` to process `pid`, a child of the test or of its launcher that is not
+/// reaped yet.
+pub fn send_signal(pid: u32, signal: i32) {
+    // SAFETY: `kill` has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0);
+}
+
 /// A `tandem launch` started by a test, its output going to files so that the test can read
 /// them while it runs; killed when dropped, so a failing test leaves nothing behind.
 pub struct Launcher {
@@ -253,6 +260,29 @@ impl Launcher {
         }
     }
 
+    /// Waits for the launcher to exit, at most `timeout`, checks that it exited with `code`
+    /// and returns what it wrote to standard error.
+    pub fn exits_with(&mut self, code: i32, timeout: Duration) -> String {
+        let status = self.wait(timeout);
+        let stderr = self.stderr();
+        assert_eq!(status.code(), Some(code), "{stderr}");
+        stderr
+    }
+
+    /// Waits until rank 0's log in `output_dir` shows step 2 of training, at most `timeout`.
+    pub fn wait_for_training(&mut self, output_dir: &Path, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let log = output_dir.join("logs/rank_0.log");
+        while !std::fs::read_to_string(&log).is_ok_and(|text| text.contains("step 2")) {
+            assert!(
+                !self.has_exited() && Instant::now() < deadline,
+                "the workers never trained:\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// The process id of its worker of `rank` (from the worker's environment's `RANK`).
     pub fn worker(&self, rank: usize) -> u32 {
         let wanted = format!("RANK={rank}");
@@ -290,11 +320,7 @@ impl Launcher {
 
     /// Sends it `signal`.
     pub fn signal(&self, signal: i32) {
-        // SAFETY: `kill` has no memory-safety preconditions; the child is not reaped yet.
-        assert_eq!(
-            unsafe { libc::kill(self.child.id() as libc::pid_t, signal) },
-            0
-        );
+        send_signal(self.child.id(), signal);
     }
 }
 
