@@ -787,20 +787,11 @@ mod tests {
         (0..len).map(|_| rng.uniform(-1.0, 1.0)).collect()
     }
 
-    /// A 3x3 convolution with padding 1 of `batch` images of `size` (height, width), from
-    /// and to `channels` at `stride`, with random input and weights drawn from `seed` and
-    /// `seed + 1`.
-    fn padded_3x3(
-        batch: usize,
-        size: (usize, usize),
-        channels: (usize, usize),
-        stride: usize,
-        seed: u64,
-    ) -> (Conv2dShape, Vec<f32>, Vec<f32>) {
-        let shape = Conv2dShape::new(batch, size, channels, 3, stride, 1);
+    /// A random input and weight for `shape`, drawn from `seed` and `seed + 1`.
+    fn random_input_and_weight(shape: &Conv2dShape, seed: u64) -> (Vec<f32>, Vec<f32>) {
         let input = random(shape.input_len(), seed);
         let weight = random(shape.weight_len(), seed + 1);
-        (shape, input, weight)
+        (input, weight)
     }
 
     /// `(output, grad_input, grad_weight, grad_bias)` computed by definition in f64.
@@ -953,8 +944,8 @@ mod tests {
                 .enumerate()
         {
             let seed = 100 + 10 * seed as u64;
-            let (shape, input, weight) =
-                padded_3x3(37, (6, 5), (in_channels, out_channels), stride, seed);
+            let shape = Conv2dShape::new(37, (6, 5), (in_channels, out_channels), 3, stride, 1);
+            let (input, weight) = random_input_and_weight(&shape, seed);
             let bias = random(out_channels, seed + 2);
             let scale = random(out_channels, seed + 3);
             let shift = random(out_channels, seed + 4);
@@ -1008,8 +999,8 @@ mod tests {
     #[test]
     fn gathered_output_sums_equal_sums_of_the_output() {
         for (in_channels, out_channels, stride) in [(8, 16, 1), (3, 40, 1), (8, 16, 2)] {
-            let (shape, input, weight) =
-                padded_3x3(23, (7, 6), (in_channels, out_channels), stride, 7);
+            let shape = Conv2dShape::new(23, (7, 6), (in_channels, out_channels), 3, stride, 1);
+            let (input, weight) = random_input_and_weight(&shape, 7);
             let bias = random(out_channels, 9);
             let mut scratch = ConvScratch::default();
             let mut output = vec![0.0; shape.output_len()];
@@ -1050,8 +1041,8 @@ mod tests {
                 .enumerate()
         {
             let seed = 300 + 10 * seed as u64;
-            let (shape, input, weight) =
-                padded_3x3(19, (6, 7), (in_channels, out_channels), 1, seed);
+            let shape = Conv2dShape::new(19, (6, 7), (in_channels, out_channels), 3, 1, 1);
+            let (input, weight) = random_input_and_weight(&shape, seed);
             let bn_weight = random(out_channels, seed + 2);
             let bn_bias = random(out_channels, seed + 3);
             let grad = random(shape.output_len(), seed + 4);
