@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{assert_contains, expect_success, run_bounded, tandem};
+use common::{assert_contains, expect_success, run_bounded, run_folder, tandem};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -147,8 +147,7 @@ fn cuda_runs_on_a_gpu_or_fails_with_the_reason_instead_of_pretending() {
 
 #[test]
 fn train_eval_and_predict_take_the_device_flags() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     let train = |extra: &[&str]| {
         let mut args = common::small_synthetic_run(&out);
         args.extend(extra.iter().map(|arg| arg.to_string()));

@@ -14,7 +14,7 @@ use tandem_dist::{JobToken, ProcessGroup, ProcessGroupOptions, ReduceOp, StoreCl
 
 mod common;
 
-use common::{assert_contains, free_port, Launcher};
+use common::{assert_contains, free_port, run_folder, tandem_succeeds, Launcher};
 
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 /// Bound on any launcher in these tests.
@@ -359,10 +359,7 @@ fn a_job_that_trains_nothing_keeps_its_logs_out_of_runs_latest() {
     // A run in runs/latest, where `train` writes without --output-dir.
     let run = dir.path().join("runs/latest");
     let train = common::with_flag(common::small_synthetic_run(&run), "--epochs", "1");
-    common::expect_success(&common::run_bounded(
-        common::tandem().args(&train),
-        LAUNCH_TIMEOUT,
-    ));
+    tandem_succeeds(&train, LAUNCH_TIMEOUT);
     let checkpoint = run.join("epoch_1.safetensors").display().to_string();
     let eval = ["eval", "--checkpoint", &checkpoint, "--threads", "1"];
     let args = launch_args(&["--nproc-per-node", "1"], &eval);
@@ -575,12 +572,8 @@ fn console(launcher: &Launcher) -> String {
 
 #[test]
 fn a_worker_refusing_its_settings_ends_the_job_at_once_with_one_message() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    common::expect_success(&common::run_bounded(
-        common::tandem().args(train_args(&out, &[])),
-        LAUNCH_TIMEOUT,
-    ));
+    let (dir, out) = run_folder();
+    tandem_succeeds(train_args(&out, &[]), LAUNCH_TIMEOUT);
     let changed = common::with_flag(train_args(&out, &[]), "--lr", "0.2");
     let flags = [
         "--standalone",
@@ -653,8 +646,7 @@ fn a_bad_flag_of_the_worker_ends_the_job_at_once() {
 
 #[test]
 fn ctrl_c_stops_the_job_saying_it_once_and_how_the_workers_ended() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (dir, out) = run_folder();
     let long = common::with_flag(
         train_args(&out, &["--snapshot-every-steps", "1"]),
         "--synthetic-train",

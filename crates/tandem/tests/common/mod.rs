@@ -209,6 +209,53 @@ pub fn children(parent: u32) -> Vec<u32> {
     pids
 }
 
+/// A new folder, and the path of a run folder `run` inside it (not created yet).
+pub fn run_folder() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let out = dir.path().join("run");
+    (dir, out)
+}
+
+/// Runs `tandem <args>` to its end within `limit`, expecting it to succeed; its standard
+/// output.
+pub fn tandem_succeeds<S: AsRef<std::ffi::OsStr>>(
+    args: impl IntoIterator<Item = S>,
+    limit: Duration,
+) -> String {
+    expect_success(&run_bounded(tandem().args(args), limit))
+}
+
+/// Runs `tandem <args>` again on a run that has finished: it succeeds saying `done` (such as
+/// `2/2 epochs done`) and trains nothing. Its standard output.
+pub fn rerun_finished(args: &[String], done: &str, limit: Duration) -> String {
+    let stdout = tandem_succeeds(args, limit);
+    assert!(
+        stdout.contains(&format!("{done}; raise --epochs to continue")),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("train | epoch"), "{stdout}");
+    stdout
+}
+
+/// Fails unless the checkpoints of `epochs` in `actual` are byte for byte those of the run
+/// straight through into `straight`; `note` ends the failure's message.
+pub fn assert_epochs_as_straight(
+    straight: &Path,
+    actual: &Path,
+    epochs: std::ops::RangeInclusive<u64>,
+    note: &str,
+) {
+    for epoch in epochs {
+        let name = format!("epoch_{epoch}.safetensors");
+        let expected = std::fs::read(straight.join(&name)).unwrap();
+        let actual = std::fs::read(actual.join(&name)).unwrap();
+        assert!(
+            expected == actual,
+            "{name} differs from the uninterrupted run's{note}"
+        );
+    }
+}
+
 /// Sends `signal` to process `pid`, a child of the test or of its launcher that is not
 /// reaped yet.
 pub fn send_signal(pid: u32, signal: i32) {
