@@ -69,26 +69,20 @@ fn config_file_is_read_and_flags_override_it() {
     let mut args = small_synthetic_run(&out);
     args.extend(["--config".to_string(), config.display().to_string()]);
     // small_synthetic_run passes --batch-size 32 and --epochs 2: flags win over the file.
-    let output = run_bounded(tandem().args(&args), LIMIT);
-    expect_success(&output);
+    tandem_succeeds(&args, LIMIT);
     let resolved = std::fs::read_to_string(out.join("config.toml")).unwrap();
     assert_contains(&resolved, "batch-size = 32");
     assert_contains(&resolved, "lr = 0.05");
     assert_contains(&resolved, "synthetic-train = 192");
 
-    let mut args: Vec<String> = vec![
-        "train".into(),
-        "--config".into(),
-        config.display().to_string(),
-    ];
-    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
-    args.extend(
-        ["--threads", "1", "--output-dir"]
-            .iter()
-            .map(|arg| arg.to_string()),
-    );
     let out2 = dir.path().join("run2");
-    args.push(out2.display().to_string());
+    let mut args = small_model_train("--threads 1");
+    args.extend([
+        "--config".to_string(),
+        config.display().to_string(),
+        "--output-dir".to_string(),
+        out2.display().to_string(),
+    ]);
     tandem_succeeds(&args, LIMIT);
     let resolved = std::fs::read_to_string(out2.join("config.toml")).unwrap();
     assert_contains(&resolved, "batch-size = 16");
