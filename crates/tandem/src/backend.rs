@@ -514,10 +514,7 @@ mod tests {
     fn ranks_gather_their_records_through_the_process_group_and_agree() {
         use crate::train::ddp::WorkerPlacement;
         use std::time::Duration;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .unwrap()
-            .port();
+        let port = tandem_testdata::free_port();
         let records = [gpu("a", 0, "0"), gpu("a", 1, "0"), cpu("b")];
         let lines: Vec<String> = std::thread::scope(|scope| {
             let ranks: Vec<_> = (0..records.len())
