@@ -73,6 +73,26 @@ fn server_with_a_runs_bucket() -> Option<(S3Server, tempfile::TempDir)> {
     Some((server, tempfile::tempdir().expect("a temporary folder")))
 }
 
+/// Runs `eval --checkpoint <checkpoint> --json` at `server` with `cache`, checks that it
+/// reports the last validation accuracy of the run's `metrics` file, and returns its output.
+fn eval_as_trained(server: &S3Server, cache: &Path, checkpoint: &str, metrics: &Path) -> Output {
+    let eval = run(
+        &server.endpoint(),
+        cache,
+        &["eval", "--checkpoint", checkpoint, "--json"].map(String::from),
+    );
+    let report = expect_success(&eval);
+    let accuracy = serde_json::from_str::<serde_json::Value>(report.trim())
+        .expect("one JSON object")["accuracy"]
+        .as_f64()
+        .expect("an accuracy");
+    let metrics = std::fs::read_to_string(metrics).expect("metrics");
+    let last: serde_json::Value =
+        serde_json::from_str(metrics.lines().last().expect("a line")).expect("a record");
+    assert_eq!(Some(accuracy), last["val_accuracy"].as_f64());
+    eval
+}
+
 /// Copies the files of `from` into `to` (recursively), as objects of a bucket.
 fn copy_tree(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).expect("the bucket folder");
@@ -261,25 +281,13 @@ fn a_run_reads_cifar10_from_a_bucket_and_writes_every_output_to_another() {
     );
 
     // eval reads the checkpoint and, through it, the data from the buckets.
-    let eval = run(
-        &server.endpoint(),
+    let checkpoint = "s3://runs/seed-000/output_dir/epoch_2.safetensors";
+    eval_as_trained(
+        &server,
         &cache,
-        &[
-            "eval".to_string(),
-            "--checkpoint".to_string(),
-            "s3://runs/seed-000/output_dir/epoch_2.safetensors".to_string(),
-            "--json".to_string(),
-        ],
+        checkpoint,
+        &bucket_output.join("metrics.jsonl"),
     );
-    let report = expect_success(&eval);
-    let accuracy = serde_json::from_str::<serde_json::Value>(report.trim())
-        .expect("one JSON object")["accuracy"]
-        .as_f64()
-        .expect("an accuracy");
-    let metrics = std::fs::read_to_string(bucket_output.join("metrics.jsonl")).expect("metrics");
-    let last: serde_json::Value =
-        serde_json::from_str(metrics.lines().last().expect("a line")).expect("a record");
-    assert_eq!(Some(accuracy), last["val_accuracy"].as_f64());
 }
 
 #[test]
@@ -940,25 +948,12 @@ fn a_checkpoint_of_obs_data_fetches_it_again_from_another_cache() {
     );
     // Another node: the first cache is gone.
     std::fs::remove_dir_all(&first_cache).expect("the first node's disk is gone");
-    let eval = run(
-        &server.endpoint(),
+    let eval = eval_as_trained(
+        &server,
         &scratch.path().join("cache-other-node"),
-        &[
-            "eval".to_string(),
-            "--checkpoint".to_string(),
-            "obs://runs/l2/epoch_1.safetensors".to_string(),
-            "--json".to_string(),
-        ],
+        "obs://runs/l2/epoch_1.safetensors",
+        &server.bucket_folder("runs").join("l2/metrics.jsonl"),
     );
-    let report = expect_success(&eval);
-    let accuracy = serde_json::from_str::<serde_json::Value>(report.trim())
-        .expect("one JSON object")["accuracy"]
-        .as_f64();
-    let metrics = std::fs::read_to_string(server.bucket_folder("runs").join("l2/metrics.jsonl"))
-        .expect("metrics");
-    let last: serde_json::Value =
-        serde_json::from_str(metrics.lines().last().expect("a line")).expect("a record");
-    assert_eq!(accuracy, last["val_accuracy"].as_f64());
     assert!(
         String::from_utf8_lossy(&eval.stderr).contains("data: fetched 7 of 7 files ("),
         "{}",
