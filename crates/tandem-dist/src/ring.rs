@@ -159,7 +159,9 @@ fn ring_index(rank: usize, world_size: usize, offset: isize) -> usize {
 /// its collectives depends on besides the buffer's length.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Planner {
+    /// This rank.
     pub rank: usize,
+    /// The ranks in the ring.
     pub world_size: usize,
     /// The most elements one message carries.
     pub segment_elements: usize,
