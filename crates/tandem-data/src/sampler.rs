@@ -16,10 +16,9 @@ pub struct DistributedSampler {
     dataset_len: usize,
     num_replicas: usize,
     rank: usize,
-    shuffle: bool,
-    seed: u64,
+    /// The seed of the permutation, or `None` to visit the indices in order.
+    shuffle_seed: Option<u64>,
     drop_last: bool,
-    num_samples: usize,
 }
 
 impl DistributedSampler {
@@ -44,25 +43,26 @@ impl DistributedSampler {
                 ),
             });
         }
-        let num_samples = if drop_last {
-            dataset_len / num_replicas
-        } else {
-            dataset_len.div_ceil(num_replicas)
-        };
         Ok(DistributedSampler {
             dataset_len,
             num_replicas,
             rank,
-            shuffle,
-            seed,
+            shuffle_seed: shuffle.then_some(seed),
             drop_last,
-            num_samples,
         })
     }
 
     /// How many indices each rank visits per epoch.
     pub fn num_samples(&self) -> usize {
-        self.num_samples
+        self.share_of(self.dataset_len)
+    }
+
+    /// How many of `len` indices each rank visits: padded up, or cut down with `drop_last`.
+    fn share_of(&self, len: usize) -> usize {
+        match self.drop_last {
+            true => len / self.num_replicas,
+            false => len.div_ceil(self.num_replicas),
+        }
     }
 
     /// The indices of this rank for `epoch`, in visiting order.
@@ -76,15 +76,11 @@ impl DistributedSampler {
     /// the whole of it.
     pub fn indices_from(&self, epoch: u64, position: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.dataset_len).collect();
-        if self.shuffle {
-            SampleRng::new(self.seed, stream::SHUFFLE, epoch, 0).shuffle(&mut order);
+        if let Some(seed) = self.shuffle_seed {
+            SampleRng::new(seed, stream::SHUFFLE, epoch, 0).shuffle(&mut order);
         }
         order.drain(..position.min(order.len()));
-        let per_rank = match self.drop_last {
-            true => order.len() / self.num_replicas,
-            false => order.len().div_ceil(self.num_replicas),
-        };
-        let total = per_rank * self.num_replicas;
+        let total = self.share_of(order.len()) * self.num_replicas;
         if total > order.len() && !order.is_empty() {
             // Wrap around as often as needed (more than once when the dataset is smaller
             // than the padding).

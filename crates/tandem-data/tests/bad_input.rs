@@ -147,24 +147,8 @@ fn corrupt_and_truncated_archives() {
 fn archive_lacking_a_member() {
     let dir = tempfile::tempdir().unwrap();
     let archive_path = dir.path().join("cifar-10-binary.tar.gz");
-    let file = std::fs::File::create(&archive_path).unwrap();
-    let mut builder = tar::Builder::new(flate2::write::GzEncoder::new(
-        file,
-        flate2::Compression::fast(),
-    ));
-    let record = vec![3u8; 3073];
-    let mut header = tar::Header::new_gnu();
-    header.set_size(record.len() as u64);
-    header.set_mode(0o644);
-    header.set_cksum();
-    builder
-        .append_data(
-            &mut header,
-            "cifar-10-batches-bin/data_batch_1.bin",
-            &record[..],
-        )
-        .unwrap();
-    builder.into_inner().unwrap().finish().unwrap();
+    let record = ("cifar-10-batches-bin/data_batch_1.bin", 3073, 3);
+    tandem_testdata::archive::tar_gz(&archive_path, &[record]);
     let source = DataSource::Cifar10Bin {
         dir: dir.path().into(),
     };
@@ -222,72 +206,52 @@ fn python_batch_truncated() {
 }
 
 #[test]
-fn python_batch_with_wrong_keys() {
-    let batch = PyBatch {
-        data_key: "pixels",
-        ..PyBatch::valid(2)
-    };
-    let (_dir, path, source) = python_folder(&batch.to_pickle());
-    let error = error_text(load_dataset(&source, Split::Test));
-    assert_eq!(
-        error,
-        format!("{path}: missing key 'data' (found keys: bytes of length 6, bytes of length 6)")
-    );
-}
-
-#[test]
-fn python_batch_with_wrong_dtype() {
-    let batch = PyBatch {
-        dtype: "f4",
-        pixels: vec![0; 2 * 3072 * 4],
-        ..PyBatch::valid(2)
-    };
-    let (_dir, path, source) = python_folder(&batch.to_pickle());
-    let error = error_text(load_dataset(&source, Split::Test));
-    assert_eq!(
-        error,
-        format!("{path}: field 'data' has dtype f4, expected u1 (uint8)")
-    );
-}
-
-#[test]
-fn python_batch_with_wrong_row_size() {
-    let batch = PyBatch {
-        row_len: 3000,
-        pixels: vec![0; 2 * 3000],
-        ..PyBatch::valid(2)
-    };
-    let (_dir, path, source) = python_folder(&batch.to_pickle());
-    let error = error_text(load_dataset(&source, Split::Test));
-    assert_eq!(
-        error,
-        format!("{path}: field 'data' has rows of 3000 values, expected 3072 (3 x 32 x 32)")
-    );
-}
-
-#[test]
-fn python_batch_with_label_count_or_value_wrong() {
-    let batch = PyBatch {
-        labels: vec![1, 2, 3],
-        ..PyBatch::valid(2)
-    };
-    let (_dir, path, source) = python_folder(&batch.to_pickle());
-    let error = error_text(load_dataset(&source, Split::Test));
-    assert_eq!(
-        error,
-        format!("{path}: field 'labels' has 3 entries, expected 2 (one per row of 'data')")
-    );
-
-    let batch = PyBatch {
-        labels: vec![1, 12],
-        ..PyBatch::valid(2)
-    };
-    let (_dir, path, source) = python_folder(&batch.to_pickle());
-    let error = error_text(load_dataset(&source, Split::Test));
-    assert_eq!(
-        error,
-        format!("{path}: field 'labels' entry 1 is int 12, expected an int in 0..=9")
-    );
+fn python_batches_with_a_wrong_key_dtype_row_size_or_labels_are_refused() {
+    let valid = || PyBatch::valid(2);
+    let cases = [
+        (
+            PyBatch {
+                data_key: "pixels",
+                ..valid()
+            },
+            "missing key 'data' (found keys: bytes of length 6, bytes of length 6)",
+        ),
+        (
+            PyBatch {
+                dtype: "f4",
+                pixels: vec![0; 2 * 3072 * 4],
+                ..valid()
+            },
+            "field 'data' has dtype f4, expected u1 (uint8)",
+        ),
+        (
+            PyBatch {
+                row_len: 3000,
+                pixels: vec![0; 2 * 3000],
+                ..valid()
+            },
+            "field 'data' has rows of 3000 values, expected 3072 (3 x 32 x 32)",
+        ),
+        (
+            PyBatch {
+                labels: vec![1, 2, 3],
+                ..valid()
+            },
+            "field 'labels' has 3 entries, expected 2 (one per row of 'data')",
+        ),
+        (
+            PyBatch {
+                labels: vec![1, 12],
+                ..valid()
+            },
+            "field 'labels' entry 1 is int 12, expected an int in 0..=9",
+        ),
+    ];
+    for (batch, problem) in cases {
+        let (_dir, path, source) = python_folder(&batch.to_pickle());
+        let error = error_text(load_dataset(&source, Split::Test));
+        assert_eq!(error, format!("{path}: {problem}"));
+    }
 }
 
 /// A JSON-layout folder with the given test annotations and images.
@@ -427,28 +391,20 @@ fn json_missing_image_file() {
 #[test]
 fn json_images_of_the_wrong_size_or_colour() {
     let annotations = r#"{"images": ["small.png"], "categories": [1]}"#;
-    let (dir, _, source) = json_folder(annotations, &[("small.png", png(rgb_image(16, 32)))]);
-    let error = error_text(load_dataset(&source, Split::Test));
-    let image_path = dir.path().join("test_cifar10/small.png");
-    assert_eq!(
-        error,
-        format!(
-            "{}: image is 16x32 (width x height), expected 32x32 RGB",
-            image_path.display()
-        )
-    );
-
     let gray = image::DynamicImage::ImageLuma8(image::GrayImage::new(32, 32));
-    let (dir, _, source) = json_folder(annotations, &[("small.png", png(gray))]);
-    let error = error_text(load_dataset(&source, Split::Test));
-    let image_path = dir.path().join("test_cifar10/small.png");
-    assert_eq!(
-        error,
-        format!(
-            "{}: image has color type L8, expected 8-bit RGB",
-            image_path.display()
-        )
-    );
+    let cases = [
+        (
+            rgb_image(16, 32),
+            "image is 16x32 (width x height), expected 32x32 RGB",
+        ),
+        (gray, "image has color type L8, expected 8-bit RGB"),
+    ];
+    for (image, problem) in cases {
+        let (dir, _, source) = json_folder(annotations, &[("small.png", png(image))]);
+        let error = error_text(load_dataset(&source, Split::Test));
+        let image_path = dir.path().join("test_cifar10/small.png");
+        assert_eq!(error, format!("{}: {problem}", image_path.display()));
+    }
 }
 
 #[test]

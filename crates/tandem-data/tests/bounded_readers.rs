@@ -5,17 +5,25 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use common::PyBatch;
 use tandem_data::{load_dataset, read_image, read_image_resized, DataSource, Split};
+use tandem_testdata::archive::tar_gz;
 
 /// The largest CIFAR-10 batch: 10,000 records of 3,073 bytes.
 const MAX_BATCH_BYTES: u64 = 30_730_000;
 
 fn error_text<T: std::fmt::Debug>(result: Result<T, tandem_data::DataError>) -> String {
     result.expect_err("expected a refusal").to_string()
+}
+
+/// Loading the test split of `source` fails, naming `path` then `problem`.
+fn assert_test_split_refused(source: DataSource, path: &Path, problem: &str) {
+    assert_eq!(
+        error_text(load_dataset(&source, Split::Test)),
+        format!("{}: {problem}", path.display())
+    );
 }
 
 /// A file of `len` bytes that takes no room (sparse): reading it would cost `len` bytes
@@ -27,46 +35,34 @@ fn sparse_file(path: &Path, len: u64) {
 }
 
 #[test]
-fn a_binary_batch_longer_than_any_cifar_batch_is_refused_by_its_size() {
+fn binary_and_python_batches_longer_than_any_cifar_batch_are_refused_by_their_size() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let path = dir.path().join("test_batch.bin");
-    let len = MAX_BATCH_BYTES + 3073;
-    sparse_file(&path, len);
-    let source = DataSource::Cifar10Bin {
-        dir: dir.path().into(),
-    };
-    assert_eq!(
-        error_text(load_dataset(&source, Split::Test)),
-        format!(
-            "{}: {len} bytes, more than a CIFAR-10 batch holds (at most 30730000 bytes: 10000 records of 3073)",
-            path.display()
-        )
-    );
-}
-
-/// A `.tar.gz` holding `members` (name, length of zeros), compressed as it is written.
-fn tar_gz(path: &Path, members: &[(&str, u64)]) {
-    let encoder = flate2::write::GzEncoder::new(
-        std::fs::File::create(path).expect("archive"),
-        flate2::Compression::fast(),
-    );
-    let mut builder = tar::Builder::new(encoder);
-    for &(name, len) in members {
-        let mut header = tar::Header::new_gnu();
-        header.set_size(len);
-        header.set_mode(0o644);
-        header.set_cksum();
-        builder
-            .append_data(&mut header, name, std::io::repeat(0).take(len))
-            .expect("member");
+    let binary = MAX_BATCH_BYTES + 3073;
+    let python = 40_000_000;
+    let cases = [
+        (
+            DataSource::Cifar10Bin {
+                dir: dir.path().into(),
+            },
+            dir.path().join("test_batch.bin"),
+            binary,
+            format!("{binary} bytes, more than a CIFAR-10 batch holds (at most 30730000 bytes: 10000 records of 3073)"),
+        ),
+        (
+            DataSource::Cifar10Py {
+                dir: dir.path().into(),
+            },
+            python_test_batch(dir.path()),
+            python,
+            format!(
+                "{python} bytes, more than this CIFAR-10 python file can hold (at most 32817152 bytes)"
+            ),
+        ),
+    ];
+    for (source, path, len, problem) in cases {
+        sparse_file(&path, len);
+        assert_test_split_refused(source, &path, &problem);
     }
-    builder
-        .into_inner()
-        .expect("tar")
-        .finish()
-        .expect("gzip")
-        .flush()
-        .expect("flush");
 }
 
 #[test]
@@ -74,19 +70,14 @@ fn an_archive_member_longer_than_a_batch_is_refused_before_it_is_read() {
     let dir = tempfile::tempdir().expect("temp dir");
     let archive = dir.path().join("cifar-10-binary.tar.gz");
     let len = MAX_BATCH_BYTES + 3073;
-    tar_gz(&archive, &[("cifar-10-batches-bin/test_batch.bin", len)]);
-    let error = error_text(load_dataset(
-        &DataSource::Cifar10Bin {
-            dir: archive.clone(),
-        },
-        Split::Test,
-    ));
-    assert_eq!(
-        error,
-        format!(
-            "{}: {len} bytes, more than a CIFAR-10 batch holds (at most 30730000 bytes: 10000 records of 3073)",
-            archive.join("cifar-10-batches-bin/test_batch.bin").display()
-        )
+    tar_gz(&archive, &[("cifar-10-batches-bin/test_batch.bin", len, 0)]);
+    let source = DataSource::Cifar10Bin {
+        dir: archive.clone(),
+    };
+    assert_test_split_refused(
+        source,
+        &archive.join("cifar-10-batches-bin/test_batch.bin"),
+        &format!("{len} bytes, more than a CIFAR-10 batch holds (at most 30730000 bytes: 10000 records of 3073)"),
     );
 }
 
@@ -98,10 +89,10 @@ fn an_archive_inflating_beyond_cifar_10_is_refused_even_in_members_it_skips() {
     let names: Vec<String> = (1..=7)
         .map(|batch| format!("cifar-10-batches-bin/extra_{batch}.bin"))
         .collect();
-    let members: Vec<(&str, u64)> = names
+    let members: Vec<(&str, u64, u8)> = names
         .iter()
-        .map(|name| (name.as_str(), MAX_BATCH_BYTES))
-        .chain([("cifar-10-batches-bin/test_batch.bin", 3073)])
+        .map(|name| (name.as_str(), MAX_BATCH_BYTES, 0))
+        .chain([("cifar-10-batches-bin/test_batch.bin", 3073, 0)])
         .collect();
     tar_gz(&archive, &members);
     let error = error_text(load_dataset(
@@ -119,24 +110,6 @@ fn python_test_batch(dir: &Path) -> PathBuf {
 }
 
 #[test]
-fn a_python_batch_longer_than_any_cifar_batch_is_refused_by_its_size() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let path = python_test_batch(dir.path());
-    let len = 40_000_000;
-    sparse_file(&path, len);
-    let source = DataSource::Cifar10Py {
-        dir: dir.path().into(),
-    };
-    assert_eq!(
-        error_text(load_dataset(&source, Split::Test)),
-        format!(
-            "{}: {len} bytes, more than this CIFAR-10 python file can hold (at most 32817152 bytes)",
-            path.display()
-        )
-    );
-}
-
-#[test]
 fn a_python_batch_of_more_than_ten_thousand_rows_is_refused() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = python_test_batch(dir.path());
@@ -145,12 +118,10 @@ fn a_python_batch_of_more_than_ten_thousand_rows_is_refused() {
     let source = DataSource::Cifar10Py {
         dir: dir.path().into(),
     };
-    assert_eq!(
-        error_text(load_dataset(&source, Split::Test)),
-        format!(
-            "{}: field 'data' has 10001 rows, more than a CIFAR-10 batch holds (10000)",
-            path.display()
-        )
+    assert_test_split_refused(
+        source,
+        &path,
+        "field 'data' has 10001 rows, more than a CIFAR-10 batch holds (10000)",
     );
 }
 

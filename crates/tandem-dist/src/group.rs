@@ -16,9 +16,7 @@ use crate::cluster::contract::HOST_ENV;
 use crate::element::{chunk_range, Element, ReduceOp};
 use crate::error::{DistError, Result};
 use crate::link::{collective, collective_name, kind, resolve, PeerLink};
-use crate::ring::{
-    all_gather_plan, all_reduce_plan, broadcast_plan, reduce_scatter_plan, run_plan, Ring,
-};
+use crate::ring::{run_plan, Planner, Ring};
 use crate::shared::{self, MappedParts, OwnFile, SharedBuffer};
 use crate::store::{StoreClient, StoreServer};
 use crate::transport::PeerListeners;
@@ -374,12 +372,7 @@ impl ProcessGroup {
 
     /// Reduces `buffer` over all ranks in place; every rank ends with the same bytes.
     pub fn all_reduce<T: Element>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<()> {
-        let plan = all_reduce_plan(
-            self.rank,
-            self.world_size,
-            buffer.len(),
-            self.segment_elements::<T>(),
-        );
+        let plan = self.planner::<T>().all_reduce(buffer.len());
         self.run(collective::ALL_REDUCE, T::CODE, buffer, &plan, op)
     }
 
@@ -520,13 +513,7 @@ impl ProcessGroup {
     /// Copies `root`'s `buffer` into every rank's `buffer` (all ranks pass the same length).
     pub fn broadcast<T: Element>(&mut self, buffer: &mut [T], root: usize) -> Result<()> {
         self.check_root(root)?;
-        let plan = broadcast_plan(
-            self.rank,
-            self.world_size,
-            root,
-            buffer.len(),
-            self.segment_elements::<T>(),
-        );
+        let plan = self.planner::<T>().broadcast(root, buffer.len());
         self.run(collective::BROADCAST, T::CODE, buffer, &plan, ReduceOp::Sum)
     }
 
@@ -569,12 +556,7 @@ impl ProcessGroup {
         if let Some(slot) = gathered.get_mut(own) {
             slot.copy_from_slice(part);
         }
-        let plan = all_gather_plan(
-            self.rank,
-            self.world_size,
-            part.len(),
-            self.segment_elements::<T>(),
-        );
+        let plan = self.planner::<T>().all_gather(part.len());
         self.run(
             collective::ALL_GATHER,
             T::CODE,
@@ -594,12 +576,7 @@ impl ProcessGroup {
     /// [`chunk_range`]`(input.len(), world_size, rank)`.
     pub fn reduce_scatter<T: Element>(&mut self, input: &[T], op: ReduceOp) -> Result<Vec<T>> {
         let mut buffer = input.to_vec();
-        let plan = reduce_scatter_plan(
-            self.rank,
-            self.world_size,
-            buffer.len(),
-            self.segment_elements::<T>(),
-        );
+        let plan = self.planner::<T>().reduce_scatter(buffer.len());
         self.run(collective::REDUCE_SCATTER, T::CODE, &mut buffer, &plan, op)?;
         let mine = chunk_range(buffer.len(), self.world_size, self.rank);
         let mut chunk = buffer.get(mine).unwrap_or_default().to_vec();
@@ -617,7 +594,7 @@ impl ProcessGroup {
     /// Returns once every rank has called `barrier`.
     pub fn barrier(&mut self) -> Result<()> {
         let mut count = [1i64];
-        let plan = all_reduce_plan(self.rank, self.world_size, 1, 1);
+        let plan = self.planner::<i64>().all_reduce(1);
         self.run(
             collective::BARRIER,
             i64::CODE,
@@ -666,8 +643,13 @@ impl ProcessGroup {
         }
     }
 
-    fn segment_elements<T>(&self) -> usize {
-        (self.segment_bytes / std::mem::size_of::<T>()).max(1)
+    /// The planner of this rank's collectives on elements of type `T`.
+    fn planner<T>(&self) -> Planner {
+        Planner {
+            rank: self.rank,
+            world_size: self.world_size,
+            segment_elements: (self.segment_bytes / std::mem::size_of::<T>()).max(1),
+        }
     }
 
     /// Runs one collective's plan; the first failure poisons the group.

@@ -421,17 +421,24 @@ pub(crate) fn write_raw(link: &PeerLink, bytes: &[u8]) -> std::io::Result<()> {
 mod tests {
     use super::*;
 
-    /// Two links between "rank 0" (this test) and "rank 1", as the ring would build them,
-    /// over a Unix socket or over TCP.
-    fn linked_pair(token: &JobToken, unix: bool) -> (PeerLink, PeerLink) {
+    /// Listeners on a loopback port (and a Unix socket when `unix`), and the address to dial
+    /// them at.
+    fn loopback_listeners(unix: bool) -> (PeerListeners, String) {
         let listeners = PeerListeners::bind("127.0.0.1", unix).expect("bind");
         let addr = format!("127.0.0.1:{}", listeners.port().expect("port"));
+        (listeners, addr)
+    }
+
+    /// Two links between "rank 0" (this test) and "rank 1", as the ring would build them,
+    /// over a Unix socket or over TCP.
+    fn linked_pair(unix: bool) -> (PeerLink, PeerLink) {
+        let token = &JobToken::new("t").expect("token");
+        let (listeners, addr) = loopback_listeners(unix);
         let endpoint = listeners.local_endpoint();
         assert_eq!(endpoint.is_some(), unix, "a Unix socket exactly when asked");
         let deadline = Instant::now() + Duration::from_secs(5);
         std::thread::scope(|scope| {
-            let accepted =
-                scope.spawn(|| PeerLink::accept(&listeners, 0, "rank-0-addr", 2, token, deadline));
+            let accepted = scope.spawn(|| accept_rank_1(&listeners, token, deadline));
             let connected =
                 PeerLink::connect((0, 2), 1, &addr, endpoint.as_deref(), token, deadline)
                     .expect("connect");
@@ -448,8 +455,7 @@ mod tests {
     }
 
     fn length_of_2_pow_40_is_refused_over(unix: bool) {
-        let token = JobToken::new("t").expect("token");
-        let (sender, receiver) = linked_pair(&token, unix);
+        let (sender, receiver) = linked_pair(unix);
         let expected = Header {
             sequence: 3,
             kind: kind(collective::ALL_REDUCE, 1),
@@ -478,8 +484,7 @@ mod tests {
 
     #[test]
     fn mismatched_collectives_are_named() {
-        let token = JobToken::new("t").expect("token");
-        let (sender, receiver) = linked_pair(&token, true);
+        let (sender, receiver) = linked_pair(true);
         let theirs = Header {
             sequence: 5,
             kind: kind(collective::BROADCAST, 2),
@@ -545,15 +550,28 @@ mod tests {
         None
     }
 
+    /// A job token, listeners on a loopback port and the address to dial them at, and the
+    /// deadline `limit` from now.
+    fn listening(limit: Duration) -> (JobToken, PeerListeners, String, Instant) {
+        let token = JobToken::new("right").expect("token");
+        let (listeners, addr) = loopback_listeners(false);
+        (token, listeners, addr, Instant::now() + limit)
+    }
+
+    /// Rank 0 of 2 admitting rank 1 on `listeners`.
+    fn accept_rank_1(
+        listeners: &PeerListeners,
+        token: &JobToken,
+        deadline: Instant,
+    ) -> Result<PeerLink> {
+        PeerLink::accept(listeners, 0, "rank-0-addr", 2, token, deadline)
+    }
+
     #[test]
     fn a_trickling_stranger_delays_no_peer_and_is_closed_once_the_peer_is_in() {
-        let token = JobToken::new("t").expect("token");
-        let listeners = PeerListeners::bind("127.0.0.1", false).expect("bind");
-        let addr = format!("127.0.0.1:{}", listeners.port().expect("port"));
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let (token, listeners, addr, deadline) = listening(Duration::from_secs(20));
         std::thread::scope(|scope| {
-            let accepted =
-                scope.spawn(|| PeerLink::accept(&listeners, 0, "rank-0-addr", 2, &token, deadline));
+            let accepted = scope.spawn(|| accept_rank_1(&listeners, &token, deadline));
             let stranger = scope.spawn(|| trickle(&addr, Duration::from_secs(15)));
             std::thread::sleep(Duration::from_millis(300));
             let started = Instant::now();
@@ -582,13 +600,10 @@ mod tests {
 
     #[test]
     fn a_trickling_strangers_handshake_ends_by_its_deadline_not_per_read() {
-        let token = JobToken::new("t").expect("token");
-        let listeners = PeerListeners::bind("127.0.0.1", false).expect("bind");
-        let addr = format!("127.0.0.1:{}", listeners.port().expect("port"));
-        let deadline = Instant::now() + HANDSHAKE_LIMIT + Duration::from_secs(4);
+        let (token, listeners, addr, deadline) =
+            listening(HANDSHAKE_LIMIT + Duration::from_secs(4));
         std::thread::scope(|scope| {
-            let accepted =
-                scope.spawn(|| PeerLink::accept(&listeners, 0, "rank-0-addr", 2, &token, deadline));
+            let accepted = scope.spawn(|| accept_rank_1(&listeners, &token, deadline));
             let started = Instant::now();
             let closed = trickle(&addr, HANDSHAKE_LIMIT * 3).expect("the stranger is closed");
             let held = closed.saturating_duration_since(started);
@@ -610,13 +625,9 @@ mod tests {
 
     #[test]
     fn wrong_token_and_wrong_rank_are_not_admitted() {
-        let token = JobToken::new("right").expect("token");
-        let listeners = PeerListeners::bind("127.0.0.1", false).expect("bind");
-        let addr = format!("127.0.0.1:{}", listeners.port().expect("port"));
-        let deadline = Instant::now() + Duration::from_millis(1500);
+        let (token, listeners, addr, deadline) = listening(Duration::from_millis(1500));
         std::thread::scope(|scope| {
-            let accepted =
-                scope.spawn(|| PeerLink::accept(&listeners, 0, "rank-0-addr", 2, &token, deadline));
+            let accepted = scope.spawn(|| accept_rank_1(&listeners, &token, deadline));
             let wrong = JobToken::new("wrong").expect("token");
             let refused = PeerLink::connect((0, 2), 1, &addr, None, &wrong, deadline)
                 .err()

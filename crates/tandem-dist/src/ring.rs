@@ -88,27 +88,21 @@ impl PlanBuilder {
 
     fn send_chunk(&mut self, chunk: usize) {
         for segment in self.chunk_segments.get(chunk).cloned().unwrap_or_default() {
-            let after_receive = self.last_receive.get(segment).copied().flatten();
-            if let Some(last) = self.last_send.get_mut(segment) {
-                *last = Some(self.plan.sends.len());
-            }
+            let step = self.plan.sends.len();
             self.plan.sends.push(Send {
                 segment,
-                after_receive,
+                after_receive: order(segment, step, &mut self.last_send, &self.last_receive),
             });
         }
     }
 
     fn receive_chunk(&mut self, chunk: usize, arrival: Arrival) {
         for segment in self.chunk_segments.get(chunk).cloned().unwrap_or_default() {
-            let after_send = self.last_send.get(segment).copied().flatten();
-            if let Some(last) = self.last_receive.get_mut(segment) {
-                *last = Some(self.plan.receives.len());
-            }
+            let step = self.plan.receives.len();
             self.plan.receives.push(Receive {
                 segment,
                 arrival,
-                after_send,
+                after_send: order(segment, step, &mut self.last_receive, &self.last_send),
             });
         }
     }
@@ -140,76 +134,85 @@ impl PlanBuilder {
     }
 }
 
+/// Orders step `step` of one direction on `segment`: records it as that direction's last
+/// step there (in `mine`) and returns the other direction's last step there (in `theirs`),
+/// which it must wait for.
+fn order(
+    segment: usize,
+    step: usize,
+    mine: &mut [Option<usize>],
+    theirs: &[Option<usize>],
+) -> Option<usize> {
+    if let Some(last) = mine.get_mut(segment) {
+        *last = Some(step);
+    }
+    theirs.get(segment).copied().flatten()
+}
+
 /// `(rank + offset) mod world_size`.
 fn ring_index(rank: usize, world_size: usize, offset: isize) -> usize {
     let world_size = world_size.max(1) as isize;
     (rank as isize + offset).rem_euclid(world_size) as usize
 }
 
-/// The all-reduce plan: reduce-scatter then all-gather over `len` elements.
-pub(crate) fn all_reduce_plan(
-    rank: usize,
-    world_size: usize,
-    len: usize,
-    segment_elements: usize,
-) -> Plan {
-    let mut builder = PlanBuilder::new(
-        (0..world_size).map(|chunk| chunk_range(len, world_size, chunk)),
-        segment_elements,
-    );
-    builder.reduce_scatter_steps(rank, world_size);
-    builder.all_gather_steps(rank, world_size);
-    builder.plan
+/// Where one rank stands in the ring and how finely it cuts buffers: what every plan of
+/// its collectives depends on besides the buffer's length.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Planner {
+    /// This rank.
+    pub rank: usize,
+    /// The ranks in the ring.
+    pub world_size: usize,
+    /// The most elements one message carries.
+    pub segment_elements: usize,
 }
 
-/// The reduce-scatter plan: afterwards chunk `rank` of the buffer is complete on rank `rank`.
-pub(crate) fn reduce_scatter_plan(
-    rank: usize,
-    world_size: usize,
-    len: usize,
-    segment_elements: usize,
-) -> Plan {
-    let mut builder = PlanBuilder::new(
-        (0..world_size).map(|chunk| chunk_range(len, world_size, chunk)),
-        segment_elements,
-    );
-    builder.reduce_scatter_steps(rank, world_size);
-    builder.plan
-}
-
-/// The all-gather plan over a buffer of `world_size` chunks of `part_len` elements each.
-pub(crate) fn all_gather_plan(
-    rank: usize,
-    world_size: usize,
-    part_len: usize,
-    segment_elements: usize,
-) -> Plan {
-    let chunks = (0..world_size).map(|chunk| chunk * part_len..(chunk + 1) * part_len);
-    let mut builder = PlanBuilder::new(chunks, segment_elements);
-    builder.all_gather_steps(rank, world_size);
-    builder.plan
-}
-
-/// The broadcast plan: the buffer travels from `root` around the ring, stopping before it
-/// gets back to `root`.
-pub(crate) fn broadcast_plan(
-    rank: usize,
-    world_size: usize,
-    root: usize,
-    len: usize,
-    segment_elements: usize,
-) -> Plan {
-    let mut builder = PlanBuilder::new(std::iter::once(0..len), segment_elements);
-    let distance = ring_index(rank, world_size, -(root as isize));
-    if world_size > 1 {
-        if distance != 0 {
-            builder.receive_chunk(0, Arrival::Overwrite);
-        }
-        if distance + 1 != world_size {
-            builder.send_chunk(0);
-        }
+impl Planner {
+    /// The all-reduce plan: reduce-scatter then all-gather over `len` elements.
+    pub(crate) fn all_reduce(&self, len: usize) -> Plan {
+        let mut builder = self.reduce_scattered(len);
+        builder.all_gather_steps(self.rank, self.world_size);
+        builder.plan
     }
-    builder.plan
+
+    /// The reduce-scatter plan: afterwards chunk `rank` of the buffer is complete on rank
+    /// `rank`.
+    pub(crate) fn reduce_scatter(&self, len: usize) -> Plan {
+        self.reduce_scattered(len).plan
+    }
+
+    /// A builder over `len` elements cut into `world_size` chunks, with the reduce-scatter
+    /// steps planned.
+    fn reduce_scattered(&self, len: usize) -> PlanBuilder {
+        let chunks = (0..self.world_size).map(|chunk| chunk_range(len, self.world_size, chunk));
+        let mut builder = PlanBuilder::new(chunks, self.segment_elements);
+        builder.reduce_scatter_steps(self.rank, self.world_size);
+        builder
+    }
+
+    /// The all-gather plan over a buffer of `world_size` chunks of `part_len` elements each.
+    pub(crate) fn all_gather(&self, part_len: usize) -> Plan {
+        let chunks = (0..self.world_size).map(|chunk| chunk * part_len..(chunk + 1) * part_len);
+        let mut builder = PlanBuilder::new(chunks, self.segment_elements);
+        builder.all_gather_steps(self.rank, self.world_size);
+        builder.plan
+    }
+
+    /// The broadcast plan: the buffer of `len` elements travels from `root` around the ring,
+    /// stopping before it gets back to `root`.
+    pub(crate) fn broadcast(&self, root: usize, len: usize) -> Plan {
+        let mut builder = PlanBuilder::new(std::iter::once(0..len), self.segment_elements);
+        let distance = ring_index(self.rank, self.world_size, -(root as isize));
+        if self.world_size > 1 {
+            if distance != 0 {
+                builder.receive_chunk(0, Arrival::Overwrite);
+            }
+            if distance + 1 != self.world_size {
+                builder.send_chunk(0);
+            }
+        }
+        builder.plan
+    }
 }
 
 /// The neighbours and settings one plan runs with.
@@ -332,13 +335,20 @@ pub(crate) fn run_plan<T: Element>(
         kind,
         bytes: (plan.segments.get(segment).map_or(0, Range::len) * std::mem::size_of::<T>()) as u64,
     };
+    let transfer = Transfer {
+        ring,
+        plan,
+        segments: &segments,
+        progress: &progress,
+        header: &header,
+    };
     std::thread::scope(|scope| {
         scope.spawn(|| {
-            if let Err(error) = send_all(ring, plan, &segments, &progress, &header) {
+            if let Err(error) = transfer.send_all() {
                 failure.record(error);
             }
         });
-        if let Err(error) = receive_all(ring, plan, &segments, &progress, &header, op) {
+        if let Err(error) = transfer.receive_all(op) {
             failure.record(error);
         }
     });
@@ -372,89 +382,95 @@ fn split_segments<'b, T>(
     Ok(segments)
 }
 
-fn send_all<T: Element>(
-    ring: &Ring<'_>,
-    plan: &Plan,
-    segments: &[Mutex<&mut [T]>],
-    progress: &Progress,
-    header: &(dyn Fn(usize) -> Header + Sync),
-) -> Result<()> {
-    for send in &plan.sends {
-        if let Some(receive) = send.after_receive {
-            progress.wait_until(
-                ring.deadline,
-                |counts| counts.received > receive,
-                || late_error(ring.left, ring.op),
+/// One plan's run over a buffer cut into segments: what its sending and its receiving
+/// thread share.
+struct Transfer<'a, 'b, T> {
+    ring: &'a Ring<'a>,
+    plan: &'a Plan,
+    segments: &'a [Mutex<&'b mut [T]>],
+    progress: &'a Progress,
+    header: &'a (dyn Fn(usize) -> Header + Sync),
+}
+
+impl<T: Element> Transfer<'_, '_, T> {
+    /// The sending thread's part: the plan's sends in order, each after the receive it waits
+    /// for.
+    fn send_all(&self) -> Result<()> {
+        for send in &self.plan.sends {
+            if let Some(receive) = send.after_receive {
+                self.progress.wait_until(
+                    self.ring.deadline,
+                    |counts| counts.received > receive,
+                    || late_error(self.ring.left, self.ring.op),
+                )?;
+            }
+            let segment = lock_segment(self.segments, send.segment)?;
+            self.ring.right.send(
+                (self.header)(send.segment),
+                bytemuck::cast_slice(&segment[..]),
+                self.ring.deadline,
+                self.ring.op,
             )?;
+            drop(segment);
+            self.progress.count(|counts| counts.sent += 1);
         }
-        let segment = lock_segment(segments, send.segment)?;
-        ring.right.send(
-            header(send.segment),
-            bytemuck::cast_slice(&segment[..]),
-            ring.deadline,
-            ring.op,
-        )?;
-        drop(segment);
-        progress.count(|counts| counts.sent += 1);
+        Ok(())
     }
-    Ok(())
+
+    /// The receiving thread's part: the plan's receives in order, each combined with `op`
+    /// or copied as the plan says, after the send it waits for.
+    fn receive_all(&self, op: ReduceOp) -> Result<()> {
+        let longest = self
+            .plan
+            .receives
+            .iter()
+            .filter_map(|receive| self.plan.segments.get(receive.segment))
+            .map(Range::len)
+            .max();
+        let mut incoming = vec![T::zeroed(); longest.unwrap_or(0)];
+        for receive in &self.plan.receives {
+            let expected = (self.header)(receive.segment);
+            if let Some(send) = receive.after_send {
+                let late = || {
+                    self.ring
+                        .right
+                        .error("did not take data before the deadline", self.ring.op)
+                };
+                self.progress
+                    .wait_until(self.ring.deadline, |counts| counts.sent > send, late)?;
+            }
+            let mut segment = lock_segment(self.segments, receive.segment)?;
+            if receive.arrival == Arrival::Overwrite {
+                self.ring.left.receive(
+                    expected,
+                    bytemuck::cast_slice_mut(&mut segment[..]),
+                    self.ring.deadline,
+                    self.ring.op,
+                )?;
+            } else {
+                let incoming = incoming.get_mut(..segment.len()).unwrap_or_default();
+                self.ring.left.receive(
+                    expected,
+                    bytemuck::cast_slice_mut(incoming),
+                    self.ring.deadline,
+                    self.ring.op,
+                )?;
+                combine_slices(op, &mut segment[..], incoming);
+                if receive.arrival == Arrival::ReduceAndFinish && op == ReduceOp::Mean {
+                    for value in segment.iter_mut() {
+                        *value = value.divide(self.ring.world_size);
+                    }
+                }
+            }
+            drop(segment);
+            self.progress.count(|counts| counts.received += 1);
+        }
+        Ok(())
+    }
 }
 
 fn late_error(peer: &PeerLink, op: &str) -> DistError {
     peer.error("sent nothing before the deadline", op)
-}
-
-fn receive_all<T: Element>(
-    ring: &Ring<'_>,
-    plan: &Plan,
-    segments: &[Mutex<&mut [T]>],
-    progress: &Progress,
-    header: &(dyn Fn(usize) -> Header + Sync),
-    op: ReduceOp,
-) -> Result<()> {
-    let longest = plan
-        .receives
-        .iter()
-        .filter_map(|receive| plan.segments.get(receive.segment))
-        .map(Range::len)
-        .max();
-    let mut incoming = vec![T::zeroed(); longest.unwrap_or(0)];
-    for receive in &plan.receives {
-        let expected = header(receive.segment);
-        if let Some(send) = receive.after_send {
-            let late = || {
-                ring.right
-                    .error("did not take data before the deadline", ring.op)
-            };
-            progress.wait_until(ring.deadline, |counts| counts.sent > send, late)?;
-        }
-        let mut segment = lock_segment(segments, receive.segment)?;
-        if receive.arrival == Arrival::Overwrite {
-            ring.left.receive(
-                expected,
-                bytemuck::cast_slice_mut(&mut segment[..]),
-                ring.deadline,
-                ring.op,
-            )?;
-        } else {
-            let incoming = incoming.get_mut(..segment.len()).unwrap_or_default();
-            ring.left.receive(
-                expected,
-                bytemuck::cast_slice_mut(incoming),
-                ring.deadline,
-                ring.op,
-            )?;
-            combine_slices(op, &mut segment[..], incoming);
-            if receive.arrival == Arrival::ReduceAndFinish && op == ReduceOp::Mean {
-                for value in segment.iter_mut() {
-                    *value = value.divide(ring.world_size);
-                }
-            }
-        }
-        drop(segment);
-        progress.count(|counts| counts.received += 1);
-    }
-    Ok(())
 }
 
 fn lock_segment<'s, 'b, T>(
@@ -473,6 +489,14 @@ fn lock_segment<'s, 'b, T>(
 mod tests {
     use super::*;
 
+    fn planner(rank: usize, world_size: usize, segment_elements: usize) -> Planner {
+        Planner {
+            rank,
+            world_size,
+            segment_elements,
+        }
+    }
+
     fn simulate_all_reduce(
         world_size: usize,
         len: usize,
@@ -483,7 +507,7 @@ mod tests {
             .map(|rank| (0..len).map(|i| (rank * 1000 + i) as f64).collect())
             .collect();
         let plans: Vec<Plan> = (0..world_size)
-            .map(|rank| all_reduce_plan(rank, world_size, len, segment_elements))
+            .map(|rank| planner(rank, world_size, segment_elements).all_reduce(len))
             .collect();
         simulate(buffers, &plans, op)
     }
@@ -607,7 +631,7 @@ mod tests {
 
             // Reduce-scatter with Max: rank r holds its chunk's maxima.
             let plans: Vec<Plan> = (0..world_size)
-                .map(|rank| reduce_scatter_plan(rank, world_size, len, segment_elements))
+                .map(|rank| planner(rank, world_size, segment_elements).reduce_scatter(len))
                 .collect();
             let outputs = simulate((0..world_size).map(input).collect(), &plans, ReduceOp::Max);
             for (rank, output) in outputs.iter().enumerate() {
@@ -623,7 +647,7 @@ mod tests {
             // All-gather: every rank ends with all parts in rank order.
             let part = len.min(7);
             let plans: Vec<Plan> = (0..world_size)
-                .map(|rank| all_gather_plan(rank, world_size, part, segment_elements))
+                .map(|rank| planner(rank, world_size, segment_elements).all_gather(part))
                 .collect();
             let gathered = |rank: usize| -> Vec<f64> {
                 (0..world_size * part)
@@ -650,7 +674,7 @@ mod tests {
 
             // Broadcast from a random root.
             let plans: Vec<Plan> = (0..world_size)
-                .map(|rank| broadcast_plan(rank, world_size, root, len, segment_elements))
+                .map(|rank| planner(rank, world_size, segment_elements).broadcast(root, len))
                 .collect();
             let outputs = simulate((0..world_size).map(input).collect(), &plans, ReduceOp::Sum);
             for output in &outputs {
@@ -676,7 +700,7 @@ mod tests {
     #[test]
     fn each_rank_sends_two_world_minus_one_over_world_of_the_data() {
         let (world_size, len) = (4, 1000);
-        let plan = all_reduce_plan(1, world_size, len, 64);
+        let plan = planner(1, world_size, 64).all_reduce(len);
         let sent: usize = plan
             .sends
             .iter()
@@ -687,10 +711,10 @@ mod tests {
 
     #[test]
     fn broadcast_plan_stops_before_the_root() {
-        let last = broadcast_plan(1, 3, 2, 10, 4);
+        let last = planner(1, 3, 4).broadcast(2, 10);
         assert!(last.sends.is_empty());
         assert_eq!(last.receives.len(), 3);
-        let root = broadcast_plan(2, 3, 2, 10, 4);
+        let root = planner(2, 3, 4).broadcast(2, 10);
         assert!(root.receives.is_empty());
         assert_eq!(
             root.sends
@@ -699,7 +723,7 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![None; 3]
         );
-        let middle = broadcast_plan(0, 3, 2, 10, 4);
+        let middle = planner(0, 3, 4).broadcast(2, 10);
         assert_eq!(
             middle
                 .sends

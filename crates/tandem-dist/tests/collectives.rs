@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{run_ranks, run_ranks_tcp, value};
+use common::{on_rank_threads, run_groups_over, run_ranks, value};
 use tandem_dist::{chunk_range, ProcessGroup, ReduceOp, DEFAULT_SEGMENT_BYTES};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -98,10 +98,13 @@ fn all_reduce_everything(group: &mut ProcessGroup) -> Vec<(String, Vec<u8>)> {
 }
 
 fn check_all_reduce(world_size: usize, segment_bytes: usize, unix_sockets: bool) {
-    let outputs = match unix_sockets {
-        true => run_ranks(world_size, TIMEOUT, segment_bytes, all_reduce_everything),
-        false => run_ranks_tcp(world_size, TIMEOUT, segment_bytes, all_reduce_everything),
-    };
+    let outputs = run_groups_over(
+        unix_sockets,
+        world_size,
+        TIMEOUT,
+        segment_bytes,
+        |mut group| all_reduce_everything(&mut group),
+    );
     for rank_outputs in &outputs {
         assert_eq!(
             rank_outputs, &outputs[0],
@@ -283,37 +286,22 @@ fn rank_zero_can_host_the_store_itself() {
     // The store's port must be known before rank 0 binds it: probe a free one.
     let port = tandem_testdata::free_port();
     let token = tandem_dist::JobToken::generate().expect("token");
-    let results = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..3)
-            .map(|rank| {
-                let mut options = tandem_dist::ProcessGroupOptions::new(
-                    rank,
-                    3,
-                    "127.0.0.1",
-                    port,
-                    token.clone(),
-                );
-                options.timeout = TIMEOUT;
-                assert!(
-                    options.host_store,
-                    "hosting the store on rank 0 is the default"
-                );
-                scope.spawn(move || {
-                    let mut group = ProcessGroup::connect(options).expect("join");
-                    let mut values = vec![group.rank() as i64 + 1; 5];
-                    group
-                        .all_reduce_i64(&mut values, ReduceOp::Sum)
-                        .expect("all_reduce");
-                    // Rank 0 must outlive the others' last use of the store.
-                    group.barrier().expect("barrier");
-                    values
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|handle| handle.join().expect("rank thread"))
-            .collect::<Vec<_>>()
+    let results = on_rank_threads(3, |rank| {
+        let mut options =
+            tandem_dist::ProcessGroupOptions::new(rank, 3, "127.0.0.1", port, token.clone());
+        options.timeout = TIMEOUT;
+        assert!(
+            options.host_store,
+            "hosting the store on rank 0 is the default"
+        );
+        let mut group = ProcessGroup::connect(options).expect("join");
+        let mut values = vec![group.rank() as i64 + 1; 5];
+        group
+            .all_reduce_i64(&mut values, ReduceOp::Sum)
+            .expect("all_reduce");
+        // Rank 0 must outlive the others' last use of the store.
+        group.barrier().expect("barrier");
+        values
     });
     assert_eq!(results, vec![vec![6i64; 5]; 3]);
 }

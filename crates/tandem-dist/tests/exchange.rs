@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::start_store;
+use common::{on_rank_threads, start_store};
 use tandem_dist::{
     gather_records, nccl_unique_id_key, publish_nccl_unique_id, receive_nccl_unique_id, DistError,
     JobToken, StoreClient, StoreServer, NCCL_UNIQUE_ID_BYTES,
@@ -33,26 +33,16 @@ fn exchange(
     world_size: usize,
     id: &[u8],
 ) -> Vec<Vec<u8>> {
-    std::thread::scope(|scope| {
-        let ranks: Vec<_> = (0..world_size)
-            .map(|rank| {
-                scope.spawn(move || {
-                    let store = client(server, token);
-                    if rank == 0 {
-                        publish_nccl_unique_id(&store, prefix, id).expect("publish");
-                        id.to_vec()
-                    } else {
-                        receive_nccl_unique_id(&store, prefix, TIMEOUT)
-                            .expect("receive")
-                            .to_vec()
-                    }
-                })
-            })
-            .collect();
-        ranks
-            .into_iter()
-            .map(|rank| rank.join().expect("rank thread panicked"))
-            .collect()
+    on_rank_threads(world_size, |rank| {
+        let store = client(server, token);
+        if rank == 0 {
+            publish_nccl_unique_id(&store, prefix, id).expect("publish");
+            id.to_vec()
+        } else {
+            receive_nccl_unique_id(&store, prefix, TIMEOUT)
+                .expect("receive")
+                .to_vec()
+        }
     })
 }
 
@@ -162,27 +152,19 @@ fn a_second_rank_0_in_the_same_round_is_refused() {
 fn records_are_gathered_in_rank_order_and_missing_ranks_are_named() {
     let (server, token) = start_store();
     let world_size = 3;
-    let gathered: Vec<Vec<Vec<u8>>> = std::thread::scope(|scope| {
-        let ranks: Vec<_> = (0..world_size)
-            .map(|rank| {
-                let (server, token) = (&server, &token);
-                scope.spawn(move || {
-                    let store = client(server, token);
-                    let record = format!("rank {rank} on cuda:{rank}");
-                    gather_records(
-                        &store,
-                        "round0/pg",
-                        "device",
-                        rank,
-                        world_size,
-                        record.as_bytes(),
-                        TIMEOUT,
-                    )
-                    .expect("gather")
-                })
-            })
-            .collect();
-        ranks.into_iter().map(|rank| rank.join().unwrap()).collect()
+    let gathered = on_rank_threads(world_size, |rank| {
+        let store = client(&server, &token);
+        let record = format!("rank {rank} on cuda:{rank}");
+        gather_records(
+            &store,
+            "round0/pg",
+            "device",
+            rank,
+            world_size,
+            record.as_bytes(),
+            TIMEOUT,
+        )
+        .expect("gather")
     });
     let expected: Vec<Vec<u8>> = (0..world_size)
         .map(|rank| format!("rank {rank} on cuda:{rank}").into_bytes())

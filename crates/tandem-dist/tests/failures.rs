@@ -6,8 +6,10 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{options, start_store};
-use tandem_dist::{DistError, JobToken, ProcessGroup, ReduceOp, StoreClient};
+use common::{on_rank_threads, options, run_groups, start_store};
+use tandem_dist::{
+    DistError, JobToken, ProcessGroup, ReduceOp, StoreClient, DEFAULT_SEGMENT_BYTES,
+};
 
 /// Set in child processes: "rank,world_size,store_port,token,transport".
 const CHILD_ENV: &str = "TANDEM_DIST_TEST_CHILD";
@@ -251,31 +253,21 @@ fn stalled_rank_is_named_by_every_waiting_rank() {
     let store = server.local_addr();
     let world_size = 3;
     let timeout = Duration::from_millis(1500);
-    let outcomes = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..world_size)
-            .map(|rank| {
-                let mut options = options(rank, world_size, store, &token, timeout);
-                options.unix_sockets = false;
-                scope.spawn(move || {
-                    let mut group = ProcessGroup::connect(options).expect("join");
-                    if rank == 2 {
-                        // Joins, then never takes part; leaves after the others gave up.
-                        std::thread::sleep(timeout * 2);
-                        return None;
-                    }
-                    let started = Instant::now();
-                    let mut values = vec![1.0f32; 1000];
-                    let error = group
-                        .all_reduce_f32(&mut values, ReduceOp::Sum)
-                        .expect_err("must fail");
-                    Some((error, started.elapsed()))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|handle| handle.join().expect("rank thread"))
-            .collect::<Vec<_>>()
+    let outcomes = on_rank_threads(world_size, |rank| {
+        let mut options = options(rank, world_size, store, &token, timeout);
+        options.unix_sockets = false;
+        let mut group = ProcessGroup::connect(options).expect("join");
+        if rank == 2 {
+            // Joins, then never takes part; leaves after the others gave up.
+            std::thread::sleep(timeout * 2);
+            return None;
+        }
+        let started = Instant::now();
+        let mut values = vec![1.0f32; 1000];
+        let error = group
+            .all_reduce_f32(&mut values, ReduceOp::Sum)
+            .expect_err("must fail");
+        Some((error, started.elapsed()))
     });
     for (rank, outcome) in outcomes.iter().enumerate().take(2) {
         let Some((error, elapsed)) = outcome else {
@@ -299,23 +291,13 @@ fn rank_that_never_arrives_fails_the_rendezvous_naming_it() {
     let (server, token) = start_store();
     let store = server.local_addr();
     let timeout = Duration::from_millis(800);
-    let outcomes = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                let options = options(rank, 3, store, &token, timeout);
-                scope.spawn(move || {
-                    let started = Instant::now();
-                    let error = ProcessGroup::connect(options)
-                        .err()
-                        .expect("rendezvous must fail");
-                    (error, started.elapsed())
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|handle| handle.join().expect("rank thread"))
-            .collect::<Vec<_>>()
+    let outcomes = on_rank_threads(2, |rank| {
+        let options = options(rank, 3, store, &token, timeout);
+        let started = Instant::now();
+        let error = ProcessGroup::connect(options)
+            .err()
+            .expect("rendezvous must fail");
+        (error, started.elapsed())
     });
     for (error, elapsed) in outcomes {
         assert_eq!(
@@ -328,27 +310,13 @@ fn rank_that_never_arrives_fails_the_rendezvous_naming_it() {
 
 #[test]
 fn mismatched_lengths_fail_on_every_rank_and_poison_the_group() {
-    let (server, token) = start_store();
-    let store = server.local_addr();
-    let outcomes = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                let options = options(rank, 2, store, &token, TIMEOUT);
-                scope.spawn(move || {
-                    let mut group = ProcessGroup::connect(options).expect("join");
-                    let mut values = vec![1.0f32; 10 + rank * 2];
-                    let first = group
-                        .all_reduce_f32(&mut values, ReduceOp::Sum)
-                        .expect_err("lengths differ");
-                    let second = group.barrier().expect_err("group is poisoned");
-                    (first.to_string(), second)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|handle| handle.join().expect("rank thread"))
-            .collect::<Vec<_>>()
+    let outcomes = run_groups(2, TIMEOUT, DEFAULT_SEGMENT_BYTES, |mut group| {
+        let mut values = vec![1.0f32; 10 + group.rank() * 2];
+        let first = group
+            .all_reduce_f32(&mut values, ReduceOp::Sum)
+            .expect_err("lengths differ");
+        let second = group.barrier().expect_err("group is poisoned");
+        (first.to_string(), second)
     });
     for (rank, (first, second)) in outcomes.iter().enumerate() {
         assert!(
@@ -381,29 +349,15 @@ fn wrong_world_size_is_refused_at_rendezvous() {
 
 #[test]
 fn abort_fails_the_other_ranks_at_once_with_the_reason() {
-    let (server, token) = start_store();
-    let store = server.local_addr();
-    let outcomes = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..3)
-            .map(|rank| {
-                let options = options(rank, 3, store, &token, TIMEOUT);
-                scope.spawn(move || {
-                    let mut group = ProcessGroup::connect(options).expect("join");
-                    if rank == 1 {
-                        std::thread::sleep(Duration::from_millis(100));
-                        group.abort("the loss is NaN");
-                        return None;
-                    }
-                    let started = Instant::now();
-                    let error = group.barrier().expect_err("must fail");
-                    Some((error.to_string(), started.elapsed()))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|handle| handle.join().expect("rank thread"))
-            .collect::<Vec<_>>()
+    let outcomes = run_groups(3, TIMEOUT, DEFAULT_SEGMENT_BYTES, |mut group| {
+        if group.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(100));
+            group.abort("the loss is NaN");
+            return None;
+        }
+        let started = Instant::now();
+        let error = group.barrier().expect_err("must fail");
+        Some((error.to_string(), started.elapsed()))
     });
     for (rank, outcome) in outcomes.iter().enumerate() {
         let Some((message, elapsed)) = outcome else {

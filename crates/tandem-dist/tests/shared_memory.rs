@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{options, run_ranks, start_store, value};
+use common::{on_rank_threads, options, run_ranks, start_store, value};
 use tandem_dist::{
     DistError, Element, ProcessGroup, ReduceOp, SharedBuffer, DEFAULT_SEGMENT_BYTES,
 };
@@ -72,27 +72,17 @@ fn shared_all_reduce_gives_the_rings_bytes_on_every_rank() {
 fn shared_memory_turned_off_keeps_buffers_on_the_heap_and_still_reduces() {
     let (server, token) = start_store();
     let store = server.local_addr();
-    let results = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..3)
-            .map(|rank| {
-                let mut options = options(rank, 3, store, &token, TIMEOUT);
-                options.shared_memory = false;
-                scope.spawn(move || {
-                    let mut group = ProcessGroup::connect(options).expect("join");
-                    let mut buffer = group.shared_buffer::<f32>(5).expect("buffer");
-                    assert!(!buffer.is_shared());
-                    buffer.copy_from_slice(&[rank as f32; 5]);
-                    group
-                        .all_reduce_shared(&mut buffer, ReduceOp::Sum)
-                        .expect("ring all-reduce");
-                    (buffer.to_vec(), group.shared_memory_refusal().is_none())
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|handle| handle.join().expect("rank thread"))
-            .collect::<Vec<_>>()
+    let results = on_rank_threads(3, |rank| {
+        let mut options = options(rank, 3, store, &token, TIMEOUT);
+        options.shared_memory = false;
+        let mut group = ProcessGroup::connect(options).expect("join");
+        let mut buffer = group.shared_buffer::<f32>(5).expect("buffer");
+        assert!(!buffer.is_shared());
+        buffer.copy_from_slice(&[rank as f32; 5]);
+        group
+            .all_reduce_shared(&mut buffer, ReduceOp::Sum)
+            .expect("ring all-reduce");
+        (buffer.to_vec(), group.shared_memory_refusal().is_none())
     });
     for (values, no_refusal) in results {
         assert_eq!(values, vec![3.0; 5]);

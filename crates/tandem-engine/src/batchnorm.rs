@@ -96,17 +96,17 @@ pub struct BatchNormParams<'a> {
     pub bias: &'a [f32],
 }
 
-/// Training-mode statistics: computes the batch mean and variance of `input`
-/// (`[rows, channels]`), updates `running_mean`/`running_var` (momentum [`MOMENTUM`],
-/// unbiased variance) and fills `state` for [`apply`] and [`backward`].
+/// Training-mode statistics of one process's batch: computes the batch mean and variance of
+/// `input` (`[rows, channels]`), updates `running_mean`/`running_var` (momentum
+/// [`MOMENTUM`], unbiased variance) and fills `state` for [`apply`] and [`backward_coefficients`]. A
+/// layer whose statistics span processes, or that reuses its scratch space, calls
+/// [`train_statistics_from_sums`].
 pub fn train_statistics(
     input: &[f32],
     params: &BatchNormParams,
     running_mean: &mut [f32],
     running_var: &mut [f32],
     state: &mut BatchNormState,
-    reducer: Option<&mut dyn BatchNormReducer>,
-    scratch: &mut BatchNormScratch,
 ) -> Result<(), EngineError> {
     let channels = state.channels();
     assert_eq!(
@@ -115,20 +115,19 @@ pub fn train_statistics(
         "batchnorm: input is not [rows, {channels}]"
     );
     let rows = input.len() / channels.max(1);
-    column_sums(input, channels, scratch);
+    let mut scratch = BatchNormScratch::default();
+    column_sums(input, channels, &mut scratch);
     let totals = std::mem::take(&mut scratch.totals);
-    let result = train_statistics_from_sums(
+    train_statistics_from_sums(
         rows,
         &totals,
         params,
         running_mean,
         running_var,
         state,
-        reducer,
-        scratch,
-    );
-    scratch.totals = totals;
-    result
+        None,
+        &mut scratch,
+    )
 }
 
 /// [`train_statistics`] from sums gathered elsewhere (e.g. by the convolution that produced
@@ -475,35 +474,20 @@ pub struct OutputGrad<'a> {
     pub relu_output: Option<&'a [f32]>,
 }
 
-/// Training-mode backward. Adds the local `Σ dy·x̂` and `Σ dy` to `grad_weight`/`grad_bias`
-/// and writes the input gradient into `grad_input`.
-#[allow(clippy::too_many_arguments)]
+/// The second half of the training-mode backward, on its own pass over the whole batch:
+/// writes into `grad_input` the input gradient that `coefficients` (from
+/// [`backward_coefficients`]) give for `grad_output` and the layer's `input`.
 pub fn backward(
     grad_output: OutputGrad,
     input: &[f32],
-    weight: &[f32],
-    state: &BatchNormState,
-    grad_weight: &mut [f32],
-    grad_bias: &mut [f32],
+    coefficients: &BackwardCoefficients,
     grad_input: &mut [f32],
-    reducer: Option<&mut dyn BatchNormReducer>,
-    scratch: &mut BatchNormScratch,
-) -> Result<(), EngineError> {
+) {
     assert_eq!(
         grad_input.len(),
         input.len(),
         "batchnorm backward: input gradient length"
     );
-    let coefficients = backward_coefficients(
-        grad_output,
-        input,
-        weight,
-        state,
-        grad_weight,
-        grad_bias,
-        reducer,
-        scratch,
-    )?;
     let tile = coefficients.gain.len();
     let chunk = tile * elementwise_rows_per_chunk(tile);
     grad_input
@@ -521,10 +505,9 @@ pub fn backward(
             };
             coefficients.input_gradient(grad, x, dx);
         });
-    Ok(())
 }
 
-/// The first half of [`backward`]: the per-channel sums over the whole batch. Adds the local
+/// The first half of the training-mode backward: the per-channel sums over the whole batch. Adds the local
 /// `Σ dy·x̂` and `Σ dy` to `grad_weight`/`grad_bias` and returns the coefficients of the input
 /// gradient, which [`BackwardCoefficients::input_gradient`] applies chunk by chunk (possibly
 /// inside the backward pass of the convolution before this layer).
@@ -913,8 +896,6 @@ mod tests {
                 &mut running_mean,
                 &mut running_var,
                 &mut state,
-                None,
-                &mut scratch,
             )
             .expect("statistics");
             for relu in [false, true] {

@@ -711,60 +711,69 @@ fn tap_span(shape: &Conv2dShape, out_y: usize, out_x: usize, ky: usize) -> Optio
     })
 }
 
+/// Where one kernel row of one patch reads the images: `values` among the images' values,
+/// filling `columns` of the kernel row (the rest of the kernel row falls in the padding).
+struct Tap {
+    values: std::ops::Range<usize>,
+    columns: std::ops::Range<usize>,
+}
+
+/// Calls `visit(kernel_row, tap)` for every kernel row of every output pixel's receptive
+/// field over the whole images among `images_len` values: the kernel row's range in the
+/// patch matrix, and its tap (`None` where the whole kernel row falls in the padding).
+fn for_each_tap(
+    shape: &Conv2dShape,
+    images_len: usize,
+    mut visit: impl FnMut(std::ops::Range<usize>, Option<Tap>),
+) {
+    let channels = shape.in_channels;
+    let row_span = shape.kernel * channels;
+    let pixels = shape.out_height() * shape.out_width();
+    let images = images_len / shape.input_image_len();
+    for patch in 0..images * pixels {
+        let (image, pixel) = (patch / pixels, patch % pixels);
+        let (out_y, out_x) = (pixel / shape.out_width(), pixel % shape.out_width());
+        let image_start = image * shape.input_image_len();
+        for ky in 0..shape.kernel {
+            let tap = tap_span(shape, out_y, out_x, ky).map(|span| {
+                let start = image_start
+                    + (span.input_row * shape.in_width + span.first_input_col) * channels;
+                Tap {
+                    values: start..start + span.kernel_cols.len() * channels,
+                    columns: span.kernel_cols.start * channels..span.kernel_cols.end * channels,
+                }
+            });
+            let row_start = patch * shape.patch_len() + ky * row_span;
+            visit(row_start..row_start + row_span, tap);
+        }
+    }
+}
+
 /// Copies each output pixel's receptive field (zeros where it falls in the padding) into
 /// one row of `columns`, in `(ky, kx, channel)` order.
 fn im2col(shape: &Conv2dShape, images: &[f32], columns: &mut [f32]) {
-    let channels = shape.in_channels;
-    let row_span = shape.kernel * channels;
-    let (out_height, out_width) = (shape.out_height(), shape.out_width());
-    let mut rows = columns.chunks_exact_mut(shape.patch_len());
-    for image in images.chunks_exact(shape.input_image_len()) {
-        for out_y in 0..out_height {
-            for out_x in 0..out_width {
-                let Some(row) = rows.next() else { return };
-                for (ky, kernel_row) in row.chunks_exact_mut(row_span).enumerate() {
-                    let Some(span) = tap_span(shape, out_y, out_x, ky) else {
-                        kernel_row.fill(0.0);
-                        continue;
-                    };
-                    let start = (span.input_row * shape.in_width + span.first_input_col) * channels;
-                    let len = span.kernel_cols.len() * channels;
-                    kernel_row[..span.kernel_cols.start * channels].fill(0.0);
-                    kernel_row[span.kernel_cols.start * channels..span.kernel_cols.end * channels]
-                        .copy_from_slice(&image[start..start + len]);
-                    kernel_row[span.kernel_cols.end * channels..].fill(0.0);
-                }
-            }
-        }
-    }
+    for_each_tap(shape, images.len(), |kernel_row, tap| {
+        let row = &mut columns[kernel_row];
+        let Some(tap) = tap else {
+            row.fill(0.0);
+            return;
+        };
+        row[..tap.columns.start].fill(0.0);
+        row[tap.columns.clone()].copy_from_slice(&images[tap.values]);
+        row[tap.columns.end..].fill(0.0);
+    });
 }
 
 /// The adjoint of [`im2col`]: adds each patch-row gradient back onto the input pixels it
 /// was read from.
 fn col2im_add(shape: &Conv2dShape, columns: &[f32], grad_images: &mut [f32]) {
-    let channels = shape.in_channels;
-    let row_span = shape.kernel * channels;
-    let (out_height, out_width) = (shape.out_height(), shape.out_width());
-    let mut rows = columns.chunks_exact(shape.patch_len());
-    for grad_image in grad_images.chunks_exact_mut(shape.input_image_len()) {
-        for out_y in 0..out_height {
-            for out_x in 0..out_width {
-                let Some(row) = rows.next() else { return };
-                for (ky, kernel_row) in row.chunks_exact(row_span).enumerate() {
-                    let Some(span) = tap_span(shape, out_y, out_x, ky) else {
-                        continue;
-                    };
-                    let start = (span.input_row * shape.in_width + span.first_input_col) * channels;
-                    let len = span.kernel_cols.len() * channels;
-                    let source = &kernel_row
-                        [span.kernel_cols.start * channels..span.kernel_cols.end * channels];
-                    for (target, value) in grad_image[start..start + len].iter_mut().zip(source) {
-                        *target += value;
-                    }
-                }
-            }
+    for_each_tap(shape, grad_images.len(), |kernel_row, tap| {
+        let Some(tap) = tap else { return };
+        let source = &columns[kernel_row][tap.columns];
+        for (target, value) in grad_images[tap.values].iter_mut().zip(source) {
+            *target += value;
         }
-    }
+    });
 }
 
 #[cfg(test)]
@@ -776,6 +785,13 @@ mod tests {
     fn random(len: usize, seed: u64) -> Vec<f32> {
         let mut rng = Rng::new(seed);
         (0..len).map(|_| rng.uniform(-1.0, 1.0)).collect()
+    }
+
+    /// A random input and weight for `shape`, drawn from `seed` and `seed + 1`.
+    fn random_input_and_weight(shape: &Conv2dShape, seed: u64) -> (Vec<f32>, Vec<f32>) {
+        let input = random(shape.input_len(), seed);
+        let weight = random(shape.weight_len(), seed + 1);
+        (input, weight)
     }
 
     /// `(output, grad_input, grad_weight, grad_bias)` computed by definition in f64.
@@ -860,16 +876,7 @@ mod tests {
             (2, 1, 3, 17, 19, 3, 1, 1),
         ];
         for (seed, &(batch, h, w, cin, cout, k, stride, padding)) in cases.iter().enumerate() {
-            let shape = Conv2dShape {
-                batch,
-                in_height: h,
-                in_width: w,
-                in_channels: cin,
-                out_channels: cout,
-                kernel: k,
-                stride,
-                padding,
-            };
+            let shape = Conv2dShape::new(batch, (h, w), (cin, cout), k, stride, padding);
             let seed = 10 * seed as u64;
             let input = random(shape.input_len(), seed);
             let weight = random(shape.weight_len(), seed + 1);
@@ -883,18 +890,27 @@ mod tests {
             conv2d_forward(&shape, &input, &weight, Some(&bias), &mut got, &mut scratch);
             assert_close(&format!("output {label}"), &got, &output);
 
+            let mut backward = |grad_weight: &mut [f32],
+                                grad_bias: Option<&mut [f32]>,
+                                grad_input: InputGrad<'_>| {
+                conv2d_backward(
+                    &shape,
+                    &input,
+                    &weight,
+                    ConvOutputGrad::Values(&grad_output),
+                    grad_weight,
+                    grad_bias,
+                    grad_input,
+                    &mut scratch,
+                )
+            };
             let mut got_weight = vec![0.25; shape.weight_len()];
             let mut got_bias = vec![0.25; cout];
             let mut got_input = vec![0.5; shape.input_len()];
-            conv2d_backward(
-                &shape,
-                &input,
-                &weight,
-                ConvOutputGrad::Values(&grad_output),
+            backward(
                 &mut got_weight,
                 Some(&mut got_bias),
                 InputGrad::Accumulate(&mut got_input),
-                &mut scratch,
             );
             let shifted =
                 |values: &[f64], by: f64| values.iter().map(|v| v + by).collect::<Vec<_>>();
@@ -913,16 +929,7 @@ mod tests {
                 &got_input,
                 &shifted(&grad_input, 0.5),
             );
-            conv2d_backward(
-                &shape,
-                &input,
-                &weight,
-                ConvOutputGrad::Values(&grad_output),
-                &mut got_weight,
-                None,
-                InputGrad::Overwrite(&mut got_input),
-                &mut scratch,
-            );
+            backward(&mut got_weight, None, InputGrad::Overwrite(&mut got_input));
             assert_close(&format!("grad input {label}"), &got_input, &grad_input);
         }
     }
@@ -936,19 +943,9 @@ mod tests {
                 .into_iter()
                 .enumerate()
         {
-            let shape = Conv2dShape {
-                batch: 37,
-                in_height: 6,
-                in_width: 5,
-                in_channels,
-                out_channels,
-                kernel: 3,
-                stride,
-                padding: 1,
-            };
             let seed = 100 + 10 * seed as u64;
-            let input = random(shape.input_len(), seed);
-            let weight = random(shape.weight_len(), seed + 1);
+            let shape = Conv2dShape::new(37, (6, 5), (in_channels, out_channels), 3, stride, 1);
+            let (input, weight) = random_input_and_weight(&shape, seed);
             let bias = random(out_channels, seed + 2);
             let scale = random(out_channels, seed + 3);
             let shift = random(out_channels, seed + 4);
@@ -1002,18 +999,8 @@ mod tests {
     #[test]
     fn gathered_output_sums_equal_sums_of_the_output() {
         for (in_channels, out_channels, stride) in [(8, 16, 1), (3, 40, 1), (8, 16, 2)] {
-            let shape = Conv2dShape {
-                batch: 23,
-                in_height: 7,
-                in_width: 6,
-                in_channels,
-                out_channels,
-                kernel: 3,
-                stride,
-                padding: 1,
-            };
-            let input = random(shape.input_len(), 7);
-            let weight = random(shape.weight_len(), 8);
+            let shape = Conv2dShape::new(23, (7, 6), (in_channels, out_channels), 3, stride, 1);
+            let (input, weight) = random_input_and_weight(&shape, 7);
             let bias = random(out_channels, 9);
             let mut scratch = ConvScratch::default();
             let mut output = vec![0.0; shape.output_len()];
@@ -1053,19 +1040,9 @@ mod tests {
                 .into_iter()
                 .enumerate()
         {
-            let shape = Conv2dShape {
-                batch: 19,
-                in_height: 6,
-                in_width: 7,
-                in_channels,
-                out_channels,
-                kernel: 3,
-                stride: 1,
-                padding: 1,
-            };
             let seed = 300 + 10 * seed as u64;
-            let input = random(shape.input_len(), seed);
-            let weight = random(shape.weight_len(), seed + 1);
+            let shape = Conv2dShape::new(19, (6, 7), (in_channels, out_channels), 3, 1, 1);
+            let (input, weight) = random_input_and_weight(&shape, seed);
             let bn_weight = random(out_channels, seed + 2);
             let bn_bias = random(out_channels, seed + 3);
             let grad = random(shape.output_len(), seed + 4);
@@ -1086,8 +1063,6 @@ mod tests {
                 &mut running_mean,
                 &mut running_var,
                 &mut state,
-                None,
-                &mut bn_scratch,
             )
             .expect("statistics");
             let relu_output: Vec<f32> = z.iter().map(|v| (v - 0.1).max(0.0)).collect();
@@ -1102,57 +1077,37 @@ mod tests {
                     let mut grad_weight = vec![0.0; shape.weight_len()];
                     let mut grad_input = vec![0.0; shape.input_len()];
                     let mut grad_z = vec![0.0; shape.output_len()];
-                    if fused {
-                        let coefficients = batchnorm::backward_coefficients(
-                            grad_output,
-                            &z,
-                            &bn_weight,
-                            &state,
-                            &mut bn_grad_weight,
-                            &mut bn_grad_bias,
-                            None,
-                            bn_scratch,
-                        )
-                        .expect("coefficients");
-                        let through = ConvOutputGrad::ThroughBatchNorm {
+                    let coefficients = batchnorm::backward_coefficients(
+                        grad_output,
+                        &z,
+                        &bn_weight,
+                        &state,
+                        &mut bn_grad_weight,
+                        &mut bn_grad_bias,
+                        None,
+                        bn_scratch,
+                    )
+                    .expect("coefficients");
+                    let through = if fused {
+                        ConvOutputGrad::ThroughBatchNorm {
                             grad: grad_output,
                             bn_input: &z,
                             coefficients,
-                        };
-                        conv2d_backward(
-                            &shape,
-                            &input,
-                            &weight,
-                            through,
-                            &mut grad_weight,
-                            None,
-                            InputGrad::Overwrite(&mut grad_input),
-                            scratch,
-                        );
+                        }
                     } else {
-                        batchnorm::backward(
-                            grad_output,
-                            &z,
-                            &bn_weight,
-                            &state,
-                            &mut bn_grad_weight,
-                            &mut bn_grad_bias,
-                            &mut grad_z,
-                            None,
-                            bn_scratch,
-                        )
-                        .expect("backward");
-                        conv2d_backward(
-                            &shape,
-                            &input,
-                            &weight,
-                            ConvOutputGrad::Values(&grad_z),
-                            &mut grad_weight,
-                            None,
-                            InputGrad::Overwrite(&mut grad_input),
-                            scratch,
-                        );
-                    }
+                        batchnorm::backward(grad_output, &z, coefficients, &mut grad_z);
+                        ConvOutputGrad::Values(&grad_z)
+                    };
+                    conv2d_backward(
+                        &shape,
+                        &input,
+                        &weight,
+                        through,
+                        &mut grad_weight,
+                        None,
+                        InputGrad::Overwrite(&mut grad_input),
+                        scratch,
+                    );
                     [bn_grad_weight, bn_grad_bias, grad_weight, grad_input]
                 };
             let separate = run(false, &mut scratch, &mut bn_scratch);

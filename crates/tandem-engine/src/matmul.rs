@@ -143,25 +143,18 @@ mod tests {
         let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.11).cos()).collect();
         let expected = naive(&a, &b, m, k, n);
         let mut c = vec![1.0; m * n];
-        matmul(
-            &mut c,
-            n,
-            MatRef::row_major(&a, m, k),
-            MatRef::row_major(&b, k, n),
-            false,
-        );
-        for (x, y) in c.iter().zip(&expected) {
-            assert!((x - y).abs() < 1e-5);
-        }
-        matmul(
-            &mut c,
-            n,
-            MatRef::row_major(&a, m, k),
-            MatRef::row_major(&b, k, n),
-            true,
-        );
-        for (x, y) in c.iter().zip(&expected) {
-            assert!((x - 2.0 * y).abs() < 1e-5);
+        // Overwriting gives the product; accumulating onto it doubles it.
+        for (accumulate, times) in [(false, 1.0), (true, 2.0)] {
+            matmul(
+                &mut c,
+                n,
+                MatRef::row_major(&a, m, k),
+                MatRef::row_major(&b, k, n),
+                accumulate,
+            );
+            for (x, y) in c.iter().zip(&expected) {
+                assert!((x - times * y).abs() < 1e-5);
+            }
         }
         // b^T stored as [n, k]: the transposed view gives the same product.
         let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();

@@ -50,6 +50,28 @@ pub struct SgdConfig {
     pub weight_decay: f32,
 }
 
+impl SgdConfig {
+    /// Plain SGD (no momentum, dampening, Nesterov or weight decay) with learning rate `lr`.
+    pub fn with_lr(lr: f32) -> Self {
+        SgdConfig {
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+/// Panics unless `params` and `grads` (of optimizer `name`) have the same length.
+fn assert_same_lengths(name: &str, params: &[f32], grads: &[f32]) {
+    assert_eq!(
+        params.len(),
+        grads.len(),
+        "{name}: params and grads lengths differ"
+    );
+}
+
 /// Stochastic gradient descent with optional momentum, as `torch.optim.SGD`.
 pub struct Sgd {
     config: SgdConfig,
@@ -71,11 +93,7 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn step(&mut self, params: &mut [f32], grads: &[f32]) {
-        assert_eq!(
-            params.len(),
-            grads.len(),
-            "sgd: params and grads lengths differ"
-        );
+        assert_same_lengths("sgd", params, grads);
         let SgdConfig {
             lr,
             momentum,
@@ -222,11 +240,7 @@ impl Adam {
 
 impl Optimizer for Adam {
     fn step(&mut self, params: &mut [f32], grads: &[f32]) {
-        assert_eq!(
-            params.len(),
-            grads.len(),
-            "adam: params and grads lengths differ"
-        );
+        assert_same_lengths("adam", params, grads);
         assert_eq!(
             self.exp_avg.len(),
             params.len(),
@@ -409,13 +423,7 @@ mod tests {
 
     #[test]
     fn the_gpu_optimizer_settings_follow_the_cpu_optimizers_rules() {
-        let mut sgd = OptimizerConfig::Sgd(SgdConfig {
-            lr: 0.1,
-            momentum: 0.0,
-            dampening: 0.0,
-            nesterov: false,
-            weight_decay: 0.0,
-        });
+        let mut sgd = OptimizerConfig::Sgd(SgdConfig::with_lr(0.1));
         sgd.set_momentum(0.9);
         sgd.set_lr(0.5);
         let OptimizerConfig::Sgd(config) = sgd else {

@@ -23,6 +23,28 @@ pub struct Conv2dShape {
 }
 
 impl Conv2dShape {
+    /// The convolution of `batch` images of `size` (height, width) from `channels.0` to
+    /// `channels.1` channels, with a square `kernel`, `stride` and `padding`.
+    pub fn new(
+        batch: usize,
+        size: (usize, usize),
+        channels: (usize, usize),
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+    ) -> Self {
+        Conv2dShape {
+            batch,
+            in_height: size.0,
+            in_width: size.1,
+            in_channels: channels.0,
+            out_channels: channels.1,
+            kernel,
+            stride,
+            padding,
+        }
+    }
+
     /// Output `(height, width)`, or `None` when the kernel does not fit the padded input
     /// or the stride is zero.
     pub fn output_size(&self) -> Option<(usize, usize)> {

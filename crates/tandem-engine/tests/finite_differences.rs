@@ -92,41 +92,41 @@ fn conv_case(shape: Conv2dShape, with_bias: bool, seed: u64) {
         );
         dot(&output, &output_grad)
     };
+    let backward =
+        |grad_weight: &mut [f32], grad_bias: Option<&mut [f32]>, grad_input: InputGrad<'_>| {
+            conv2d_backward(
+                &shape,
+                &input,
+                &weight,
+                ConvOutputGrad::Values(&output_grad),
+                grad_weight,
+                grad_bias,
+                grad_input,
+                &mut ConvScratch::default(),
+            )
+        };
     let mut grad_weight = vec![0.0; shape.weight_len()];
     let mut grad_bias = vec![0.0; shape.out_channels];
     let mut grad_input = vec![0.0; shape.input_len()];
-    conv2d_backward(
-        &shape,
-        &input,
-        &weight,
-        ConvOutputGrad::Values(&output_grad),
+    backward(
         &mut grad_weight,
         with_bias.then_some(&mut grad_bias[..]),
         InputGrad::Overwrite(&mut grad_input),
-        &mut ConvScratch::default(),
     );
-    let label = format!("{shape:?} bias={with_bias}");
+    let argument = |name: &str, value, grad| {
+        (
+            format!("conv {name} {shape:?} bias={with_bias}"),
+            value,
+            grad,
+            1e-3,
+        )
+    };
     let mut arguments = vec![
-        (
-            format!("conv input {label}"),
-            &input[..],
-            &grad_input[..],
-            1e-3,
-        ),
-        (
-            format!("conv weight {label}"),
-            &weight[..],
-            &grad_weight[..],
-            1e-3,
-        ),
+        argument("input", &input[..], &grad_input[..]),
+        argument("weight", &weight[..], &grad_weight[..]),
     ];
     if let Some(bias) = &bias {
-        arguments.push((
-            format!("conv bias {label}"),
-            &bias[..],
-            &grad_bias[..],
-            1e-3,
-        ));
+        arguments.push(argument("bias", &bias[..], &grad_bias[..]));
     }
     check_each(&arguments, 1e-2, |values| {
         forward(values[0], values[1], values.get(2).copied())
@@ -134,15 +134,10 @@ fn conv_case(shape: Conv2dShape, with_bias: bool, seed: u64) {
 
     // Accumulating adds to what is there; the weight gradient accumulates too.
     let mut accumulated = vec![0.5; shape.input_len()];
-    conv2d_backward(
-        &shape,
-        &input,
-        &weight,
-        ConvOutputGrad::Values(&output_grad),
+    backward(
         &mut grad_weight,
         None,
         InputGrad::Accumulate(&mut accumulated),
-        &mut ConvScratch::default(),
     );
     for (a, g) in accumulated.iter().zip(&grad_input) {
         assert!(
@@ -152,40 +147,20 @@ fn conv_case(shape: Conv2dShape, with_bias: bool, seed: u64) {
     }
 }
 
-fn shape(
-    batch: usize,
-    size: (usize, usize),
-    channels: (usize, usize),
-    kernel: usize,
-    stride: usize,
-    padding: usize,
-) -> Conv2dShape {
-    Conv2dShape {
-        batch,
-        in_height: size.0,
-        in_width: size.1,
-        in_channels: channels.0,
-        out_channels: channels.1,
-        kernel,
-        stride,
-        padding,
-    }
-}
-
 /// Each convolution's shape (batch, size, channels, kernel, stride, padding), whether it
 /// has a bias, and the seed of its values.
 #[test]
 fn conv_backward_matches_finite_differences() {
     let cases = [
         // 3x3 stride 2 padding 1, odd sizes.
-        (shape(2, (5, 7), (3, 4), 3, 2, 1), true, 10),
-        (shape(3, (6, 5), (2, 5), 3, 1, 0), false, 20),
+        (Conv2dShape::new(2, (5, 7), (3, 4), 3, 2, 1), true, 10),
+        (Conv2dShape::new(3, (6, 5), (2, 5), 3, 1, 0), false, 20),
         // 1x1 pointwise.
-        (shape(3, (4, 3), (5, 6), 1, 1, 0), true, 30),
-        (shape(2, (5, 5), (4, 3), 1, 2, 0), false, 40),
-        (shape(2, (9, 11), (3, 4), 7, 2, 3), true, 50),
+        (Conv2dShape::new(3, (4, 3), (5, 6), 1, 1, 0), true, 30),
+        (Conv2dShape::new(2, (5, 5), (4, 3), 1, 2, 0), false, 40),
+        (Conv2dShape::new(2, (9, 11), (3, 4), 7, 2, 3), true, 50),
         // More images than one chunk holds, so several chunks and workers are involved.
-        (shape(37, (3, 3), (2, 3), 3, 1, 1), true, 60),
+        (Conv2dShape::new(37, (3, 3), (2, 3), 3, 1, 1), true, 60),
     ];
     for (shape, with_bias, seed) in cases {
         conv_case(shape, with_bias, seed);
@@ -194,7 +169,7 @@ fn conv_backward_matches_finite_differences() {
 
 #[test]
 fn conv_output_matches_direct_sum() {
-    let shape = shape(1, (3, 4), (2, 2), 3, 2, 1);
+    let shape = Conv2dShape::new(1, (3, 4), (2, 2), 3, 2, 1);
     let input = random(shape.input_len(), 1);
     let weight = random(shape.weight_len(), 2);
     let mut output = vec![0.0; shape.output_len()];
@@ -246,8 +221,6 @@ fn batchnorm_train(input: &[f32], weight: &[f32], bias: &[f32]) -> (Vec<f32>, Ba
         &mut running_mean,
         &mut running_var,
         &mut state,
-        None,
-        &mut BatchNormScratch::default(),
     )
     .expect("statistics");
     let mut output = vec![0.0; input.len()];
@@ -296,18 +269,19 @@ fn batchnorm_backward_case(relu: bool) {
         values: &output_grad,
         relu_output: relu.then_some(&output[..]),
     };
-    batchnorm::backward(
+    let mut scratch = BatchNormScratch::default();
+    let coefficients = batchnorm::backward_coefficients(
         grad,
         &input,
         &weight,
         &state,
         &mut grad_weight,
         &mut grad_bias,
-        &mut grad_input,
         None,
-        &mut BatchNormScratch::default(),
+        &mut scratch,
     )
     .expect("backward");
+    batchnorm::backward(grad, &input, coefficients, &mut grad_input);
     let loss = |x: &[f32], w: &[f32], b: &[f32]| dot(&layer(x, w, b).0, &output_grad);
     let what = if relu { "batchnorm+relu" } else { "batchnorm" };
     let arguments = [
@@ -341,8 +315,6 @@ fn batchnorm_statistics_follow_pytorch() {
         &mut running_mean,
         &mut running_var,
         &mut state,
-        None,
-        &mut BatchNormScratch::default(),
     )
     .unwrap();
     assert!((running_mean[0] - 0.25).abs() < 1e-7);
@@ -366,8 +338,6 @@ fn batchnorm_statistics_follow_pytorch() {
         &mut running_mean,
         &mut running_var,
         &mut state,
-        None,
-        &mut BatchNormScratch::default(),
     )
     .unwrap_err();
     assert_eq!(

@@ -4,11 +4,10 @@ use tandem_engine::{Adam, AdamConfig, Optimizer, OptimizerState, Sgd, SgdConfig}
 
 fn sgd_config(momentum: f32, nesterov: bool) -> SgdConfig {
     SgdConfig {
-        lr: 0.1,
         momentum,
-        dampening: 0.0,
         nesterov,
         weight_decay: 0.01,
+        ..SgdConfig::with_lr(0.1)
     }
 }
 
@@ -143,48 +142,36 @@ fn state_slots_are_named_and_checked() {
     assert!(Sgd::new(3, sgd_config(0.0, false)).state().slots.is_empty());
 
     let mut adam = Adam::new(3, AdamConfig::with_lr(0.01));
-    let missing = OptimizerState {
-        step: 1,
-        slots: vec![("exp_avg".into(), vec![0.0; 3])],
-    };
-    assert_eq!(
-        adam.load_state(&missing).unwrap_err().to_string(),
-        "optimizer state has no slot `exp_avg_sq` (it has: exp_avg)"
-    );
-    let short = OptimizerState {
-        step: 1,
-        slots: vec![
-            ("exp_avg".into(), vec![0.0; 3]),
-            ("exp_avg_sq".into(), vec![0.0; 2]),
-        ],
-    };
-    assert_eq!(
-        adam.load_state(&short).unwrap_err().to_string(),
-        "optimizer state slot `exp_avg_sq` has 2 values, expected 3"
-    );
-    let unknown = OptimizerState {
-        step: 1,
-        slots: vec![("momentum_buffer".into(), vec![0.0; 3])],
-    };
-    assert_eq!(
-        adam.load_state(&unknown).unwrap_err().to_string(),
-        "optimizer state has an unknown slot `momentum_buffer` (this optimizer keeps: exp_avg, exp_avg_sq)"
-    );
+    let cases: [(&[(&str, usize)], &str); 3] = [
+        (
+            &[("exp_avg", 3)],
+            "optimizer state has no slot `exp_avg_sq` (it has: exp_avg)",
+        ),
+        (
+            &[("exp_avg", 3), ("exp_avg_sq", 2)],
+            "optimizer state slot `exp_avg_sq` has 2 values, expected 3",
+        ),
+        (
+            &[("momentum_buffer", 3)],
+            "optimizer state has an unknown slot `momentum_buffer` (this optimizer keeps: exp_avg, exp_avg_sq)",
+        ),
+    ];
+    for (slots, expected) in cases {
+        let state = OptimizerState {
+            step: 1,
+            slots: slots
+                .iter()
+                .map(|&(name, len)| (name.to_string(), vec![0.0; len]))
+                .collect(),
+        };
+        assert_eq!(adam.load_state(&state).unwrap_err().to_string(), expected);
+    }
     assert_eq!(adam.state().step, 0, "a refused state changes nothing");
 }
 
 #[test]
 fn learning_rate_can_change_between_steps() {
-    let mut sgd = Sgd::new(
-        1,
-        SgdConfig {
-            lr: 0.1,
-            momentum: 0.0,
-            dampening: 0.0,
-            nesterov: false,
-            weight_decay: 0.0,
-        },
-    );
+    let mut sgd = Sgd::new(1, SgdConfig::with_lr(0.1));
     let mut params = vec![0.0f32];
     sgd.step(&mut params, &[1.0]);
     sgd.set_lr(0.5);

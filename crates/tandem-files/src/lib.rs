@@ -169,13 +169,20 @@ pub fn create_new_file(path: &Path) -> std::io::Result<File> {
 
 /// The refusal of a name that is taken already.
 fn name_taken(path: &Path) -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::AlreadyExists,
+    refusal(std::io::ErrorKind::AlreadyExists, path, |what| {
         format!(
-            "the name is taken already, by {}; tandem writes only files it creates: remove it",
-            what_is_at(path)
-        ),
-    )
+            "the name is taken already, by {what}; tandem writes only files it creates: remove it"
+        )
+    })
+}
+
+/// A refusal of `kind` to write at `path`: `message` of what is there (see [`what_is_at`]).
+fn refusal(
+    kind: std::io::ErrorKind,
+    path: &Path,
+    message: impl FnOnce(&str) -> String,
+) -> std::io::Error {
+    std::io::Error::new(kind, message(&what_is_at(path)))
 }
 
 /// Opens `path` with `options` (creating it when they say so) when it is a regular file: a
@@ -205,13 +212,11 @@ pub fn open_regular_file(path: &Path, options: &OpenOptions) -> std::io::Result<
 pub fn create_own_folder(path: &Path) -> std::io::Result<()> {
     match std::fs::symlink_metadata(path) {
         Ok(metadata) if metadata.is_dir() => Ok(()),
-        Ok(_) => Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!(
-                "it is {}, not a folder; tandem writes only into folders it creates: remove it",
-                what_is_at(path)
-            ),
-        )),
+        Ok(_) => {
+            Err(refusal(std::io::ErrorKind::InvalidInput, path, |what| {
+                format!("it is {what}, not a folder; tandem writes only into folders it creates: remove it")
+            }))
+        }
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => std::fs::create_dir_all(path),
         Err(error) => Err(error),
     }
@@ -219,13 +224,9 @@ pub fn create_own_folder(path: &Path) -> std::io::Result<()> {
 
 /// The refusal of a name that holds something other than a regular file.
 fn not_a_regular_file(path: &Path) -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::InvalidInput,
-        format!(
-            "it is {}, not a regular file; tandem writes only regular files: remove it",
-            what_is_at(path)
-        ),
-    )
+    refusal(std::io::ErrorKind::InvalidInput, path, |what| {
+        format!("it is {what}, not a regular file; tandem writes only regular files: remove it")
+    })
 }
 
 /// What holds the name `path`, in words ("a symbolic link to /etc/passwd").
@@ -264,18 +265,12 @@ fn what_is_at(path: &Path) -> String {
 /// this runs). A file of a writer that is still running is left alone, whatever its age.
 /// Returns the names removed; a folder that does not exist has none.
 pub fn remove_stale_temporaries(folder: &Path) -> Result<Vec<PathBuf>, FileError> {
-    let list_error = |source| FileError::ListFolder {
+    let entries = folder_entries(folder).map_err(|source| FileError::ListFolder {
         path: folder.to_path_buf(),
         source,
-    };
-    let entries = match std::fs::read_dir(folder) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(error) => return Err(list_error(error)),
-    };
+    })?;
     let mut removed = Vec::new();
     for entry in entries {
-        let entry = entry.map_err(list_error)?;
         let name = entry.file_name();
         let Some(pid) = name.to_str().and_then(temporary_writer_pid) else {
             continue;
@@ -292,6 +287,15 @@ pub fn remove_stale_temporaries(folder: &Path) -> Result<Vec<PathBuf>, FileError
         }
     }
     Ok(removed)
+}
+
+/// The entries of `folder`, in the order the system lists them; none when it does not exist.
+pub fn folder_entries(folder: &Path) -> std::io::Result<Vec<std::fs::DirEntry>> {
+    match std::fs::read_dir(folder) {
+        Ok(entries) => entries.collect(),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(error) => Err(error),
+    }
 }
 
 /// The writer's pid in a temporary file name `<name>.<pid>.tmp`, if it is one.
@@ -374,6 +378,11 @@ mod tests {
         victim
     }
 
+    /// The file a planted link pointed at still holds what it held.
+    fn assert_victim_untouched(victim: &Path) {
+        assert_eq!(std::fs::read_to_string(victim).expect("victim"), "precious");
+    }
+
     #[test]
     fn a_link_at_the_temporary_name_is_refused_and_its_target_untouched() {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -392,10 +401,7 @@ mod tests {
                 victim.display()
             )
         );
-        assert_eq!(
-            std::fs::read_to_string(&victim).expect("victim"),
-            "precious"
-        );
+        assert_victim_untouched(&victim);
         assert!(std::fs::symlink_metadata(&temporary)
             .expect("the link")
             .file_type()
@@ -409,10 +415,7 @@ mod tests {
         let path = dir.path().join("config.toml");
         let victim = planted_link(dir.path(), &path);
         write_atomically(&path, b"epochs = 1\n").expect("write");
-        assert_eq!(
-            std::fs::read_to_string(&victim).expect("victim"),
-            "precious"
-        );
+        assert_victim_untouched(&victim);
         assert!(std::fs::symlink_metadata(&path)
             .expect("the file")
             .file_type()
@@ -443,10 +446,7 @@ mod tests {
         );
         let error = create_new_file(&victim).expect_err("a file was opened again");
         assert!(error.to_string().contains("by a regular file"), "{error}");
-        assert_eq!(
-            std::fs::read_to_string(&victim).expect("victim"),
-            "precious"
-        );
+        assert_victim_untouched(&victim);
         create_new_file(&dir.path().join("free")).expect("a free name");
     }
 
@@ -466,10 +466,7 @@ mod tests {
                 victim.display()
             )
         );
-        assert_eq!(
-            std::fs::read_to_string(&victim).expect("victim"),
-            "precious"
-        );
+        assert_victim_untouched(&victim);
 
         let fifo = dir.path().join("tandem.lock");
         let name = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("name");

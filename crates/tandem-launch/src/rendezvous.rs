@@ -390,16 +390,30 @@ fn resolve_until(
     deadline: Instant,
     interrupted: &dyn Fn() -> bool,
 ) -> anyhow::Result<Waited<SocketAddr>> {
+    retry(interrupted, || match resolve(host, port) {
+        Ok(addr) => Ok(Some(addr)),
+        Err(error) if Instant::now() >= deadline => {
+            bail!("could not resolve --master-addr {host:?} before the join timeout: {error}")
+        }
+        Err(_) => {
+            std::thread::sleep(CONNECT_SLICE);
+            Ok(None)
+        }
+    })
+}
+
+/// Calls `attempt` until it gives a value or fails, first checking each time whether a stop
+/// signal came (`interrupted`); an attempt that gives nothing has waited a little itself.
+fn retry<T>(
+    interrupted: &dyn Fn() -> bool,
+    mut attempt: impl FnMut() -> anyhow::Result<Option<T>>,
+) -> anyhow::Result<Waited<T>> {
     loop {
         if interrupted() {
             return Ok(Waited::Interrupted);
         }
-        match resolve(host, port) {
-            Ok(addr) => return Ok(Waited::Done(addr)),
-            Err(error) if Instant::now() >= deadline => {
-                bail!("could not resolve --master-addr {host:?} before the join timeout: {error}")
-            }
-            Err(_) => std::thread::sleep(CONNECT_SLICE),
+        if let Some(value) = attempt()? {
+            return Ok(Waited::Done(value));
         }
     }
 }
@@ -411,10 +425,7 @@ fn connect_until(
     deadline: Instant,
     interrupted: &dyn Fn() -> bool,
 ) -> anyhow::Result<Waited<StoreClient>> {
-    loop {
-        if interrupted() {
-            return Ok(Waited::Interrupted);
-        }
+    retry(interrupted, || {
         let slice = deadline
             .saturating_duration_since(Instant::now())
             .min(CONNECT_SLICE)
@@ -426,15 +437,13 @@ fn connect_until(
                 drop(probe);
                 let client = StoreClient::connect(addr, token, REQUEST_TIMEOUT)
                     .with_context(|| format!("connect to the store at {addr}"))?;
-                return Ok(Waited::Done(client));
+                Ok(Some(client))
             }
             Err(DistError::StoreUnreachable { message, .. }) if Instant::now() >= deadline => {
                 bail!("could not reach the store at {addr} before the join timeout: {message}")
             }
-            Err(DistError::StoreUnreachable { .. }) => {}
-            Err(error) => {
-                return Err(error).with_context(|| format!("connect to the store at {addr}"))
-            }
+            Err(DistError::StoreUnreachable { .. }) => Ok(None),
+            Err(error) => Err(error).with_context(|| format!("connect to the store at {addr}")),
         }
-    }
+    })
 }

@@ -854,6 +854,37 @@ mod tests {
         )
     }
 
+    /// One plot of a rendered image: its area and the ranges its x and y axes span.
+    struct Plot<'a> {
+        image: &'a RgbImage,
+        area: PlotArea,
+        x_range: (f64, f64),
+        y_range: (f64, f64),
+    }
+
+    impl<'a> Plot<'a> {
+        fn new(
+            image: &'a RgbImage,
+            area: PlotArea,
+            x_range: (f64, f64),
+            y_range: (f64, f64),
+        ) -> Self {
+            Plot {
+                image,
+                area,
+                x_range,
+                y_range,
+            }
+        }
+
+        /// Asserts that the data point (`epoch`, `value`) is drawn in `colour`; `what` names
+        /// its series.
+        fn assert_drawn(&self, epoch: u64, value: f64, colour: Rgb<u8>, what: &str) {
+            let (x, y) = expected_pixel(self.area, self.x_range, self.y_range, epoch as f64, value);
+            assert_eq!(pixel(self.image, x, y), colour, "{what} of epoch {epoch}");
+        }
+    }
+
     fn three_epochs() -> Vec<CurvePoint> {
         vec![
             point(1, 2.0, 2.2, 0.3),
@@ -892,30 +923,12 @@ mod tests {
         let points = three_epochs();
         let image = render(&points);
         let (loss_area, accuracy_area) = (plot_area(0), plot_area(1));
+        let loss = Plot::new(&image, loss_area, (1.0, 3.0), (1.0, 2.2));
+        let accuracy = Plot::new(&image, accuracy_area, (1.0, 3.0), (0.0, 1.0));
         for p in &points {
-            let epoch = p.epoch as f64;
-            let (x, y) = expected_pixel(loss_area, (1.0, 3.0), (1.0, 2.2), epoch, p.train_loss);
-            assert_eq!(
-                pixel(&image, x, y),
-                TRAIN_COLOUR,
-                "train loss of epoch {}",
-                p.epoch
-            );
-            let (x, y) = expected_pixel(loss_area, (1.0, 3.0), (1.0, 2.2), epoch, p.val_loss);
-            assert_eq!(
-                pixel(&image, x, y),
-                VAL_COLOUR,
-                "val loss of epoch {}",
-                p.epoch
-            );
-            let (x, y) =
-                expected_pixel(accuracy_area, (1.0, 3.0), (0.0, 1.0), epoch, p.val_accuracy);
-            assert_eq!(
-                pixel(&image, x, y),
-                VAL_COLOUR,
-                "val accuracy of epoch {}",
-                p.epoch
-            );
+            loss.assert_drawn(p.epoch, p.train_loss, TRAIN_COLOUR, "train loss");
+            loss.assert_drawn(p.epoch, p.val_loss, VAL_COLOUR, "val loss");
+            accuracy.assert_drawn(p.epoch, p.val_accuracy, VAL_COLOUR, "val accuracy");
         }
         // The line between epochs 1 and 2 of the train loss passes through its midpoint.
         let (x, y) = expected_pixel(loss_area, (1.0, 3.0), (1.0, 2.2), 1.5, 1.75);
@@ -1190,25 +1203,12 @@ mod tests {
         let points = huge_first_val_loss();
         let image = render(&points);
         let area = plot_area(0);
+        let loss = Plot::new(&image, area, (1.0, 4.0), (1.0, 2.2));
         for p in &points {
-            let epoch = p.epoch as f64;
-            let (x, y) = expected_pixel(area, (1.0, 4.0), (1.0, 2.2), epoch, p.train_loss);
-            assert_eq!(
-                pixel(&image, x, y),
-                TRAIN_COLOUR,
-                "train loss of epoch {}",
-                p.epoch
-            );
+            loss.assert_drawn(p.epoch, p.train_loss, TRAIN_COLOUR, "train loss");
         }
         for p in &points[1..] {
-            let epoch = p.epoch as f64;
-            let (x, y) = expected_pixel(area, (1.0, 4.0), (1.0, 2.2), epoch, p.val_loss);
-            assert_eq!(
-                pixel(&image, x, y),
-                VAL_COLOUR,
-                "val loss of epoch {}",
-                p.epoch
-            );
+            loss.assert_drawn(p.epoch, p.val_loss, VAL_COLOUR, "val loss");
         }
         // Epoch 1's validation loss: a dot on the top edge, its value to the right.
         assert_eq!(pixel(&image, area.left, area.top), VAL_COLOUR);

@@ -30,16 +30,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut optimizer: Box<dyn Optimizer> = if resnet18 {
         Box::new(Adam::new(len, AdamConfig::with_lr(0.01)))
     } else {
-        Box::new(Sgd::new(
-            len,
-            SgdConfig {
-                lr: 1e-3,
-                momentum: 0.0,
-                dampening: 0.0,
-                nesterov: false,
-                weight_decay: 0.0,
-            },
-        ))
+        Box::new(Sgd::new(len, SgdConfig::with_lr(1e-3)))
     };
     let mut rng = Rng::new(1);
     let images: Vec<f32> = (0..batch * 32 * 32 * 3)

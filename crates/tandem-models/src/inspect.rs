@@ -144,18 +144,25 @@ impl StateDictMismatch {
 mod tests {
     use super::*;
 
+    /// The tutorial's model with stages of `n_blocks` plain blocks of `n_channels`.
+    fn plain_stages(n_blocks: &[usize], n_channels: &[usize]) -> ResNetBaseSpec {
+        ResNetBaseSpec {
+            n_blocks: n_blocks.to_vec(),
+            n_channels: n_channels.to_vec(),
+            bottlenecks: None,
+            ..ResNetBaseSpec::tutorial_default()
+        }
+    }
+
     #[test]
     fn both_models_are_recognized_from_their_shapes() {
         let specs = [
             ModelSpec::ResNet18 { num_classes: 7 },
             ModelSpec::ResNetBase(ResNetBaseSpec::tutorial_default()),
             ModelSpec::ResNetBase(ResNetBaseSpec {
-                n_blocks: vec![1, 2],
-                n_channels: vec![8, 16],
-                bottlenecks: None,
                 first_kernel_size: 5,
-                img_channels: 3,
                 num_classes: 4,
+                ..plain_stages(&[1, 2], &[8, 16])
             }),
         ];
         for spec in specs {
@@ -165,14 +172,7 @@ mod tests {
 
     #[test]
     fn equal_stages_merge_and_strangers_are_not_guessed() {
-        let split = ModelSpec::ResNetBase(ResNetBaseSpec {
-            n_blocks: vec![1, 2],
-            n_channels: vec![8, 8],
-            bottlenecks: None,
-            first_kernel_size: 3,
-            img_channels: 3,
-            num_classes: 10,
-        });
+        let split = ModelSpec::ResNetBase(plain_stages(&[1, 2], &[8, 8]));
         let ModelSpec::ResNetBase(merged) = infer_spec(&spec_tensor_shapes(&split)).unwrap() else {
             panic!("expected resnet-base");
         };

@@ -374,19 +374,26 @@ impl TorchSaveFile {
             let name = check_tensor(model, header, strip_prefix, &source_name)?;
             seen.insert(name);
         }
-        if let Some(missing) = model
-            .tensors()
-            .iter()
-            .find(|info| !seen.contains(&info.name))
-        {
-            return Err(ModelError::MissingTensor {
-                source_name,
-                name: missing.name.clone(),
-            });
-        }
+        check_none_missing(model, &source_name, |name| seen.contains(name))?;
         let checkpoint = self.state_dict.read_storages(state_dict_bytes(model))?;
         apply_tensors(model, &checkpoint.tensors, strip_prefix, &source_name)?;
         Ok(checkpoint)
+    }
+}
+
+/// Fails naming the first of `model`'s tensors that the source `source_name` lacks, by
+/// `has`.
+fn check_none_missing(
+    model: &Model,
+    source_name: &str,
+    has: impl Fn(&str) -> bool,
+) -> Result<(), ModelError> {
+    match model.tensors().iter().find(|info| !has(&info.name)) {
+        Some(missing) => Err(ModelError::MissingTensor {
+            source_name: source_name.to_string(),
+            name: missing.name.clone(),
+        }),
+        None => Ok(()),
     }
 }
 
@@ -490,16 +497,7 @@ fn apply_tensors(
         }
         by_name.insert(name, tensor);
     }
-    if let Some(missing) = model
-        .tensors()
-        .iter()
-        .find(|info| !by_name.contains_key(&info.name))
-    {
-        return Err(ModelError::MissingTensor {
-            source_name,
-            name: missing.name.clone(),
-        });
-    }
+    check_none_missing(model, &source_name, |name| by_name.contains_key(name))?;
     let mut batch_count = None;
     for (name, tensor) in by_name {
         match &tensor.data {

@@ -42,5 +42,5 @@ pub use model::{LossOptions, Model};
 pub use network::{BatchNormLayer, ConvLayer, Head};
 pub use spec::{ModelSpec, ResNetBaseSpec};
 pub use tandem_engine::BatchNormReducer;
-pub use tensors::{StorageLayout, TensorInfo, TensorKind};
+pub use tensors::{channels_last_indices, StorageLayout, TensorInfo, TensorKind};
 pub use training_device::{TrainingDevice, TrainingDeviceError};

@@ -121,6 +121,36 @@ pub(crate) struct Block {
     pub shortcut: Option<ConvBn>,
 }
 
+impl Block {
+    /// A block of `units` (at least one) with the shortcut their shapes call for: the
+    /// identity where they keep the channels and the size, else a 1x1 conv-bn projection
+    /// named `conv_name` and `bn_name`, with a bias where the units' convolutions have one.
+    fn new(units: Vec<ConvBn>, conv_name: String, bn_name: String) -> Self {
+        let first = &units[0].conv;
+        let in_channels = first.in_channels;
+        let out_channels = Block::out_channels(&units);
+        let stride: usize = units.iter().map(|unit| unit.conv.stride).product();
+        let shortcut = (stride != 1 || in_channels != out_channels).then(|| {
+            let conv = ConvLayer::new(
+                conv_name,
+                in_channels,
+                out_channels,
+                1,
+                stride,
+                0,
+                first.has_bias,
+            );
+            ConvBn::new(conv, bn_name)
+        });
+        Block { units, shortcut }
+    }
+
+    /// The output channels of a chain of `units`: those of its last convolution.
+    fn out_channels(units: &[ConvBn]) -> usize {
+        units.last().map_or(0, |unit| unit.conv.out_channels)
+    }
+}
+
 /// The linear classifier (after global average pooling).
 #[derive(Clone, Debug)]
 pub struct Head {
@@ -152,6 +182,33 @@ pub(crate) struct Layout {
 }
 
 impl Network {
+    /// A network of `stem` (followed by ReLU where `stem_relu`), `blocks`, and a classifier
+    /// named `head_name` from the last block's channels into `classes`.
+    fn new(
+        stem: ConvBn,
+        stem_relu: bool,
+        blocks: Vec<Block>,
+        head_name: &str,
+        classes: usize,
+    ) -> Self {
+        let in_features = blocks.last().map_or(stem.conv.out_channels, |block| {
+            Block::out_channels(&block.units)
+        });
+        let head = Head {
+            name: head_name.into(),
+            in_features,
+            classes,
+            weight: 0..0,
+            bias: 0..0,
+        };
+        Network {
+            stem,
+            stem_relu,
+            blocks,
+            head,
+        }
+    }
+
     /// Builds the structure for `spec` (assumed valid) and lays out its buffers.
     pub fn build(spec: &ModelSpec) -> (Network, Layout) {
         let mut network = match spec {
@@ -351,35 +408,12 @@ fn resnet18(num_classes: usize) -> Network {
                     residual(4),
                 ),
             ];
-            let shortcut = (stride != 1 || in_channels != out).then(|| {
-                let conv = ConvLayer::new(
-                    format!("{prefix}.shortcut.0"),
-                    in_channels,
-                    out,
-                    1,
-                    stride,
-                    0,
-                    false,
-                );
-                ConvBn::new(conv, format!("{prefix}.shortcut.1"))
-            });
-            blocks.push(Block { units, shortcut });
+            let shortcut = |i: usize| format!("{prefix}.shortcut.{i}");
+            blocks.push(Block::new(units, shortcut(0), shortcut(1)));
             in_channels = out;
         }
     }
-    let head = Head {
-        name: "dense_layer".into(),
-        in_features: 512,
-        classes: num_classes,
-        weight: 0..0,
-        bias: 0..0,
-    };
-    Network {
-        stem,
-        stem_relu: true,
-        blocks,
-        head,
-    }
+    Network::new(stem, true, blocks, "dense_layer", num_classes)
 }
 
 /// Seed 004: `0.conv` (stride 2) and `0.bn` without ReLU, `0.blocks.*`, mean pooling, `1` linear.
@@ -418,33 +452,10 @@ fn resnet_base(spec: &ResNetBaseSpec) -> Network {
                     ConvBn::new(conv(2, channels, channels, 3, 1, 1), bn(2)),
                 ],
             };
-            let shortcut = (stride != 1 || in_channels != channels).then(|| {
-                let conv = ConvLayer::new(
-                    format!("{prefix}.shortcut.conv"),
-                    in_channels,
-                    channels,
-                    1,
-                    stride,
-                    0,
-                    true,
-                );
-                ConvBn::new(conv, format!("{prefix}.shortcut.bn"))
-            });
-            blocks.push(Block { units, shortcut });
+            let shortcut = |layer: &str| format!("{prefix}.shortcut.{layer}");
+            blocks.push(Block::new(units, shortcut("conv"), shortcut("bn")));
             in_channels = channels;
         }
     }
-    let head = Head {
-        name: "1".into(),
-        in_features: in_channels,
-        classes: spec.num_classes,
-        weight: 0..0,
-        bias: 0..0,
-    };
-    Network {
-        stem,
-        stem_relu: false,
-        blocks,
-        head,
-    }
+    Network::new(stem, false, blocks, "1", spec.num_classes)
 }

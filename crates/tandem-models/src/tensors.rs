@@ -44,23 +44,25 @@ impl TensorInfo {
     }
 }
 
+/// Where each element of a channels-first tensor of shape `[n, c, h, w]`, taken in
+/// row-major order, stands in the same tensor stored channels-last (`[n, h, w, c]`).
+pub fn channels_last_indices(shape: [usize; 4]) -> impl Iterator<Item = usize> {
+    let [batch, channels, height, width] = shape;
+    (0..batch).flat_map(move |n| {
+        (0..channels).flat_map(move |c| {
+            (0..height).flat_map(move |h| {
+                (0..width).map(move |w| ((n * height + h) * width + w) * channels + c)
+            })
+        })
+    })
+}
+
 /// Converts stored values to PyTorch's row-major order for `shape`.
 pub(crate) fn to_pytorch_order(layout: StorageLayout, shape: &[usize], stored: &[f32]) -> Vec<f32> {
     match (layout, shape) {
-        (StorageLayout::ConvOhwi, &[out, inp, kh, kw]) => {
-            let mut result = vec![0.0; stored.len()];
-            for o in 0..out {
-                for y in 0..kh {
-                    for x in 0..kw {
-                        for i in 0..inp {
-                            result[((o * inp + i) * kh + y) * kw + x] =
-                                stored[((o * kh + y) * kw + x) * inp + i];
-                        }
-                    }
-                }
-            }
-            result
-        }
+        (StorageLayout::ConvOhwi, &[out, inp, kh, kw]) => channels_last_indices([out, inp, kh, kw])
+            .map(|index| stored[index])
+            .collect(),
         _ => stored.to_vec(),
     }
 }
@@ -74,15 +76,8 @@ pub(crate) fn from_pytorch_order(
 ) {
     match (layout, shape) {
         (StorageLayout::ConvOhwi, &[out, inp, kh, kw]) => {
-            for o in 0..out {
-                for y in 0..kh {
-                    for x in 0..kw {
-                        for i in 0..inp {
-                            stored[((o * kh + y) * kw + x) * inp + i] =
-                                values[((o * inp + i) * kh + y) * kw + x];
-                        }
-                    }
-                }
+            for (&value, index) in values.iter().zip(channels_last_indices([out, inp, kh, kw])) {
+                stored[index] = value;
             }
         }
         _ => stored.copy_from_slice(values),

@@ -520,26 +520,20 @@ fn resnet_base_forward_and_gradients_match_pytorch() {
     check_forward_and_gradients(&resnet_base());
 }
 
-#[test]
-fn resnet18_sgd_steps_match_pytorch() {
-    tandem_testdata::skip_without_shared!();
-    check_optimizer_steps(&resnet18(), "sgd2");
+/// One test per model and optimizer: two of its steps match PyTorch's.
+macro_rules! optimizer_steps_match_pytorch {
+    ($($test:ident: $model:ident, $optimizer:literal;)*) => {$(
+        #[test]
+        fn $test() {
+            tandem_testdata::skip_without_shared!();
+            check_optimizer_steps(&$model(), $optimizer);
+        }
+    )*};
 }
 
-#[test]
-fn resnet18_adam_steps_match_pytorch() {
-    tandem_testdata::skip_without_shared!();
-    check_optimizer_steps(&resnet18(), "adam2");
-}
-
-#[test]
-fn resnet_base_sgd_steps_match_pytorch() {
-    tandem_testdata::skip_without_shared!();
-    check_optimizer_steps(&resnet_base(), "sgd2");
-}
-
-#[test]
-fn resnet_base_adam_steps_match_pytorch() {
-    tandem_testdata::skip_without_shared!();
-    check_optimizer_steps(&resnet_base(), "adam2");
+optimizer_steps_match_pytorch! {
+    resnet18_sgd_steps_match_pytorch: resnet18, "sgd2";
+    resnet18_adam_steps_match_pytorch: resnet18, "adam2";
+    resnet_base_sgd_steps_match_pytorch: resnet_base, "sgd2";
+    resnet_base_adam_steps_match_pytorch: resnet_base, "adam2";
 }

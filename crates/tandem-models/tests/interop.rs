@@ -39,32 +39,47 @@ fn logits_eval_error(model: &mut Model) -> f64 {
         / scale
 }
 
+/// Loads weights into a fresh seed-004 model with `load` and checks its `logits_eval`
+/// against PyTorch's; `what` starts the failure's message.
+fn assert_evaluates_as_pytorch<T>(
+    what: &str,
+    load: impl FnOnce(&mut Model) -> Result<T, tandem_models::ModelError>,
+) {
+    let mut model = seed004_model();
+    load(&mut model).expect("loads");
+    let error = logits_eval_error(&mut model);
+    assert!(error < 1e-4, "{what}logits_eval relative error {error}");
+}
+
+/// The checkpoint `name` as PyTorch saved it, among the shared golden outputs.
+fn pytorch_checkpoint(name: &str) -> tandem_pickle::TorchCheckpoint {
+    let path = tandem_testdata::shared_dir()
+        .join("golden/pytorch-checkpoints")
+        .join(name);
+    tandem_pickle::read_torch_state_dict(&path)
+        .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()))
+}
+
 #[test]
 fn ddp_prefixed_state_dict_from_torch_save() {
     tandem_testdata::skip_without_shared!();
-    let path = tandem_testdata::shared_dir().join("golden/pytorch-checkpoints/epoch_3.pth");
-    let checkpoint = tandem_pickle::read_torch_state_dict(&path)
-        .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
+    let checkpoint = pytorch_checkpoint("epoch_3.pth");
     assert!(checkpoint
         .tensors
         .iter()
         .all(|tensor| tensor.name.starts_with("module.")));
-    let mut model = seed004_model();
-    load_named_tensors(&mut model, &checkpoint.tensors, Some("module.")).expect("loads");
-    let error = logits_eval_error(&mut model);
-    assert!(error < 1e-4, "logits_eval relative error {error}");
+    assert_evaluates_as_pytorch("", |model| {
+        load_named_tensors(model, &checkpoint.tensors, Some("module."))
+    });
 }
 
 #[test]
 fn snapshot_dict_from_torch_save() {
     tandem_testdata::skip_without_shared!();
-    let path = tandem_testdata::shared_dir().join("golden/pytorch-checkpoints/snapshot.pt");
-    let checkpoint = tandem_pickle::read_torch_state_dict(&path)
-        .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
-    let mut model = seed004_model();
-    load_named_tensors(&mut model, &checkpoint.tensors, None).expect("loads");
-    let error = logits_eval_error(&mut model);
-    assert!(error < 1e-4, "logits_eval relative error {error}");
+    let checkpoint = pytorch_checkpoint("snapshot.pt");
+    assert_evaluates_as_pytorch("", |model| {
+        load_named_tensors(model, &checkpoint.tensors, None)
+    });
 }
 
 #[test]
@@ -77,10 +92,7 @@ fn safetensors_written_by_tandem_and_by_another_writer() {
     // Ours: save, load into a fresh model.
     let ours = dir.path().join("ours.safetensors");
     save_safetensors(&formula, &ours, &BTreeMap::new()).expect("save");
-    let mut model = seed004_model();
-    load_safetensors(&mut model, &ours).expect("load ours");
-    let error = logits_eval_error(&mut model);
-    assert!(error < 1e-4, "ours: logits_eval relative error {error}");
+    assert_evaluates_as_pytorch("ours: ", |model| load_safetensors(model, &ours));
 
     // Another writer: the state dict in PyTorch layout written straight with the
     // safetensors crate, as `safetensors.torch.save_file` would.
@@ -114,8 +126,5 @@ fn safetensors_written_by_tandem_and_by_another_writer() {
         safetensors::serialize(views, Some(metadata)).expect("serialize"),
     )
     .expect("write");
-    let mut model = seed004_model();
-    load_safetensors(&mut model, &theirs).expect("load theirs");
-    let error = logits_eval_error(&mut model);
-    assert!(error < 1e-4, "theirs: logits_eval relative error {error}");
+    assert_evaluates_as_pytorch("theirs: ", |model| load_safetensors(model, &theirs));
 }

@@ -30,6 +30,44 @@ fn random_batch(batch: usize, size: usize, seed: u64) -> (Vec<f32>, Vec<u32>) {
     (images, labels)
 }
 
+/// `model`'s training forward over `batch` 8x8 `images` of `labels`, with the default loss
+/// and `bn_sync`.
+fn forward_8x8(
+    model: &mut Model,
+    images: &[f32],
+    batch: usize,
+    labels: &[u32],
+    bn_sync: Option<&mut dyn BatchNormReducer>,
+) -> Result<f32, ModelError> {
+    model.forward_train(
+        images,
+        batch,
+        8,
+        8,
+        labels,
+        &LossOptions::default(),
+        bn_sync,
+    )
+}
+
+/// `tensors` without the one named `name`.
+fn without(tensors: &[NamedTensor], name: &str) -> Vec<NamedTensor> {
+    let mut kept = tensors.to_vec();
+    kept.retain(|tensor| tensor.name != name);
+    kept
+}
+
+/// `tensors` and one more, of one value, named `name`.
+fn with_one_more(tensors: &[NamedTensor], name: &str) -> Vec<NamedTensor> {
+    let mut more = tensors.to_vec();
+    more.push(NamedTensor {
+        name: name.into(),
+        shape: vec![1],
+        data: TensorData::F32(vec![0.0]),
+    });
+    more
+}
+
 fn shape_of(model: &Model, name: &str) -> Vec<usize> {
     model
         .tensor_info(name)
@@ -235,16 +273,12 @@ fn gradient_accumulation_scales_and_adds() {
     let mut model = Model::new(&small_spec(Some(vec![2, 3]))).unwrap();
     let (images, labels) = random_batch(4, 8, 12);
     model.zero_grads();
-    model
-        .forward_train(&images, 4, 8, 8, &labels, &LossOptions::default(), None)
-        .unwrap();
+    forward_8x8(&mut model, &images, 4, &labels, None).unwrap();
     model.backward(1.0, None, &mut |_, _| {}).unwrap();
     let once = model.grads().to_vec();
     model.zero_grads();
     for _ in 0..2 {
-        model
-            .forward_train(&images, 4, 8, 8, &labels, &LossOptions::default(), None)
-            .unwrap();
+        forward_8x8(&mut model, &images, 4, &labels, None).unwrap();
         model.backward(0.5, None, &mut |_, _| {}).unwrap();
     }
     for (a, b) in model.grads().iter().zip(&once) {
@@ -278,9 +312,7 @@ fn train_few_steps(seed: u64) -> Vec<f32> {
     for step in 0..3 {
         let (images, labels) = random_batch(6, 8, 100 + step);
         model.zero_grads();
-        model
-            .forward_train(&images, 6, 8, 8, &labels, &LossOptions::default(), None)
-            .unwrap();
+        forward_8x8(&mut model, &images, 6, &labels, None).unwrap();
         model.backward(1.0, None, &mut |_, _| {}).unwrap();
         let (params, grads) = model.params_and_grads_mut();
         optimizer.step(params, grads);
@@ -330,24 +362,12 @@ fn sync_batchnorm_over_identical_replicas_matches_local() {
     let (images, labels) = random_batch(4, 8, 13);
     let mut local = Model::new(&spec).unwrap();
     let mut synced = Model::new(&spec).unwrap();
-    let loss_local = local
-        .forward_train(&images, 4, 8, 8, &labels, &LossOptions::default(), None)
-        .unwrap();
+    let loss_local = forward_8x8(&mut local, &images, 4, &labels, None).unwrap();
     let mut reducer = Replicas {
         replicas: 2.0,
         calls: 0,
     };
-    let loss_synced = synced
-        .forward_train(
-            &images,
-            4,
-            8,
-            8,
-            &labels,
-            &LossOptions::default(),
-            Some(&mut reducer),
-        )
-        .unwrap();
+    let loss_synced = forward_8x8(&mut synced, &images, 4, &labels, Some(&mut reducer)).unwrap();
     let batch_norms = local
         .tensors()
         .iter()
@@ -379,17 +399,7 @@ fn sync_batchnorm_over_identical_replicas_matches_local() {
         let expected = 0.9 + 0.1 * batch_var * 2.0 * n / (2.0 * n - 1.0);
         assert!((f64::from(*s) - expected).abs() < 1e-5);
     }
-    let error = synced
-        .forward_train(
-            &images,
-            4,
-            8,
-            8,
-            &labels,
-            &LossOptions::default(),
-            Some(&mut Failing),
-        )
-        .unwrap_err();
+    let error = forward_8x8(&mut synced, &images, 4, &labels, Some(&mut Failing)).unwrap_err();
     assert_eq!(
         error.to_string(),
         "batch norm statistics all-reduce failed: peer 1 went away"
@@ -400,39 +410,17 @@ fn sync_batchnorm_over_identical_replicas_matches_local() {
 fn input_errors_name_the_input() {
     let mut model = Model::new(&small_spec(None)).unwrap();
     let (images, labels) = random_batch(2, 8, 14);
-    let error = model
-        .forward_train(
-            &images[1..],
-            2,
-            8,
-            8,
-            &labels,
-            &LossOptions::default(),
-            None,
-        )
-        .unwrap_err();
+    let error = forward_8x8(&mut model, &images[1..], 2, &labels, None).unwrap_err();
     assert_eq!(
         error.to_string(),
         "images has 383 values, expected 384 (NHWC [2, 8, 8, 3])"
     );
-    let error = model
-        .forward_train(
-            &images,
-            2,
-            8,
-            8,
-            &labels[..1],
-            &LossOptions::default(),
-            None,
-        )
-        .unwrap_err();
+    let error = forward_8x8(&mut model, &images, 2, &labels[..1], None).unwrap_err();
     assert_eq!(
         error.to_string(),
         "labels has 1 values, expected 2 (one per image of a batch of 2)"
     );
-    let error = model
-        .forward_train(&images, 2, 8, 8, &[0, 5], &LossOptions::default(), None)
-        .unwrap_err();
+    let error = forward_8x8(&mut model, &images, 2, &[0, 5], None).unwrap_err();
     assert_eq!(
         error.to_string(),
         "label 5 of sample 1 is not a class index (0..5)"
@@ -451,16 +439,12 @@ fn eval_does_not_disturb_a_pending_backward_and_uses_running_stats() {
     let mut model = Model::new(&small_spec(Some(vec![2, 3]))).unwrap();
     let (images, labels) = random_batch(4, 8, 15);
     let (other, _) = random_batch(3, 8, 16);
-    model
-        .forward_train(&images, 4, 8, 8, &labels, &LossOptions::default(), None)
-        .unwrap();
+    forward_8x8(&mut model, &images, 4, &labels, None).unwrap();
     model.backward(1.0, None, &mut |_, _| {}).unwrap();
     let reference = model.grads().to_vec();
     let buffers = model.buffers().to_vec();
     model.zero_grads();
-    model
-        .forward_train(&images, 4, 8, 8, &labels, &LossOptions::default(), None)
-        .unwrap();
+    forward_8x8(&mut model, &images, 4, &labels, None).unwrap();
     let eval_first = model.forward_eval(&other, 3, 8, 8).unwrap().to_vec();
     model.backward(1.0, None, &mut |_, _| {}).unwrap();
     assert_eq!(model.grads(), &reference[..]);
@@ -488,12 +472,8 @@ fn safetensors_round_trip_keeps_everything() {
     let mut model = Model::new(&spec).unwrap();
     model.init_default(21);
     let (images, labels) = random_batch(2, 8, 17);
-    model
-        .forward_train(&images, 2, 8, 8, &labels, &LossOptions::default(), None)
-        .unwrap();
-    model
-        .forward_train(&images, 2, 8, 8, &labels, &LossOptions::default(), None)
-        .unwrap();
+    forward_8x8(&mut model, &images, 2, &labels, None).unwrap();
+    forward_8x8(&mut model, &images, 2, &labels, None).unwrap();
     let metadata = BTreeMap::from([("epoch".to_string(), "3".to_string())]);
     save_safetensors(&model, &path, &metadata).unwrap();
     let mut loaded = Model::new(&spec).unwrap();
@@ -580,19 +560,13 @@ fn named_tensors_load_with_prefix_and_errors_name_the_tensor() {
     assert_eq!(target.num_batches_tracked(), 7);
 
     let before = target.params().to_vec();
-    let mut missing = tensors.clone();
-    missing.retain(|t| t.name != "module.0.blocks.1.bn2.running_var");
+    let missing = without(&tensors, "module.0.blocks.1.bn2.running_var");
     let error = load_named_tensors(&mut target, &missing, Some("module.")).unwrap_err();
     assert_eq!(
         error.to_string(),
         "tensor list: tensor `0.blocks.1.bn2.running_var` is missing"
     );
-    let mut extra = tensors.clone();
-    extra.push(NamedTensor {
-        name: "module.fc.weight".into(),
-        shape: vec![1],
-        data: TensorData::F32(vec![0.0]),
-    });
+    let extra = with_one_more(&tensors, "module.fc.weight");
     let error = load_named_tensors(&mut target, &extra, Some("module.")).unwrap_err();
     assert_eq!(
         error.to_string(),
@@ -650,40 +624,30 @@ fn safetensors_with_missing_extra_or_misshaped_tensor_is_refused() {
     };
     let tensors = named_tensors(&source, "");
     let mut target = Model::new(&spec).unwrap();
-    let mut missing = tensors.clone();
-    missing.retain(|t| t.name != "1.bias");
-    let path = write("missing.safetensors", missing);
-    let error = load_safetensors(&mut target, &path).unwrap_err();
+    // Why loading `tensors` written as `file` fails, after the file's path.
+    let mut refusal = |file: &str, tensors: Vec<NamedTensor>| {
+        let path = write(file, tensors);
+        let error = load_safetensors(&mut target, &path)
+            .unwrap_err()
+            .to_string();
+        let prefix = format!("{}: ", path.display());
+        assert!(error.starts_with(&prefix), "{error}");
+        error[prefix.len()..].to_string()
+    };
     assert_eq!(
-        error.to_string(),
-        format!("{}: tensor `1.bias` is missing", path.display())
+        refusal("missing.safetensors", without(&tensors, "1.bias")),
+        "tensor `1.bias` is missing"
     );
-    let mut extra = tensors.clone();
-    extra.push(NamedTensor {
-        name: "2.weight".into(),
-        shape: vec![1],
-        data: TensorData::F32(vec![0.0]),
-    });
-    let path = write("extra.safetensors", extra);
-    let error = load_safetensors(&mut target, &path).unwrap_err();
     assert_eq!(
-        error.to_string(),
-        format!(
-            "{}: unexpected tensor `2.weight` (not in this model's state_dict)",
-            path.display()
-        )
+        refusal("extra.safetensors", with_one_more(&tensors, "2.weight")),
+        "unexpected tensor `2.weight` (not in this model's state_dict)"
     );
     let mut wrong = tensors.clone();
     let last = wrong.len() - 2;
     wrong[last].shape = vec![6, 5];
-    let path = write("wrong.safetensors", wrong);
-    let error = load_safetensors(&mut target, &path).unwrap_err();
     assert_eq!(
-        error.to_string(),
-        format!(
-            "{}: tensor `1.weight` has shape [6, 5], expected [5, 6]",
-            path.display()
-        )
+        refusal("wrong.safetensors", wrong),
+        "tensor `1.weight` has shape [6, 5], expected [5, 6]"
     );
     let mut wrong_dtype = tensors;
     let count = wrong_dtype
@@ -691,13 +655,8 @@ fn safetensors_with_missing_extra_or_misshaped_tensor_is_refused() {
         .position(|t| t.name == "0.bn.num_batches_tracked")
         .unwrap();
     wrong_dtype[count].data = TensorData::F32(vec![0.0]);
-    let path = write("dtype.safetensors", wrong_dtype);
-    let error = load_safetensors(&mut target, &path).unwrap_err();
     assert_eq!(
-        error.to_string(),
-        format!(
-            "{}: tensor `0.bn.num_batches_tracked` has dtype F32, expected I64",
-            path.display()
-        )
+        refusal("dtype.safetensors", wrong_dtype),
+        "tensor `0.bn.num_batches_tracked` has dtype F32, expected I64"
     );
 }

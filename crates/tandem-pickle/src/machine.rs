@@ -278,22 +278,19 @@ impl<'a> Machine<'a> {
                 let id = self.pop("BINPERSID")?;
                 self.push_node(Node::Persistent(id));
             }
-            b'q' => {
-                let index = u64::from(self.read_u8("BINPUT index")?);
-                self.put(index)?;
-            }
-            b'r' => {
-                let index = u64::from(self.read_u32("LONG_BINPUT index")?);
-                self.put(index)?;
-            }
             0x94 => self.put(self.memo.len() as u64)?,
-            b'h' => {
-                let index = u64::from(self.read_u8("BINGET index")?);
-                self.get(index)?;
-            }
-            b'j' => {
-                let index = u64::from(self.read_u32("LONG_BINGET index")?);
-                self.get(index)?;
+            b'q' | b'r' | b'h' | b'j' => {
+                let index = match opcode {
+                    b'q' => u64::from(self.read_u8("BINPUT index")?),
+                    b'r' => u64::from(self.read_u32("LONG_BINPUT index")?),
+                    b'h' => u64::from(self.read_u8("BINGET index")?),
+                    _ => u64::from(self.read_u32("LONG_BINGET index")?),
+                };
+                if matches!(opcode, b'q' | b'r') {
+                    self.put(index)?;
+                } else {
+                    self.get(index)?;
+                }
             }
             _ => {
                 return Err(PickleError::UnsupportedOpcode {
@@ -361,32 +358,57 @@ impl<'a> Machine<'a> {
     }
 
     fn append(&mut self, items: Vec<NodeId>) -> Result<(), PickleError> {
-        let target = self.peek("APPEND/APPENDS target")?;
-        match self.nodes.get_mut(target) {
-            Some(Node::List(list)) => list.extend(items),
-            Some(Node::Object { list_items, .. }) => list_items.extend(items),
-            _ => return Err(self.malformed("APPEND/APPENDS expects a list or an object")),
-        }
-        Ok(())
+        let expects = "APPEND/APPENDS expects a list or an object";
+        self.extend_target("APPEND/APPENDS target", expects, items, |node| match node {
+            Node::List(list)
+            | Node::Object {
+                list_items: list, ..
+            } => Some(list),
+            _ => None,
+        })
     }
 
     fn set_items(&mut self, pairs: Vec<(NodeId, NodeId)>) -> Result<(), PickleError> {
-        let target = self.peek("SETITEM/SETITEMS target")?;
-        match self.nodes.get_mut(target) {
-            Some(Node::Dict(dict)) => dict.extend(pairs),
-            Some(Node::Object { dict_items, .. }) => dict_items.extend(pairs),
-            _ => return Err(self.malformed("SETITEM/SETITEMS expects a dict or an object")),
-        }
-        Ok(())
+        let expects = "SETITEM/SETITEMS expects a dict or an object";
+        self.extend_target(
+            "SETITEM/SETITEMS target",
+            expects,
+            pairs,
+            |node| match node {
+                Node::Dict(dict)
+                | Node::Object {
+                    dict_items: dict, ..
+                } => Some(dict),
+                _ => None,
+            },
+        )
     }
 
     fn add_items(&mut self, items: Vec<NodeId>) -> Result<(), PickleError> {
-        let target = self.peek("ADDITEMS target")?;
-        match self.nodes.get_mut(target) {
-            Some(Node::Set(set)) => set.extend(items),
-            _ => return Err(self.malformed("ADDITEMS expects a set")),
+        let expects = "ADDITEMS expects a set";
+        self.extend_target("ADDITEMS target", expects, items, |node| match node {
+            Node::Set(set) => Some(set),
+            _ => None,
+        })
+    }
+
+    /// Adds `items` to the collection `collection_of` finds in the node below the top of the
+    /// stack (`target` names it); fails saying `expects` where it finds none.
+    fn extend_target<T>(
+        &mut self,
+        target: &str,
+        expects: &str,
+        items: Vec<T>,
+        collection_of: impl FnOnce(&mut Node) -> Option<&mut Vec<T>>,
+    ) -> Result<(), PickleError> {
+        let index = self.peek(target)?;
+        match self.nodes.get_mut(index).and_then(collection_of) {
+            Some(collection) => {
+                collection.extend(items);
+                Ok(())
+            }
+            None => Err(self.malformed(expects)),
         }
-        Ok(())
     }
 
     fn pairs(

@@ -110,13 +110,7 @@ impl NdArray {
 
 /// Interprets a value as a pickled numpy array.
 pub fn ndarray_from_value(value: &Value) -> Result<NdArray, PickleError> {
-    let Value::Object {
-        callable,
-        args,
-        state,
-        ..
-    } = value
-    else {
+    let Some((callable, args, state)) = value.as_object() else {
         return Err(unexpected(
             "numpy array",
             "a call to numpy _reconstruct",
@@ -202,13 +196,7 @@ fn parse_shape(value: &Value) -> Result<Vec<usize>, PickleError> {
 
 /// Returns the element type and whether its bytes are big-endian.
 fn parse_dtype(value: &Value) -> Result<(DType, bool), PickleError> {
-    let Value::Object {
-        callable,
-        args,
-        state,
-        ..
-    } = value
-    else {
+    let Some((callable, args, state)) = value.as_object() else {
         return Err(unexpected(
             "numpy array dtype",
             "a numpy.dtype object",
@@ -229,7 +217,6 @@ fn parse_dtype(value: &Value) -> Result<(DType, bool), PickleError> {
         found: format!("{code:?}"),
     })?;
     let byte_order = state
-        .as_deref()
         .and_then(Value::as_sequence)
         .and_then(|fields| fields.get(1))
         .and_then(Value::as_text)

@@ -76,6 +76,19 @@ impl Value {
         }
     }
 
+    /// What made the object, its arguments and its `BUILD` state, if this is an object.
+    pub fn as_object(&self) -> Option<(&Value, &Value, Option<&Value>)> {
+        match self {
+            Value::Object {
+                callable,
+                args,
+                state,
+                ..
+            } => Some((callable, args, state.as_deref())),
+            _ => None,
+        }
+    }
+
     /// The integer, if this is an `int` (or a `bool`, as Python treats it).
     pub fn as_int(&self) -> Option<i64> {
         match self {

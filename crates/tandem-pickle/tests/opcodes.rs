@@ -37,6 +37,12 @@ impl Program {
     fn binint1(self, value: u8) -> Program {
         self.op(b'K').bytes(&[value])
     }
+    fn binput(self, index: u8) -> Program {
+        self.op(b'q').bytes(&[index])
+    }
+    fn binget(self, index: u8) -> Program {
+        self.op(b'h').bytes(&[index])
+    }
     fn stop(self) -> Vec<u8> {
         self.op(b'.').0
     }
@@ -150,8 +156,7 @@ fn containers_and_memo_sharing_a_dict_filled_after_it_was_memoized() {
     // d = {}; memo[0] = d; d['k'] = [1, 2]; result = (d, d) with d read back from the memo.
     let program = Program::protocol(2)
         .op(b'}')
-        .op(b'q')
-        .bytes(&[0])
+        .binput(0)
         .short_binunicode("k")
         .op(b']')
         .op(0x94) // MEMOIZE as index 1
@@ -160,8 +165,7 @@ fn containers_and_memo_sharing_a_dict_filled_after_it_was_memoized() {
         .binint1(2)
         .op(b'e')
         .op(b's')
-        .op(b'h')
-        .bytes(&[0])
+        .binget(0)
         .op(0x86)
         .stop();
     let value = loads(&program).unwrap();
@@ -174,25 +178,29 @@ fn containers_and_memo_sharing_a_dict_filled_after_it_was_memoized() {
 
 #[test]
 fn sets_frozensets_dup_pop_and_long_memo() {
-    let program = Program::protocol(4)
-        .op(0x8f)
-        .op(b'(')
-        .binint1(3)
-        .binint1(4)
-        .op(0x90)
-        .op(b'r')
-        .bytes(&70000u32.to_le_bytes())
-        .op(b'(')
-        .binint1(5)
-        .op(0x91)
-        .binint1(9)
-        .op(b'0') // POP the 9
-        .op(b'j')
-        .bytes(&70000u32.to_le_bytes())
-        .op(b'2') // DUP
-        .op(b'(')
-        .binint1(7)
-        .op(b'1') // POP_MARK drops the 7
+    // A set {3, 4} memoized at 70000, a frozenset {5}, the set read back and duplicated.
+    let sets = |program: Program| {
+        program
+            .op(0x8f)
+            .op(b'(')
+            .binint1(3)
+            .binint1(4)
+            .op(0x90)
+            .op(b'r')
+            .bytes(&70000u32.to_le_bytes())
+            .op(b'(')
+            .binint1(5)
+            .op(0x91)
+            .binint1(9)
+            .op(b'0') // POP the 9
+            .op(b'j')
+            .bytes(&70000u32.to_le_bytes())
+            .op(b'2') // DUP
+            .op(b'(')
+            .binint1(7)
+            .op(b'1') // POP_MARK drops the 7
+    };
+    let program = sets(Program::protocol(4))
         .op(b')')
         .op(b'\x85')
         .op(b'(')
@@ -210,26 +218,7 @@ fn sets_frozensets_dup_pop_and_long_memo() {
         "{error}"
     );
 
-    let program = Program::protocol(4)
-        .op(b'(')
-        .op(0x8f)
-        .op(b'(')
-        .binint1(3)
-        .binint1(4)
-        .op(0x90)
-        .op(b'r')
-        .bytes(&70000u32.to_le_bytes())
-        .op(b'(')
-        .binint1(5)
-        .op(0x91)
-        .binint1(9)
-        .op(b'0')
-        .op(b'j')
-        .bytes(&70000u32.to_le_bytes())
-        .op(b'2')
-        .op(b'(')
-        .binint1(7)
-        .op(b'1')
+    let program = sets(Program::protocol(4).op(b'('))
         .op(b'(')
         .op(b'N')
         .op(b'N')
@@ -366,7 +355,7 @@ fn structural_errors_name_the_opcode_offset() {
             "pickle byte 6: APPEND/APPENDS expects a list or an object",
         ),
         (
-            Program::protocol(2).op(b'h').bytes(&[7]).stop(),
+            Program::protocol(2).binget(7).stop(),
             "pickle byte 2: memo GET of index 7, which was never PUT",
         ),
         (
@@ -413,10 +402,8 @@ fn recursive_and_deeply_nested_values_hit_the_depth_limit() {
     // l = []; l.append(l)
     let recursive = Program::protocol(2)
         .op(b']')
-        .op(b'q')
-        .bytes(&[0])
-        .op(b'h')
-        .bytes(&[0])
+        .binput(0)
+        .binget(0)
         .op(b'a')
         .stop();
     let error = loads(&recursive).unwrap_err();

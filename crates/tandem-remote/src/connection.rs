@@ -271,6 +271,14 @@ mod tests {
         Connection::resolve(options, |name| variables.get(name).cloned())
     }
 
+    /// Fails unless `connection` goes to `endpoint` in `region`, addressing buckets in the
+    /// path (`path_style`) or in the host name.
+    fn assert_place(connection: &Connection, endpoint: &str, region: &str, path_style: bool) {
+        assert_eq!(connection.endpoint.as_deref(), Some(endpoint));
+        assert_eq!(connection.region, region);
+        assert_eq!(connection.path_style, path_style);
+    }
+
     #[test]
     fn a_loopback_endpoint_from_the_aws_variables_is_path_style_plain_http() {
         let connection = resolve(&[
@@ -280,12 +288,7 @@ mod tests {
             ("AWS_REGION", "eu-west-3"),
         ])
         .expect("resolves");
-        assert_eq!(
-            connection.endpoint.as_deref(),
-            Some("http://127.0.0.1:9000")
-        );
-        assert_eq!(connection.region, "eu-west-3");
-        assert!(connection.path_style);
+        assert_place(&connection, "http://127.0.0.1:9000", "eu-west-3", true);
         let credentials = connection.credentials.expect("credentials");
         assert_eq!(credentials.access_key_id, "tandem");
         assert_eq!(credentials.secret_access_key.expose(), "secret-key");
@@ -302,12 +305,8 @@ mod tests {
             ("SECRET_ACCESS_KEY", "SK"),
         ])
         .expect("resolves");
-        assert_eq!(
-            connection.endpoint.as_deref(),
-            Some("https://obs.cn-north-4.myhuaweicloud.com")
-        );
-        assert_eq!(connection.region, "cn-north-4");
-        assert!(!connection.path_style);
+        let endpoint = "https://obs.cn-north-4.myhuaweicloud.com";
+        assert_place(&connection, endpoint, "cn-north-4", false);
         assert_eq!(
             connection.credentials.expect("credentials").source,
             "ACCESS_KEY_ID"
@@ -320,9 +319,7 @@ mod tests {
             ("OBS_SECURITY_TOKEN", "TOKEN"),
         ])
         .expect("resolves");
-        assert_eq!(plain.endpoint.as_deref(), Some("http://10.0.0.5:9000"));
-        assert!(plain.path_style);
-        assert_eq!(plain.region, DEFAULT_REGION);
+        assert_place(&plain, "http://10.0.0.5:9000", DEFAULT_REGION, true);
         let credentials = plain.credentials.expect("credentials");
         assert_eq!(
             credentials
@@ -352,12 +349,7 @@ mod tests {
             ],
         )
         .expect("resolves");
-        assert_eq!(
-            connection.endpoint.as_deref(),
-            Some("https://minio.example")
-        );
-        assert_eq!(connection.region, "here");
-        assert!(connection.path_style);
+        assert_place(&connection, "https://minio.example", "here", true);
         assert_eq!(connection.retry_timeout, Duration::from_secs(3));
         assert_eq!(
             connection.credentials.expect("credentials").access_key_id,

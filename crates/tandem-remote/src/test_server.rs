@@ -49,7 +49,7 @@ impl S3Server {
         // The free port is found by binding and releasing it; another process may take it
         // in between, so a start that fails is tried again on another port.
         for _ in 0..3 {
-            let port = free_port();
+            let port = tandem_testdata::free_port();
             match spawn_server(&program, root.path(), port) {
                 Ok(child) => {
                     return Some(S3Server {
@@ -506,12 +506,4 @@ fn find_program() -> Option<PathBuf> {
             .map(|folder| folder.join("s3s-fs"))
             .find(|candidate| candidate.is_file())
     })
-}
-
-/// A loopback port nothing listens on now.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|address| address.port())
-        .expect("a free loopback port")
 }

@@ -1,6 +1,7 @@
 //! The workspace's test kit, a dev-dependency only: where the shared test data is, a free
 //! loopback port, float comparisons with a stated tolerance or to the bit, running a child
-//! process with a bound on its time, assertions on the text it printed, and hand-made PNGs.
+//! process with a bound on its time, assertions on the text it printed, and hand-made PNGs
+//! and `.tar.gz` archives.
 //!
 //! The shared test data (the real CIFAR-10 and PyTorch's golden outputs) is not in the
 //! repository. A test that reads it starts with [`skip_without_shared!`], then finds its
@@ -15,6 +16,7 @@
 //! }
 //! ```
 
+pub mod archive;
 pub mod close;
 pub mod png;
 pub mod ports;

@@ -44,13 +44,19 @@ fn both_streams(output: &Output) -> String {
     )
 }
 
-#[test]
-fn a_missing_folder_skips_with_the_reason_printed() {
+/// The probe run with its shared folder missing, under `TANDEM_REQUIRE_SHARED=1` when
+/// `require`: whether it succeeded, what it printed, and the missing folder.
+fn probe_without_the_folder(require: bool) -> (bool, String, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("no-such-shared");
-    let output = probe(&missing, false);
-    let text = both_streams(&output);
-    assert!(output.status.success(), "{text}");
+    let output = probe(&missing, require);
+    (output.status.success(), both_streams(&output), missing)
+}
+
+#[test]
+fn a_missing_folder_skips_with_the_reason_printed() {
+    let (succeeded, text, missing) = probe_without_the_folder(false);
+    assert!(succeeded, "{text}");
     assert!(
         text.contains(&format!(
             "skipped probe_entry: the shared test data is missing: no folder {} (set TANDEM_SHARED",
@@ -63,11 +69,8 @@ fn a_missing_folder_skips_with_the_reason_printed() {
 
 #[test]
 fn a_missing_folder_fails_under_tandem_require_shared() {
-    let dir = tempfile::tempdir().unwrap();
-    let missing = dir.path().join("no-such-shared");
-    let output = probe(&missing, true);
-    let text = both_streams(&output);
-    assert!(!output.status.success(), "{text}");
+    let (succeeded, text, _) = probe_without_the_folder(true);
+    assert!(!succeeded, "{text}");
     assert!(
         text.contains("and TANDEM_REQUIRE_SHARED=1 requires it"),
         "{text}"

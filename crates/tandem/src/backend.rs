@@ -349,21 +349,27 @@ mod tests {
         }
     }
 
+    /// The lines of the auto, nccl and ring requests.
+    fn lines(ranks: &[RankDevice]) -> [String; 3] {
+        [
+            BackendRequest::Auto,
+            BackendRequest::Nccl,
+            BackendRequest::Ring,
+        ]
+        .map(|request| line(request, ranks))
+    }
+
     #[test]
     fn cpu_ranks_take_the_ring() {
         let ranks = [cpu("a"), cpu("a")];
         assert_eq!(
-            line(BackendRequest::Auto, &ranks),
-            "backend: ring (cpu ranks)"
-        );
-        assert_eq!(
-            line(BackendRequest::Ring, &ranks),
-            "backend: ring (requested)"
-        );
-        assert_eq!(
-            line(BackendRequest::Nccl, &ranks),
-            "error: --backend nccl: every rank is on the CPU, and NCCL needs a GPU for each \
-             rank (use --backend ring or auto)"
+            lines(&ranks),
+            [
+                "backend: ring (cpu ranks)",
+                "error: --backend nccl: every rank is on the CPU, and NCCL needs a GPU for each \
+                 rank (use --backend ring or auto)",
+                "backend: ring (requested)",
+            ]
         );
         // A job of one process on the CPU (an explicit nccl is checked against it alone).
         assert!(line(BackendRequest::Nccl, &[cpu("a")]).contains("every rank is on the CPU"));
@@ -373,17 +379,13 @@ mod tests {
     fn ranks_sharing_a_gpu_take_the_ring_and_say_why() {
         let ranks = [gpu("a", 0, "0"), gpu("a", 0, "0")];
         assert_eq!(
-            line(BackendRequest::Auto, &ranks),
-            "backend: ring (auto: ranks 0 and 1 share GPU 0; NCCL refuses two ranks on one GPU)"
-        );
-        assert_eq!(
-            line(BackendRequest::Nccl, &ranks),
-            "error: --backend nccl: ranks 0 and 1 share GPU 0; NCCL refuses two ranks on one \
-             GPU (use --backend ring or auto)"
-        );
-        assert_eq!(
-            line(BackendRequest::Ring, &ranks),
-            "backend: ring (requested)"
+            lines(&ranks),
+            [
+                "backend: ring (auto: ranks 0 and 1 share GPU 0; NCCL refuses two ranks on one GPU)",
+                "error: --backend nccl: ranks 0 and 1 share GPU 0; NCCL refuses two ranks on one \
+                 GPU (use --backend ring or auto)",
+                "backend: ring (requested)",
+            ]
         );
         // Three ranks on two GPUs: rank r on GPU r mod 2.
         let ranks = [gpu("a", 0, "0"), gpu("a", 1, "1"), gpu("a", 0, "0")];
@@ -512,10 +514,7 @@ mod tests {
     fn ranks_gather_their_records_through_the_process_group_and_agree() {
         use crate::train::ddp::WorkerPlacement;
         use std::time::Duration;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .unwrap()
-            .port();
+        let port = tandem_testdata::free_port();
         let records = [gpu("a", 0, "0"), gpu("a", 1, "0"), cpu("b")];
         let lines: Vec<String> = std::thread::scope(|scope| {
             let ranks: Vec<_> = (0..records.len())

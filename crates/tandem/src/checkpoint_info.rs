@@ -372,14 +372,19 @@ mod tests {
     fn metadata_reads_back_exactly() {
         let info = sample();
         let metadata = info.to_metadata().unwrap();
-        assert_eq!(metadata["tandem.model"], "resnet-base");
-        assert_eq!(metadata["tandem.n-blocks"], "1,2");
-        assert_eq!(metadata["tandem.bottlenecks"], "none");
-        assert_eq!(metadata["tandem.mean"], "0.485,0.456,0.1");
-        assert_eq!(metadata["tandem.std"], "0.229,0.001,3");
-        assert_eq!(metadata["tandem.data"], "cifar10-bin");
-        assert_eq!(metadata["epoch"], "3");
-        assert_eq!(metadata["format"], "pt");
+        let expected = [
+            ("tandem.model", "resnet-base"),
+            ("tandem.n-blocks", "1,2"),
+            ("tandem.bottlenecks", "none"),
+            ("tandem.mean", "0.485,0.456,0.1"),
+            ("tandem.std", "0.229,0.001,3"),
+            ("tandem.data", "cifar10-bin"),
+            ("epoch", "3"),
+            ("format", "pt"),
+        ];
+        for (key, value) in expected {
+            assert_eq!(metadata[key], value, "{key}");
+        }
         assert_eq!(
             CheckpointInfo::from_metadata(&metadata).unwrap(),
             Some(info)

@@ -369,16 +369,15 @@ mod tests {
 
     #[test]
     fn the_confusion_matrix_labels_its_columns_as_its_rows() {
+        // The lines after `header` in the report with class `names`.
+        let matrix = |names: &[String], header: &str| -> Vec<String> {
+            let text = render_text(&three_class_report(), names);
+            let after = text.split(header).nth(1).unwrap();
+            after.lines().map(String::from).collect()
+        };
         let names: Vec<String> = ["cat", "automobile", "dog"].map(String::from).into();
-        let text = render_text(&three_class_report(), &names);
-        let matrix: Vec<&str> = text
-            .split("columns: predicted):\n")
-            .nth(1)
-            .unwrap()
-            .lines()
-            .collect();
         assert_eq!(
-            matrix,
+            matrix(&names, "columns: predicted):\n"),
             [
                 "                       cat automobile        dog",
                 "           cat           4          0          0",
@@ -387,22 +386,13 @@ mod tests {
             ]
         );
         // Without names, numbers label both.
-        let text = render_text(&three_class_report(), &[]);
-        let matrix: Vec<&str> = text
-            .split("predicted):\n")
-            .nth(1)
-            .unwrap()
-            .lines()
-            .collect();
-        assert_eq!(
-            matrix,
-            [
-                "                    0     1     2",
-                "             0      4     0     0",
-                "             1      1     2     1",
-                "             2      0     1     3",
-            ]
-        );
+        let numbered = [
+            "                    0     1     2",
+            "             0      4     0     0",
+            "             1      1     2     1",
+            "             2      0     1     3",
+        ];
+        assert_eq!(matrix(&[], "predicted):\n"), numbered);
     }
 
     #[test]

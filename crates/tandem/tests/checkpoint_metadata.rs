@@ -20,18 +20,18 @@ fn json_subset() -> PathBuf {
     tandem_testdata::shared_dir().join("data/cifar10/json-subset")
 }
 
-/// Trains the small model for one epoch on the json-folder subset (well under a second)
-/// and returns the output folder.
-fn train_tiny_real_run(dir: &Path) -> PathBuf {
-    let out = dir.join("run");
+/// Trains the small model for one epoch on the json-folder subset (well under a second),
+/// into `run` in a new folder; returns the folder and the run's.
+fn train_tiny_real_run() -> (tempfile::TempDir, PathBuf) {
+    let (dir, out) = run_folder();
     let mut args = small_model_train(&format!(
         "--data json-folder --mean {MEAN} --std {STD} --epochs 1 --batch-size 64 \
          --optimizer sgd --momentum 0.9 --lr 0.05 --threads 1"
     ));
     args.extend(["--data-dir".into(), json_subset().display().to_string()]);
     args.extend(["--output-dir".into(), out.display().to_string()]);
-    expect_success(&run_bounded(tandem().args(&args), LIMIT));
-    out
+    tandem_succeeds(&args, LIMIT);
+    (dir, out)
 }
 
 /// The `__metadata__` strings of a safetensors file.
@@ -93,8 +93,7 @@ fn take_metrics_matching(metadata: &mut BTreeMap<String, String>, line: &str) {
 #[test]
 fn epoch_checkpoint_and_snapshot_describe_themselves() {
     tandem_testdata::skip_without_shared!();
-    let dir = tempfile::tempdir().unwrap();
-    let out = train_tiny_real_run(dir.path());
+    let (_dir, out) = train_tiny_real_run();
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let class_names =
         r#"["airplane","automobile","bird","cat","deer","dog","frog","horse","ship","truck"]"#;
@@ -137,11 +136,10 @@ fn epoch_checkpoint_and_snapshot_describe_themselves() {
 #[test]
 fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
     tandem_testdata::skip_without_shared!();
-    let dir = tempfile::tempdir().unwrap();
-    let out = train_tiny_real_run(dir.path());
+    let (_dir, out) = train_tiny_real_run();
     let checkpoint = out.join("epoch_1.safetensors").display().to_string();
     let alone = strings(&["eval", "--checkpoint", &checkpoint, "--json"]);
-    let report = expect_success(&run_bounded(tandem().args(&alone), LIMIT));
+    let report = tandem_succeeds(&alone, LIMIT);
     let mut explicit = alone.clone();
     explicit.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
     explicit.extend(strings(&[
@@ -154,7 +152,7 @@ fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
         "--std",
         STD,
     ]));
-    let explicit_report = expect_success(&run_bounded(tandem().args(&explicit), LIMIT));
+    let explicit_report = tandem_succeeds(&explicit, LIMIT);
     assert_eq!(report, explicit_report);
     let parsed: serde_json::Value = serde_json::from_str(report.trim()).unwrap();
     assert_eq!(parsed["samples"].as_u64(), Some(200));
@@ -162,10 +160,7 @@ fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
     let record: serde_json::Value = serde_json::from_str(metrics.trim()).unwrap();
     assert_eq!(parsed["accuracy"], record["val_accuracy"]);
     // The text report names the classes.
-    let text = expect_success(&run_bounded(
-        tandem().args(["eval", "--checkpoint", &checkpoint]),
-        LIMIT,
-    ));
+    let text = tandem_succeeds(["eval", "--checkpoint", &checkpoint], LIMIT);
     assert_contains(&text, "    automobile: ");
     // ... and the confusion matrix's columns, as its rows.
     let classes: Vec<&str> = "airplane automobile bird cat deer dog frog horse ship truck"
@@ -202,18 +197,14 @@ fn eval_with_only_the_checkpoint_uses_its_data_and_normalization() {
 
     // The snapshot is loaded as the weights it holds: the same evaluation.
     let snapshot = out.join("snapshot.safetensors").display().to_string();
-    let from_snapshot = expect_success(&run_bounded(
-        tandem().args(["eval", "--checkpoint", &snapshot, "--json"]),
-        LIMIT,
-    ));
+    let from_snapshot = tandem_succeeds(["eval", "--checkpoint", &snapshot, "--json"], LIMIT);
     assert_eq!(from_snapshot, report);
 }
 
 #[test]
 fn flags_that_contradict_the_checkpoint_are_named() {
     tandem_testdata::skip_without_shared!();
-    let dir = tempfile::tempdir().unwrap();
-    let out = train_tiny_real_run(dir.path());
+    let (dir, out) = train_tiny_real_run();
     let checkpoint = out.join("epoch_1.safetensors").display().to_string();
     let small_model_flags =
         "--model resnet-base --n-blocks 1,1,1 --n-channels 8,16,32 --bottlenecks none --first-kernel-size 3 --num-classes 10";
@@ -257,12 +248,11 @@ fn flags_that_contradict_the_checkpoint_are_named() {
 #[test]
 fn predict_prints_class_names() {
     tandem_testdata::skip_without_shared!();
-    let dir = tempfile::tempdir().unwrap();
-    let out = train_tiny_real_run(dir.path());
+    let (_dir, out) = train_tiny_real_run();
     let checkpoint = out.join("epoch_1.safetensors").display().to_string();
     let mut args = strings(&["predict", "--checkpoint", &checkpoint, "--top", "10"]);
     args.extend(test_images(2));
-    let text = expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    let text = tandem_succeeds(&args, LIMIT);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.len(), 2, "{text}");
     for line in lines {
@@ -272,7 +262,7 @@ fn predict_prints_class_names() {
         }
     }
     args.push("--json".into());
-    let json = expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    let json = tandem_succeeds(&args, LIMIT);
     let names = tandem_data::CIFAR10_CLASS_NAMES;
     for line in json.lines() {
         let prediction: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -286,8 +276,7 @@ fn predict_prints_class_names() {
 #[test]
 fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
     tandem_testdata::skip_without_shared!();
-    let dir = tempfile::tempdir().unwrap();
-    let out = train_tiny_real_run(dir.path());
+    let (dir, out) = train_tiny_real_run();
     // What an older Tandem file, or PyTorch's `save_file(model.state_dict())`, holds: the
     // same tensors under the same names, without the description.
     let bare = dir.path().join("bare.safetensors");
@@ -302,11 +291,8 @@ fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
         &["--data-dir", &json_subset().display().to_string()],
         &format!("--data json-folder --mean {MEAN} --std {STD}"),
     ));
-    let bare_report = expect_success(&run_bounded(tandem().args(&with_flags), LIMIT));
-    let described = expect_success(&run_bounded(
-        tandem().args(["eval", "--json", "--checkpoint", &checkpoint]),
-        LIMIT,
-    ));
+    let bare_report = tandem_succeeds(&with_flags, LIMIT);
+    let described = tandem_succeeds(["eval", "--json", "--checkpoint", &checkpoint], LIMIT);
     assert_eq!(bare_report, described);
 
     // Without metadata the model comes from the flags; the wrong one is explained from the
@@ -325,7 +311,7 @@ fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
         .to_string();
     let mut args = strings(&["predict", "--checkpoint", &pytorch]);
     args.extend(test_images(1));
-    let text = expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    let text = tandem_succeeds(&args, LIMIT);
     // No class names in the file: classes by number.
     assert!(
         text.trim_end()
@@ -351,8 +337,7 @@ fn a_file_without_metadata_loads_with_flags_and_a_wrong_model_is_explained() {
 #[test]
 fn a_snapshot_gives_its_weights_to_init_from() {
     tandem_testdata::skip_without_shared!();
-    let dir = tempfile::tempdir().unwrap();
-    let out = train_tiny_real_run(dir.path());
+    let (dir, out) = train_tiny_real_run();
     // One step from the snapshot's weights and one from the epoch checkpoint's (the same
     // weights) end in the same parameters.
     let params_after_one_step_from = |file: &str| {
@@ -360,7 +345,7 @@ fn a_snapshot_gives_its_weights_to_init_from() {
         let mut args = with_flag(synthetic_run(&run, 64), "--epochs", "1");
         let init = out.join(file).display().to_string();
         args.extend(strings(&["--init-from", &init, "--max-steps", "1"]));
-        expect_success(&run_bounded(tandem().args(&args), LIMIT));
+        tandem_succeeds(&args, LIMIT);
         read_tensors(&run.join("snapshot.safetensors"))["params"].clone()
     };
     let from_snapshot = params_after_one_step_from("snapshot.safetensors");

@@ -28,8 +28,7 @@ fn refused(args: &[String], code: i32) -> String {
 
 #[test]
 fn a_repeated_flag_takes_its_last_value_as_argparse_does() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     // A wrapper's flags first, the user's after them.
     let mut args = with_flag(synthetic_run(&out, 96), "--epochs", "3");
     args.extend(
@@ -43,7 +42,7 @@ fn a_repeated_flag_takes_its_last_value_as_argparse_does() {
         ]
         .map(String::from),
     );
-    let stdout = expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    let stdout = tandem_succeeds(&args, LIMIT);
     assert!(
         stdout.contains("model: resnet-base (blocks 2,1,1, channels 8,16,32,"),
         "{stdout}"
@@ -156,7 +155,7 @@ fn help_groups_the_flags_and_switches_take_no_value() {
 fn the_banner_names_the_optimizer_the_learning_rate_and_the_initial_weights() {
     let dir = tempfile::tempdir().unwrap();
     let first = dir.path().join("first");
-    expect_success(&run_bounded(tandem().args(run_args(&first, &[])), LIMIT));
+    tandem_succeeds(run_args(&first, &[]), LIMIT);
     let weights = first.join("epoch_1.safetensors");
     let second = dir.path().join("second");
     let mut worker = run_args(
@@ -241,8 +240,7 @@ fn a_flat_table_key_in_the_config_file_is_shown_in_its_table() {
 
 #[test]
 fn config_toml_holds_the_values_as_given() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     let args = with_flag(
         run_args(
             &out,
@@ -251,19 +249,16 @@ fn config_toml_holds_the_values_as_given() {
         "--epochs",
         "0",
     );
-    expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    tandem_succeeds(&args, LIMIT);
     let text = std::fs::read_to_string(out.join("config.toml")).unwrap();
     let config: toml::Table = toml::from_str(&text).unwrap();
-    assert_eq!(
-        config["data"]["mean"].to_string(),
-        "[0.485, 0.456, 0.406]",
-        "{text}"
-    );
-    assert_eq!(
-        config["data"]["std"].to_string(),
-        "[0.229, 0.224, 0.225]",
-        "{text}"
-    );
+    let expected = [
+        ("mean", "[0.485, 0.456, 0.406]"),
+        ("std", "[0.229, 0.224, 0.225]"),
+    ];
+    for (key, values) in expected {
+        assert_eq!(config["data"][key].to_string(), values, "{text}");
+    }
 }
 
 #[test]
@@ -291,7 +286,7 @@ fn errors_name_the_flags_value_and_say_each_cause_once() {
     );
 
     let out = dir.path().join("weights");
-    expect_success(&run_bounded(tandem().args(run_args(&out, &[])), LIMIT));
+    tandem_succeeds(run_args(&out, &[]), LIMIT);
     let image = dir.path().join("nope.png");
     let output = run_bounded(
         tandem().args([
@@ -336,7 +331,7 @@ fn the_banner_names_the_epochs_of_the_tutorials_torch_save_snapshot() {
             "--output-dir",
             &out.display().to_string(),
         ];
-        let stdout = expect_success(&run_bounded(tandem().args(args), LIMIT));
+        let stdout = tandem_succeeds(args, LIMIT);
         let expected = format!(
             "output: {} | fresh, from the weights of {} ({when})\n",
             out.display(),

@@ -44,11 +44,11 @@ fn launch(nproc: usize, train_args: &[String]) {
         "--".to_string(),
     ];
     args.extend_from_slice(train_args);
-    expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    tandem_succeeds(&args, LIMIT);
 }
 
 fn single(train_args: &[String]) {
-    expect_success(&run_bounded(tandem().args(train_args), LIMIT));
+    tandem_succeeds(train_args, LIMIT);
 }
 
 /// Runs W processes and one process, and returns the worst error per tensor family.

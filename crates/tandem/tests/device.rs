@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{assert_contains, expect_success, run_bounded, tandem};
+use common::{assert_contains, expect_success, run_bounded, run_folder, tandem};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -38,6 +38,37 @@ fn bench_step_with(
 fn gpu_here() -> bool {
     let facts = tandem_cuda::device::GpuFacts::gather(tandem_cuda::Probe::process());
     facts.missing_library.is_none() && matches!(facts.visible_gpus, Ok(count) if count > 0)
+}
+
+/// Where there is a GPU: `bench step` on it with `extra` flags, whose first line says
+/// `setting`; its output.
+fn bench_step_on_gpu(
+    library_path: &std::path::Path,
+    extra: &[&str],
+    setting: &str,
+) -> Option<String> {
+    if !gpu_here() {
+        return None;
+    }
+    let text = expect_success(&bench_step_with("cuda", library_path, extra));
+    let first = text.lines().next().unwrap_or_default();
+    assert!(first.contains(setting), "{first}");
+    Some(text)
+}
+
+/// `bench step` on the CPU with `extra` flags that apply to a GPU only: its first line
+/// names the CPU and it says `note`; its output.
+fn bench_step_on_cpu(library_path: &std::path::Path, extra: &[&str], note: &str) -> String {
+    let output = bench_step_with("cpu", library_path, extra);
+    let text = expect_success(&output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        text.lines().next(),
+        Some("device: cpu (requested)"),
+        "{text}"
+    );
+    assert_contains(&stderr, note);
+    text
 }
 
 #[test]
@@ -116,8 +147,7 @@ fn cuda_runs_on_a_gpu_or_fails_with_the_reason_instead_of_pretending() {
 
 #[test]
 fn train_eval_and_predict_take_the_device_flags() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     let train = |extra: &[&str]| {
         let mut args = common::small_synthetic_run(&out);
         args.extend(extra.iter().map(|arg| arg.to_string()));
@@ -170,37 +200,20 @@ fn train_eval_and_predict_take_the_device_flags() {
 #[test]
 fn bench_step_takes_bf16_and_names_it_first() {
     let empty = tempfile::tempdir().unwrap();
-    if gpu_here() {
-        // On a GPU: the bf16 step runs, and the first line names its precision.
-        let text = expect_success(&bench_step_with(
-            "cuda",
-            empty.path(),
-            &["--precision", "bf16"],
-        ));
+    let flags = ["--precision", "bf16"];
+    // On a GPU: the bf16 step runs, and the first line names its precision.
+    let setting = "; precision bf16, deterministic algorithms; ";
+    if let Some(text) = bench_step_on_gpu(empty.path(), &flags, setting) {
         let first = text.lines().next().unwrap_or_default();
         assert!(first.starts_with("device: cuda:0 ("), "{text}");
-        assert!(
-            first.contains("; precision bf16, deterministic algorithms; "),
-            "{first}"
-        );
         assert!(
             text.contains("train: ") && text.contains("peak memory: "),
             "{text}"
         );
     }
     // On the CPU: a note, and the CPU's step.
-    let output = bench_step_with("cpu", empty.path(), &["--precision", "bf16"]);
-    let text = expect_success(&output);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(
-        text.lines().next(),
-        Some("device: cpu (requested)"),
-        "{text}"
-    );
-    assert!(
-        stderr.contains("note: --precision bf16 applies to a GPU; the CPU computes in fp32"),
-        "{stderr}"
-    );
+    let note = "note: --precision bf16 applies to a GPU; the CPU computes in fp32";
+    let text = bench_step_on_cpu(empty.path(), &flags, note);
     assert_contains(&text, "train: ");
 }
 
@@ -222,29 +235,19 @@ fn a_bad_device_value_is_refused_by_the_parser() {
 #[test]
 fn bench_step_takes_the_fastest_algorithms_and_names_them_first() {
     let empty = tempfile::tempdir().unwrap();
-    if gpu_here() {
-        // On a GPU: the step runs with the fastest measured algorithms, said first.
-        let text = expect_success(&bench_step_with(
-            "cuda",
-            empty.path(),
-            &["--algorithms", "fastest"],
-        ));
-        let first = text.lines().next().unwrap_or_default();
-        assert!(
-            first.contains("; precision tf32, fastest algorithms; "),
-            "{first}"
-        );
+    let flags = ["--algorithms", "fastest"];
+    // On a GPU: the step runs with the fastest measured algorithms, said first.
+    let on_gpu = bench_step_on_gpu(
+        empty.path(),
+        &flags,
+        "; precision tf32, fastest algorithms; ",
+    );
+    if let Some(text) = on_gpu {
         assert_contains(&text, "train: ");
     }
     // On the CPU: a note, and the CPU's (deterministic) step.
-    let output = bench_step_with("cpu", empty.path(), &["--algorithms", "fastest"]);
-    let text = expect_success(&output);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(text.lines().next(), Some("device: cpu (requested)"));
-    assert!(
-        stderr.contains("note: --algorithms fastest applies to a GPU; the CPU is deterministic"),
-        "{stderr}"
-    );
+    let note = "note: --algorithms fastest applies to a GPU; the CPU is deterministic";
+    bench_step_on_cpu(empty.path(), &flags, note);
     let output = bench_step_with("cpu", empty.path(), &["--algorithms", "fast"]);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success());

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -91,12 +91,17 @@ fn kill_workers_repeatedly(launcher: &mut Child, snapshot: &Path, seed: u64) -> 
     kills
 }
 
-#[test]
-fn killed_workers_restart_and_end_with_the_uninterrupted_weights() {
+/// A new folder, and the job run straight through into `straight` in it.
+fn straight_run() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let straight = dir.path().join("straight");
-    expect_success(&run_bounded(tandem().args(job_args(&straight)), LIMIT));
+    tandem_succeeds(job_args(&straight), LIMIT);
+    (dir, straight)
+}
 
+#[test]
+fn killed_workers_restart_and_end_with_the_uninterrupted_weights() {
+    let (dir, straight) = straight_run();
     let faulty = dir.path().join("faulty");
     let mut launcher = tandem()
         .args(job_args(&faulty))
@@ -120,23 +125,12 @@ fn killed_workers_restart_and_end_with_the_uninterrupted_weights() {
         restarts >= 1,
         "the launcher never reported a killed worker\n{stdout}\n{stderr}"
     );
-    for epoch in 1..=3 {
-        let name = format!("epoch_{epoch}.safetensors");
-        let expected = std::fs::read(straight.join(&name)).unwrap();
-        let actual = std::fs::read(faulty.join(&name)).unwrap();
-        assert!(
-            expected == actual,
-            "{name} differs from the uninterrupted run's (seed {seed})"
-        );
-    }
+    assert_epochs_as_straight(&straight, &faulty, 1..=3, &format!(" (seed {seed})"));
 }
 
 #[test]
 fn sigterm_to_the_launcher_stops_with_a_snapshot_and_a_relaunch_finishes_the_job() {
-    let dir = tempfile::tempdir().unwrap();
-    let straight = dir.path().join("straight");
-    expect_success(&run_bounded(tandem().args(job_args(&straight)), LIMIT));
-
+    let (dir, straight) = straight_run();
     let stopped = dir.path().join("stopped");
     let mut args = job_args(&stopped);
     // No snapshots but the one the stop writes.
@@ -178,13 +172,5 @@ fn sigterm_to_the_launcher_stops_with_a_snapshot_and_a_relaunch_finishes_the_job
     let resumed = run_bounded(tandem().args(&args), LIMIT);
     let stdout = expect_success(&resumed);
     assert_contains(&stdout, "Resuming training from snapshot at epoch 1");
-    for epoch in 1..=3 {
-        let name = format!("epoch_{epoch}.safetensors");
-        let expected = std::fs::read(straight.join(&name)).unwrap();
-        let actual = std::fs::read(stopped.join(&name)).unwrap();
-        assert!(
-            expected == actual,
-            "{name} differs from the uninterrupted run's"
-        );
-    }
+    assert_epochs_as_straight(&straight, &stopped, 1..=3, "");
 }

@@ -6,7 +6,7 @@ mod common;
 
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -67,33 +67,24 @@ impl Launcher {
     }
 }
 
-/// A training job of many short epochs: long enough to strike in the middle.
-fn long_run(output_dir: &Path, epochs: usize) -> Vec<String> {
-    let train = synthetic_run(output_dir, 256);
-    with_flag(
-        with_flag(train, "--epochs", &epochs.to_string()),
-        "--batch-size",
-        "16",
-    )
-}
-
-/// Waits until rank 0 has trained a step.
-fn wait_for_training(output_dir: &Path, launcher: &mut Launcher) {
-    let deadline = Instant::now() + LIMIT;
-    let log = output_dir.join("logs/rank_0.log");
-    while !std::fs::read_to_string(&log).is_ok_and(|text| text.contains("step 2")) {
-        assert!(
-            !launcher.has_exited() && Instant::now() < deadline,
-            "the workers never trained:\n{}",
-            launcher.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-fn signal(pid: u32, signal: i32) {
-    // SAFETY: plain kill(2) of a child process id we just read.
-    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0);
+/// Starts, in a new folder, a two-worker job of `epochs` short epochs (long enough to strike
+/// in the middle) with `extra` training flags, under `launch_args` and `max_descriptors` (see
+/// [`Launcher::start`]), and waits until it trains. Returns the folder, the run's output
+/// folder and the launcher.
+fn start_training(
+    launch_args: &[&str],
+    epochs: usize,
+    extra: &[&str],
+    max_descriptors: Option<u64>,
+) -> (tempfile::TempDir, PathBuf, Launcher) {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("run");
+    let train = with_flag(synthetic_run(&output, 256), "--epochs", &epochs.to_string());
+    let mut train = with_flag(train, "--batch-size", "16");
+    train.extend(extra.iter().map(|flag| flag.to_string()));
+    let mut launcher = Launcher::start(dir.path(), launch_args, train, max_descriptors);
+    launcher.wait_for_training(&output, LIMIT);
+    (dir, output, launcher)
 }
 
 /// The open descriptors and the threads of process `pid`.
@@ -134,16 +125,9 @@ fn hold_connections(addr: SocketAddr, count: usize, stop: &AtomicBool) {
 
 #[test]
 fn hundreds_of_outsider_connections_under_a_low_descriptor_limit_do_not_stop_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let output = dir.path().join("run");
-    let mut launcher = Launcher::start(
-        dir.path(),
-        &["--max-restarts", "3", "--stop-grace-seconds", "5"],
-        long_run(&output, 40),
-        Some(256),
-    );
+    let launch_args = ["--max-restarts", "3", "--stop-grace-seconds", "5"];
+    let (_dir, output, mut launcher) = start_training(&launch_args, 40, &[], Some(256));
     let store = launcher.store_addr();
-    wait_for_training(&output, &mut launcher);
     let before = descriptors_and_threads(launcher.pid());
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
@@ -151,7 +135,7 @@ fn hundreds_of_outsider_connections_under_a_low_descriptor_limit_do_not_stop_a_r
         std::thread::sleep(Duration::from_secs(1));
         let under_attack = descriptors_and_threads(launcher.pid());
         eprintln!("launcher descriptors and threads: {before:?} before, {under_attack:?} under 400 outsider connections");
-        signal(launcher.worker(1), libc::SIGKILL);
+        send_signal(launcher.worker(1), libc::SIGKILL);
         let status = launcher.wait(LIMIT);
         stop.store(true, Ordering::SeqCst);
         let stderr = launcher.stderr();
@@ -171,19 +155,10 @@ fn hundreds_of_outsider_connections_under_a_low_descriptor_limit_do_not_stop_a_r
 
 #[test]
 fn sigterm_to_one_worker_is_a_failure_naming_its_rank_the_signal_and_the_epoch() {
-    let dir = tempfile::tempdir().unwrap();
-    let output = dir.path().join("run");
-    let mut launcher = Launcher::start(
-        dir.path(),
-        &["--max-restarts", "0", "--stop-grace-seconds", "5"],
-        long_run(&output, 1000),
-        None,
-    );
-    wait_for_training(&output, &mut launcher);
-    signal(launcher.worker(1), libc::SIGTERM);
-    let status = launcher.wait(LIMIT);
-    let stderr = launcher.stderr();
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    let launch_args = ["--max-restarts", "0", "--stop-grace-seconds", "5"];
+    let (_dir, output, mut launcher) = start_training(&launch_args, 1000, &[], None);
+    send_signal(launcher.worker(1), libc::SIGTERM);
+    let stderr = launcher.exits_with(1, LIMIT);
     assert_contains(
         &stderr,
         "root cause: rank 1 (node 0, local rank 1) killed by SIGTERM\n",
@@ -201,23 +176,14 @@ fn sigterm_to_one_worker_is_a_failure_naming_its_rank_the_signal_and_the_epoch()
 
 #[test]
 fn a_stopped_worker_is_killed_at_once_and_named_as_the_root_cause() {
-    let dir = tempfile::tempdir().unwrap();
-    let output = dir.path().join("run");
-    let train = with_flag(long_run(&output, 1000), "--collective-timeout", "2");
-    let mut launcher = Launcher::start(
-        dir.path(),
-        &["--max-restarts", "0", "--stop-grace-seconds", "60"],
-        train,
-        None,
-    );
-    wait_for_training(&output, &mut launcher);
+    let launch_args = ["--max-restarts", "0", "--stop-grace-seconds", "60"];
+    let timeout = ["--collective-timeout", "2"];
+    let (_dir, _output, mut launcher) = start_training(&launch_args, 1000, &timeout, None);
     let stuck = launcher.worker(1);
     let stopped_at = Instant::now();
-    signal(stuck, libc::SIGSTOP);
-    let status = launcher.wait(LIMIT);
+    send_signal(stuck, libc::SIGSTOP);
+    let stderr = launcher.exits_with(1, LIMIT);
     let waited = stopped_at.elapsed();
-    let stderr = launcher.stderr();
-    assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(
         stderr.contains(
             "root cause: rank 1 (node 0, local rank 1) was stopped (SIGSTOP or a debugger) and \

@@ -188,16 +188,18 @@ fn eval_args(checkpoint: &Path, data: &str, data_dir: &Path) -> Vec<String> {
     args
 }
 
-/// The peak memory of a legitimate evaluation of the small model (weights from a
-/// safetensors file, 16 CIFAR records), and its JSON report.
-fn legitimate_eval(dir: &Path) -> (Measured, PathBuf) {
+/// A new folder holding the small model's weights (`weights.safetensors`) and 16 CIFAR
+/// records, with what a legitimate evaluation of them measured (its peak memory and JSON
+/// report) and the records' folder.
+fn legitimate_eval() -> (tempfile::TempDir, Measured, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
     let model = small_model();
-    let weights = dir.join("weights.safetensors");
+    let weights = dir.path().join("weights.safetensors");
     tandem_models::save_safetensors(&model, &weights, &Default::default()).expect("save");
-    let data = cifar_bin_folder(dir, 16);
+    let data = cifar_bin_folder(dir.path(), 16);
     let measured = run_measured(&eval_args(&weights, "cifar10-bin", &data));
     assert_eq!(measured.exit_code, Some(0), "{}", measured.describe());
-    (measured, data)
+    (dir, measured, data)
 }
 
 /// Pickle opcodes for the few values a state dict needs (protocol 2).
@@ -241,6 +243,21 @@ struct TensorEntry {
     offset: usize,
     storage_len: usize,
     long: bool,
+}
+
+impl TensorEntry {
+    /// Tensor `info` of the model as a view from the start of storage `key` of
+    /// `storage_len` elements (`LongStorage` for a batch count, else `FloatStorage`).
+    fn of(info: &tandem_models::TensorInfo, key: &str, storage_len: usize) -> TensorEntry {
+        TensorEntry {
+            name: info.name.clone(),
+            shape: info.shape.clone(),
+            key: key.into(),
+            offset: 0,
+            storage_len,
+            long: info.kind == TensorKind::BatchCount,
+        }
+    }
 }
 
 /// `data.pkl` of a state dict of `entries`, as `torch.save` writes it.
@@ -315,27 +332,25 @@ fn zeros(len: u64) -> Box<dyn Read> {
     Box::new(std::io::repeat(0).take(len))
 }
 
+/// The entries `entry` makes of the small model's tensors.
+fn small_model_entries(
+    entry: impl Fn(&tandem_models::TensorInfo) -> TensorEntry,
+) -> Vec<TensorEntry> {
+    small_model().tensors().iter().map(entry).collect()
+}
+
 /// 64 MiB of f32 zeros: the storage the hostile archives share.
 const BIG_STORAGE_ELEMENTS: usize = 16 << 20;
 
 #[test]
 fn tensors_sharing_one_large_storage_are_checked_against_the_model_before_it_is_read() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (baseline, data) = legitimate_eval(dir.path());
-    let model = small_model();
+    let (dir, baseline, data) = legitimate_eval();
     // Every tensor of the model, each claiming the whole 64 MiB storage.
-    let entries: Vec<TensorEntry> = model
-        .tensors()
-        .iter()
-        .map(|info| TensorEntry {
-            name: info.name.clone(),
-            shape: vec![BIG_STORAGE_ELEMENTS],
-            key: "0".into(),
-            offset: 0,
-            storage_len: BIG_STORAGE_ELEMENTS,
-            long: false,
-        })
-        .collect();
+    let entries = small_model_entries(|info| TensorEntry {
+        shape: vec![BIG_STORAGE_ELEMENTS],
+        long: false,
+        ..TensorEntry::of(info, "0", BIG_STORAGE_ELEMENTS)
+    });
     let storages = vec![("0".into(), zeros(BIG_STORAGE_ELEMENTS as u64 * 4))];
     let file = "shared_whole_storage.pth";
     let measured = eval_state_dict(dir.path(), file, &entries, storages, &data);
@@ -350,25 +365,12 @@ fn tensors_sharing_one_large_storage_are_checked_against_the_model_before_it_is_
 
 #[test]
 fn a_storage_larger_than_the_model_needs_is_refused_before_it_is_read() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (baseline, data) = legitimate_eval(dir.path());
-    let model = small_model();
+    let (dir, baseline, data) = legitimate_eval();
     // The model's names and shapes, every tensor a view at the start of one 64 MiB storage.
-    let entries: Vec<TensorEntry> = model
-        .tensors()
-        .iter()
-        .map(|info| {
-            let long = info.kind == TensorKind::BatchCount;
-            TensorEntry {
-                name: info.name.clone(),
-                shape: info.shape.clone(),
-                key: if long { "1" } else { "0" }.into(),
-                offset: 0,
-                storage_len: if long { 1 } else { BIG_STORAGE_ELEMENTS },
-                long,
-            }
-        })
-        .collect();
+    let entries = small_model_entries(|info| match info.kind {
+        TensorKind::BatchCount => TensorEntry::of(info, "1", 1),
+        _ => TensorEntry::of(info, "0", BIG_STORAGE_ELEMENTS),
+    });
     let storages = vec![
         ("0".into(), zeros(BIG_STORAGE_ELEMENTS as u64 * 4)),
         ("1".into(), zeros(8)),
@@ -387,21 +389,16 @@ fn a_storage_larger_than_the_model_needs_is_refused_before_it_is_read() {
 
 #[test]
 fn a_key_repeated_thousands_of_times_is_refused_before_any_storage_is_decoded() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (baseline, data) = legitimate_eval(dir.path());
+    let (dir, baseline, data) = legitimate_eval();
     let model = small_model();
     // The model's tensors, each with a storage of its own, then the largest one's entry
     // again 4,000 times: decoded once per entry, 4,000 copies of it (147 MB).
     let entry = |index: usize, info: &tandem_models::TensorInfo| {
-        let long = info.kind == TensorKind::BatchCount;
-        TensorEntry {
-            name: info.name.clone(),
-            shape: info.shape.clone(),
-            key: index.to_string(),
-            offset: 0,
-            storage_len: info.shape.iter().product::<usize>().max(1),
-            long,
-        }
+        TensorEntry::of(
+            info,
+            &index.to_string(),
+            info.shape.iter().product::<usize>().max(1),
+        )
     };
     let mut entries: Vec<TensorEntry> = model
         .tensors()
@@ -441,21 +438,16 @@ fn a_key_repeated_thousands_of_times_is_refused_before_any_storage_is_decoded() 
 
 #[test]
 fn an_annotation_file_naming_one_png_200_000_times_is_refused_before_decoding() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (baseline, _) = legitimate_eval(dir.path());
+    let (dir, baseline, _) = legitimate_eval();
     let weights = dir.path().join("weights.safetensors");
-    let root = dir.path().join("json");
-    let folder = root.join("test_cifar10");
-    std::fs::create_dir_all(&folder).expect("image folder");
-    std::fs::create_dir_all(root.join("annotations")).expect("annotations");
-    let image = image::RgbImage::from_pixel(32, 32, image::Rgb([9, 99, 199]));
-    image.save(folder.join("one.png")).expect("png");
     // 1.2 MB of JSON: the same file 200,000 times (each entry was one decoded image).
     let entries = 200_000;
     let names = vec!["\"one.png\""; entries].join(",");
     let labels = vec!["3"; entries].join(",");
     let annotations = format!(r#"{{"images": [{names}], "categories": [{labels}]}}"#);
-    std::fs::write(root.join("annotations/cifar10_test.json"), annotations).expect("json");
+    let root = json_test_folder(dir.path(), &annotations);
+    let image = image::RgbImage::from_pixel(32, 32, image::Rgb([9, 99, 199]));
+    image.save(root.join("test_cifar10/one.png")).expect("png");
     let measured = run_measured(&eval_args(&weights, "json-folder", &root));
     measured.expect_refusal(&[
         "cifar10_test.json",
@@ -466,8 +458,7 @@ fn an_annotation_file_naming_one_png_200_000_times_is_refused_before_decoding() 
 
 #[test]
 fn a_compressed_pickle_bomb_is_refused_at_the_bound() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (baseline, data) = legitimate_eval(dir.path());
+    let (dir, baseline, data) = legitimate_eval();
     // BINBYTES of 96 MiB: a valid opcode whose payload is all the pickle is.
     let payload: u32 = 96 << 20;
     let mut head = vec![0x80, 2, b'B'];
@@ -486,8 +477,7 @@ fn a_compressed_pickle_bomb_is_refused_at_the_bound() {
 
 #[test]
 fn tensors_sharing_one_storage_of_the_models_size_load_as_from_safetensors() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (baseline, data) = legitimate_eval(dir.path());
+    let (dir, baseline, data) = legitimate_eval();
     let model = small_model();
     // One float storage holding every parameter and buffer back to back, and one long
     // storage that every `num_batches_tracked` views.
@@ -501,11 +491,8 @@ fn tensors_sharing_one_storage_of_the_models_size_load_as_from_safetensors() {
         }
         entries.push(TensorEntry {
             name: format!("module.{}", info.name),
-            shape: info.shape.clone(),
-            key: if long { "counts" } else { "weights" }.into(),
             offset,
-            storage_len: 0,
-            long,
+            ..TensorEntry::of(info, if long { "counts" } else { "weights" }, 0)
         });
     }
     for entry in &mut entries {
@@ -535,36 +522,15 @@ fn tensors_sharing_one_storage_of_the_models_size_load_as_from_safetensors() {
     assert_peak_within("shared storage of the model's size", &measured, &baseline);
 }
 
-/// Writes a gzip-compressed tar holding `member` with `len` zero bytes.
-fn write_tar_gz(path: &Path, member: &str, len: u64) {
-    let encoder = flate2::write::GzEncoder::new(
-        File::create(path).expect("archive file"),
-        flate2::Compression::fast(),
-    );
-    let mut builder = tar::Builder::new(encoder);
-    let mut header = tar::Header::new_gnu();
-    header.set_size(len);
-    header.set_mode(0o644);
-    header.set_cksum();
-    builder
-        .append_data(&mut header, member, std::io::repeat(0).take(len))
-        .expect("member");
-    builder
-        .into_inner()
-        .expect("tar")
-        .finish()
-        .expect("gzip end");
-}
-
 #[test]
 fn a_cifar_archive_member_longer_than_a_batch_is_refused_before_it_is_read() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (baseline, _) = legitimate_eval(dir.path());
+    let (dir, baseline, _) = legitimate_eval();
     let weights = dir.path().join("weights.safetensors");
     // 32,768 records of zeros (label 0, black pixels): 100.7 MB inflated from ~100 KB.
     let len = 3073 * 32_768;
     let archive = dir.path().join("cifar-10-binary.tar.gz");
-    write_tar_gz(&archive, "cifar-10-batches-bin/test_batch.bin", len);
+    let member = ("cifar-10-batches-bin/test_batch.bin", len, 0);
+    tandem_testdata::archive::tar_gz(&archive, &[member]);
     assert!(std::fs::metadata(&archive).expect("archive").len() < 1 << 20);
     let measured = run_measured(&eval_args(&weights, "cifar10-bin", &archive));
     measured.expect_refusal(&[
@@ -573,6 +539,16 @@ fn a_cifar_archive_member_longer_than_a_batch_is_refused_before_it_is_read() {
         "at most 30730000 bytes",
     ]);
     assert_peak_within("tar.gz bomb", &measured, &baseline);
+}
+
+/// Makes `dir/json`, a `json-folder` data set whose test split's annotations are
+/// `annotations` and whose images folder is empty, and returns its path.
+fn json_test_folder(dir: &Path, annotations: &str) -> PathBuf {
+    let root = dir.join("json");
+    std::fs::create_dir_all(root.join("annotations")).expect("folder");
+    std::fs::create_dir_all(root.join("test_cifar10")).expect("folder");
+    std::fs::write(root.join("annotations/cifar10_test.json"), annotations).expect("json");
+    root
 }
 
 /// Writes an RGB PNG of `width` x `height` black pixels, compressed row by row.
@@ -589,17 +565,12 @@ fn write_black_png(path: &Path, width: u32, height: u32) {
 
 #[test]
 fn a_giant_png_is_refused_from_its_header_before_decoding() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (baseline, _) = legitimate_eval(dir.path());
+    let (dir, baseline, _) = legitimate_eval();
     let weights = dir.path().join("weights.safetensors");
-    let root = dir.path().join("json");
-    std::fs::create_dir_all(root.join("annotations")).expect("folder");
-    std::fs::create_dir_all(root.join("test_cifar10")).expect("folder");
-    std::fs::write(
-        root.join("annotations/cifar10_test.json"),
+    let root = json_test_folder(
+        dir.path(),
         r#"{"images": ["giant.png"], "categories": [3]}"#,
-    )
-    .expect("annotations");
+    );
     // 6,000 x 6,000 RGB: 108 MB once decoded.
     write_black_png(&root.join("test_cifar10/giant.png"), 6000, 6000);
     let measured = run_measured(&eval_args(&weights, "json-folder", &root));
@@ -727,8 +698,7 @@ fn edit_safetensors_metadata(path: &Path, key: &str, value: &str) {
 
 #[test]
 fn a_checkpoint_describing_a_huge_model_is_refused_before_it_is_built() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (baseline, data) = legitimate_eval(dir.path());
+    let (dir, baseline, data) = legitimate_eval();
     let output = dir.path().join("run");
     let measured = run_measured(&synthetic_run(&output, 64));
     assert_eq!(measured.exit_code, Some(0), "{}", measured.describe());
@@ -826,8 +796,7 @@ fn declaring_entries(archive: &[u8], entries: u64) -> Vec<u8> {
 
 #[test]
 fn an_archive_declaring_millions_of_entries_is_refused_before_the_zip_reader_sees_it() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (baseline, _) = legitimate_eval(dir.path());
+    let (dir, baseline, _) = legitimate_eval();
     let path = dir.path().join("millions.pth");
     write_torch_save(&path, &mut state_dict_pickle(&[]).as_slice(), Vec::new());
     let archive = std::fs::read(&path).expect("archive");

@@ -4,6 +4,7 @@
 //! is killed if a test fails.
 
 use std::collections::HashMap;
+use std::ffi::OsStr;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
@@ -13,7 +14,7 @@ use tandem_dist::{JobToken, ProcessGroup, ProcessGroupOptions, ReduceOp, StoreCl
 
 mod common;
 
-use common::{assert_contains, free_port, Launcher};
+use common::{assert_contains, free_port, run_folder, tandem_succeeds, Launcher};
 
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
 /// Bound on any launcher in these tests.
@@ -21,16 +22,21 @@ const LAUNCH_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl Launcher {
     /// Starts `tandem launch <args>` in `dir`, with extra environment `env`.
-    fn start(dir: &Path, name: &str, args: &[&str], env: &[(&str, &str)]) -> Launcher {
+    fn start<S: AsRef<OsStr>>(
+        dir: &Path,
+        name: &str,
+        args: &[S],
+        env: &[(&str, &str)],
+    ) -> Launcher {
         Launcher::start_with(Command::new(TANDEM), dir, name, args, env)
     }
 
     /// Like [`Launcher::start`] but with a prepared command (e.g. `ip netns exec ... tandem`).
-    fn start_with(
+    fn start_with<S: AsRef<OsStr>>(
         mut command: Command,
         dir: &Path,
         name: &str,
-        args: &[&str],
+        args: &[S],
         env: &[(&str, &str)],
     ) -> Launcher {
         command
@@ -41,6 +47,122 @@ impl Launcher {
             .envs(env.iter().copied());
         Launcher::spawn(command, dir, name)
     }
+}
+
+/// Starts `tandem launch <flags> -- sh -c <script>` in `dir`.
+fn launch_sh(dir: &Path, flags: &[&str], script: &str) -> Launcher {
+    Launcher::start(
+        dir,
+        "launch",
+        &launch_args(flags, &["sh", "-c", script]),
+        &[],
+    )
+}
+
+/// `launch` flags followed by `--` and the worker's command.
+fn launch_args<F: AsRef<str>, C: AsRef<str>>(flags: &[F], command: &[C]) -> Vec<String> {
+    let flags = flags.iter().map(AsRef::as_ref);
+    let command = command.iter().map(AsRef::as_ref);
+    flags
+        .chain(["--"])
+        .chain(command)
+        .map(String::from)
+        .collect()
+}
+
+/// The `launch` flags of node `rank` of a two-node job whose store is at `addr:port`, with
+/// `extra` flags and its logs in `log_dir`.
+fn two_node_flags(
+    rank: &str,
+    addr: &str,
+    port: &str,
+    extra: &[&str],
+    log_dir: &str,
+) -> Vec<String> {
+    let placement = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        rank,
+        "--master-addr",
+        addr,
+        "--master-port",
+        port,
+    ];
+    let logs = ["--log-dir", log_dir];
+    [&placement[..], extra, &logs]
+        .concat()
+        .into_iter()
+        .map(String::from)
+        .collect()
+}
+
+/// Starts node `rank` of a two-node job on this machine, its store on `port`, with `extra`
+/// flags, running `sh -c <script>`; its logs go to `dir/node<rank>`.
+fn local_node(dir: &Path, rank: &str, port: &str, extra: &[&str], script: &str) -> Launcher {
+    let log_dir = format!("node{rank}");
+    let flags = two_node_flags(rank, "127.0.0.1", port, extra, &log_dir);
+    let args = launch_args(&flags, &["sh", "-c", script]);
+    Launcher::start(
+        dir,
+        &log_dir,
+        &args,
+        &[("TANDEM_JOB_TOKEN", "two-node-test-secret")],
+    )
+}
+
+/// The `launch` flags of a job that restarts nothing, gives its workers a second to stop,
+/// and gives up on a node after `heartbeat_timeout` seconds without its report.
+fn fail_fast(heartbeat_timeout: &str) -> [&str; 6] {
+    [
+        "--max-restarts",
+        "0",
+        "--stop-grace-seconds",
+        "1",
+        "--heartbeat-timeout-seconds",
+        heartbeat_timeout,
+    ]
+}
+
+/// Waits for both nodes' launchers and checks that both succeeded.
+fn expect_both_succeed(node_0: &mut Launcher, node_1: &mut Launcher) {
+    let status_0 = node_0.wait(LAUNCH_TIMEOUT);
+    let status_1 = node_1.wait(LAUNCH_TIMEOUT);
+    let both = format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr());
+    assert!(
+        status_0.success() && status_1.success(),
+        "{status_0:?} {status_1:?}\n{both}"
+    );
+}
+
+/// Starts a job of one worker that ignores SIGTERM, under `--stop-grace-seconds grace`, and
+/// waits until the worker has written its process id to `dir/pid`.
+fn launch_stubborn_worker(dir: &Path, grace: &str) -> Launcher {
+    let script = "trap '' TERM; echo $$ > pid.tmp; mv pid.tmp pid; exec sleep 30";
+    let launcher = launch_sh(dir, &["--stop-grace-seconds", grace], script);
+    wait_for_file(&dir.join("pid"), Duration::from_secs(20));
+    launcher
+}
+
+/// The launcher's last line after it stopped its workers on `signal` and none needed SIGKILL.
+fn stopped_cleanly(signal: &str) -> String {
+    format!(
+        "tandem launch: stopped: node 0's launcher received {signal}; the workers stopped, \
+         none needed SIGKILL. Run the same command again to continue from the last \
+         snapshot.\n"
+    )
+}
+
+/// The launcher, whose standard error is `stderr`, restarted nothing: it said no restart and
+/// the worker's log at `log_path` shows one round.
+fn assert_no_restart(stderr: &str, log_path: &Path) {
+    assert!(!stderr.contains("restarting"), "{stderr}");
+    let log = read(log_path);
+    assert_eq!(
+        log.matches("===== tandem launch: round").count(),
+        1,
+        "{log}"
+    );
 }
 
 /// Waits until `path` exists, at most `timeout`.
@@ -103,26 +225,13 @@ fn workers_get_their_ranks_and_the_store_the_agent_hosts() {
         "{PRINT_ENV} > env_$RANK.tmp && mv env_$RANK.tmp env_$RANK; echo hello from $RANK; \
          i=0; while [ ! -e release ] && [ $i -lt 300 ]; do sleep 0.05; i=$((i+1)); done"
     );
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &[
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--",
-            "sh",
-            "-c",
-            &script,
-        ],
-        &[],
-    );
-    wait_for_file(&dir.path().join("env_0"), Duration::from_secs(20));
-    wait_for_file(&dir.path().join("env_1"), Duration::from_secs(20));
-    let envs = [
-        read_env_file(&dir.path().join("env_0")),
-        read_env_file(&dir.path().join("env_1")),
-    ];
+    let flags = ["--standalone", "--nproc-per-node", "2"];
+    let mut launcher = launch_sh(dir.path(), &flags, &script);
+    let envs = [0, 1].map(|rank| {
+        let path = dir.path().join(format!("env_{rank}"));
+        wait_for_file(&path, Duration::from_secs(20));
+        read_env_file(&path)
+    });
     let log_dir = dir.path().canonicalize().unwrap().join("runs/launch-sh");
     for (rank, env) in envs.iter().enumerate() {
         assert_eq!(env["RANK"], rank.to_string());
@@ -169,8 +278,7 @@ fn workers_get_their_ranks_and_the_store_the_agent_hosts() {
     );
 
     std::fs::write(dir.path().join("release"), "").unwrap();
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    assert!(status.success(), "launcher failed: {}", launcher.stderr());
+    launcher.exits_with(0, LAUNCH_TIMEOUT);
     // Rank 0's output is on the console, prefixed; rank 1's only in its log.
     let console = launcher.stdout();
     assert_contains(&console, "[rank 0] hello from 0\n");
@@ -200,9 +308,7 @@ fn without_flags_the_cluster_environment_places_the_node() {
         &["--", "sh", "-c", script],
         &modelarts,
     );
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    let stderr = launcher.stderr();
-    assert!(status.success(), "{stderr}");
+    let stderr = launcher.exits_with(0, LAUNCH_TIMEOUT);
     assert!(
         stderr.starts_with(
             "tandem launch: node 0 of 1 (modelarts), 2 worker(s), store at 127.0.0.1:"
@@ -220,25 +326,11 @@ fn without_flags_the_cluster_environment_places_the_node() {
 #[test]
 fn tee_shows_every_rank_and_log_dir_follows_output_dir() {
     let dir = tempfile::tempdir().unwrap();
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &[
-            "--nproc-per-node",
-            "2",
-            "--tee",
-            "--",
-            "sh",
-            "-c",
-            "echo out $RANK; echo err $RANK >&2",
-            "sh",
-            "--output-dir",
-            "my_run",
-        ],
-        &[],
-    );
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    assert!(status.success(), "launcher failed: {}", launcher.stderr());
+    let flags = ["--nproc-per-node", "2", "--tee"];
+    let script = "echo out $RANK; echo err $RANK >&2";
+    let command = ["sh", "-c", script, "sh", "--output-dir", "my_run"];
+    let mut launcher = Launcher::start(dir.path(), "launch", &launch_args(&flags, &command), &[]);
+    launcher.exits_with(0, LAUNCH_TIMEOUT);
     // A worker's stdout and stderr share one pipe, so the console and the log keep each
     // worker's order; the two workers' lines may interleave on the console.
     let stdout = launcher.stdout();
@@ -267,36 +359,14 @@ fn a_job_that_trains_nothing_keeps_its_logs_out_of_runs_latest() {
     // A run in runs/latest, where `train` writes without --output-dir.
     let run = dir.path().join("runs/latest");
     let train = common::with_flag(common::small_synthetic_run(&run), "--epochs", "1");
-    common::expect_success(&common::run_bounded(
-        common::tandem().args(&train),
-        LAUNCH_TIMEOUT,
-    ));
+    tandem_succeeds(&train, LAUNCH_TIMEOUT);
     let checkpoint = run.join("epoch_1.safetensors").display().to_string();
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &[
-            "--nproc-per-node",
-            "1",
-            "--",
-            "eval",
-            "--checkpoint",
-            &checkpoint,
-            "--threads",
-            "1",
-        ],
-        &[],
-    );
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    assert!(status.success(), "launcher failed: {}", launcher.stderr());
+    let eval = ["eval", "--checkpoint", &checkpoint, "--threads", "1"];
+    let args = launch_args(&["--nproc-per-node", "1"], &eval);
+    let mut launcher = Launcher::start(dir.path(), "launch", &args, &[]);
+    let stderr = launcher.exits_with(0, LAUNCH_TIMEOUT);
     let logs = dir.path().join("runs/launch-eval");
-    assert!(
-        launcher
-            .stderr()
-            .contains(&format!("logs in {}", logs.display())),
-        "{}",
-        launcher.stderr()
-    );
+    assert_contains(&stderr, &format!("logs in {}", logs.display()));
     let log = read(&logs.join("logs/rank_0.log"));
     assert_contains(&log, "\nsamples: 64\n");
     assert!(
@@ -316,24 +386,8 @@ fn a_worker_that_fails_once_is_restarted_with_every_other_worker() {
                   if [ $TANDEM_RESTART_COUNT = 0 ]; then \
                     if [ $RANK = 1 ]; then sleep 0.3; exit 3; fi; exec sleep 30; \
                   fi";
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &[
-            "--nproc-per-node",
-            "2",
-            "--stop-grace-seconds",
-            "5",
-            "--",
-            "sh",
-            "-c",
-            script,
-        ],
-        &[],
-    );
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    let stderr = launcher.stderr();
-    assert!(status.success(), "launcher failed: {stderr}");
+    let flags = ["--nproc-per-node", "2", "--stop-grace-seconds", "5"];
+    let stderr = launch_sh(dir.path(), &flags, script).exits_with(0, LAUNCH_TIMEOUT);
     assert!(
         stderr.contains(
             "round 0 failed: rank 1 (node 0, local rank 1) exited with code 3; restarting every node (restart 1 of 3)"
@@ -369,15 +423,8 @@ fn a_worker_killed_by_a_signal_is_named_and_the_job_restarts() {
     let script = "if [ $TANDEM_RESTART_COUNT = 0 ]; then \
                     if [ $RANK = 1 ]; then sleep 0.2; kill -9 $$; fi; exec sleep 30; \
                   fi; echo done $RANK";
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &["--nproc-per-node", "3", "--", "sh", "-c", script],
-        &[],
-    );
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    let stderr = launcher.stderr();
-    assert!(status.success(), "{stderr}");
+    let mut launcher = launch_sh(dir.path(), &["--nproc-per-node", "3"], script);
+    let stderr = launcher.exits_with(0, LAUNCH_TIMEOUT);
     assert!(
         stderr.contains(
             "round 0 failed: rank 1 (node 0, local rank 1) killed by SIGKILL; restarting"
@@ -396,26 +443,15 @@ fn a_worker_that_always_fails_ends_the_job_with_one_summary_naming_it() {
           exit 7
         fi
         exec sleep 30"#;
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &[
-            "--nproc-per-node",
-            "3",
-            "--max-restarts",
-            "2",
-            "--stop-grace-seconds",
-            "5",
-            "--",
-            "sh",
-            "-c",
-            script,
-        ],
-        &[],
-    );
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    let stderr = launcher.stderr();
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    let flags = [
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "2",
+        "--stop-grace-seconds",
+        "5",
+    ];
+    let stderr = launch_sh(dir.path(), &flags, script).exits_with(1, LAUNCH_TIMEOUT);
     let error_file = dir
         .path()
         .canonicalize()
@@ -442,15 +478,8 @@ fn a_worker_that_always_fails_ends_the_job_with_one_summary_naming_it() {
 fn without_an_error_file_the_summary_shows_the_end_of_the_log() {
     let dir = tempfile::tempdir().unwrap();
     let script = "for step in 1 2 3 4 5 6 7 8 9 10 11 12; do echo step $step; done; echo 'loss is nan' >&2; exit 3";
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &["--max-restarts", "0", "--", "sh", "-c", script],
-        &[],
-    );
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    let stderr = launcher.stderr();
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    let stderr =
+        launch_sh(dir.path(), &["--max-restarts", "0"], script).exits_with(1, LAUNCH_TIMEOUT);
     let log = dir
         .path()
         .canonicalize()
@@ -469,15 +498,8 @@ fn without_an_error_file_the_summary_shows_the_end_of_the_log() {
 #[test]
 fn a_program_that_cannot_start_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &["--max-restarts", "1", "--", "./no-such-program", "--flag"],
-        &[],
-    );
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    let stderr = launcher.stderr();
-    assert_eq!(status.code(), Some(1), "{stderr}");
+    let args = ["--max-restarts", "1", "--", "./no-such-program", "--flag"];
+    let stderr = Launcher::start(dir.path(), "launch", &args, &[]).exits_with(1, LAUNCH_TIMEOUT);
     assert_contains(&stderr, "root cause: rank 0 (node 0, local rank 0) could not start: ./no-such-program: No such file or directory");
 }
 
@@ -486,89 +508,52 @@ fn sigterm_to_the_launcher_is_passed_to_the_workers_and_not_restarted() {
     let dir = tempfile::tempdir().unwrap();
     let script = "trap 'echo stopped > marker_$RANK; exit 0' TERM; echo ready > ready_$RANK; \
                   while :; do sleep 0.05; done";
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &[
-            "--nproc-per-node",
-            "2",
-            "--stop-grace-seconds",
-            "10",
-            "--",
-            "sh",
-            "-c",
-            script,
-        ],
-        &[],
-    );
-    wait_for_file(&dir.path().join("ready_0"), Duration::from_secs(20));
-    wait_for_file(&dir.path().join("ready_1"), Duration::from_secs(20));
+    let flags = ["--nproc-per-node", "2", "--stop-grace-seconds", "10"];
+    let mut launcher = launch_sh(dir.path(), &flags, script);
+    for rank in 0..2 {
+        let ready = dir.path().join(format!("ready_{rank}"));
+        wait_for_file(&ready, Duration::from_secs(20));
+    }
     let signalled = Instant::now();
     launcher.signal(libc::SIGTERM);
-    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let stderr = launcher.exits_with(143, LAUNCH_TIMEOUT);
     assert!(
         signalled.elapsed() < Duration::from_secs(5),
         "stopping took {:?}",
         signalled.elapsed()
     );
-    let stderr = launcher.stderr();
-    assert_eq!(status.code(), Some(143), "{stderr}");
     for rank in 0..2 {
         assert_eq!(
             read(&dir.path().join(format!("marker_{rank}"))),
             "stopped\n"
         );
     }
-    assert!(
-        stderr.contains(
-            "tandem launch: stopped: node 0's launcher received SIGTERM; the workers stopped, \
-             none needed SIGKILL. Run the same command again to continue from the last \
-             snapshot.\n"
-        ),
-        "{stderr}"
-    );
-    assert!(!stderr.contains("restarting"), "{stderr}");
-    let log = read(&dir.path().join("runs/launch-sh/logs/rank_0.log"));
-    assert_eq!(
-        log.matches("===== tandem launch: round").count(),
-        1,
-        "{log}"
-    );
+    assert_contains(&stderr, &stopped_cleanly("SIGTERM"));
+    assert_no_restart(&stderr, &dir.path().join("runs/launch-sh/logs/rank_0.log"));
 }
 
 #[test]
 fn a_worker_that_ignores_sigterm_is_killed_after_the_grace_period() {
     let dir = tempfile::tempdir().unwrap();
-    let script = "trap '' TERM; echo $$ > pid.tmp; mv pid.tmp pid; exec sleep 30";
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &["--stop-grace-seconds", "1", "--", "sh", "-c", script],
-        &[],
-    );
-    wait_for_file(&dir.path().join("pid"), Duration::from_secs(20));
+    let mut launcher = launch_stubborn_worker(dir.path(), "1");
     let worker_pid: u32 = read(&dir.path().join("pid")).trim().parse().unwrap();
     let signalled = Instant::now();
     launcher.signal(libc::SIGINT);
-    let status = launcher.wait(LAUNCH_TIMEOUT);
+    let stderr = launcher.exits_with(130, LAUNCH_TIMEOUT);
     let elapsed = signalled.elapsed();
     assert!(
         elapsed >= Duration::from_secs(1) && elapsed < Duration::from_secs(4),
         "stopping took {elapsed:?}"
     );
-    assert_eq!(status.code(), Some(130), "{}", launcher.stderr());
     assert!(
-        process_is_gone(worker_pid as u32),
+        process_is_gone(worker_pid),
         "worker {worker_pid} survived the launcher"
     );
-    assert!(
-        launcher.stderr().contains(
-            "tandem launch: stopped: node 0's launcher received SIGINT; rank 0 did not stop \
-             within 1s of SIGTERM (--stop-grace-seconds) and was killed (SIGKILL). Run the same \
-             command again to continue from the last snapshot.\n"
-        ),
-        "{}",
-        launcher.stderr()
+    assert_contains(
+        &stderr,
+        "tandem launch: stopped: node 0's launcher received SIGINT; rank 0 did not stop \
+         within 1s of SIGTERM (--stop-grace-seconds) and was killed (SIGKILL). Run the same \
+         command again to continue from the last snapshot.\n",
     );
 }
 
@@ -580,14 +565,6 @@ fn train_args(out: &Path, extra: &[&str]) -> Vec<String> {
     args
 }
 
-/// `launch` flags followed by `--` and the worker's command.
-fn launch_args<'a>(flags: &[&'a str], command: &'a [String]) -> Vec<&'a str> {
-    let mut args = flags.to_vec();
-    args.push("--");
-    args.extend(command.iter().map(String::as_str));
-    args
-}
-
 /// What the launcher printed: its own lines and the workers' it showed.
 fn console(launcher: &Launcher) -> String {
     format!("{}{}", launcher.stdout(), launcher.stderr())
@@ -595,12 +572,8 @@ fn console(launcher: &Launcher) -> String {
 
 #[test]
 fn a_worker_refusing_its_settings_ends_the_job_at_once_with_one_message() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    common::expect_success(&common::run_bounded(
-        common::tandem().args(train_args(&out, &[])),
-        LAUNCH_TIMEOUT,
-    ));
+    let (dir, out) = run_folder();
+    tandem_succeeds(train_args(&out, &[]), LAUNCH_TIMEOUT);
     let changed = common::with_flag(train_args(&out, &[]), "--lr", "0.2");
     let flags = [
         "--standalone",
@@ -610,9 +583,8 @@ fn a_worker_refusing_its_settings_ends_the_job_at_once_with_one_message() {
         "3",
     ];
     let mut launcher = Launcher::start(dir.path(), "launch", &launch_args(&flags, &changed), &[]);
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    let (stdout, stderr) = (launcher.stdout(), launcher.stderr());
-    assert_eq!(status.code(), Some(2), "{stderr}");
+    let stderr = launcher.exits_with(2, LAUNCH_TIMEOUT);
+    let stdout = launcher.stdout();
     let snapshot = out.join("snapshot.safetensors");
     let conflict = format!(
         "error: settings conflict with the snapshot {snapshot}: --lr is 0.2, the snapshot has \
@@ -634,28 +606,15 @@ fn a_worker_refusing_its_settings_ends_the_job_at_once_with_one_message() {
         ) && stderr.contains("\nerror: rank "),
         "{stderr}"
     );
-    assert!(!stderr.contains("restarting"), "{stderr}");
-    let log = read(&out.join("logs/rank_0.log"));
-    assert_eq!(
-        log.matches("===== tandem launch: round").count(),
-        1,
-        "{log}"
-    );
+    assert_no_restart(&stderr, &out.join("logs/rank_0.log"));
 }
 
 #[test]
 fn a_bad_flag_of_the_worker_ends_the_job_at_once() {
     let dir = tempfile::tempdir().unwrap();
-    let command = ["train".to_string(), "--no-such-flag".to_string()];
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &launch_args(&["--max-restarts", "3"], &command),
-        &[],
-    );
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    let stderr = launcher.stderr();
-    assert_eq!(status.code(), Some(2), "{stderr}");
+    let args = launch_args(&["--max-restarts", "3"], &["train", "--no-such-flag"]);
+    let mut launcher = Launcher::start(dir.path(), "launch", &args, &[]);
+    let stderr = launcher.exits_with(2, LAUNCH_TIMEOUT);
     assert_eq!(
         console(&launcher).matches("--no-such-flag").count(),
         1,
@@ -686,24 +645,23 @@ fn a_bad_flag_of_the_worker_ends_the_job_at_once() {
 
 #[test]
 fn ctrl_c_stops_the_job_saying_it_once_and_how_the_workers_ended() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (dir, out) = run_folder();
     let long = common::with_flag(
         train_args(&out, &["--snapshot-every-steps", "1"]),
         "--synthetic-train",
         "4096",
     );
     let long = common::with_flag(long, "--epochs", "50");
-    let mut launcher = Launcher::start(dir.path(), "launch", &launch_args(&[], &long), &[]);
+    let no_flags: [&str; 0] = [];
+    let mut launcher = Launcher::start(dir.path(), "launch", &launch_args(&no_flags, &long), &[]);
     wait_for_file(&out.join("snapshot.safetensors"), LAUNCH_TIMEOUT);
     // Ctrl-C signals the terminal's whole process group: the launcher and its worker.
     let worker = launcher.worker(0);
     launcher.signal(libc::SIGINT);
     // SAFETY: `kill` has no memory-safety preconditions.
     unsafe { libc::kill(worker as libc::pid_t, libc::SIGINT) };
-    let status = launcher.wait(LAUNCH_TIMEOUT);
-    let (stdout, stderr) = (launcher.stdout(), launcher.stderr());
-    assert_eq!(status.code(), Some(130), "{stderr}");
+    let stderr = launcher.exits_with(130, LAUNCH_TIMEOUT);
+    let stdout = launcher.stdout();
     let stopped: Vec<&str> = stdout
         .lines()
         .filter(|line| line.contains("stopped") || line.contains("Stopped"))
@@ -714,87 +672,39 @@ fn ctrl_c_stops_the_job_saying_it_once_and_how_the_workers_ended() {
         "{stdout}"
     );
     assert!(!stdout.contains("error"), "{stdout}");
-    assert!(
-        stderr.ends_with(
-            "tandem launch: stopped: node 0's launcher received SIGINT; the workers stopped, \
-             none needed SIGKILL. Run the same command again to continue from the last \
-             snapshot.\n"
-        ),
-        "{stderr}"
-    );
+    assert!(stderr.ends_with(&stopped_cleanly("SIGINT")), "{stderr}");
 }
 
 #[test]
 fn a_second_stop_signal_kills_at_once() {
     let dir = tempfile::tempdir().unwrap();
-    let script = "trap '' TERM; echo $$ > pid.tmp; mv pid.tmp pid; exec sleep 30";
-    let mut launcher = Launcher::start(
-        dir.path(),
-        "launch",
-        &["--stop-grace-seconds", "20", "--", "sh", "-c", script],
-        &[],
-    );
-    wait_for_file(&dir.path().join("pid"), Duration::from_secs(20));
+    let mut launcher = launch_stubborn_worker(dir.path(), "20");
     let signalled = Instant::now();
     launcher.signal(libc::SIGTERM);
     std::thread::sleep(Duration::from_millis(300));
     launcher.signal(libc::SIGTERM);
-    let status = launcher.wait(LAUNCH_TIMEOUT);
+    launcher.exits_with(143, LAUNCH_TIMEOUT);
     let elapsed = signalled.elapsed();
     assert!(
         elapsed < Duration::from_secs(5),
         "stopping took {elapsed:?} despite the second signal"
     );
-    assert_eq!(status.code(), Some(143), "{}", launcher.stderr());
 }
 
 #[test]
 fn two_agents_on_one_machine_restart_both_nodes_together() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port().to_string();
-    let token = [("TANDEM_JOB_TOKEN", "two-node-test-secret")];
     let script = "echo $RANK $TANDEM_RESTART_COUNT $WORLD_SIZE $GROUP_RANK >> seen_$RANK; \
                   if [ $TANDEM_RESTART_COUNT = 0 ]; then \
                     if [ $GROUP_RANK = 1 ]; then sleep 0.3; exit 5; fi; exec sleep 30; \
                   fi";
-    let node = |rank: &str| {
-        let log_dir = format!("node{rank}");
-        let args: Vec<String> = [
-            "--nnodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port,
-            "--stop-grace-seconds",
-            "5",
-            "--join-timeout-seconds",
-            "20",
-            "--log-dir",
-            &log_dir,
-            "--",
-            "sh",
-            "-c",
-            script,
-        ]
-        .iter()
-        .map(|word| word.to_string())
-        .collect();
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        Launcher::start(dir.path(), &log_dir, &args, &token)
-    };
+    let extra = ["--stop-grace-seconds", "5", "--join-timeout-seconds", "20"];
+    let node = |rank| local_node(dir.path(), rank, &port, &extra, script);
     let mut node_1 = node("1");
     std::thread::sleep(Duration::from_millis(300));
     let mut node_0 = node("0");
-    let status_0 = node_0.wait(LAUNCH_TIMEOUT);
-    let status_1 = node_1.wait(LAUNCH_TIMEOUT);
-    let both = format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr());
-    assert!(
-        status_0.success() && status_1.success(),
-        "{status_0:?} {status_1:?}\n{both}"
-    );
+    expect_both_succeed(&mut node_0, &mut node_1);
     assert_eq!(read(&dir.path().join("seen_0")), "0 0 2 0\n0 1 2 0\n");
     assert_eq!(read(&dir.path().join("seen_1")), "1 0 2 1\n1 1 2 1\n");
     for launcher in [&node_0, &node_1] {
@@ -812,47 +722,22 @@ fn two_agents_on_one_machine_restart_both_nodes_together() {
 fn when_an_agent_dies_its_workers_die_and_the_other_node_names_it() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port().to_string();
-    let token = [("TANDEM_JOB_TOKEN", "agent-death-test-secret")];
     let script = "echo $$ > pid_$RANK.tmp; mv pid_$RANK.tmp pid_$RANK; exec sleep 30";
-    let node = |rank: &str| {
-        let log_dir = format!("node{rank}");
-        let args = [
-            "--nnodes",
-            "2",
-            "--node-rank",
-            rank,
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port,
-            "--max-restarts",
-            "0",
-            "--stop-grace-seconds",
-            "1",
-            "--heartbeat-timeout-seconds",
-            "2",
-            "--log-dir",
-            &log_dir,
-            "--",
-            "sh",
-            "-c",
-            script,
-        ];
-        Launcher::start(dir.path(), &log_dir, &args, &token)
-    };
+    let extra = fail_fast("2");
+    let node = |rank| local_node(dir.path(), rank, &port, &extra, script);
     let mut node_0 = node("0");
     let node_1 = node("1");
-    wait_for_file(&dir.path().join("pid_0"), Duration::from_secs(20));
-    wait_for_file(&dir.path().join("pid_1"), Duration::from_secs(20));
+    for rank in 0..2 {
+        let pid = dir.path().join(format!("pid_{rank}"));
+        wait_for_file(&pid, Duration::from_secs(20));
+    }
     let worker_1: u32 = read(&dir.path().join("pid_1")).trim().parse().unwrap();
 
     node_1.signal(libc::SIGKILL);
     let killed = Instant::now();
     wait_until_gone(worker_1, Duration::from_secs(5));
-    let status = node_0.wait(LAUNCH_TIMEOUT);
+    let stderr = node_0.exits_with(1, LAUNCH_TIMEOUT);
     let elapsed = killed.elapsed();
-    let stderr = node_0.stderr();
-    assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(
         elapsed < Duration::from_secs(8),
         "node 0 took {elapsed:?} to notice"
@@ -869,37 +754,24 @@ fn when_an_agent_dies_its_workers_die_and_the_other_node_names_it() {
 #[test]
 fn a_multi_node_job_needs_a_shared_token_and_a_master() {
     let dir = tempfile::tempdir().unwrap();
-    let mut no_token = Launcher::start(
-        dir.path(),
-        "no_token",
-        &[
-            "--nnodes",
-            "2",
-            "--node-rank",
-            "1",
-            "--master-addr",
-            "127.0.0.1",
-            "--",
-            "true",
-        ],
-        &[],
-    );
-    assert_eq!(no_token.wait(LAUNCH_TIMEOUT).code(), Some(1));
-    assert_eq!(
-        no_token.stderr(),
-        "error: a job of 2 nodes needs a shared secret: set TANDEM_JOB_TOKEN to the same value on every node\n"
-    );
-    let mut no_master = Launcher::start(
-        dir.path(),
-        "no_master",
-        &["--nnodes", "2", "--node-rank", "1", "--", "true"],
-        &[],
-    );
-    assert_eq!(no_master.wait(LAUNCH_TIMEOUT).code(), Some(1));
-    assert_eq!(
-        no_master.stderr(),
-        "error: a job of 2 nodes needs --master-addr (the host of node 0, where the store listens)\n"
-    );
+    let cases: [(&str, &[&str], &str); 2] = [
+        (
+            "no_token",
+            &["--master-addr", "127.0.0.1"],
+            "error: a job of 2 nodes needs a shared secret: set TANDEM_JOB_TOKEN to the same value on every node\n",
+        ),
+        (
+            "no_master",
+            &[],
+            "error: a job of 2 nodes needs --master-addr (the host of node 0, where the store listens)\n",
+        ),
+    ];
+    for (name, flags, expected) in cases {
+        let placement = [&["--nnodes", "2", "--node-rank", "1"], flags].concat();
+        let args = launch_args(&placement, &["true"]);
+        let mut launcher = Launcher::start(dir.path(), name, &args, &[]);
+        assert_eq!(launcher.exits_with(1, LAUNCH_TIMEOUT), expected);
+    }
 }
 
 /// Two network namespaces joined by a veth pair, removed when dropped.
@@ -1000,40 +872,16 @@ fn two_network_namespaces_act_as_two_hosts() {
     let script = "echo $RANK $WORLD_SIZE $MASTER_ADDR $TANDEM_RESTART_COUNT > seen_$RANK; \
                   if [ $GROUP_RANK = 1 ] && [ $TANDEM_RESTART_COUNT = 0 ]; then exit 4; fi; \
                   if [ $TANDEM_RESTART_COUNT = 0 ]; then exec sleep 30; fi";
+    let extra = ["--stop-grace-seconds", "5", "--join-timeout-seconds", "20"];
     let node = |index: usize| {
-        let rank = index.to_string();
         let log_dir = format!("host{index}");
-        let args = [
-            "--nnodes",
-            "2",
-            "--node-rank",
-            &rank,
-            "--master-addr",
-            "10.201.0.1",
-            "--master-port",
-            "29555",
-            "--stop-grace-seconds",
-            "5",
-            "--join-timeout-seconds",
-            "20",
-            "--log-dir",
-            &log_dir,
-            "--",
-            "sh",
-            "-c",
-            script,
-        ];
+        let flags = two_node_flags(&index.to_string(), "10.201.0.1", "29555", &extra, &log_dir);
+        let args = launch_args(&flags, &["sh", "-c", script]);
         Launcher::start_with(pair.exec(index), dir.path(), &log_dir, &args, &token)
     };
     let mut host_1 = node(1);
     let mut host_0 = node(0);
-    let status_0 = host_0.wait(LAUNCH_TIMEOUT);
-    let status_1 = host_1.wait(LAUNCH_TIMEOUT);
-    let both = format!("host 0:\n{}\nhost 1:\n{}", host_0.stderr(), host_1.stderr());
-    assert!(
-        status_0.success() && status_1.success(),
-        "{status_0:?} {status_1:?}\n{both}"
-    );
+    expect_both_succeed(&mut host_0, &mut host_1);
     assert_eq!(read(&dir.path().join("seen_0")), "0 2 10.201.0.1 1\n");
     assert_eq!(read(&dir.path().join("seen_1")), "1 2 10.201.0.1 1\n");
     assert!(host_1
@@ -1106,40 +954,27 @@ fn cutting_the_link_between_two_hosts_fails_both_sides_naming_the_peer() {
         ("TANDEM_JOB_TOKEN", "link-cut-test-secret"),
         (PG_WORKER_ENV, folder.as_str()),
     ];
+    let extra = fail_fast("8");
+    let worker = [
+        this_test_binary.to_str().unwrap(),
+        "--exact",
+        "process_group_worker_entry",
+        "--nocapture",
+        "--test-threads",
+        "1",
+    ];
     let node = |index: usize| {
-        let rank = index.to_string();
         let log_dir = format!("host{index}");
-        let args = [
-            "--nnodes",
-            "2",
-            "--node-rank",
-            &rank,
-            "--master-addr",
-            "10.201.0.1",
-            "--master-port",
-            "29556",
-            "--max-restarts",
-            "0",
-            "--stop-grace-seconds",
-            "1",
-            "--heartbeat-timeout-seconds",
-            "8",
-            "--log-dir",
-            &log_dir,
-            "--",
-            this_test_binary.to_str().unwrap(),
-            "--exact",
-            "process_group_worker_entry",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ];
+        let flags = two_node_flags(&index.to_string(), "10.201.0.1", "29556", &extra, &log_dir);
+        let args = launch_args(&flags, &worker);
         Launcher::start_with(pair.exec(index), dir.path(), &log_dir, &args, &env)
     };
     let mut host_0 = node(0);
     let mut host_1 = node(1);
-    wait_for_file(&dir.path().join("ready_0"), Duration::from_secs(30));
-    wait_for_file(&dir.path().join("ready_1"), Duration::from_secs(30));
+    for rank in 0..2 {
+        let ready = dir.path().join(format!("ready_{rank}"));
+        wait_for_file(&ready, Duration::from_secs(30));
+    }
     std::thread::sleep(Duration::from_millis(300));
 
     let cut = Command::new("ip")
@@ -1158,12 +993,9 @@ fn cutting_the_link_between_two_hosts_fails_both_sides_naming_the_peer() {
         "{}",
         String::from_utf8_lossy(&cut.stderr)
     );
-    let status_0 = host_0.wait(LAUNCH_TIMEOUT);
-    let status_1 = host_1.wait(LAUNCH_TIMEOUT);
-    let (stderr_0, stderr_1) = (host_0.stderr(), host_1.stderr());
+    let stderr_0 = host_0.exits_with(1, LAUNCH_TIMEOUT);
+    let stderr_1 = host_1.exits_with(1, LAUNCH_TIMEOUT);
     eprintln!("host 0 said:\n{stderr_0}\nhost 1 said:\n{stderr_1}");
-    assert_eq!(status_0.code(), Some(1), "{stderr_0}");
-    assert_eq!(status_1.code(), Some(1), "{stderr_1}");
     // Each side's summary names its own worker and that worker's error names the other rank.
     assert_contains(
         &stderr_0,

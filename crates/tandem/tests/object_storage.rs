@@ -65,6 +65,34 @@ fn run(endpoint: &str, cache_dir: &Path, args: &[String]) -> Output {
     )
 }
 
+/// The test S3 server with a `runs` bucket, and a scratch folder; `None` where the server
+/// cannot run here (the test skips).
+fn server_with_a_runs_bucket() -> Option<(S3Server, tempfile::TempDir)> {
+    let server = S3Server::start()?;
+    server.create_bucket("runs");
+    Some((server, tempfile::tempdir().expect("a temporary folder")))
+}
+
+/// Runs `eval --checkpoint <checkpoint> --json` at `server` with `cache`, checks that it
+/// reports the last validation accuracy of the run's `metrics` file, and returns its output.
+fn eval_as_trained(server: &S3Server, cache: &Path, checkpoint: &str, metrics: &Path) -> Output {
+    let eval = run(
+        &server.endpoint(),
+        cache,
+        &["eval", "--checkpoint", checkpoint, "--json"].map(String::from),
+    );
+    let report = expect_success(&eval);
+    let accuracy = serde_json::from_str::<serde_json::Value>(report.trim())
+        .expect("one JSON object")["accuracy"]
+        .as_f64()
+        .expect("an accuracy");
+    let metrics = std::fs::read_to_string(metrics).expect("metrics");
+    let last: serde_json::Value =
+        serde_json::from_str(metrics.lines().last().expect("a line")).expect("a record");
+    assert_eq!(Some(accuracy), last["val_accuracy"].as_f64());
+    eval
+}
+
 /// Copies the files of `from` into `to` (recursively), as objects of a bucket.
 fn copy_tree(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).expect("the bucket folder");
@@ -146,7 +174,7 @@ fn pickle_run(data_dir: &str, output_dir: &str) -> Vec<String> {
 #[test]
 fn a_run_reads_cifar10_from_a_bucket_and_writes_every_output_to_another() {
     tandem_testdata::skip_without_shared!();
-    let Some(server) = S3Server::start() else {
+    let Some((server, scratch)) = server_with_a_runs_bucket() else {
         return;
     };
     let shared = tandem_testdata::shared_dir().join("data/cifar10/py-mini");
@@ -155,8 +183,6 @@ fn a_run_reads_cifar10_from_a_bucket_and_writes_every_output_to_another() {
         &shared,
         &server.bucket_folder("datasets").join("cifar10-py"),
     );
-    server.create_bucket("runs");
-    let scratch = tempfile::tempdir().expect("a temporary folder");
     let cache = scratch.path().join("cache");
 
     let output = run(
@@ -255,25 +281,13 @@ fn a_run_reads_cifar10_from_a_bucket_and_writes_every_output_to_another() {
     );
 
     // eval reads the checkpoint and, through it, the data from the buckets.
-    let eval = run(
-        &server.endpoint(),
+    let checkpoint = "s3://runs/seed-000/output_dir/epoch_2.safetensors";
+    eval_as_trained(
+        &server,
         &cache,
-        &[
-            "eval".to_string(),
-            "--checkpoint".to_string(),
-            "s3://runs/seed-000/output_dir/epoch_2.safetensors".to_string(),
-            "--json".to_string(),
-        ],
+        checkpoint,
+        &bucket_output.join("metrics.jsonl"),
     );
-    let report = expect_success(&eval);
-    let accuracy = serde_json::from_str::<serde_json::Value>(report.trim())
-        .expect("one JSON object")["accuracy"]
-        .as_f64()
-        .expect("an accuracy");
-    let metrics = std::fs::read_to_string(bucket_output.join("metrics.jsonl")).expect("metrics");
-    let last: serde_json::Value =
-        serde_json::from_str(metrics.lines().last().expect("a line")).expect("a record");
-    assert_eq!(Some(accuracy), last["val_accuracy"].as_f64());
 }
 
 #[test]
@@ -369,11 +383,9 @@ fn long_run(output_dir: &str) -> Vec<String> {
 
 #[test]
 fn a_run_killed_on_a_lost_node_resumes_from_the_bucket_and_ends_bit_identical() {
-    let Some(server) = S3Server::start() else {
+    let Some((server, scratch)) = server_with_a_runs_bucket() else {
         return;
     };
-    server.create_bucket("runs");
-    let scratch = tempfile::tempdir().expect("a temporary folder");
 
     let whole = run(
         &server.endpoint(),
@@ -436,11 +448,9 @@ fn a_run_killed_on_a_lost_node_resumes_from_the_bucket_and_ends_bit_identical() 
 
 #[test]
 fn each_object_storage_failure_is_a_named_error_without_credentials() {
-    let Some(mut server) = S3Server::start() else {
+    let Some((mut server, scratch)) = server_with_a_runs_bucket() else {
         return;
     };
-    server.create_bucket("runs");
-    let scratch = tempfile::tempdir().expect("a temporary folder");
     let cache = scratch.path().join("cache");
     let train = |output: &str| synthetic_run(Path::new(output), 64);
     let stderr_of = |output: &Output| {
@@ -543,12 +553,10 @@ fn each_object_storage_failure_is_a_named_error_without_credentials() {
 
 #[test]
 fn an_upload_cut_mid_way_is_retried_and_every_object_is_whole() {
-    let Some(server) = S3Server::start() else {
+    let Some((server, scratch)) = server_with_a_runs_bucket() else {
         return;
     };
-    server.create_bucket("runs");
     let proxy = CuttingProxy::start(server.port(), Cut::Requests, 40_000);
-    let scratch = tempfile::tempdir().expect("a temporary folder");
     let cache = scratch.path().join("cache");
     let output = run(
         &proxy.endpoint(),
@@ -577,15 +585,13 @@ fn an_upload_cut_mid_way_is_retried_and_every_object_is_whole() {
 #[test]
 fn a_launch_job_fetches_the_data_once_per_node_and_uploads_from_rank_0() {
     tandem_testdata::skip_without_shared!();
-    let Some(server) = S3Server::start() else {
+    let Some((server, scratch)) = server_with_a_runs_bucket() else {
         return;
     };
     copy_tree(
         &tandem_testdata::shared_dir().join("data/cifar10/json-subset"),
         &server.bucket_folder("datasets").join("json"),
     );
-    server.create_bucket("runs");
-    let scratch = tempfile::tempdir().expect("a temporary folder");
     let cache = scratch.path().join("cache");
     let mut train = with_cache(&synthetic_run(Path::new("s3://runs/ddp"), 64), &cache);
     train = with_flag(train, "--data", "json-folder");
@@ -637,11 +643,9 @@ fn a_launch_job_fetches_the_data_once_per_node_and_uploads_from_rank_0() {
 
 #[test]
 fn a_failed_launch_job_uploads_its_logs_and_error_files() {
-    let Some(server) = S3Server::start() else {
+    let Some((server, scratch)) = server_with_a_runs_bucket() else {
         return;
     };
-    server.create_bucket("runs");
-    let scratch = tempfile::tempdir().expect("a temporary folder");
     let cache = scratch.path().join("cache");
     let train = with_flag(
         with_cache(&synthetic_run(Path::new("obs://runs/broken"), 64), &cache),
@@ -805,11 +809,9 @@ fn assert_the_next_runs_recover(
 
 #[test]
 fn after_an_outage_mid_run_the_next_run_uploads_everything_left_pending_first() {
-    let Some(mut server) = S3Server::start() else {
+    let Some((mut server, scratch)) = server_with_a_runs_bucket() else {
         return;
     };
-    server.create_bucket("runs");
-    let scratch = tempfile::tempdir().expect("a temporary folder");
     let cache = scratch.path().join("cache");
     let args = outage_run("s3://runs/outage");
     let staged = cache.join("runs/runs/outage");
@@ -847,12 +849,10 @@ fn after_an_outage_mid_run_the_next_run_uploads_everything_left_pending_first() 
 /// request line `trigger`: it fails for an upload, `after_outage` checks the run's folder in
 /// the bucket, and the next runs recover.
 fn outage_at_request(scheme: &str, name: &str, trigger: &str, after_outage: impl Fn(&Path)) {
-    let Some(server) = S3Server::start() else {
+    let Some((server, scratch)) = server_with_a_runs_bucket() else {
         return;
     };
-    server.create_bucket("runs");
     let proxy = OutageProxy::start(server.port(), trigger);
-    let scratch = tempfile::tempdir().expect("a temporary folder");
     let cache = scratch.path().join("cache");
     let args = outage_run(&format!("{scheme}://runs/{name}"));
     let staged = cache.join("runs/runs").join(name);
@@ -886,12 +886,10 @@ fn an_outage_during_a_snapshot_upload_leaves_it_pending_for_the_next_run() {
 
 #[test]
 fn uploads_left_pending_in_a_cache_never_overwrite_a_bucket_that_moved_on() {
-    let Some(server) = S3Server::start() else {
+    let Some((server, scratch)) = server_with_a_runs_bucket() else {
         return;
     };
-    server.create_bucket("runs");
     let proxy = OutageProxy::start(server.port(), "PUT /runs/moved/snapshot.safetensors");
-    let scratch = tempfile::tempdir().expect("a temporary folder");
     let args = outage_run("s3://runs/moved");
     let left_behind = scratch.path().join("cache-left-behind");
     let staged = left_behind.join("runs/runs/moved");
@@ -925,15 +923,13 @@ fn uploads_left_pending_in_a_cache_never_overwrite_a_bucket_that_moved_on() {
 #[test]
 fn a_checkpoint_of_obs_data_fetches_it_again_from_another_cache() {
     tandem_testdata::skip_without_shared!();
-    let Some(server) = S3Server::start() else {
+    let Some((server, scratch)) = server_with_a_runs_bucket() else {
         return;
     };
     copy_tree(
         &tandem_testdata::shared_dir().join("data/cifar10/py-mini"),
         &server.bucket_folder("datasets").join("cifar10-py"),
     );
-    server.create_bucket("runs");
-    let scratch = tempfile::tempdir().expect("a temporary folder");
     let first_cache = scratch.path().join("cache-first-node");
     let train = with_flag(
         pickle_run("obs://datasets/cifar10-py", "s3://runs/l2"),
@@ -952,25 +948,12 @@ fn a_checkpoint_of_obs_data_fetches_it_again_from_another_cache() {
     );
     // Another node: the first cache is gone.
     std::fs::remove_dir_all(&first_cache).expect("the first node's disk is gone");
-    let eval = run(
-        &server.endpoint(),
+    let eval = eval_as_trained(
+        &server,
         &scratch.path().join("cache-other-node"),
-        &[
-            "eval".to_string(),
-            "--checkpoint".to_string(),
-            "obs://runs/l2/epoch_1.safetensors".to_string(),
-            "--json".to_string(),
-        ],
+        "obs://runs/l2/epoch_1.safetensors",
+        &server.bucket_folder("runs").join("l2/metrics.jsonl"),
     );
-    let report = expect_success(&eval);
-    let accuracy = serde_json::from_str::<serde_json::Value>(report.trim())
-        .expect("one JSON object")["accuracy"]
-        .as_f64();
-    let metrics = std::fs::read_to_string(server.bucket_folder("runs").join("l2/metrics.jsonl"))
-        .expect("metrics");
-    let last: serde_json::Value =
-        serde_json::from_str(metrics.lines().last().expect("a line")).expect("a record");
-    assert_eq!(accuracy, last["val_accuracy"].as_f64());
     assert!(
         String::from_utf8_lossy(&eval.stderr).contains("data: fetched 7 of 7 files ("),
         "{}",

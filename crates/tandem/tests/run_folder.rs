@@ -21,7 +21,7 @@ fn one_epoch_run(out: &Path) -> Vec<String> {
 fn a_runs_own_config_gives_the_same_run_and_output_dir_moves_it() {
     let dir = tempfile::tempdir().unwrap();
     let first = dir.path().join("a");
-    expect_success(&run_bounded(tandem().args(one_epoch_run(&first)), LIMIT));
+    tandem_succeeds(one_epoch_run(&first), LIMIT);
     let config = first.join("config.toml");
     let written = std::fs::read_to_string(&config).unwrap();
     assert!(!written.contains("\nsnapshot ="), "{written}");
@@ -61,6 +61,17 @@ fn a_runs_own_config_gives_the_same_run_and_output_dir_moves_it() {
     assert_eq!(metrics.lines().count(), 1, "{metrics}");
 }
 
+/// Starts `tandem <args>` in the background, its standard output discarded and its
+/// standard error going to `stderr`.
+fn spawn_tandem(args: &[String], stderr: std::process::Stdio) -> std::process::Child {
+    tandem()
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .expect("start the tandem binary")
+}
+
 /// Waits until `path` exists and is not empty, failing past `LIMIT`.
 fn wait_for_content(path: &Path, child: &mut std::process::Child) {
     let deadline = std::time::Instant::now() + LIMIT;
@@ -81,15 +92,9 @@ fn wait_for_content(path: &Path, child: &mut std::process::Child) {
 
 #[test]
 fn a_busy_output_folder_is_refused_and_a_stale_lock_taken_over() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     let long_run = with_flag(synthetic_run(&out, 4096), "--epochs", "50");
-    let mut first = tandem()
-        .args(&long_run)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut first = spawn_tandem(&long_run, std::process::Stdio::null());
     let lock = out.join("tandem.lock");
     wait_for_content(&lock, &mut first);
 
@@ -123,19 +128,12 @@ fn a_busy_output_folder_is_refused_and_a_stale_lock_taken_over() {
 
 #[test]
 fn a_finished_run_says_so_and_fresh_starts_over_keeping_the_old_files() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    expect_success(&run_bounded(tandem().args(one_epoch_run(&out)), LIMIT));
+    let (_dir, out) = run_folder();
+    tandem_succeeds(one_epoch_run(&out), LIMIT);
     let first_weights = std::fs::read(out.join("epoch_1.safetensors")).unwrap();
 
-    let again = run_bounded(tandem().args(one_epoch_run(&out)), LIMIT);
-    let stdout = expect_success(&again);
-    assert!(
-        stdout.contains("1/1 epoch done; raise --epochs to continue"),
-        "{stdout}"
-    );
+    let stdout = rerun_finished(&one_epoch_run(&out), "1/1 epoch done", LIMIT);
     assert!(!stdout.contains("Resuming"), "{stdout}");
-    assert!(!stdout.contains("train | epoch"), "{stdout}");
 
     let mut fresh = one_epoch_run(&out);
     fresh.push("--fresh".to_string());
@@ -170,12 +168,11 @@ fn a_finished_run_says_so_and_fresh_starts_over_keeping_the_old_files() {
 
 #[test]
 fn more_epochs_continue_a_constant_schedule_and_a_conflict_names_the_way_out() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    expect_success(&run_bounded(tandem().args(one_epoch_run(&out)), LIMIT));
+    let (dir, out) = run_folder();
+    tandem_succeeds(one_epoch_run(&out), LIMIT);
 
     let longer = with_flag(one_epoch_run(&out), "--epochs", "2");
-    let stdout = expect_success(&run_bounded(tandem().args(&longer), LIMIT));
+    let stdout = tandem_succeeds(&longer, LIMIT);
     assert_contains(
         &stdout,
         "Resuming training from snapshot: 1 epoch run, continuing with epoch 2 of 2\n",
@@ -210,17 +207,16 @@ fn more_epochs_continue_a_constant_schedule_and_a_conflict_names_the_way_out() {
     let new_out = dir.path().join("lower-lr");
     let mut from_weights = with_flag(changed, "--output-dir", &new_out.display().to_string());
     from_weights.extend(["--init-from".to_string(), snapshot.display().to_string()]);
-    let stdout = expect_success(&run_bounded(tandem().args(&from_weights), LIMIT));
+    let stdout = tandem_succeeds(&from_weights, LIMIT);
     assert!(!stdout.contains("Resuming"), "{stdout}");
     assert_contains(&stdout, "train | epoch: 2");
 }
 
 #[test]
 fn more_epochs_of_a_onecycle_run_are_refused_with_the_way_out() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     let onecycle = with_flag(one_epoch_run(&out), "--lr-schedule", "onecycle");
-    expect_success(&run_bounded(tandem().args(&onecycle), LIMIT));
+    tandem_succeeds(&onecycle, LIMIT);
     let output = run_bounded(tandem().args(with_flag(onecycle, "--epochs", "3")), LIMIT);
     assert!(!output.status.success());
     assert_eq!(output.status.code(), Some(2));
@@ -245,15 +241,9 @@ fn more_epochs_of_a_onecycle_run_are_refused_with_the_way_out() {
 fn stop_a_run_with(signal: libc::c_int, out: &Path) -> (Option<i32>, String) {
     let mut args = with_flag(synthetic_run(out, 4096), "--epochs", "50");
     args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
-    let mut child = tandem()
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_tandem(&args, std::process::Stdio::piped());
     wait_for_content(&out.join("snapshot.safetensors"), &mut child);
-    // SAFETY: `kill` has no memory-safety preconditions; the child is not reaped yet.
-    assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
+    send_signal(child.id(), signal);
     let output = wait_bounded(child, LIMIT);
     let shell_status = output
         .status
@@ -293,8 +283,7 @@ fn a_stopped_run_exits_130_after_sigint_and_143_after_sigterm() {
 
 #[test]
 fn max_steps_and_zero_epochs_say_why_the_run_ended() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (dir, out) = run_folder();
     let args = with_flag(one_epoch_run(&out), "--max-steps", "2");
     let output = run_bounded(tandem().args(&args), LIMIT);
     expect_success(&output);
@@ -304,7 +293,7 @@ fn max_steps_and_zero_epochs_say_why_the_run_ended() {
         "{stderr}"
     );
     let zero = with_flag(one_epoch_run(&dir.path().join("zero")), "--epochs", "0");
-    let stdout = expect_success(&run_bounded(tandem().args(&zero), LIMIT));
+    let stdout = tandem_succeeds(&zero, LIMIT);
     assert_contains(&stdout, "--epochs is 0: nothing to train");
 }
 
@@ -454,12 +443,11 @@ fn parse_events(bytes: &[u8]) -> Vec<Event> {
 
 #[test]
 fn a_run_prints_a_banner_and_writes_tensorboard_scalars() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     // 96 images in batches of 32: 3 steps an epoch, 6 in all; a scalar every 2 steps.
     let mut args = with_flag(one_epoch_run(&out), "--epochs", "2");
     args.extend(["--log-every-steps".to_string(), "2".to_string()]);
-    let stdout = expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    let stdout = tandem_succeeds(&args, LIMIT);
     for expected in [
         "device: cpu | 1 compute thread per process | world size 1",
         "data: synthetic | 96 training, 64 test images (32x32) | normalize: none",
@@ -626,18 +614,12 @@ fn losses_read_by_tensorboard(folder: &Path) -> Option<Vec<(i64, f32)>> {
 
 #[test]
 fn a_resumed_run_has_tensorboard_show_each_step_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     // 512 steps of 16 images, a scalar every step, a snapshot every 20.
     let mut args = with_flag(synthetic_run(&out, 8192), "--epochs", "1");
     args = with_flag(args, "--batch-size", "16");
     args.extend(["--log-every-steps", "1", "--snapshot-every-steps", "20"].map(String::from));
-    let mut child = tandem()
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_tandem(&args, std::process::Stdio::null());
     // Killed at a step well past the last snapshot: the file then holds steps that the
     // resumed run trains again.
     let deadline = std::time::Instant::now() + LIMIT;
@@ -665,7 +647,7 @@ fn a_resumed_run_has_tensorboard_show_each_step_once() {
 
     // Event files are named by the second they were created in.
     std::thread::sleep(Duration::from_millis(1100));
-    expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    tandem_succeeds(&args, LIMIT);
     let files = event_files(&out);
     assert_eq!(files.len(), 2, "{files:?}");
     let second_session = read_event_file(&files[1]);
@@ -720,8 +702,7 @@ fn a_resumed_run_has_tensorboard_show_each_step_once() {
 
 #[test]
 fn launch_tee_shows_every_ranks_epoch_and_rank_0_names_the_slowest() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     let mut args: Vec<String> = [
         "launch",
         "--standalone",

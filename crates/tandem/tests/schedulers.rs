@@ -9,7 +9,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use common::scheduler::*;
@@ -33,13 +33,18 @@ fn mpirun_train(mpirun: &Path, output_dir: &Path, env: &[(&str, String)]) -> Out
     GroupJob::start(&mut command).wait(JOB_LIMIT)
 }
 
+/// Open MPI's `mpirun` and a new folder for `test`, or `None` (the test skips) without it.
+fn mpirun_or_skip(test: &str) -> Option<(PathBuf, tempfile::TempDir)> {
+    let mpirun = program_or_skip("mpirun", test)?;
+    Some((mpirun, tempfile::tempdir().unwrap()))
+}
+
 #[test]
 fn mpirun_ends_bit_identical_to_tandem_launch_with_and_without_master_addr() {
     let test = "mpirun_ends_bit_identical_to_tandem_launch_with_and_without_master_addr";
-    let Some(mpirun) = program_or_skip("mpirun", test) else {
+    let Some((mpirun, dir)) = mpirun_or_skip(test) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
     let expected = under_tandem_launch(&dir.path().join("launch"));
 
     let named = dir.path().join("mpirun-named");
@@ -72,10 +77,9 @@ fn mpirun_ends_bit_identical_to_tandem_launch_with_and_without_master_addr() {
 #[test]
 fn mpirun_without_master_port_says_how_to_pass_one() {
     let test = "mpirun_without_master_port_says_how_to_pass_one";
-    let Some(mpirun) = program_or_skip("mpirun", test) else {
+    let Some((mpirun, dir)) = mpirun_or_skip(test) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
     let output = mpirun_train(
         &mpirun,
         &dir.path().join("run"),

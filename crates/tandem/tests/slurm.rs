@@ -474,6 +474,21 @@ fn submit_and_wait_for_first_steps(cluster: &SlurmCluster, output_dir: &Path) ->
     job_id
 }
 
+/// For `test`, a one-node Slurm cluster (`None` where it cannot run here), the straight run
+/// on it (see [`straight_run`]), and the batch job submitted into `CLUSTER/<folder>` that
+/// has trained its first steps: the cluster, the straight run's folder, the job's folder and
+/// the job's id.
+fn cluster_with_a_job(
+    test: &str,
+    folder: &str,
+) -> Option<(SlurmCluster, PathBuf, PathBuf, String)> {
+    let cluster = SlurmCluster::start(test)?;
+    let straight = straight_run(&cluster);
+    let output_dir = cluster.path(folder);
+    let job_id = submit_and_wait_for_first_steps(&cluster, &output_dir);
+    Some((cluster, straight, output_dir, job_id))
+}
+
 /// Fails unless the job's output says it resumed from a mid-epoch snapshot and succeeded,
 /// and its weights are those of `straight`.
 fn assert_resumed_bit_identical(cluster: &SlurmCluster, straight: &Path, output_dir: &Path) {
@@ -495,12 +510,10 @@ fn assert_resumed_bit_identical(cluster: &SlurmCluster, straight: &Path, output_
 #[test]
 fn sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical() {
     let test = "sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical";
-    let Some(cluster) = SlurmCluster::start(test) else {
+    let Some((cluster, straight, output_dir, job_id)) = cluster_with_a_job(test, "cancelled")
+    else {
         return;
     };
-    let straight = straight_run(&cluster);
-    let output_dir = cluster.path("cancelled");
-    let job_id = submit_and_wait_for_first_steps(&cluster, &output_dir);
     expect_success(&cluster.client("scancel", &[&job_id]));
     cluster.wait_for_job_end(&job_id, Duration::from_secs(KILL_WAIT_SECONDS + 30));
 
@@ -525,12 +538,9 @@ fn sbatch_job_cancelled_mid_epoch_and_submitted_again_ends_bit_identical() {
 #[test]
 fn sbatch_job_requeued_mid_epoch_resumes_and_ends_bit_identical() {
     let test = "sbatch_job_requeued_mid_epoch_resumes_and_ends_bit_identical";
-    let Some(cluster) = SlurmCluster::start(test) else {
+    let Some((cluster, straight, output_dir, job_id)) = cluster_with_a_job(test, "requeued") else {
         return;
     };
-    let straight = straight_run(&cluster);
-    let output_dir = cluster.path("requeued");
-    let job_id = submit_and_wait_for_first_steps(&cluster, &output_dir);
     // Requeued, the job is stopped as by scancel and put back in the queue, held until its
     // begin time; releasing it early keeps the test short. Not too early: slurmd refuses a
     // launch while the first run is still ending on the node, and one whose credential is

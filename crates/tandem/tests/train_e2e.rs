@@ -10,8 +10,7 @@ const LIMIT: Duration = Duration::from_secs(300);
 
 #[test]
 fn short_synthetic_run_writes_every_file() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     let output = run_bounded(tandem().args(small_synthetic_run(&out)), LIMIT);
     let stdout = expect_success(&output);
     assert_contains(&stdout, "train | epoch: 1 | loss: ");
@@ -53,21 +52,14 @@ fn short_synthetic_run_writes_every_file() {
     let config = std::fs::read_to_string(out.join("config.toml")).unwrap();
     assert_contains(&config, "batch-size = 32");
     // Rerunning the finished job says it is done and trains nothing more.
-    let again = run_bounded(tandem().args(small_synthetic_run(&out)), LIMIT);
-    let stdout = expect_success(&again);
-    assert!(
-        stdout.contains("2/2 epochs done; raise --epochs to continue"),
-        "{stdout}"
-    );
-    assert!(!stdout.contains("train | epoch"), "{stdout}");
+    let stdout = rerun_finished(&small_synthetic_run(&out), "2/2 epochs done", LIMIT);
     assert_contains(&stdout, "holds the end of epoch 2");
     assert!(!stdout.contains("resumed from"), "{stdout}");
 }
 
 #[test]
 fn config_file_is_read_and_flags_override_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (dir, out) = run_folder();
     let config = dir.path().join("job.toml");
     std::fs::write(
         &config,
@@ -77,27 +69,21 @@ fn config_file_is_read_and_flags_override_it() {
     let mut args = small_synthetic_run(&out);
     args.extend(["--config".to_string(), config.display().to_string()]);
     // small_synthetic_run passes --batch-size 32 and --epochs 2: flags win over the file.
-    let output = run_bounded(tandem().args(&args), LIMIT);
-    expect_success(&output);
+    tandem_succeeds(&args, LIMIT);
     let resolved = std::fs::read_to_string(out.join("config.toml")).unwrap();
     assert_contains(&resolved, "batch-size = 32");
     assert_contains(&resolved, "lr = 0.05");
     assert_contains(&resolved, "synthetic-train = 192");
 
-    let mut args: Vec<String> = vec![
-        "train".into(),
-        "--config".into(),
-        config.display().to_string(),
-    ];
-    args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
-    args.extend(
-        ["--threads", "1", "--output-dir"]
-            .iter()
-            .map(|arg| arg.to_string()),
-    );
     let out2 = dir.path().join("run2");
-    args.push(out2.display().to_string());
-    expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    let mut args = small_model_train("--threads 1");
+    args.extend([
+        "--config".to_string(),
+        config.display().to_string(),
+        "--output-dir".to_string(),
+        out2.display().to_string(),
+    ]);
+    tandem_succeeds(&args, LIMIT);
     let resolved = std::fs::read_to_string(out2.join("config.toml")).unwrap();
     assert_contains(&resolved, "batch-size = 16");
     assert_contains(&resolved, "synthetic-train = 64");
@@ -133,34 +119,32 @@ fn bad_settings_are_refused_with_their_name() {
 fn resume_after_kill_mid_epoch_is_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
     let straight = dir.path().join("straight");
-    expect_success(&run_bounded(
-        tandem().args(synthetic_run(&straight, 1024)),
-        LIMIT,
-    ));
+    tandem_succeeds(synthetic_run(&straight, 1024), LIMIT);
 
     let interrupted = dir.path().join("interrupted");
-    let mut args = synthetic_run(&interrupted, 1024);
-    args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
+    let args = with_flag(
+        synthetic_run(&interrupted, 1024),
+        "--snapshot-every-steps",
+        "1",
+    );
     // Kill as soon as a mid-epoch snapshot (step 2 of epoch 1) exists.
     kill_after_second_snapshot(&args, &interrupted, LIMIT);
     let resumed = run_bounded(tandem().args(&args), LIMIT);
     let stdout = expect_success(&resumed);
     assert_contains(&stdout, "Resuming training from snapshot");
-    let expected = std::fs::read(straight.join("epoch_2.safetensors")).unwrap();
-    let actual = std::fs::read(interrupted.join("epoch_2.safetensors")).unwrap();
-    assert!(
-        expected == actual,
-        "the resumed run's final weights differ from the uninterrupted run's"
+    assert_epochs_as_straight(
+        &straight,
+        &interrupted,
+        2..=2,
+        " (the resumed run's final weights)",
     );
 }
 
 #[test]
 fn conflicting_resume_setting_is_named() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    let mut args = small_synthetic_run(&out);
-    args.extend(["--max-steps".to_string(), "2".to_string()]);
-    expect_success(&run_bounded(tandem().args(&args), LIMIT));
+    let (_dir, out) = run_folder();
+    let args = with_flag(small_synthetic_run(&out), "--max-steps", "2");
+    tandem_succeeds(&args, LIMIT);
     let changed = with_flag(small_synthetic_run(&out), "--lr", "0.2");
     let output = run_bounded(tandem().args(&changed), LIMIT);
     let stderr = expect_failure(&output);
@@ -169,13 +153,11 @@ fn conflicting_resume_setting_is_named() {
 
 #[test]
 fn corrupt_snapshot_is_reported_and_the_previous_one_used() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    let mut args = small_synthetic_run(&out);
-    args.extend(["--snapshot-every-steps".to_string(), "1".to_string()]);
+    let (_dir, out) = run_folder();
+    let args = with_flag(small_synthetic_run(&out), "--snapshot-every-steps", "1");
     let mut first = args.clone();
     first.extend(["--max-steps".to_string(), "3".to_string()]);
-    expect_success(&run_bounded(tandem().args(&first), LIMIT));
+    tandem_succeeds(&first, LIMIT);
     let snapshot = out.join("snapshot.safetensors");
     let mut bytes = std::fs::read(&snapshot).unwrap();
     let middle = bytes.len() / 2;
@@ -196,12 +178,8 @@ fn corrupt_snapshot_is_reported_and_the_previous_one_used() {
 fn eval_and_predict_on_a_saved_checkpoint() {
     tandem_testdata::skip_without_shared!();
     let shared = tandem_testdata::shared_dir();
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    expect_success(&run_bounded(
-        tandem().args(small_synthetic_run(&out)),
-        LIMIT,
-    ));
+    let (_dir, out) = run_folder();
+    tandem_succeeds(small_synthetic_run(&out), LIMIT);
     let checkpoint = out.join("epoch_2.safetensors").display().to_string();
 
     let mut eval_args: Vec<String> = vec!["eval".into(), "--checkpoint".into(), checkpoint.clone()];
@@ -222,11 +200,11 @@ fn eval_and_predict_on_a_saved_checkpoint() {
         .iter()
         .map(|arg| arg.to_string()),
     );
-    let text = expect_success(&run_bounded(tandem().args(&eval_args), LIMIT));
+    let text = tandem_succeeds(&eval_args, LIMIT);
     assert_contains(&text, "samples: 64");
     assert_contains(&text, "confusion matrix");
     eval_args.push("--json".into());
-    let json = expect_success(&run_bounded(tandem().args(&eval_args), LIMIT));
+    let json = tandem_succeeds(&eval_args, LIMIT);
     let report: serde_json::Value = serde_json::from_str(json.trim()).unwrap();
     let confusion = report["confusion"].as_array().unwrap();
     assert_eq!(confusion.len(), 10);
@@ -261,7 +239,7 @@ fn eval_and_predict_on_a_saved_checkpoint() {
     predict_args.extend(SMALL_MODEL.iter().map(|arg| arg.to_string()));
     predict_args.push("--json".into());
     predict_args.extend(pngs.iter().take(2).map(|path| path.display().to_string()));
-    let lines = expect_success(&run_bounded(tandem().args(&predict_args), LIMIT));
+    let lines = tandem_succeeds(&predict_args, LIMIT);
     let predictions: Vec<serde_json::Value> = lines
         .lines()
         .map(|line| serde_json::from_str(line).unwrap())
@@ -305,8 +283,7 @@ fn one_epoch_of_real_cifar10_beats_chance_by_far() {
         "missing {}/cifar-10-batches-bin.tar.gz",
         data_dir.display()
     );
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
+    let (_dir, out) = run_folder();
     let output = run_bounded(
         tandem().args([
             "train",

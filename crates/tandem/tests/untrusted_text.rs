@@ -89,7 +89,7 @@ fn succeeded(output: &Output) -> String {
 fn trained_checkpoint(dir: &Path) -> PathBuf {
     let out = dir.join("run");
     let run = with_flag(synthetic_run(&out, 96), "--epochs", "1");
-    expect_success(&run_bounded(tandem().args(run), LIMIT));
+    tandem_succeeds(run, LIMIT);
     out.join("epoch_1.safetensors")
 }
 
@@ -109,6 +109,26 @@ fn with_metadata(trained: &Path, dir: &Path, name: &str, key: &str, value: &str)
 /// A black 32x32 PNG at `path`.
 fn write_png(path: &Path) {
     image::RgbImage::new(32, 32).save(path).unwrap();
+}
+
+/// Fails unless eval succeeded with a printable report of bounded size, as many lines as the
+/// `plain` report of plainly named classes, showing the hostile names (the longest of `long`
+/// characters).
+fn assert_report_shows_the_names(output: &Output, plain: &str, long: usize) {
+    let stdout = succeeded(output);
+    assert_printable("eval's report", &output.stdout);
+    assert!(
+        stdout.len() < REPORT_BOUND,
+        "eval printed {} bytes",
+        stdout.len()
+    );
+    assert_eq!(
+        stdout.lines().count(),
+        plain.lines().count(),
+        "{}",
+        excerpt(&stdout)
+    );
+    assert_shows_the_names(&stdout, long, ": ");
 }
 
 /// Fails unless `stdout` shows each of [`hostile_class_names`]`(long)` escaped and cut,
@@ -155,22 +175,8 @@ fn eval_and_predict_print_a_checkpoints_class_names_escaped_and_json_keeps_them(
         named("plain.safetensors", &plain_names).to_str().unwrap(),
     ));
 
-    let output = eval(&checkpoint_arg);
-    let stdout = succeeded(&output);
-    assert_printable("eval's report", &output.stdout);
-    assert!(
-        stdout.len() < REPORT_BOUND,
-        "eval printed {} bytes",
-        stdout.len()
-    );
     // A line break in a name makes no line of its own.
-    assert_eq!(
-        stdout.lines().count(),
-        plain.lines().count(),
-        "{}",
-        excerpt(&stdout)
-    );
-    assert_shows_the_names(&stdout, 3_000_000, ": ");
+    assert_report_shows_the_names(&eval(&checkpoint_arg), &plain, 3_000_000);
 
     let image = dir.path().join(format!("{TITLE}photo.png"));
     write_png(&image);
@@ -288,20 +294,7 @@ fn eval_prints_the_class_names_of_batches_meta_escaped() {
     let names = hostile_class_names(60_000);
     std::fs::write(data.join("batches.meta"), batches_meta(&names)).unwrap();
     let output = eval_plain_weights(dir.path(), "cifar10-py", &data);
-    let stdout = succeeded(&output);
-    assert_printable("eval's report", &output.stdout);
-    assert_eq!(
-        stdout.lines().count(),
-        plain.lines().count(),
-        "{}",
-        excerpt(&stdout)
-    );
-    assert_shows_the_names(&stdout, 60_000, ": ");
-    assert!(
-        stdout.len() < REPORT_BOUND,
-        "eval printed {} bytes",
-        stdout.len()
-    );
+    assert_report_shows_the_names(&output, &plain, 60_000);
 }
 
 /// Fails unless `output` failed with one line on standard error, printable, holding `shown`.

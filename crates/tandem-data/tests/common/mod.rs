@@ -35,18 +35,15 @@ impl PyBatch<'_> {
         short_binstring(&mut out, self.labels_key.as_bytes());
         out.extend_from_slice(b"](");
         for &label in &self.labels {
-            out.push(b'J');
-            out.extend_from_slice(&(label as i32).to_le_bytes());
+            binint(&mut out, label as i32);
         }
         out.push(b'e');
         short_binstring(&mut out, self.data_key.as_bytes());
         out.extend_from_slice(b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85");
         short_binstring(&mut out, b"b");
         out.extend_from_slice(b"\x87R(K\x01");
-        out.push(b'J');
-        out.extend_from_slice(&(self.rows as i32).to_le_bytes());
-        out.push(b'J');
-        out.extend_from_slice(&(self.row_len as i32).to_le_bytes());
+        binint(&mut out, self.rows as i32);
+        binint(&mut out, self.row_len as i32);
         out.extend_from_slice(b"\x86cnumpy\ndtype\n");
         short_binstring(&mut out, self.dtype.as_bytes());
         out.extend_from_slice(b"K\x00K\x01\x87R(K\x03");
@@ -58,6 +55,11 @@ impl PyBatch<'_> {
         out.extend_from_slice(b"tbu.");
         out
     }
+}
+
+fn binint(out: &mut Vec<u8>, value: i32) {
+    out.push(b'J');
+    out.extend_from_slice(&value.to_le_bytes());
 }
 
 fn short_binstring(out: &mut Vec<u8>, bytes: &[u8]) {

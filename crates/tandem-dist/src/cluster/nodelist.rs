@@ -126,35 +126,21 @@ mod tests {
 
     #[test]
     fn malformed_lists_are_explained() {
-        assert_eq!(
-            expand_slurm_nodelist("node[1-3"),
-            Err("unclosed '[' in \"node[1-3\"".into())
-        );
-        assert_eq!(
-            expand_slurm_nodelist("node1-3]"),
-            Err("unmatched ']' at byte 7 of \"node1-3]\"".into())
-        );
-        assert_eq!(
-            expand_slurm_nodelist("n[3-1]"),
-            Err("range \"3-1\" in \"n[3-1]\" runs backwards".into())
-        );
-        assert_eq!(
-            expand_slurm_nodelist("n[a-b]"),
-            Err("\"a-b\" in \"n[a-b]\" is not a number or a range of numbers".into())
-        );
-        assert_eq!(
-            expand_slurm_nodelist("a,,b"),
-            Err("empty host name in \"a,,b\"".into())
-        );
-        assert_eq!(
-            expand_slurm_nodelist(""),
-            Err("empty host name in \"\"".into())
-        );
-        assert_eq!(
-            expand_slurm_nodelist("n[0-999999999]"),
-            Err(format!(
-                "the host list expands to more than {MAX_HOSTS} hosts"
-            ))
-        );
+        let too_many = format!("the host list expands to more than {MAX_HOSTS} hosts");
+        let cases = [
+            ("node[1-3", "unclosed '[' in \"node[1-3\""),
+            ("node1-3]", "unmatched ']' at byte 7 of \"node1-3]\""),
+            ("n[3-1]", "range \"3-1\" in \"n[3-1]\" runs backwards"),
+            (
+                "n[a-b]",
+                "\"a-b\" in \"n[a-b]\" is not a number or a range of numbers",
+            ),
+            ("a,,b", "empty host name in \"a,,b\""),
+            ("", "empty host name in \"\""),
+            ("n[0-999999999]", &too_many),
+        ];
+        for (list, error) in cases {
+            assert_eq!(expand_slurm_nodelist(list), Err(error.into()), "{list}");
+        }
     }
 }

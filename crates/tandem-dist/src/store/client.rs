@@ -107,29 +107,12 @@ impl StoreClient {
 
     /// Stores `value` under `key`, replacing any earlier value.
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        check_key(key)?;
-        check_value(key, value)?;
-        match self.request(
-            key,
-            &Request::Set {
-                key: key.into(),
-                value: value.to_vec(),
-            },
-            self.timeout,
-        )? {
-            Response::Done => Ok(()),
-            other => Err(self.unexpected(key, &other)),
-        }
+        self.set_within(key, value, self.timeout)
     }
 
     /// The value under `key`, or `None` when it is not set. Does not block.
     pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        check_key(key)?;
-        match self.request(key, &Request::Get { key: key.into() }, self.timeout)? {
-            Response::Value(value) => Ok(Some(value)),
-            Response::NotFound => Ok(None),
-            other => Err(self.unexpected(key, &other)),
-        }
+        self.get_within(key, self.timeout)
     }
 
     /// [`get`](Self::get) with its own bound on the round trip.

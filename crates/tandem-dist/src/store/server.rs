@@ -279,6 +279,14 @@ mod tests {
     use crate::auth::{connect_handshake, Purpose};
     use crate::store::StoreClient;
 
+    /// A store server on a free loopback port, and its job token.
+    fn loopback_server() -> (StoreServer, JobToken) {
+        let token = JobToken::new("token").expect("token");
+        let server =
+            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        (server, token)
+    }
+
     fn authenticated_raw_client(server: &StoreServer, token: &JobToken) -> TcpStream {
         let mut stream = TcpStream::connect(server.local_addr()).expect("connect");
         stream
@@ -290,9 +298,7 @@ mod tests {
 
     #[test]
     fn length_prefix_of_2_pow_40_closes_the_connection_and_the_server_lives_on() {
-        let token = JobToken::new("token").expect("token");
-        let server =
-            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let (server, token) = loopback_server();
         let mut raw = authenticated_raw_client(&server, &token);
         raw.write_all(&(1u64 << 40).to_le_bytes())
             .expect("write prefix");
@@ -313,9 +319,7 @@ mod tests {
 
     #[test]
     fn authenticated_garbage_frames_are_answered_or_closed_without_harm() {
-        let token = JobToken::new("token").expect("token");
-        let server =
-            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let (server, token) = loopback_server();
         let mut seed = 12345u64;
         for _ in 0..30 {
             let mut raw = authenticated_raw_client(&server, &token);
@@ -339,13 +343,12 @@ mod tests {
 
     #[test]
     fn dropping_the_server_closes_its_clients_even_mid_wait() {
-        let token = JobToken::new("token").expect("token");
-        let server =
-            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
-        let idle = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5))
-            .expect("connect");
-        let waiting = StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5))
-            .expect("connect");
+        let (server, token) = loopback_server();
+        let connect = || {
+            StoreClient::connect(server.local_addr(), &token, Duration::from_secs(5))
+                .expect("connect")
+        };
+        let (idle, waiting) = (connect(), connect());
         let started = std::time::Instant::now();
         std::thread::scope(|scope| {
             let wait = scope.spawn(|| waiting.wait(&["never"], Duration::from_secs(30)));
@@ -375,9 +378,7 @@ mod tests {
 
     #[test]
     fn malformed_request_gets_an_explanation_before_the_close() {
-        let token = JobToken::new("token").expect("token");
-        let server =
-            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let (server, token) = loopback_server();
         let mut raw = authenticated_raw_client(&server, &token);
         write_frame(&mut raw, &[99]).expect("write");
         let answer = read_frame(&mut raw).unwrap_or_else(|_| panic!("no answer"));

@@ -44,18 +44,6 @@ pub fn run_ranks<T: Send>(
     })
 }
 
-/// Like [`run_ranks`], over loopback TCP as ranks on different hosts would be.
-pub fn run_ranks_tcp<T: Send>(
-    world_size: usize,
-    timeout: Duration,
-    segment_bytes: usize,
-    body: impl Fn(&mut ProcessGroup) -> T + Sync,
-) -> Vec<T> {
-    run_groups_over(false, world_size, timeout, segment_bytes, |mut group| {
-        body(&mut group)
-    })
-}
-
 /// Like [`run_ranks`], but `body` owns its rank's group.
 pub fn run_groups<T: Send>(
     world_size: usize,
@@ -76,24 +64,28 @@ pub fn run_groups_over<T: Send>(
 ) -> Vec<T> {
     let (server, token) = start_store();
     let store = server.local_addr();
+    on_rank_threads(world_size, |rank| {
+        let mut options = options(rank, world_size, store, &token, timeout);
+        options.segment_bytes = segment_bytes;
+        options.unix_sockets = unix_sockets;
+        let group = ProcessGroup::connect(options).expect("join the group");
+        let expected = match (world_size, unix_sockets) {
+            (1, _) => "none",
+            (_, true) => "unix",
+            (_, false) => "tcp",
+        };
+        assert_eq!(group.ring_transport(), expected);
+        body(group)
+    })
+}
+
+/// Runs `body(rank)` for ranks `0..ranks`, each on a thread of its own, and returns the
+/// results in rank order.
+pub fn on_rank_threads<T: Send>(ranks: usize, body: impl Fn(usize) -> T + Sync) -> Vec<T> {
     std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..world_size)
-            .map(|rank| {
-                let mut options = options(rank, world_size, store, &token, timeout);
-                options.segment_bytes = segment_bytes;
-                options.unix_sockets = unix_sockets;
-                let body = &body;
-                scope.spawn(move || {
-                    let group = ProcessGroup::connect(options).expect("join the group");
-                    let expected = match (world_size, unix_sockets) {
-                        (1, _) => "none",
-                        (_, true) => "unix",
-                        (_, false) => "tcp",
-                    };
-                    assert_eq!(group.ring_transport(), expected);
-                    body(group)
-                })
-            })
+        let body = &body;
+        let handles: Vec<_> = (0..ranks)
+            .map(|rank| scope.spawn(move || body(rank)))
             .collect();
         handles
             .into_iter()

@@ -81,15 +81,9 @@ pub fn nchw_to_nhwc(
     width: usize,
 ) -> Vec<f32> {
     let mut out = vec![0.0; x.len()];
-    for n in 0..batch {
-        for c in 0..channels {
-            for h in 0..height {
-                for w in 0..width {
-                    out[((n * height + h) * width + w) * channels + c] =
-                        x[((n * channels + c) * height + h) * width + w];
-                }
-            }
-        }
+    let positions = tandem_models::channels_last_indices([batch, channels, height, width]);
+    for (&value, position) in x.iter().zip(positions) {
+        out[position] = value;
     }
     out
 }

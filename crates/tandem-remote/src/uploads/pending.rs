@@ -149,25 +149,18 @@ impl PendingUploads {
 
 /// The records in `folder` with their files, oldest first; none when it does not exist.
 fn read_records(folder: &Path) -> Result<Vec<(PathBuf, Record)>, UploadsError> {
-    let list_error = |source| UploadsError::List {
+    let entries = tandem_files::folder_entries(folder).map_err(|source| UploadsError::List {
         path: folder.to_path_buf(),
         source,
-    };
-    let entries = match std::fs::read_dir(folder) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(error) => return Err(list_error(error)),
-    };
-    let mut paths = Vec::new();
-    for entry in entries {
-        let path = entry.map_err(list_error)?.path();
-        if path
-            .extension()
-            .is_some_and(|extension| extension == "json")
-        {
-            paths.push(path);
-        }
-    }
+    })?;
+    let mut paths: Vec<PathBuf> = entries
+        .iter()
+        .map(std::fs::DirEntry::path)
+        .filter(|path| {
+            path.extension()
+                .is_some_and(|extension| extension == "json")
+        })
+        .collect();
     paths.sort();
     paths
         .into_iter()

@@ -61,13 +61,7 @@ pub(super) fn adam_config() -> AdamConfig {
 
 /// SGD's settings in the benchmark (seed 004's).
 pub(super) fn sgd_config() -> SgdConfig {
-    SgdConfig {
-        lr: 1e-3,
-        momentum: 0.0,
-        dampening: 0.0,
-        nesterov: false,
-        weight_decay: 0.0,
-    }
+    SgdConfig::with_lr(1e-3)
 }
 
 /// Uniform random NHWC images in [-1, 1) and random labels.

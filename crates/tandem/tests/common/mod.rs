@@ -209,6 +209,60 @@ pub fn children(parent: u32) -> Vec<u32> {
     pids
 }
 
+/// A new folder, and the path of a run folder `run` inside it (not created yet).
+pub fn run_folder() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("temporary folder");
+    let out = dir.path().join("run");
+    (dir, out)
+}
+
+/// Runs `tandem <args>` to its end within `limit`, expecting it to succeed; its standard
+/// output.
+pub fn tandem_succeeds<S: AsRef<std::ffi::OsStr>>(
+    args: impl IntoIterator<Item = S>,
+    limit: Duration,
+) -> String {
+    expect_success(&run_bounded(tandem().args(args), limit))
+}
+
+/// Runs `tandem <args>` again on a run that has finished: it succeeds saying `done` (such as
+/// `2/2 epochs done`) and trains nothing. Its standard output.
+pub fn rerun_finished(args: &[String], done: &str, limit: Duration) -> String {
+    let stdout = tandem_succeeds(args, limit);
+    assert!(
+        stdout.contains(&format!("{done}; raise --epochs to continue")),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("train | epoch"), "{stdout}");
+    stdout
+}
+
+/// Fails unless the checkpoints of `epochs` in `actual` are byte for byte those of the run
+/// straight through into `straight`; `note` ends the failure's message.
+pub fn assert_epochs_as_straight(
+    straight: &Path,
+    actual: &Path,
+    epochs: std::ops::RangeInclusive<u64>,
+    note: &str,
+) {
+    for epoch in epochs {
+        let name = format!("epoch_{epoch}.safetensors");
+        let expected = std::fs::read(straight.join(&name)).unwrap();
+        let actual = std::fs::read(actual.join(&name)).unwrap();
+        assert!(
+            expected == actual,
+            "{name} differs from the uninterrupted run's{note}"
+        );
+    }
+}
+
+/// Sends `signal` to process `pid`, a child of the test or of its launcher that is not
+/// reaped yet.
+pub fn send_signal(pid: u32, signal: i32) {
+    // SAFETY: `kill` has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, signal) }, 0);
+}
+
 /// A `tandem launch` started by a test, its output going to files so that the test can read
 /// them while it runs; killed when dropped, so a failing test leaves nothing behind.
 pub struct Launcher {
@@ -253,6 +307,29 @@ impl Launcher {
         }
     }
 
+    /// Waits for the launcher to exit, at most `timeout`, checks that it exited with `code`
+    /// and returns what it wrote to standard error.
+    pub fn exits_with(&mut self, code: i32, timeout: Duration) -> String {
+        let status = self.wait(timeout);
+        let stderr = self.stderr();
+        assert_eq!(status.code(), Some(code), "{stderr}");
+        stderr
+    }
+
+    /// Waits until rank 0's log in `output_dir` shows step 2 of training, at most `timeout`.
+    pub fn wait_for_training(&mut self, output_dir: &Path, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let log = output_dir.join("logs/rank_0.log");
+        while !std::fs::read_to_string(&log).is_ok_and(|text| text.contains("step 2")) {
+            assert!(
+                !self.has_exited() && Instant::now() < deadline,
+                "the workers never trained:\n{}",
+                self.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// The process id of its worker of `rank` (from the worker's environment's `RANK`).
     pub fn worker(&self, rank: usize) -> u32 {
         let wanted = format!("RANK={rank}");
@@ -290,11 +367,7 @@ impl Launcher {
 
     /// Sends it `signal`.
     pub fn signal(&self, signal: i32) {
-        // SAFETY: `kill` has no memory-safety preconditions; the child is not reaped yet.
-        assert_eq!(
-            unsafe { libc::kill(self.child.id() as libc::pid_t, signal) },
-            0
-        );
+        send_signal(self.child.id(), signal);
     }
 }
 
