@@ -357,9 +357,11 @@ fn close_round(
 ) -> anyhow::Result<Waited<Entry>> {
     let interrupted = || signals::stop_requested().is_some();
     let describe = |members: &[Member]| round_line(number, members, history);
-    let missing = |node: usize| match history.lost.get(&node) {
-        Some(why) => format!("node {node} (lost in round {}: {why})", number - 1),
-        None => format!("node {node}"),
+    let missing = |node: usize| match (history.lost.get(&node), &history.previous) {
+        (Some(why), Some(previous)) => {
+            format!("node {node} (lost in round {}: {why})", previous.number)
+        }
+        _ => format!("node {node}"),
     };
     match store.close_round(
         number,
