@@ -166,7 +166,7 @@ impl Hosts {
             .args(["--master-addr", &self.master_addr])
             .args(["--master-port", &self.master_port])
             .args(["--nproc-per-node", "2", "--last-call", "1"])
-            .args(["--heartbeat-timeout-seconds", "2"])
+            .args(["--heartbeat-timeout-seconds", "3"])
             .args(["--stop-grace-seconds", "20", "--join-timeout-seconds", "60"])
             .arg("--log-dir")
             .arg(&log_dir)
