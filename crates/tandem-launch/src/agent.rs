@@ -2,6 +2,7 @@
 //! nodes, start the workers, watch them, stop them all when any worker anywhere fails or a
 //! stop signal comes, agree on the outcome with the other nodes, then restart or finish.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -10,7 +11,7 @@ use tandem_files::tell;
 use super::descriptors;
 use super::logs::RankLog;
 use super::options::LaunchPlan;
-use super::rendezvous::{AgentStore, Heartbeats, Member, Waited};
+use super::rendezvous::{AgentStore, Ended, Entry, Heartbeats, Member, Round, RoundSize, Waited};
 use super::report::{self, NodeReport, RootCause, WorkerReport, LOG_TAIL_LINES};
 use super::signals::{self, signal_name, StopRequest, SIGKILL, SIGTERM};
 use super::worker::{
@@ -98,6 +99,15 @@ struct Stopping {
     sigkill_at: Option<Instant>,
 }
 
+/// What the agent remembers of the last round it ran, for the next round's line.
+#[derive(Default)]
+struct History {
+    /// The last round this agent ran.
+    previous: Option<Round>,
+    /// Members of that round that sent no report, and why they count as lost.
+    lost: BTreeMap<usize, String>,
+}
+
 /// Runs the whole job on this node.
 pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
     let topology = &plan.topology;
@@ -112,46 +122,170 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
         Waited::Done(store) => store,
         Waited::Interrupted => return Ok(stopped_here()),
     };
+    let nodes = match topology.is_elastic() {
+        true => format!("{}:{}", topology.min_nodes, topology.nnodes),
+        false => topology.nnodes.to_string(),
+    };
     say(&format!(
-        "node {} of {} ({}), {} worker(s), store at {}:{}, logs in {}",
+        "node {} of {nodes} ({}), {} worker(s), store at {}:{}, logs in {}",
         topology.node_rank,
-        topology.nnodes,
         topology.source,
         topology.nproc_per_node,
         store.master_addr,
         store.master_port,
         plan.log_dir.display()
     ));
-    let mut restart = 0;
+    let me = Member {
+        node: topology.node_rank,
+        nproc: topology.nproc_per_node,
+        agent: format!("pid {} started at {}", std::process::id(), now_micros()),
+    };
+    let size = RoundSize {
+        min: topology.min_nodes,
+        max: topology.nnodes,
+        last_call: plan.last_call,
+    };
+    let hosts_the_store = topology.node_rank == 0;
+    let mut number = match hosts_the_store {
+        true => 0,
+        false => match store.current_round(join_deadline, &interrupted)? {
+            Waited::Done(number) => number,
+            Waited::Interrupted => return Ok(stopped_here()),
+        },
+    };
+    let mut history = History::default();
+    let mut restarts = 0;
+    let mut left_out = false;
     loop {
         let join_deadline = Instant::now() + plan.join_timeout;
-        let member = Member {
-            nproc: topology.nproc_per_node,
+        if hosts_the_store {
+            store.open_round(number)?;
+        }
+        store.offer(number, &me)?;
+        if left_out {
+            store.ask_to_join(number - 1)?;
+        }
+        let entered = match hosts_the_store {
+            true => close_round(
+                plan,
+                &store,
+                number,
+                restarts,
+                size,
+                &history,
+                join_deadline,
+            )?,
+            // Node 0 says first why a round could not start.
+            false => store.await_round(number, &me, join_deadline + LEAVE_TIMEOUT, &interrupted)?,
         };
-        let members = match store.join(restart, member, join_deadline, &interrupted)? {
-            Waited::Done(members) => members,
-            Waited::Interrupted => return Ok(stop_before_round(&store, restart)),
+        let round = match entered {
+            Waited::Done(Entry::Member(round)) => round,
+            Waited::Done(Entry::LeftOut) => {
+                say(&format!(
+                    "round {number} started without this node; it joins the next one"
+                ));
+                number += 1;
+                left_out = true;
+                continue;
+            }
+            Waited::Done(Entry::Ended(ended)) => {
+                store.leave(number, &[], LEAVE_TIMEOUT)?;
+                let message = format!(
+                    "the job ended while this node waited for round {number}: {}",
+                    ended.message
+                );
+                return Ok(match ended.succeeded {
+                    true => {
+                        say(&message);
+                        JobEnd::Succeeded
+                    }
+                    false => JobEnd::Failed { summary: message },
+                });
+            }
+            Waited::Interrupted => {
+                let was_member = history.previous.is_some();
+                return Ok(stop_before_round(
+                    &store,
+                    number,
+                    was_member || !topology.is_elastic(),
+                ));
+            }
         };
-        let mut workers = start_workers(plan, &store, restart, &members)?;
+        left_out = false;
+        restarts = round.restarts;
+        if topology.is_elastic() {
+            say(&round.line);
+        }
+        let mut workers = start_workers(plan, &store, &round)?;
         let mut heartbeats = Heartbeats::new(topology.nnodes, plan.heartbeat_timeout);
-        let watched = watch_round(plan, &store, restart, &workers, &mut heartbeats);
+        let watched = watch_round(plan, &store, &round, &workers, &mut heartbeats);
         let report = node_report(topology.node_rank, &mut workers);
+        let members = round.nodes();
         let shared = watched.and_then(|()| {
-            store.publish_report(restart, &report)?;
-            store.gather_reports(restart, &mut heartbeats, plan.stop_grace + REPORT_SLACK)
+            store.publish_report(number, &report)?;
+            store.gather_reports(
+                number,
+                &members,
+                &mut heartbeats,
+                plan.stop_grace + REPORT_SLACK,
+            )
         });
-        let reports = match shared {
+        let gathered = match shared {
             Ok(reports) => reports,
             Err(error) => return Ok(lost_the_store(&error, topology.nnodes, report)),
         };
-        let present: Vec<bool> = reports.iter().map(Option::is_some).collect();
+        let mut others: Vec<(u32, usize)> = members
+            .iter()
+            .zip(&gathered)
+            .filter(|(_, report)| report.is_some())
+            .map(|(&node, _)| (number, node))
+            .collect();
+        history.lost = members
+            .iter()
+            .zip(&gathered)
+            .filter(|(_, report)| report.is_none())
+            .map(|(&node, _)| {
+                (
+                    node,
+                    why_lost(node, number, &heartbeats, plan.heartbeat_timeout),
+                )
+            })
+            .collect();
+        let reports = by_node(topology.nnodes, &members, gathered);
+        history.previous = Some(round.clone());
+        let end_job = |ended: Ended, others: &mut Vec<(u32, usize)>| -> anyhow::Result<()> {
+            if hosts_the_store {
+                store.end_job(&ended)?;
+                // Agents that wait to join the next round learn the end too.
+                let next = number + 1;
+                others.extend(
+                    store
+                        .offered_nodes(next)?
+                        .into_iter()
+                        .map(|node| (next, node)),
+                );
+            }
+            store.leave(number, others, LEAVE_TIMEOUT)
+        };
 
         if every_worker_succeeded(&reports) {
-            store.leave(restart, &present, LEAVE_TIMEOUT)?;
+            end_job(
+                Ended {
+                    succeeded: true,
+                    message: "every worker finished successfully".into(),
+                },
+                &mut others,
+            )?;
             return Ok(JobEnd::Succeeded);
         }
         if let Some(reason) = store.stop_request()? {
-            store.leave(restart, &present, LEAVE_TIMEOUT)?;
+            end_job(
+                Ended {
+                    succeeded: false,
+                    message: format!("stopped: {reason}"),
+                },
+                &mut others,
+            )?;
             let signal = signals::stop_requested().map(|request| request.signal);
             let workers = reports
                 .get(topology.node_rank)
@@ -163,33 +297,185 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
                 workers,
             });
         }
+        if history.lost.is_empty()
+            && store.join_request(number)?.is_some()
+            && only_stopped_for_the_join(&reports)
+        {
+            number += 1;
+            continue;
+        }
         let cause = report::root_cause(&reports).unwrap_or(RootCause::NodeSilent {
             node_rank: topology.node_rank,
         });
         if let Some(summary) = refusal(plan, &cause, &reports) {
-            store.leave(restart, &present, LEAVE_TIMEOUT)?;
+            end_job(
+                Ended {
+                    succeeded: false,
+                    message: summary.clone(),
+                },
+                &mut others,
+            )?;
             return Ok(JobEnd::Refused { summary });
         }
-        if restart < plan.max_restarts {
+        if restarts < plan.max_restarts {
             say(&format!(
-                "round {restart} failed: {}; restarting every node (restart {} of {})",
+                "round {number} failed: {}; restarting every node (restart {} of {})",
                 report::headline(&cause),
-                restart + 1,
+                restarts + 1,
                 plan.max_restarts
             ));
-            restart += 1;
+            restarts += 1;
+            number += 1;
             continue;
         }
-        store.leave(restart, &present, LEAVE_TIMEOUT)?;
         let title = format!(
-            "the job failed in round {restart} and no restart is left (--max-restarts {})",
+            "the job failed in round {number} and no restart is left (--max-restarts {})",
             plan.max_restarts
         );
-        return Ok(JobEnd::Failed {
-            summary: report::summary(&title, &cause, &reports),
-        });
+        let summary = report::summary(&title, &cause, &reports);
+        end_job(
+            Ended {
+                succeeded: false,
+                message: title,
+            },
+            &mut others,
+        )?;
+        return Ok(JobEnd::Failed { summary });
     }
 }
+
+/// Node 0: closes round `number` (see [`AgentStore::close_round`]). When too few nodes come
+/// before `deadline`, tells the agents that wait that the job ended, and fails with why.
+fn close_round(
+    plan: &LaunchPlan,
+    store: &AgentStore,
+    number: u32,
+    restarts: u32,
+    size: RoundSize,
+    history: &History,
+    deadline: Instant,
+) -> anyhow::Result<Waited<Entry>> {
+    let interrupted = || signals::stop_requested().is_some();
+    let describe = |members: &[Member]| round_line(number, members, history);
+    let missing = |node: usize| match (history.lost.get(&node), &history.previous) {
+        (Some(why), Some(previous)) => {
+            format!("node {node} (lost in round {}: {why})", previous.number)
+        }
+        _ => format!("node {node}"),
+    };
+    match store.close_round(
+        number,
+        restarts,
+        size,
+        deadline,
+        &interrupted,
+        &describe,
+        &missing,
+    ) {
+        Ok(Waited::Done(round)) => Ok(Waited::Done(Entry::Member(round))),
+        Ok(Waited::Interrupted) => Ok(Waited::Interrupted),
+        Err(error) => {
+            let ended = Ended {
+                succeeded: false,
+                message: format!("{error:#}"),
+            };
+            // Best effort: this node's error says it all the same.
+            if store.end_job(&ended).is_ok() {
+                if let Ok(waiting) = store.offered_nodes(number) {
+                    let others: Vec<(u32, usize)> =
+                        waiting.into_iter().map(|node| (number, node)).collect();
+                    let _ = store.leave(number, &others, LEAVE_TIMEOUT.min(plan.join_timeout));
+                }
+            }
+            Err(error)
+        }
+    }
+}
+
+/// A round's first line: its members, and how and why they differ from the last round's,
+/// e.g. `round 2: nodes 0 (2 workers); node 1 lost (no heartbeat for 5.0 s); world size 4 -> 2`.
+fn round_line(number: u32, members: &[Member], history: &History) -> String {
+    let listed: Vec<String> = members
+        .iter()
+        .map(|member| {
+            let plural = if member.nproc == 1 { "" } else { "s" };
+            format!("{} ({} worker{plural})", member.node, member.nproc)
+        })
+        .collect();
+    let world_size: usize = members.iter().map(|member| member.nproc).sum();
+    let mut line = format!("round {number}: nodes {}", listed.join(", "));
+    let Some(previous) = &history.previous else {
+        line.push_str(&format!("; world size {world_size}"));
+        return line;
+    };
+    let now: Vec<usize> = members.iter().map(|member| member.node).collect();
+    let before = previous.nodes();
+    for node in before.iter().filter(|node| !now.contains(node)) {
+        let why = history
+            .lost
+            .get(node)
+            .map_or("it did not answer the last call", String::as_str);
+        line.push_str(&format!("; node {node} lost ({why})"));
+    }
+    for node in now.iter().filter(|node| !before.contains(node)) {
+        line.push_str(&format!("; node {node} joined"));
+    }
+    match previous.world_size() {
+        same if same == world_size => line.push_str(&format!("; world size {world_size}")),
+        before => line.push_str(&format!("; world size {before} -> {world_size}")),
+    }
+    line
+}
+
+/// Why member `node` of round `number` sent no report.
+fn why_lost(node: usize, number: u32, heartbeats: &Heartbeats, timeout: Duration) -> String {
+    let silence = heartbeats.silence_of(node);
+    match silence >= timeout {
+        true => format!("no heartbeat for {:.1} s", silence.as_secs_f64()),
+        false => format!("it sent no report of round {number}"),
+    }
+}
+
+/// The reports of a round's `members` (in their order) as one entry per node of the job; a
+/// node outside the round has no workers in it.
+fn by_node(
+    nnodes: usize,
+    members: &[usize],
+    gathered: Vec<Option<NodeReport>>,
+) -> Vec<Option<NodeReport>> {
+    let mut reports: Vec<Option<NodeReport>> = (0..nnodes)
+        .map(|node_rank| {
+            Some(NodeReport {
+                node_rank,
+                workers: Vec::new(),
+            })
+        })
+        .collect();
+    for (&node, report) in members.iter().zip(gathered) {
+        if let Some(slot) = reports.get_mut(node) {
+            *slot = report;
+        }
+    }
+    reports
+}
+
+/// Whether every worker that did not finish was stopped for a node's join: by this launcher,
+/// or, exiting with 128 + SIGTERM, on another rank's request when its launcher stopped it.
+fn only_stopped_for_the_join(reports: &[Option<NodeReport>]) -> bool {
+    reports
+        .iter()
+        .flatten()
+        .flat_map(|report| &report.workers)
+        .all(|worker| {
+            matches!(
+                worker.end,
+                WorkerEnd::Succeeded | WorkerEnd::StoppedByLauncher { .. }
+            ) || worker.end == STOPPED_ON_REQUEST_EXIT
+        })
+}
+
+/// How a worker exits when another rank's stop request, not a signal of its own, stopped it.
+const STOPPED_ON_REQUEST_EXIT: WorkerEnd = WorkerEnd::ExitCode(128 + SIGTERM);
 
 /// The summary that ends the job when its root cause is a worker that refused its command
 /// line or settings (every node decides so from the same reports). The worker named is one
@@ -251,40 +537,45 @@ fn stopped_here() -> JobEnd {
     }
 }
 
-/// Tells the other nodes that this one stops, while it waits to join a round.
-fn stop_before_round(store: &AgentStore, restart: u32) -> JobEnd {
+/// The end of this node, stopped while it waits to join a round; with `for_all` (a node of
+/// a fixed-size job, or one that ran a round already) it stops the whole job.
+fn stop_before_round(store: &AgentStore, round: u32, for_all: bool) -> JobEnd {
     let end = stopped_here();
-    if let JobEnd::Stopped { reason, .. } = &end {
+    if let (JobEnd::Stopped { reason, .. }, true) = (&end, for_all) {
         // Best effort: the job ends here whatever the store says.
-        let _ = store.request_stop(&format!("node waiting for round {restart}: {reason}"));
+        let _ = store.request_stop(&format!("node waiting for round {round}: {reason}"));
     }
     end
 }
 
-/// Starts this node's workers for round `restart`.
+/// Starts this node's workers for `round`.
 fn start_workers(
     plan: &LaunchPlan,
     store: &AgentStore,
-    restart: u32,
-    members: &[Member],
+    round: &Round,
 ) -> anyhow::Result<Vec<Worker>> {
     let topology = &plan.topology;
-    let world_size: usize = members.iter().map(|member| member.nproc).sum();
-    let first_rank: usize = members
-        .iter()
-        .take(topology.node_rank)
-        .map(|member| member.nproc)
-        .sum();
+    let (group_rank, first_rank) = round
+        .place_of(topology.node_rank)
+        .context("this node is not a member of the round it starts")?;
     let job = JobEnv {
         master_addr: store.master_addr.clone(),
         master_port: store.master_port,
         token: plan.token.expose_secret(),
-        restart_count: restart,
+        restart_count: round.number,
     };
     let mut workers = Vec::with_capacity(topology.nproc_per_node);
     for local_rank in 0..topology.nproc_per_node {
-        let rank = first_rank + local_rank;
-        match start_worker(plan, restart, &job, world_size, rank, local_rank) {
+        let place = WorkerPlace {
+            rank: first_rank + local_rank,
+            local_rank,
+            node_rank: topology.node_rank,
+            group_rank,
+            world_size: round.world_size(),
+            local_world_size: topology.nproc_per_node,
+        };
+        let rank = place.rank;
+        match start_worker(plan, round, &job, place) {
             Ok(worker) => {
                 let not_started = matches!(worker.end(), Some((WorkerEnd::NotStarted(_), _)));
                 workers.push(worker);
@@ -310,20 +601,10 @@ fn start_workers(
 /// Starts one worker: a fresh error file path, a round header in its log, its environment.
 fn start_worker(
     plan: &LaunchPlan,
-    restart: u32,
+    round: &Round,
     job: &JobEnv,
-    world_size: usize,
-    rank: usize,
-    local_rank: usize,
+    place: WorkerPlace,
 ) -> anyhow::Result<Worker> {
-    let topology = &plan.topology;
-    let place = WorkerPlace {
-        rank,
-        local_rank,
-        node_rank: topology.node_rank,
-        world_size,
-        local_world_size: topology.nproc_per_node,
-    };
     let error_file = error_file_path(&plan.log_dir, place.rank);
     match std::fs::remove_file(&error_file) {
         Ok(()) => {}
@@ -334,8 +615,10 @@ fn start_worker(
         }
     }
     let header = format!(
-        "===== tandem launch: round {restart} (restart {restart} of at most {}), rank {}, node {}, local rank {}, \
+        "===== tandem launch: round {} (restart {} of at most {}), rank {}, node {}, local rank {}, \
          started at unix time {} =====",
+        round.number,
+        round.restarts,
         plan.max_restarts,
         place.rank,
         place.node_rank,
@@ -374,26 +657,35 @@ fn kill_and_reap(workers: &[Worker]) {
 }
 
 /// Watches the workers until they have all ended: on their own, or stopped because a worker
-/// failed here or elsewhere, a node went silent, or a stop signal came. Never returns while a
-/// worker runs, even when the store fails (the workers are stopped first, then the error is
-/// returned).
+/// failed here or elsewhere, a node went silent, a node waits to join, or a stop signal came.
+/// Never returns while a worker runs, even when the store fails (the workers are stopped
+/// first, then the error is returned).
 fn watch_round(
     plan: &LaunchPlan,
     store: &AgentStore,
-    restart: u32,
+    round: &Round,
     workers: &[Worker],
     heartbeats: &mut Heartbeats,
 ) -> anyhow::Result<()> {
-    let mut duties = StoreDuties::new(plan.topology.node_rank, restart);
+    let mut duties = StoreDuties::new(plan.topology.node_rank, round);
     let mut stopping: Option<Stopping> = None;
     loop {
         let ends: Vec<Option<WorkerEnd>> = workers
             .iter()
             .map(|worker| worker.end().map(|(end, _)| end))
             .collect();
-        let local_failure = ends.iter().flatten().any(WorkerEnd::is_failure);
+        let failures: Vec<&WorkerEnd> = ends
+            .iter()
+            .flatten()
+            .filter(|end| end.is_failure())
+            .collect();
+        let local_failure = LocalFailure {
+            any: !failures.is_empty(),
+            only_stop_requests: failures.iter().all(|end| **end == STOPPED_ON_REQUEST_EXIT),
+        };
         let signal = signals::stop_requested();
         let others_stop = duties.update(store, heartbeats, local_failure, signal);
+        let local_failure = local_failure.any;
         if ends.iter().all(Option::is_some) {
             break;
         }
@@ -437,12 +729,22 @@ fn escalate(phase: &mut Stopping, workers: &[Worker], grace: Duration, insists: 
     }
 }
 
+/// Whether workers of this node failed, and whether each of them only followed another
+/// rank's stop request (which a round ending for a node's join makes).
+#[derive(Debug, Clone, Copy)]
+struct LocalFailure {
+    any: bool,
+    only_stop_requests: bool,
+}
+
 /// What the agent tells the store, and learns from it, while it watches a round. The first
 /// store error is kept; after it the agent only stops its workers.
 struct StoreDuties {
     node_rank: usize,
-    restart: u32,
+    round: u32,
+    members: Vec<usize>,
     failure_marked: bool,
+    join_seen: bool,
     stop_published: bool,
     others_stop: bool,
     last_check: Instant,
@@ -451,11 +753,13 @@ struct StoreDuties {
 }
 
 impl StoreDuties {
-    fn new(node_rank: usize, restart: u32) -> StoreDuties {
+    fn new(node_rank: usize, round: &Round) -> StoreDuties {
         StoreDuties {
             node_rank,
-            restart,
+            round: round.number,
+            members: round.nodes(),
             failure_marked: false,
+            join_seen: false,
             stop_published: false,
             others_stop: false,
             last_check: Instant::now(),
@@ -466,12 +770,12 @@ impl StoreDuties {
 
     /// Publishes a local failure or stop signal, bumps the heartbeat, and returns whether the
     /// workers must stop for a reason outside this node (a failure elsewhere, a stop request,
-    /// a silent node, or the store itself failing).
+    /// a silent node, a node waiting to join, or the store itself failing).
     fn update(
         &mut self,
         store: &AgentStore,
         heartbeats: &mut Heartbeats,
-        local_failure: bool,
+        local_failure: LocalFailure,
         signal: Option<StopRequest>,
     ) -> bool {
         if let Err(error) = self.try_update(store, heartbeats, local_failure, signal) {
@@ -484,15 +788,18 @@ impl StoreDuties {
         &mut self,
         store: &AgentStore,
         heartbeats: &mut Heartbeats,
-        local_failure: bool,
+        local_failure: LocalFailure,
         signal: Option<StopRequest>,
     ) -> anyhow::Result<()> {
         if self.store_error.is_some() {
             return Ok(());
         }
-        if local_failure && !self.failure_marked {
-            self.failure_marked = true;
-            store.mark_failed(self.restart)?;
+        if local_failure.any && !self.failure_marked {
+            // Workers that stopped with the others for a node's join did not fail.
+            if !(local_failure.only_stop_requests && self.join_under_way(store)?) {
+                self.failure_marked = true;
+                store.mark_failed(self.round)?;
+            }
         }
         if let (Some(request), false) = (signal, self.stop_published) {
             self.stop_published = true;
@@ -505,18 +812,35 @@ impl StoreDuties {
         }
         if !self.others_stop && self.last_check.elapsed() >= STORE_CHECK_INTERVAL {
             self.last_check = Instant::now();
-            self.others_stop = store.round_failed(self.restart)? || store.stop_request()?.is_some();
+            self.others_stop = store.round_failed(self.round)?
+                || store.stop_request()?.is_some()
+                || self.join_under_way(store)?;
         }
         if self.last_heartbeat.elapsed() >= HEARTBEAT_INTERVAL {
             self.last_heartbeat = Instant::now();
             store.heartbeat()?;
-            let silent = store.silent_nodes(heartbeats)?;
+            let silent = store.silent_nodes(&self.members, heartbeats)?;
             if !silent.is_empty() && !self.others_stop {
                 self.others_stop = true;
-                store.mark_failed(self.restart)?;
+                store.mark_failed(self.round)?;
             }
         }
         Ok(())
+    }
+
+    /// Whether a node left out of the round asked to join, which ends the round; says so once.
+    fn join_under_way(&mut self, store: &AgentStore) -> anyhow::Result<bool> {
+        if !self.join_seen {
+            if let Some(reason) = store.join_request(self.round)? {
+                self.join_seen = true;
+                say(&format!(
+                    "round {} ends for a new member ({reason}): the workers write a snapshot \
+                     and stop",
+                    self.round
+                ));
+            }
+        }
+        Ok(self.join_seen)
     }
 }
 
@@ -576,4 +900,90 @@ fn every_worker_succeeded(reports: &[Option<NodeReport>]) -> bool {
 /// Prints one line of the launcher's own, marked as such.
 pub fn say(message: &str) {
     tell!("tandem launch: {message}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(node: usize, nproc: usize) -> Member {
+        Member {
+            node,
+            nproc,
+            agent: format!("agent of node {node}"),
+        }
+    }
+
+    fn round(number: u32, members: Vec<Member>) -> Round {
+        Round {
+            number,
+            restarts: 0,
+            members,
+            line: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_rounds_line_names_its_members_and_why_the_size_changed() {
+        let mut history = History::default();
+        assert_eq!(
+            round_line(0, &[member(0, 2), member(1, 2)], &history),
+            "round 0: nodes 0 (2 workers), 1 (2 workers); world size 4"
+        );
+        history.previous = Some(round(0, vec![member(0, 2), member(1, 2), member(2, 1)]));
+        history.lost.insert(1, "no heartbeat for 5.0 s".to_string());
+        assert_eq!(
+            round_line(1, &[member(0, 2)], &history),
+            "round 1: nodes 0 (2 workers); node 1 lost (no heartbeat for 5.0 s); node 2 lost \
+             (it did not answer the last call); world size 5 -> 2"
+        );
+        history.previous = Some(round(1, vec![member(0, 2)]));
+        history.lost.clear();
+        assert_eq!(
+            round_line(2, &[member(0, 2), member(1, 1)], &history),
+            "round 2: nodes 0 (2 workers), 1 (1 worker); node 1 joined; world size 2 -> 3"
+        );
+        history.previous = Some(round(2, vec![member(0, 2), member(1, 1)]));
+        assert_eq!(
+            round_line(3, &[member(0, 2), member(1, 1)], &history),
+            "round 3: nodes 0 (2 workers), 1 (1 worker); world size 3"
+        );
+    }
+
+    #[test]
+    fn workers_stopped_with_the_others_for_a_join_are_no_failure() {
+        let report = |ends: Vec<WorkerEnd>| {
+            let workers = ends
+                .into_iter()
+                .enumerate()
+                .map(|(rank, end)| WorkerReport {
+                    node_rank: 0,
+                    rank,
+                    local_rank: rank,
+                    end,
+                    ended_at_micros: 0,
+                    error: None,
+                    error_file_problem: None,
+                    log_tail: Vec::new(),
+                    log_file: String::new(),
+                })
+                .collect();
+            vec![Some(NodeReport {
+                node_rank: 0,
+                workers,
+            })]
+        };
+        let by_the_launcher = WorkerEnd::StoppedByLauncher { signal: SIGTERM };
+        assert!(only_stopped_for_the_join(&report(vec![
+            by_the_launcher.clone(),
+            WorkerEnd::ExitCode(143),
+        ])));
+        assert!(!only_stopped_for_the_join(&report(vec![
+            by_the_launcher,
+            WorkerEnd::ExitCode(1),
+        ])));
+        assert!(!only_stopped_for_the_join(&report(vec![
+            WorkerEnd::Signal(SIGKILL)
+        ])));
+    }
 }

@@ -1,7 +1,8 @@
 //! `tandem launch`: torchrun's job. One agent per node starts the workers with their ranks in
 //! the environment, hosts (node 0) or joins the job's store, restarts every node's workers
 //! together when one fails, passes a stop signal on to the workers, and names the root cause
-//! when the job fails.
+//! when the job fails. With `--nnodes MIN:MAX` the job is elastic: each round starts with the
+//! nodes that answer, so a lost node is left behind and a node that comes back joins.
 //!
 //! - [`options`]: the command line and its resolution into a plan.
 //! - [`cluster`]: the cluster environments read when the flags are absent.

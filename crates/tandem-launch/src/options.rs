@@ -30,10 +30,16 @@ pub struct LaunchArgs {
     /// A single-node job on this machine: the store listens on a free port of 127.0.0.1.
     #[arg(long, conflicts_with_all = ["nnodes", "node_rank", "master_addr", "master_port"])]
     pub standalone: bool,
-    /// Number of nodes (one agent per node). Default: the cluster's value, else 1.
-    #[arg(long, value_name = "N")]
-    pub nnodes: Option<usize>,
-    /// This node's rank, 0..nnodes; node 0's agent hosts the store. Default: the cluster's value, else 0.
+    /// Number of nodes (one agent per node): `N`, or `MIN:MAX` for an elastic job whose rounds
+    /// start with the nodes that answer, at least MIN and at most MAX. Default: the cluster's
+    /// value, else 1.
+    #[arg(long, value_name = "N|MIN:MAX")]
+    pub nnodes: Option<NodeCount>,
+    /// How long node 0 waits for more nodes once an elastic round has its minimum
+    /// (`--nnodes MIN:MAX`), unless all MAX answered before.
+    #[arg(long, default_value = "3", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub last_call: Duration,
+    /// This node's rank, 0..nnodes (0..MAX); node 0's agent hosts the store. Default: the cluster's value, else 0.
     #[arg(long, value_name = "R")]
     pub node_rank: Option<usize>,
     /// Host name or address of node 0, where the store listens.
@@ -67,6 +73,44 @@ pub struct LaunchArgs {
     /// The worker command: a `tandem` subcommand (`train ...`) or any program with its arguments.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
+}
+
+/// `--nnodes`: the fewest and the most nodes of a round (the same for a fixed number).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeCount {
+    /// The fewest nodes a round starts with.
+    pub min: usize,
+    /// The most nodes a round starts with.
+    pub max: usize,
+}
+
+impl FromStr for NodeCount {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<NodeCount, String> {
+        let forms = "expected a number of nodes N or a range MIN:MAX with 1 <= MIN <= MAX \
+                     (e.g. 2 or 1:4)";
+        let number = |part: &str| part.trim().parse::<usize>().ok();
+        let (min, max) = match text.split_once(':') {
+            None => match number(text) {
+                Some(count) => (count, count),
+                None => return Err(format!("{forms}, got {text:?}")),
+            },
+            Some((min, max)) => match (number(min), number(max)) {
+                (Some(min), Some(max)) => (min, max),
+                _ => return Err(format!("{forms}, got {text:?}")),
+            },
+        };
+        if text.contains(':') && min == 0 {
+            return Err(format!("{forms}, got {text:?}: MIN must be at least 1"));
+        }
+        if min > max {
+            return Err(format!(
+                "{forms}, got {text:?}: MIN {min} is above MAX {max}"
+            ));
+        }
+        Ok(NodeCount { min, max })
+    }
 }
 
 /// How many workers one node starts.
@@ -157,8 +201,10 @@ pub enum StoreLocation {
 /// This node's place in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Topology {
-    /// Number of nodes.
+    /// Number of nodes: the most a round may have.
     pub nnodes: usize,
+    /// The fewest nodes a round may have: `nnodes` unless the job is elastic.
+    pub min_nodes: usize,
     /// This node's rank.
     pub node_rank: usize,
     /// Workers on this node.
@@ -167,6 +213,13 @@ pub struct Topology {
     pub store: StoreLocation,
     /// Where the values came from: "flags", or a cluster environment's name.
     pub source: String,
+}
+
+impl Topology {
+    /// Whether rounds may start with fewer nodes than the most (`--nnodes MIN:MAX`, MIN < MAX).
+    pub fn is_elastic(&self) -> bool {
+        self.min_nodes < self.nnodes
+    }
 }
 
 /// Everything the agent needs, resolved and checked.
@@ -190,6 +243,8 @@ pub struct LaunchPlan {
     pub join_timeout: Duration,
     /// Silence after which a node is taken for dead.
     pub heartbeat_timeout: Duration,
+    /// How long an elastic round waits for more nodes once it has its minimum.
+    pub last_call: Duration,
     /// Show every local rank's output, not only rank 0's.
     pub tee: bool,
 }
@@ -218,6 +273,7 @@ impl LaunchPlan {
             stop_grace: args.stop_grace_seconds,
             join_timeout: args.join_timeout_seconds,
             heartbeat_timeout: args.heartbeat_timeout_seconds,
+            last_call: args.last_call,
             tee: args.tee,
         })
     }
@@ -233,10 +289,16 @@ pub fn resolve_topology(
         Some(nproc) => nproc.resolve()?,
         None => from_cluster(|node| node.nproc_per_node).unwrap_or(1),
     };
-    let nnodes = args
+    let NodeCount {
+        min: min_nodes,
+        max: nnodes,
+    } = args
         .nnodes
-        .or(from_cluster(|node| Some(node.nnodes)))
-        .unwrap_or(1);
+        .or(cluster.map(|node| NodeCount {
+            min: node.nnodes,
+            max: node.nnodes,
+        }))
+        .unwrap_or(NodeCount { min: 1, max: 1 });
     let node_rank = args
         .node_rank
         .or(from_cluster(|node| Some(node.node_rank)))
@@ -252,7 +314,14 @@ pub fn resolve_topology(
         bail!("--nnodes must be at least 1");
     }
     if node_rank >= nnodes {
-        bail!("--node-rank {node_rank} is out of range: a job of {nnodes} node(s) has node ranks 0..{}", nnodes - 1);
+        let size = match min_nodes < nnodes {
+            true => format!("up to {nnodes} nodes"),
+            false => format!("{nnodes} node(s)"),
+        };
+        bail!(
+            "--node-rank {node_rank} is out of range: a job of {size} has node ranks 0..{}",
+            nnodes - 1
+        );
     }
     let store = match (master_addr, nnodes) {
         (None, 1) if master_port.is_none() => StoreLocation::Loopback,
@@ -270,6 +339,7 @@ pub fn resolve_topology(
     };
     Ok(Topology {
         nnodes,
+        min_nodes,
         node_rank,
         nproc_per_node,
         store,
@@ -520,6 +590,7 @@ mod tests {
             topology,
             Topology {
                 nnodes: 1,
+                min_nodes: 1,
                 node_rank: 0,
                 nproc_per_node: 1,
                 store: StoreLocation::Loopback,
@@ -583,7 +654,8 @@ mod tests {
         );
         let conflict = parse(&["--standalone", "--nnodes", "2", "--", "x"]).unwrap_err();
         assert!(
-            conflict.contains("the argument '--standalone' cannot be used with '--nnodes <N>'"),
+            conflict
+                .contains("the argument '--standalone' cannot be used with '--nnodes <N|MIN:MAX>'"),
             "{conflict}"
         );
         let missing_command = parse(&["--standalone"]).unwrap_err();
@@ -591,6 +663,69 @@ mod tests {
             missing_command.contains("the following required arguments were not provided"),
             "{missing_command}"
         );
+    }
+
+    #[test]
+    fn nnodes_is_a_number_or_an_elastic_range() {
+        assert_eq!("3".parse(), Ok(NodeCount { min: 3, max: 3 }));
+        assert_eq!("1:4".parse(), Ok(NodeCount { min: 1, max: 4 }));
+        assert_eq!("2:2".parse(), Ok(NodeCount { min: 2, max: 2 }));
+        let forms = "expected a number of nodes N or a range MIN:MAX with 1 <= MIN <= MAX (e.g. 2 \
+                     or 1:4)";
+        assert_eq!(
+            "3:2".parse::<NodeCount>(),
+            Err(format!("{forms}, got \"3:2\": MIN 3 is above MAX 2"))
+        );
+        assert_eq!(
+            "0:2".parse::<NodeCount>(),
+            Err(format!("{forms}, got \"0:2\": MIN must be at least 1"))
+        );
+        for malformed in ["1:", ":2", "1:2:3", "two", "-1:2", ""] {
+            assert_eq!(
+                malformed.parse::<NodeCount>(),
+                Err(format!("{forms}, got {malformed:?}"))
+            );
+        }
+        let error = parse(&["--nnodes", "4:1", "--", "x"]).unwrap_err();
+        assert!(
+            error.contains("invalid value '4:1' for '--nnodes <N|MIN:MAX>': expected a number"),
+            "{error}"
+        );
+        let elastic = topology_of(&[
+            "--nnodes",
+            "1:3",
+            "--node-rank",
+            "2",
+            "--master-addr",
+            "node0",
+            "--",
+            "x",
+        ])
+        .unwrap();
+        assert_eq!((elastic.min_nodes, elastic.nnodes), (1, 3));
+        assert!(elastic.is_elastic());
+        assert!(
+            !topology_of(&["--nnodes", "2:2", "--master-addr", "h", "--", "x"])
+                .unwrap()
+                .is_elastic()
+        );
+        assert_eq!(
+            topology_of(&[
+                "--nnodes",
+                "1:2",
+                "--node-rank",
+                "2",
+                "--master-addr",
+                "h",
+                "--",
+                "x"
+            ])
+            .unwrap_err()
+            .to_string(),
+            "--node-rank 2 is out of range: a job of up to 2 nodes has node ranks 0..1"
+        );
+        let defaults = parse(&["--", "x"]).unwrap();
+        assert_eq!(defaults.last_call, Duration::from_secs(3));
     }
 
     #[test]
@@ -608,6 +743,7 @@ mod tests {
             from_cluster,
             Topology {
                 nnodes: 4,
+                min_nodes: 4,
                 node_rank: 2,
                 nproc_per_node: 8,
                 store: StoreLocation::Master {

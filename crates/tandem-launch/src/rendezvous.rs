@@ -3,17 +3,25 @@
 //! ```text
 //! launch/heartbeat/{node}             counter each agent bumps while it is alive
 //! launch/stop                         set once by the first agent that received SIGTERM/SIGINT
-//! launch/round{r}/member/{node}       {"nproc":N}: node joined round r (a barrier: all start together)
+//! launch/current                      the number of the round node 0 opened last
+//! launch/ended                        Ended JSON: node 0 ended the job (read by nodes waiting to join)
+//! launch/round{r}/member/{node}       Member JSON: an agent offers its node for round r (first offer wins)
+//! launch/round{r}/members             Round JSON: node 0 closed round r with these members
 //! launch/round{r}/failed              set by the first node whose worker failed: everyone stops
+//! launch/round{r}/resize              set by an agent left out of round r: the members end it to let it in
 //! launch/round{r}/report/{node}       NodeReport JSON: how each worker of the node ended
 //! launch/round{r}/left/{node}         the node has read every report; node 0 may drop the store
 //! ```
-//! Worker process groups use other keys (`round{r}/pg/...`), so nothing here collides with them.
+//! Node 0 closes a round once all `--nnodes` nodes offered themselves, or, in an elastic job
+//! (`--nnodes MIN:MAX`), once MIN did and the last call passed. An agent left out of a round
+//! (it came late, or came back after its node was lost) offers itself for the next one and
+//! sets the round's `resize`, which the members watch. Worker process groups use other keys
+//! (`round{r}/pg/...`), so nothing here collides with them.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use tandem_dist::{DistError, JobToken, StoreClient, StoreLimits, StoreServer};
 
@@ -27,11 +35,86 @@ const WAIT_SLICE: Duration = Duration::from_millis(100);
 /// How long a connection attempt lasts before the agent looks at its signals again.
 const CONNECT_SLICE: Duration = Duration::from_secs(1);
 
-/// What a node tells the others when it joins a round.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// What an agent offers when it joins a round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Member {
+    /// The node (its `--node-rank`).
+    pub node: usize,
     /// Workers the node starts.
     pub nproc: usize,
+    /// The agent process that offered it: an agent started again for the node is another.
+    pub agent: String,
+}
+
+/// A round as node 0 closed it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Round {
+    /// Its number: the workers' `TANDEM_RESTART_COUNT` and store prefix.
+    pub number: u32,
+    /// Restarts after failures before this round (a round that only let a node in is none).
+    pub restarts: u32,
+    /// The members in node order; a member's node rank in the round is its place here.
+    pub members: Vec<Member>,
+    /// The round's first line: its members and why the size changed.
+    pub line: String,
+}
+
+impl Round {
+    /// Workers of the whole round.
+    pub fn world_size(&self) -> usize {
+        self.members.iter().map(|member| member.nproc).sum()
+    }
+
+    /// The node rank of `node` in this round and the global rank of its first worker.
+    pub fn place_of(&self, node: usize) -> Option<(usize, usize)> {
+        let index = self.members.iter().position(|member| member.node == node)?;
+        let first_rank = self.members[..index]
+            .iter()
+            .map(|member| member.nproc)
+            .sum();
+        Some((index, first_rank))
+    }
+
+    /// Whether `member` (this very agent) is in the round.
+    pub fn includes(&self, member: &Member) -> bool {
+        self.members.contains(member)
+    }
+
+    /// The members' nodes, in order.
+    pub fn nodes(&self) -> Vec<usize> {
+        self.members.iter().map(|member| member.node).collect()
+    }
+}
+
+/// How node 0 ended the job, for the agents still waiting for a round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ended {
+    /// Whether every worker of the last round finished successfully.
+    pub succeeded: bool,
+    /// What ended it, as node 0 said it.
+    pub message: String,
+}
+
+/// What an agent waiting for a round learns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Entry {
+    /// The round was closed with this agent in it.
+    Member(Round),
+    /// The round was closed without this agent (it came too late).
+    LeftOut,
+    /// Node 0 ended the job.
+    Ended(Ended),
+}
+
+/// How many nodes a round takes, and how long it waits for more than the fewest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoundSize {
+    /// The fewest nodes.
+    pub min: usize,
+    /// The most nodes.
+    pub max: usize,
+    /// How long node 0 waits for more nodes once it has `min`.
+    pub last_call: Duration,
 }
 
 /// The end of a wait that a stop signal may cut short.
@@ -68,6 +151,13 @@ impl Heartbeats {
             *last = (beat, Instant::now());
         }
         last.1.elapsed() >= self.silence
+    }
+
+    /// How long `node`'s heartbeat has not moved, as last observed.
+    pub fn silence_of(&self, node: usize) -> Duration {
+        self.last_seen
+            .get(node)
+            .map_or(Duration::ZERO, |last| last.1.elapsed())
     }
 }
 
@@ -149,52 +239,219 @@ impl AgentStore {
         }))
     }
 
-    /// Joins round `round` and waits (until `deadline`) for every node to join it; returns
-    /// each node's membership in node order.
-    pub fn join(
+    /// Node 0: makes `round` the round that arriving agents offer themselves for.
+    pub fn open_round(&self, round: u32) -> anyhow::Result<()> {
+        self.client
+            .set(CURRENT_KEY, round.to_string().as_bytes())
+            .context("open the round in the store")?;
+        Ok(())
+    }
+
+    /// The round node 0 opened last, waiting (until `deadline`) for it to open the first.
+    pub fn current_round(
         &self,
-        round: u32,
-        member: Member,
         deadline: Instant,
         interrupted: &dyn Fn() -> bool,
-    ) -> anyhow::Result<Waited<Vec<Member>>> {
-        let value = serde_json::to_vec(&member).context("encode this node's membership")?;
-        self.client
-            .set(&member_key(round, self.node_rank), &value)
+    ) -> anyhow::Result<Waited<u32>> {
+        loop {
+            if interrupted() {
+                return Ok(Waited::Interrupted);
+            }
+            if let Some(bytes) = self.client.get(CURRENT_KEY)? {
+                let text = String::from_utf8_lossy(&bytes);
+                let round = text
+                    .parse()
+                    .with_context(|| format!("the store's current round {text:?} is no number"))?;
+                return Ok(Waited::Done(round));
+            }
+            if Instant::now() >= deadline {
+                bail!("node 0 opened no round before the join timeout");
+            }
+            self.wait_slice(&[CURRENT_KEY.to_string()])?;
+        }
+    }
+
+    /// Offers this agent's node for round `round`. The first offer of a node wins: another
+    /// agent's offer for this node in a round not closed yet is an error naming it.
+    pub fn offer(&self, round: u32, member: &Member) -> anyhow::Result<()> {
+        let value = serde_json::to_vec(member).context("encode this node's membership")?;
+        let stored = self
+            .client
+            .compare_set(&member_key(round, member.node), None, &value)
             .context("join the round in the store")?;
+        if stored != value && self.client.get(&closed_key(round))?.is_none() {
+            let other: Option<Member> = serde_json::from_slice(&stored).ok();
+            bail!(
+                "node {node} already joined round {round} from another agent ({}): is another \
+                 `tandem launch --node-rank {node}` running?",
+                other.map_or_else(|| "unreadable".to_string(), |other| other.agent),
+                node = member.node
+            );
+        }
+        Ok(())
+    }
+
+    /// Node 0: waits until round `round` can close (every node offered itself, or at least
+    /// `size.min` did and the last call passed), closes it and returns it. `describe` gives
+    /// the round's line from its members; `missing` what the error of an elastic round says
+    /// of a node that did not come before `deadline`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn close_round(
+        &self,
+        round: u32,
+        restarts: u32,
+        size: RoundSize,
+        deadline: Instant,
+        interrupted: &dyn Fn() -> bool,
+        describe: &dyn Fn(&[Member]) -> String,
+        missing: &dyn Fn(usize) -> String,
+    ) -> anyhow::Result<Waited<Round>> {
         let keys: Vec<String> = (0..self.nnodes)
             .map(|node| member_key(round, node))
             .collect();
+        let mut enough_since: Option<Instant> = None;
         loop {
             if interrupted() {
                 return Ok(Waited::Interrupted);
             }
             self.heartbeat()?;
-            let missing = self.missing(&keys)?;
-            if missing.is_empty() {
-                break;
+            let offers = self.offers(round, &keys)?;
+            if offers.len() >= size.min {
+                enough_since.get_or_insert_with(Instant::now);
+            }
+            let last_call_over = enough_since.is_some_and(|at| at.elapsed() >= size.last_call);
+            if offers.len() >= size.max || last_call_over {
+                let closed = Round {
+                    number: round,
+                    restarts,
+                    line: describe(&offers),
+                    members: offers,
+                };
+                let value = serde_json::to_vec(&closed).context("encode the round")?;
+                self.client
+                    .set(&closed_key(round), &value)
+                    .context("close the round in the store")?;
+                return Ok(Waited::Done(closed));
             }
             if Instant::now() >= deadline {
-                let nodes: Vec<String> = missing.iter().map(|&index| index.to_string()).collect();
+                let came: Vec<usize> = offers.iter().map(|member| member.node).collect();
+                let absent: Vec<usize> = (0..self.nnodes)
+                    .filter(|node| !came.contains(node))
+                    .collect();
+                if size.min == size.max {
+                    let absent: Vec<String> = absent.iter().map(usize::to_string).collect();
+                    bail!(
+                        "node(s) {} did not join round {round} before the join timeout",
+                        absent.join(", ")
+                    );
+                }
+                let absent: Vec<String> = absent.into_iter().map(missing).collect();
                 bail!(
-                    "node(s) {} did not join round {round} before the join timeout",
-                    nodes.join(", ")
+                    "round {round} needs at least {} nodes (--nnodes {}:{}), but only {} joined \
+                     before the join timeout; missing: {}",
+                    size.min,
+                    size.min,
+                    size.max,
+                    node_list(&came),
+                    absent.join(", ")
                 );
             }
             self.wait_slice(&keys)?;
         }
-        let mut members = Vec::with_capacity(self.nnodes);
-        for (node, key) in keys.iter().enumerate() {
-            let bytes = self
-                .client
-                .get(key)?
-                .ok_or_else(|| anyhow!("node {node}'s membership vanished from the store"))?;
-            let member: Member = serde_json::from_slice(&bytes).with_context(|| {
-                format!("node {node}'s membership of round {round} is malformed")
-            })?;
-            members.push(member);
+    }
+
+    /// The other nodes: waits (until `deadline`) for node 0 to close round `round`, or to end
+    /// the job. `member` is this agent's offer.
+    pub fn await_round(
+        &self,
+        round: u32,
+        member: &Member,
+        deadline: Instant,
+        interrupted: &dyn Fn() -> bool,
+    ) -> anyhow::Result<Waited<Entry>> {
+        let closed = closed_key(round);
+        loop {
+            if interrupted() {
+                return Ok(Waited::Interrupted);
+            }
+            self.heartbeat()?;
+            if let Some(bytes) = self.client.get(&closed)? {
+                let closed: Round = serde_json::from_slice(&bytes)
+                    .with_context(|| format!("round {round}'s record in the store is malformed"))?;
+                return Ok(Waited::Done(match closed.includes(member) {
+                    true => Entry::Member(closed),
+                    false => Entry::LeftOut,
+                }));
+            }
+            if let Some(bytes) = self.client.get(ENDED_KEY)? {
+                let ended: Ended = serde_json::from_slice(&bytes)
+                    .context("the job's end in the store is malformed")?;
+                return Ok(Waited::Done(Entry::Ended(ended)));
+            }
+            if Instant::now() >= deadline {
+                let keys: Vec<String> = (0..self.nnodes)
+                    .map(|node| member_key(round, node))
+                    .collect();
+                let absent: Vec<String> =
+                    self.missing(&keys)?.iter().map(usize::to_string).collect();
+                bail!(
+                    "node 0 did not start round {round} before the join timeout (node(s) {} did \
+                     not join it)",
+                    absent.join(", ")
+                );
+            }
+            self.wait_slice(std::slice::from_ref(&closed))?;
         }
-        Ok(Waited::Done(members))
+    }
+
+    /// Node 0: tells the agents still waiting for a round that the job ended.
+    pub fn end_job(&self, ended: &Ended) -> anyhow::Result<()> {
+        let value = serde_json::to_vec(ended).context("encode the job's end")?;
+        self.client.set(ENDED_KEY, &value)?;
+        Ok(())
+    }
+
+    /// Asks the members of round `round`, which left this node out, to end it so that the
+    /// next round takes the node in (the first request wins).
+    pub fn ask_to_join(&self, round: u32) -> anyhow::Result<()> {
+        let reason = format!("node {} is waiting to join", self.node_rank);
+        self.client
+            .compare_set(&resize_key(round), None, reason.as_bytes())?;
+        Ok(())
+    }
+
+    /// Why round `round` ends to let a node in, if a node asked.
+    pub fn join_request(&self, round: u32) -> anyhow::Result<Option<String>> {
+        Ok(self
+            .client
+            .get(&resize_key(round))?
+            .map(|reason| String::from_utf8_lossy(&reason).into_owned()))
+    }
+
+    /// The nodes that offered themselves for round `round`.
+    pub fn offered_nodes(&self, round: u32) -> anyhow::Result<Vec<usize>> {
+        let keys: Vec<String> = (0..self.nnodes)
+            .map(|node| member_key(round, node))
+            .collect();
+        Ok(self
+            .offers(round, &keys)?
+            .iter()
+            .map(|member| member.node)
+            .collect())
+    }
+
+    /// The offers of round `round` among `keys`, in node order.
+    fn offers(&self, round: u32, keys: &[String]) -> anyhow::Result<Vec<Member>> {
+        let mut offers = Vec::new();
+        for (node, key) in keys.iter().enumerate() {
+            if let Some(bytes) = self.client.get(key)? {
+                let member: Member = serde_json::from_slice(&bytes).with_context(|| {
+                    format!("node {node}'s membership of round {round} is malformed")
+                })?;
+                offers.push(member);
+            }
+        }
+        Ok(offers)
     }
 
     /// Tells every node that a worker of this node failed in `round`.
@@ -229,10 +486,14 @@ impl AgentStore {
         Ok(())
     }
 
-    /// The other nodes whose heartbeat has not moved for the tracker's silence.
-    pub fn silent_nodes(&self, heartbeats: &mut Heartbeats) -> anyhow::Result<Vec<usize>> {
+    /// The other nodes among `nodes` whose heartbeat has not moved for the tracker's silence.
+    pub fn silent_nodes(
+        &self,
+        nodes: &[usize],
+        heartbeats: &mut Heartbeats,
+    ) -> anyhow::Result<Vec<usize>> {
         let mut silent = Vec::new();
-        for node in (0..self.nnodes).filter(|&node| node != self.node_rank) {
+        for &node in nodes.iter().filter(|&&node| node != self.node_rank) {
             let beat = self.client.add(&heartbeat_key(node), 0)?;
             if heartbeats.observe(node, beat) {
                 silent.push(node);
@@ -249,18 +510,18 @@ impl AgentStore {
         Ok(())
     }
 
-    /// Collects every node's report of `round`. A node counts as silent (`None`) when its
-    /// heartbeat stops for the tracker's silence, or when the round was decided (failed or
-    /// stopped) and `decided_grace` passed without its report.
+    /// Collects the report of `round` of every node among `nodes` (the round's members), in
+    /// the order of `nodes`. A node counts as silent (`None`) when its heartbeat stops for the
+    /// tracker's silence, or when the round was decided (failed, stopped or ending to let a
+    /// node in) and `decided_grace` passed without its report.
     pub fn gather_reports(
         &self,
         round: u32,
+        nodes: &[usize],
         heartbeats: &mut Heartbeats,
         decided_grace: Duration,
     ) -> anyhow::Result<Vec<Option<NodeReport>>> {
-        let keys: Vec<String> = (0..self.nnodes)
-            .map(|node| report_key(round, node))
-            .collect();
+        let keys: Vec<String> = nodes.iter().map(|&node| report_key(round, node)).collect();
         let mut decided_at: Option<Instant> = None;
         loop {
             self.heartbeat()?;
@@ -268,19 +529,22 @@ impl AgentStore {
             if missing.is_empty() {
                 break;
             }
-            if decided_at.is_none() && (self.round_failed(round)? || self.stop_request()?.is_some())
+            if decided_at.is_none()
+                && (self.round_failed(round)?
+                    || self.stop_request()?.is_some()
+                    || self.join_request(round)?.is_some())
             {
                 decided_at = Some(Instant::now());
             }
-            let silent = self.silent_nodes(heartbeats)?;
+            let silent = self.silent_nodes(nodes, heartbeats)?;
             let waited_enough = decided_at.is_some_and(|at| at.elapsed() >= decided_grace);
-            if waited_enough || missing.iter().all(|node| silent.contains(node)) {
+            if waited_enough || missing.iter().all(|&index| silent.contains(&nodes[index])) {
                 break;
             }
             self.wait_slice(&keys)?;
         }
-        let mut reports = Vec::with_capacity(self.nnodes);
-        for (node, key) in keys.iter().enumerate() {
+        let mut reports = Vec::with_capacity(nodes.len());
+        for (&node, key) in nodes.iter().zip(&keys) {
             let report = match self.client.get(key)? {
                 Some(bytes) => Some(serde_json::from_slice(&bytes).with_context(|| {
                     format!("node {node}'s report of round {round} is malformed")
@@ -292,9 +556,15 @@ impl AgentStore {
         Ok(reports)
     }
 
-    /// Says this node is done with the store; node 0 then waits (bounded) for the others,
-    /// since dropping the store ends their connections. `present` marks the nodes to wait for.
-    pub fn leave(&self, round: u32, present: &[bool], timeout: Duration) -> anyhow::Result<()> {
+    /// Says this node is done with the store (it last waited for or ran round `round`); node 0
+    /// then waits (bounded) for the others, since dropping the store ends their connections.
+    /// `others` are the nodes to wait for, each with the round it last waited for or ran.
+    pub fn leave(
+        &self,
+        round: u32,
+        others: &[(u32, usize)],
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
         let said = self.client.set(&left_key(round, self.node_rank), b"1");
         if self.server.is_none() {
             // Node 0 may drop the store as soon as this key lands, before its answer reaches
@@ -303,10 +573,14 @@ impl AgentStore {
             return Ok(());
         }
         said?;
-        let keys: Vec<String> = (0..self.nnodes)
-            .filter(|&node| present.get(node).copied().unwrap_or(false))
-            .map(|node| left_key(round, node))
+        let keys: Vec<String> = others
+            .iter()
+            .filter(|&&(_, node)| node != self.node_rank)
+            .map(|&(round, node)| left_key(round, node))
             .collect();
+        if keys.is_empty() {
+            return Ok(());
+        }
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         match self.client.wait(&key_refs, timeout) {
             Ok(()) | Err(DistError::StoreTimeout { .. }) => Ok(()),
@@ -352,6 +626,25 @@ fn store_limits(topology: &Topology) -> StoreLimits {
 }
 
 const STOP_KEY: &str = "launch/stop";
+const CURRENT_KEY: &str = "launch/current";
+const ENDED_KEY: &str = "launch/ended";
+
+/// `nodes` in words: "node 0", "nodes 0, 2".
+pub fn node_list(nodes: &[usize]) -> String {
+    let listed: Vec<String> = nodes.iter().map(usize::to_string).collect();
+    match nodes.len() {
+        1 => format!("node {}", listed[0]),
+        _ => format!("nodes {}", listed.join(", ")),
+    }
+}
+
+fn closed_key(round: u32) -> String {
+    format!("launch/round{round}/members")
+}
+
+fn resize_key(round: u32) -> String {
+    format!("launch/round{round}/resize")
+}
 
 fn member_key(round: u32, node: usize) -> String {
     format!("launch/round{round}/member/{node}")
@@ -446,4 +739,189 @@ fn connect_until(
             Err(error) => Err(error).with_context(|| format!("connect to the store at {addr}")),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Node `node_rank`'s agent store in a job of up to 3 nodes whose store is on `port`.
+    fn agent(node_rank: usize, port: u16) -> AgentStore {
+        let topology = Topology {
+            nnodes: 3,
+            min_nodes: 1,
+            node_rank,
+            nproc_per_node: 2,
+            store: StoreLocation::Master {
+                addr: "127.0.0.1".into(),
+                port,
+            },
+            source: "flags".into(),
+        };
+        let token = JobToken::new("rendezvous-test-secret").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        match AgentStore::open(&topology, &token, deadline, &|| false).unwrap() {
+            Waited::Done(store) => store,
+            Waited::Interrupted => unreachable!("nothing interrupts the test"),
+        }
+    }
+
+    fn member(node: usize, agent: &str) -> Member {
+        Member {
+            node,
+            nproc: 2,
+            agent: agent.into(),
+        }
+    }
+
+    fn size(min: usize, max: usize, last_call: Duration) -> RoundSize {
+        RoundSize {
+            min,
+            max,
+            last_call,
+        }
+    }
+
+    fn close(
+        store: &AgentStore,
+        round: u32,
+        size: RoundSize,
+        timeout: Duration,
+    ) -> anyhow::Result<Round> {
+        let describe = |members: &[Member]| format!("{} member(s)", members.len());
+        let missing = |node: usize| format!("node {node} (gone)");
+        let deadline = Instant::now() + timeout;
+        match store.close_round(round, 0, size, deadline, &|| false, &describe, &missing)? {
+            Waited::Done(round) => Ok(round),
+            Waited::Interrupted => unreachable!("nothing interrupts the test"),
+        }
+    }
+
+    fn entry(store: &AgentStore, round: u32, member: &Member) -> Entry {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        match store
+            .await_round(round, member, deadline, &|| false)
+            .unwrap()
+        {
+            Waited::Done(entry) => entry,
+            Waited::Interrupted => unreachable!("nothing interrupts the test"),
+        }
+    }
+
+    #[test]
+    fn rounds_close_after_the_last_call_and_a_node_left_out_asks_to_join_the_next() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let node_0 = agent(0, port);
+        let node_1 = agent(1, port);
+        let (first, second) = (member(0, "a"), member(1, "b"));
+
+        // Alone, node 0 has the minimum and closes the round when the last call ends.
+        node_0.open_round(0).unwrap();
+        node_0.offer(0, &first).unwrap();
+        let opened = Instant::now();
+        let round = close(
+            &node_0,
+            0,
+            size(1, 3, Duration::from_millis(300)),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert!(opened.elapsed() >= Duration::from_millis(300));
+        assert_eq!(round.members, std::slice::from_ref(&first));
+        assert_eq!(round.line, "1 member(s)");
+
+        // Node 1 comes late: it is left out, offers itself for the next round and asks the
+        // members to end this one.
+        let now = Instant::now() + Duration::from_secs(5);
+        assert_eq!(
+            node_1.current_round(now, &|| false).unwrap(),
+            Waited::Done(0)
+        );
+        node_1.offer(0, &second).unwrap();
+        assert_eq!(entry(&node_1, 0, &second), Entry::LeftOut);
+        assert_eq!(node_0.join_request(0).unwrap(), None);
+        node_1.offer(1, &second).unwrap();
+        node_1.ask_to_join(0).unwrap();
+        assert_eq!(
+            node_0.join_request(0).unwrap().as_deref(),
+            Some("node 1 is waiting to join")
+        );
+
+        // Two of at most three: the last call decides; both are in, node 1 second.
+        node_0.open_round(1).unwrap();
+        node_0.offer(1, &first).unwrap();
+        let round = close(
+            &node_0,
+            1,
+            size(1, 3, Duration::from_millis(200)),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(round.members, [first.clone(), second.clone()]);
+        assert_eq!(round.world_size(), 4);
+        assert_eq!(round.place_of(1), Some((1, 2)));
+        assert_eq!(round.place_of(2), None);
+        assert_eq!(entry(&node_1, 1, &second), Entry::Member(round.clone()));
+        // All of at most two: no last call to wait for.
+        node_0.offer(2, &first).unwrap();
+        node_1.offer(2, &second).unwrap();
+        let opened = Instant::now();
+        close(
+            &node_0,
+            2,
+            size(1, 2, Duration::from_secs(30)),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert!(opened.elapsed() < Duration::from_secs(5));
+
+        // A second agent for node 1 in a round not closed yet is refused, naming the first.
+        node_1.offer(3, &second).unwrap();
+        let error = node_1.offer(3, &member(1, "c")).unwrap_err().to_string();
+        assert_eq!(
+            error,
+            "node 1 already joined round 3 from another agent (b): is another `tandem launch \
+             --node-rank 1` running?"
+        );
+
+        // Too few nodes before the deadline: the error names who is missing.
+        node_0.offer(4, &first).unwrap();
+        let error = close(
+            &node_0,
+            4,
+            size(2, 3, Duration::ZERO),
+            Duration::from_millis(200),
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            error,
+            "round 4 needs at least 2 nodes (--nnodes 2:3), but only node 0 joined before the \
+             join timeout; missing: node 1 (gone), node 2 (gone)"
+        );
+        let error = close(
+            &node_0,
+            4,
+            size(3, 3, Duration::ZERO),
+            Duration::from_millis(200),
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            error,
+            "node(s) 1, 2 did not join round 4 before the join timeout"
+        );
+
+        // The job's end reaches the agents waiting for a round.
+        let ended = Ended {
+            succeeded: false,
+            message: "too few nodes".into(),
+        };
+        node_0.end_job(&ended).unwrap();
+        assert_eq!(entry(&node_1, 5, &second), Entry::Ended(ended));
+    }
 }

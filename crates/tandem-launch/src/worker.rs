@@ -28,8 +28,11 @@ pub struct WorkerPlace {
     pub rank: usize,
     /// Rank on this node.
     pub local_rank: usize,
-    /// This node's rank.
+    /// This node's `--node-rank`.
     pub node_rank: usize,
+    /// This node's rank among the round's members (`GROUP_RANK`): its `--node-rank` unless
+    /// an elastic round has fewer nodes.
+    pub group_rank: usize,
     /// Workers in the whole job.
     pub world_size: usize,
     /// Workers on this node.
@@ -54,7 +57,7 @@ pub fn worker_env(place: &WorkerPlace, job: &JobEnv, error_file: &Path) -> Vec<(
     let pairs = [
         (RANK_ENV, place.rank.to_string()),
         (LOCAL_RANK_ENV, place.local_rank.to_string()),
-        (GROUP_RANK_ENV, place.node_rank.to_string()),
+        (GROUP_RANK_ENV, place.group_rank.to_string()),
         (WORLD_SIZE_ENV, place.world_size.to_string()),
         (LOCAL_WORLD_SIZE_ENV, place.local_world_size.to_string()),
         (MASTER_ADDR_ENV, job.master_addr.clone()),
@@ -502,6 +505,7 @@ mod tests {
             rank: 5,
             local_rank: 1,
             node_rank: 2,
+            group_rank: 2,
             world_size: 8,
             local_world_size: 2,
         };

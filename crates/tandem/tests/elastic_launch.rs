@@ -1,0 +1,434 @@
+//! `tandem launch --nnodes 1:2`: two agents of two workers each (in two network namespaces as
+//! two hosts when the machine allows it, else both on loopback) train with
+//! `--global-batch-size`, so that the steps do not depend on the number of workers. Node 1 is
+//! killed for good mid-epoch: node 0 goes on alone after the last call and ends with the bits
+//! of an uninterrupted run; started again, node 1 joins the next round. Every wait is bounded
+//! and every launcher is killed if a test fails.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Bound on each launcher and on each training run.
+const LIMIT: Duration = Duration::from_secs(180);
+/// Bound on each wait for progress or for a line.
+const WAIT: Duration = Duration::from_secs(90);
+
+/// 80 steps of 128 samples in one epoch, in 8 shards of 16, a snapshot after every step.
+fn train_args(output_dir: &Path) -> Vec<String> {
+    let mut args = small_model_train(
+        "--data synthetic --synthetic-train 10240 --synthetic-test 64 --epochs 1 \
+         --global-batch-size 128 --batch-size 16 --threads 1 --seed 5 --device cpu \
+         --log-every-steps 0 --optimizer sgd --momentum 0.9 --nesterov --lr 0.05 \
+         --snapshot-every-steps 1",
+    );
+    args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
+    args
+}
+
+/// Two network namespaces joined by a veth pair, removed when dropped.
+struct NetworkPair {
+    names: [String; 2],
+}
+
+impl NetworkPair {
+    /// The address of node 0's end of the pair, where the store listens.
+    const MASTER: &'static str = "10.202.0.1";
+
+    fn create(tag: &str) -> Result<NetworkPair, String> {
+        let names = [format!("tde{tag}a"), format!("tde{tag}b")];
+        let pair = NetworkPair {
+            names: names.clone(),
+        };
+        let [a, b] = &names;
+        let (veth_a, veth_b) = (format!("te{tag}a"), format!("te{tag}b"));
+        let steps: Vec<Vec<&str>> = vec![
+            vec!["netns", "add", a],
+            vec!["netns", "add", b],
+            vec![
+                "link", "add", &veth_a, "type", "veth", "peer", "name", &veth_b,
+            ],
+            vec!["link", "set", &veth_a, "netns", a],
+            vec!["link", "set", &veth_b, "netns", b],
+            vec!["-n", a, "addr", "add", "10.202.0.1/24", "dev", &veth_a],
+            vec!["-n", b, "addr", "add", "10.202.0.2/24", "dev", &veth_b],
+            vec!["-n", a, "link", "set", &veth_a, "up"],
+            vec!["-n", b, "link", "set", &veth_b, "up"],
+            vec!["-n", a, "link", "set", "lo", "up"],
+            vec!["-n", b, "link", "set", "lo", "up"],
+        ];
+        for step in steps {
+            let output = Command::new("ip")
+                .args(&step)
+                .output()
+                .map_err(|error| format!("ip: {error}"))?;
+            if !output.status.success() {
+                return Err(format!(
+                    "ip {}: {}",
+                    step.join(" "),
+                    String::from_utf8_lossy(&output.stderr)
+                ));
+            }
+        }
+        Ok(pair)
+    }
+}
+
+impl Drop for NetworkPair {
+    fn drop(&mut self) {
+        // Deleting a namespace also deletes the veth end inside it, and with it the peer.
+        for name in &self.names {
+            let _ = Command::new("ip").args(["netns", "delete", name]).output();
+        }
+    }
+}
+
+/// Why two network namespaces cannot be made here, if they cannot: it needs root, `ip`, and
+/// the right to create network namespaces (a container may lack it).
+fn network_namespaces_unavailable() -> Option<String> {
+    // SAFETY: `geteuid` has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not running as root".into());
+    }
+    let probe = format!("tdeprobe{}", std::process::id());
+    match Command::new("ip").args(["netns", "add", &probe]).output() {
+        Ok(output) if output.status.success() => {
+            let _ = Command::new("ip")
+                .args(["netns", "delete", &probe])
+                .output();
+            None
+        }
+        Ok(output) => Some(format!(
+            "`ip netns add` failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        )),
+        Err(error) => Some(format!("no `ip` command: {error}")),
+    }
+}
+
+/// Where the two nodes run: two network namespaces, or this machine's loopback.
+struct Hosts {
+    pair: Option<NetworkPair>,
+    master_addr: String,
+    master_port: String,
+    dir: PathBuf,
+    output_dir: PathBuf,
+}
+
+impl Hosts {
+    fn new(dir: &Path, tag: &str) -> Hosts {
+        let pair = match network_namespaces_unavailable() {
+            None => Some(
+                NetworkPair::create(&format!("{}{tag}", std::process::id()))
+                    .expect("create the network namespaces"),
+            ),
+            Some(reason) => {
+                eprintln!("two agents on loopback, not two network namespaces: {reason}");
+                None
+            }
+        };
+        let (master_addr, master_port) = match pair {
+            // Each pair has network stacks of its own: the port is free there.
+            Some(_) => (NetworkPair::MASTER.to_string(), "29571".to_string()),
+            None => ("127.0.0.1".to_string(), free_port().to_string()),
+        };
+        Hosts {
+            pair,
+            master_addr,
+            master_port,
+            dir: dir.to_path_buf(),
+            output_dir: dir.join("run"),
+        }
+    }
+
+    /// Starts node `node`'s agent, `name` naming its output files, in a process group of its
+    /// own (with its workers).
+    fn start(&self, node: usize, name: &str) -> Launcher {
+        let mut command = match &self.pair {
+            Some(pair) => {
+                let mut command = Command::new("ip");
+                command.args(["netns", "exec", &pair.names[node]]);
+                command.arg(env!("CARGO_BIN_EXE_tandem"));
+                command
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_tandem")),
+        };
+        let node_rank = node.to_string();
+        let log_dir = self.dir.join(format!("logs-node{node}"));
+        command
+            .args(["launch", "--nnodes", "1:2", "--node-rank", &node_rank])
+            .args(["--master-addr", &self.master_addr])
+            .args(["--master-port", &self.master_port])
+            .args(["--nproc-per-node", "2", "--last-call", "1"])
+            .args(["--heartbeat-timeout-seconds", "3"])
+            .args(["--stop-grace-seconds", "20", "--join-timeout-seconds", "60"])
+            .arg("--log-dir")
+            .arg(&log_dir)
+            .arg("--")
+            .args(train_args(&self.output_dir))
+            .current_dir(&self.dir)
+            .env("TANDEM_JOB_TOKEN", "elastic-test-secret")
+            .process_group(0);
+        Launcher::spawn(command, &self.dir, name)
+    }
+}
+
+/// Kills `launcher`'s whole process group (the agent and its workers) with SIGKILL and reaps
+/// the agent.
+fn kill_for_good(launcher: &mut Launcher) {
+    // SAFETY: `kill` has no memory-safety preconditions; the group is the agent's own.
+    let killed = unsafe { libc::kill(-(launcher.pid() as libc::pid_t), libc::SIGKILL) };
+    assert_eq!(killed, 0, "kill the process group of the agent");
+    let status = launcher.wait(Duration::from_secs(10));
+    assert_eq!(status.code(), None, "the agent was killed by SIGKILL");
+}
+
+/// Waits until `check` holds, at most [`WAIT`]; `what` says what was awaited.
+fn wait_until(what: &str, mut check: impl FnMut() -> bool, explain: impl Fn() -> String) {
+    let deadline = Instant::now() + WAIT;
+    while !check() {
+        if Instant::now() >= deadline {
+            panic!("{what} did not happen within {WAIT:?}\n{}", explain());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The optimizer steps of the snapshot in `output_dir`, if one is there.
+fn snapshot_step(output_dir: &Path) -> Option<u64> {
+    let bytes = std::fs::read(output_dir.join("snapshot.safetensors")).ok()?;
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).ok()?;
+    let description = metadata.metadata().as_ref()?.get("tandem.snapshot")?;
+    let description: serde_json::Value = serde_json::from_str(description).ok()?;
+    description["progress"]["global_step"].as_u64()
+}
+
+/// Waits until the snapshot in the run's folder is past step `step`.
+fn wait_for_step(hosts: &Hosts, step: u64, node_0: &Launcher) {
+    wait_until(
+        &format!("a snapshot past step {step}"),
+        || snapshot_step(&hosts.output_dir).is_some_and(|done| done > step),
+        || format!("node 0 said:\n{}", node_0.stderr()),
+    );
+}
+
+/// The tensors of a snapshot as bit patterns, and each epoch's training loss as bits.
+type FinalState = (BTreeMap<String, Vec<u64>>, Vec<u64>);
+
+fn final_state(output_dir: &Path) -> FinalState {
+    let tensors = read_tensors(&output_dir.join("snapshot.safetensors"))
+        .into_iter()
+        .map(|(name, values)| (name, values.iter().map(|value| value.to_bits()).collect()))
+        .collect();
+    let metrics = std::fs::read_to_string(output_dir.join("metrics.jsonl")).unwrap();
+    let losses = metrics
+        .lines()
+        .map(|line| {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            record["train_loss"].as_f64().unwrap().to_bits()
+        })
+        .collect();
+    (tensors, losses)
+}
+
+/// Asserts that the run in `actual` ended with the bits of the one in `expected`: every
+/// tensor of the final snapshot (weights, batch-norm statistics, optimizer state) and each
+/// epoch's training loss.
+fn assert_same_bits(expected: &Path, actual: &Path) {
+    let (expected_tensors, expected_losses) = final_state(expected);
+    let (actual_tensors, actual_losses) = final_state(actual);
+    assert_eq!(
+        expected_tensors.keys().collect::<Vec<_>>(),
+        actual_tensors.keys().collect::<Vec<_>>(),
+        "tensor names"
+    );
+    for (name, values) in &expected_tensors {
+        let differ = values
+            .iter()
+            .zip(&actual_tensors[name])
+            .filter(|(a, b)| a != b)
+            .count();
+        assert_eq!(differ, 0, "{differ} values of {name} differ");
+    }
+    assert_eq!(expected_losses, actual_losses, "training losses");
+}
+
+/// The uninterrupted run, in one process, in `dir/uninterrupted`.
+fn uninterrupted_run(dir: &Path) -> PathBuf {
+    let output_dir = dir.join("uninterrupted");
+    expect_success(&run_bounded(tandem().args(train_args(&output_dir)), LIMIT));
+    output_dir
+}
+
+/// Starts both nodes, waits for their first round of 4 workers and a few steps, then kills
+/// node 1 for good and waits for node 0's next round without it.
+fn lose_node_1(hosts: &Hosts) -> Launcher {
+    let node_0 = hosts.start(0, "node0");
+    let mut node_1 = hosts.start(1, "node1");
+    let first_round = "tandem launch: round 0: nodes 0 (2 workers), 1 (2 workers); world size 4\n";
+    wait_until(
+        "the first round of both nodes",
+        || node_0.stderr().contains(first_round),
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+    wait_for_step(hosts, 3, &node_0);
+    kill_for_good(&mut node_1);
+    let killed = Instant::now();
+    wait_until(
+        "node 0's round without node 1",
+        || node_0.stderr().contains("tandem launch: round 1: "),
+        || format!("node 0:\n{}", node_0.stderr()),
+    );
+    eprintln!(
+        "node 0 started round 1 {:.1} s after node 1 was killed",
+        killed.elapsed().as_secs_f64()
+    );
+    let stderr = node_0.stderr();
+    let line = stderr
+        .lines()
+        .find(|line| line.starts_with("tandem launch: round 1: "))
+        .unwrap();
+    let (start, rest) = line
+        .split_once("; node 1 lost (no heartbeat for ")
+        .unwrap_or_else(|| panic!("round 1 does not say that node 1 was lost: {line}"));
+    assert_eq!(start, "tandem launch: round 1: nodes 0 (2 workers)");
+    assert!(
+        rest.ends_with(" s); world size 4 -> 2"),
+        "round 1 does not say the new world size: {line}"
+    );
+    node_0
+}
+
+#[test]
+fn node_0_goes_on_alone_when_node_1_is_lost_and_ends_with_the_uninterrupted_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = uninterrupted_run(dir.path());
+    let hosts = Hosts::new(dir.path(), "l");
+    let started = Instant::now();
+    let mut node_0 = lose_node_1(&hosts);
+    let status = node_0.wait(LIMIT);
+    let stderr = node_0.stderr();
+    eprintln!(
+        "the elastic run took {:.1} s; node 0 said:\n{stderr}",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(status.success(), "{status:?}\n{stderr}");
+    assert_contains(&stderr, "every worker finished successfully");
+    assert_contains(&node_0.stdout(), "world size: 4 -> 2 at epoch 1, step ");
+    assert_same_bits(&expected, &hosts.output_dir);
+}
+
+#[test]
+fn node_1_started_again_joins_the_next_round_and_the_bits_stay_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = uninterrupted_run(dir.path());
+    let hosts = Hosts::new(dir.path(), "j");
+    let started = Instant::now();
+    let mut node_0 = lose_node_1(&hosts);
+    let alone_from = snapshot_step(&hosts.output_dir).unwrap_or(0);
+    wait_for_step(&hosts, alone_from + 2, &node_0);
+    let mut node_1 = hosts.start(1, "node1-again");
+    let joined = "tandem launch: round 2: nodes 0 (2 workers), 1 (2 workers); node 1 joined; \
+                  world size 2 -> 4\n";
+    wait_until(
+        "node 1's join",
+        || node_0.stderr().contains(joined),
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+    let status_0 = node_0.wait(LIMIT);
+    let status_1 = node_1.wait(LIMIT);
+    let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
+    eprintln!(
+        "the elastic run took {:.1} s; node 0 said:\n{stderr_0}\nnode 1 said:\n{stderr_1}",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(status_0.success(), "{status_0:?}\n{stderr_0}");
+    assert!(status_1.success(), "{status_1:?}\n{stderr_1}");
+    assert_contains(
+        &stderr_0,
+        "tandem launch: round 1 ends for a new member (node 1 is waiting to join): the workers \
+         write a snapshot and stop\n",
+    );
+    assert_contains(&stderr_1, joined);
+    // The round that let node 1 in is no restart: node 1's workers ran in round 2 after the
+    // one restart that losing it took.
+    let log = std::fs::read_to_string(dir.path().join("logs-node1/logs/rank_2.log")).unwrap();
+    assert_contains(&log, "round 2 (restart 1 of at most 3), rank 2, node 1");
+    let stdout_0 = node_0.stdout();
+    assert_contains(&stdout_0, "world size: 4 -> 2 at epoch 1, step ");
+    assert_contains(&stdout_0, "world size: 2 -> 4 at epoch 1, step ");
+    assert_same_bits(&expected, &hosts.output_dir);
+}
+
+#[test]
+fn fewer_nodes_than_the_minimum_end_the_job_naming_who_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let start = |node: usize| {
+        let node_rank = node.to_string();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        command
+            .args(["launch", "--nnodes", "2:3", "--node-rank", &node_rank])
+            .args(["--master-addr", "127.0.0.1", "--master-port", &port])
+            .args(["--last-call", "0.5", "--heartbeat-timeout-seconds", "2"])
+            .args(["--stop-grace-seconds", "2", "--join-timeout-seconds", "3"])
+            .args([
+                "--log-dir",
+                &format!("logs-node{node}"),
+                "--",
+                "sleep",
+                "30",
+            ])
+            .current_dir(dir.path())
+            .env("TANDEM_JOB_TOKEN", "elastic-minimum-test-secret")
+            .process_group(0);
+        Launcher::spawn(command, dir.path(), &format!("node{node}"))
+    };
+    let mut node_0 = start(0);
+    let mut node_1 = start(1);
+    wait_until(
+        "the first round of both nodes",
+        || {
+            node_0.stderr().contains(
+                "tandem launch: round 0: nodes 0 (1 worker), 1 (1 worker); world size 2\n",
+            )
+        },
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+    kill_for_good(&mut node_1);
+    let killed = Instant::now();
+    let status = node_0.wait(Duration::from_secs(60));
+    let elapsed = killed.elapsed();
+    let stderr = node_0.stderr();
+    eprintln!("node 0 said:\n{stderr}");
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert_contains(
+        &stderr,
+        "tandem launch: round 0 failed: node 1's agent sent no report (it may have died or lost \
+         the network); restarting every node (restart 1 of 3)\n",
+    );
+    let error = stderr
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .split_once(" (lost in round 0: no heartbeat for ");
+    let Some((start, end)) = error else {
+        panic!("the error does not say that node 1 was lost:\n{stderr}");
+    };
+    assert_eq!(
+        start,
+        "error: round 1 needs at least 2 nodes (--nnodes 2:3), but only node 0 joined before the \
+         join timeout; missing: node 1"
+    );
+    assert!(end.ends_with(" s), node 2"), "{stderr}");
+    assert!(
+        elapsed < Duration::from_secs(15),
+        "node 0 took {elapsed:?} to give up"
+    );
+}
