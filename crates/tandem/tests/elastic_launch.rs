@@ -7,12 +7,12 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::netns::{network_namespaces_unavailable, NetworkPair};
 use common::*;
 
 /// Bound on each launcher and on each training run.
@@ -32,86 +32,6 @@ fn train_args(output_dir: &Path) -> Vec<String> {
     args
 }
 
-/// Two network namespaces joined by a veth pair, removed when dropped.
-struct NetworkPair {
-    names: [String; 2],
-}
-
-impl NetworkPair {
-    /// The address of node 0's end of the pair, where the store listens.
-    const MASTER: &'static str = "10.202.0.1";
-
-    fn create(tag: &str) -> Result<NetworkPair, String> {
-        let names = [format!("tde{tag}a"), format!("tde{tag}b")];
-        let pair = NetworkPair {
-            names: names.clone(),
-        };
-        let [a, b] = &names;
-        let (veth_a, veth_b) = (format!("te{tag}a"), format!("te{tag}b"));
-        let steps: Vec<Vec<&str>> = vec![
-            vec!["netns", "add", a],
-            vec!["netns", "add", b],
-            vec![
-                "link", "add", &veth_a, "type", "veth", "peer", "name", &veth_b,
-            ],
-            vec!["link", "set", &veth_a, "netns", a],
-            vec!["link", "set", &veth_b, "netns", b],
-            vec!["-n", a, "addr", "add", "10.202.0.1/24", "dev", &veth_a],
-            vec!["-n", b, "addr", "add", "10.202.0.2/24", "dev", &veth_b],
-            vec!["-n", a, "link", "set", &veth_a, "up"],
-            vec!["-n", b, "link", "set", &veth_b, "up"],
-            vec!["-n", a, "link", "set", "lo", "up"],
-            vec!["-n", b, "link", "set", "lo", "up"],
-        ];
-        for step in steps {
-            let output = Command::new("ip")
-                .args(&step)
-                .output()
-                .map_err(|error| format!("ip: {error}"))?;
-            if !output.status.success() {
-                return Err(format!(
-                    "ip {}: {}",
-                    step.join(" "),
-                    String::from_utf8_lossy(&output.stderr)
-                ));
-            }
-        }
-        Ok(pair)
-    }
-}
-
-impl Drop for NetworkPair {
-    fn drop(&mut self) {
-        // Deleting a namespace also deletes the veth end inside it, and with it the peer.
-        for name in &self.names {
-            let _ = Command::new("ip").args(["netns", "delete", name]).output();
-        }
-    }
-}
-
-/// Why two network namespaces cannot be made here, if they cannot: it needs root, `ip`, and
-/// the right to create network namespaces (a container may lack it).
-fn network_namespaces_unavailable() -> Option<String> {
-    // SAFETY: `geteuid` has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("not running as root".into());
-    }
-    let probe = format!("tdeprobe{}", std::process::id());
-    match Command::new("ip").args(["netns", "add", &probe]).output() {
-        Ok(output) if output.status.success() => {
-            let _ = Command::new("ip")
-                .args(["netns", "delete", &probe])
-                .output();
-            None
-        }
-        Ok(output) => Some(format!(
-            "`ip netns add` failed: {}",
-            String::from_utf8_lossy(&output.stderr).trim()
-        )),
-        Err(error) => Some(format!("no `ip` command: {error}")),
-    }
-}
-
 /// Where the two nodes run: two network namespaces, or this machine's loopback.
 struct Hosts {
     pair: Option<NetworkPair>,
@@ -123,19 +43,24 @@ struct Hosts {
 
 impl Hosts {
     fn new(dir: &Path, tag: &str) -> Hosts {
-        let pair = match network_namespaces_unavailable() {
+        let pair = match network_namespaces_unavailable("tde") {
             None => Some(
-                NetworkPair::create(&format!("{}{tag}", std::process::id()))
-                    .expect("create the network namespaces"),
+                NetworkPair::create(
+                    "tde",
+                    "te",
+                    "10.202.0",
+                    &format!("{}{tag}", std::process::id()),
+                )
+                .expect("create the network namespaces"),
             ),
             Some(reason) => {
                 eprintln!("two agents on loopback, not two network namespaces: {reason}");
                 None
             }
         };
-        let (master_addr, master_port) = match pair {
+        let (master_addr, master_port) = match &pair {
             // Each pair has network stacks of its own: the port is free there.
-            Some(_) => (NetworkPair::MASTER.to_string(), "29571".to_string()),
+            Some(pair) => (pair.address(0), "29571".to_string()),
             None => ("127.0.0.1".to_string(), free_port().to_string()),
         };
         Hosts {
@@ -151,12 +76,7 @@ impl Hosts {
     /// own (with its workers).
     fn start(&self, node: usize, name: &str) -> Launcher {
         let mut command = match &self.pair {
-            Some(pair) => {
-                let mut command = Command::new("ip");
-                command.args(["netns", "exec", &pair.names[node]]);
-                command.arg(env!("CARGO_BIN_EXE_tandem"));
-                command
-            }
+            Some(pair) => pair.exec(node, env!("CARGO_BIN_EXE_tandem")),
             None => Command::new(env!("CARGO_BIN_EXE_tandem")),
         };
         let node_rank = node.to_string();
@@ -216,47 +136,6 @@ fn wait_for_step(hosts: &Hosts, step: u64, node_0: &Launcher) {
         || snapshot_step(&hosts.output_dir).is_some_and(|done| done > step),
         || format!("node 0 said:\n{}", node_0.stderr()),
     );
-}
-
-/// The tensors of a snapshot as bit patterns, and each epoch's training loss as bits.
-type FinalState = (BTreeMap<String, Vec<u64>>, Vec<u64>);
-
-fn final_state(output_dir: &Path) -> FinalState {
-    let tensors = read_tensors(&output_dir.join("snapshot.safetensors"))
-        .into_iter()
-        .map(|(name, values)| (name, values.iter().map(|value| value.to_bits()).collect()))
-        .collect();
-    let metrics = std::fs::read_to_string(output_dir.join("metrics.jsonl")).unwrap();
-    let losses = metrics
-        .lines()
-        .map(|line| {
-            let record: serde_json::Value = serde_json::from_str(line).unwrap();
-            record["train_loss"].as_f64().unwrap().to_bits()
-        })
-        .collect();
-    (tensors, losses)
-}
-
-/// Asserts that the run in `actual` ended with the bits of the one in `expected`: every
-/// tensor of the final snapshot (weights, batch-norm statistics, optimizer state) and each
-/// epoch's training loss.
-fn assert_same_bits(expected: &Path, actual: &Path) {
-    let (expected_tensors, expected_losses) = final_state(expected);
-    let (actual_tensors, actual_losses) = final_state(actual);
-    assert_eq!(
-        expected_tensors.keys().collect::<Vec<_>>(),
-        actual_tensors.keys().collect::<Vec<_>>(),
-        "tensor names"
-    );
-    for (name, values) in &expected_tensors {
-        let differ = values
-            .iter()
-            .zip(&actual_tensors[name])
-            .filter(|(a, b)| a != b)
-            .count();
-        assert_eq!(differ, 0, "{differ} values of {name} differ");
-    }
-    assert_eq!(expected_losses, actual_losses, "training losses");
 }
 
 /// The uninterrupted run, in one process, in `dir/uninterrupted`.
@@ -321,7 +200,7 @@ fn node_0_goes_on_alone_when_node_1_is_lost_and_ends_with_the_uninterrupted_bits
     assert!(status.success(), "{status:?}\n{stderr}");
     assert_contains(&stderr, "every worker finished successfully");
     assert_contains(&node_0.stdout(), "world size: 4 -> 2 at epoch 1, step ");
-    assert_same_bits(&expected, &hosts.output_dir);
+    assert_same_bits(&expected, &hosts.output_dir, "the elastic run");
 }
 
 #[test]
@@ -363,7 +242,7 @@ fn node_1_started_again_joins_the_next_round_and_the_bits_stay_the_same() {
     let stdout_0 = node_0.stdout();
     assert_contains(&stdout_0, "world size: 4 -> 2 at epoch 1, step ");
     assert_contains(&stdout_0, "world size: 2 -> 4 at epoch 1, step ");
-    assert_same_bits(&expected, &hosts.output_dir);
+    assert_same_bits(&expected, &hosts.output_dir, "the elastic run");
 }
 
 #[test]

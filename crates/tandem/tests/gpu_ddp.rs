@@ -27,7 +27,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    expect_success, read_tensors, run_bounded, synthetic_run, tandem, with_flag,
+    assert_same_bits, expect_success, read_tensors, run_bounded, synthetic_run, tandem, with_flag,
     worst_error_per_family, Launcher,
 };
 use tandem_cuda::device::REQUIRED_LIBRARIES;
@@ -306,14 +306,7 @@ fn a_global_batch_on_the_gpu_ends_with_the_same_bits_on_one_and_two_processes() 
         stdout.contains("global batch 32 in 4 shards of 8, shared by 2 processes"),
         "{stdout}"
     );
-    // The tensors to the bit; the metadata's validation loss is summed over the ranks.
-    let bits = |name: &str| -> Vec<(String, Vec<u64>)> {
-        read_tensors(&path(name).join("epoch_1.safetensors"))
-            .into_iter()
-            .map(|(name, values)| (name, values.iter().map(|value| value.to_bits()).collect()))
-            .collect()
-    };
-    assert!(bits("alone") == bits("two"), "the two runs' tensors differ");
+    assert_same_bits(&path("alone"), &path("two"), "two processes against one");
 }
 
 /// A two-worker GPU job on the ring of `epochs` epochs of 8 steps, with `extra` flags.
@@ -323,20 +316,6 @@ fn two_worker_job(output_dir: &Path, epochs: usize, extra: &[&str]) -> Vec<Strin
     let mut train = with_flag(train, "--threads", "2");
     train.extend(extra.iter().map(|arg| arg.to_string()));
     train
-}
-
-/// Waits until rank 0's log shows step 2 of training.
-fn wait_for_training(output_dir: &Path, launcher: &mut Launcher) {
-    let deadline = Instant::now() + LIMIT;
-    let log = output_dir.join("logs/rank_0.log");
-    while !std::fs::read_to_string(&log).is_ok_and(|text| text.contains("step 2")) {
-        assert!(
-            !launcher.has_exited() && Instant::now() < deadline,
-            "the workers never trained:\n{}",
-            launcher.stderr()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 #[test]
@@ -408,7 +387,7 @@ fn a_stopped_gpu_worker_ends_every_rank_within_the_timeout_and_is_named() {
         dir.path(),
         "stopped",
     );
-    wait_for_training(&output, &mut launcher);
+    launcher.wait_for_training(&output, LIMIT);
     let stuck = launcher.worker(1);
     let stopped_at = Instant::now();
     // SAFETY: plain kill(2) of a child process id just read.

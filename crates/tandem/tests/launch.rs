@@ -14,6 +14,7 @@ use tandem_dist::{JobToken, ProcessGroup, ProcessGroupOptions, ReduceOp, StoreCl
 
 mod common;
 
+use common::netns::{network_namespaces_unavailable, NetworkPair};
 use common::{assert_contains, free_port, run_folder, tandem_succeeds, Launcher};
 
 const TANDEM: &str = env!("CARGO_BIN_EXE_tandem");
@@ -776,99 +777,16 @@ fn a_multi_node_job_needs_a_shared_token_and_a_master() {
     }
 }
 
-/// Two network namespaces joined by a veth pair, removed when dropped.
-struct NetworkPair {
-    names: [String; 2],
-}
-
-impl NetworkPair {
-    fn create(tag: &str) -> Result<NetworkPair, String> {
-        let names = [format!("tdm{tag}a"), format!("tdm{tag}b")];
-        let pair = NetworkPair {
-            names: names.clone(),
-        };
-        let [a, b] = &names;
-        let (veth_a, veth_b) = (format!("tv{tag}a"), format!("tv{tag}b"));
-        let steps: Vec<Vec<&str>> = vec![
-            vec!["netns", "add", a],
-            vec!["netns", "add", b],
-            vec![
-                "link", "add", &veth_a, "type", "veth", "peer", "name", &veth_b,
-            ],
-            vec!["link", "set", &veth_a, "netns", a],
-            vec!["link", "set", &veth_b, "netns", b],
-            vec!["-n", a, "addr", "add", "10.201.0.1/24", "dev", &veth_a],
-            vec!["-n", b, "addr", "add", "10.201.0.2/24", "dev", &veth_b],
-            vec!["-n", a, "link", "set", &veth_a, "up"],
-            vec!["-n", b, "link", "set", &veth_b, "up"],
-            vec!["-n", a, "link", "set", "lo", "up"],
-            vec!["-n", b, "link", "set", "lo", "up"],
-        ];
-        for step in steps {
-            let output = Command::new("ip")
-                .args(&step)
-                .output()
-                .map_err(|error| format!("ip: {error}"))?;
-            if !output.status.success() {
-                return Err(format!(
-                    "ip {}: {}",
-                    step.join(" "),
-                    String::from_utf8_lossy(&output.stderr)
-                ));
-            }
-        }
-        Ok(pair)
-    }
-
-    fn exec(&self, index: usize) -> Command {
-        let mut command = Command::new("ip");
-        command.args(["netns", "exec", &self.names[index], TANDEM]);
-        command
-    }
-}
-
-impl Drop for NetworkPair {
-    fn drop(&mut self) {
-        // Deleting a namespace also deletes the veth end inside it, and with it the peer.
-        for name in &self.names {
-            let _ = Command::new("ip").args(["netns", "delete", name]).output();
-        }
-    }
-}
-
-/// Why the two-host tests cannot run here, if they cannot: they need root, `ip`, and the
-/// right to create network namespaces (a container may lack it).
-fn network_namespaces_unavailable() -> Option<String> {
-    // SAFETY: `geteuid` has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("not running as root".into());
-    }
-    let probe = format!("tdmprobe{}", std::process::id());
-    match Command::new("ip").args(["netns", "add", &probe]).output() {
-        Ok(output) if output.status.success() => {
-            let _ = Command::new("ip")
-                .args(["netns", "delete", &probe])
-                .output();
-            None
-        }
-        Ok(output) => Some(format!(
-            "`ip netns add` failed: {}",
-            String::from_utf8_lossy(&output.stderr).trim()
-        )),
-        Err(error) => Some(format!("no `ip` command: {error}")),
-    }
-}
-
 #[test]
 fn two_network_namespaces_act_as_two_hosts() {
-    if let Some(reason) = network_namespaces_unavailable() {
+    if let Some(reason) = network_namespaces_unavailable("tdm") {
         eprintln!(
             "skipped: two_network_namespaces_act_as_two_hosts needs root and `ip netns`: {reason}"
         );
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let pair = NetworkPair::create(&std::process::id().to_string())
+    let pair = NetworkPair::create("tdm", "tv", "10.201.0", &std::process::id().to_string())
         .expect("create the network namespaces");
     let token = [("TANDEM_JOB_TOKEN", "netns-test-secret")];
     let script = "echo $RANK $WORLD_SIZE $MASTER_ADDR $TANDEM_RESTART_COUNT > seen_$RANK; \
@@ -879,7 +797,13 @@ fn two_network_namespaces_act_as_two_hosts() {
         let log_dir = format!("host{index}");
         let flags = two_node_flags(&index.to_string(), "10.201.0.1", "29555", &extra, &log_dir);
         let args = launch_args(&flags, &["sh", "-c", script]);
-        Launcher::start_with(pair.exec(index), dir.path(), &log_dir, &args, &token)
+        Launcher::start_with(
+            pair.exec(index, TANDEM),
+            dir.path(),
+            &log_dir,
+            &args,
+            &token,
+        )
     };
     let mut host_1 = node(1);
     let mut host_0 = node(0);
@@ -943,13 +867,14 @@ fn process_group_worker_entry() {
 
 #[test]
 fn cutting_the_link_between_two_hosts_fails_both_sides_naming_the_peer() {
-    if let Some(reason) = network_namespaces_unavailable() {
+    if let Some(reason) = network_namespaces_unavailable("tdm") {
         eprintln!("skipped: cutting_the_link_between_two_hosts_fails_both_sides_naming_the_peer needs root and `ip netns`: {reason}");
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let tag = format!("{}c", std::process::id());
-    let pair = NetworkPair::create(&tag).expect("create the network namespaces");
+    let pair =
+        NetworkPair::create("tdm", "tv", "10.201.0", &tag).expect("create the network namespaces");
     let this_test_binary = std::env::current_exe().unwrap();
     let folder = dir.path().display().to_string();
     let env = [
@@ -969,7 +894,7 @@ fn cutting_the_link_between_two_hosts_fails_both_sides_naming_the_peer() {
         let log_dir = format!("host{index}");
         let flags = two_node_flags(&index.to_string(), "10.201.0.1", "29556", &extra, &log_dir);
         let args = launch_args(&flags, &worker);
-        Launcher::start_with(pair.exec(index), dir.path(), &log_dir, &args, &env)
+        Launcher::start_with(pair.exec(index, TANDEM), dir.path(), &log_dir, &args, &env)
     };
     let mut host_0 = node(0);
     let mut host_1 = node(1);
