@@ -32,11 +32,23 @@ pub trait GradientSync: Send {
     /// What the device needs to know to decide whether a step runs whole.
     fn conditions(&self) -> StepConditions;
 
-    /// Gives every rank rank 0's model: parameters, BN buffers and batch count.
-    fn agree_on_the_model(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()>;
+    /// Gives every rank rank 0's model: parameters, BN buffers and batch count (through the
+    /// host ring).
+    fn agree_on_the_model(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
+        match self.group_mut() {
+            Some(ddp) => update_host(device, |model| ddp.broadcast_model(model)),
+            None => Ok(()),
+        }
+    }
 
-    /// Before step `step` of its epoch: gives every rank rank 0's BN running statistics.
-    fn before_step(&mut self, device: &mut dyn TrainingDevice, step: u64) -> anyhow::Result<()>;
+    /// Before step `step` of its epoch: gives every rank rank 0's BN running statistics
+    /// (through the host ring).
+    fn before_step(&mut self, device: &mut dyn TrainingDevice, _step: u64) -> anyhow::Result<()> {
+        match self.group_mut() {
+            Some(ddp) => update_host(device, |model| ddp.broadcast_buffers(model)),
+            None => Ok(()),
+        }
+    }
 
     /// The scale of each micro-batch's loss when this rank computes `count` of them.
     fn loss_scale(&self, count: usize) -> f32 {
@@ -165,14 +177,6 @@ impl GradientSync for Alone {
         }
     }
 
-    fn agree_on_the_model(&mut self, _device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
-        Ok(())
-    }
-
-    fn before_step(&mut self, _device: &mut dyn TrainingDevice, _step: u64) -> anyhow::Result<()> {
-        Ok(())
-    }
-
     fn backward(
         &mut self,
         device: &mut dyn TrainingDevice,
@@ -216,14 +220,6 @@ impl GradientSync for HostRing {
             sync_bn: self.sync_bn,
             nccl: false,
         }
-    }
-
-    fn agree_on_the_model(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
-        update_host(device, |model| self.ddp.broadcast_model(model))
-    }
-
-    fn before_step(&mut self, device: &mut dyn TrainingDevice, _step: u64) -> anyhow::Result<()> {
-        update_host(device, |model| self.ddp.broadcast_buffers(model))
     }
 
     fn forward(

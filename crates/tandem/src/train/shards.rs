@@ -120,13 +120,6 @@ impl GradientSync for ShardSync {
         }
     }
 
-    fn agree_on_the_model(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
-        match self.group.as_mut() {
-            Some(ddp) => update_host(device, |model| ddp.broadcast_model(model)),
-            None => Ok(()),
-        }
-    }
-
     fn before_step(&mut self, device: &mut dyn TrainingDevice, step: u64) -> anyhow::Result<()> {
         let shards = self.plan.worker_shards(step, self.world_size, self.worker);
         self.step_shards = (self.plan.shards_in_step(step), shards);
