@@ -223,12 +223,7 @@ impl Ddp {
 
     /// Sums `values` over the ranks.
     pub fn sum_f64(&mut self, values: &mut [f64]) -> anyhow::Result<()> {
-        let summed = self
-            .comm
-            .all_reduce_f64(values.to_vec(), ReduceOp::Sum)
-            .wait()?;
-        values.copy_from_slice(&summed);
-        Ok(())
+        Ok(sum_over_ranks(&self.comm, values)?)
     }
 
     /// The exact sum over every rank of the first `own` of this rank's `terms`, `total_terms`
@@ -343,13 +338,15 @@ impl BatchNormReducer for DdpBatchNormReducer<'_> {
         &mut self,
         values: &mut [f64],
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let summed = self
-            .comm
-            .all_reduce_f64(values.to_vec(), ReduceOp::Sum)
-            .wait()?;
-        values.copy_from_slice(&summed);
-        Ok(())
+        Ok(sum_over_ranks(self.comm, values)?)
     }
+}
+
+/// Replaces `values` with their sums over the ranks, through `comm`'s queue.
+fn sum_over_ranks(comm: &CommThread, values: &mut [f64]) -> tandem_dist::Result<()> {
+    let summed = comm.all_reduce_f64(values.to_vec(), ReduceOp::Sum).wait()?;
+    values.copy_from_slice(&summed);
+    Ok(())
 }
 
 /// `Ok` when the ranks that ran a whole step through NCCL as a CUDA graph (`graphed_ranks`,
