@@ -539,12 +539,9 @@ fn storage_sizes_follow_the_plan() {
 #[test]
 fn adam_scalars_are_the_cpus_bias_corrections() {
     let config = AdamConfig {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
         weight_decay: 0.01,
         decoupled: true,
+        ..AdamConfig::with_lr(1e-3)
     };
     let first = AdamScalars::new(&config, 1);
     // step_size = lr / (1 - 0.9) = 0.01; sqrt(1 - 0.999) = 0.0316227766 (the f32 betas are

@@ -178,9 +178,7 @@ impl CudaExecutor {
         plan: &Plan,
         step: TrainStep<'_>,
     ) -> Result<StepOutcome, ModelError> {
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         if plan.mode != Mode::Train {
             return Err(GpuError::Unsupported("a training step with an evaluation plan").into());
         }
