@@ -486,9 +486,7 @@ fn seed_004_small() -> Model {
         n_blocks: vec![1, 1],
         n_channels: vec![8, 16],
         bottlenecks: Some(vec![4, 8]),
-        first_kernel_size: 3,
-        img_channels: 3,
-        num_classes: 10,
+        ..ResNetBaseSpec::tutorial_default()
     }))
     .unwrap()
 }

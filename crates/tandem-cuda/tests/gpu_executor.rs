@@ -976,10 +976,7 @@ fn accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit() {
     let host_micro_batches = 2;
     let mut adam_runs = Vec::new();
     for step in 0..3u64 {
-        let (mut images, mut labels) = formula_batch(BATCH, SIDE, 2 * step);
-        let (more_images, more_labels) = formula_batch(BATCH, SIDE, 2 * step + 1);
-        images.extend_from_slice(&more_images);
-        labels.extend_from_slice(&more_labels);
+        let (images, labels) = common::formula_batches(BATCH, SIDE, [2 * step, 2 * step + 1]);
         let config = AdamConfig {
             weight_decay: 1e-2,
             decoupled: true,
@@ -987,19 +984,9 @@ fn accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit() {
         };
         let mut losses = Vec::new();
         for exec in [&mut graphed, &mut eager] {
-            let outcome = exec
-                .train_step(
-                    &model,
-                    &plan,
-                    host_step(
-                        &images,
-                        &labels,
-                        host_micro_batches,
-                        &loss,
-                        StepOptimizer::Adam(&config),
-                    ),
-                )
-                .unwrap();
+            let optimizer = StepOptimizer::Adam(&config);
+            let train = host_step(&images, &labels, host_micro_batches, &loss, optimizer);
+            let outcome = exec.train_step(&model, &plan, train).unwrap();
             losses.push(outcome.losses);
             adam_runs.push(outcome.run);
         }

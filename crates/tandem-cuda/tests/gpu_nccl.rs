@@ -173,29 +173,16 @@ fn whole_steps(
     };
     let (mut losses, mut runs) = (Vec::new(), Vec::new());
     for step in 0..STEPS {
-        let (mut images, mut labels) = (Vec::new(), Vec::new());
-        for micro_batch in 0..micro_batches as u64 {
-            let (more_images, more_labels) = formula_batch(BATCH, SIDE, 10 * step + micro_batch);
-            images.extend_from_slice(&more_images);
-            labels.extend_from_slice(&more_labels);
-        }
+        let micro_batch_steps =
+            (0..micro_batches as u64).map(|micro_batch| 10 * step + micro_batch);
+        let (images, labels) = common::formula_batches(BATCH, SIDE, micro_batch_steps);
         let config = momentum_sgd(0.05 / (step + 1) as f32, false);
         if group != Group::Alone {
             exec.broadcast_buffers().unwrap();
         }
-        let outcome = exec
-            .train_step(
-                &model,
-                &plan,
-                host_step(
-                    &images,
-                    &labels,
-                    micro_batches,
-                    &loss,
-                    StepOptimizer::Sgd(&config),
-                ),
-            )
-            .unwrap();
+        let optimizer = StepOptimizer::Sgd(&config);
+        let train = host_step(&images, &labels, micro_batches, &loss, optimizer);
+        let outcome = exec.train_step(&model, &plan, train).unwrap();
         losses.extend(outcome.losses.iter().map(|loss| loss.to_bits()));
         runs.push(outcome.run);
     }

@@ -228,7 +228,7 @@ impl CudaExecutor {
                 let Err(failure) = self.capture_and_launch(model, plan, dataset, &key) else {
                     break StepRun::Capture;
                 };
-                if !self.graphs.after_failure(failure) {
+                if !self.graphs.after_failure(CaptureFailure::new(failure)) {
                     self.step_body(model, plan, dataset, micro_batches)?;
                     break StepRun::Eager;
                 }
@@ -380,20 +380,8 @@ impl CudaExecutor {
     /// launches it (the captured work had not run), and keeps it under `key`. On any failure
     /// the capture is ended, its error cleared, and the failure returned: nothing of the body
     /// ran (a failed launch ran nothing either), and the caller captures again in relaxed
-    /// mode or runs it eagerly.
+    /// mode or runs it eagerly. The failure is in words.
     fn capture_and_launch(
-        &mut self,
-        model: &Model,
-        plan: &Plan,
-        dataset: Option<&DeviceDataset>,
-        key: &GraphKey,
-    ) -> Result<(), CaptureFailure> {
-        self.try_capture_and_launch(model, plan, dataset, key)
-            .map_err(CaptureFailure::new)
-    }
-
-    /// [`Self::capture_and_launch`], its failure in words.
-    fn try_capture_and_launch(
         &mut self,
         model: &Model,
         plan: &Plan,

@@ -112,6 +112,21 @@ pub fn formula_batch(batch: usize, side: usize, step: u64) -> (Vec<f32>, Vec<u32
     (images, labels)
 }
 
+/// The [`formula_batch`]es of `steps`, one after another (the micro-batches of one step).
+pub fn formula_batches(
+    batch: usize,
+    side: usize,
+    steps: impl IntoIterator<Item = u64>,
+) -> (Vec<f32>, Vec<u32>) {
+    let (mut images, mut labels) = (Vec::new(), Vec::new());
+    for step in steps {
+        let (more_images, more_labels) = formula_batch(batch, side, step);
+        images.extend_from_slice(&more_images);
+        labels.extend_from_slice(&more_labels);
+    }
+    (images, labels)
+}
+
 /// The disk cache of compiled kernels (and of cuDNN's algorithm choices) that the tests share
 /// when `TANDEM_PTX_CACHE` names one, as the GPU check does: each kernel file is then compiled
 /// once for every test binary, not once per test. `None` otherwise (CI), so that every test
