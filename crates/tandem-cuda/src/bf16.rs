@@ -31,6 +31,13 @@ pub fn round_to_bf16(value: f32) -> f32 {
 mod tests {
     use super::*;
 
+    /// Asserts that each float32, given by its bits, narrows to its bfloat16 bits.
+    fn assert_narrows(cases: &[(u32, u16)]) {
+        for &(bits, narrowed) in cases {
+            assert_eq!(f32_to_bf16_bits(f32::from_bits(bits)), narrowed);
+        }
+    }
+
     #[test]
     fn exact_values_are_kept() {
         for value in [
@@ -59,29 +66,33 @@ mod tests {
 
     #[test]
     fn rounding_is_to_nearest_ties_to_even() {
-        // 1 + 2^-8 lies halfway between 1 (even mantissa) and 1 + 2^-7: down to 1.
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x3f80_8000)), 0x3f80);
-        // 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 (odd) and 1 + 2^-6 (even): up.
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x3f81_8000)), 0x3f82);
-        // Just above and below the halfway point.
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x3f80_8001)), 0x3f81);
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x3f80_7fff)), 0x3f80);
-        // The same for negative values (rounding is on the magnitude).
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0xbf80_8000)), 0xbf80);
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0xbf81_8000)), 0xbf82);
-        // A carry out of the mantissa raises the exponent: 2 - 2^-9 rounds up to 2.
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x3fff_ffff)), 0x4000);
+        assert_narrows(&[
+            // 1 + 2^-8 lies halfway between 1 (even mantissa) and 1 + 2^-7: down to 1.
+            (0x3f80_8000, 0x3f80),
+            // 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 (odd) and 1 + 2^-6 (even): up.
+            (0x3f81_8000, 0x3f82),
+            // Just above and below the halfway point.
+            (0x3f80_8001, 0x3f81),
+            (0x3f80_7fff, 0x3f80),
+            // The same for negative values (rounding is on the magnitude).
+            (0xbf80_8000, 0xbf80),
+            (0xbf81_8000, 0xbf82),
+            // A carry out of the mantissa raises the exponent: 2 - 2^-9 rounds up to 2.
+            (0x3fff_ffff, 0x4000),
+        ]);
     }
 
     #[test]
     fn large_values_overflow_to_infinity() {
-        // The largest bfloat16 is 0x7f7f (about 3.39e38); float32's largest rounds past it.
-        assert_eq!(f32_to_bf16_bits(f32::MAX), 0x7f80);
-        assert_eq!(f32_to_bf16_bits(f32::MIN), 0xff80);
-        // Halfway between 0x7f7f and infinity ties to even: infinity (0x7f80 is even).
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x7f7f_8000)), 0x7f80);
-        // Below halfway it stays finite.
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x7f7f_7fff)), 0x7f7f);
+        assert_narrows(&[
+            // The largest bfloat16 is 0x7f7f (about 3.39e38); float32's largest rounds past it.
+            (f32::MAX.to_bits(), 0x7f80),
+            (f32::MIN.to_bits(), 0xff80),
+            // Halfway between 0x7f7f and infinity ties to even: infinity (0x7f80 is even).
+            (0x7f7f_8000, 0x7f80),
+            // Below halfway it stays finite.
+            (0x7f7f_7fff, 0x7f7f),
+        ]);
     }
 
     #[test]
@@ -101,25 +112,29 @@ mod tests {
                 "sign of {bits:#010x}"
             );
         }
-        // A signalling NaN whose payload is only in the dropped bits: quiet, not infinity.
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x7f80_0001)), 0x7fc0);
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0xff80_0001)), 0xffc0);
-        // The upper payload is kept.
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x7fa0_0000)), 0x7fe0);
+        assert_narrows(&[
+            // A signalling NaN whose payload is only in the dropped bits: quiet, not infinity.
+            (0x7f80_0001, 0x7fc0),
+            (0xff80_0001, 0xffc0),
+            // The upper payload is kept.
+            (0x7fa0_0000, 0x7fe0),
+        ]);
     }
 
     #[test]
     fn subnormals_round_like_other_values() {
-        // The smallest float32 subnormal is below half the smallest bfloat16 subnormal
-        // (2^-133): to zero, keeping the sign.
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x0000_0001)), 0x0000);
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x8000_0001)), 0x8000);
-        // Halfway to the smallest bfloat16 subnormal ties to even (zero); above it, up.
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x0000_8000)), 0x0000);
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x0000_8001)), 0x0001);
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x0001_8000)), 0x0002);
-        // The largest subnormal rounds up into the smallest normal.
-        assert_eq!(f32_to_bf16_bits(f32::from_bits(0x007f_ffff)), 0x0080);
+        assert_narrows(&[
+            // The smallest float32 subnormal is below half the smallest bfloat16 subnormal
+            // (2^-133): to zero, keeping the sign.
+            (0x0000_0001, 0x0000),
+            (0x8000_0001, 0x8000),
+            // Halfway to the smallest bfloat16 subnormal ties to even (zero); above it, up.
+            (0x0000_8000, 0x0000),
+            (0x0000_8001, 0x0001),
+            (0x0001_8000, 0x0002),
+            // The largest subnormal rounds up into the smallest normal.
+            (0x007f_ffff, 0x0080),
+        ]);
         assert_eq!(bf16_bits_to_f32(0x0001), f32::from_bits(0x0001_0000));
     }
 

@@ -486,9 +486,7 @@ fn seed_004_small() -> Model {
         n_blocks: vec![1, 1],
         n_channels: vec![8, 16],
         bottlenecks: Some(vec![4, 8]),
-        first_kernel_size: 3,
-        img_channels: 3,
-        num_classes: 10,
+        ..ResNetBaseSpec::tutorial_default()
     }))
     .unwrap()
 }
@@ -539,12 +537,9 @@ fn storage_sizes_follow_the_plan() {
 #[test]
 fn adam_scalars_are_the_cpus_bias_corrections() {
     let config = AdamConfig {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
         weight_decay: 0.01,
         decoupled: true,
+        ..AdamConfig::with_lr(1e-3)
     };
     let first = AdamScalars::new(&config, 1);
     // step_size = lr / (1 - 0.9) = 0.01; sqrt(1 - 0.999) = 0.0316227766 (the f32 betas are

@@ -9,9 +9,9 @@
 mod common;
 
 use common::{formula_batch, gpu_probe, seed_004, shallow_seed_004};
-use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe};
+use tandem_cuda::Precision;
 use tandem_models::workspace::Mode;
-use tandem_models::{LossOptions, Model};
+use tandem_models::LossOptions;
 
 const BATCH: usize = 8;
 const SIDE: usize = 32;
@@ -45,15 +45,6 @@ const GRADIENT_FLOOR: f64 = 1e-4;
 /// reading its float32 images as bfloat16 gives values unrelated to the CPU's.
 const EVAL_LOGITS_COSINE: f64 = 0.99;
 const EVAL_LOGITS_NORM_TOLERANCE: f64 = 0.1;
-
-fn bf16_executor(probe: &Probe, model: &Model) -> CudaExecutor {
-    let settings = GpuSettings {
-        ordinal: 0,
-        precision: Precision::Bf16,
-        deterministic: true,
-    };
-    CudaExecutor::new(probe, settings, common::test_cache(), model).unwrap()
-}
 
 /// Cosine similarity and norm ratio of `found` to `expected`, in f64.
 fn cosine_and_norm_ratio(found: &[f32], expected: &[f32]) -> (f64, f64) {
@@ -89,7 +80,7 @@ fn a_bf16_training_step_is_within_bf16_tolerances_of_the_fp32_cpu() {
     cpu.backward(1.0, None, &mut |_, _| {}).unwrap();
 
     let model = shallow_seed_004();
-    let mut exec = bf16_executor(probe, &model);
+    let mut exec = common::executor(probe, Precision::Bf16, &model);
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
     let gpu_loss = exec
         .forward_train(&model, &plan, &images, &labels, &loss, None)
@@ -151,7 +142,7 @@ fn two_bf16_backwards_accumulate_exactly_twice_one() {
     let (images, labels) = formula_batch(BATCH, SIDE, 0);
     let loss = LossOptions::default();
     let model = seed_004();
-    let mut exec = bf16_executor(probe, &model);
+    let mut exec = common::executor(probe, Precision::Bf16, &model);
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
     exec.forward_train(&model, &plan, &images, &labels, &loss, None)
         .unwrap();
@@ -196,7 +187,7 @@ fn a_bf16_evaluation_through_the_reused_images_slot_is_close_to_the_fp32_cpu() {
             .any(|unit| unit.index != plan.stem.index && unit.z == plan.images),
         "the plan no longer reuses the images slot for a later unit's activations"
     );
-    let mut exec = bf16_executor(probe, &model);
+    let mut exec = common::executor(probe, Precision::Bf16, &model);
     let mut logits = Vec::new();
     exec.forward_eval(&model, &plan, &images, &mut logits)
         .unwrap();

@@ -12,10 +12,10 @@ mod common;
 use std::ops::Range;
 
 use common::kernel_checks::assert_bits_equal;
-use common::{formula_batch, gpu_probe, seed_004};
+use common::{formula_batch, gpu_probe, host_step, momentum_sgd, seed_004};
 use tandem_cuda::executor::conv::AlgorithmCounts;
 use tandem_cuda::executor::HostPixels;
-use tandem_cuda::{CudaExecutor, GpuSettings, Precision, Probe, PtxCache};
+use tandem_cuda::{CudaExecutor, Precision, Probe, PtxCache};
 use tandem_engine::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model};
@@ -120,14 +120,6 @@ fn assert_gradients_close(
     }
 }
 
-fn settings() -> GpuSettings {
-    GpuSettings {
-        ordinal: 0,
-        precision: Precision::Fp32,
-        deterministic: true,
-    }
-}
-
 /// One forward and backward on both devices; returns the GPU executor and the CPU model
 /// after it, having compared the loss, logits, gradients, statistics and ready ranges.
 fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
@@ -144,7 +136,7 @@ fn one_step(probe: &Probe) -> (CudaExecutor, Model, Model) {
         .unwrap();
 
     let model = seed_004();
-    let mut exec = CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
+    let mut exec = common::executor(probe, Precision::Fp32, &model);
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
     let gpu_loss = exec
         .forward_train(&model, &plan, &images, &labels, &loss, None)
@@ -231,10 +223,9 @@ fn training_after_an_evaluation_of_the_same_shape_equals_training_alone() {
     let (images, labels) = formula_batch(BATCH, SIDE, 0);
     let model = seed_004();
     let train = |exec: &mut CudaExecutor| train_bits(exec, &model, &images, &labels);
-    let mut alone = CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
+    let mut alone = common::executor(probe, Precision::Fp32, &model);
     let expected = train(&mut alone);
-    let mut after_eval =
-        CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
+    let mut after_eval = common::executor(probe, Precision::Fp32, &model);
     let eval_plan = model.plan(Mode::Eval, BATCH, SIDE, SIDE).unwrap();
     let mut logits = Vec::new();
     after_eval
@@ -270,8 +261,9 @@ fn measured_algorithms_are_read_back_by_the_next_executor() {
         .collect();
     let folder = tempfile::tempdir().unwrap();
     let cache = PtxCache::new(folder.path().join("ptx"));
-    let open =
-        |cache: Option<PtxCache>| CudaExecutor::new(probe, settings(), cache, &model).unwrap();
+    let open = |cache: Option<PtxCache>| {
+        CudaExecutor::new(probe, common::gpu_settings(Precision::Fp32), cache, &model).unwrap()
+    };
     let train = |exec: &mut CudaExecutor| train_bits(exec, &model, &images, &labels);
     let algorithm_files = || -> Vec<std::path::PathBuf> {
         let mut files: Vec<_> = std::fs::read_dir(&cache.dir)
@@ -338,13 +330,7 @@ fn two_sgd_steps_then_an_evaluation_match_the_cpu() {
         return;
     };
     let (mut exec, mut cpu, model) = one_step(probe);
-    let config = SgdConfig {
-        lr: 0.1,
-        momentum: 0.9,
-        dampening: 0.0,
-        nesterov: true,
-        weight_decay: 5e-4,
-    };
+    let config = momentum_sgd(0.1, true);
     let mut sgd = Sgd::new(cpu.params().len(), config);
     let (images, labels) = formula_batch(BATCH, SIDE, 0);
     let loss = LossOptions::default();
@@ -483,12 +469,9 @@ fn two_adamw_steps_over_the_same_buffers_match_the_cpu_bit_for_bit() {
     exec.params_from_host(cpu.params(), cpu.buffers()).unwrap();
     exec.grads_from_host(cpu.grads()).unwrap();
     let config = AdamConfig {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
         weight_decay: 0.01,
         decoupled: true,
+        ..AdamConfig::with_lr(1e-3)
     };
     let mut adam = Adam::new(cpu.params().len(), config);
     // The same gradients twice: the step count and moments differ between the steps.
@@ -568,7 +551,7 @@ fn device_assembled_batches_equal_the_cpu_loaders() {
         channels: 3,
     };
     let model = seed_004();
-    let mut exec = CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
+    let mut exec = common::executor(probe, Precision::Fp32, &model);
     let sampler = tandem_data::DistributedSampler::new(21, 2, 1, true, 9, false).unwrap();
     let cases: [(Option<Augment>, Option<Normalize>); 3] = [
         (Some(Augment::crop_and_flip()), Some(IMAGENET_NORMALIZE)),
@@ -729,7 +712,7 @@ fn bits(values: &[f32]) -> Vec<u32> {
 /// separate calls).
 fn three_executors(probe: &Probe, model: &Model) -> [CudaExecutor; 3] {
     [true, false, false].map(|graphs| {
-        let mut exec = CudaExecutor::new(probe, settings(), common::test_cache(), model).unwrap();
+        let mut exec = common::executor(probe, Precision::Fp32, model);
         exec.set_graphs(graphs);
         exec
     })
@@ -802,13 +785,7 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
     for (step, &(indices, epoch)) in steps.iter().enumerate() {
         let plan = &plans[usize::from(indices.len() != BATCH)];
         let labels: Vec<u32> = indices.iter().map(|&i| dataset.labels[i]).collect();
-        let config = SgdConfig {
-            lr: 0.1 / (step + 1) as f32,
-            momentum: 0.9,
-            dampening: 0.0,
-            nesterov: true,
-            weight_decay: 5e-4,
-        };
+        let config = momentum_sgd(0.1 / (step + 1) as f32, true);
         let mut losses = Vec::new();
         for (exec, dataset) in [&mut graphed, &mut eager].into_iter().zip(&mut datasets) {
             let outcome = exec
@@ -883,13 +860,7 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
                 .train_step(
                     &model,
                     &plans[0],
-                    TrainStep {
-                        images: StepImages::Host(&images),
-                        labels: &labels,
-                        micro_batches: 1,
-                        loss: &loss,
-                        optimizer: StepOptimizer::Adam(&config),
-                    },
+                    host_step(&images, &labels, 1, &loss, StepOptimizer::Adam(&config)),
                 )
                 .unwrap();
             if let Some(reason) = &outcome.graphs_off {
@@ -949,13 +920,7 @@ fn accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit() {
             .collect();
         let labels: Vec<u32> = indices.iter().map(|&i| dataset.labels[i]).collect();
         let epoch = step / 2;
-        let config = SgdConfig {
-            lr: 0.1 / (step + 1) as f32,
-            momentum: 0.9,
-            dampening: 0.0,
-            nesterov: true,
-            weight_decay: 5e-4,
-        };
+        let config = momentum_sgd(0.1 / (step + 1) as f32, true);
         let mut losses: Vec<Vec<f32>> = Vec::new();
         for (exec, dataset) in [&mut graphed, &mut eager].into_iter().zip(&mut datasets) {
             let outcome = exec
@@ -1011,10 +976,7 @@ fn accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit() {
     let host_micro_batches = 2;
     let mut adam_runs = Vec::new();
     for step in 0..3u64 {
-        let (mut images, mut labels) = formula_batch(BATCH, SIDE, 2 * step);
-        let (more_images, more_labels) = formula_batch(BATCH, SIDE, 2 * step + 1);
-        images.extend_from_slice(&more_images);
-        labels.extend_from_slice(&more_labels);
+        let (images, labels) = common::formula_batches(BATCH, SIDE, [2 * step, 2 * step + 1]);
         let config = AdamConfig {
             weight_decay: 1e-2,
             decoupled: true,
@@ -1022,19 +984,9 @@ fn accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit() {
         };
         let mut losses = Vec::new();
         for exec in [&mut graphed, &mut eager] {
-            let outcome = exec
-                .train_step(
-                    &model,
-                    &plan,
-                    TrainStep {
-                        images: StepImages::Host(&images),
-                        labels: &labels,
-                        micro_batches: host_micro_batches,
-                        loss: &loss,
-                        optimizer: StepOptimizer::Adam(&config),
-                    },
-                )
-                .unwrap();
+            let optimizer = StepOptimizer::Adam(&config);
+            let train = host_step(&images, &labels, host_micro_batches, &loss, optimizer);
+            let outcome = exec.train_step(&model, &plan, train).unwrap();
             losses.push(outcome.losses);
             adam_runs.push(outcome.run);
         }
@@ -1071,23 +1023,14 @@ fn accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit() {
     labels.extend_from_within(..);
     labels[BATCH + 3] = 10;
     let config = SgdConfig {
-        lr: 0.1,
         momentum: 0.9,
-        dampening: 0.0,
-        nesterov: false,
-        weight_decay: 0.0,
+        ..SgdConfig::with_lr(0.1)
     };
     let error = graphed
         .train_step(
             &model,
             &plan,
-            TrainStep {
-                images: StepImages::Host(&images),
-                labels: &labels,
-                micro_batches: 2,
-                loss: &loss,
-                optimizer: StepOptimizer::Sgd(&config),
-            },
+            host_step(&images, &labels, 2, &loss, StepOptimizer::Sgd(&config)),
         )
         .unwrap_err();
     let separate_error = separate
@@ -1106,13 +1049,13 @@ fn accumulated_steps_graphed_equal_the_separate_calls_bit_for_bit() {
         .train_step(
             &model,
             &plan,
-            TrainStep {
-                images: StepImages::Host(&images[images.len() / 2..]),
-                labels: &labels[BATCH..],
-                micro_batches: 1,
-                loss: &loss,
-                optimizer: StepOptimizer::Sgd(&config),
-            },
+            host_step(
+                &images[images.len() / 2..],
+                &labels[BATCH..],
+                1,
+                &loss,
+                StepOptimizer::Sgd(&config),
+            ),
         )
         .unwrap_err();
     assert_eq!(one_error.to_string(), separate_error.to_string());

@@ -10,13 +10,13 @@
 
 mod common;
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use common::kernel_checks::assert_bits_equal;
-use common::{formula_batch, gpu_probe, shallow_seed_004};
+use common::{formula_batch, gpu_probe, host_step, momentum_sgd, shallow_seed_004};
 use tandem_cuda::executor::graph::StepRun;
-use tandem_cuda::executor::{StepImages, StepOptimizer, TrainStep};
-use tandem_cuda::{CudaExecutor, GpuSettings, Precision};
+use tandem_cuda::executor::StepOptimizer;
+use tandem_cuda::{CudaExecutor, Precision};
 use tandem_engine::SgdConfig;
 use tandem_models::workspace::Mode;
 use tandem_models::LossOptions;
@@ -29,33 +29,31 @@ const REFUSE_BACKWARD_FILTER: &str = "TANDEM_FAKE_CUDNN_REFUSE_BACKWARD_FILTER";
 /// Held by each test while its knob is set.
 static KNOBS: Mutex<()> = Mutex::new(());
 
-/// Sets an environment variable until dropped.
-struct Knob(&'static str);
+/// Sets an environment variable until dropped, holding [`KNOBS`] meanwhile.
+struct Knob {
+    name: &'static str,
+    _turn: MutexGuard<'static, ()>,
+}
 
 impl Knob {
     fn set(name: &'static str) -> Knob {
+        let turn = KNOBS
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         std::env::set_var(name, "1");
-        Knob(name)
+        Knob { name, _turn: turn }
     }
 }
 
 impl Drop for Knob {
     fn drop(&mut self) {
-        std::env::remove_var(self.0);
+        std::env::remove_var(self.name);
     }
 }
 
 /// Whether the GPU is the fake one (whose knobs work).
 fn fake_gpu() -> bool {
     std::env::var_os("TANDEM_FAKE_GPU_KERNELS").is_some()
-}
-
-fn settings() -> GpuSettings {
-    GpuSettings {
-        ordinal: 0,
-        precision: Precision::Fp32,
-        deterministic: true,
-    }
 }
 
 const BATCH: usize = 8;
@@ -67,14 +65,11 @@ fn a_capture_refused_in_thread_local_mode_is_captured_again_in_relaxed_mode() {
     let Some(probe) = gpu_probe(test, &[]) else {
         return;
     };
-    let _turn = KNOBS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let _knob = Knob::set(ALLOCATES_IN_CAPTURE);
     let model = shallow_seed_004();
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
-    let mut graphed = CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
-    let mut eager = CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
+    let mut graphed = common::executor(probe, Precision::Fp32, &model);
+    let mut eager = common::executor(probe, Precision::Fp32, &model);
     graphed.set_graphs(true);
     eager.set_graphs(false);
     let loss = LossOptions::default();
@@ -82,22 +77,10 @@ fn a_capture_refused_in_thread_local_mode_is_captured_again_in_relaxed_mode() {
     let mut relaxed_notes = Vec::new();
     for step in 0..4u64 {
         let (images, labels) = formula_batch(BATCH, SIDE, step);
-        let config = SgdConfig {
-            lr: 0.05 / (step + 1) as f32,
-            momentum: 0.9,
-            dampening: 0.0,
-            nesterov: false,
-            weight_decay: 5e-4,
-        };
+        let config = momentum_sgd(0.05 / (step + 1) as f32, false);
         let mut losses = Vec::new();
         for (exec, graphs) in [(&mut graphed, true), (&mut eager, false)] {
-            let step = TrainStep {
-                images: StepImages::Host(&images),
-                labels: &labels,
-                micro_batches: 1,
-                loss: &loss,
-                optimizer: StepOptimizer::Sgd(&config),
-            };
+            let step = host_step(&images, &labels, 1, &loss, StepOptimizer::Sgd(&config));
             let outcome = exec.train_step(&model, &plan, step).unwrap();
             if graphs {
                 assert_eq!(outcome.graphs_off, None, "graphs stay on");
@@ -150,30 +133,16 @@ fn a_convolution_algorithm_refused_when_it_runs_is_named_with_every_candidate() 
         eprintln!("{test}: skipped, only the fake cuDNN can be made to refuse an algorithm");
         return;
     }
-    let _turn = KNOBS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let _knob = Knob::set(REFUSE_BACKWARD_FILTER);
     let model = shallow_seed_004();
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
     // No algorithm store: the error lists the candidates measured in this process.
-    let mut exec = CudaExecutor::new(probe, settings(), None, &model).unwrap();
+    let mut exec =
+        CudaExecutor::new(probe, common::gpu_settings(Precision::Fp32), None, &model).unwrap();
     exec.set_graphs(false);
     let (images, labels) = formula_batch(BATCH, SIDE, 0);
-    let config = SgdConfig {
-        lr: 0.1,
-        momentum: 0.0,
-        dampening: 0.0,
-        nesterov: false,
-        weight_decay: 0.0,
-    };
-    let step = TrainStep {
-        images: StepImages::Host(&images),
-        labels: &labels,
-        micro_batches: 1,
-        loss: &LossOptions::default(),
-        optimizer: StepOptimizer::Sgd(&config),
-    };
+    let (config, loss) = (SgdConfig::with_lr(0.1), LossOptions::default());
+    let step = host_step(&images, &labels, 1, &loss, StepOptimizer::Sgd(&config));
     let error = exec
         .train_step(&model, &plan, step)
         .unwrap_err()

@@ -17,14 +17,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{formula_batch, gpu_probe, seed_004};
+use common::{formula_batch, gpu_probe, host_step, momentum_sgd, seed_004};
 use tandem_cuda::executor::graph::StepRun;
-use tandem_cuda::executor::{StepImages, StepOptimizer, TrainStep};
+use tandem_cuda::executor::StepOptimizer;
 use tandem_cuda::nccl::{create_unique_id, UNIQUE_ID_BYTES};
-use tandem_cuda::{
-    CollectiveError, CudaExecutor, GpuError, GpuSettings, Library, Precision, Probe,
-};
-use tandem_engine::SgdConfig;
+use tandem_cuda::{CollectiveError, CudaExecutor, GpuError, Library, Precision, Probe};
 use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model};
 
@@ -35,15 +32,6 @@ fn model() -> Model {
     let mut model = seed_004();
     model.init_default(5);
     model
-}
-
-fn executor(probe: &Probe, model: &Model) -> CudaExecutor {
-    let settings = GpuSettings {
-        ordinal: 0,
-        precision: Precision::Fp32,
-        deterministic: true,
-    };
-    CudaExecutor::new(probe, settings, common::test_cache(), model).unwrap()
 }
 
 /// Small buckets over `len` gradients, so that many are all-reduced during the backward.
@@ -58,7 +46,7 @@ fn buckets(len: usize) -> Vec<std::ops::Range<usize>> {
 /// the backward all-reduced through a world-size-1 NCCL group or plain.
 fn one_step(probe: &Probe, through_nccl: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let model = model();
-    let mut exec = executor(probe, &model);
+    let mut exec = common::executor(probe, Precision::Fp32, &model);
     if through_nccl {
         let id = create_unique_id(probe).unwrap();
         let len = model.params().len();
@@ -176,7 +164,7 @@ fn whole_steps(
     micro_batches: usize,
 ) -> WholeSteps {
     let model = model();
-    let mut exec = executor(probe, &model);
+    let mut exec = common::executor(probe, Precision::Fp32, &model);
     exec.set_graphs(graphs);
     join(probe, &mut exec, &model, group, sync_bn);
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
@@ -185,35 +173,16 @@ fn whole_steps(
     };
     let (mut losses, mut runs) = (Vec::new(), Vec::new());
     for step in 0..STEPS {
-        let (mut images, mut labels) = (Vec::new(), Vec::new());
-        for micro_batch in 0..micro_batches as u64 {
-            let (more_images, more_labels) = formula_batch(BATCH, SIDE, 10 * step + micro_batch);
-            images.extend_from_slice(&more_images);
-            labels.extend_from_slice(&more_labels);
-        }
-        let config = SgdConfig {
-            lr: 0.05 / (step + 1) as f32,
-            momentum: 0.9,
-            dampening: 0.0,
-            nesterov: false,
-            weight_decay: 5e-4,
-        };
+        let micro_batch_steps =
+            (0..micro_batches as u64).map(|micro_batch| 10 * step + micro_batch);
+        let (images, labels) = common::formula_batches(BATCH, SIDE, micro_batch_steps);
+        let config = momentum_sgd(0.05 / (step + 1) as f32, false);
         if group != Group::Alone {
             exec.broadcast_buffers().unwrap();
         }
-        let outcome = exec
-            .train_step(
-                &model,
-                &plan,
-                TrainStep {
-                    images: StepImages::Host(&images),
-                    labels: &labels,
-                    micro_batches,
-                    loss: &loss,
-                    optimizer: StepOptimizer::Sgd(&config),
-                },
-            )
-            .unwrap();
+        let optimizer = StepOptimizer::Sgd(&config);
+        let train = host_step(&images, &labels, micro_batches, &loss, optimizer);
+        let outcome = exec.train_step(&model, &plan, train).unwrap();
         losses.extend(outcome.losses.iter().map(|loss| loss.to_bits()));
         runs.push(outcome.run);
     }
@@ -384,7 +353,7 @@ fn a_rank_that_never_joins_ends_the_join_within_the_timeout() {
         return;
     };
     let model = model();
-    let mut exec = executor(probe, &model);
+    let mut exec = common::executor(probe, Precision::Fp32, &model);
     let id = create_unique_id(probe).unwrap();
     let len = model.params().len();
     let started = Instant::now();

@@ -7,20 +7,12 @@ mod common;
 
 use common::{formula_batch, gpu_probe, seed_004};
 use tandem_cuda::probe::{duplicated_stems, mapped_cuda_files};
-use tandem_cuda::{CudaExecutor, GpuSettings, Precision};
+use tandem_cuda::Precision;
 use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model, ModelSpec};
 
 const BATCH: usize = 4;
 const SIDE: usize = 32;
-
-fn settings() -> GpuSettings {
-    GpuSettings {
-        ordinal: 0,
-        precision: Precision::Fp32,
-        deterministic: true,
-    }
-}
 
 /// Makes a model, with the same weights each time.
 type NewModel = fn() -> Model;
@@ -40,7 +32,7 @@ fn one_step(
         .unwrap();
     cpu.backward(1.0, None, &mut |_, _| {}).unwrap();
 
-    let mut exec = CudaExecutor::new(probe, settings(), common::test_cache(), model).unwrap();
+    let mut exec = common::executor(probe, Precision::Fp32, model);
     let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
     let gpu_loss = exec
         .forward_train(model, &plan, &images, &labels, &loss, None)
@@ -87,7 +79,7 @@ fn the_cuda_libraries_each_load_from_one_file() {
     // An executor and one evaluation load everything a step uses: cuBLAS with cuBLASLt,
     // cuDNN with the sub-libraries it opens at its first convolution, NVRTC's builtins.
     let model = seed_004();
-    let mut exec = CudaExecutor::new(probe, settings(), common::test_cache(), &model).unwrap();
+    let mut exec = common::executor(probe, Precision::Fp32, &model);
     let plan = model.plan(Mode::Eval, BATCH, SIDE, SIDE).unwrap();
     let (images, _) = formula_batch(BATCH, SIDE, 0);
     exec.forward_eval(&model, &plan, &images, &mut Vec::new())

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Instant;
 
-use tandem_cuda::{CompileError, Compiler, GpuArch, KernelSource, PtxCache, KERNELS};
+use tandem_cuda::{CompileError, Compiler, GpuArch, KernelSource, Probe, PtxCache, KERNELS};
 
 /// Kernel files whose float results are claimed bit-identical to the CPU engine's.
 const BIT_IDENTICAL_TO_THE_CPU: [&str; 6] = [
@@ -235,6 +235,16 @@ fn compiled_ptx_is_stored_in_the_cache_and_read_back() {
     assert_eq!(second.cubin, first.cubin);
 }
 
+/// The sm_90 PTX of kernel file `name`.
+fn sm_90_ptx(probe: &Probe, name: &str) -> String {
+    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
+    let kernel = tandem_cuda::kernels::kernel(name).unwrap_or_else(|| panic!("{name}.cu"));
+    let (compiled, _) = compiler
+        .compile(kernel)
+        .unwrap_or_else(|error| panic!("{error}"));
+    compiled.ptx
+}
+
 /// The data-parallel average's last step divides exactly (IEEE round-to-nearest, as the
 /// host ring's `sum / world`), not with an approximate or multiply-by-reciprocal division.
 #[test]
@@ -242,18 +252,10 @@ fn the_gradient_average_divides_exactly() {
     let Some(probe) = common::probe_with_nvrtc("the_gradient_average_divides_exactly") else {
         return;
     };
-    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
-    let kernel = tandem_cuda::kernels::kernel("collective").expect("collective.cu");
-    let (compiled, _) = compiler
-        .compile(kernel)
-        .unwrap_or_else(|error| panic!("{error}"));
-    assert!(compiled.ptx.contains("div.rn.f32"), "{}", compiled.ptx);
+    let ptx = sm_90_ptx(probe, "collective");
+    assert!(ptx.contains("div.rn.f32"), "{ptx}");
     for inexact in ["div.approx", "div.full", "rcp."] {
-        assert!(
-            !compiled.ptx.contains(inexact),
-            "{inexact} in {}",
-            compiled.ptx
-        );
+        assert!(!ptx.contains(inexact), "{inexact} in {ptx}");
     }
 }
 
@@ -267,12 +269,7 @@ fn the_bf16_conversions_round_with_integer_arithmetic() {
     else {
         return;
     };
-    let compiler = Compiler::new(probe, GpuArch::SM_90, None).unwrap();
-    let kernel = tandem_cuda::kernels::kernel("convert").expect("convert.cu");
-    let (compiled, _) = compiler
-        .compile(kernel)
-        .unwrap_or_else(|error| panic!("{error}"));
-    let ptx = &compiled.ptx;
+    let ptx = &sm_90_ptx(probe, "convert");
     for entry in ["float_to_bf16", "bf16_to_float", "bf16_add_to_float"] {
         assert!(
             ptx.contains(&format!(".entry {entry}(")),
@@ -344,11 +341,8 @@ fn the_scalar_structs_have_the_hosts_layout() {
     };
     use tandem_engine::{AdamConfig, SgdConfig};
     let sgd_config = SgdConfig {
-        lr: 0.1,
         momentum: 0.9,
-        dampening: 0.0,
-        nesterov: false,
-        weight_decay: 0.0,
+        ..SgdConfig::with_lr(0.1)
     };
     let sgd = OptimizerScalars::Sgd(SgdScalars::new(&sgd_config, 0))
         .bytes()

@@ -169,11 +169,15 @@ mod tests {
     use super::*;
     use std::collections::HashSet;
 
+    /// Now, a second, and deadlines of ten seconds.
+    fn ten_second_deadlines<T>() -> (Instant, Duration, Deadlines<T>) {
+        let second = Duration::from_secs(1);
+        (Instant::now(), second, Deadlines::new(10 * second))
+    }
+
     #[test]
     fn finished_collectives_leave_and_a_late_one_times_out() {
-        let start = Instant::now();
-        let second = Duration::from_secs(1);
-        let mut deadlines = Deadlines::new(10 * second);
+        let (start, second, mut deadlines) = ten_second_deadlines();
         deadlines.register(1, "all-reduce of gradient buckets 0-2".into(), start);
         deadlines.register(2, "broadcast of the BN buffers".into(), start + second);
         let mut done: HashSet<i32> = HashSet::new();
@@ -259,9 +263,7 @@ mod tests {
 
     #[test]
     fn markers_of_a_capture_are_held_unwatched_and_each_launch_gets_a_deadline() {
-        let start = Instant::now();
-        let second = Duration::from_secs(1);
-        let mut deadlines = Deadlines::new(10 * second);
+        let (start, second, mut deadlines) = ten_second_deadlines();
         // An eager step before the capture: its hand-back is watched.
         deadlines.register(1, "all-reduce of the gradients (3 buckets)".into(), start);
         assert_eq!(deadlines.hold_while_capturing(100), Some(100));

@@ -168,12 +168,10 @@ fn candidate<A: Numbered>(line: &str, direction: &str) -> Option<Candidate<A>> {
     })
 }
 
-/// An enumeration of cuDNN's read back from its number: only a value it defines.
-trait Numbered: Copy + Sized + 'static {
+/// An algorithm enumeration of cuDNN's read back from its number: only a value it defines.
+trait Numbered: DeterministicOrder + 'static {
     /// Every value (without the `COUNT` sentinel).
     const ALL: &'static [Self];
-    /// The value's number.
-    fn number(self) -> u32;
     /// The value numbered `number`, if there is one.
     fn from_number(number: u32) -> Option<Self> {
         Self::ALL
@@ -197,9 +195,6 @@ impl Numbered for sys::cudnnConvolutionFwdAlgo_t {
             CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED,
         ]
     };
-    fn number(self) -> u32 {
-        self as u32
-    }
 }
 
 impl Numbered for sys::cudnnConvolutionBwdDataAlgo_t {
@@ -214,9 +209,6 @@ impl Numbered for sys::cudnnConvolutionBwdDataAlgo_t {
             CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED,
         ]
     };
-    fn number(self) -> u32 {
-        self as u32
-    }
 }
 
 impl Numbered for sys::cudnnConvolutionBwdFilterAlgo_t {
@@ -232,9 +224,6 @@ impl Numbered for sys::cudnnConvolutionBwdFilterAlgo_t {
             CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING,
         ]
     };
-    fn number(self) -> u32 {
-        self as u32
-    }
 }
 
 /// The math type numbered `number`, if cuDNN defines one.

@@ -300,32 +300,12 @@ impl ConvPlan {
 
     /// `output = conv(input, filter)`.
     pub fn forward(&self, handle: &CudnnHandle, buffers: &ConvBuffers) -> Result<(), GpuError> {
-        self.conv.set_math(self.forward.math)?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        // SAFETY: the descriptors describe this plan's shape, for which the caller's buffers
-        // were allocated (input, filter and output of that shape, the workspace at least as
-        // large as `workspace_bytes`), all on the handle's stream.
-        unsafe {
-            sys::cudnnConvolutionForward(
-                handle.raw(),
-                scalar(&alpha),
-                self.input.raw(),
-                buffers.input as *const c_void,
-                self.filter.raw(),
-                buffers.filter as *const c_void,
-                self.conv.raw(),
-                self.forward.algo,
-                buffers.workspace.0 as *mut c_void,
-                buffers.workspace.1,
-                scalar(&beta),
-                self.output.raw(),
-                buffers.output as *mut c_void,
-            )
-        }
-        .result()
-        .map_err(|status| {
-            self.execution_error(Direction::Forward, "cudnnConvolutionForward", status)
-        })
+        let call = (Direction::Forward, "cudnnConvolutionForward");
+        let operands = [buffers.input, buffers.filter, buffers.output];
+        let descriptors = (self.input.raw(), self.filter.raw(), self.output.raw());
+        let convolution: Convolution<_, _, _, _> = sys::cudnnConvolutionForward;
+        let run = (convolution, self.forward, false);
+        self.run(handle, call, run, descriptors, operands, buffers.workspace)
     }
 
     /// `input (+)= conv_transpose(output gradient, filter)`: overwritten, or added to when
@@ -336,35 +316,12 @@ impl ConvPlan {
         buffers: &ConvBuffers,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        let algorithm = self.backward()?.data;
-        self.conv.set_math(algorithm.math)?;
-        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        // SAFETY: as in `forward`; `input` is the input gradient buffer of this shape.
-        unsafe {
-            sys::cudnnConvolutionBackwardData(
-                handle.raw(),
-                scalar(&alpha),
-                self.filter.raw(),
-                buffers.filter as *const c_void,
-                self.output.raw(),
-                buffers.output as *const c_void,
-                self.conv.raw(),
-                algorithm.algo,
-                buffers.workspace.0 as *mut c_void,
-                buffers.workspace.1,
-                scalar(&beta),
-                self.input.raw(),
-                buffers.input as *mut c_void,
-            )
-        }
-        .result()
-        .map_err(|status| {
-            self.execution_error(
-                Direction::BackwardData,
-                "cudnnConvolutionBackwardData",
-                status,
-            )
-        })
+        let call = (Direction::BackwardData, "cudnnConvolutionBackwardData");
+        let operands = [buffers.filter, buffers.output, buffers.input];
+        let descriptors = (self.filter.raw(), self.output.raw(), self.input.raw());
+        let convolution: Convolution<_, _, _, _> = sys::cudnnConvolutionBackwardData;
+        let run = (convolution, self.backward()?.data, accumulate);
+        self.run(handle, call, run, descriptors, operands, buffers.workspace)
     }
 
     /// `filter gradient (+)= correlation(input, output gradient)`: added to when
@@ -375,35 +332,52 @@ impl ConvPlan {
         buffers: &ConvBuffers,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        let algorithm = self.backward()?.filter;
+        let call = (Direction::BackwardFilter, "cudnnConvolutionBackwardFilter");
+        let operands = [buffers.input, buffers.output, buffers.filter];
+        let descriptors = (self.input.raw(), self.output.raw(), self.filter.raw());
+        let convolution: Convolution<_, _, _, _> = sys::cudnnConvolutionBackwardFilter;
+        let run = (convolution, self.backward()?.filter, accumulate);
+        self.run(handle, call, run, descriptors, operands, buffers.workspace)
+    }
+
+    /// Runs `convolution`, the cuDNN call `call` of a direction, with `algorithm` (its math
+    /// set on the descriptor), alpha 1 and beta 0 (1 when `accumulate`), on `operands` (the
+    /// two it reads and the one it writes) described by `descriptors`, mapping its failure
+    /// to [`Self::execution_error`].
+    fn run<A, B, C, Algo>(
+        &self,
+        handle: &CudnnHandle,
+        (direction, call): (Direction, &'static str),
+        (convolution, algorithm, accumulate): (Convolution<A, B, C, Algo>, Candidate<Algo>, bool),
+        (a, b, c): (A, B, C),
+        [a_data, b_data, c_data]: [u64; 3],
+        (workspace, workspace_bytes): (u64, usize),
+    ) -> Result<(), GpuError> {
         self.conv.set_math(algorithm.math)?;
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        // SAFETY: as in `forward`; `filter` is the filter gradient of this layer.
+        // SAFETY: `convolution` is one of cuDNN's convolution calls and the descriptors
+        // describe this plan's shape, for which the caller's buffers were allocated (input,
+        // filter and output, or their gradients, of that shape, the workspace at least as
+        // large as `workspace_bytes`), all on the handle's stream.
         unsafe {
-            sys::cudnnConvolutionBackwardFilter(
+            convolution(
                 handle.raw(),
                 scalar(&alpha),
-                self.input.raw(),
-                buffers.input as *const c_void,
-                self.output.raw(),
-                buffers.output as *const c_void,
+                a,
+                a_data as *const c_void,
+                b,
+                b_data as *const c_void,
                 self.conv.raw(),
                 algorithm.algo,
-                buffers.workspace.0 as *mut c_void,
-                buffers.workspace.1,
+                workspace as *mut c_void,
+                workspace_bytes,
                 scalar(&beta),
-                self.filter.raw(),
-                buffers.filter as *mut c_void,
+                c,
+                c_data as *mut c_void,
             )
         }
         .result()
-        .map_err(|status| {
-            self.execution_error(
-                Direction::BackwardFilter,
-                "cudnnConvolutionBackwardFilter",
-                status,
-            )
-        })
+        .map_err(|status| self.execution_error(direction, call, status))
     }
 
     /// The error of a convolution call that failed with `status`: with
@@ -441,6 +415,24 @@ impl ConvPlan {
         }
     }
 }
+
+/// One of cuDNN's convolution calls: handle, alpha, the two operands it reads (descriptor and
+/// data), the convolution, algorithm, workspace and its size, beta, and the operand it writes.
+type Convolution<A, B, C, Algo> = unsafe fn(
+    sys::cudnnHandle_t,
+    *const c_void,
+    A,
+    *const c_void,
+    B,
+    *const c_void,
+    sys::cudnnConvolutionDescriptor_t,
+    Algo,
+    *mut c_void,
+    usize,
+    *const c_void,
+    C,
+    *mut c_void,
+) -> sys::cudnnStatus_t;
 
 /// A host scalar (alpha, beta) as cuDNN takes it.
 fn scalar(value: &f32) -> *const c_void {

@@ -10,6 +10,55 @@ use cudarc::driver::CudaStream;
 use super::algorithm::Candidate;
 use super::error::{cudnn, GpuError};
 
+/// Per direction, a method `name(a, b, conv, c)` that calls `sys::$find` (whose operand
+/// descriptors are `a`, `b` and `c` around the convolution's) and returns its candidates.
+macro_rules! find {
+    ($(
+        $(#[$doc:meta])*
+        $name:ident($a:ident: $ta:ty, $b:ident: $tb:ty, $c:ident: $tc:ty) -> $algo:ty = $find:ident;
+    )*) => {$(
+        $(#[$doc])*
+        pub fn $name(
+            &self,
+            $a: &$ta,
+            $b: &$tb,
+            conv: &ConvDescriptor,
+            $c: &$tc,
+        ) -> Result<Vec<Candidate<$algo>>, GpuError> {
+            let mut returned: c_int = 0;
+            // SAFETY: the perf structs are plain C data, for which all-zero bytes are valid.
+            let mut perfs: [_; ALGORITHMS] = unsafe { std::mem::zeroed() };
+            // SAFETY: valid handle and descriptors; `perfs` holds the requested count.
+            unsafe {
+                sys::$find(
+                    self.0,
+                    $a.raw(),
+                    $b.raw(),
+                    conv.raw(),
+                    $c.raw(),
+                    ALGORITHMS as c_int,
+                    &mut returned,
+                    perfs.as_mut_ptr(),
+                )
+            }
+            .result()
+            .map_err(cudnn(stringify!($find)))?;
+            Ok(perfs[..returned.clamp(0, ALGORITHMS as c_int) as usize]
+                .iter()
+                .map(|perf| Candidate {
+                    algo: perf.algo,
+                    status: perf.status,
+                    time_ms: perf.time,
+                    memory: perf.memory,
+                    deterministic: perf.determinism
+                        == sys::cudnnDeterminism_t::CUDNN_DETERMINISTIC,
+                    math: perf.mathType,
+                })
+                .collect())
+        }
+    )*};
+}
+
 /// A cuDNN handle bound to one stream.
 pub struct CudnnHandle(sys::cudnnHandle_t);
 
@@ -29,130 +78,16 @@ impl CudnnHandle {
         self.0
     }
 
-    /// Measures every forward algorithm of the convolution.
-    pub fn find_forward(
-        &self,
-        x: &TensorDescriptor,
-        w: &FilterDescriptor,
-        conv: &ConvDescriptor,
-        y: &TensorDescriptor,
-    ) -> Result<Vec<Candidate<sys::cudnnConvolutionFwdAlgo_t>>, GpuError> {
-        let mut returned: c_int = 0;
-        // SAFETY: the perf structs are plain C data, for which all-zero bytes are valid.
-        let mut perfs: [sys::cudnnConvolutionFwdAlgoPerf_t; ALGORITHMS] =
-            unsafe { std::mem::zeroed() };
-        // SAFETY: valid handle and descriptors; `perfs` holds the requested count.
-        unsafe {
-            sys::cudnnFindConvolutionForwardAlgorithm(
-                self.0,
-                x.raw(),
-                w.raw(),
-                conv.raw(),
-                y.raw(),
-                ALGORITHMS as c_int,
-                &mut returned,
-                perfs.as_mut_ptr(),
-            )
-        }
-        .result()
-        .map_err(cudnn("cudnnFindConvolutionForwardAlgorithm"))?;
-        Ok(perfs[..returned.clamp(0, ALGORITHMS as c_int) as usize]
-            .iter()
-            .map(|perf| {
-                candidate(
-                    perf.algo,
-                    perf.status,
-                    perf.time,
-                    perf.memory,
-                    perf.determinism,
-                    perf.mathType,
-                )
-            })
-            .collect())
-    }
-
-    /// Measures every data-gradient algorithm of the convolution.
-    pub fn find_backward_data(
-        &self,
-        w: &FilterDescriptor,
-        dy: &TensorDescriptor,
-        conv: &ConvDescriptor,
-        dx: &TensorDescriptor,
-    ) -> Result<Vec<Candidate<sys::cudnnConvolutionBwdDataAlgo_t>>, GpuError> {
-        let mut returned: c_int = 0;
-        // SAFETY: as in `find_forward`.
-        let mut perfs: [sys::cudnnConvolutionBwdDataAlgoPerf_t; ALGORITHMS] =
-            unsafe { std::mem::zeroed() };
-        // SAFETY: as in `find_forward`.
-        unsafe {
-            sys::cudnnFindConvolutionBackwardDataAlgorithm(
-                self.0,
-                w.raw(),
-                dy.raw(),
-                conv.raw(),
-                dx.raw(),
-                ALGORITHMS as c_int,
-                &mut returned,
-                perfs.as_mut_ptr(),
-            )
-        }
-        .result()
-        .map_err(cudnn("cudnnFindConvolutionBackwardDataAlgorithm"))?;
-        Ok(perfs[..returned.clamp(0, ALGORITHMS as c_int) as usize]
-            .iter()
-            .map(|perf| {
-                candidate(
-                    perf.algo,
-                    perf.status,
-                    perf.time,
-                    perf.memory,
-                    perf.determinism,
-                    perf.mathType,
-                )
-            })
-            .collect())
-    }
-
-    /// Measures every filter-gradient algorithm of the convolution.
-    pub fn find_backward_filter(
-        &self,
-        x: &TensorDescriptor,
-        dy: &TensorDescriptor,
-        conv: &ConvDescriptor,
-        dw: &FilterDescriptor,
-    ) -> Result<Vec<Candidate<sys::cudnnConvolutionBwdFilterAlgo_t>>, GpuError> {
-        let mut returned: c_int = 0;
-        // SAFETY: as in `find_forward`.
-        let mut perfs: [sys::cudnnConvolutionBwdFilterAlgoPerf_t; ALGORITHMS] =
-            unsafe { std::mem::zeroed() };
-        // SAFETY: as in `find_forward`.
-        unsafe {
-            sys::cudnnFindConvolutionBackwardFilterAlgorithm(
-                self.0,
-                x.raw(),
-                dy.raw(),
-                conv.raw(),
-                dw.raw(),
-                ALGORITHMS as c_int,
-                &mut returned,
-                perfs.as_mut_ptr(),
-            )
-        }
-        .result()
-        .map_err(cudnn("cudnnFindConvolutionBackwardFilterAlgorithm"))?;
-        Ok(perfs[..returned.clamp(0, ALGORITHMS as c_int) as usize]
-            .iter()
-            .map(|perf| {
-                candidate(
-                    perf.algo,
-                    perf.status,
-                    perf.time,
-                    perf.memory,
-                    perf.determinism,
-                    perf.mathType,
-                )
-            })
-            .collect())
+    find! {
+        /// Measures every forward algorithm of the convolution.
+        find_forward(x: TensorDescriptor, w: FilterDescriptor, y: TensorDescriptor)
+            -> sys::cudnnConvolutionFwdAlgo_t = cudnnFindConvolutionForwardAlgorithm;
+        /// Measures every data-gradient algorithm of the convolution.
+        find_backward_data(w: FilterDescriptor, dy: TensorDescriptor, dx: TensorDescriptor)
+            -> sys::cudnnConvolutionBwdDataAlgo_t = cudnnFindConvolutionBackwardDataAlgorithm;
+        /// Measures every filter-gradient algorithm of the convolution.
+        find_backward_filter(x: TensorDescriptor, dy: TensorDescriptor, dw: FilterDescriptor)
+            -> sys::cudnnConvolutionBwdFilterAlgo_t = cudnnFindConvolutionBackwardFilterAlgorithm;
     }
 }
 
@@ -161,33 +96,57 @@ impl CudnnHandle {
 /// deterministic mode's choice (which must not depend on timings) could see another set.
 const ALGORITHMS: usize = 16;
 
-fn candidate<A>(
-    algo: A,
-    status: sys::cudnnStatus_t,
-    time_ms: f32,
-    memory: usize,
-    determinism: sys::cudnnDeterminism_t,
-    math: sys::cudnnMathType_t,
-) -> Candidate<A> {
-    Candidate {
-        algo,
-        status,
-        time_ms,
-        memory,
-        deterministic: determinism == sys::cudnnDeterminism_t::CUDNN_DETERMINISTIC,
-        math,
-    }
+/// A descriptor type: the newtype over cuDNN's raw descriptor, made by `$create` (named
+/// `$call` in its error), destroyed by `$destroy` on drop.
+macro_rules! descriptor {
+    ($(#[$doc:meta])* $name:ident($raw:ty), $create:path, $call:literal, $destroy:path) => {
+        $(#[$doc])*
+        pub struct $name($raw);
+
+        impl $name {
+            /// A fresh descriptor, not yet set.
+            fn created() -> Result<Self, GpuError> {
+                Ok($name($create().map_err(cudnn($call))?))
+            }
+
+            /// The raw descriptor.
+            pub fn raw(&self) -> $raw {
+                self.0
+            }
+        }
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                // SAFETY: the descriptor is valid and dropped once.
+                let _ = unsafe { $destroy(self.0) };
+            }
+        }
+    };
 }
 
-impl Drop for CudnnHandle {
-    fn drop(&mut self) {
-        // SAFETY: the handle is valid and dropped once; an error cannot be reported from drop.
-        let _ = unsafe { result::destroy_handle(self.0) };
-    }
-}
+descriptor!(
+    /// A 4-d tensor descriptor with explicit strides.
+    TensorDescriptor(sys::cudnnTensorDescriptor_t),
+    result::create_tensor_descriptor,
+    "cudnnCreateTensorDescriptor",
+    result::destroy_tensor_descriptor
+);
 
-/// A 4-d tensor descriptor with explicit strides.
-pub struct TensorDescriptor(sys::cudnnTensorDescriptor_t);
+descriptor!(
+    /// A filter descriptor in cuDNN's NHWC filter format (KRSC, the engine's OHWI).
+    FilterDescriptor(sys::cudnnFilterDescriptor_t),
+    result::create_filter_descriptor,
+    "cudnnCreateFilterDescriptor",
+    result::destroy_filter_descriptor
+);
+
+descriptor!(
+    /// A 2-d cross-correlation (PyTorch's convolution), no dilation.
+    ConvDescriptor(sys::cudnnConvolutionDescriptor_t),
+    result::create_convolution_descriptor,
+    "cudnnCreateConvolutionDescriptor",
+    result::destroy_convolution_descriptor
+);
 
 impl TensorDescriptor {
     /// `[n, c, h, w]` of `data_type` with `strides` (see [`super::conv::nhwc_strides`]).
@@ -196,65 +155,25 @@ impl TensorDescriptor {
         strides: [c_int; 4],
         data_type: sys::cudnnDataType_t,
     ) -> Result<Self, GpuError> {
-        let desc = TensorDescriptor(
-            result::create_tensor_descriptor().map_err(cudnn("cudnnCreateTensorDescriptor"))?,
-        );
+        let desc = Self::created()?;
         // SAFETY: the descriptor was just created.
         unsafe { result::set_tensor4d_descriptor_ex(desc.0, data_type, dims, strides) }
             .map_err(cudnn("cudnnSetTensor4dDescriptorEx"))?;
         Ok(desc)
     }
-
-    /// The raw descriptor.
-    pub fn raw(&self) -> sys::cudnnTensorDescriptor_t {
-        self.0
-    }
 }
-
-impl Drop for TensorDescriptor {
-    fn drop(&mut self) {
-        // SAFETY: the descriptor is valid and dropped once.
-        let _ = unsafe { result::destroy_tensor_descriptor(self.0) };
-    }
-}
-
-/// A filter descriptor in cuDNN's NHWC filter format (KRSC, the engine's OHWI).
-pub struct FilterDescriptor(sys::cudnnFilterDescriptor_t);
 
 impl FilterDescriptor {
     /// `[k, c, r, s]` of `data_type`.
     pub fn new(dims: [c_int; 4], data_type: sys::cudnnDataType_t) -> Result<Self, GpuError> {
-        let desc = FilterDescriptor(
-            result::create_filter_descriptor().map_err(cudnn("cudnnCreateFilterDescriptor"))?,
-        );
+        let desc = Self::created()?;
+        let format = sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC;
         // SAFETY: the descriptor was just created.
-        unsafe {
-            result::set_filter4d_descriptor(
-                desc.0,
-                data_type,
-                sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
-                dims,
-            )
-        }
-        .map_err(cudnn("cudnnSetFilter4dDescriptor"))?;
+        unsafe { result::set_filter4d_descriptor(desc.0, data_type, format, dims) }
+            .map_err(cudnn("cudnnSetFilter4dDescriptor"))?;
         Ok(desc)
     }
-
-    /// The raw descriptor.
-    pub fn raw(&self) -> sys::cudnnFilterDescriptor_t {
-        self.0
-    }
 }
-
-impl Drop for FilterDescriptor {
-    fn drop(&mut self) {
-        // SAFETY: the descriptor is valid and dropped once.
-        let _ = unsafe { result::destroy_filter_descriptor(self.0) };
-    }
-}
-
-/// A 2-d cross-correlation (PyTorch's convolution), no dilation.
-pub struct ConvDescriptor(sys::cudnnConvolutionDescriptor_t);
 
 impl ConvDescriptor {
     /// Equal padding and stride on both axes, computing (accumulating) in `compute_type`.
@@ -263,10 +182,7 @@ impl ConvDescriptor {
         stride: c_int,
         compute_type: sys::cudnnDataType_t,
     ) -> Result<Self, GpuError> {
-        let desc = ConvDescriptor(
-            result::create_convolution_descriptor()
-                .map_err(cudnn("cudnnCreateConvolutionDescriptor"))?,
-        );
+        let desc = Self::created()?;
         // SAFETY: the descriptor was just created.
         unsafe {
             result::set_convolution2d_descriptor(
@@ -290,17 +206,5 @@ impl ConvDescriptor {
         // SAFETY: the descriptor is valid; cuDNN only reads it during calls on this thread.
         unsafe { result::set_convolution_math_type(self.0, math) }
             .map_err(cudnn("cudnnSetConvolutionMathType"))
-    }
-
-    /// The raw descriptor.
-    pub fn raw(&self) -> sys::cudnnConvolutionDescriptor_t {
-        self.0
-    }
-}
-
-impl Drop for ConvDescriptor {
-    fn drop(&mut self) {
-        // SAFETY: the descriptor is valid and dropped once.
-        let _ = unsafe { result::destroy_convolution_descriptor(self.0) };
     }
 }

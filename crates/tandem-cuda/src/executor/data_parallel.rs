@@ -25,7 +25,7 @@ use super::kernels::collective::divide_in_place;
 use super::kernels::{Ptr, Queue};
 use super::launch::per_element;
 use super::step::GradientSink;
-use super::{address, at, driver, CudaExecutor, GpuError};
+use super::{address, at, CudaExecutor, GpuError};
 use crate::collective::{bucket_ops, BucketCursor, BucketOp, NcclGroup};
 use crate::nccl::UNIQUE_ID_BYTES;
 use crate::probe::Probe;
@@ -54,9 +54,7 @@ impl CudaExecutor {
         buckets: Vec<Range<usize>>,
     ) -> Result<(), GpuError> {
         check_buckets(&buckets, self.flat.host_grads.len())?;
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         let group = NcclGroup::join(probe, &self.context, unique_id, rank, world_size, timeout)?;
         // Graphs captured with an earlier group's collectives must not outlive it.
         self.release_graphs();
@@ -184,9 +182,7 @@ impl CudaExecutor {
         loss_scale: f32,
         bn_sync: Option<&mut dyn BatchNormReducer>,
     ) -> Result<(), ModelError> {
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         self.restart_buckets()?;
         let sink = GradientSink::AllReduce;
         self.backward_reporting(model, plan, loss_scale, bn_sync, None, sink)
@@ -207,9 +203,7 @@ impl CudaExecutor {
     /// after a backward without [`CudaExecutor::backward_all_reduced`], e.g. with
     /// SyncBatchNorm) and makes the compute stream wait for the averaged gradients.
     pub fn finish_all_reduce(&mut self) -> Result<(), GpuError> {
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         let data_parallel = self
             .data_parallel
             .as_mut()
@@ -231,9 +225,7 @@ impl CudaExecutor {
 
     /// Broadcasts the running statistics, and the parameters with `params`, from rank 0.
     fn broadcast_from_rank0(&mut self, params: bool) -> Result<(), GpuError> {
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         let data_parallel = self
             .data_parallel
             .as_ref()

@@ -200,9 +200,7 @@ impl CudaExecutor {
         settings: AugmentSettings,
     ) -> Result<DeviceDataset, GpuError> {
         shape.check(pixels.len())?;
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         let stream = &self.stream;
         let dataset = DeviceDataset {
             id: NEXT_DATASET_ID.fetch_add(1, Ordering::Relaxed),
@@ -287,9 +285,7 @@ impl CudaExecutor {
         indices: &[usize],
         epoch: u64,
     ) -> Result<Vec<f32>, GpuError> {
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         let len = indices.len() * dataset.shape.image_len();
         let output: CudaSlice<f32> = self
             .stream

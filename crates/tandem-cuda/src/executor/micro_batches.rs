@@ -7,6 +7,7 @@
 //! or its images are assembled from its share of the dataset indices, and its mean loss is
 //! kept. So the body reads nothing from the host, and a graph replays all the micro-batches.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -61,6 +62,19 @@ fn check_holds(what: &'static str, len: usize, needed: usize) -> Result<(), GpuE
     Ok(())
 }
 
+/// Copies `part` of `from` to the start of `to` on `stream`.
+fn copy_part<T: cudarc::driver::DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    from: &CudaSlice<T>,
+    part: Range<usize>,
+    to: &mut CudaSlice<T>,
+) -> Result<(), GpuError> {
+    let len = part.len();
+    stream
+        .memcpy_dtod(&from.slice(part), &mut to.slice_mut(..len))
+        .map_err(driver("cuMemcpyDtoDAsync"))
+}
+
 impl CudaExecutor {
     /// Copies the `labels` of a step's `micro_batches` (and, from the host, their `images`)
     /// to the micro-batch buffers, each grown first when it is too short (a new generation:
@@ -109,35 +123,19 @@ impl CudaExecutor {
         };
         let batch = storage.shape.1;
         let labels = index * batch..(index + 1) * batch;
-        check_holds(
-            "micro-batch labels",
-            self.memory.micro_batches.labels.len(),
-            labels.end,
-        )?;
-        stream
-            .memcpy_dtod(
-                &self.memory.micro_batches.labels.slice(labels),
-                &mut storage.labels.slice_mut(..batch),
-            )
-            .map_err(driver("cuMemcpyDtoDAsync"))?;
+        let micro_batch_labels = &self.memory.micro_batches.labels;
+        check_holds("micro-batch labels", micro_batch_labels.len(), labels.end)?;
+        copy_part(&stream, micro_batch_labels, labels, &mut storage.labels)?;
         if let Some(dataset) = dataset {
             let images = self.input_slot()?;
             return self.augment(dataset, index * batch, batch, images);
         }
         let images = index * image_values..(index + 1) * image_values;
-        check_holds(
-            "micro-batch images",
-            self.memory.micro_batches.images.len(),
-            images.end,
-        )?;
+        let micro_batch_images = &self.memory.micro_batches.images;
+        check_holds("micro-batch images", micro_batch_images.len(), images.end)?;
         let slot = storage.slots[storage.images].f32_mut()?;
         check_holds("the input slot", slot.len(), image_values)?;
-        stream
-            .memcpy_dtod(
-                &self.memory.micro_batches.images.slice(images),
-                &mut slot.slice_mut(..image_values),
-            )
-            .map_err(driver("cuMemcpyDtoDAsync"))
+        copy_part(&stream, micro_batch_images, images, slot)
     }
 
     /// Keeps the mean loss the loss kernels just wrote as micro-batch `index`'s (capturable).

@@ -326,13 +326,18 @@ impl CudaExecutor {
         })
     }
 
+    /// Makes the executor's context current on this thread.
+    fn bind(&self) -> Result<(), GpuError> {
+        self.context
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))
+    }
+
     /// Makes the GPU current on this thread, allocates the storage of `plan` (one training
     /// and one evaluation storage are kept, each while its batch shape stays) and measures the
     /// algorithms of its convolutions (an evaluation plan's forward alone).
     pub fn prepare(&mut self, plan: &Plan) -> Result<(), GpuError> {
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         if self
             .memory
             .storages
@@ -425,9 +430,7 @@ impl CudaExecutor {
         bn_sync: Option<&mut dyn BatchNormReducer>,
         grad_ready: Option<GradientHook<'_>>,
     ) -> Result<(), ModelError> {
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         let sink = match grad_ready {
             Some(_) => GradientSink::Host,
             None => GradientSink::Device,
@@ -542,9 +545,7 @@ impl CudaExecutor {
         if n == 0 {
             return Ok(change(&mut []));
         }
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         let current = self.flat.host_grads.current();
         if current < n {
             let range = current..n;
@@ -793,9 +794,7 @@ impl CudaExecutor {
 
     /// `cuMemGetInfo`: free and total bytes of this executor's GPU.
     fn memory_info(&self) -> Result<(usize, usize), GpuError> {
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         cudarc::driver::result::mem_get_info().map_err(driver("cuMemGetInfo_v2"))
     }
 

@@ -178,9 +178,7 @@ impl CudaExecutor {
         plan: &Plan,
         step: TrainStep<'_>,
     ) -> Result<StepOutcome, ModelError> {
-        self.context
-            .bind_to_thread()
-            .map_err(driver("cuCtxSetCurrent"))?;
+        self.bind()?;
         if plan.mode != Mode::Train {
             return Err(GpuError::Unsupported("a training step with an evaluation plan").into());
         }
@@ -230,7 +228,7 @@ impl CudaExecutor {
                 let Err(failure) = self.capture_and_launch(model, plan, dataset, &key) else {
                     break StepRun::Capture;
                 };
-                if !self.graphs.after_failure(failure) {
+                if !self.graphs.after_failure(CaptureFailure::new(failure)) {
                     self.step_body(model, plan, dataset, micro_batches)?;
                     break StepRun::Eager;
                 }
@@ -382,20 +380,8 @@ impl CudaExecutor {
     /// launches it (the captured work had not run), and keeps it under `key`. On any failure
     /// the capture is ended, its error cleared, and the failure returned: nothing of the body
     /// ran (a failed launch ran nothing either), and the caller captures again in relaxed
-    /// mode or runs it eagerly.
+    /// mode or runs it eagerly. The failure is in words.
     fn capture_and_launch(
-        &mut self,
-        model: &Model,
-        plan: &Plan,
-        dataset: Option<&DeviceDataset>,
-        key: &GraphKey,
-    ) -> Result<(), CaptureFailure> {
-        self.try_capture_and_launch(model, plan, dataset, key)
-            .map_err(CaptureFailure::new)
-    }
-
-    /// [`Self::capture_and_launch`], its failure in words.
-    fn try_capture_and_launch(
         &mut self,
         model: &Model,
         plan: &Plan,

@@ -145,32 +145,21 @@ void call_with_params(void (*kernel)(Params...), void** params, std::index_seque
 // Runs `kernel` over grid x block, blocks one after another, the last first. With TEAM, each
 // block's threads run as fibers that __syncthreads() holds together; without, one after
 // another on the calling thread (for kernels that share nothing within a block: far faster).
+// The index within a block of `block` of the thread numbered `rank` (x fastest).
+inline uint3 thread_index(unsigned int rank, dim3 block) {
+    return uint3{rank % block.x, rank / block.x % block.y, rank / (block.x * block.y)};
+}
+
 template <bool TEAM, typename... Params>
 void emulate_launch(void (*kernel)(Params...), const unsigned int* grid,
                     const unsigned int* block, void** params) {
     dim3 grid_dim{grid[0], grid[1], grid[2]};
     dim3 block_dim{block[0], block[1], block[2]};
     unsigned int team = block_dim.x * block_dim.y * block_dim.z;
-    if constexpr (!TEAM) {
-        gridDim = grid_dim;
-        blockDim = block_dim;
-        for (unsigned int z = grid_dim.z; z-- > 0;)
-            for (unsigned int y = grid_dim.y; y-- > 0;)
-                for (unsigned int x = grid_dim.x; x-- > 0;) {
-                    blockIdx = uint3{x, y, z};
-                    for (unsigned int rank = 0; rank < team; rank++) {
-                        threadIdx = uint3{rank % block_dim.x, rank / block_dim.x % block_dim.y,
-                                          rank / (block_dim.x * block_dim.y)};
-                        call_with_params(kernel, params, std::index_sequence_for<Params...>{});
-                    }
-                }
-        return;
-    }
-    std::vector<Fiber> fibers(team);
-    for (unsigned int rank = 0; rank < team; rank++) {
+    std::vector<Fiber> fibers(TEAM ? team : 0);
+    for (unsigned int rank = 0; rank < fibers.size(); rank++) {
         fibers[rank].stack.resize(64 * 1024);
-        fibers[rank].thread_index = uint3{rank % block_dim.x, rank / block_dim.x % block_dim.y,
-                                          rank / (block_dim.x * block_dim.y)};
+        fibers[rank].thread_index = thread_index(rank, block_dim);
     }
     std::function<void()> body = [&] {
         call_with_params(kernel, params, std::index_sequence_for<Params...>{});
@@ -181,7 +170,14 @@ void emulate_launch(void (*kernel)(Params...), const unsigned int* grid,
         for (unsigned int y = grid_dim.y; y-- > 0;)
             for (unsigned int x = grid_dim.x; x-- > 0;) {
                 blockIdx = uint3{x, y, z};
-                run_team(fibers, body);
+                if constexpr (TEAM) {
+                    run_team(fibers, body);
+                } else {
+                    for (unsigned int rank = 0; rank < team; rank++) {
+                        threadIdx = thread_index(rank, block_dim);
+                        call_with_params(kernel, params, std::index_sequence_for<Params...>{});
+                    }
+                }
             }
 }
 

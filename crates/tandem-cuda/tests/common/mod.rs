@@ -35,6 +35,51 @@ pub fn gpu_probe(test: &str, extra: &[Library]) -> Option<&'static Probe> {
     tandem_cuda::test_gpu_available(test, &libraries).then(Probe::process)
 }
 
+/// GPU 0, deterministic, at `precision`: the tests' executor settings.
+pub fn gpu_settings(precision: tandem_cuda::Precision) -> tandem_cuda::GpuSettings {
+    tandem_cuda::GpuSettings {
+        ordinal: 0,
+        precision,
+        deterministic: true,
+    }
+}
+
+/// An executor of `model` with [`gpu_settings`] and the tests' PTX cache.
+pub fn executor(
+    probe: &Probe,
+    precision: tandem_cuda::Precision,
+    model: &tandem_models::Model,
+) -> tandem_cuda::CudaExecutor {
+    tandem_cuda::CudaExecutor::new(probe, gpu_settings(precision), test_cache(), model).unwrap()
+}
+
+/// SGD with momentum 0.9 and weight decay 5e-4 (the tests' training runs) at `lr`.
+pub fn momentum_sgd(lr: f32, nesterov: bool) -> tandem_engine::SgdConfig {
+    tandem_engine::SgdConfig {
+        momentum: 0.9,
+        nesterov,
+        weight_decay: 5e-4,
+        ..tandem_engine::SgdConfig::with_lr(lr)
+    }
+}
+
+/// A training step of `micro_batches` micro-batches of host `images` and their `labels`.
+pub fn host_step<'a>(
+    images: &'a [f32],
+    labels: &'a [u32],
+    micro_batches: usize,
+    loss: &'a tandem_models::LossOptions,
+    optimizer: tandem_cuda::executor::StepOptimizer<'a>,
+) -> tandem_cuda::executor::TrainStep<'a> {
+    tandem_cuda::executor::TrainStep {
+        images: tandem_cuda::executor::StepImages::Host(images),
+        labels,
+        micro_batches,
+        loss,
+        optimizer,
+    }
+}
+
 /// The torchrun tutorial's model (seed 004) with PyTorch's default initialization.
 pub fn seed_004() -> tandem_models::Model {
     use tandem_models::{Model, ModelSpec, ResNetBaseSpec};
@@ -64,6 +109,21 @@ pub fn formula_batch(batch: usize, side: usize, step: u64) -> (Vec<f32>, Vec<u32
     let labels = (0..batch as u32)
         .map(|i| (i * 7 + 3 + step as u32) % 10)
         .collect();
+    (images, labels)
+}
+
+/// The [`formula_batch`]es of `steps`, one after another (the micro-batches of one step).
+pub fn formula_batches(
+    batch: usize,
+    side: usize,
+    steps: impl IntoIterator<Item = u64>,
+) -> (Vec<f32>, Vec<u32>) {
+    let (mut images, mut labels) = (Vec::new(), Vec::new());
+    for step in steps {
+        let (more_images, more_labels) = formula_batch(batch, side, step);
+        images.extend_from_slice(&more_images);
+        labels.extend_from_slice(&more_labels);
+    }
     (images, labels)
 }
 

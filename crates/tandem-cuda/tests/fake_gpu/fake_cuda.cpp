@@ -634,12 +634,12 @@ CUresult cuMemsetD32Async(CUdeviceptr pointer, unsigned int value, size_t count,
     return CUDA_SUCCESS;
 }
 
-// From pageable memory the source is read before the call returns (the driver stages it);
-// from page-locked memory, when the copy is done. A capture may record copies from
-// page-locked memory only ("operation not permitted when stream is capturing" otherwise).
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr target, const void* source, size_t bytes, void* stream) {
-    auto copy = [=] { std::memcpy((void*)target, source, bytes); };
-    if (is_pinned(source, bytes)) {
+// Queues `copy` between the device and `bytes` of host memory at `host` on `stream`: with
+// page-locked memory held back until the stream is synchronized (or recorded by a capture);
+// with pageable memory in order, and refused by a capture.
+static CUresult copy_with_host(const void* host, size_t bytes, void* stream,
+                               std::function<void()> copy) {
+    if (is_pinned(host, bytes)) {
         hold_back_or_record(stream, copy);
     } else if (in_capture(stream)) {
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
@@ -647,6 +647,14 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr target, const void* source, size_t byt
         fake_enqueue(stream, copy);
     }
     return CUDA_SUCCESS;
+}
+
+// From pageable memory the source is read before the call returns (the driver stages it);
+// from page-locked memory, when the copy is done. A capture may record copies from
+// page-locked memory only ("operation not permitted when stream is capturing" otherwise).
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr target, const void* source, size_t bytes, void* stream) {
+    return copy_with_host(source, bytes, stream,
+                          [=] { std::memcpy((void*)target, source, bytes); });
 }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr target, const void* source, size_t bytes) {
@@ -659,15 +667,8 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr target, const void* source, size_t bytes) {
 // Into pageable memory the copy is done when the call returns; into page-locked memory, only
 // once the stream is synchronized. A capture may record copies to page-locked memory only.
 CUresult cuMemcpyDtoHAsync_v2(void* target, CUdeviceptr source, size_t bytes, void* stream) {
-    auto copy = [=] { std::memcpy(target, (const void*)source, bytes); };
-    if (is_pinned(target, bytes)) {
-        hold_back_or_record(stream, copy);
-    } else if (in_capture(stream)) {
-        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    } else {
-        fake_enqueue(stream, copy);
-    }
-    return CUDA_SUCCESS;
+    return copy_with_host(target, bytes, stream,
+                          [=] { std::memcpy(target, (const void*)source, bytes); });
 }
 
 CUresult cuMemcpyDtoH_v2(void* target, CUdeviceptr source, size_t bytes) {

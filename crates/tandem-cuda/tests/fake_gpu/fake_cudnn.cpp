@@ -162,6 +162,31 @@ void report(AlgoPerf* perf, int* returned, int requested, const std::vector<std:
     *returned = count;
 }
 
+// Makes a new `T` for `*object` (a handle or a descriptor).
+template <typename T>
+cudnnStatus_t create(void** object) {
+    *object = new T();
+    return CUDNN_STATUS_SUCCESS;
+}
+
+// Deletes the `T` at `object`.
+template <typename T>
+cudnnStatus_t destroy(void* object) {
+    delete static_cast<T*>(object);
+    return CUDNN_STATUS_SUCCESS;
+}
+
+// A cudnnFind*Algorithm call of the convolution `conv` from `x` with `w` to `y` (gradients
+// or not): lists `algos` once `x`, `w` and `y` fit.
+cudnnStatus_t find(void* x, void* w, void* conv, void* y, int requested, int* returned,
+                   AlgoPerf* perf, const std::vector<std::pair<int, int>>& algos) {
+    auto* c = static_cast<Convolution*>(conv);
+    if (!shapes_fit(*static_cast<Tensor*>(x), *static_cast<Filter*>(w), *c, *static_cast<Tensor*>(y)))
+        return CUDNN_STATUS_BAD_PARAM;
+    report(perf, returned, requested, algos, c->math);
+    return CUDNN_STATUS_SUCCESS;
+}
+
 }  // namespace
 
 extern "C" {
@@ -172,30 +197,18 @@ const char* cudnnGetErrorString(cudnnStatus_t status) {
     return status == CUDNN_STATUS_SUCCESS ? "CUDNN_STATUS_SUCCESS" : "fake cuDNN error";
 }
 
-cudnnStatus_t cudnnCreate(void** handle) {
-    *handle = new Handle();
-    return CUDNN_STATUS_SUCCESS;
-}
+cudnnStatus_t cudnnCreate(void** handle) { return create<Handle>(handle); }
 
-cudnnStatus_t cudnnDestroy(void* handle) {
-    delete static_cast<Handle*>(handle);
-    return CUDNN_STATUS_SUCCESS;
-}
+cudnnStatus_t cudnnDestroy(void* handle) { return destroy<Handle>(handle); }
 
 cudnnStatus_t cudnnSetStream(void* handle, void* stream) {
     static_cast<Handle*>(handle)->stream = stream;
     return CUDNN_STATUS_SUCCESS;
 }
 
-cudnnStatus_t cudnnCreateTensorDescriptor(void** desc) {
-    *desc = new Tensor();
-    return CUDNN_STATUS_SUCCESS;
-}
+cudnnStatus_t cudnnCreateTensorDescriptor(void** desc) { return create<Tensor>(desc); }
 
-cudnnStatus_t cudnnDestroyTensorDescriptor(void* desc) {
-    delete static_cast<Tensor*>(desc);
-    return CUDNN_STATUS_SUCCESS;
-}
+cudnnStatus_t cudnnDestroyTensorDescriptor(void* desc) { return destroy<Tensor>(desc); }
 
 cudnnStatus_t cudnnSetTensor4dDescriptorEx(void* desc, int type, int n, int c, int h, int w,
                                            int n_stride, int c_stride, int h_stride,
@@ -211,15 +224,9 @@ cudnnStatus_t cudnnSetTensor4dDescriptorEx(void* desc, int type, int n, int c, i
     return CUDNN_STATUS_SUCCESS;
 }
 
-cudnnStatus_t cudnnCreateFilterDescriptor(void** desc) {
-    *desc = new Filter();
-    return CUDNN_STATUS_SUCCESS;
-}
+cudnnStatus_t cudnnCreateFilterDescriptor(void** desc) { return create<Filter>(desc); }
 
-cudnnStatus_t cudnnDestroyFilterDescriptor(void* desc) {
-    delete static_cast<Filter*>(desc);
-    return CUDNN_STATUS_SUCCESS;
-}
+cudnnStatus_t cudnnDestroyFilterDescriptor(void* desc) { return destroy<Filter>(desc); }
 
 cudnnStatus_t cudnnSetFilter4dDescriptor(void* desc, int type, int format, int k, int c, int r,
                                          int s) {
@@ -229,15 +236,9 @@ cudnnStatus_t cudnnSetFilter4dDescriptor(void* desc, int type, int format, int k
     return CUDNN_STATUS_SUCCESS;
 }
 
-cudnnStatus_t cudnnCreateConvolutionDescriptor(void** desc) {
-    *desc = new Convolution();
-    return CUDNN_STATUS_SUCCESS;
-}
+cudnnStatus_t cudnnCreateConvolutionDescriptor(void** desc) { return create<Convolution>(desc); }
 
-cudnnStatus_t cudnnDestroyConvolutionDescriptor(void* desc) {
-    delete static_cast<Convolution*>(desc);
-    return CUDNN_STATUS_SUCCESS;
-}
+cudnnStatus_t cudnnDestroyConvolutionDescriptor(void* desc) { return destroy<Convolution>(desc); }
 
 cudnnStatus_t cudnnSetConvolution2dDescriptor(void* desc, int pad_h, int pad_w, int stride_h,
                                               int stride_w, int dilation_h, int dilation_w,
@@ -259,35 +260,25 @@ cudnnStatus_t cudnnSetConvolutionMathType(void* desc, int math) {
 
 cudnnStatus_t cudnnFindConvolutionForwardAlgorithm(void*, void* x, void* w, void* conv, void* y,
                                                    int requested, int* returned, AlgoPerf* perf) {
-    auto* c = static_cast<Convolution*>(conv);
-    if (!shapes_fit(*static_cast<Tensor*>(x), *static_cast<Filter*>(w), *c, *static_cast<Tensor*>(y)))
-        return CUDNN_STATUS_BAD_PARAM;
     // IMPLICIT_GEMM, IMPLICIT_PRECOMP_GEMM (both deterministic), FFT_TILING.
-    report(perf, returned, requested, {{0, CUDNN_DETERMINISTIC}, {1, CUDNN_DETERMINISTIC}, {5, CUDNN_DETERMINISTIC}}, c->math);
-    return CUDNN_STATUS_SUCCESS;
+    return find(x, w, conv, y, requested, returned, perf,
+                {{0, CUDNN_DETERMINISTIC}, {1, CUDNN_DETERMINISTIC}, {5, CUDNN_DETERMINISTIC}});
 }
 
 cudnnStatus_t cudnnFindConvolutionBackwardDataAlgorithm(void*, void* w, void* dy, void* conv,
                                                         void* dx, int requested, int* returned,
                                                         AlgoPerf* perf) {
-    auto* c = static_cast<Convolution*>(conv);
-    if (!shapes_fit(*static_cast<Tensor*>(dx), *static_cast<Filter*>(w), *c, *static_cast<Tensor*>(dy)))
-        return CUDNN_STATUS_BAD_PARAM;
     // ALGO_0 (not deterministic: atomics), ALGO_1.
-    report(perf, returned, requested, {{0, CUDNN_NON_DETERMINISTIC}, {1, CUDNN_DETERMINISTIC}}, c->math);
-    return CUDNN_STATUS_SUCCESS;
+    return find(dx, w, conv, dy, requested, returned, perf,
+                {{0, CUDNN_NON_DETERMINISTIC}, {1, CUDNN_DETERMINISTIC}});
 }
 
 cudnnStatus_t cudnnFindConvolutionBackwardFilterAlgorithm(void*, void* x, void* dy, void* conv,
                                                           void* dw, int requested, int* returned,
                                                           AlgoPerf* perf) {
-    auto* c = static_cast<Convolution*>(conv);
-    if (!shapes_fit(*static_cast<Tensor*>(x), *static_cast<Filter*>(dw), *c, *static_cast<Tensor*>(dy)))
-        return CUDNN_STATUS_BAD_PARAM;
     // ALGO_0 and ALGO_3 (not deterministic), ALGO_1.
-    report(perf, returned, requested,
-           {{0, CUDNN_NON_DETERMINISTIC}, {3, CUDNN_NON_DETERMINISTIC}, {1, CUDNN_DETERMINISTIC}}, c->math);
-    return CUDNN_STATUS_SUCCESS;
+    return find(x, dw, conv, dy, requested, returned, perf,
+                {{0, CUDNN_NON_DETERMINISTIC}, {3, CUDNN_NON_DETERMINISTIC}, {1, CUDNN_DETERMINISTIC}});
 }
 
 cudnnStatus_t cudnnConvolutionForward(void* handle, const void* alpha, void* x_desc,
