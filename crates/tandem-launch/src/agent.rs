@@ -111,40 +111,18 @@ struct History {
 /// Runs the whole job on this node.
 pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
     let topology = &plan.topology;
-    for folder in ["logs", "errors"] {
-        let path = plan.log_dir.join(folder);
-        tandem_files::create_own_folder(&path)
-            .with_context(|| format!("create the log folder {}", path.display()))?;
-    }
     let interrupted = || signals::stop_requested().is_some();
     let join_deadline = Instant::now() + plan.join_timeout;
-    let store = match AgentStore::open(topology, &plan.token, join_deadline, &interrupted)? {
+    let store = match open_store(plan, join_deadline, &interrupted)? {
         Waited::Done(store) => store,
         Waited::Interrupted => return Ok(stopped_here()),
     };
-    let nodes = match topology.is_elastic() {
-        true => format!("{}:{}", topology.min_nodes, topology.nnodes),
-        false => topology.nnodes.to_string(),
-    };
-    say(&format!(
-        "node {} of {nodes} ({}), {} worker(s), store at {}:{}, logs in {}",
-        topology.node_rank,
-        topology.source,
-        topology.nproc_per_node,
-        store.master_addr,
-        store.master_port,
-        plan.log_dir.display()
-    ));
     let me = Member {
         node: topology.node_rank,
         nproc: topology.nproc_per_node,
         agent: format!("pid {} started at {}", std::process::id(), now_micros()),
     };
-    let size = RoundSize {
-        min: topology.min_nodes,
-        max: topology.nnodes,
-        last_call: plan.last_call,
-    };
+    let size = round_size(plan);
     let hosts_the_store = topology.node_rank == 0;
     let mut number = match hosts_the_store {
         true => 0,
@@ -189,18 +167,7 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
                 continue;
             }
             Waited::Done(Entry::Ended(ended)) => {
-                store.leave(number, &[], LEAVE_TIMEOUT)?;
-                let message = format!(
-                    "the job ended while this node waited for round {number}: {}",
-                    ended.message
-                );
-                return Ok(match ended.succeeded {
-                    true => {
-                        say(&message);
-                        JobEnd::Succeeded
-                    }
-                    false => JobEnd::Failed { summary: message },
-                });
+                return ended_while_waiting(&store, number, ended);
             }
             Waited::Interrupted => {
                 let was_member = history.previous.is_some();
@@ -216,132 +183,265 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
         if topology.is_elastic() {
             say(&round.line);
         }
-        let mut workers = start_workers(plan, &store, &round)?;
-        let mut heartbeats = Heartbeats::new(topology.nnodes, plan.heartbeat_timeout);
-        let watched = watch_round(plan, &store, &round, &workers, &mut heartbeats);
-        let report = node_report(topology.node_rank, &mut workers);
-        let members = round.nodes();
-        let shared = watched.and_then(|()| {
-            store.publish_report(number, &report)?;
-            store.gather_reports(
-                number,
-                &members,
-                &mut heartbeats,
-                plan.stop_grace + REPORT_SLACK,
-            )
-        });
-        let gathered = match shared {
-            Ok(reports) => reports,
-            Err(error) => return Ok(lost_the_store(&error, topology.nnodes, report)),
+        let (reports, mut others, lost) = match run_round(plan, &store, &round)? {
+            Ok(outcome) => outcome,
+            Err(end) => return Ok(end),
         };
-        let mut others: Vec<(u32, usize)> = members
-            .iter()
-            .zip(&gathered)
-            .filter(|(_, report)| report.is_some())
-            .map(|(&node, _)| (number, node))
-            .collect();
-        history.lost = members
-            .iter()
-            .zip(&gathered)
-            .filter(|(_, report)| report.is_none())
-            .map(|(&node, _)| {
-                (
-                    node,
-                    why_lost(node, number, &heartbeats, plan.heartbeat_timeout),
-                )
-            })
-            .collect();
-        let reports = by_node(topology.nnodes, &members, gathered);
+        history.lost = lost;
         history.previous = Some(round.clone());
-        let end_job = |ended: Ended, others: &mut Vec<(u32, usize)>| -> anyhow::Result<()> {
-            if hosts_the_store {
-                store.end_job(&ended)?;
-                // Agents that wait to join the next round learn the end too.
-                let next = number + 1;
-                others.extend(
-                    store
-                        .offered_nodes(next)?
-                        .into_iter()
-                        .map(|node| (next, node)),
-                );
+        match after_round(
+            plan,
+            &store,
+            number,
+            &reports,
+            &history,
+            restarts,
+            &mut others,
+        )? {
+            Next::End(end) => return Ok(end),
+            Next::Round { restart } => {
+                restarts += u32::from(restart);
+                number += 1;
             }
-            store.leave(number, others, LEAVE_TIMEOUT)
-        };
+        }
+    }
+}
 
-        if every_worker_succeeded(&reports) {
-            end_job(
-                Ended {
-                    succeeded: true,
-                    message: "every worker finished successfully".into(),
-                },
-                &mut others,
-            )?;
-            return Ok(JobEnd::Succeeded);
+/// Makes the log folders, reaches the job's store (hosting it on node 0) by `deadline`, and
+/// says where this node stands.
+fn open_store(
+    plan: &LaunchPlan,
+    deadline: Instant,
+    interrupted: &dyn Fn() -> bool,
+) -> anyhow::Result<Waited<AgentStore>> {
+    let topology = &plan.topology;
+    for folder in ["logs", "errors"] {
+        let path = plan.log_dir.join(folder);
+        tandem_files::create_own_folder(&path)
+            .with_context(|| format!("create the log folder {}", path.display()))?;
+    }
+    let store = match AgentStore::open(topology, &plan.token, deadline, interrupted)? {
+        Waited::Done(store) => store,
+        Waited::Interrupted => return Ok(Waited::Interrupted),
+    };
+    let nodes = match topology.is_elastic() {
+        true => format!("{}:{}", topology.min_nodes, topology.nnodes),
+        false => topology.nnodes.to_string(),
+    };
+    say(&format!(
+        "node {} of {nodes} ({}), {} worker(s), store at {}:{}, logs in {}",
+        topology.node_rank,
+        topology.source,
+        topology.nproc_per_node,
+        store.master_addr,
+        store.master_port,
+        plan.log_dir.display()
+    ));
+    Ok(Waited::Done(store))
+}
+
+/// The nodes a round of `plan` may have, and its last call.
+fn round_size(plan: &LaunchPlan) -> RoundSize {
+    RoundSize {
+        min: plan.topology.min_nodes,
+        max: plan.topology.nnodes,
+        last_call: plan.last_call,
+    }
+}
+
+/// How the job ends for a node that waited for round `number` when node 0 `ended` it.
+fn ended_while_waiting(store: &AgentStore, number: u32, ended: Ended) -> anyhow::Result<JobEnd> {
+    store.leave(number, &[], LEAVE_TIMEOUT)?;
+    let message = format!(
+        "the job ended while this node waited for round {number}: {}",
+        ended.message
+    );
+    Ok(match ended.succeeded {
+        true => {
+            say(&message);
+            JobEnd::Succeeded
         }
-        if let Some(reason) = store.stop_request()? {
-            end_job(
-                Ended {
-                    succeeded: false,
-                    message: format!("stopped: {reason}"),
-                },
-                &mut others,
-            )?;
-            let signal = signals::stop_requested().map(|request| request.signal);
-            let workers = reports
-                .get(topology.node_rank)
-                .and_then(Option::as_ref)
-                .map_or(WorkersStopped::NoneRunning, WorkersStopped::of);
-            return Ok(JobEnd::Stopped {
-                reason,
-                signal,
-                workers,
-            });
+        false => JobEnd::Failed { summary: message },
+    })
+}
+
+/// The nodes of round `number` (`members`) that reported (`gathered`), as `(round, node)`
+/// for the store's leave, and those that did not, with why each was lost.
+fn reported_and_lost(
+    members: &[usize],
+    gathered: &[Option<NodeReport>],
+    number: u32,
+    heartbeats: &Heartbeats,
+    silence: Duration,
+) -> (Vec<(u32, usize)>, BTreeMap<usize, String>) {
+    let (reported, lost): (Vec<_>, Vec<_>) = members
+        .iter()
+        .zip(gathered)
+        .partition(|(_, report)| report.is_some());
+    (
+        reported
+            .into_iter()
+            .map(|(&node, _)| (number, node))
+            .collect(),
+        lost.into_iter()
+            .map(|(&node, _)| (node, why_lost(node, number, heartbeats, silence)))
+            .collect(),
+    )
+}
+
+/// The outcome of a round on this node: every node's report (by node rank), the nodes that
+/// reported as `(round, node)`, and those lost with why.
+type RoundOutcome = (
+    Vec<Option<NodeReport>>,
+    Vec<(u32, usize)>,
+    BTreeMap<usize, String>,
+);
+
+/// Runs `round` on this node: starts its workers, watches them, and shares the reports;
+/// or, when the store is lost, says how the job ends.
+fn run_round(
+    plan: &LaunchPlan,
+    store: &AgentStore,
+    round: &Round,
+) -> anyhow::Result<Result<RoundOutcome, JobEnd>> {
+    let (topology, number) = (&plan.topology, round.number);
+    let mut workers = start_workers(plan, store, round)?;
+    let mut heartbeats = Heartbeats::new(topology.nnodes, plan.heartbeat_timeout);
+    let watched = watch_round(plan, store, round, &workers, &mut heartbeats);
+    let report = node_report(topology.node_rank, &mut workers);
+    let members = round.nodes();
+    let shared = watched.and_then(|()| {
+        store.publish_report(number, &report)?;
+        store.gather_reports(
+            number,
+            &members,
+            &mut heartbeats,
+            plan.stop_grace + REPORT_SLACK,
+        )
+    });
+    let gathered = match shared {
+        Ok(reports) => reports,
+        Err(error) => return Ok(Err(lost_the_store(&error, topology.nnodes, report))),
+    };
+    let (others, lost) = reported_and_lost(
+        &members,
+        &gathered,
+        number,
+        &heartbeats,
+        plan.heartbeat_timeout,
+    );
+    let reports = by_node(topology.nnodes, &members, gathered);
+    Ok(Ok((reports, others, lost)))
+}
+
+/// What follows a round.
+enum Next {
+    /// The job ends so.
+    End(JobEnd),
+    /// Another round, counted as a restart or not (one that admits a new member).
+    Round {
+        /// Whether it counts against `--max-restarts`.
+        restart: bool,
+    },
+}
+
+/// Decides, after round `number` whose nodes reported `reports` (`history.lost` those that
+/// did not), whether the job ends or goes on; an ending is told to the `others` nodes that
+/// still read the store.
+fn after_round(
+    plan: &LaunchPlan,
+    store: &AgentStore,
+    number: u32,
+    reports: &[Option<NodeReport>],
+    history: &History,
+    restarts: u32,
+    others: &mut Vec<(u32, usize)>,
+) -> anyhow::Result<Next> {
+    let topology = &plan.topology;
+    let end_job = |ended: Ended, others: &mut Vec<(u32, usize)>| -> anyhow::Result<()> {
+        if topology.node_rank == 0 {
+            store.end_job(&ended)?;
+            // Agents that wait to join the next round learn the end too.
+            let next = number + 1;
+            others.extend(
+                store
+                    .offered_nodes(next)?
+                    .into_iter()
+                    .map(|node| (next, node)),
+            );
         }
-        if history.lost.is_empty()
-            && store.join_request(number)?.is_some()
-            && only_stopped_for_the_join(&reports)
-        {
-            number += 1;
-            continue;
-        }
-        let cause = report::root_cause(&reports).unwrap_or(RootCause::NodeSilent {
-            node_rank: topology.node_rank,
-        });
-        if let Some(summary) = refusal(plan, &cause, &reports) {
-            end_job(
-                Ended {
-                    succeeded: false,
-                    message: summary.clone(),
-                },
-                &mut others,
-            )?;
-            return Ok(JobEnd::Refused { summary });
-        }
-        if restarts < plan.max_restarts {
-            say(&format!(
-                "round {number} failed: {}; restarting every node (restart {} of {})",
-                report::headline(&cause),
-                restarts + 1,
-                plan.max_restarts
-            ));
-            restarts += 1;
-            number += 1;
-            continue;
-        }
-        let title = format!(
-            "the job failed in round {number} and no restart is left (--max-restarts {})",
-            plan.max_restarts
-        );
-        let summary = report::summary(&title, &cause, &reports);
+        store.leave(number, others, LEAVE_TIMEOUT)
+    };
+    if every_worker_succeeded(reports) {
+        end_job(
+            Ended {
+                succeeded: true,
+                message: "every worker finished successfully".into(),
+            },
+            others,
+        )?;
+        return Ok(Next::End(JobEnd::Succeeded));
+    }
+    if let Some(reason) = store.stop_request()? {
         end_job(
             Ended {
                 succeeded: false,
-                message: title,
+                message: format!("stopped: {reason}"),
             },
-            &mut others,
+            others,
         )?;
-        return Ok(JobEnd::Failed { summary });
+        let signal = signals::stop_requested().map(|request| request.signal);
+        let workers = reports
+            .get(topology.node_rank)
+            .and_then(Option::as_ref)
+            .map_or(WorkersStopped::NoneRunning, WorkersStopped::of);
+        return Ok(Next::End(JobEnd::Stopped {
+            reason,
+            signal,
+            workers,
+        }));
     }
+    if history.lost.is_empty()
+        && store.join_request(number)?.is_some()
+        && only_stopped_for_the_join(reports)
+    {
+        return Ok(Next::Round { restart: false });
+    }
+    let cause = report::root_cause(reports).unwrap_or(RootCause::NodeSilent {
+        node_rank: topology.node_rank,
+    });
+    if let Some(summary) = refusal(plan, &cause, reports) {
+        end_job(
+            Ended {
+                succeeded: false,
+                message: summary.clone(),
+            },
+            others,
+        )?;
+        return Ok(Next::End(JobEnd::Refused { summary }));
+    }
+    if restarts < plan.max_restarts {
+        say(&format!(
+            "round {number} failed: {}; restarting every node (restart {} of {})",
+            report::headline(&cause),
+            restarts + 1,
+            plan.max_restarts
+        ));
+        return Ok(Next::Round { restart: true });
+    }
+    let title = format!(
+        "the job failed in round {number} and no restart is left (--max-restarts {})",
+        plan.max_restarts
+    );
+    let summary = report::summary(&title, &cause, reports);
+    end_job(
+        Ended {
+            succeeded: false,
+            message: title,
+        },
+        others,
+    )?;
+    Ok(Next::End(JobEnd::Failed { summary }))
 }
 
 /// Node 0: closes round `number` (see [`AgentStore::close_round`]). When too few nodes come

@@ -84,17 +84,8 @@ pub fn run(args: StepArgs) -> anyhow::Result<Option<GpuBench>> {
     });
     let placement = find_placement(&PlacementFlags::default())?;
     if let tandem_cuda::Device::Cuda { .. } = device {
-        anyhow::ensure!(
-            placement.is_none(),
-            "--device {}: bench step runs on a GPU in one process only (no launch, WORLD_SIZE 1)",
-            args.device
-        );
-        anyhow::ensure!(
-            args.shards_per_process.is_none(),
-            "--device {}: --shards-per-process is measured on the CPU only",
-            args.device
-        );
         let math = math.context("a GPU computes with a precision and algorithms")?;
+        check_gpu_bench(&args, placement.is_some())?;
         return Ok(Some(GpuBench {
             spec,
             batch,
@@ -121,16 +112,7 @@ pub fn run(args: StepArgs) -> anyhow::Result<Option<GpuBench>> {
     let mut cpu = CpuDevice::new(model);
     cpu.set_optimizer(optimizer_kind.config());
     let shards = args.shards_per_process.unwrap_or(1);
-    anyhow::ensure!(shards > 0, "--shards-per-process must be at least 1");
-    let mut sync: Box<dyn GradientSync> = match args.shards_per_process {
-        Some(_) => {
-            let world_size = ddp.as_ref().map_or(1, Ddp::world_size);
-            let global = shards * batch * world_size;
-            let plan = ShardPlan::new(global, batch, global)?;
-            Box::new(ShardSync::new(ddp, plan, &mut cpu)?)
-        }
-        None => gradient_sync::choose(ddp, &cpu, false),
-    };
+    let mut sync = step_sync(ddp, args.shards_per_process, batch, &mut cpu)?;
     sync.agree_on_the_model(&mut cpu)?;
     let (images, labels) = random_batch(&spec, batch);
     let loss = LossOptions::default();
@@ -176,6 +158,41 @@ pub fn run(args: StepArgs) -> anyhow::Result<Option<GpuBench>> {
     say!("eval: {:.1} img/s", rates[1]);
     say!("peak memory: {} MB", peak_memory_kib()? / 1024);
     Ok(None)
+}
+
+/// Refuses what a GPU benchmark does not measure: a job of several processes (`launched`),
+/// and `--shards-per-process`.
+fn check_gpu_bench(args: &StepArgs, launched: bool) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !launched,
+        "--device {}: bench step runs on a GPU in one process only (no launch, WORLD_SIZE 1)",
+        args.device
+    );
+    anyhow::ensure!(
+        args.shards_per_process.is_none(),
+        "--device {}: --shards-per-process is measured on the CPU only",
+        args.device
+    );
+    Ok(())
+}
+
+/// The gradient sync of the measured step: `train`'s per-process one, or with
+/// `shards_per_process` that of `--global-batch-size` (that many shards of `batch` images per
+/// process).
+fn step_sync(
+    ddp: Option<Ddp>,
+    shards_per_process: Option<usize>,
+    batch: usize,
+    cpu: &mut CpuDevice,
+) -> anyhow::Result<Box<dyn GradientSync>> {
+    let Some(shards) = shards_per_process else {
+        return Ok(gradient_sync::choose(ddp, cpu, false));
+    };
+    anyhow::ensure!(shards > 0, "--shards-per-process must be at least 1");
+    let world_size = ddp.as_ref().map_or(1, Ddp::world_size);
+    let global = shards * batch * world_size;
+    let plan = ShardPlan::new(global, batch, global)?;
+    Ok(Box::new(ShardSync::new(ddp, plan, cpu)?))
 }
 
 /// Joins the job of `place` with `params` parameters in `tandem train`'s default buckets.

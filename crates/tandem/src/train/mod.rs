@@ -315,26 +315,8 @@ impl Trainer {
         let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
         let test_set = Arc::new(load_split(&settings.data, settings.seed, Split::Test)?);
         check_classes(&train_set, spec.num_classes()).map_err(SettingsError::from_error)?;
-        let shards = shard_plan(&settings, train_set.len(), world_size)
-            .map_err(SettingsError::from_error)?;
-        // With shards every worker draws the epoch's whole order and takes its shards of it.
-        let (sampler_world, sampler_rank) = match shards {
-            Some(_) => (1, 0),
-            None => (world_size, rank),
-        };
-        let sampler = DistributedSampler::new(
-            train_set.len(),
-            sampler_world,
-            sampler_rank,
-            true,
-            settings.seed,
-            false,
-        )?;
-        let batches_per_epoch = sampler.num_samples().div_ceil(settings.batch_size) as u64;
-        let steps_per_epoch = match &shards {
-            Some(plan) => plan.steps_per_epoch(),
-            None => batches_per_epoch.div_ceil(settings.grad_accum),
-        };
+        let (sampler, shards, steps_per_epoch) =
+            epoch_sampling(&settings, train_set.len(), world_size, rank)?;
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
         let optimizer = build_optimizer(&settings, schedule.lr_at(0));
         let normalize = normalization(&settings.data);
@@ -345,20 +327,14 @@ impl Trainer {
         let backend =
             shard_backend(backend, shards.is_some()).map_err(SettingsError::from_error)?;
         let backend = crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
-        // On the ring, a job of several processes on GPUs exchanges gradients through the
-        // host: the gradient-ready hook hands out host copies, the average goes back to the
-        // device, and the broadcasts copy the flat buffers both ways (the CPU's code). With
-        // NCCL the gradients, parameters, running statistics and SyncBatchNorm's sums stay on
-        // the device; the snapshot on resume, the batch count and the metrics stay on the ring.
+        // On the ring, GPU ranks exchange gradients and broadcasts through the host; with NCCL
+        // they stay on the device, and the snapshot, batch count and metrics use the ring.
         let mut compute = crate::device::open_training_device(model, device, math)?;
         compute.set_optimizer(optimizer);
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
             join_nccl(&mut *compute, ddp, &settings)?;
         }
-        let sync: Box<dyn GradientSync> = match shards {
-            Some(plan) => Box::new(ShardSync::new(ddp, plan, &mut *compute)?),
-            None => gradient_sync::choose(ddp, &*compute, settings.sync_bn),
-        };
+        let sync = gradient_sync_of(shards, ddp, &mut *compute, settings.sync_bn)?;
         let (batches_on_device, eval_on_device) = upload_data_sets(
             &mut *compute,
             &train_set,
@@ -565,25 +541,11 @@ impl Trainer {
             describe_model(self.compute.spec()),
             group_digits(self.compute.param_count())
         );
-        match self.shards {
-            Some(plan) => say!(
-                "global batch {} in {} shards of {}, shared by {} (the same steps on 1 to {}) | {}",
-                plan.global_batch,
-                plan.shards_per_step(),
-                plan.micro_batch,
-                count(world_size as u64, "process"),
-                plan.shards_per_step(),
-                count(settings.epochs, "epoch")
-            ),
-            None => say!(
-                "global batch {} ({} per process x {} x {} accumulated) | {}",
-                settings.batch_size * world_size * settings.grad_accum as usize,
-                settings.batch_size,
-                count(world_size as u64, "process"),
-                settings.grad_accum,
-                count(settings.epochs, "epoch")
-            ),
-        }
+        say!(
+            "{} | {}",
+            self.describe_batch(),
+            count(settings.epochs, "epoch")
+        );
         say!(
             "optimizer: {} | {} | schedule: {}",
             describe_optimizer(settings),
@@ -639,6 +601,28 @@ impl Trainer {
         }
         if let Some(note) = &self.resize_note {
             say!("{note}");
+        }
+    }
+
+    /// The global batch and how it is made, for the banner.
+    fn describe_batch(&self) -> String {
+        let (settings, world_size) = (&self.settings, self.world_size());
+        match self.shards {
+            Some(plan) => format!(
+                "global batch {} in {} shards of {}, shared by {} (the same steps on 1 to {})",
+                plan.global_batch,
+                plan.shards_per_step(),
+                plan.micro_batch,
+                count(world_size as u64, "process"),
+                plan.shards_per_step()
+            ),
+            None => format!(
+                "global batch {} ({} per process x {} x {} accumulated)",
+                settings.batch_size * world_size * settings.grad_accum as usize,
+                settings.batch_size,
+                count(world_size as u64, "process"),
+                settings.grad_accum
+            ),
         }
     }
 
@@ -1309,6 +1293,51 @@ impl Trainer {
             .max_steps
             .is_some_and(|max_steps| self.progress.global_step >= max_steps)
     }
+}
+
+/// The job's gradient sync: that of the logical `shards` when there are, else the one
+/// [`gradient_sync::choose`] picks for the process group `ddp` on `device`.
+fn gradient_sync_of(
+    shards: Option<ShardPlan>,
+    ddp: Option<Ddp>,
+    device: &mut dyn TrainingDevice,
+    sync_bn: bool,
+) -> anyhow::Result<Box<dyn GradientSync>> {
+    Ok(match shards {
+        Some(plan) => Box::new(ShardSync::new(ddp, plan, device)?),
+        None => gradient_sync::choose(ddp, device, sync_bn),
+    })
+}
+
+/// How rank `rank` of `world_size` draws an epoch's `dataset_len` samples: the sampler, the
+/// logical shards of `--global-batch-size` if given (every rank then draws the epoch's whole
+/// order and takes its shards of it), and the optimizer steps of an epoch.
+fn epoch_sampling(
+    settings: &TrainSettings,
+    dataset_len: usize,
+    world_size: usize,
+    rank: usize,
+) -> anyhow::Result<(DistributedSampler, Option<ShardPlan>, u64)> {
+    let shards =
+        shard_plan(settings, dataset_len, world_size).map_err(SettingsError::from_error)?;
+    let (sampler_world, sampler_rank) = match shards {
+        Some(_) => (1, 0),
+        None => (world_size, rank),
+    };
+    let sampler = DistributedSampler::new(
+        dataset_len,
+        sampler_world,
+        sampler_rank,
+        true,
+        settings.seed,
+        false,
+    )?;
+    let batches_per_epoch = sampler.num_samples().div_ceil(settings.batch_size) as u64;
+    let steps_per_epoch = match &shards {
+        Some(plan) => plan.steps_per_epoch(),
+        None => batches_per_epoch.div_ceil(settings.grad_accum),
+    };
+    Ok((sampler, shards, steps_per_epoch))
 }
 
 /// The logical shards of `--global-batch-size` over `dataset_len` samples, checked against
