@@ -227,31 +227,29 @@ impl Ddp {
     }
 
     /// The exact sum over every rank of the first `own` of this rank's `terms`, `total_terms`
-    /// of them over all ranks, into `into` ([`tandem_dist::exact`]); hands `terms` back. The
-    /// first call makes the sum's shared buffers, so every rank's first call must be for the
-    /// same length.
+    /// of them over all ranks, written into `sum` ([`tandem_dist::exact`]); hands `terms`
+    /// and `sum` back. The first call makes the sum's shared buffers, so every rank's first
+    /// call must be for the same length.
     pub fn exact_sum(
         &mut self,
         terms: Vec<Vec<f32>>,
         own: usize,
         total_terms: usize,
-        into: &mut [f32],
-    ) -> anyhow::Result<Vec<Vec<f32>>> {
-        let len = into.len();
+        mut sum: Vec<f32>,
+    ) -> anyhow::Result<(Vec<Vec<f32>>, Vec<f32>)> {
+        let len = sum.len();
         let buffers = self.exact_buffers.take();
         let (terms, buffers, sum) = self.comm.run(move |group| {
             let mut buffers = match buffers {
                 Some(buffers) if buffers.len() == len => buffers,
                 _ => group.exact_sum_buffers(len)?,
             };
-            let mut sum = vec![0.0f32; len];
             let views: Vec<&[f32]> = terms[..own].iter().map(Vec::as_slice).collect();
             group.exact_sum(&mut buffers, &views, total_terms, &mut sum)?;
             Ok((terms, buffers, sum))
         })?;
         self.exact_buffers = Some(buffers);
-        into.copy_from_slice(&sum);
-        Ok(terms)
+        Ok((terms, sum))
     }
 
     /// Every rank's `part`, all of one length, concatenated in rank order.

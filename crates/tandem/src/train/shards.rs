@@ -201,12 +201,14 @@ impl GradientSync for ShardSync {
         }
         self.summed.resize(device.param_count(), 0.0);
         let shard_grads = std::mem::take(&mut self.shard_grads);
-        self.shard_grads = match self.group.as_mut() {
-            Some(ddp) => ddp.exact_sum(shard_grads, own, total_shards, &mut self.summed)?,
+        let summed = std::mem::take(&mut self.summed);
+        (self.shard_grads, self.summed) = match self.group.as_mut() {
+            Some(ddp) => ddp.exact_sum(shard_grads, own, total_shards, summed)?,
             None => {
+                let mut summed = summed;
                 let terms: Vec<&[f32]> = shard_grads[..own].iter().map(Vec::as_slice).collect();
-                exact::local_exact_sum(&terms, &mut self.summed);
-                shard_grads
+                exact::local_exact_sum(&terms, &mut summed);
+                (shard_grads, summed)
             }
         };
         let summed = &self.summed;
