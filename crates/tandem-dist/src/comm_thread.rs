@@ -8,7 +8,7 @@
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use crate::element::ReduceOp;
+use crate::element::{Element, ReduceOp};
 use crate::error::{DistError, Result};
 use crate::group::ProcessGroup;
 use crate::shared::SharedBuffer;
@@ -116,18 +116,18 @@ impl CommThread {
         self.submit(move |group| all_reduce_owned(group, buffer, op))
     }
 
-    /// Makes a buffer for [`all_reduce_shared_f32`](Self::all_reduce_shared_f32) (a collective:
-    /// see [`ProcessGroup::shared_buffer`]).
-    pub fn shared_buffer_f32(&self, len: usize) -> Result<SharedBuffer<f32>> {
+    /// Makes a buffer for [`all_reduce_shared`](Self::all_reduce_shared) (a collective: see
+    /// [`ProcessGroup::shared_buffer`]).
+    pub fn shared_buffer<T: Element>(&self, len: usize) -> Result<SharedBuffer<T>> {
         self.run(move |group| group.shared_buffer(len))
     }
 
     /// All-reduces a shared buffer on the comm thread and hands it back.
-    pub fn all_reduce_shared_f32(
+    pub fn all_reduce_shared<T: Element>(
         &self,
-        mut buffer: SharedBuffer<f32>,
+        mut buffer: SharedBuffer<T>,
         op: ReduceOp,
-    ) -> Pending<SharedBuffer<f32>> {
+    ) -> Pending<SharedBuffer<T>> {
         self.submit(move |group| group.all_reduce_shared(&mut buffer, op).map(|()| buffer))
     }
 

@@ -11,9 +11,10 @@ use std::ops::Range;
 use std::time::Duration;
 
 use anyhow::Context;
-use tandem_dist::exact::ExactSumBuffers;
 use tandem_dist::{CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer};
 use tandem_models::{BatchNormReducer, Model};
+
+use super::exact_buckets::ExactBuckets;
 
 /// How a worker joins its job, as its environment or flags describe it.
 #[derive(Clone, Debug)]
@@ -62,8 +63,8 @@ pub struct Ddp {
     staging: Vec<Option<SharedBuffer<f32>>>,
     in_flight: Vec<(usize, Pending<SharedBuffer<f32>>)>,
     next_bucket: usize,
-    /// The shared buffers of [`Ddp::exact_sum`], once made.
-    exact_buffers: Option<ExactSumBuffers>,
+    /// The buckets of the exact sum of `--global-batch-size`, once made.
+    exact: Option<ExactBuckets>,
 }
 
 impl Ddp {
@@ -101,7 +102,7 @@ impl Ddp {
         );
         let staging = buckets
             .iter()
-            .map(|bucket| comm.shared_buffer_f32(bucket.len()).map(Some))
+            .map(|bucket| comm.shared_buffer(bucket.len()).map(Some))
             .collect::<Result<_, _>>()?;
         Ok(Ddp {
             comm,
@@ -109,7 +110,7 @@ impl Ddp {
             staging,
             in_flight: Vec::new(),
             next_bucket: 0,
-            exact_buffers: None,
+            exact: None,
         })
     }
 
@@ -226,30 +227,46 @@ impl Ddp {
         Ok(sum_over_ranks(&self.comm, values)?)
     }
 
-    /// The exact sum over every rank of the first `own` of this rank's `terms`, `total_terms`
-    /// of them over all ranks, written into `sum` ([`tandem_dist::exact`]); hands `terms`
-    /// and `sum` back. The first call makes the sum's shared buffers, so every rank's first
-    /// call must be for the same length.
-    pub fn exact_sum(
+    /// Called by the last backward of a `--global-batch-size` step with each range of
+    /// gradients that is final: starts the exact sum's work on the buckets now complete
+    /// ([`ExactBuckets::gradients_ready`]). The first call makes the sum's shared buffers (a
+    /// collective).
+    pub fn exact_gradients_ready(
         &mut self,
-        terms: Vec<Vec<f32>>,
-        own: usize,
+        earlier: &[&[f32]],
+        range: Range<usize>,
+        values: &[f32],
+    ) -> anyhow::Result<()> {
+        let comm = &self.comm;
+        let exact = match &mut self.exact {
+            Some(exact) => exact,
+            none => none.insert(ExactBuckets::new(comm, &self.buckets)?),
+        };
+        exact.gradients_ready(comm, earlier, range, values);
+        Ok(())
+    }
+
+    /// The exact sum over every rank of this rank's `earlier` terms and `last`, `total_terms`
+    /// of them over all ranks, written into `last` ([`tandem_dist::exact`]); every term is as
+    /// long as the gradients.
+    pub fn finish_exact_sum(
+        &mut self,
+        earlier: &[&[f32]],
+        last: &mut [f32],
         total_terms: usize,
-        mut sum: Vec<f32>,
-    ) -> anyhow::Result<(Vec<Vec<f32>>, Vec<f32>)> {
-        let len = sum.len();
-        let buffers = self.exact_buffers.take();
-        let (terms, buffers, sum) = self.comm.run(move |group| {
-            let mut buffers = match buffers {
-                Some(buffers) if buffers.len() == len => buffers,
-                _ => group.exact_sum_buffers(len)?,
-            };
-            let views: Vec<&[f32]> = terms[..own].iter().map(Vec::as_slice).collect();
-            group.exact_sum(&mut buffers, &views, total_terms, &mut sum)?;
-            Ok((terms, buffers, sum))
-        })?;
-        self.exact_buffers = Some(buffers);
-        Ok((terms, sum))
+    ) -> anyhow::Result<()> {
+        let comm = &self.comm;
+        let exact = match &mut self.exact {
+            Some(exact) => exact,
+            none => none.insert(ExactBuckets::new(comm, &self.buckets)?),
+        };
+        anyhow::ensure!(
+            exact.len() == last.len(),
+            "an exact sum of {} values over buckets of {}",
+            last.len(),
+            exact.len()
+        );
+        Ok(exact.finish(comm, earlier, last, total_terms)?)
     }
 
     /// Every rank's `part`, all of one length, concatenated in rank order.
@@ -283,7 +300,7 @@ impl Ddp {
 
     fn send_bucket(&mut self, index: usize) {
         if let Some(values) = self.staging[index].take() {
-            let pending = self.comm.all_reduce_shared_f32(values, ReduceOp::Mean);
+            let pending = self.comm.all_reduce_shared(values, ReduceOp::Mean);
             self.in_flight.push((index, pending));
         }
     }

@@ -7,6 +7,7 @@
 
 pub mod batches;
 pub mod ddp;
+pub mod exact_buckets;
 pub mod fresh_start;
 pub mod gradient_sync;
 pub mod mirror;

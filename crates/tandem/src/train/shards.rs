@@ -38,12 +38,12 @@ pub struct ShardSync {
     worker: usize,
     /// This step's shard count and this worker's shards.
     step_shards: (usize, Range<usize>),
-    /// This worker's shards' gradients, in shard order (allocated once, reused).
+    /// This worker's shards' gradients but the last, in shard order (allocated once, reused).
     shard_grads: Vec<Vec<f32>>,
     /// This worker's shards' batch statistics, in shard order.
     shard_statistics: Vec<Vec<f64>>,
-    /// The step's gradient: the exact sum of every shard's.
-    summed: Vec<f32>,
+    /// The buffers of the exact sum in one process.
+    local_sum: exact::LocalExactSum,
     /// The running statistics and batch count the step started with.
     buffers_before: (Vec<f32>, u64),
     /// The length of one forward's batch statistics.
@@ -71,10 +71,38 @@ impl ShardSync {
             step_shards: (0, 0..0),
             shard_grads: Vec::new(),
             shard_statistics: Vec::new(),
-            summed: Vec::new(),
+            local_sum: exact::LocalExactSum::default(),
             buffers_before: (Vec::new(), 0),
             statistics_len,
         })
+    }
+
+    /// The backward of this worker's last shard of the step (in `slot`): each range of
+    /// gradients that is final starts its part of the exact sum over the job.
+    fn last_backward(
+        &mut self,
+        device: &mut dyn TrainingDevice,
+        loss_scale: f32,
+        slot: usize,
+    ) -> anyhow::Result<()> {
+        let Some(ddp) = self.group.as_mut() else {
+            return Ok(device.backward(loss_scale, None, None)?);
+        };
+        let earlier: Vec<&[f32]> = self.shard_grads[..slot].iter().map(Vec::as_slice).collect();
+        let mut failure = None;
+        device.backward(
+            loss_scale,
+            None,
+            Some(&mut |range, values| {
+                if let Err(error) = ddp.exact_gradients_ready(&earlier, range, values) {
+                    failure.get_or_insert(error);
+                }
+            }),
+        )?;
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(()),
+        }
     }
 
     /// Every shard's loss and batch statistics of the step, in shard order: this worker's
@@ -158,18 +186,23 @@ impl GradientSync for ShardSync {
         Ok(loss)
     }
 
+    /// Keeps each shard's gradient but the last one's, which stays in the device while the
+    /// exact sum of its buckets starts.
     fn backward(
         &mut self,
         device: &mut dyn TrainingDevice,
         loss_scale: f32,
-        _last: bool,
+        last: bool,
     ) -> anyhow::Result<()> {
-        device.backward(loss_scale, None, None)?;
         let slot = self
             .shard_statistics
             .len()
             .checked_sub(1)
             .context("a shard's backward without its forward")?;
+        if last {
+            return self.last_backward(device, loss_scale, slot);
+        }
+        device.backward(loss_scale, None, None)?;
         if self.shard_grads.len() <= slot {
             self.shard_grads.push(Vec::new());
         }
@@ -195,26 +228,22 @@ impl GradientSync for ShardSync {
                 losses.len()
             );
         }
-        if self.shard_grads.is_empty() {
-            let len = device.param_count();
-            self.shard_grads.push(vec![0.0; len]);
-        }
-        self.summed.resize(device.param_count(), 0.0);
-        let shard_grads = std::mem::take(&mut self.shard_grads);
-        let summed = std::mem::take(&mut self.summed);
-        (self.shard_grads, self.summed) = match self.group.as_mut() {
-            Some(ddp) => ddp.exact_sum(shard_grads, own, total_shards, summed)?,
-            None => {
-                let mut summed = summed;
-                let terms: Vec<&[f32]> = shard_grads[..own].iter().map(Vec::as_slice).collect();
-                exact::local_exact_sum(&terms, &mut summed);
-                (shard_grads, summed)
-            }
-        };
-        let summed = &self.summed;
+        let earlier: Vec<&[f32]> = self.shard_grads[..own.saturating_sub(1)]
+            .iter()
+            .map(Vec::as_slice)
+            .collect();
+        let (group, local_sum) = (&mut self.group, &mut self.local_sum);
         with_host_grads(device, |grads| -> anyhow::Result<()> {
-            grads.copy_from_slice(summed);
-            Ok(())
+            if own == 0 {
+                grads.fill(0.0);
+            }
+            match group.as_mut() {
+                Some(ddp) => ddp.finish_exact_sum(&earlier, grads, total_shards),
+                None => {
+                    local_sum.sum_into_last(&earlier, grads);
+                    Ok(())
+                }
+            }
         })?;
         let records = self.all_shard_records(losses, total_shards)?;
         let record_len = 1 + self.statistics_len;
