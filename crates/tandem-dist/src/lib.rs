@@ -11,6 +11,8 @@
 //!   copying it through sockets.
 //! - [`gather_records`], [`publish_nccl_unique_id`], [`receive_nccl_unique_id`]: small values
 //!   handed between ranks through the store (each rank's device, rank 0's NCCL unique id).
+//! - [`heartbeat`]: each worker's heartbeat and status in the store, for the launcher and
+//!   `tandem status`.
 //! - [`CommThread`]: a thread that owns the group and runs submitted collectives in order,
 //!   so communication overlaps computation.
 //! - [`cluster`]: the launch environments of torchrun, ModelArts, Slurm, Open MPI and Kubeflow.
@@ -23,6 +25,7 @@ mod error;
 pub mod exact;
 mod exchange;
 mod group;
+pub mod heartbeat;
 mod link;
 mod ring;
 mod shared;

@@ -108,6 +108,17 @@ pub fn temporary_path(path: &Path) -> PathBuf {
 /// its name is refused, naming it. Whatever `path` itself was, a link included, the rename
 /// replaces it with the new regular file; a link's target is never opened.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
+    write_atomically_with_mode(path, bytes, 0o666)
+}
+
+/// [`write_atomically`] for a file that only its owner may read or write (mode 0600 from
+/// its creation), such as one that holds a secret.
+pub fn write_private_atomically(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
+    write_atomically_with_mode(path, bytes, 0o600)
+}
+
+/// [`write_atomically`] with the temporary file created with `mode` (before the umask).
+fn write_atomically_with_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), FileError> {
     let folder = match path.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent,
         _ => Path::new("."),
@@ -117,11 +128,12 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
         source,
     })?;
     let temporary = temporary_path(path);
-    let mut file = new_temporary_file(&temporary).map_err(|source| FileError::CreateTemporary {
-        path: path.to_path_buf(),
-        temporary: temporary.clone(),
-        source,
-    })?;
+    let mut file =
+        new_temporary_file(&temporary, mode).map_err(|source| FileError::CreateTemporary {
+            path: path.to_path_buf(),
+            temporary: temporary.clone(),
+            source,
+        })?;
     let write_error = |source| FileError::Write {
         path: path.to_path_buf(),
         source,
@@ -136,16 +148,16 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
     Ok(())
 }
 
-/// Creates the temporary file at exactly `temporary` (no random part, one try), readable as an
-/// ordinary file would be, removed again if it is dropped before it is persisted.
-fn new_temporary_file(temporary: &Path) -> std::io::Result<tempfile::NamedTempFile> {
+/// Creates the temporary file at exactly `temporary` (no random part, one try) with `mode`,
+/// removed again if it is dropped before it is persisted.
+fn new_temporary_file(temporary: &Path, mode: u32) -> std::io::Result<tempfile::NamedTempFile> {
     let name = temporary.file_name().unwrap_or_default();
     let folder = temporary.parent().unwrap_or(Path::new("."));
     tempfile::Builder::new()
         .prefix(name)
         .suffix("")
         .rand_bytes(0)
-        .permissions(Permissions::from_mode(0o666))
+        .permissions(Permissions::from_mode(mode))
         .tempfile_in(folder)
         .map_err(|error| match error.kind() {
             std::io::ErrorKind::AlreadyExists => name_taken(temporary),

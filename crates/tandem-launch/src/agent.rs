@@ -14,6 +14,7 @@ use super::options::LaunchPlan;
 use super::rendezvous::{AgentStore, Ended, Entry, Heartbeats, Member, Round, RoundSize, Waited};
 use super::report::{self, NodeReport, RootCause, WorkerReport, LOG_TAIL_LINES};
 use super::signals::{self, signal_name, StopRequest, SIGKILL, SIGTERM};
+use super::status;
 use super::worker::{
     error_file_path, now_micros, retry_while_short_of_resources, worker_env, JobEnv, Worker,
     WorkerEnd, WorkerPlace,
@@ -29,8 +30,8 @@ const AFTER_KILL_WAIT: Duration = Duration::from_secs(5);
 const OUTPUT_FLUSH_WAIT: Duration = Duration::from_secs(2);
 /// Extra time, beyond the stop grace, that a decided round waits for the nodes' reports.
 const REPORT_SLACK: Duration = Duration::from_secs(10);
-/// How often the agent bumps its heartbeat and looks at the others'.
-const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+/// How often the agent bumps its heartbeat and looks at the others' and its workers'.
+const HEARTBEAT_INTERVAL: Duration = tandem_dist::heartbeat::HEARTBEAT_INTERVAL;
 /// How long node 0 keeps the store up for the other nodes to read the outcome.
 const LEAVE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -224,6 +225,7 @@ fn open_store(
         Waited::Done(store) => store,
         Waited::Interrupted => return Ok(Waited::Interrupted),
     };
+    status::write_job_file(&plan.log_dir, &store.addr().to_string(), &plan.token)?;
     let nodes = match topology.is_elastic() {
         true => format!("{}:{}", topology.min_nodes, topology.nnodes),
         false => topology.nnodes.to_string(),
@@ -768,8 +770,14 @@ fn watch_round(
     heartbeats: &mut Heartbeats,
 ) -> anyhow::Result<()> {
     let mut duties = StoreDuties::new(plan.topology.node_rank, round);
+    let mut beats = WorkerBeats::new(round.number, workers.len(), plan.heartbeat_timeout);
     let mut stopping: Option<Stopping> = None;
     loop {
+        if stopping.is_none() {
+            if let Err(error) = beats.check(store, workers) {
+                duties.store_error.get_or_insert(error);
+            }
+        }
         let ends: Vec<Option<WorkerEnd>> = workers
             .iter()
             .map(|worker| worker.end().map(|(end, _)| end))
@@ -811,6 +819,59 @@ fn watch_round(
     match duties.store_error {
         Some(error) => Err(error),
         None => Ok(()),
+    }
+}
+
+/// The heartbeats of this node's workers: a worker whose heartbeat stops moving for the
+/// heartbeat timeout, after its first beat, is killed and named, whether it was stopped
+/// (SIGSTOP), hung, or cut off from the store.
+struct WorkerBeats {
+    round: u32,
+    beats: Heartbeats,
+    last_check: Instant,
+}
+
+impl WorkerBeats {
+    fn new(round: u32, workers: usize, timeout: Duration) -> WorkerBeats {
+        WorkerBeats {
+            round,
+            beats: Heartbeats::new(workers, timeout),
+            last_check: Instant::now(),
+        }
+    }
+
+    /// Reads every running worker's heartbeat (at most once per heartbeat interval) and
+    /// kills the silent ones.
+    fn check(&mut self, store: &AgentStore, workers: &[Worker]) -> anyhow::Result<()> {
+        if self.last_check.elapsed() < HEARTBEAT_INTERVAL {
+            return Ok(());
+        }
+        self.last_check = Instant::now();
+        for (index, worker) in workers.iter().enumerate() {
+            if worker.end().is_some() {
+                continue;
+            }
+            let beat = store.worker_heartbeat(self.round, worker.place.rank)?;
+            // Before its first beat a worker is still starting, and after its last one it is
+            // finishing: only its exit counts then.
+            if beat <= 0 || !self.beats.observe(index, beat) {
+                continue;
+            }
+            let silence = self.beats.silence_of(index);
+            if let Some(stopped) = worker.kill_silent(silence) {
+                let end = WorkerEnd::Silent {
+                    millis: silence.as_millis() as u64,
+                    stopped,
+                };
+                say(&format!(
+                    "rank {} (pid {}) {}",
+                    worker.place.rank,
+                    worker.pid(),
+                    end.describe()
+                ));
+            }
+        }
+        Ok(())
     }
 }
 

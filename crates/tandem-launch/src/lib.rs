@@ -22,6 +22,7 @@ mod options;
 mod rendezvous;
 mod report;
 mod signals;
+mod status;
 mod worker;
 
 use std::collections::HashMap;
@@ -31,6 +32,7 @@ use anyhow::Context;
 use tandem_files::tell;
 
 pub use options::{missing_separator_hint, LaunchArgs};
+pub use status::{run as status, StatusArgs};
 
 use agent::{JobEnd, WorkersStopped};
 

@@ -57,10 +57,17 @@ pub struct LaunchArgs {
     /// How long the agents wait for each other to reach the store and start a round.
     #[arg(long, default_value = "600", value_name = "SECONDS", value_parser = parse_seconds)]
     pub join_timeout_seconds: Duration,
-    /// How long an agent may go without a heartbeat before the others take its node for dead
-    /// and stop the round.
-    #[arg(long, default_value = "60", value_name = "SECONDS", value_parser = parse_seconds)]
-    pub heartbeat_timeout_seconds: Duration,
+    /// How long a worker or an agent may go without a heartbeat (each beats every 100 ms)
+    /// before it is taken for dead: a silent worker is killed and named, a silent node's
+    /// round is stopped.
+    #[arg(
+        long,
+        alias = "heartbeat-timeout-seconds",
+        default_value = "1",
+        value_name = "SECONDS",
+        value_parser = parse_seconds
+    )]
+    pub heartbeat_timeout: Duration,
     /// Folder for `logs/rank_R.log` and `errors/rank_R.json`. Default: the worker command's
     /// `--output-dir` (for an s3:// or obs:// one, its staging folder, uploaded beside the
     /// outputs when the job ends), else `runs/latest` for `train` and `runs/launch-NAME` for
@@ -272,7 +279,7 @@ impl LaunchPlan {
             max_restarts: args.max_restarts,
             stop_grace: args.stop_grace_seconds,
             join_timeout: args.join_timeout_seconds,
-            heartbeat_timeout: args.heartbeat_timeout_seconds,
+            heartbeat_timeout: args.heartbeat_timeout,
             last_call: args.last_call,
             tee: args.tee,
         })

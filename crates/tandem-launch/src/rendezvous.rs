@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
+use tandem_dist::heartbeat::{Heartbeat, HEARTBEAT_INTERVAL};
 use tandem_dist::{DistError, JobToken, StoreClient, StoreLimits, StoreServer};
 
 use super::options::{StoreLocation, Topology};
@@ -143,7 +144,7 @@ impl Heartbeats {
     }
 
     /// Records `beat` for `node`; returns whether the node is silent.
-    fn observe(&mut self, node: usize, beat: i64) -> bool {
+    pub fn observe(&mut self, node: usize, beat: i64) -> bool {
         let Some(last) = self.last_seen.get_mut(node) else {
             return false;
         };
@@ -163,6 +164,8 @@ impl Heartbeats {
 
 /// This agent's view of the store: the server when this is node 0, and a client.
 pub struct AgentStore {
+    /// This node's heartbeat.
+    _beat: Heartbeat,
     client: StoreClient,
     // Declared after the client so the client closes first; kept alive for the whole job.
     server: Option<StoreServer>,
@@ -229,7 +232,18 @@ impl AgentStore {
         let Waited::Done(client) = connect_until(connect_to, token, deadline, interrupted)? else {
             return Ok(Waited::Interrupted);
         };
+        // Beats from a thread of their own, so that the others hear this node while its
+        // agent waits on its workers.
+        let beat_client = StoreClient::connect(connect_to, token, REQUEST_TIMEOUT)
+            .with_context(|| format!("connect the heartbeat to the store at {connect_to}"))?;
+        let beat = Heartbeat::start(
+            beat_client,
+            HEARTBEAT_PREFIX,
+            topology.node_rank,
+            HEARTBEAT_INTERVAL,
+        );
         Ok(Waited::Done(AgentStore {
+            _beat: beat,
             client,
             server,
             node_rank: topology.node_rank,
@@ -237,6 +251,11 @@ impl AgentStore {
             master_addr,
             master_port,
         }))
+    }
+
+    /// The store's address as this agent reaches it.
+    pub fn addr(&self) -> SocketAddr {
+        self.client.addr()
     }
 
     /// Node 0: makes `round` the round that arriving agents offer themselves for.
@@ -486,6 +505,15 @@ impl AgentStore {
         Ok(())
     }
 
+    /// The heartbeat counter of the worker of global `rank` in round `round` (0 before its
+    /// first beat).
+    pub fn worker_heartbeat(&self, round: u32, rank: usize) -> anyhow::Result<i64> {
+        let prefix = tandem_dist::cluster::contract::store_prefix(round);
+        Ok(self
+            .client
+            .add(&tandem_dist::heartbeat::heartbeat_key(&prefix, rank), 0)?)
+    }
+
     /// The other nodes among `nodes` whose heartbeat has not moved for the tracker's silence.
     pub fn silent_nodes(
         &self,
@@ -662,9 +690,29 @@ fn left_key(round: u32, node: usize) -> String {
     format!("launch/round{round}/left/{node}")
 }
 
-fn heartbeat_key(node: usize) -> String {
-    format!("launch/heartbeat/{node}")
+/// The current round as node 0 closed it, read by `client`; `None` while its nodes are still
+/// joining.
+pub fn current_round_record(client: &StoreClient) -> anyhow::Result<Option<Round>> {
+    let Some(bytes) = client.get(CURRENT_KEY)? else {
+        return Ok(None);
+    };
+    let number: u32 = String::from_utf8_lossy(&bytes)
+        .parse()
+        .context("the store's current round is not a number")?;
+    let Some(bytes) = client.get(&closed_key(number))? else {
+        return Ok(None);
+    };
+    let round = serde_json::from_slice(&bytes)
+        .with_context(|| format!("round {number}'s record in the store is malformed"))?;
+    Ok(Some(round))
 }
+
+fn heartbeat_key(node: usize) -> String {
+    tandem_dist::heartbeat::heartbeat_key(HEARTBEAT_PREFIX, node)
+}
+
+/// The namespace of the agents' heartbeats: `launch/heartbeat/{node}`.
+const HEARTBEAT_PREFIX: &str = "launch";
 
 /// The first address `host:port` resolves to.
 fn resolve(host: &str, port: u16) -> std::io::Result<SocketAddr> {

@@ -108,7 +108,7 @@ pub fn root_cause(reports: &[Option<NodeReport>]) -> Option<RootCause> {
         .filter(|worker| worker.end.is_failure())
         .min_by_key(|worker| {
             (
-                worker.end != WorkerEnd::Stuck,
+                !worker.end.gave_up_on(),
                 followed_a_stop_request(worker),
                 worker.ended_at_micros,
                 worker.rank,
@@ -183,7 +183,7 @@ pub fn summary(title: &str, cause: &RootCause, reports: &[Option<NodeReport>]) -
     let mut text = format!("{title}\nroot cause: {}\n", headline(cause));
     if let RootCause::Worker(worker) = cause {
         describe_evidence(&mut text, worker);
-        if worker.end == WorkerEnd::Stuck {
+        if worker.end.gave_up_on() {
             describe_peer_reports(&mut text, worker.rank, reports);
         }
     }

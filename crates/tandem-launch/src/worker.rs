@@ -96,6 +96,14 @@ pub enum WorkerEnd {
     /// Was found stopped (SIGSTOP, a debugger) while the round was failing, most likely the
     /// peer the others gave up on, and was killed at once.
     Stuck,
+    /// Sent no heartbeat for `millis` milliseconds (stopped when `stopped`: SIGSTOP or a
+    /// debugger; else hung) and was killed at once.
+    Silent {
+        /// How long its heartbeat had not moved.
+        millis: u64,
+        /// Whether it was found stopped.
+        stopped: bool,
+    },
     /// The program could not be started.
     NotStarted(String),
     /// Still running after SIGKILL and the wait that follows it.
@@ -110,8 +118,15 @@ impl WorkerEnd {
             WorkerEnd::ExitCode(_)
                 | WorkerEnd::Signal(_)
                 | WorkerEnd::Stuck
+                | WorkerEnd::Silent { .. }
                 | WorkerEnd::NotStarted(_)
         )
+    }
+
+    /// Whether the launcher killed it as the worker its peers were waiting for: found stopped
+    /// or silent.
+    pub fn gave_up_on(&self) -> bool {
+        matches!(self, WorkerEnd::Stuck | WorkerEnd::Silent { .. })
     }
 
     /// A short description, e.g. "exited with code 3" or "stopped by the launcher (SIGTERM)".
@@ -128,6 +143,14 @@ impl WorkerEnd {
                  the launcher killed it (SIGKILL)"
                     .into()
             }
+            WorkerEnd::Silent { millis, stopped } => format!(
+                "sent no heartbeat for {:.1} s ({}); the launcher killed it (SIGKILL)",
+                *millis as f64 / 1000.0,
+                match stopped {
+                    true => "it was stopped: SIGSTOP or a debugger",
+                    false => "it runs but is hung",
+                }
+            ),
             WorkerEnd::NotStarted(reason) => format!("could not start: {reason}"),
             WorkerEnd::Unkillable => "still running after SIGKILL".into(),
         }
@@ -142,6 +165,9 @@ struct ProcessState {
     launcher_signal: Option<i32>,
     /// The launcher killed it because it was found stopped.
     found_stopped: bool,
+    /// The launcher killed it because its heartbeat stopped: for how long, and whether it
+    /// was stopped.
+    silent: Option<(Duration, bool)>,
 }
 
 /// A started (or failed-to-start) worker.
@@ -175,6 +201,7 @@ impl Worker {
                 exit: Some((WorkerEnd::NotStarted(failure.to_string()), now_micros())),
                 launcher_signal: None,
                 found_stopped: false,
+                silent: None,
             }))
         });
         Worker {
@@ -214,6 +241,26 @@ impl Worker {
         // SIGKILL ends a stopped process too; ESRCH is impossible while unreaped.
         let _ = signals::send_signal(state.pid, signals::SIGKILL);
         true
+    }
+
+    /// Kills a running worker whose heartbeat has not moved for `silence`; returns whether it
+    /// was stopped (SIGSTOP or a debugger), or `None` when it had already ended.
+    pub fn kill_silent(&self, silence: Duration) -> Option<bool> {
+        let mut state = lock(&self.state);
+        if state.exit.is_some() || state.silent.is_some() {
+            return None;
+        }
+        let stopped = is_stopped(state.pid);
+        state.silent = Some((silence, stopped));
+        state.launcher_signal = Some(signals::SIGKILL);
+        // SIGKILL ends a stopped process too; ESRCH is impossible while unreaped.
+        let _ = signals::send_signal(state.pid, signals::SIGKILL);
+        Some(stopped)
+    }
+
+    /// The process id of a started worker.
+    pub fn pid(&self) -> u32 {
+        lock(&self.state).pid
     }
 
     /// Marks a worker that survived SIGKILL as [`WorkerEnd::Unkillable`] so the round can end.
@@ -396,6 +443,7 @@ fn watch(
         exit: None,
         launcher_signal: None,
         found_stopped: false,
+        silent: None,
     }));
     let watcher_state = Arc::clone(&state);
     let watcher = thread::Builder::new()
@@ -418,6 +466,13 @@ fn watch_until_exit(mut child: Child, state: &Mutex<ProcessState>) {
     let ended_at = now_micros();
     let mut state = lock(state);
     let end = match (exited, child.wait()) {
+        (Ok(()), Ok(_)) if state.silent.is_some() => {
+            let (silence, stopped) = state.silent.unwrap_or_default();
+            WorkerEnd::Silent {
+                millis: silence.as_millis() as u64,
+                stopped,
+            }
+        }
         (Ok(()), Ok(_)) if state.found_stopped => WorkerEnd::Stuck,
         (Ok(()), Ok(status)) => classify(status, state.launcher_signal),
         (Err(error), _) | (_, Err(error)) => {

@@ -55,6 +55,8 @@ enum Command {
     Bench(bench::BenchCommand),
     /// Start workers on this node, restart them on failure (like torchrun).
     Launch(tandem_launch::LaunchArgs),
+    /// Show a live job's round and each rank's progress and heartbeat.
+    Status(tandem_launch::StatusArgs),
     /// Print shell completions for tandem (e.g. `tandem completions bash > ~/.local/share/bash-completion/completions/tandem`).
     Completions {
         /// The shell.
@@ -80,6 +82,7 @@ fn main() {
         Command::Predict(args) => predict::run(args),
         Command::Bench(command) => bench::run(command),
         Command::Launch(args) => launch(&args),
+        Command::Status(args) => tandem_launch::status(&args).map(|report| print!("{report}")),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut command(), "tandem", &mut std::io::stdout());
             Ok(())

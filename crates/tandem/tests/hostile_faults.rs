@@ -1,10 +1,11 @@
 //! Attacks on a running `tandem launch` job through the real binary: outsiders holding
 //! hundreds of connections to the store port of a launcher with few descriptors, a worker
-//! sent SIGTERM on its own, and a worker stopped with SIGSTOP.
+//! sent SIGTERM on its own, and a worker stopped with SIGSTOP (found by its heartbeat).
 
 mod common;
 
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -175,9 +176,11 @@ fn sigterm_to_one_worker_is_a_failure_naming_its_rank_the_signal_and_the_epoch()
 }
 
 #[test]
-fn a_stopped_worker_is_killed_at_once_and_named_as_the_root_cause() {
+fn a_stopped_worker_is_found_by_its_silent_heartbeat_killed_and_named_as_the_root_cause() {
+    // No collective timeout would end this job for 10 minutes: the heartbeat finds the
+    // stopped worker.
     let launch_args = ["--max-restarts", "0", "--stop-grace-seconds", "60"];
-    let timeout = ["--collective-timeout", "2"];
+    let timeout = ["--collective-timeout", "600"];
     let (_dir, _output, mut launcher) = start_training(&launch_args, 1000, &timeout, None);
     let stuck = launcher.worker(1);
     let stopped_at = Instant::now();
@@ -185,14 +188,80 @@ fn a_stopped_worker_is_killed_at_once_and_named_as_the_root_cause() {
     let stderr = launcher.exits_with(1, LIMIT);
     let waited = stopped_at.elapsed();
     assert!(
-        stderr.contains(
-            "root cause: rank 1 (node 0, local rank 1) was stopped (SIGSTOP or a debugger) and \
-             stopped answering its peers; the launcher killed it (SIGKILL)\n"
+        stderr.contains(&format!("rank 1 (pid {stuck}) sent no heartbeat for 1.")),
+        "{stderr}"
+    );
+    let cause = "root cause: rank 1 (node 0, local rank 1) sent no heartbeat for ";
+    let (_, after) = stderr.split_once(cause).expect(&stderr);
+    assert!(
+        after.starts_with("1.") || after.starts_with("2."),
+        "silent for about the 1 s timeout: {stderr}"
+    );
+    assert!(
+        after.contains(
+            " s (it was stopped: SIGSTOP or a debugger); the launcher killed it (SIGKILL)\n"
         ),
         "{stderr}"
     );
-    assert!(stderr.contains("rank 0 reported: rank 1 ("), "{stderr}");
-    assert_contains(&stderr, "  rank 0: exited with code 1");
-    // Without the kill, the launcher would wait the 60 s grace on the stopped process.
-    assert!(waited < Duration::from_secs(40), "took {waited:?}");
+    // Its peer did not fail: the launcher stopped it with the round.
+    assert_contains(&stderr, "  rank 0: stopped by the launcher (SIGTERM)");
+    // Without the heartbeat, the job would wait the 600 s collective timeout.
+    assert!(waited < Duration::from_secs(60), "took {waited:?}");
+}
+
+/// The row of `rank` in `tandem status`'s report, split into its columns.
+fn status_row(report: &str, rank: usize) -> Option<Vec<String>> {
+    report
+        .lines()
+        .map(|line| {
+            line.split_whitespace()
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .find(|columns| {
+            columns
+                .first()
+                .is_some_and(|first| *first == rank.to_string())
+        })
+}
+
+#[test]
+fn tandem_status_shows_the_round_and_each_rank_with_its_pid_step_and_heartbeat() {
+    let (_dir, output, mut launcher) = start_training(&["--max-restarts", "0"], 1000, &[], None);
+    let job_file = output.join("job.json");
+    let mode = std::fs::metadata(&job_file).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the job file holds the token");
+    let deadline = Instant::now() + LIMIT;
+    let report = loop {
+        let report = expect_success(&run_bounded(tandem().arg("status").arg(&output), LIMIT));
+        // Both ranks have published a step once the first steps are done.
+        let stepped = (0..2).all(|rank| {
+            status_row(&report, rank).is_some_and(|row| row.get(4).is_some_and(|step| step != "-"))
+        });
+        if stepped {
+            break report;
+        }
+        assert!(Instant::now() < deadline, "no step in:\n{report}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        report.contains("): round 0: nodes 0 (2 workers)"),
+        "{report}"
+    );
+    for rank in 0..2 {
+        let row = status_row(&report, rank).unwrap();
+        assert_eq!(row[2], launcher.worker(rank).to_string(), "{report}");
+        assert!(row[3].parse::<u64>().unwrap() >= 1, "{report}");
+        assert!(row[5].parse::<f64>().unwrap() > 0.0, "{report}");
+        assert_eq!(row[6], "beating", "{report}");
+    }
+    launcher.signal(libc::SIGTERM);
+    launcher.wait(LIMIT);
+    let ended = run_bounded(tandem().arg("status").arg(&output), LIMIT);
+    assert!(!ended.status.success());
+    let stderr = String::from_utf8_lossy(&ended.stderr);
+    assert!(
+        stderr.contains("the job has ended or its launcher is gone"),
+        "{stderr}"
+    );
 }

@@ -11,7 +11,10 @@ use std::ops::Range;
 use std::time::Duration;
 
 use anyhow::Context;
-use tandem_dist::{CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer};
+use tandem_dist::heartbeat::{Heartbeat, WorkerStatus, HEARTBEAT_INTERVAL};
+use tandem_dist::{
+    CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer, StoreClient,
+};
 use tandem_models::{BatchNormReducer, Model};
 
 use super::exact_buckets::ExactBuckets;
@@ -65,6 +68,8 @@ pub struct Ddp {
     next_bucket: usize,
     /// The buckets of the exact sum of `--global-batch-size`, once made.
     exact: Option<ExactBuckets>,
+    /// This rank's heartbeat and status in the job's store.
+    heartbeat: Heartbeat,
 }
 
 impl Ddp {
@@ -82,7 +87,7 @@ impl Ddp {
             placement.world_size,
             &placement.master_addr,
             placement.master_port,
-            token,
+            token.clone(),
         );
         options.timeout = timeout;
         options.host_store = !placement.store_hosted;
@@ -93,6 +98,16 @@ impl Ddp {
                 placement.rank, placement.master_addr, placement.master_port
             )
         })?;
+        let heartbeat = StoreClient::connect(group.store().addr(), &token, timeout)
+            .map(|client| {
+                Heartbeat::start(
+                    client,
+                    &placement.key_prefix,
+                    placement.rank,
+                    HEARTBEAT_INTERVAL,
+                )
+            })
+            .context("the heartbeat's connection to the job's store")?;
         let comm = CommThread::spawn(group)?;
         let float_bytes = std::mem::size_of::<f32>();
         let buckets = plan_buckets(
@@ -111,7 +126,20 @@ impl Ddp {
             in_flight: Vec::new(),
             next_bucket: 0,
             exact: None,
+            heartbeat,
         })
+    }
+
+    /// Publishes this rank's progress for `tandem status` (through the heartbeat thread).
+    pub fn publish_status(&self, epoch: u64, step: u64, images_per_second: f64) {
+        self.heartbeat.publish(&WorkerStatus {
+            rank: self.rank(),
+            pid: std::process::id(),
+            host: super::run_lock::host_name(),
+            epoch,
+            step,
+            images_per_second,
+        });
     }
 
     /// This process's rank.

@@ -726,11 +726,17 @@ impl Trainer {
         let mut lr = self.schedule.lr_at(self.progress.global_step);
         while let Some(micro_batches) = self.next_step(&mut batches, steps_in_epoch)? {
             lr = self.schedule.lr_at(self.progress.global_step);
+            let step_started = Instant::now();
             let outcome = self.train_step(&micro_batches, lr)?;
             let job_images = outcome.images * self.world_size();
             images_this_session += job_images;
             self.progress.epoch_loss_sum += outcome.mean_loss;
             self.progress.step_in_epoch += 1;
+            if let Some(ddp) = self.sync.group() {
+                let seconds = step_started.elapsed().as_secs_f64().max(1e-9);
+                let step = self.progress.step_in_epoch;
+                ddp.publish_status(epoch + 1, step, outcome.images as f64 / seconds);
+            }
             self.progress.global_step += 1;
             self.progress.epoch_seconds = seconds_before + started.elapsed().as_secs_f64();
             self.log_step(&mut log_window, job_images, outcome.mean_loss, lr)?;

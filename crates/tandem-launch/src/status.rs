@@ -1,0 +1,186 @@
+//! `tandem status`: what a live job's store says about its round and its workers.
+//!
+//! Each agent writes `job.json` (mode 0600: it holds the job token) into its log folder when
+//! it reaches the store; `tandem status` reads it, asks the store for the current round and
+//! each rank's heartbeat and status (see [`tandem_dist::heartbeat`]), and prints one line per
+//! rank.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use tandem_dist::cluster::contract::store_prefix;
+use tandem_dist::heartbeat::{heartbeat_key, status_key, WorkerStatus, HEARTBEAT_INTERVAL};
+use tandem_dist::{JobToken, StoreClient};
+
+use super::rendezvous::{current_round_record, Round};
+
+/// The name of the job file in the launcher's log folder.
+pub const JOB_FILE: &str = "job.json";
+
+/// How long `tandem status` watches the heartbeats to tell the moving from the silent.
+const WATCH: Duration = Duration::from_millis(3 * HEARTBEAT_INTERVAL.as_millis() as u64);
+
+/// How long `tandem status` tries to reach the store.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Where a live job's store is, and its token, as the launcher leaves them for `tandem
+/// status`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobFile {
+    /// The store's address, as this node's agent reaches it.
+    pub store: String,
+    /// The job token.
+    pub token: String,
+    /// The launcher's process id.
+    pub launcher_pid: u32,
+}
+
+/// Writes the job file of the agent that reached the store at `store` into `log_dir`.
+pub fn write_job_file(log_dir: &Path, store: &str, token: &JobToken) -> anyhow::Result<()> {
+    let record = JobFile {
+        store: store.to_string(),
+        token: token.expose_secret().to_string(),
+        launcher_pid: std::process::id(),
+    };
+    let bytes = serde_json::to_vec_pretty(&record).context("encode the job file")?;
+    let path = log_dir.join(JOB_FILE);
+    tandem_files::write_private_atomically(&path, &bytes)
+        .with_context(|| format!("write {}", path.display()))
+}
+
+/// The options of `tandem status`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StatusArgs {
+    /// The launcher's log folder (`tandem launch` prints it: `logs in DIR`): the worker
+    /// command's `--output-dir`, else `runs/latest`.
+    #[arg(default_value = "runs/latest", value_name = "LOG_DIR")]
+    pub log_dir: PathBuf,
+}
+
+/// One rank as `tandem status` sees it.
+struct RankView {
+    rank: usize,
+    status: Option<WorkerStatus>,
+    /// The heartbeat counter at the start and at the end of the watch.
+    beats: (i64, i64),
+}
+
+/// The report of `tandem status` on the job whose launcher logs into `args.log_dir`.
+pub fn run(args: &StatusArgs) -> anyhow::Result<String> {
+    let path = args.log_dir.join(JOB_FILE);
+    let bytes = std::fs::read(&path).with_context(|| {
+        format!(
+            "cannot read {}: is a job launched with its logs in {}?",
+            path.display(),
+            args.log_dir.display()
+        )
+    })?;
+    let job: JobFile = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{} is not a job file", path.display()))?;
+    let token = JobToken::new(&job.token)
+        .with_context(|| format!("{} holds an unusable job token", path.display()))?;
+    let addr = job.store.parse().with_context(|| {
+        format!(
+            "{}: store {:?} is not an address",
+            path.display(),
+            job.store
+        )
+    })?;
+    let client = StoreClient::connect(addr, &token, CONNECT_TIMEOUT).with_context(|| {
+        format!(
+            "cannot reach the job's store at {} (launcher pid {}): the job has ended or its \
+             launcher is gone",
+            job.store, job.launcher_pid
+        )
+    })?;
+    let round = current_round_record(&client)?
+        .context("the job's store holds no round yet: the nodes are still joining")?;
+    let views = watch_ranks(&client, &round)?;
+    Ok(describe(&job, &round, &views))
+}
+
+/// Reads every rank's status and heartbeat, then the heartbeats again after [`WATCH`].
+fn watch_ranks(client: &StoreClient, round: &Round) -> anyhow::Result<Vec<RankView>> {
+    let prefix = store_prefix(round.number);
+    let mut views = Vec::new();
+    for rank in 0..round.world_size() {
+        let beat = client.add(&heartbeat_key(&prefix, rank), 0)?;
+        let status = client
+            .get(&status_key(&prefix, rank))?
+            .and_then(|bytes| WorkerStatus::from_json(&bytes).ok());
+        views.push(RankView {
+            rank,
+            status,
+            beats: (beat, beat),
+        });
+    }
+    std::thread::sleep(WATCH);
+    for view in &mut views {
+        view.beats.1 = client.add(&heartbeat_key(&prefix, view.rank), 0)?;
+    }
+    Ok(views)
+}
+
+/// The report: the round's line, then one line per rank.
+fn describe(job: &JobFile, round: &Round, views: &[RankView]) -> String {
+    let mut text = format!(
+        "job at {} (launcher pid {}): {}\n",
+        job.store, job.launcher_pid, round.line
+    );
+    let _ = writeln!(
+        text,
+        "{:>4}  {:<16} {:>8}  {:>5}  {:>7}  {:>9}  heartbeat",
+        "rank", "host", "pid", "epoch", "step", "img/s"
+    );
+    for view in views {
+        let heartbeat = heartbeat_state(view.beats);
+        let _ = match &view.status {
+            Some(status) => writeln!(
+                text,
+                "{:>4}  {:<16} {:>8}  {:>5}  {:>7}  {:>9.1}  {heartbeat}",
+                view.rank,
+                status.host,
+                status.pid,
+                status.epoch,
+                status.step,
+                status.images_per_second
+            ),
+            None => writeln!(
+                text,
+                "{:>4}  {:<16} {:>8}  {:>5}  {:>7}  {:>9}  {heartbeat}",
+                view.rank, "-", "-", "-", "-", "-"
+            ),
+        };
+    }
+    text
+}
+
+/// A heartbeat watched from `first` to `last`, in words.
+fn heartbeat_state((first, last): (i64, i64)) -> String {
+    let window = WATCH.as_secs_f64();
+    match (first, last) {
+        (_, last) if last < 0 => "ended (the worker is finishing)".into(),
+        (0, 0) => "none yet (starting)".into(),
+        (first, last) if last > first => format!("beating ({} in {window:.1} s)", last - first),
+        _ => format!("silent for at least {window:.1} s"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_heartbeat_reads_as_beating_silent_starting_or_ended() {
+        assert_eq!(heartbeat_state((10, 13)), "beating (3 in 0.3 s)");
+        assert_eq!(heartbeat_state((10, 10)), "silent for at least 0.3 s");
+        assert_eq!(heartbeat_state((0, 0)), "none yet (starting)");
+        assert_eq!(
+            heartbeat_state((12, 12 + tandem_dist::heartbeat::ENDED)),
+            "ended (the worker is finishing)"
+        );
+    }
+}
