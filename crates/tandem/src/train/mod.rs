@@ -9,6 +9,7 @@ pub mod batches;
 pub mod ddp;
 pub mod fresh_start;
 pub mod gradient_sync;
+pub mod lockstep;
 pub mod mirror;
 pub mod on_device;
 pub mod placement;
@@ -317,6 +318,7 @@ impl Trainer {
         check_classes(&train_set, spec.num_classes()).map_err(SettingsError::from_error)?;
         let (sampler, shards, steps_per_epoch) =
             epoch_sampling(&settings, train_set.len(), world_size, rank)?;
+        check_shards_sync_bn(shards.as_ref(), device, &settings)?;
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
         let optimizer = build_optimizer(&settings, schedule.lr_at(0));
         let normalize = normalization(&settings.data);
@@ -334,7 +336,7 @@ impl Trainer {
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
             join_nccl(&mut *compute, ddp, &settings)?;
         }
-        let sync = gradient_sync_of(shards, ddp, &mut *compute, settings.sync_bn)?;
+        let sync = gradient_sync_of(shards, ddp, &mut *compute, &settings)?;
         let (batches_on_device, eval_on_device) = upload_data_sets(
             &mut *compute,
             &train_set,
@@ -1295,18 +1297,43 @@ impl Trainer {
     }
 }
 
-/// The job's gradient sync: that of the logical `shards` when there are, else the one
-/// [`gradient_sync::choose`] picks for the process group `ddp` on `device`.
+/// The job's gradient sync: that of the logical `shards` when there are (with SyncBatchNorm
+/// over the global batch when `settings.sync_bn`), else the one [`gradient_sync::choose`]
+/// picks for the process group `ddp` on `device`.
 fn gradient_sync_of(
     shards: Option<ShardPlan>,
     ddp: Option<Ddp>,
     device: &mut dyn TrainingDevice,
-    sync_bn: bool,
+    settings: &TrainSettings,
 ) -> anyhow::Result<Box<dyn GradientSync>> {
     Ok(match shards {
-        Some(plan) => Box::new(ShardSync::new(ddp, plan, device)?),
-        None => gradient_sync::choose(ddp, device, sync_bn),
+        Some(plan) => {
+            let sync = ShardSync::new(ddp, plan, device)?;
+            match settings.sync_bn {
+                true => Box::new(
+                    sync.with_sync_bn(Duration::from_secs_f64(settings.collective_timeout)),
+                ),
+                false => Box::new(sync),
+            }
+        }
+        None => gradient_sync::choose(ddp, device, settings.sync_bn),
     })
+}
+
+/// Refuses `--sync-bn` with `--global-batch-size` (`shards`) on a GPU.
+fn check_shards_sync_bn(
+    shards: Option<&ShardPlan>,
+    device: &Device,
+    settings: &TrainSettings,
+) -> anyhow::Result<()> {
+    if shards.is_some() && settings.sync_bn && !matches!(device, Device::Cpu { .. }) {
+        return Err(SettingsError::from_error(anyhow::anyhow!(
+            "--sync-bn with --global-batch-size works on the CPU only for now (--device cpu): \
+             on a GPU, run --global-batch-size without --sync-bn, or --sync-bn without \
+             --global-batch-size"
+        )));
+    }
+    Ok(())
 }
 
 /// How rank `rank` of `world_size` draws an epoch's `dataset_len` samples: the sampler, the

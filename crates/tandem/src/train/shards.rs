@@ -14,18 +14,26 @@
 //!   process: each worker records its shards' batch statistics, every worker gathers all of
 //!   them and replays them from the statistics the step started with.
 //! - The loss is the mean of the shards' losses, added in shard order.
+//!
+//! With `--sync-bn` ([`ShardSync::with_sync_bn`]) the batch statistics are instead those of
+//! the whole global batch, in forward and backward, and a worker's shards run in lockstep
+//! ([`super::lockstep`]); the running statistics then move once per step.
 
 use std::ops::Range;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tandem_data::{eval_shard, ShardPlan};
 use tandem_dist::exact;
 use tandem_models::training_device::TrainBatch;
-use tandem_models::training_device::{update_host, with_host_grads, StepConditions, StepRequest};
+use tandem_models::training_device::{
+    update_host, with_host_grads, StepConditions, StepRequest, TrainImages,
+};
 use tandem_models::{BatchNormReducer, TrainingDevice};
 
 use super::ddp::Ddp;
 use super::gradient_sync::GradientSync;
+use super::lockstep::{shard_ordered_total, Lockstep, LockstepStep, ShardInput};
 
 /// The strategy of `--global-batch-size`: each micro-batch is a logical shard, and the
 /// shards' gradients, batch statistics and losses are combined in an order that does not
@@ -46,8 +54,11 @@ pub struct ShardSync {
     summed: Vec<f32>,
     /// The running statistics and batch count the step started with.
     buffers_before: (Vec<f32>, u64),
-    /// The length of one forward's batch statistics.
+    /// The length of one forward's batch statistics (0 with SyncBatchNorm, whose running
+    /// statistics are not replayed).
     statistics_len: usize,
+    /// The shards' replicas with SyncBatchNorm over the global batch; `None` without.
+    lockstep: Option<Lockstep>,
 }
 
 impl ShardSync {
@@ -74,7 +85,82 @@ impl ShardSync {
             summed: Vec::new(),
             buffers_before: (Vec::new(), 0),
             statistics_len,
+            lockstep: None,
         })
+    }
+
+    /// The same strategy with batch statistics over the whole global batch (`--sync-bn`),
+    /// each wait bounded by `timeout`. The model must be on the CPU.
+    pub fn with_sync_bn(mut self, timeout: Duration) -> ShardSync {
+        self.lockstep = Some(Lockstep::new(timeout));
+        self.statistics_len = 0;
+        self
+    }
+
+    /// This worker's shards of the step in lockstep with SyncBatchNorm over all of the
+    /// step's shards ([`super::lockstep`]); keeps each shard's gradient and returns the
+    /// shards' losses.
+    fn lockstep_shards(
+        &mut self,
+        device: &mut dyn TrainingDevice,
+        request: &StepRequest<'_>,
+        loss_scale: f32,
+    ) -> anyhow::Result<Vec<f32>> {
+        let inputs = request
+            .micro_batches
+            .iter()
+            .map(|batch| match batch.images {
+                TrainImages::Host(images) => Ok(ShardInput {
+                    images,
+                    labels: batch.labels,
+                }),
+                _ => bail!("--sync-bn with --global-batch-size needs the images on the host"),
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let step = LockstepStep {
+            height: request.height,
+            width: request.width,
+            loss: request.loss,
+            loss_scale,
+        };
+        let (world_size, total_shards) = (self.world_size, self.step_shards.0);
+        let slots = total_shards.div_ceil(world_size);
+        let counts: Vec<usize> = (0..world_size)
+            .map(|worker| eval_shard(total_shards, world_size, worker).len())
+            .collect();
+        let group = self.group.as_ref();
+        let mut combine = |deposits: Vec<Vec<f64>>, len: usize| -> anyhow::Result<Vec<f64>> {
+            let mut part = vec![0.0f64; slots * len];
+            for (record, deposit) in part.chunks_mut(len.max(1)).zip(&deposits) {
+                if deposit.len() != len {
+                    bail!(
+                        "a shard's batch statistics have {} values, expected {len}",
+                        deposit.len()
+                    );
+                }
+                record.copy_from_slice(deposit);
+            }
+            let gathered = match group {
+                Some(ddp) => ddp.all_gather_f64(part)?,
+                None => part,
+            };
+            shard_ordered_total(&gathered, &counts, slots, len)
+        };
+        let lockstep = self.lockstep.as_mut().context("no SyncBatchNorm set up")?;
+        let losses = update_host(device, |model| {
+            lockstep.run(model, &inputs, step, &mut combine)
+        })?;
+        self.shard_statistics = vec![Vec::new(); losses.len()];
+        self.shard_grads
+            .resize_with(losses.len().max(self.shard_grads.len()), Vec::new);
+        for (slot, target) in self.shard_grads.iter_mut().take(losses.len()).enumerate() {
+            let gradient = lockstep
+                .gradient(slot)
+                .context("a shard without its gradient")?;
+            target.clear();
+            target.extend_from_slice(gradient);
+        }
+        Ok(losses)
     }
 
     /// Every shard's loss and batch statistics of the step, in shard order: this worker's
@@ -115,9 +201,27 @@ impl GradientSync for ShardSync {
     fn conditions(&self) -> StepConditions {
         StepConditions {
             data_parallel: true,
-            sync_bn: false,
+            sync_bn: self.lockstep.is_some(),
             nccl: false,
         }
+    }
+
+    fn micro_batches(
+        &mut self,
+        device: &mut dyn TrainingDevice,
+        request: &StepRequest<'_>,
+        loss_scale: f32,
+    ) -> anyhow::Result<Vec<f32>> {
+        if self.lockstep.is_some() {
+            return self.lockstep_shards(device, request, loss_scale);
+        }
+        let batches = request.micro_batches;
+        let mut losses = Vec::with_capacity(batches.len());
+        for &batch in batches {
+            losses.push(self.forward(device, batch, request)?);
+            self.backward(device, loss_scale, false)?;
+        }
+        Ok(losses)
     }
 
     fn before_step(&mut self, device: &mut dyn TrainingDevice, step: u64) -> anyhow::Result<()> {
@@ -218,6 +322,11 @@ impl GradientSync for ShardSync {
         })?;
         let records = self.all_shard_records(losses, total_shards)?;
         let record_len = 1 + self.statistics_len;
+        let loss_sum: f64 = records.chunks(record_len).map(|record| record[0]).sum();
+        let loss = Some(loss_sum / total_shards.max(1) as f64);
+        if self.lockstep.is_some() {
+            return Ok(loss);
+        }
         let (buffers, batches) = &self.buffers_before;
         update_host(device, |model| -> anyhow::Result<()> {
             model.buffers_mut().copy_from_slice(buffers);
@@ -229,8 +338,7 @@ impl GradientSync for ShardSync {
             }
             Ok(())
         })?;
-        let loss_sum: f64 = records.chunks(record_len).map(|record| record[0]).sum();
-        Ok(Some(loss_sum / total_shards.max(1) as f64))
+        Ok(loss)
     }
 }
 
