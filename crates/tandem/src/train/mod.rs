@@ -611,12 +611,16 @@ impl Trainer {
         let (settings, world_size) = (&self.settings, self.world_size());
         match self.shards {
             Some(plan) => format!(
-                "global batch {} in {} shards of {}, shared by {} (the same steps on 1 to {})",
+                "global batch {} in {} shards of {}, shared by {} (the same steps on 1 to {}){}",
                 plan.global_batch,
                 plan.shards_per_step(),
                 plan.micro_batch,
                 count(world_size as u64, "process"),
-                plan.shards_per_step()
+                plan.shards_per_step(),
+                match settings.sync_bn {
+                    true => "; --sync-bn: batch statistics of the whole global batch",
+                    false => "",
+                }
             ),
             None => format!(
                 "global batch {} ({} per process x {} x {} accumulated)",

@@ -358,3 +358,182 @@ impl BatchNormReducer for StatisticsRecorder {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use tandem_engine::{OptimizerConfig, SgdConfig};
+    use tandem_models::training_device::{StepRequest, TrainBatch, TrainImages};
+    use tandem_models::{CpuDevice, LossOptions};
+    use tandem_testdata::{assert_bits_equal, assert_close, assert_close_one, Tolerance};
+
+    use super::*;
+    use crate::train::ddp::tests::{batch_of, on_ranks, small_model};
+    use crate::train::gradient_sync::{run_step, Alone};
+    use crate::train::on_device::StepNotes;
+
+    /// Images per shard (those of [`batch_of`]).
+    const SHARD: usize = 6;
+
+    /// The small model on the CPU with SGD and momentum.
+    fn device() -> CpuDevice {
+        let mut device = CpuDevice::new(small_model());
+        device.set_optimizer(OptimizerConfig::Sgd(SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        }));
+        device
+    }
+
+    /// Steps of 3 shards of [`SHARD`] over `samples` samples: an epoch's last step may
+    /// have fewer shards.
+    fn plan(samples: usize) -> ShardPlan {
+        ShardPlan::new(3 * SHARD, SHARD, samples).unwrap()
+    }
+
+    /// What steps leave: the parameters, the BN buffers, the batch count, each step's loss.
+    #[derive(Debug)]
+    struct Trained {
+        params: Vec<f32>,
+        buffers: Vec<f32>,
+        batches: u64,
+        losses: Vec<f64>,
+    }
+
+    /// Runs `steps` on `device` through `sync`: each step its micro-batches, each
+    /// micro-batch images and labels of 32x32.
+    fn train(
+        device: &mut CpuDevice,
+        sync: &mut dyn GradientSync,
+        steps: &[Vec<(Vec<f32>, Vec<u32>)>],
+    ) -> anyhow::Result<Trained> {
+        let loss = LossOptions::default();
+        let mut notes = StepNotes::default();
+        let mut losses = Vec::new();
+        for (step, batches) in steps.iter().enumerate() {
+            let micro_batches: Vec<TrainBatch<'_>> = batches
+                .iter()
+                .map(|(images, labels)| TrainBatch {
+                    images: TrainImages::Host(images),
+                    labels,
+                })
+                .collect();
+            let request = StepRequest {
+                micro_batches: &micro_batches,
+                height: 32,
+                width: 32,
+                loss: &loss,
+                lr: 0.1,
+                momentum: None,
+            };
+            losses.push(run_step(device, sync, &mut notes, request, step as u64)?.mean_loss);
+        }
+        let model = device.host_model()?;
+        Ok(Trained {
+            params: model.params().to_vec(),
+            buffers: model.buffers().to_vec(),
+            batches: model.num_batches_tracked(),
+            losses,
+        })
+    }
+
+    /// `plan`'s steps with SyncBatchNorm as worker `worker` of `group` (one process
+    /// without); shard k of the epoch is [`batch_of`]`(k)`.
+    fn train_shards(
+        group: Option<Ddp>,
+        plan: ShardPlan,
+        edit: impl Fn(usize, &mut (Vec<f32>, Vec<u32>)),
+    ) -> anyhow::Result<Trained> {
+        let (world_size, worker) = group
+            .as_ref()
+            .map_or((1, 0), |ddp| (ddp.world_size(), ddp.rank()));
+        let mut device = device();
+        let mut sync =
+            ShardSync::new(group, plan, &mut device)?.with_sync_bn(Duration::from_secs(60));
+        let steps: Vec<Vec<_>> = (0..plan.steps_per_epoch())
+            .map(|step| {
+                let first = step as usize * plan.shards_per_step();
+                plan.worker_shards(step, world_size, worker)
+                    .map(|shard| {
+                        let mut batch = batch_of(first + shard);
+                        edit(first + shard, &mut batch);
+                        batch
+                    })
+                    .collect()
+            })
+            .collect();
+        train(&mut device, &mut sync, &steps)
+    }
+
+    /// Shards 0, 1 and 2 as one batch.
+    fn whole_batch() -> (Vec<f32>, Vec<u32>) {
+        let (mut images, mut labels) = (Vec::new(), Vec::new());
+        for shard in 0..3 {
+            let (more_images, more_labels) = batch_of(shard);
+            images.extend(more_images);
+            labels.extend(more_labels);
+        }
+        (images, labels)
+    }
+
+    #[test]
+    fn sync_bn_over_the_shards_is_batch_norm_over_the_whole_global_batch() {
+        let shards = train_shards(None, plan(3 * SHARD), |_, _| {}).unwrap();
+        let whole = train(&mut device(), &mut Alone, &[vec![whole_batch()]]).unwrap();
+        assert_eq!(shards.buffers.len(), whole.buffers.len());
+        for (index, (&actual, &expected)) in shards.buffers.iter().zip(&whole.buffers).enumerate() {
+            let bound = 1e-6 * expected.abs();
+            assert!(
+                (actual - expected).abs() <= bound,
+                "running statistic {index}: {actual} against {expected} of the whole batch"
+            );
+        }
+        assert_eq!(shards.batches, 1, "one batch of the global batch per step");
+        let tolerance = Tolerance::OfLargest(1e-5);
+        assert_close("parameters", &shards.params, &whole.params, tolerance);
+        let tolerance = Tolerance::Scaled(1e-6);
+        assert_close_one("loss", shards.losses[0], whole.losses[0], tolerance);
+    }
+
+    #[test]
+    fn sync_bn_on_two_workers_has_the_bits_of_one_process_also_with_a_worker_without_shards() {
+        // Two steps: 3 shards, then 1 that worker 1 does not hold.
+        let plan = plan(4 * SHARD);
+        let alone = train_shards(None, plan, |_, _| {}).unwrap();
+        let workers = on_ranks(2, |_, ddp| {
+            train_shards(Some(ddp), plan, |_, _| {}).unwrap()
+        });
+        for (worker, trained) in workers.iter().enumerate() {
+            let what = format!("worker {worker}'s");
+            assert_bits_equal(
+                &format!("{what} parameters"),
+                &trained.params,
+                &alone.params,
+            );
+            assert_bits_equal(&format!("{what} buffers"), &trained.buffers, &alone.buffers);
+            assert_eq!(trained.batches, alone.batches, "{what} batch count");
+            let bits =
+                |losses: &[f64]| losses.iter().map(|loss| loss.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&trained.losses), bits(&alone.losses), "{what} losses");
+        }
+    }
+
+    #[test]
+    fn an_error_in_one_shard_is_reported_without_waiting_for_the_timeout() {
+        let start = Instant::now();
+        let error = train_shards(None, plan(3 * SHARD), |shard, batch| {
+            if shard == 1 {
+                batch.1[0] = 99;
+            }
+        })
+        .unwrap_err();
+        let message = format!("{error:#}");
+        assert!(message.contains("shard 1 of this worker"), "{message}");
+        assert!(message.contains("99"), "{message}");
+        assert!(start.elapsed() < Duration::from_secs(30), "{message}");
+    }
+}
