@@ -306,7 +306,9 @@ pub struct TrainOptions {
     #[arg(long, value_enum, help_heading = heading::DATA_PARALLELISM)]
     #[serde(skip)]
     pub backend: Option<crate::backend::BackendRequest>,
-    /// Normalize with the statistics of the global batch over all processes (SyncBatchNorm).
+    /// Normalize with the statistics of the global batch over all processes (SyncBatchNorm);
+    /// with --global-batch-size, over all of a step's shards, with the same bits on any
+    /// number of processes (on the CPU only for now).
     #[arg(long, help_heading = heading::DATA_PARALLELISM)]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub sync_bn: bool,

@@ -1741,3 +1741,38 @@ impl ProgressLine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::settings::TrainOptions;
+
+    #[test]
+    fn sync_bn_with_a_global_batch_is_refused_on_a_gpu_only() {
+        let settings = TrainOptions {
+            sync_bn: true,
+            global_batch_size: Some(64),
+            batch_size: Some(16),
+            ..TrainOptions::default()
+        }
+        .resolve()
+        .unwrap();
+        let plan = ShardPlan::new(64, 16, 640).unwrap();
+        let gpu = Device::Cuda {
+            ordinal: 0,
+            reason: "requested".into(),
+        };
+        let cpu = Device::Cpu {
+            reason: "requested".into(),
+        };
+        let error = check_shards_sync_bn(Some(&plan), &gpu, &settings).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .starts_with("--sync-bn with --global-batch-size works on the CPU only for now"),
+            "{error}"
+        );
+        assert!(check_shards_sync_bn(Some(&plan), &cpu, &settings).is_ok());
+        assert!(check_shards_sync_bn(None, &gpu, &settings).is_ok());
+    }
+}
