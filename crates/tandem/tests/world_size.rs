@@ -127,6 +127,24 @@ fn sync_bn_ends_with_the_same_bits_in_one_process_and_on_1_2_3_and_8_workers() {
 }
 
 #[test]
+fn a_sync_bn_snapshot_of_3_workers_resumes_on_2_with_the_bits_of_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let optimizer = format!("{ADAMW} --sync-bn");
+    let alone = dir.path().join("alone");
+    train(0, &run_args(&alone, &optimizer));
+    let resumed = dir.path().join("resumed");
+    let args = run_args(&resumed, &optimizer);
+    train(3, &with_flag(args.clone(), "--max-steps", "7"));
+    let stdout = train(2, &args);
+    assert_contains(&stdout, "world size: 3 -> 2 at epoch 1, step 7");
+    assert_same_bits(
+        &alone,
+        &resumed,
+        "--sync-bn stopped on 3 workers, resumed on 2",
+    );
+}
+
+#[test]
 fn sgd_with_nesterov_ends_with_the_same_bits_on_1_2_3_4_and_8_workers() {
     the_same_bits_on_any_number_of_workers(SGD_NESTEROV);
 }
