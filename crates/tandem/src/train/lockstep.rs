@@ -44,6 +44,8 @@ pub struct LockstepStep<'a> {
     pub loss: &'a LossOptions,
     /// The scale of each shard's loss (one over the step's shard count).
     pub loss_scale: f32,
+    /// The step's number of this worker's first shard.
+    pub first_shard: usize,
 }
 
 /// Combines one reduction's partials of `len` values each, this worker's shards' in shard
@@ -79,12 +81,15 @@ impl Lockstep {
         step: LockstepStep<'_>,
         combine: &mut Combine<'_>,
     ) -> anyhow::Result<Vec<f32>> {
-        let stand_in = stand_in_batch(model, step.height, step.width);
+        let stand_in;
         let inputs = match shards.is_empty() {
-            true => vec![ShardInput {
-                images: &stand_in.0,
-                labels: &stand_in.1,
-            }],
+            true => {
+                stand_in = stand_in_batch(model, step.height, step.width);
+                vec![ShardInput {
+                    images: &stand_in.0,
+                    labels: &stand_in.1,
+                }]
+            }
             false => shards.to_vec(),
         };
         self.prepare(model, inputs.len())?;
@@ -110,10 +115,9 @@ impl Lockstep {
                         };
                         let result =
                             pool.install(|| run_shard(replica, *input, step, exchange, slot));
-                        leaving.failure = result
-                            .as_ref()
-                            .err()
-                            .map(|error| format!("shard {slot} of this worker: {error:#}"));
+                        leaving.failure = result.as_ref().err().map(|error| {
+                            format!("shard {} of the step: {error:#}", step.first_shard + slot)
+                        });
                         result
                     })
                 })
@@ -320,7 +324,7 @@ impl Exchange {
             round = next;
             if !in_time {
                 let failure = format!(
-                    "shard {slot} of this worker waited more than {:?} for its batch statistics",
+                    "a shard waited more than {:?} for the step's batch statistics",
                     self.timeout
                 );
                 self.fail(&mut round, failure);

@@ -122,6 +122,7 @@ impl ShardSync {
             width: request.width,
             loss: request.loss,
             loss_scale,
+            first_shard: self.step_shards.1.start,
         };
         let (world_size, total_shards) = (self.world_size, self.step_shards.0);
         let slots = total_shards.div_ceil(world_size);
@@ -532,7 +533,7 @@ mod tests {
         })
         .unwrap_err();
         let message = format!("{error:#}");
-        assert!(message.contains("shard 1 of this worker"), "{message}");
+        assert!(message.contains("shard 1 of the step"), "{message}");
         assert!(message.contains("99"), "{message}");
         assert!(start.elapsed() < Duration::from_secs(30), "{message}");
     }
