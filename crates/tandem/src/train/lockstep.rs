@@ -434,3 +434,32 @@ pub fn shard_ordered_total(
     }
     Ok(total)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shard_whose_sibling_never_arrives_stops_after_the_timeout() {
+        let exchange = Exchange::new(2, Duration::from_millis(200));
+        let start = Instant::now();
+        let (shard, coordinator) = std::thread::scope(|scope| {
+            let shard = scope.spawn(|| exchange.reduce(0, &mut [1.0, 2.0]));
+            let coordinator = exchange.coordinate(&mut |_, _| Ok(vec![0.0; 2]));
+            (shard.join().unwrap(), coordinator)
+        });
+        assert!(start.elapsed() < Duration::from_secs(5));
+        let error = coordinator.unwrap_err().to_string();
+        assert!(error.contains("waited more than"), "{error}");
+        assert!(shard.unwrap_err().contains("waited more than"));
+    }
+
+    #[test]
+    fn the_total_adds_every_workers_records_in_shard_order_and_skips_the_padding() {
+        // 3 shards on 2 workers: 2 and 1, each padded to 2 records of 2 values.
+        let gathered = [1.0, 10.0, 2.0, 20.0, 4.0, 40.0, 99.0, 99.0];
+        let total = shard_ordered_total(&gathered, &[2, 1], 2, 2).unwrap();
+        assert_eq!(total, [7.0, 70.0]);
+        assert!(shard_ordered_total(&gathered[1..], &[2, 1], 2, 2).is_err());
+    }
+}
