@@ -306,7 +306,9 @@ pub struct TrainOptions {
     #[arg(long, value_enum, help_heading = heading::DATA_PARALLELISM)]
     #[serde(skip)]
     pub backend: Option<crate::backend::BackendRequest>,
-    /// Normalize with the statistics of the global batch over all processes (SyncBatchNorm).
+    /// Normalize with the statistics of the global batch over all processes (SyncBatchNorm);
+    /// with --global-batch-size, over all of a step's shards, with the same bits on any
+    /// number of processes (on the CPU only for now).
     #[arg(long, help_heading = heading::DATA_PARALLELISM)]
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub sync_bn: bool,
@@ -593,10 +595,10 @@ impl TrainSettings {
                     global / self.batch_size.max(1)
                 );
             }
-            if self.sync_bn || self.scale_lr {
+            if self.scale_lr {
                 bail!(
-                    "--global-batch-size does not go with --sync-bn or --scale-lr: its steps \
-                     are the same whatever the number of processes"
+                    "--global-batch-size does not go with --scale-lr: its steps are the same \
+                     whatever the number of processes"
                 );
             }
         }
@@ -745,7 +747,7 @@ mod tests {
             },
             epochs: Some(7),
             batch_size: Some(12),
-            // Goes with neither --grad-accum nor --sync-bn: see the test of its own.
+            // Goes with neither --grad-accum nor --scale-lr: see the test of its own.
             global_batch_size: None,
             lr: Some(0.3),
             optimizer: Some(OptimizerKind::Sgd),
@@ -843,12 +845,18 @@ mod tests {
         );
         assert_eq!(
             refused(TrainOptions {
-                sync_bn: true,
-                ..options
+                scale_lr: true,
+                ..options.clone()
             }),
-            "--global-batch-size does not go with --sync-bn or --scale-lr: its steps are the \
-             same whatever the number of processes"
+            "--global-batch-size does not go with --scale-lr: its steps are the same whatever \
+             the number of processes"
         );
+        assert!(TrainOptions {
+            sync_bn: true,
+            ..options
+        }
+        .resolve()
+        .is_ok());
     }
 
     #[test]

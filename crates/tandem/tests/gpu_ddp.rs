@@ -27,8 +27,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_same_bits, expect_success, read_tensors, run_bounded, synthetic_run, tandem, with_flag,
-    worst_error_per_family, Launcher,
+    assert_contains, assert_same_bits, expect_failure, expect_success, read_tensors, run_bounded,
+    synthetic_run, tandem, with_flag, worst_error_per_family, Launcher,
 };
 use tandem_cuda::device::REQUIRED_LIBRARIES;
 use tandem_cuda::Library;
@@ -280,6 +280,22 @@ fn two_processes_sharing_the_gpu_on_the_ring_match_one_with_twice_the_batch() {
              (twice the GPU-CPU rounding difference, at least {NOISE_FLOOR:e})"
         );
     }
+}
+
+#[test]
+fn sync_bn_with_a_global_batch_is_refused_on_the_gpu() {
+    if !gpu_available("sync_bn_with_a_global_batch_is_refused_on_the_gpu", false) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = short_run(&dir.path().join("run"), 64, 8, 1, "cuda");
+    args = with_flag(args, "--global-batch-size", "32");
+    args.push("--sync-bn".to_string());
+    let output = run_bounded(tandem().args(&args), LIMIT);
+    assert_contains(
+        &expect_failure(&output),
+        "--sync-bn with --global-batch-size works on the CPU only for now",
+    );
 }
 
 #[test]

@@ -100,6 +100,51 @@ fn the_same_bits_on_any_number_of_workers(optimizer: &str) {
 }
 
 #[test]
+fn sync_bn_ends_with_the_same_bits_in_one_process_and_on_1_2_3_and_8_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let optimizer = format!("{SGD_NESTEROV} --sync-bn");
+    let alone = dir.path().join("alone");
+    let stdout = train(0, &run_args(&alone, &optimizer));
+    assert_contains(
+        &stdout,
+        "global batch 128 in 8 shards of 16, shared by 1 process (the same steps on 1 to 8); \
+         --sync-bn: batch statistics of the whole global batch",
+    );
+    let without = dir.path().join("without-sync-bn");
+    train(0, &run_args(&without, SGD_NESTEROV));
+    let (with_state, without_state) = (final_state(&alone), final_state(&without));
+    assert!(with_state.0 != without_state.0, "--sync-bn changes nothing");
+    for workers in [1, 2, 3, 8] {
+        let output_dir = dir.path().join(format!("workers-{workers}"));
+        let stdout = train(workers, &run_args(&output_dir, &optimizer));
+        assert_contains(&stdout, &format!("shared by {workers} process"));
+        assert_same_bits(
+            &alone,
+            &output_dir,
+            &format!("{workers} workers with --sync-bn"),
+        );
+    }
+}
+
+#[test]
+fn a_sync_bn_snapshot_of_3_workers_resumes_on_2_with_the_bits_of_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let optimizer = format!("{ADAMW} --sync-bn");
+    let alone = dir.path().join("alone");
+    train(0, &run_args(&alone, &optimizer));
+    let resumed = dir.path().join("resumed");
+    let args = run_args(&resumed, &optimizer);
+    train(3, &with_flag(args.clone(), "--max-steps", "7"));
+    let stdout = train(2, &args);
+    assert_contains(&stdout, "world size: 3 -> 2 at epoch 1, step 7");
+    assert_same_bits(
+        &alone,
+        &resumed,
+        "--sync-bn stopped on 3 workers, resumed on 2",
+    );
+}
+
+#[test]
 fn sgd_with_nesterov_ends_with_the_same_bits_on_1_2_3_4_and_8_workers() {
     the_same_bits_on_any_number_of_workers(SGD_NESTEROV);
 }

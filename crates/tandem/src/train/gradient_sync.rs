@@ -65,6 +65,23 @@ pub trait GradientSync: Send {
         Ok(device.forward_train(batch, request.height, request.width, request.loss, None)?)
     }
 
+    /// The forward and backward of each of the step's micro-batches at `loss_scale`, one
+    /// after the other; returns their losses.
+    fn micro_batches(
+        &mut self,
+        device: &mut dyn TrainingDevice,
+        request: &StepRequest<'_>,
+        loss_scale: f32,
+    ) -> anyhow::Result<Vec<f32>> {
+        let batches = request.micro_batches;
+        let mut losses = Vec::with_capacity(batches.len());
+        for (index, &batch) in batches.iter().enumerate() {
+            losses.push(self.forward(device, batch, request)?);
+            self.backward(device, loss_scale, index + 1 == batches.len())?;
+        }
+        Ok(losses)
+    }
+
     /// The backward of one micro-batch at `loss_scale`; the step's `last` one hands each
     /// range of gradients to the group as soon as it is final.
     fn backward(
@@ -139,11 +156,7 @@ pub fn run_step(
     }
     device.zero_grads()?;
     let loss_scale = sync.loss_scale(batches.len());
-    let mut losses = Vec::with_capacity(batches.len());
-    for (index, &batch) in batches.iter().enumerate() {
-        losses.push(sync.forward(device, batch, &request)?);
-        sync.backward(device, loss_scale, index + 1 == batches.len())?;
-    }
+    let losses = sync.micro_batches(device, &request, loss_scale)?;
     let agreed = sync.finish(device, &losses)?;
     device.optimizer_step(request.lr, request.momentum)?;
     let local_mean = || {

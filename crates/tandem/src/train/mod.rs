@@ -10,6 +10,7 @@ pub mod ddp;
 pub mod exact_buckets;
 pub mod fresh_start;
 pub mod gradient_sync;
+pub mod lockstep;
 pub mod mirror;
 pub mod on_device;
 pub mod placement;
@@ -318,6 +319,7 @@ impl Trainer {
         check_classes(&train_set, spec.num_classes()).map_err(SettingsError::from_error)?;
         let (sampler, shards, steps_per_epoch) =
             epoch_sampling(&settings, train_set.len(), world_size, rank)?;
+        check_shards_sync_bn(shards.as_ref(), device, &settings)?;
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
         let optimizer = build_optimizer(&settings, schedule.lr_at(0));
         let normalize = normalization(&settings.data);
@@ -335,7 +337,7 @@ impl Trainer {
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
             join_nccl(&mut *compute, ddp, &settings)?;
         }
-        let sync = gradient_sync_of(shards, ddp, &mut *compute, settings.sync_bn)?;
+        let sync = gradient_sync_of(shards, ddp, &mut *compute, &settings)?;
         let (batches_on_device, eval_on_device) = upload_data_sets(
             &mut *compute,
             &train_set,
@@ -610,12 +612,16 @@ impl Trainer {
         let (settings, world_size) = (&self.settings, self.world_size());
         match self.shards {
             Some(plan) => format!(
-                "global batch {} in {} shards of {}, shared by {} (the same steps on 1 to {})",
+                "global batch {} in {} shards of {}, shared by {} (the same steps on 1 to {}){}",
                 plan.global_batch,
                 plan.shards_per_step(),
                 plan.micro_batch,
                 count(world_size as u64, "process"),
-                plan.shards_per_step()
+                plan.shards_per_step(),
+                match settings.sync_bn {
+                    true => "; --sync-bn: batch statistics of the whole global batch",
+                    false => "",
+                }
             ),
             None => format!(
                 "global batch {} ({} per process x {} x {} accumulated)",
@@ -1302,18 +1308,43 @@ impl Trainer {
     }
 }
 
-/// The job's gradient sync: that of the logical `shards` when there are, else the one
-/// [`gradient_sync::choose`] picks for the process group `ddp` on `device`.
+/// The job's gradient sync: that of the logical `shards` when there are (with SyncBatchNorm
+/// over the global batch when `settings.sync_bn`), else the one [`gradient_sync::choose`]
+/// picks for the process group `ddp` on `device`.
 fn gradient_sync_of(
     shards: Option<ShardPlan>,
     ddp: Option<Ddp>,
     device: &mut dyn TrainingDevice,
-    sync_bn: bool,
+    settings: &TrainSettings,
 ) -> anyhow::Result<Box<dyn GradientSync>> {
     Ok(match shards {
-        Some(plan) => Box::new(ShardSync::new(ddp, plan, device)?),
-        None => gradient_sync::choose(ddp, device, sync_bn),
+        Some(plan) => {
+            let sync = ShardSync::new(ddp, plan, device)?;
+            match settings.sync_bn {
+                true => Box::new(
+                    sync.with_sync_bn(Duration::from_secs_f64(settings.collective_timeout)),
+                ),
+                false => Box::new(sync),
+            }
+        }
+        None => gradient_sync::choose(ddp, device, settings.sync_bn),
     })
+}
+
+/// Refuses `--sync-bn` with `--global-batch-size` (`shards`) on a GPU.
+fn check_shards_sync_bn(
+    shards: Option<&ShardPlan>,
+    device: &Device,
+    settings: &TrainSettings,
+) -> anyhow::Result<()> {
+    if shards.is_some() && settings.sync_bn && !matches!(device, Device::Cpu { .. }) {
+        return Err(SettingsError::from_error(anyhow::anyhow!(
+            "--sync-bn with --global-batch-size works on the CPU only for now (--device cpu): \
+             on a GPU, run --global-batch-size without --sync-bn, or --sync-bn without \
+             --global-batch-size"
+        )));
+    }
+    Ok(())
 }
 
 /// How rank `rank` of `world_size` draws an epoch's `dataset_len` samples: the sampler, the
@@ -1715,5 +1746,40 @@ impl ProgressLine {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::settings::TrainOptions;
+
+    #[test]
+    fn sync_bn_with_a_global_batch_is_refused_on_a_gpu_only() {
+        let settings = TrainOptions {
+            sync_bn: true,
+            global_batch_size: Some(64),
+            batch_size: Some(16),
+            ..TrainOptions::default()
+        }
+        .resolve()
+        .unwrap();
+        let plan = ShardPlan::new(64, 16, 640).unwrap();
+        let gpu = Device::Cuda {
+            ordinal: 0,
+            reason: "requested".into(),
+        };
+        let cpu = Device::Cpu {
+            reason: "requested".into(),
+        };
+        let error = check_shards_sync_bn(Some(&plan), &gpu, &settings).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .starts_with("--sync-bn with --global-batch-size works on the CPU only for now"),
+            "{error}"
+        );
+        assert!(check_shards_sync_bn(Some(&plan), &cpu, &settings).is_ok());
+        assert!(check_shards_sync_bn(None, &gpu, &settings).is_ok());
     }
 }
