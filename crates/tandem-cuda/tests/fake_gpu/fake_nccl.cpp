@@ -6,8 +6,9 @@
 //
 // For tests only, a unique id starting with MIRRORED_ID makes a *mirrored* communicator of
 // any size at once: its other ranks are taken to hold the same values as this one, so a sum
-// of float32 or float64 values is the value times the number of ranks (exact for two), and a
-// broadcast copies. A real NCCL would wait for those ranks.
+// of float32, float64 or int64 values is the value times the number of ranks (exact for two;
+// int64 wraps as NCCL's does), a maximum (of any type) is the value itself, and a broadcast
+// copies. A real NCCL would wait for those ranks.
 
 #include <chrono>
 #include <cstdint>
@@ -19,6 +20,8 @@
 typedef int ncclResult_t;
 
 enum { ncclSuccess = 0, ncclInvalidArgument = 4 };
+
+enum { ncclSum = 0, ncclMax = 2 };
 
 struct UniqueId {
     char internal[128];
@@ -91,13 +94,20 @@ ncclResult_t ncclCommGetAsyncError(void*, ncclResult_t* status) {
 ncclResult_t ncclGroupStart() { return ncclSuccess; }
 ncclResult_t ncclGroupEnd() { return ncclSuccess; }
 
-ncclResult_t ncclAllReduce(const void* send, void* receive, size_t count, int type, int,
+ncclResult_t ncclAllReduce(const void* send, void* receive, size_t count, int type, int op,
                            void* comm, void* stream) {
+    if (op != ncclSum && op != ncclMax) return ncclInvalidArgument;
     ncclResult_t copied = copy(send, receive, count, type, stream);
     const Comm* c = static_cast<const Comm*>(comm);
-    if (copied != ncclSuccess || c->ranks == 1) return copied;
+    if (copied != ncclSuccess || c->ranks == 1 || op == ncclMax) return copied;
     int ranks = c->ranks;
     switch (type) {
+        case 4:
+            fake_enqueue(stream, [=] {
+                uint64_t* values = static_cast<uint64_t*>(receive);
+                for (size_t i = 0; i < count; i++) values[i] *= (uint64_t)ranks;
+            });
+            return ncclSuccess;
         case 7:
             fake_enqueue(stream, [=] {
                 float* values = static_cast<float*>(receive);
