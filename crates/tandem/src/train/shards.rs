@@ -9,7 +9,10 @@
 //! - Gradients are added exactly ([`tandem_dist::exact`]): as whole numbers of a unit fixed
 //!   per block of values by the largest magnitude over all shards, summed as integers over
 //!   the shards and then the workers. Integer sums do not depend on their order, so the
-//!   result is one rounding of the exact sum, the same on 1 to S workers.
+//!   result is one rounding of the exact sum, the same on 1 to S workers. Under NCCL the
+//!   shards' gradients stay on the GPU and the same sum runs there
+//!   ([`TrainingDevice::exact_sum_shards`]: kernels and two NCCL all-reduces, the same
+//!   bits); else they cross to the host and the host ring sums them.
 //! - The running statistics of batch norm move shard by shard in shard order, as in one
 //!   process: each worker records its shards' batch statistics, every worker gathers all of
 //!   them and replays them from the statistics the step started with.
@@ -38,6 +41,9 @@ pub struct ShardSync {
     worker: usize,
     /// This step's shard count and this worker's shards.
     step_shards: (usize, Range<usize>),
+    /// Whether the shards' gradients stay on the device and are summed there (the device
+    /// joined an NCCL group); else they cross to the host.
+    on_device: bool,
     /// This worker's shards' gradients, in shard order (allocated once, reused).
     shard_grads: Vec<Vec<f32>>,
     /// This worker's shards' batch statistics, in shard order.
@@ -69,6 +75,7 @@ impl ShardSync {
             world_size,
             worker,
             step_shards: (0, 0..0),
+            on_device: device.uses_nccl(),
             shard_grads: Vec::new(),
             shard_statistics: Vec::new(),
             summed: Vec::new(),
@@ -99,6 +106,37 @@ impl ShardSync {
             records.extend_from_slice(&gathered[start..start + shards * record_len]);
         }
         Ok(records)
+    }
+
+    /// The exact sum of every worker's shard gradients (this worker's `own` of
+    /// `total_shards`, kept on the host) through the host ring, into the device's gradients.
+    fn sum_on_the_host(
+        &mut self,
+        device: &mut dyn TrainingDevice,
+        own: usize,
+        total_shards: usize,
+    ) -> anyhow::Result<()> {
+        if self.shard_grads.is_empty() {
+            let len = device.param_count();
+            self.shard_grads.push(vec![0.0; len]);
+        }
+        self.summed.resize(device.param_count(), 0.0);
+        let shard_grads = std::mem::take(&mut self.shard_grads);
+        let summed = std::mem::take(&mut self.summed);
+        (self.shard_grads, self.summed) = match self.group.as_mut() {
+            Some(ddp) => ddp.exact_sum(shard_grads, own, total_shards, summed)?,
+            None => {
+                let mut summed = summed;
+                let terms: Vec<&[f32]> = shard_grads[..own].iter().map(Vec::as_slice).collect();
+                exact::local_exact_sum(&terms, &mut summed);
+                (shard_grads, summed)
+            }
+        };
+        let summed = &self.summed;
+        with_host_grads(device, |grads| -> anyhow::Result<()> {
+            grads.copy_from_slice(summed);
+            Ok(())
+        })
     }
 }
 
@@ -170,6 +208,10 @@ impl GradientSync for ShardSync {
             .len()
             .checked_sub(1)
             .context("a shard's backward without its forward")?;
+        if self.on_device {
+            device.keep_shard_grads(slot)?;
+            return Ok(());
+        }
         if self.shard_grads.len() <= slot {
             self.shard_grads.push(Vec::new());
         }
@@ -195,27 +237,10 @@ impl GradientSync for ShardSync {
                 losses.len()
             );
         }
-        if self.shard_grads.is_empty() {
-            let len = device.param_count();
-            self.shard_grads.push(vec![0.0; len]);
+        match self.on_device {
+            true => device.exact_sum_shards(own, total_shards)?,
+            false => self.sum_on_the_host(device, own, total_shards)?,
         }
-        self.summed.resize(device.param_count(), 0.0);
-        let shard_grads = std::mem::take(&mut self.shard_grads);
-        let summed = std::mem::take(&mut self.summed);
-        (self.shard_grads, self.summed) = match self.group.as_mut() {
-            Some(ddp) => ddp.exact_sum(shard_grads, own, total_shards, summed)?,
-            None => {
-                let mut summed = summed;
-                let terms: Vec<&[f32]> = shard_grads[..own].iter().map(Vec::as_slice).collect();
-                exact::local_exact_sum(&terms, &mut summed);
-                (shard_grads, summed)
-            }
-        };
-        let summed = &self.summed;
-        with_host_grads(device, |grads| -> anyhow::Result<()> {
-            grads.copy_from_slice(summed);
-            Ok(())
-        })?;
         let records = self.all_shard_records(losses, total_shards)?;
         let record_len = 1 + self.statistics_len;
         let (buffers, batches) = &self.buffers_before;
