@@ -7,6 +7,8 @@
 //!   after them) ends with the same bytes as the same run without DDP; its steps are captured
 //!   as CUDA graphs with their all-reduces (the note says so) and end with the bytes of the
 //!   same job with `TANDEM_CUDA_GRAPHS=0`;
+//! - `--global-batch-size` ends with the same bits in one process, in two on the ring, and
+//!   through NCCL (its exact sum on the GPU);
 //! - two processes sharing the GPU with `--backend ring --sync-bn` end, after a few steps,
 //!   as close to one process with twice the batch as two single-process runs that differ only
 //!   in rounding (the same run on the GPU and on the CPU) are to each other (factor 2, and
@@ -307,6 +309,51 @@ fn a_global_batch_on_the_gpu_ends_with_the_same_bits_on_one_and_two_processes() 
         "{stdout}"
     );
     assert_same_bits(&path("alone"), &path("two"), "two processes against one");
+}
+
+/// `--global-batch-size` through NCCL (`tandem launch --nproc-per-node 1 --backend nccl`:
+/// the shards' gradients stay on the GPU and their exact sum runs in kernels and NCCL
+/// all-reduces) ends with the bits of the host's exact sum, in one process and in two on the
+/// ring. Two processes under NCCL need a GPU each (NCCL refuses two ranks on one GPU, and the
+/// fake GPU has one): `tests/gpu_nccl.rs` sums over two ranks with the fake NCCL's mirrored
+/// communicator instead.
+#[test]
+fn a_global_batch_through_nccl_ends_with_the_bits_of_the_host_ring_and_one_process() {
+    if !gpu_available(
+        "a_global_batch_through_nccl_ends_with_the_bits_of_the_host_ring_and_one_process",
+        true,
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name);
+    // 64 images in 2 steps of 4 shards of 8.
+    let run = |name: &str, backend: &str| {
+        let args = with_flag(short_run(&path(name), 64, 8, 1, "cuda"), "--threads", "2");
+        let args = with_flag(args, "--backend", backend);
+        with_flag(args, "--global-batch-size", "32")
+    };
+    expect_success(&run_bounded(tandem().args(run("alone", "auto")), LIMIT));
+    let nccl = expect_success(&run_bounded(
+        &mut launch_command(1, 0, &[], &run("nccl", "nccl")),
+        LIMIT,
+    ));
+    assert!(nccl.contains("backend: nccl (requested)"), "{nccl}");
+    assert!(
+        nccl.contains("gradients: the shards' exact sum runs on the GPUs, through NCCL"),
+        "{nccl}"
+    );
+    let ring = expect_success(&run_bounded(
+        &mut launch_command(2, 0, &[], &run("ring", "ring")),
+        LIMIT,
+    ));
+    assert!(ring.contains("backend: ring (requested)"), "{ring}");
+    assert_same_bits(&path("alone"), &path("nccl"), "NCCL against one process");
+    assert_same_bits(
+        &path("ring"),
+        &path("nccl"),
+        "NCCL against two processes on the ring",
+    );
 }
 
 /// A two-worker GPU job on the ring of `epochs` epochs of 8 steps, with `extra` flags.
