@@ -158,6 +158,10 @@ impl GradientSync for ShardSync {
         }
     }
 
+    fn why_not_whole(&self) -> Option<&'static str> {
+        Some("--global-batch-size keeps each shard's gradients apart until the step's exact sum")
+    }
+
     fn before_step(&mut self, device: &mut dyn TrainingDevice, step: u64) -> anyhow::Result<()> {
         let shards = self.plan.worker_shards(step, self.world_size, self.worker);
         self.step_shards = (self.plan.shards_in_step(step), shards);
