@@ -334,11 +334,14 @@ fn a_global_batch_through_nccl_ends_with_the_bits_of_the_host_ring_and_one_proce
         with_flag(args, "--global-batch-size", "32")
     };
     expect_success(&run_bounded(tandem().args(run("alone", "auto")), LIMIT));
-    let nccl = expect_success(&run_bounded(
-        &mut launch_command(1, 0, &[], &run("nccl", "nccl")),
-        LIMIT,
-    ));
+    let output = run_bounded(&mut launch_command(1, 0, &[], &run("nccl", "nccl")), LIMIT);
+    let nccl = expect_success(&output);
+    let nccl = format!("{nccl}{}", String::from_utf8_lossy(&output.stderr));
     assert!(nccl.contains("backend: nccl (requested)"), "{nccl}");
+    assert!(
+        nccl.contains("note: CUDA graphs off: --global-batch-size keeps each shard's"),
+        "{nccl}"
+    );
     assert!(
         nccl.contains("gradients: the shards' exact sum runs on the GPUs, through NCCL"),
         "{nccl}"
