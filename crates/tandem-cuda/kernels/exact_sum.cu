@@ -14,6 +14,10 @@
 // - A sum becomes float(double(sum) * unit), rounded to nearest; a block whose key is not
 //   finite becomes NaN (0x7fc00000, Rust's f32::NAN).
 //
+// exact_unit mirrors the host's unit_of and exact_to_units its to_units: a change of the
+// host's conversion changes these two, and the check of the kernels against the host
+// (exact_sum_kernels_equal_tandem_dist_exact_bit_for_bit in gpu_kernels) fails until they do.
+//
 // The terms are `count` buffers of `n` floats, term k at `terms + k * stride`.
 
 #define EXACT_BLOCK 64
