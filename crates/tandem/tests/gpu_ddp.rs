@@ -1,6 +1,8 @@
 //! Data parallelism on the GPU through the real binary under `tandem launch`, as far as one
 //! GPU allows (the reference GPU machine has one; NCCL refuses two ranks on one GPU, so NCCL
-//! runs here only at world size 1, and every test of two ranks uses the ring through the host):
+//! runs here at world size 1, and the tests of two ranks use the ring through the host, except
+//! `--global-batch-size`'s, which on the fake GPU runs two processes under the fake NCCL on two
+//! fake GPUs):
 //!
 //! - `--backend nccl` at world size 1 through the whole DDP path (device broadcasts, gradient
 //!   buckets all-reduced on NCCL's stream as backward finishes them, the optimizer ordered
