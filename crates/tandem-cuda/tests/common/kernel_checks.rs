@@ -1332,7 +1332,12 @@ pub fn exact_sum_kernels_equal_tandem_dist_exact_bit_for_bit(rig: &mut GpuRig) {
         let units = exact::units(&maxima, total_terms);
         let mut expected = vec![0i64; n];
         exact::integer_sums(&all, &units, &mut expected);
-        assert_eq!(sums, expected, "integer sums of {total_terms} terms");
+        if let Some(i) = (0..n).find(|&i| sums[i] != expected[i]) {
+            panic!(
+                "integer sum {i} of {total_terms} terms: {} against {}",
+                sums[i], expected[i]
+            );
+        }
         let mut into = vec![0.0f32; n];
         exact::write_sums(&expected, &maxima, &units, &mut into);
         let device_keys = rig.upload(&keys);
