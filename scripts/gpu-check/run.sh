@@ -252,6 +252,7 @@ if section_on smoke; then
     grep -ho '\(library\|mapped\|smoke\): .*' "$STEP_OUT" | sed 's/^smoke: /step: /' >"$WORK/smoke-libraries.txt"
     smoke_check captured-step 20 tandem-cuda gpu_executor graphed_steps_equal_eager_steps_bit_for_bit
     smoke_check nccl-world-1 20 tandem-cuda gpu_nccl a_world_of_one_through_nccl_leaves_every_bit_as_without_it
+    smoke_check exact-sum-kernels 20 tandem-cuda gpu_kernels exact_sum_kernels_equal_tandem_dist_exact_bit_for_bit
     # In the report now: a call cut short later still brings these lines back.
     { report_header; smoke_report; echo; echo "(the run goes on; this report is rewritten at its end)"; } >"$REPORT"
     say "smoke: $(printf '%s ' "${smoke_rows[@]}" | one_line)"

@@ -483,6 +483,18 @@ impl TrainingDevice for GpuJob {
         self.exec.finish_all_reduce().map_err(device)
     }
 
+    fn keep_shard_grads(&mut self, slot: usize) -> DeviceResult<()> {
+        self.exec
+            .keep_shard_gradients(slot)
+            .map_err(|error| during("keeping a shard's gradients on the GPU", error))
+    }
+
+    fn exact_sum_shards(&mut self, own: usize, total_terms: usize) -> DeviceResult<()> {
+        self.exec
+            .exact_sum_shards(own, total_terms)
+            .map_err(|error| during("the exact sum of the shards' gradients on the GPU", error))
+    }
+
     fn broadcast_on_device(&mut self, params: bool) -> DeviceResult<()> {
         match params {
             true => self.exec.broadcast_params_and_buffers(),

@@ -42,6 +42,7 @@ kernel_files!(
     "bias",
     "collective",
     "convert",
+    "exact_sum",
 );
 
 /// The kernel file called `name`.

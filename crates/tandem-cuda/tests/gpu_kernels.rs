@@ -32,4 +32,5 @@ on_the_gpu!(
     bias_and_division_kernels_match_the_host_bit_for_bit,
     conversion_kernels_equal_the_host_reference_bit_for_bit,
     bf16_kernels_equal_their_float32_twins_rounded_bit_for_bit,
+    exact_sum_kernels_equal_tandem_dist_exact_bit_for_bit,
 );

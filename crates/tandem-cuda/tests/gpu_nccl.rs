@@ -8,7 +8,8 @@
 //! an error within the timeout, not a hang. On the fake GPU only, a *mirrored* communicator
 //! of two ranks (the fake NCCL's: the other rank holds the same values, so each sum doubles)
 //! checks that SyncBatchNorm's statistics really are summed over the ranks: two identical
-//! ranks must train as one.
+//! ranks must train as one. The exact sum of `--global-batch-size`'s shard gradients on the
+//! device, through a world of one and the mirrored pair, equals `tandem_dist::exact`'s.
 //!
 //! Skipped with a printed reason without a driver, the CUDA libraries, libnccl or a GPU (as
 //! on CI's machines).
@@ -342,6 +343,104 @@ fn two_mirrored_ranks_with_sync_bn_through_nccl_train_as_one_bit_for_bit() {
         different > variances / 2,
         "only {different} of {variances} running variances are unbiased over both ranks"
     );
+}
+
+/// Three shards' gradients (two backwards and one of awkward magnitudes, with a NaN) kept
+/// on the device and summed exactly through `group` (`exact_sum_shards`), then a second sum
+/// of the first two shards only: the terms kept and the two results.
+fn shard_sums(probe: &Probe, group: Group) -> (Vec<Vec<f32>>, Vec<f32>, Vec<f32>) {
+    let model = model();
+    let mut exec = common::executor(probe, Precision::Fp32, &model);
+    join(probe, &mut exec, &model, group, false);
+    let world_size = if group == Group::MirroredPair { 2 } else { 1 };
+    let plan = model.plan(Mode::Train, BATCH, SIDE, SIDE).unwrap();
+    let len = model.params().len();
+    let mut terms = Vec::new();
+    exec.zero_grads().unwrap();
+    for shard in 0..3 {
+        if shard < 2 {
+            let (images, labels) = formula_batch(BATCH, SIDE, shard as u64);
+            let loss = LossOptions::default();
+            exec.forward_train(&model, &plan, &images, &labels, &loss, None)
+                .unwrap();
+            exec.backward(&model, &plan, 0.25, None, None).unwrap();
+        } else {
+            let awkward: Vec<f32> = (0..len)
+                .map(|i| match i % 7 {
+                    0 => 1.0e-40 * (i % 13) as f32,
+                    1 => -3.0e30,
+                    2 => 0.0,
+                    _ => (i as f32).sin() * 10f32.powi((i % 11) as i32 - 5),
+                })
+                .collect();
+            exec.grads_from_host(&awkward).unwrap();
+        }
+        let mut grads = vec![0.0; len];
+        exec.grads_to_host(&mut grads).unwrap();
+        if shard == 2 {
+            grads[len - 1] = f32::NAN;
+            exec.grads_from_host(&grads).unwrap();
+        }
+        terms.push(grads);
+        exec.keep_shard_gradients(shard).unwrap();
+    }
+    let mut zeros = vec![1.0; len];
+    exec.grads_to_host(&mut zeros).unwrap();
+    assert!(zeros.iter().all(|&value| value == 0.0), "kept, then zeroed");
+    let mut sums = (vec![0.0; len], vec![0.0; len]);
+    exec.exact_sum_shards(3, 3 * world_size).unwrap();
+    exec.grads_to_host(&mut sums.0).unwrap();
+    exec.exact_sum_shards(2, 2 * world_size).unwrap();
+    exec.grads_to_host(&mut sums.1).unwrap();
+    exec.nccl_health().unwrap();
+    (terms, sums.0, sums.1)
+}
+
+/// The exact sum of `terms` taken `copies` times each, as the host computes it.
+fn host_exact_sum(terms: &[Vec<f32>], copies: usize) -> Vec<f32> {
+    let all: Vec<&[f32]> = (0..copies)
+        .flat_map(|_| terms.iter().map(Vec::as_slice))
+        .collect();
+    let mut into = vec![0.0; terms[0].len()];
+    tandem_dist::exact::local_exact_sum(&all, &mut into);
+    into
+}
+
+/// Asserts `found` and `expected` bit for bit, naming the first value that differs.
+fn assert_bits(found: &[f32], expected: &[f32], what: &str) {
+    assert_eq!(found.len(), expected.len(), "{what}: lengths");
+    let first = (0..found.len()).find(|&i| found[i].to_bits() != expected[i].to_bits());
+    if let Some(i) = first {
+        panic!("{what}: value {i} is {} against {}", found[i], expected[i]);
+    }
+}
+
+/// `--global-batch-size` through NCCL: shard gradients kept on the device and summed exactly
+/// through a world of one (and, on the fake GPU, through the fake NCCL's mirrored pair, whose
+/// second rank holds the same shards: the sum of six terms) equal `tandem_dist::exact` on the
+/// host bit for bit, a NaN spoiling only its block.
+#[test]
+fn exact_sums_of_shard_gradients_through_nccl_equal_the_hosts_bit_for_bit() {
+    let test = "exact_sums_of_shard_gradients_through_nccl_equal_the_hosts_bit_for_bit";
+    let Some(probe) = gpu_probe(test, &[Library::Nccl]) else {
+        return;
+    };
+    let mut groups = vec![(Group::WorldOfOne, 1)];
+    match std::env::var_os("TANDEM_FAKE_GPU_KERNELS") {
+        Some(_) => groups.push((Group::MirroredPair, 2)),
+        None => println!("{test}: the mirrored pair skipped: it is the fake NCCL's"),
+    }
+    for (group, copies) in groups {
+        let (terms, three, two) = shard_sums(probe, group);
+        let what = format!("{group:?}, three shards");
+        assert_bits(&three, &host_exact_sum(&terms, copies), &what);
+        let what = format!("{group:?}, the first two shards");
+        assert_bits(&two, &host_exact_sum(&terms[..2], copies), &what);
+        assert!(three[three.len() - 1].is_nan());
+        assert!(three[..three.len() - 64]
+            .iter()
+            .all(|value| value.is_finite()));
+    }
 }
 
 #[test]

@@ -259,6 +259,29 @@ fn the_gradient_average_divides_exactly() {
     }
 }
 
+/// The exact sum's conversions are Rust's: a double to a long long truncates toward zero
+/// (`cvt.rzi`, which saturates and takes NaN to 0 on the GPU, as `as` does), and the sum goes
+/// to a double and then to a float each rounded to nearest; nothing is fused, approximate or
+/// flushed to zero.
+#[test]
+fn the_exact_sum_converts_as_the_host_does() {
+    let Some(probe) = common::probe_with_nvrtc("the_exact_sum_converts_as_the_host_does") else {
+        return;
+    };
+    let ptx = sm_90_ptx(probe, "exact_sum");
+    for conversion in [
+        "cvt.rzi.s64.f64",
+        "cvt.rn.f64.s64",
+        "cvt.rn.f32.f64",
+        "cvt.f64.f32",
+    ] {
+        assert!(ptx.contains(conversion), "{conversion} in {ptx}");
+    }
+    for inexact in ["fma.", "approx", ".ftz"] {
+        assert!(!ptx.contains(inexact), "{inexact} in {ptx}");
+    }
+}
+
 /// The bf16 conversions round on the bits with integer arithmetic, so that the host reference
 /// (`tandem_cuda::bf16`) is theirs bit for bit: no hardware bfloat16 conversion, and one float
 /// operation in all, the widening add.

@@ -438,6 +438,24 @@ pub trait TrainingDevice: Send {
     fn broadcast_on_device(&mut self, _params: bool) -> DeviceResult<()> {
         Err(no_nccl())
     }
+
+    /// Keeps the gradients on the device as shard slot `slot`'s (`--global-batch-size`
+    /// through NCCL) and sets them to zero for the next shard.
+    fn keep_shard_grads(&mut self, _slot: usize) -> DeviceResult<()> {
+        Err(no_device_shards())
+    }
+
+    /// Replaces the gradients by the exact sum (`tandem_dist::exact`, the same bits) of the
+    /// first `own` kept shard gradients of every rank of the NCCL group, `total_terms` over
+    /// all ranks, on the device.
+    fn exact_sum_shards(&mut self, _own: usize, _total_terms: usize) -> DeviceResult<()> {
+        Err(no_device_shards())
+    }
+}
+
+/// The error of a shard call on a device that keeps no shard gradients.
+fn no_device_shards() -> TrainingDeviceError {
+    TrainingDeviceError::unsupported("shard gradients on the device need the model on a GPU")
 }
 
 /// The error of an NCCL call on a device without NCCL.

@@ -1,12 +1,17 @@
 //! Data parallelism on the GPU through the real binary under `tandem launch`, as far as one
 //! GPU allows (the reference GPU machine has one; NCCL refuses two ranks on one GPU, so NCCL
-//! runs here only at world size 1, and every test of two ranks uses the ring through the host):
+//! runs here at world size 1, and the tests of two ranks use the ring through the host, except
+//! `--global-batch-size`'s, which on the fake GPU runs two processes under the fake NCCL on two
+//! fake GPUs):
 //!
 //! - `--backend nccl` at world size 1 through the whole DDP path (device broadcasts, gradient
 //!   buckets all-reduced on NCCL's stream as backward finishes them, the optimizer ordered
 //!   after them) ends with the same bytes as the same run without DDP; its steps are captured
 //!   as CUDA graphs with their all-reduces (the note says so) and end with the bytes of the
 //!   same job with `TANDEM_CUDA_GRAPHS=0`;
+//! - `--global-batch-size` ends with the same bits in one process, in two on the ring, and
+//!   through NCCL (its exact sum on the GPU) in one and, on two fake GPUs (the fake NCCL
+//!   meets its ranks through files), in two;
 //! - two processes sharing the GPU with `--backend ring --sync-bn` end, after a few steps,
 //!   as close to one process with twice the batch as two single-process runs that differ only
 //!   in rounding (the same run on the GPU and on the CPU) are to each other (factor 2, and
@@ -323,6 +328,84 @@ fn a_global_batch_on_the_gpu_ends_with_the_same_bits_on_one_and_two_processes() 
         "{stdout}"
     );
     assert_same_bits(&path("alone"), &path("two"), "two processes against one");
+}
+
+/// Two GPUs for two processes under NCCL: on the fake GPU, two fake GPUs (the fake NCCL then
+/// meets its ranks through files, put in `scratch`); on a real machine, its own when it has
+/// two. `None` (after printing why) with one real GPU: NCCL refuses two ranks on one GPU.
+fn two_gpus(test: &str, scratch: &Path) -> Option<Vec<(&'static str, String)>> {
+    if std::env::var_os("TANDEM_FAKE_GPU_KERNELS").is_some() {
+        let scratch = scratch.display().to_string();
+        return Some(vec![
+            ("TANDEM_FAKE_GPU_COUNT", "2".into()),
+            ("TMPDIR", scratch),
+        ]);
+    }
+    let facts = tandem_cuda::device::GpuFacts::gather(tandem_cuda::Probe::process());
+    if facts.visible_gpus.is_ok_and(|gpus| gpus >= 2) {
+        return Some(Vec::new());
+    }
+    println!("{test}: two processes under NCCL skipped: one GPU, and NCCL refuses two ranks on it");
+    None
+}
+
+/// `--global-batch-size` through NCCL (`--backend nccl` under `tandem launch`: the shards'
+/// gradients stay on the GPU and their exact sum runs in kernels and NCCL all-reduces) ends
+/// with the bits of the host's exact sum in one process and in two on the ring: through a
+/// world of one, and with two processes each on its own GPU (two fake GPUs on the fake GPU).
+#[test]
+fn a_global_batch_through_nccl_ends_with_the_bits_of_the_host_ring_and_one_process() {
+    let test = "a_global_batch_through_nccl_ends_with_the_bits_of_the_host_ring_and_one_process";
+    if !gpu_available(test, true) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name);
+    // 64 images in 2 steps of 4 shards of 8.
+    let run = |name: &str, backend: &str| {
+        let args = with_flag(short_run(&path(name), 64, 8, 1, "cuda"), "--threads", "2");
+        let args = with_flag(args, "--backend", backend);
+        with_flag(args, "--global-batch-size", "32")
+    };
+    expect_success(&run_bounded(tandem().args(run("alone", "auto")), LIMIT));
+    let ring = expect_success(&run_bounded(
+        &mut launch_command(2, 0, &[], &run("ring", "ring")),
+        LIMIT,
+    ));
+    assert!(ring.contains("backend: ring (requested)"), "{ring}");
+    let output = run_bounded(&mut launch_command(1, 0, &[], &run("nccl", "nccl")), LIMIT);
+    let nccl = expect_success(&output);
+    let nccl = format!("{nccl}{}", String::from_utf8_lossy(&output.stderr));
+    assert!(nccl.contains("backend: nccl (requested)"), "{nccl}");
+    assert!(
+        nccl.contains("gradients: the shards' exact sum runs on the GPUs, through NCCL"),
+        "{nccl}"
+    );
+    assert!(
+        nccl.contains("note: CUDA graphs off: --global-batch-size keeps each shard's"),
+        "{nccl}"
+    );
+    assert_same_bits(&path("alone"), &path("nccl"), "NCCL against one process");
+    assert_same_bits(
+        &path("ring"),
+        &path("nccl"),
+        "NCCL against two processes on the ring",
+    );
+    let Some(gpus) = two_gpus(test, dir.path()) else {
+        return;
+    };
+    let mut command = launch_command(2, 0, &[], &run("nccl-two", "auto"));
+    command.envs(gpus);
+    let two = expect_success(&run_bounded(&mut command, LIMIT));
+    assert!(
+        two.contains("backend: nccl (auto: each of the 2 rank(s) has its own GPU"),
+        "{two}"
+    );
+    assert_same_bits(
+        &path("alone"),
+        &path("nccl-two"),
+        "two processes under NCCL",
+    );
 }
 
 /// A two-worker GPU job on the ring of `epochs` epochs of 8 steps, with `extra` flags.

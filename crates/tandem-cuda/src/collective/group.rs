@@ -24,6 +24,9 @@ use super::watchdog::{Deadlines, Verdict};
 use crate::nccl::{unique_id_from_bytes, UNIQUE_ID_BYTES};
 use crate::probe::{Library, MissingLibrary, Probe};
 
+/// NCCL's sum.
+const SUM: ncclRedOp_t = ncclRedOp_t::ncclSum;
+
 /// How often the watchdog looks at the pending collectives.
 const WATCH_INTERVAL: Duration = Duration::from_millis(5);
 
@@ -431,7 +434,7 @@ impl NcclGroup {
     ) -> Result<(), CollectiveError> {
         let pointer = float_at(base, range.start);
         // SAFETY: the caller's contract, for `range.len()` floats from `pointer`.
-        unsafe { self.all_reduce_sum_of(pointer, range.len(), ncclDataType_t::ncclFloat32) }
+        unsafe { self.all_reduce_of(pointer, range.len(), ncclDataType_t::ncclFloat32, SUM) }
     }
 
     /// Queues the sum over the ranks of the first `len` doubles of the device buffer at
@@ -442,19 +445,44 @@ impl NcclGroup {
     /// `len` values, alive until the group's stream has run the collective.
     pub unsafe fn all_reduce_sum_f64(&self, base: u64, len: usize) -> Result<(), CollectiveError> {
         // SAFETY: the caller's contract.
-        unsafe { self.all_reduce_sum_of(base, len, ncclDataType_t::ncclFloat64) }
+        unsafe { self.all_reduce_of(base, len, ncclDataType_t::ncclFloat64, SUM) }
     }
 
-    /// `ncclAllReduce` (sum, in place) of `len` values of `data_type` from `pointer`.
+    /// Queues the maximum over the ranks of the first `len` int32s of the device buffer at
+    /// `base` (the exact sum's block keys: NCCL's integer maximum, which keeps a NaN's bits
+    /// where a float maximum need not), in place, on the group's stream.
+    ///
+    /// # Safety
+    /// `base` must address a device buffer of int32s of the group's GPU holding at least
+    /// `len` values, alive until the group's stream has run the collective.
+    pub unsafe fn all_reduce_max_i32(&self, base: u64, len: usize) -> Result<(), CollectiveError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.all_reduce_of(base, len, ncclDataType_t::ncclInt32, ncclRedOp_t::ncclMax) }
+    }
+
+    /// Queues the sum over the ranks of the first `len` int64s of the device buffer at `base`
+    /// (the exact sum's integers: exact in any order, wrapping on overflow), in place, on the
+    /// group's stream.
+    ///
+    /// # Safety
+    /// `base` must address a device buffer of int64s of the group's GPU holding at least
+    /// `len` values, alive until the group's stream has run the collective.
+    pub unsafe fn all_reduce_sum_i64(&self, base: u64, len: usize) -> Result<(), CollectiveError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.all_reduce_of(base, len, ncclDataType_t::ncclInt64, SUM) }
+    }
+
+    /// `ncclAllReduce` (`op`, in place) of `len` values of `data_type` from `pointer`.
     ///
     /// # Safety
     /// `pointer` must address `len` values of `data_type` in a device buffer of the group's
     /// GPU, alive until the group's stream has run the collective.
-    unsafe fn all_reduce_sum_of(
+    unsafe fn all_reduce_of(
         &self,
         pointer: u64,
         len: usize,
         data_type: ncclDataType_t,
+        op: ncclRedOp_t,
     ) -> Result<(), CollectiveError> {
         self.check()?;
         if len == 0 {
@@ -471,7 +499,7 @@ impl NcclGroup {
                     pointer as *mut std::ffi::c_void,
                     len,
                     data_type,
-                    ncclRedOp_t::ncclSum,
+                    op,
                     comm,
                     stream as _,
                 )

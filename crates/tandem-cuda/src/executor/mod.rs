@@ -24,6 +24,7 @@ pub mod cudnn;
 mod data_parallel;
 pub mod dataset;
 pub mod error;
+pub mod exact_sum;
 pub mod flat;
 pub mod graph;
 mod host_grads;
@@ -173,6 +174,9 @@ struct FlatState {
     /// The gradients on the host (page-locked), for a backward's host hook and
     /// [`CudaExecutor::with_host_grads`].
     host_grads: HostGradients,
+    /// The kept shard gradients of `--global-batch-size` and their exact sum's buffers,
+    /// allocated at the first shard.
+    shards: Option<exact_sum::ShardGradients>,
 }
 
 /// What the steps run on: the plans' storage, the micro-batches of a whole step, and the
@@ -295,6 +299,7 @@ impl CudaExecutor {
             buffer_len: buffers.len(),
             optimizer: DeviceOptimizer::None,
             host_grads: HostGradients::new(params.len()),
+            shards: None,
         };
         let workspace = stream.alloc_zeros(1).map_err(driver("cuMemAllocAsync"))?;
         let memory = StepMemory {

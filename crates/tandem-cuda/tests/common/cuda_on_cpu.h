@@ -57,6 +57,16 @@ inline float __uint_as_float(unsigned int bits) {
     return value;
 }
 inline float __int_as_float(int bits) { return __uint_as_float((unsigned int)bits); }
+inline long long __double_as_longlong(double value) {
+    long long bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    return bits;
+}
+inline double __longlong_as_double(long long bits) {
+    double value;
+    std::memcpy(&value, &bits, sizeof value);
+    return value;
+}
 
 inline unsigned int atomicAdd(unsigned int* address, unsigned int value) {
     return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);

@@ -20,6 +20,7 @@ impl Plain for u16 {}
 impl Plain for i32 {}
 impl Plain for u32 {}
 impl Plain for u64 {}
+impl Plain for i64 {}
 impl Plain for f32 {}
 impl Plain for f64 {}
 
@@ -1230,4 +1231,153 @@ pub fn bf16_kernels_equal_their_float32_twins_rounded_bit_for_bit(rig: &mut GpuR
             Twin::ActOut(&vec![0.0; batch * pixels * channels]),
         ],
     );
+}
+
+/// `terms` of `n` floats each, with blocks that the exact sum finds awkward: subnormal and
+/// tiny values, values near `f32::MAX` (whose sum overflows to infinity), mixed magnitudes
+/// with both signs and zeros of both signs, a NaN, an infinity, an all-zero block, and a
+/// partial last block.
+fn exact_sum_terms(terms: usize, n: usize) -> Vec<Vec<f32>> {
+    (0..terms)
+        .map(|term| {
+            let mut values = values(n, 40 + term as u64);
+            let k = term as f32 + 1.0;
+            for (i, value) in values.iter_mut().enumerate() {
+                let x = *value;
+                *value = match i / 64 {
+                    0 => x * f32::from_bits(0x0000_0400 * (i as u32 % 7 + 1)),
+                    1 => x.signum() * f32::MAX / (k + (i % 3) as f32),
+                    2 => x * 10f32.powi((i % 17) as i32 - 8) * if i % 5 == 0 { 0.0 } else { k },
+                    5 => {
+                        if i % 2 == 0 {
+                            0.0
+                        } else {
+                            -0.0
+                        }
+                    }
+                    _ => x,
+                };
+            }
+            values[2 * 64 + 7] = -0.0;
+            if term == 1 {
+                values[3 * 64 + 9] = f32::NAN;
+                values[4 * 64 + 63] = f32::NEG_INFINITY;
+            }
+            values
+        })
+        .collect()
+}
+
+/// Runs the exact-sum kernels over `terms` (one rank's) with `total_terms` over all ranks,
+/// taking `other_keys` (the other ranks' maximum) into the keys: this rank's keys and
+/// integer sums.
+fn exact_sum_on_gpu(
+    rig: &mut GpuRig,
+    terms: &[Vec<f32>],
+    n: usize,
+    other_keys: Option<&[i32]>,
+    total_terms: usize,
+) -> (Vec<i32>, Vec<i64>) {
+    let blocks = n.div_ceil(64);
+    let flat: Vec<f32> = terms.concat();
+    let device_terms = rig.upload(&flat);
+    let keys = rig.zeros::<i32>(blocks);
+    let (n_arg, count) = (Arg::I64(n as i64), Arg::I32(terms.len() as i32));
+    rig.launch(
+        "exact_block_maxima",
+        per_element(blocks),
+        &[device_terms.arg(), n_arg, count, n_arg, keys.arg()],
+    );
+    let mut found = rig.download(&keys);
+    let keys = match other_keys {
+        Some(other) => {
+            found = found.iter().zip(other).map(|(&a, &b)| a.max(b)).collect();
+            rig.upload(&found)
+        }
+        None => keys,
+    };
+    let sums = rig.zeros::<i64>(n);
+    let args = [
+        device_terms.arg(),
+        n_arg,
+        count,
+        n_arg,
+        keys.arg(),
+        Arg::I64(total_terms as i64),
+        sums.arg(),
+    ];
+    rig.launch("exact_integer_sums", per_element(n), &args);
+    (found, rig.download(&sums))
+}
+
+/// The exact-sum kernels of `--global-batch-size` through NCCL (`exact_sum.cu`) equal
+/// `tandem_dist::exact` bit for bit: the block maxima (as keys), the integer sums and the
+/// floats written back, in one process and spread over two ranks, on awkward blocks. A change
+/// of the host's arithmetic without the kernels' shows here.
+pub fn exact_sum_kernels_equal_tandem_dist_exact_bit_for_bit(rig: &mut GpuRig) {
+    use tandem_dist::exact;
+    assert_eq!(exact::BLOCK, 64, "EXACT_BLOCK of exact_sum.cu");
+    let n = 6 * 64 + 13;
+    let terms = exact_sum_terms(3, n);
+    let all: Vec<&[f32]> = terms.iter().map(Vec::as_slice).collect();
+    let mut maxima = vec![0.0f32; n.div_ceil(exact::BLOCK)];
+    exact::block_maxima(&all, &mut maxima);
+    for total_terms in [3, 5, 1000] {
+        let (keys, sums) = exact_sum_on_gpu(rig, &terms, n, None, total_terms);
+        for (block, (&key, &largest)) in keys.iter().zip(&maxima).enumerate() {
+            match largest.is_nan() {
+                true => assert!(key > 0x7f80_0000, "block {block}: key {key:#x} of a NaN"),
+                false => assert_eq!(key as u32, largest.to_bits(), "block {block}'s key"),
+            }
+        }
+        let mut expected = vec![0i64; n];
+        exact::integer_sums(&all, &maxima, total_terms, &mut expected);
+        if let Some(i) = (0..n).find(|&i| sums[i] != expected[i]) {
+            panic!(
+                "integer sum {i} of {total_terms} terms: {} against {}",
+                sums[i], expected[i]
+            );
+        }
+        let mut into = vec![0.0f32; n];
+        exact::write_sums(&expected, &maxima, total_terms, &mut into);
+        let device_keys = rig.upload(&keys);
+        let device_sums = rig.upload(&sums);
+        let written = rig.zeros::<f32>(n);
+        let args = [
+            device_sums.arg(),
+            Arg::I64(n as i64),
+            device_keys.arg(),
+            Arg::I64(total_terms as i64),
+            written.arg(),
+        ];
+        rig.launch("exact_write_sums", per_element(n), &args);
+        assert_bits_equal(&rig.download(&written), &into, "exact_write_sums");
+    }
+    // Two ranks (terms 0 and 1; term 2): keys combined by the maximum, sums by a wrapping
+    // sum, as NCCL's all-reduces do; the result is one process's exact sum.
+    let (first, second) = terms.split_at(2);
+    let (second_keys, _) = exact_sum_on_gpu(rig, second, n, None, 3);
+    let (keys, first_sums) = exact_sum_on_gpu(rig, first, n, Some(&second_keys), 3);
+    let (_, second_sums) = exact_sum_on_gpu(rig, second, n, Some(&keys), 3);
+    let sums: Vec<i64> = first_sums
+        .iter()
+        .zip(&second_sums)
+        .map(|(a, b)| a.wrapping_add(*b))
+        .collect();
+    let (device_keys, device_sums) = (rig.upload(&keys), rig.upload(&sums));
+    let written = rig.zeros::<f32>(n);
+    let args = [
+        device_sums.arg(),
+        Arg::I64(n as i64),
+        device_keys.arg(),
+        Arg::I64(3),
+        written.arg(),
+    ];
+    rig.launch("exact_write_sums", per_element(n), &args);
+    let mut expected = vec![0.0f32; n];
+    exact::local_exact_sum(&all, &mut expected);
+    assert_bits_equal(&rig.download(&written), &expected, "two ranks' exact sum");
+    assert!(expected[3 * 64..5 * 64].iter().all(|value| value.is_nan()));
+    assert!(expected[64..128].iter().any(|value| value.is_infinite()));
+    assert!(expected[..64].iter().any(|value| value.is_subnormal()));
 }

@@ -266,14 +266,23 @@ CUresult cuGetErrorName(CUresult error, const char** name) {
 
 CUresult cuGetErrorString(CUresult error, const char** name) { return cuGetErrorName(error, name); }
 
+// The number of fake GPUs: TANDEM_FAKE_GPU_COUNT (1 to 8), else 1. They are all the same
+// host memory; a process uses one (a job of several processes under the fake NCCL, each on
+// its own GPU).
+static int device_count() {
+    const char* count = std::getenv("TANDEM_FAKE_GPU_COUNT");
+    int value = count != nullptr ? std::atoi(count) : 1;
+    return value >= 1 && value <= 8 ? value : 1;
+}
+
 CUresult cuDeviceGetCount(int* count) {
-    *count = 1;
+    *count = device_count();
     return CUDA_SUCCESS;
 }
 
 CUresult cuDeviceGet(CUdevice* device, int ordinal) {
-    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
-    *device = 0;
+    if (ordinal < 0 || ordinal >= device_count()) return CUDA_ERROR_INVALID_DEVICE;
+    *device = ordinal;
     return CUDA_SUCCESS;
 }
 
@@ -282,8 +291,9 @@ CUresult cuDeviceGetName(char* name, int length, CUdevice) {
     return CUDA_SUCCESS;
 }
 
-CUresult cuDeviceGetUuid(unsigned char* uuid, CUdevice) {
+CUresult cuDeviceGetUuid(unsigned char* uuid, CUdevice device) {
     for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xf0 + i);
+    uuid[15] = (unsigned char)(uuid[15] + device);
     return CUDA_SUCCESS;
 }
 

@@ -32,6 +32,12 @@ pub trait GradientSync: Send {
     /// What the device needs to know to decide whether a step runs whole.
     fn conditions(&self) -> StepConditions;
 
+    /// Why the strategy's steps never run whole, when it knows better than the device's
+    /// reading of [`GradientSync::conditions`].
+    fn why_not_whole(&self) -> Option<&'static str> {
+        None
+    }
+
     /// Gives every rank rank 0's model: parameters, BN buffers and batch count (through the
     /// host ring).
     fn agree_on_the_model(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
@@ -144,7 +150,8 @@ pub fn run_step(
     let one_size = batches
         .windows(2)
         .all(|pair| pair[0].len() == pair[1].len());
-    if one_size && !batches.is_empty() && notes.whole_steps(device, &sync.conditions()) {
+    let why_not = sync.why_not_whole();
+    if one_size && !batches.is_empty() && notes.whole_steps(device, &sync.conditions(), why_not) {
         let report = device.train_step(request)?;
         let batch = batches.first().map_or(0, TrainBatch::len);
         notes.after_step(&report, batches.len(), batch, request.height, request.width);

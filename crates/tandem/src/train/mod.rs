@@ -168,11 +168,12 @@ fn join_the_job(
 }
 
 /// Joins the device to the job's NCCL group (and SyncBatchNorm through it), saying so on
-/// rank 0.
+/// rank 0; with `shards` (`--global-batch-size`) the group carries the shards' exact sum.
 fn join_nccl(
     compute: &mut dyn TrainingDevice,
     ddp: &Ddp,
     settings: &TrainSettings,
+    shards: bool,
 ) -> anyhow::Result<()> {
     let timeout = Duration::from_secs_f64(settings.collective_timeout);
     let unique_id = ddp.nccl_unique_id(timeout)?;
@@ -186,7 +187,9 @@ fn join_nccl(
     if settings.sync_bn {
         compute.sync_batch_norm_through_nccl()?;
     }
-    if ddp.rank() == 0 {
+    if ddp.rank() == 0 && shards {
+        say!("gradients: the shards' exact sum runs on the GPUs, through NCCL");
+    } else if ddp.rank() == 0 {
         say!(
             "gradients: averaged by NCCL on the GPUs in {} buckets as backward finishes them",
             ddp.buckets().len()
@@ -327,15 +330,13 @@ impl Trainer {
             .as_ref()
             .map(|place| join_the_job(place, &settings, model.params().len()))
             .transpose()?;
-        let backend =
-            shard_backend(backend, shards.is_some()).map_err(SettingsError::from_error)?;
         let backend = crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
         // On the ring, GPU ranks exchange gradients and broadcasts through the host; with NCCL
         // they stay on the device, and the snapshot, batch count and metrics use the ring.
         let mut compute = crate::device::open_training_device(model, device, math)?;
         compute.set_optimizer(optimizer);
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
-            join_nccl(&mut *compute, ddp, &settings)?;
+            join_nccl(&mut *compute, ddp, &settings, shards.is_some())?;
         }
         let sync = gradient_sync_of(shards, ddp, &mut *compute, &settings)?;
         let (batches_on_device, eval_on_device) = upload_data_sets(
@@ -1391,19 +1392,6 @@ fn shard_plan(
     let plan = ShardPlan::new(global, settings.batch_size, dataset_len)?;
     plan.check_world_size(world_size)?;
     Ok(Some(plan))
-}
-
-/// The backend of a job with logical shards (`shards`): their exact sum runs on the host
-/// ring, so `auto` means the ring there and `nccl` is refused.
-fn shard_backend(backend: BackendRequest, shards: bool) -> anyhow::Result<BackendRequest> {
-    match (shards, backend) {
-        (false, backend) => Ok(backend),
-        (true, BackendRequest::Nccl) => bail!(
-            "--global-batch-size sums the shards' gradients exactly on the host ring; NCCL \
-             does not do that yet: use --backend ring or auto"
-        ),
-        (true, _) => Ok(BackendRequest::Ring),
-    }
 }
 
 /// The training augmentation of `settings`: pad-4 random crop and horizontal flip, or none.

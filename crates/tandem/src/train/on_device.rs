@@ -66,17 +66,19 @@ pub struct StepNotes {
 
 impl StepNotes {
     /// Whether a step of `conditions` runs as one [`TrainingDevice::train_step`] on
-    /// `device`; the first step that does not on a GPU prints why it is not captured.
+    /// `device`; the first step that does not on a GPU prints why it is not captured: the
+    /// strategy's `own_reason` when it has one, else the device's.
     pub fn whole_steps(
         &mut self,
         device: &dyn TrainingDevice,
         conditions: &StepConditions,
+        own_reason: Option<&str>,
     ) -> bool {
         match device.whole_steps(conditions) {
             WholeSteps::Yes => true,
             WholeSteps::No => false,
             WholeSteps::NoBecause(reason) => {
-                self.graphs_off(&reason);
+                self.graphs_off(own_reason.unwrap_or(&reason));
                 false
             }
         }

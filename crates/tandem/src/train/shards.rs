@@ -9,7 +9,10 @@
 //! - Gradients are added exactly ([`tandem_dist::exact`]): as whole numbers of a unit fixed
 //!   per block of values by the largest magnitude over all shards, summed as integers over
 //!   the shards and then the workers. Integer sums do not depend on their order, so the
-//!   result is one rounding of the exact sum, the same on 1 to S workers.
+//!   result is one rounding of the exact sum, the same on 1 to S workers. Under NCCL the
+//!   shards' gradients stay on the GPU and the same sum runs there
+//!   ([`TrainingDevice::exact_sum_shards`]: kernels and two NCCL all-reduces, the same
+//!   bits); else they cross to the host and the host ring sums them.
 //! - The running statistics of batch norm move shard by shard in shard order, as in one
 //!   process: each worker records its shards' batch statistics, every worker gathers all of
 //!   them and replays them from the statistics the step started with.
@@ -46,7 +49,11 @@ pub struct ShardSync {
     worker: usize,
     /// This step's shard count and this worker's shards.
     step_shards: (usize, Range<usize>),
-    /// This worker's shards' gradients but the last, in shard order (allocated once, reused).
+    /// Whether the shards' gradients stay on the device and are summed there (the device
+    /// joined an NCCL group); else they cross to the host.
+    on_device: bool,
+    /// This worker's shards' gradients in shard order (allocated once, reused): on the host
+    /// all but the last, which stays in the device for the bucketed sum.
     shard_grads: Vec<Vec<f32>>,
     /// This worker's shards' batch statistics, in shard order.
     shard_statistics: Vec<Vec<f64>>,
@@ -80,6 +87,7 @@ impl ShardSync {
             world_size,
             worker,
             step_shards: (0, 0..0),
+            on_device: device.uses_nccl(),
             shard_grads: Vec::new(),
             shard_statistics: Vec::new(),
             local_sum: exact::LocalExactSum::default(),
@@ -227,6 +235,33 @@ impl ShardSync {
         }
         Ok(records)
     }
+
+    /// The exact sum of this worker's shards over the job on the host: the last shard's
+    /// gradient, in the device's host gradients, is one of the terms and receives the sum.
+    fn sum_on_the_host(
+        &mut self,
+        device: &mut dyn TrainingDevice,
+        own: usize,
+        total_shards: usize,
+    ) -> anyhow::Result<()> {
+        let earlier: Vec<&[f32]> = self.shard_grads[..own.saturating_sub(1)]
+            .iter()
+            .map(Vec::as_slice)
+            .collect();
+        let (group, local_sum) = (&mut self.group, &mut self.local_sum);
+        with_host_grads(device, |grads| -> anyhow::Result<()> {
+            if own == 0 {
+                grads.fill(0.0);
+            }
+            match group.as_mut() {
+                Some(ddp) => ddp.finish_exact_sum(&earlier, grads, total_shards),
+                None => {
+                    local_sum.sum_into_last(&earlier, grads);
+                    Ok(())
+                }
+            }
+        })
+    }
 }
 
 impl GradientSync for ShardSync {
@@ -263,6 +298,10 @@ impl GradientSync for ShardSync {
             self.backward(device, loss_scale, index + 1 == batches.len())?;
         }
         Ok(losses)
+    }
+
+    fn why_not_whole(&self) -> Option<&'static str> {
+        Some("--global-batch-size keeps each shard's gradients apart until the step's exact sum")
     }
 
     fn before_step(&mut self, device: &mut dyn TrainingDevice, step: u64) -> anyhow::Result<()> {
@@ -316,6 +355,11 @@ impl GradientSync for ShardSync {
             .len()
             .checked_sub(1)
             .context("a shard's backward without its forward")?;
+        if self.on_device {
+            device.backward(loss_scale, None, None)?;
+            device.keep_shard_grads(slot)?;
+            return Ok(());
+        }
         if last {
             return self.last_backward(device, loss_scale, slot);
         }
@@ -345,23 +389,10 @@ impl GradientSync for ShardSync {
                 losses.len()
             );
         }
-        let earlier: Vec<&[f32]> = self.shard_grads[..own.saturating_sub(1)]
-            .iter()
-            .map(Vec::as_slice)
-            .collect();
-        let (group, local_sum) = (&mut self.group, &mut self.local_sum);
-        with_host_grads(device, |grads| -> anyhow::Result<()> {
-            if own == 0 {
-                grads.fill(0.0);
-            }
-            match group.as_mut() {
-                Some(ddp) => ddp.finish_exact_sum(&earlier, grads, total_shards),
-                None => {
-                    local_sum.sum_into_last(&earlier, grads);
-                    Ok(())
-                }
-            }
-        })?;
+        match self.on_device {
+            true => device.exact_sum_shards(own, total_shards)?,
+            false => self.sum_on_the_host(device, own, total_shards)?,
+        }
         let records = self.all_shard_records(losses, total_shards)?;
         let record_len = 1 + self.statistics_len;
         let loss_sum: f64 = records.chunks(record_len).map(|record| record[0]).sum();
@@ -527,7 +558,12 @@ mod tests {
         let shards: Vec<_> = (0..3).map(batch_of).collect();
         let mut device_of_shards = device();
         let mut sync = ShardSync::new(None, plan(3 * SHARD), &mut device_of_shards).unwrap();
-        let summed = train(&mut device_of_shards, &mut sync, &[shards.clone()]).unwrap();
+        let summed = train(
+            &mut device_of_shards,
+            &mut sync,
+            std::slice::from_ref(&shards),
+        )
+        .unwrap();
         let accumulated = train(&mut device(), &mut Alone, &[shards]).unwrap();
         // Each shard's gradient counts: only the order of the additions differs.
         let tolerance = Tolerance::OfLargest(1e-6);

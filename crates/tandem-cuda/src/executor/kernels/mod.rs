@@ -12,6 +12,7 @@ pub(crate) mod bias;
 pub(crate) mod collective;
 pub(crate) mod convert;
 pub(crate) mod epilogue;
+pub(crate) mod exact_sum;
 pub(crate) mod loss;
 pub(crate) mod optimizers;
 pub(crate) mod pooling;
@@ -89,6 +90,7 @@ pub const FILES: &[KernelFile] = &[
     bias::FILE,
     collective::FILE,
     convert::FILE,
+    exact_sum::FILE,
 ];
 
 /// The kernels of one `.cu` file.
