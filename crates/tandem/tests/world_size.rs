@@ -100,7 +100,7 @@ fn the_same_bits_on_any_number_of_workers(optimizer: &str) {
 }
 
 #[test]
-fn sync_bn_ends_with_the_same_bits_in_one_process_and_on_1_2_3_and_8_workers() {
+fn sync_bn_ends_with_the_same_bits_in_one_process_and_on_1_2_3_4_and_8_workers() {
     let dir = tempfile::tempdir().unwrap();
     let optimizer = format!("{SGD_NESTEROV} --sync-bn");
     let alone = dir.path().join("alone");
@@ -114,7 +114,7 @@ fn sync_bn_ends_with_the_same_bits_in_one_process_and_on_1_2_3_and_8_workers() {
     train(0, &run_args(&without, SGD_NESTEROV));
     let (with_state, without_state) = (final_state(&alone), final_state(&without));
     assert!(with_state.0 != without_state.0, "--sync-bn changes nothing");
-    for workers in [1, 2, 3, 8] {
+    for workers in [1, 2, 3, 4, 8] {
         let output_dir = dir.path().join(format!("workers-{workers}"));
         let stdout = train(workers, &run_args(&output_dir, &optimizer));
         assert_contains(&stdout, &format!("shared by {workers} process"));
