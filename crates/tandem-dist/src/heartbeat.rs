@@ -125,6 +125,17 @@ fn beat(
     shared: &Shared,
     interval: Duration,
 ) {
+    // A heartbeat of the same worker that ended before (a worker that joined a new group)
+    // left its counter marked ended: take the mark back.
+    match client.add(beat_key, 0) {
+        Ok(beat) if beat < 0 => {
+            if client.add(beat_key, -ENDED).is_err() {
+                return;
+            }
+        }
+        Ok(_) => {}
+        Err(_) => return,
+    }
     // Short sleeps, so that a drop does not wait a whole interval.
     let slice = interval
         .min(Duration::from_millis(20))

@@ -19,6 +19,7 @@ use super::worker::{
     error_file_path, now_micros, retry_while_short_of_resources, worker_env, JobEnv, Worker,
     WorkerEnd, WorkerPlace,
 };
+use tandem_dist::cluster::contract::MembershipRecord;
 
 /// How often the agent looks at its workers.
 const WATCH_INTERVAL: Duration = Duration::from_millis(10);
@@ -307,10 +308,19 @@ fn run_round(
     round: &Round,
 ) -> anyhow::Result<Result<RoundOutcome, JobEnd>> {
     let (topology, number) = (&plan.topology, round.number);
-    let mut workers = start_workers(plan, store, round)?;
+    let workers = start_workers(plan, store, round)?;
     let mut heartbeats = Heartbeats::new(topology.nnodes, plan.heartbeat_timeout);
     let watched = watch_round(plan, store, round, &workers, &mut heartbeats);
+    // Workers left out by a membership change are no part of the round's outcome.
+    let dropped = watched.as_ref().map_or(Vec::new(), Clone::clone);
+    let mut workers: Vec<Worker> = workers
+        .into_iter()
+        .enumerate()
+        .filter(|(index, _)| !dropped.contains(index))
+        .map(|(_, worker)| worker)
+        .collect();
     let report = node_report(topology.node_rank, &mut workers);
+    let watched = watched.map(drop);
     let members = round.nodes();
     let shared = watched.and_then(|()| {
         store.publish_report(number, &report)?;
@@ -665,6 +675,7 @@ fn start_workers(
         master_port: store.master_port,
         token: plan.token.expose_secret(),
         restart_count: round.number,
+        keep_survivors: plan.keep_survivors,
     };
     let mut workers = Vec::with_capacity(topology.nproc_per_node);
     for local_rank in 0..topology.nproc_per_node {
@@ -768,9 +779,10 @@ fn watch_round(
     round: &Round,
     workers: &[Worker],
     heartbeats: &mut Heartbeats,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<usize>> {
     let mut duties = StoreDuties::new(plan.topology.node_rank, round);
     let mut beats = WorkerBeats::new(round.number, workers.len(), plan.heartbeat_timeout);
+    let mut membership = Membership::new(round.number, workers.len());
     let mut stopping: Option<Stopping> = None;
     loop {
         if stopping.is_none() {
@@ -782,9 +794,16 @@ fn watch_round(
             .iter()
             .map(|worker| worker.end().map(|(end, _)| end))
             .collect();
+        if plan.keep_survivors && stopping.is_none() {
+            if let Err(error) = membership.drop_the_lost(store, workers, &ends) {
+                duties.store_error.get_or_insert(error);
+            }
+        }
         let failures: Vec<&WorkerEnd> = ends
             .iter()
-            .flatten()
+            .enumerate()
+            .filter(|(index, _)| !membership.dropped[*index])
+            .filter_map(|(_, end)| end.as_ref())
             .filter(|end| end.is_failure())
             .collect();
         let local_failure = LocalFailure {
@@ -818,7 +837,88 @@ fn watch_round(
     }
     match duties.store_error {
         Some(error) => Err(error),
-        None => Ok(()),
+        None => Ok(membership.dropped_workers()),
+    }
+}
+
+/// The workers of a round that go on without the lost ones (`--keep-survivors`).
+struct Membership {
+    round: u32,
+    epoch: u64,
+    /// Per worker: whether it was lost and left out of the job.
+    dropped: Vec<bool>,
+}
+
+impl Membership {
+    fn new(round: u32, workers: usize) -> Membership {
+        Membership {
+            round,
+            epoch: 0,
+            dropped: vec![false; workers],
+        }
+    }
+
+    /// When workers failed while others still run, leaves them out and publishes the
+    /// survivors as the job's next membership.
+    fn drop_the_lost(
+        &mut self,
+        store: &AgentStore,
+        workers: &[Worker],
+        ends: &[Option<WorkerEnd>],
+    ) -> anyhow::Result<()> {
+        let lost: Vec<usize> = (0..workers.len())
+            .filter(|&index| !self.dropped[index])
+            .filter(|&index| ends[index].as_ref().is_some_and(WorkerEnd::is_failure))
+            .collect();
+        let survivors: Vec<usize> = (0..workers.len())
+            .filter(|&index| !self.dropped[index] && ends[index].is_none())
+            .collect();
+        if lost.is_empty() || survivors.is_empty() {
+            return Ok(());
+        }
+        let why: Vec<String> = lost
+            .iter()
+            .filter_map(|&index| {
+                let end = ends[index].as_ref()?;
+                let worker = &workers[index];
+                Some(format!(
+                    "rank {} (pid {}) {}",
+                    worker.place.rank,
+                    worker.pid(),
+                    end.describe()
+                ))
+            })
+            .collect();
+        let before = self.dropped.iter().filter(|dropped| !**dropped).count();
+        for &index in &lost {
+            self.dropped[index] = true;
+        }
+        self.epoch += 1;
+        let record = MembershipRecord {
+            epoch: self.epoch,
+            members: survivors
+                .iter()
+                .map(|&index| workers[index].place.rank)
+                .collect(),
+            why: why.join("; "),
+        };
+        store.publish_membership(self.round, &record)?;
+        say(&format!(
+            "membership {}: {}; ranks {:?} go on in-process (world size {before} -> {}), \
+             nobody restarts",
+            record.epoch,
+            record.why,
+            record.members,
+            record.members.len()
+        ));
+        Ok(())
+    }
+
+    /// The indices of the workers left out of the job.
+    fn dropped_workers(&self) -> Vec<usize> {
+        (0..self.dropped.len())
+            .filter(|&index| self.dropped[index])
+            .collect()
     }
 }
 

@@ -77,6 +77,11 @@ pub struct LaunchArgs {
     /// Show every local rank's output on the console, not only rank 0's.
     #[arg(long)]
     pub tee: bool,
+    /// When a worker is lost, keep the others running: they re-form the job among
+    /// themselves in-process and redo the step (for `train --global-batch-size` on one
+    /// node), instead of every worker restarting from the snapshot.
+    #[arg(long)]
+    pub keep_survivors: bool,
     /// The worker command: a `tandem` subcommand (`train ...`) or any program with its arguments.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -254,6 +259,8 @@ pub struct LaunchPlan {
     pub last_call: Duration,
     /// Show every local rank's output, not only rank 0's.
     pub tee: bool,
+    /// Whether survivors of a lost worker re-form the job in-process.
+    pub keep_survivors: bool,
 }
 
 impl LaunchPlan {
@@ -270,6 +277,13 @@ impl LaunchPlan {
         let current_dir = std::env::current_dir().context("read the current directory")?;
         let log_dir = current_dir.join(default_log_dir(args.log_dir.as_deref(), &args.command));
         let token = resolve_token(env, topology.nnodes)?;
+        if args.keep_survivors && topology.nnodes > 1 {
+            bail!(
+                "--keep-survivors re-forms the workers of one node for now; with {} nodes, \
+                 leave it out (a lost worker then restarts every worker from the snapshot)",
+                topology.nnodes
+            );
+        }
         Ok(LaunchPlan {
             topology,
             program,
@@ -282,6 +296,7 @@ impl LaunchPlan {
             heartbeat_timeout: args.heartbeat_timeout,
             last_call: args.last_call,
             tee: args.tee,
+            keep_survivors: args.keep_survivors,
         })
     }
 }

@@ -505,6 +505,19 @@ impl AgentStore {
         Ok(())
     }
 
+    /// Publishes the membership of round `round` after a worker was lost
+    /// (`--keep-survivors`): the survivors read it and re-form the job.
+    pub fn publish_membership(
+        &self,
+        round: u32,
+        record: &tandem_dist::cluster::contract::MembershipRecord,
+    ) -> anyhow::Result<()> {
+        let prefix = tandem_dist::cluster::contract::store_prefix(round);
+        let key = tandem_dist::cluster::contract::membership_key(&prefix);
+        self.client.set(&key, &record.to_json())?;
+        Ok(())
+    }
+
     /// The heartbeat counter of the worker of global `rank` in round `round` (0 before its
     /// first beat).
     pub fn worker_heartbeat(&self, round: u32, rank: usize) -> anyhow::Result<i64> {

@@ -529,6 +529,8 @@ mod tests {
                             master_port: port,
                             store_hosted: false,
                             key_prefix: "round0/pg".into(),
+                            round_prefix: "round0/pg".into(),
+                            worker_id: rank,
                         };
                         let token = tandem_dist::JobToken::new("backend-test-token").unwrap();
                         let ddp = Ddp::join(&placement, token, Duration::from_secs(20), 8, 64, 64)

@@ -359,3 +359,138 @@ fn bench_step_times_the_step_of_logical_shards() {
     );
     assert_contains(&stdout, "train: ");
 }
+
+/// The furthest step any worker recorded in `trace`, counted over the epochs of `per_epoch`
+/// steps.
+fn furthest_step(trace: &Path, per_epoch: u64) -> u64 {
+    let mut furthest = 0;
+    for entry in std::fs::read_dir(trace).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap_or_default();
+        for line in text.lines() {
+            if let Ok(record) = serde_json::from_str::<serde_json::Value>(line) {
+                let epoch = record["epoch"].as_u64().unwrap_or(0);
+                let step = record["step"].as_u64().unwrap_or(0);
+                furthest = furthest.max(epoch * per_epoch + step + 1);
+            }
+        }
+    }
+    furthest
+}
+
+/// Waits until the workers of `launcher` recorded `step` steps in `trace`.
+fn wait_for_step(launcher: &mut Launcher, trace: &Path, step: u64) {
+    let deadline = std::time::Instant::now() + LIMIT;
+    while furthest_step(trace, 20) < step {
+        assert!(!launcher.has_exited(), "{}", launcher.stderr());
+        assert!(std::time::Instant::now() < deadline, "no step {step}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn survivors_of_a_kill_and_a_stop_re_form_in_process_with_the_bits_of_the_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str| {
+        with_flag(
+            run_args(&dir.path().join(name), SGD_NESTEROV),
+            "--epochs",
+            "6",
+        )
+    };
+    train(4, &run("uninterrupted"));
+    let trace = dir.path().join("trace");
+    std::fs::create_dir(&trace).unwrap();
+    let reformed = dir.path().join("reformed");
+    let mut command = tandem();
+    command
+        .args(standalone_launch("4"))
+        .arg("--keep-survivors")
+        .arg("--")
+        .args(run("reformed"))
+        .env("TANDEM_SAMPLE_TRACE", &trace);
+    let mut launcher = Launcher::spawn(command, dir.path(), "reformed");
+    wait_for_step(&mut launcher, &trace, 10);
+    let (first, second) = (launcher.worker(2), launcher.worker(1));
+    let survivors = [launcher.worker(0), launcher.worker(3)];
+    // SAFETY: kill(2) of child process ids just read.
+    assert_eq!(
+        unsafe { libc::kill(first as libc::pid_t, libc::SIGKILL) },
+        0
+    );
+    wait_for_step(&mut launcher, &trace, 50);
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { libc::kill(second as libc::pid_t, libc::SIGSTOP) },
+        0
+    );
+    wait_for_step(&mut launcher, &trace, 80);
+    assert_eq!(
+        [launcher.worker(0), launcher.worker(3)],
+        survivors,
+        "the survivors were not restarted"
+    );
+    let status = launcher.wait(LIMIT);
+    let stderr = launcher.stderr();
+    assert!(status.success(), "{stderr}");
+    assert_contains(
+        &stderr,
+        &format!("membership 1: rank 2 (pid {first}) killed by SIGKILL; ranks [0, 1, 3] go on"),
+    );
+    assert_contains(
+        &stderr,
+        &format!("membership 2: rank 1 (pid {second}) sent no heartbeat for "),
+    );
+    assert_contains(&stderr, "ranks [0, 3] go on in-process (world size 3 -> 2)");
+    let stdout = launcher.stdout();
+    assert_contains(&stdout, "world size 4 -> 3 at epoch ");
+    assert_contains(&stdout, "world size 3 -> 2 at epoch ");
+    assert!(
+        !stdout.contains("resum"),
+        "nothing was read from disk:\n{stdout}"
+    );
+    assert_same_bits(
+        &dir.path().join("uninterrupted"),
+        &reformed,
+        "4 workers, one killed, one stopped",
+    );
+    assert_each_step_and_sample_once(&trace, 6, 20, 2560);
+}
+
+/// Asserts that each of `epochs` epochs committed its `steps` steps, that every process that
+/// recorded a step recorded the same samples for it, and that the steps together trained
+/// each of `samples` samples exactly once.
+fn assert_each_step_and_sample_once(trace: &Path, epochs: u64, steps: u64, samples: u64) {
+    let mut committed: BTreeMap<(u64, u64), Vec<u64>> = BTreeMap::new();
+    for entry in std::fs::read_dir(trace).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        for line in text.lines() {
+            let record: serde_json::Value = serde_json::from_str(line).unwrap();
+            let key = (
+                record["epoch"].as_u64().unwrap(),
+                record["step"].as_u64().unwrap(),
+            );
+            let indices: Vec<u64> = record["step_indices"]
+                .as_array()
+                .expect("a step of a global batch records its samples")
+                .iter()
+                .map(|index| index.as_u64().unwrap())
+                .collect();
+            let first = committed.entry(key).or_insert_with(|| indices.clone());
+            assert_eq!(*first, indices, "step {key:?} recorded with other samples");
+        }
+    }
+    let expected: Vec<(u64, u64)> = (0..epochs)
+        .flat_map(|epoch| (0..steps).map(move |step| (epoch, step)))
+        .collect();
+    assert_eq!(committed.keys().copied().collect::<Vec<_>>(), expected);
+    for epoch in 0..epochs {
+        let mut counts: BTreeMap<u64, usize> = BTreeMap::new();
+        for ((_, _), indices) in committed.range((epoch, 0)..(epoch + 1, 0)) {
+            for &index in indices {
+                *counts.entry(index).or_default() += 1;
+            }
+        }
+        assert_eq!(counts.len() as u64, samples, "epoch {epoch}");
+        assert!(counts.values().all(|&count| count == 1), "epoch {epoch}");
+    }
+}

@@ -53,6 +53,46 @@ pub fn store_prefix(restart_round: impl std::fmt::Display) -> String {
     format!("round{restart_round}/pg")
 }
 
+/// Set to `1` by `tandem launch --keep-survivors`: when a worker is lost, the others stay
+/// up and re-form the job among themselves from the membership the launcher publishes.
+pub const KEEP_SURVIVORS_ENV: &str = "TANDEM_KEEP_SURVIVORS";
+
+/// The store key of the membership record of the round whose keys start with `round_prefix`.
+pub fn membership_key(round_prefix: &str) -> String {
+    format!("{round_prefix}/membership")
+}
+
+/// Who is in the job after a worker was lost, as the launcher publishes it: the workers by
+/// their rank at the round's start (their lasting id), in the order of their new ranks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MembershipRecord {
+    /// The membership epoch: 0 at the round's start, one more at each change.
+    pub epoch: u64,
+    /// The members' ids (their ranks at the round's start); a member's new rank is its place.
+    pub members: Vec<usize>,
+    /// Why the membership changed, e.g. "rank 2 (pid 1234) killed by SIGKILL".
+    pub why: String,
+}
+
+impl MembershipRecord {
+    /// The store prefix of the process group of this membership, inside the round's.
+    pub fn group_prefix(&self, round_prefix: &str) -> String {
+        format!("{round_prefix}/m{}", self.epoch)
+    }
+
+    /// The record as JSON.
+    pub fn to_json(&self) -> Vec<u8> {
+        // Numbers and a string always serialize.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// A record read back from the store.
+    pub fn from_json(bytes: &[u8]) -> Result<MembershipRecord, String> {
+        serde_json::from_slice(bytes)
+            .map_err(|error| format!("is not a membership record: {error}"))
+    }
+}
+
 /// A worker's fatal error as it records it in its error file:
 /// `{"rank":R,"message":"...","timestamp":SECONDS}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

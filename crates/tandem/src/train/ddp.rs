@@ -34,8 +34,14 @@ pub struct WorkerPlacement {
     pub master_port: u16,
     /// Whether the launcher hosts the store (else rank 0 does).
     pub store_hosted: bool,
-    /// Namespace of this attempt's keys in the store (one per restart round).
+    /// Namespace of this attempt's keys in the store (one per restart round, and one per
+    /// membership within a round with `--keep-survivors`).
     pub key_prefix: String,
+    /// The namespace of the round, which a membership change keeps.
+    pub round_prefix: String,
+    /// This worker's lasting id: its rank at the round's start, which a membership change
+    /// keeps; its heartbeat and status go by it.
+    pub worker_id: usize,
 }
 
 /// Gradient buckets: the first small, so communication starts early, then equal ones.
@@ -102,8 +108,8 @@ impl Ddp {
             .map(|client| {
                 Heartbeat::start(
                     client,
-                    &placement.key_prefix,
-                    placement.rank,
+                    &placement.round_prefix,
+                    placement.worker_id,
                     HEARTBEAT_INTERVAL,
                 )
             })
@@ -238,7 +244,12 @@ impl Ddp {
 
     /// Gives every rank rank 0's bytes (a snapshot on resume).
     pub fn broadcast_bytes(&mut self, bytes: Vec<u8>) -> anyhow::Result<Vec<u8>> {
-        Ok(self.comm.broadcast_bytes(bytes, 0).wait()?)
+        self.broadcast_bytes_from(bytes, 0)
+    }
+
+    /// Gives every rank `root`'s bytes.
+    pub fn broadcast_bytes_from(&mut self, bytes: Vec<u8>, root: usize) -> anyhow::Result<Vec<u8>> {
+        Ok(self.comm.broadcast_bytes(bytes, root).wait()?)
     }
 
     /// Publishes `record` as this rank's under `name` in the job's store and returns every
@@ -509,6 +520,8 @@ pub(crate) mod tests {
                             master_port: port,
                             store_hosted: false,
                             key_prefix: "ddp-test".into(),
+                            round_prefix: "ddp-test".into(),
+                            worker_id: rank,
                         };
                         let token = tandem_dist::JobToken::new("ddp-test-token").unwrap();
                         let ddp = Ddp::join(

@@ -97,6 +97,12 @@ pub trait GradientSync: Send {
         last: bool,
     ) -> anyhow::Result<()>;
 
+    /// After a failure within a step: undoes what the step changed before its update (the
+    /// running statistics its forwards moved), so that the step can be done again.
+    fn abandon_step(&mut self, _device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
+        Ok(())
+    }
+
     /// After the last backward, given this rank's micro-batch `losses`: the gradients
     /// averaged over the ranks. Returns the job's mean loss where the strategy agrees on it
     /// itself, else `None` (each rank's mean is then averaged).

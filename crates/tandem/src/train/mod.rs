@@ -14,6 +14,7 @@ pub mod lockstep;
 pub mod mirror;
 pub mod on_device;
 pub mod placement;
+pub mod reform;
 pub mod resume_settings;
 pub mod run_lock;
 pub mod sample_trace;
@@ -281,6 +282,11 @@ struct Trainer {
     resize_note: Option<String>,
     /// The per-step record of the samples trained, when `TANDEM_SAMPLE_TRACE` asks for it.
     sample_trace: Option<SampleTrace>,
+    /// This worker's membership when survivors re-form the job (`--keep-survivors`).
+    membership: Option<reform::Membership>,
+    /// A failure of the group after this worker's step was applied, which re-forms the job
+    /// before the next step.
+    pending_failure: Option<anyhow::Error>,
 }
 
 impl Trainer {
@@ -323,6 +329,8 @@ impl Trainer {
         let (sampler, shards, steps_per_epoch) =
             epoch_sampling(&settings, train_set.len(), world_size, rank)?;
         check_shards_sync_bn(shards.as_ref(), device, &settings)?;
+        let on_cpu = matches!(device, Device::Cpu { .. });
+        let membership = reform::membership_of(placement.as_ref(), shards.is_some(), on_cpu)?;
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
         let optimizer = build_optimizer(&settings, schedule.lr_at(0));
         let normalize = normalization(&settings.data);
@@ -374,6 +382,8 @@ impl Trainer {
             initial_weights,
             resize_note: None,
             sample_trace: SampleTrace::from_env()?,
+            membership,
+            pending_failure: None,
         };
         let resumed = trainer.resume_if_possible()?;
         if trainer.is_leader() {
@@ -672,18 +682,25 @@ impl Trainer {
             say!("--epochs is 0: nothing to train");
         }
         if self.is_leader() && self.progress.epoch < self.settings.epochs {
-            let mut events = EventWriter::create(&self.settings.output_dir, &host_name())?;
-            // What earlier sessions logged past the snapshot is trained again from here.
-            events.add_session_start(self.progress.global_step + 1)?;
-            events.flush()?;
-            self.events = Some(events);
+            self.open_events()?;
         }
         while self.progress.epoch < self.settings.epochs {
-            if let EpochEnd::Stopped(end) = self.run_epoch()? {
-                return Ok(end);
+            match self.run_epoch()? {
+                EpochEnd::Stopped(end) => return Ok(end),
+                EpochEnd::Completed | EpochEnd::Reformed => {}
             }
         }
         Ok(RunEnd::Finished)
+    }
+
+    /// Opens the run's TensorBoard events (rank 0), marking where this session starts.
+    fn open_events(&mut self) -> anyhow::Result<()> {
+        let mut events = EventWriter::create(&self.settings.output_dir, &host_name())?;
+        // What earlier sessions logged past the snapshot is trained again from here.
+        events.add_session_start(self.progress.global_step + 1)?;
+        events.flush()?;
+        self.events = Some(events);
+        Ok(())
     }
 
     /// Removes what killed writers left in the folders this run writes to (see
@@ -733,8 +750,19 @@ impl Trainer {
         let mut lr = self.schedule.lr_at(self.progress.global_step);
         while let Some(micro_batches) = self.next_step(&mut batches, steps_in_epoch)? {
             lr = self.schedule.lr_at(self.progress.global_step);
+            if let Some(error) = self.pending_failure.take() {
+                self.reform(error)?;
+                return Ok(EpochEnd::Reformed);
+            }
             let step_started = Instant::now();
-            let outcome = self.train_step(&micro_batches, lr)?;
+            let outcome = match self.train_step(&micro_batches, lr) {
+                Ok(outcome) => outcome,
+                Err(error) if self.can_reform(&error) => {
+                    self.reform(error)?;
+                    return Ok(EpochEnd::Reformed);
+                }
+                Err(error) => return Err(error),
+            };
             let job_images = outcome.images * self.world_size();
             images_this_session += job_images;
             self.progress.epoch_loss_sum += outcome.mean_loss;
@@ -775,8 +803,10 @@ impl Trainer {
         if let Some(bar) = &bar {
             bar.finish();
         }
-        self.finish_epoch(steps_in_epoch, lr)?;
-        Ok(EpochEnd::Completed)
+        match self.finish_epoch(steps_in_epoch, lr)? {
+            true => Ok(EpochEnd::Completed),
+            false => Ok(EpochEnd::Reformed),
+        }
     }
 
     /// Counts a step's `images` (the job's) in `window`, and every `--log-every-steps` steps
@@ -958,14 +988,17 @@ impl Trainer {
             request,
             self.progress.step_in_epoch,
         )?;
-        let (mean_loss, stop) = self.over_the_ranks(local)?;
-        let place = self.rank_in_world();
-        if let Some(trace) = self.sample_trace.as_mut() {
-            let indices: Vec<usize> = micro_batches
-                .iter()
-                .flat_map(|batch| batch.indices().iter().copied())
-                .collect();
-            trace.record(epoch, self.progress.step_in_epoch, place, &indices)?;
+        let (mean_loss, stop) = match self.over_the_ranks(local) {
+            Ok(agreed) => agreed,
+            // The step is applied here: the job re-forms before the next one.
+            Err(error) if local.agreed && self.can_reform(&error) => {
+                self.pending_failure = Some(error);
+                (local.mean_loss, self.stop_requested.load(Ordering::Relaxed))
+            }
+            Err(error) => return Err(error),
+        };
+        if self.sample_trace.is_some() {
+            self.trace_step(micro_batches)?;
         }
         if !mean_loss.is_finite() {
             bail!(
@@ -979,6 +1012,27 @@ impl Trainer {
             images: micro_batches.iter().map(MicroBatch::len).sum(),
             stop,
         })
+    }
+
+    /// Records the samples of this step (`TANDEM_SAMPLE_TRACE`): this process's, and with
+    /// `--global-batch-size` the whole step's.
+    fn trace_step(&mut self, micro_batches: &[MicroBatch]) -> anyhow::Result<()> {
+        let (epoch, step) = (self.progress.epoch, self.progress.step_in_epoch);
+        let place = self.rank_in_world();
+        let indices: Vec<usize> = micro_batches
+            .iter()
+            .flat_map(|batch| batch.indices().iter().copied())
+            .collect();
+        let step_indices = self.shards.map(|plan| {
+            let everyone = plan.worker_indices(&self.sampler.indices(epoch), 1, 0);
+            let start = (step as usize * plan.global_batch).min(everyone.len());
+            let end = (start + plan.global_batch).min(everyone.len());
+            everyone[start..end].to_vec()
+        });
+        match self.sample_trace.as_mut() {
+            Some(trace) => trace.record(epoch, step, place, &indices, step_indices.as_deref()),
+            None => Ok(()),
+        }
     }
 
     /// The step's loss and whether to stop, as the job's: the mean of the ranks' losses
@@ -1014,12 +1068,8 @@ impl Trainer {
         Ok((mean_loss, sums[1] > 0.0))
     }
 
-    /// Evaluates, records and prints the epoch, and writes checkpoint and snapshot.
-    fn finish_epoch(&mut self, steps_in_epoch: u64, lr: f64) -> anyhow::Result<()> {
-        let epoch_number = self.progress.epoch + 1;
-        let train_loss = self.progress.epoch_loss_sum / steps_in_epoch.max(1) as f64;
-        let (world_size, rank) = self.rank_in_world();
-        let test_indices: Vec<usize> = eval_shard(self.test_set.len(), world_size, rank).collect();
+    /// This rank's share of the test set evaluated, summed over the ranks.
+    fn evaluate_over_the_ranks(&mut self, test_indices: Vec<usize>) -> anyhow::Result<Evaluation> {
         let mut evaluation = evaluate(
             &mut *self.compute,
             &self.test_set,
@@ -1034,6 +1084,25 @@ impl Trainer {
             ddp.sum_f64(&mut sums)?;
             evaluation = Evaluation::from_sums(evaluation.classes, &sums);
         }
+        Ok(evaluation)
+    }
+
+    /// Evaluates, records and prints the epoch, and writes checkpoint and snapshot; returns
+    /// `false` when a lost worker stopped the evaluation and the survivors re-formed the
+    /// job instead (the epoch is finished again after it).
+    fn finish_epoch(&mut self, steps_in_epoch: u64, lr: f64) -> anyhow::Result<bool> {
+        let epoch_number = self.progress.epoch + 1;
+        let train_loss = self.progress.epoch_loss_sum / steps_in_epoch.max(1) as f64;
+        let (world_size, rank) = self.rank_in_world();
+        let test_indices: Vec<usize> = eval_shard(self.test_set.len(), world_size, rank).collect();
+        let evaluation = match self.evaluate_over_the_ranks(test_indices) {
+            Ok(evaluation) => evaluation,
+            Err(error) if self.can_reform(&error) => {
+                self.reform(error)?;
+                return Ok(false);
+            }
+            Err(error) => return Err(error),
+        };
         let epoch_seconds = self.progress.epoch_seconds;
         // With shards the job visits the data set once; per process each rank visits its share.
         let images = match self.shards {
@@ -1059,14 +1128,22 @@ impl Trainer {
             ..Progress::default()
         };
         let own_rate = images / world_size as f64 / epoch_seconds.max(1e-9);
-        let rates = self.gather_per_rank(own_rate)?;
+        let rates = match self.gather_per_rank(own_rate) {
+            Ok(rates) => rates,
+            // The epoch is done here: the job re-forms before the next step.
+            Err(error) if self.can_reform(&error) => {
+                self.pending_failure = Some(error);
+                vec![own_rate]
+            }
+            Err(error) => return Err(error),
+        };
         if !self.is_leader() {
             say!(
                 "epoch: {} | loss: {:.4} | {own_rate:.1} img/s on rank {rank}",
                 record.epoch,
                 record.train_loss
             );
-            return Ok(());
+            return Ok(true);
         }
         say!(
             "train | epoch: {} | loss: {:.4}",
@@ -1096,7 +1173,8 @@ impl Trainer {
         self.save_snapshot()?;
         // After the snapshot: an epoch's scalars are in the event file only once a snapshot
         // holds the epoch, so a resumed run never writes them a second time.
-        self.log_epoch_scalars(&record)
+        self.log_epoch_scalars(&record)?;
+        Ok(true)
     }
 
     /// The epoch's figures as TensorBoard scalars at step `epoch` (rank 0).
@@ -1467,6 +1545,9 @@ const FIRST_BUCKET_BYTES: usize = 1_000_000;
 #[derive(PartialEq, Eq)]
 enum EpochEnd {
     Completed,
+    /// A worker was lost and the survivors re-formed the job: the epoch goes on from the
+    /// progress they agreed on.
+    Reformed,
     /// The run ends within the epoch.
     Stopped(RunEnd),
 }

@@ -73,7 +73,9 @@ pub fn find_placement_of(
         master_addr,
         master_port,
         store_hosted: env(STORE_HOSTED_ENV).is_some_and(|value| value == "1"),
+        round_prefix: key_prefix.clone(),
         key_prefix,
+        worker_id: rank,
     }))
 }
 

@@ -5,7 +5,9 @@
 //! to `FOLDER/samples-<pid>.jsonl`: `{"epoch":0,"step":3,"world_size":2,"rank":1,
 //! "indices":[...]}`, the dataset indices of its micro-batches in order. A step that a
 //! resumed run takes again appears again; the last record of an (epoch, step, rank) is the
-//! one that counts.
+//! one that counts. With `--global-batch-size` each record also holds `step_indices`, the
+//! whole step's samples, the same on every process: a step that a process helped commit
+//! but did not live to record is still in the others' records.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -25,6 +27,8 @@ struct StepSamples<'a> {
     world_size: usize,
     rank: usize,
     indices: &'a [usize],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    step_indices: Option<&'a [usize]>,
 }
 
 /// This process's record file, when `TANDEM_SAMPLE_TRACE` asks for one.
@@ -49,13 +53,15 @@ impl SampleTrace {
     }
 
     /// Appends the record of step `step` of epoch `epoch`: `indices`, trained by `rank` of
-    /// `world_size` processes.
+    /// `world_size` processes, and the whole step's `step_indices` where every process knows
+    /// them.
     pub fn record(
         &mut self,
         epoch: u64,
         step: u64,
         (world_size, rank): (usize, usize),
         indices: &[usize],
+        step_indices: Option<&[usize]>,
     ) -> anyhow::Result<()> {
         let line = serde_json::to_string(&StepSamples {
             epoch,
@@ -63,6 +69,7 @@ impl SampleTrace {
             world_size,
             rank,
             indices,
+            step_indices,
         })?;
         writeln!(self.file, "{line}")
             .with_context(|| format!("cannot write the sample record {}", self.path.display()))

@@ -66,6 +66,8 @@ pub struct ShardSync {
     statistics_len: usize,
     /// The shards' replicas with SyncBatchNorm over the global batch; `None` without.
     lockstep: Option<Lockstep>,
+    /// Whether a step began and has not finished.
+    in_step: bool,
 }
 
 impl ShardSync {
@@ -94,6 +96,7 @@ impl ShardSync {
             buffers_before: (Vec::new(), 0),
             statistics_len,
             lockstep: None,
+            in_step: false,
         })
     }
 
@@ -310,7 +313,21 @@ impl GradientSync for ShardSync {
         let model = device.host_model()?;
         self.buffers_before = (model.buffers().to_vec(), model.num_batches_tracked());
         self.shard_statistics.clear();
+        self.in_step = true;
         Ok(())
+    }
+
+    fn abandon_step(&mut self, device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
+        if !self.in_step {
+            return Ok(());
+        }
+        self.in_step = false;
+        let (buffers, batches) = &self.buffers_before;
+        update_host(device, |model| -> anyhow::Result<()> {
+            model.buffers_mut().copy_from_slice(buffers);
+            model.set_num_batches_tracked(*batches);
+            Ok(())
+        })
     }
 
     fn loss_scale(&self, _count: usize) -> f32 {
@@ -398,6 +415,7 @@ impl GradientSync for ShardSync {
         let loss_sum: f64 = records.chunks(record_len).map(|record| record[0]).sum();
         let loss = Some(loss_sum / total_shards.max(1) as f64);
         if self.lockstep.is_some() {
+            self.in_step = false;
             return Ok(loss);
         }
         let (buffers, batches) = &self.buffers_before;
@@ -411,6 +429,7 @@ impl GradientSync for ShardSync {
             }
             Ok(())
         })?;
+        self.in_step = false;
         Ok(loss)
     }
 }

@@ -1,0 +1,218 @@
+//! Re-forming the job in-process when a worker is lost (`tandem launch --keep-survivors`).
+//!
+//! A survivor's step fails when a peer dies (its sockets close) or is killed by the launcher
+//! for a silent heartbeat. The survivor then abandons the step (nothing of it is applied),
+//! waits for the membership the launcher publishes, joins a new process group among the
+//! members (a store namespace of its own per membership epoch, so that a stale member's keys
+//! never meet the new group's), and takes the training state of the member that got
+//! furthest: a ring may finish a step on some ranks and fail it on others, so the members
+//! agree on the most advanced one's weights, optimizer state, BN buffers and progress,
+//! broadcast as a snapshot in memory. Steps of `--global-batch-size` do not depend on the
+//! number of workers, so the run goes on with the same bits, without a restart and without
+//! reading anything from disk.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tandem_dist::cluster::contract::{membership_key, MembershipRecord, KEEP_SURVIVORS_ENV};
+use tandem_dist::{DistError, JobToken, StoreClient};
+use tandem_models::training_device::update_host;
+
+use super::ddp::WorkerPlacement;
+use super::gradient_sync::Alone;
+use super::resume_settings::fingerprint;
+use super::snapshot::Snapshot;
+use super::{gradient_sync_of, join_the_job, Trainer, MISSING_TOKEN};
+use crate::exit::SettingsError;
+
+/// How often a survivor looks for the new membership.
+const MEMBERSHIP_POLL: Duration = Duration::from_millis(10);
+
+/// This worker's place in the membership of its round.
+#[derive(Debug, Clone)]
+pub struct Membership {
+    /// The membership epoch it trains in.
+    pub epoch: u64,
+    /// Its place at the round's start, from which each membership's place is derived.
+    pub start: WorkerPlacement,
+}
+
+/// The membership of a worker that `tandem launch --keep-survivors` started, `None` for any
+/// other; a settings error where the run cannot be re-formed (per-process batches, a GPU).
+pub fn membership_of(
+    placement: Option<&WorkerPlacement>,
+    global_batch: bool,
+    on_cpu: bool,
+) -> anyhow::Result<Option<Membership>> {
+    let asked = std::env::var(KEEP_SURVIVORS_ENV).is_ok_and(|value| value == "1");
+    let Some(placement) = placement.filter(|_| asked) else {
+        return Ok(None);
+    };
+    if !global_batch {
+        return Err(SettingsError::from_error(anyhow::anyhow!(
+            "tandem launch --keep-survivors needs train --global-batch-size: the survivors \
+             redo a step on fewer workers, which only steps of a global batch allow unchanged"
+        )));
+    }
+    if !on_cpu {
+        return Err(SettingsError::from_error(anyhow::anyhow!(
+            "tandem launch --keep-survivors re-forms CPU jobs for now (--device cpu); on GPUs, \
+             leave it out: a lost worker then restarts every worker from the snapshot"
+        )));
+    }
+    Ok(Some(Membership {
+        epoch: 0,
+        start: placement.clone(),
+    }))
+}
+
+impl Trainer {
+    /// Whether `error`, a failed step's, is one the survivors re-form the job after: a
+    /// failure of the process group, in a job started with `--keep-survivors`.
+    pub(super) fn can_reform(&self, error: &anyhow::Error) -> bool {
+        self.membership.is_some()
+            && error
+                .chain()
+                .any(|cause| cause.downcast_ref::<DistError>().is_some())
+    }
+
+    /// After `error` ended a step: abandons it, joins the job's next membership and takes the
+    /// most advanced member's state. Fails when this worker was left out, or no membership
+    /// comes within the collective timeout.
+    pub(super) fn reform(&mut self, error: anyhow::Error) -> anyhow::Result<()> {
+        let started = Instant::now();
+        let membership = self
+            .membership
+            .clone()
+            .context("no membership to re-form")?;
+        let (old_world, old_rank) = self.rank_in_world();
+        self.sync.abandon_step(&mut *self.compute)?;
+        tell!("rank {old_rank}: the step failed ({error:#}); waiting for the job's new membership");
+        // Leaves the old group: its comm thread and sockets end here.
+        self.sync = Box::new(Alone);
+        let timeout = Duration::from_secs_f64(self.settings.collective_timeout);
+        let record = wait_for_membership(&membership, timeout)?;
+        let start = &membership.start;
+        let Some(rank) = record.members.iter().position(|&id| id == start.worker_id) else {
+            bail!(
+                "this worker (rank {} at the round's start) was left out of the job at \
+                 membership {}: {}",
+                start.worker_id,
+                record.epoch,
+                record.why
+            );
+        };
+        let place = WorkerPlacement {
+            rank,
+            world_size: record.members.len(),
+            local_world_size: record.members.len(),
+            key_prefix: record.group_prefix(&start.round_prefix),
+            ..start.clone()
+        };
+        let ddp = join_the_job(&place, &self.settings, self.compute.param_count())?;
+        self.sync = gradient_sync_of(self.shards, Some(ddp), &mut *self.compute, &self.settings)?;
+        self.membership = Some(Membership {
+            epoch: record.epoch,
+            ..membership
+        });
+        self.take_the_most_advanced_state()?;
+        let change = self.adopt_world_size(None);
+        self.take_up_leadership(old_rank)?;
+        if self.is_leader() {
+            say!(
+                "membership {}: {}; world size {old_world} -> {} at epoch {}, step {}, re-formed \
+                 in {:.2} s without a restart{}",
+                record.epoch,
+                record.why,
+                record.members.len(),
+                self.progress.epoch + 1,
+                self.progress.step_in_epoch,
+                started.elapsed().as_secs_f64(),
+                change.map_or(String::new(), |line| format!(" ({line})"))
+            );
+        }
+        Ok(())
+    }
+
+    /// Gives every member the state of the one that finished the most steps (the lowest rank
+    /// among those), as a snapshot in memory.
+    fn take_the_most_advanced_state(&mut self) -> anyhow::Result<()> {
+        let ddp = self.sync.group().context("no group after re-forming")?;
+        let rank = ddp.rank();
+        let steps = ddp.all_gather_f64(vec![self.progress.global_step as f64])?;
+        let most = steps.iter().copied().fold(0.0, f64::max);
+        let source = steps.iter().position(|&steps| steps == most).unwrap_or(0);
+        let bytes = match rank == source {
+            true => {
+                let optimizer = self.compute.optimizer_state()?;
+                Snapshot::capture(
+                    self.compute.host_model()?,
+                    optimizer,
+                    self.progress.clone(),
+                    self.history.clone(),
+                    fingerprint(&self.settings),
+                )
+                .to_bytes()?
+            }
+            false => Vec::new(),
+        };
+        let ddp = self.sync.group_mut().context("no group after re-forming")?;
+        let shared = ddp.broadcast_bytes_from(bytes, source)?;
+        if rank == source {
+            return Ok(());
+        }
+        let snapshot = Snapshot::from_bytes(&shared)
+            .context("the state that the most advanced member sent")?;
+        update_host(&mut *self.compute, |model| snapshot.restore_model(model))?;
+        self.compute.load_optimizer_state(&snapshot.optimizer)?;
+        self.progress = snapshot.progress;
+        self.history = snapshot.history;
+        Ok(())
+    }
+
+    /// When this worker became rank 0 by the change (the old rank 0 was lost), takes up what
+    /// rank 0 alone does: the output folder's lock and the TensorBoard events.
+    fn take_up_leadership(&mut self, old_rank: usize) -> anyhow::Result<()> {
+        if !self.is_leader() || old_rank == 0 {
+            return Ok(());
+        }
+        self._lock = Some(super::RunLock::acquire(&self.settings.output_dir)?);
+        self.open_events()?;
+        Ok(())
+    }
+}
+
+/// Waits, at most `timeout`, for a membership of a later epoch than `membership`'s.
+fn wait_for_membership(
+    membership: &Membership,
+    timeout: Duration,
+) -> anyhow::Result<MembershipRecord> {
+    let start = &membership.start;
+    let token = JobToken::from_env()?.context(MISSING_TOKEN)?;
+    let addr = format!("{}:{}", start.master_addr, start.master_port);
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(&addr)
+        .with_context(|| format!("the job's store at {addr}"))?
+        .next()
+        .with_context(|| format!("the job's store at {addr} has no address"))?;
+    let client = StoreClient::connect(addr, &token, timeout)
+        .with_context(|| format!("reach the job's store at {addr} for the new membership"))?;
+    let key = membership_key(&start.round_prefix);
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(bytes) = client.get(&key)? {
+            let record = MembershipRecord::from_json(&bytes)
+                .map_err(|why| anyhow::anyhow!("the job's membership {why}"))?;
+            if record.epoch > membership.epoch {
+                return Ok(record);
+            }
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "no new membership came within {:.0} s (the collective timeout) after the step \
+                 failed",
+                timeout.as_secs_f64()
+            );
+        }
+        std::thread::sleep(MEMBERSHIP_POLL);
+    }
+}
