@@ -3,7 +3,8 @@
 //!
 //! With `TANDEM_SAMPLE_TRACE=FOLDER`, every process appends one JSON line per optimizer step
 //! to `FOLDER/samples-<pid>.jsonl`: `{"epoch":0,"step":3,"world_size":2,"rank":1,
-//! "indices":[...]}`, the dataset indices of its micro-batches in order. A step that a
+//! "indices":[...],"time":...}`, the dataset indices of its micro-batches in order and when
+//! the step was committed (seconds since the Unix epoch). A step that a
 //! resumed run takes again appears again; the last record of an (epoch, step, rank) is the
 //! one that counts. With `--global-batch-size` each record also holds `step_indices`, the
 //! whole step's samples, the same on every process: a step that a process helped commit
@@ -29,6 +30,8 @@ struct StepSamples<'a> {
     indices: &'a [usize],
     #[serde(skip_serializing_if = "Option::is_none")]
     step_indices: Option<&'a [usize]>,
+    /// When the step was committed, in seconds since the Unix epoch.
+    time: f64,
 }
 
 /// This process's record file, when `TANDEM_SAMPLE_TRACE` asks for one.
@@ -70,6 +73,9 @@ impl SampleTrace {
             rank,
             indices,
             step_indices,
+            time: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |since| since.as_secs_f64()),
         })?;
         writeln!(self.file, "{line}")
             .with_context(|| format!("cannot write the sample record {}", self.path.display()))
