@@ -308,9 +308,9 @@ fn run_round(
     round: &Round,
 ) -> anyhow::Result<Result<RoundOutcome, JobEnd>> {
     let (topology, number) = (&plan.topology, round.number);
-    let workers = start_workers(plan, store, round)?;
+    let mut workers = start_workers(plan, store, round)?;
     let mut heartbeats = Heartbeats::new(topology.nnodes, plan.heartbeat_timeout);
-    let watched = watch_round(plan, store, round, &workers, &mut heartbeats);
+    let watched = watch_round(plan, store, round, &mut workers, &mut heartbeats);
     // Workers left out by a membership change are no part of the round's outcome.
     let dropped = watched.as_ref().map_or(Vec::new(), Clone::clone);
     let mut workers: Vec<Worker> = workers
@@ -670,13 +670,7 @@ fn start_workers(
     let (group_rank, first_rank) = round
         .place_of(topology.node_rank)
         .context("this node is not a member of the round it starts")?;
-    let job = JobEnv {
-        master_addr: store.master_addr.clone(),
-        master_port: store.master_port,
-        token: plan.token.expose_secret(),
-        restart_count: round.number,
-        keep_survivors: plan.keep_survivors,
-    };
+    let job = job_env(plan, store, round, false);
     let mut workers = Vec::with_capacity(topology.nproc_per_node);
     for local_rank in 0..topology.nproc_per_node {
         let place = WorkerPlace {
@@ -712,6 +706,19 @@ fn start_workers(
 }
 
 /// Starts one worker: a fresh error file path, a round header in its log, its environment.
+/// The job-wide environment of the workers of `round`; `joiner` for one started in place of a
+/// lost worker.
+fn job_env(plan: &LaunchPlan, store: &AgentStore, round: &Round, joiner: bool) -> JobEnv {
+    JobEnv {
+        master_addr: store.master_addr.clone(),
+        master_port: store.master_port,
+        token: plan.token.expose_secret(),
+        restart_count: round.number,
+        keep_survivors: plan.keep_survivors,
+        joiner,
+    }
+}
+
 fn start_worker(
     plan: &LaunchPlan,
     round: &Round,
@@ -777,12 +784,12 @@ fn watch_round(
     plan: &LaunchPlan,
     store: &AgentStore,
     round: &Round,
-    workers: &[Worker],
+    workers: &mut Vec<Worker>,
     heartbeats: &mut Heartbeats,
 ) -> anyhow::Result<Vec<usize>> {
     let mut duties = StoreDuties::new(plan.topology.node_rank, round);
     let mut beats = WorkerBeats::new(round.number, workers.len(), plan.heartbeat_timeout);
-    let mut membership = Membership::new(round.number, workers.len());
+    let mut membership = Membership::new(round.number, workers);
     let mut stopping: Option<Stopping> = None;
     loop {
         if stopping.is_none() {
@@ -795,10 +802,18 @@ fn watch_round(
             .map(|worker| worker.end().map(|(end, _)| end))
             .collect();
         if plan.keep_survivors && stopping.is_none() {
-            if let Err(error) = membership.drop_the_lost(store, workers, &ends) {
+            let changed = membership
+                .drop_the_lost(store, workers, &ends)
+                .and_then(|lost| membership.replace(plan, store, round, workers, &lost))
+                .and_then(|started| {
+                    beats.beats.grow(started);
+                    membership.admit_joiners(store, workers)
+                });
+            if let Err(error) = changed {
                 duties.store_error.get_or_insert(error);
             }
         }
+        let workers: &[Worker] = workers;
         let failures: Vec<&WorkerEnd> = ends
             .iter()
             .enumerate()
@@ -841,66 +856,151 @@ fn watch_round(
     }
 }
 
-/// The workers of a round that go on without the lost ones (`--keep-survivors`).
+/// The workers of a round that go on without the lost ones (`--keep-survivors`), and those
+/// started in their place (`--replace-lost`).
 struct Membership {
     round: u32,
     epoch: u64,
+    /// The members' ids (their ranks at the round's start), in the order of their ranks.
+    members: Vec<usize>,
     /// Per worker: whether it was lost and left out of the job.
     dropped: Vec<bool>,
+    /// Workers started in place of lost ones that are not members yet.
+    joining: Vec<usize>,
+    /// Workers started in place of lost ones in this round.
+    replaced: u32,
 }
 
 impl Membership {
-    fn new(round: u32, workers: usize) -> Membership {
+    fn new(round: u32, workers: &[Worker]) -> Membership {
         Membership {
             round,
             epoch: 0,
-            dropped: vec![false; workers],
+            members: workers.iter().map(|worker| worker.place.rank).collect(),
+            dropped: vec![false; workers.len()],
+            joining: Vec::new(),
+            replaced: 0,
         }
     }
 
     /// When workers failed while others still run, leaves them out and publishes the
-    /// survivors as the job's next membership.
+    /// members left as the job's next membership; returns the indices of the lost.
     fn drop_the_lost(
         &mut self,
         store: &AgentStore,
         workers: &[Worker],
         ends: &[Option<WorkerEnd>],
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<Vec<usize>> {
         let lost: Vec<usize> = (0..workers.len())
             .filter(|&index| !self.dropped[index])
             .filter(|&index| ends[index].as_ref().is_some_and(WorkerEnd::is_failure))
             .collect();
-        let survivors: Vec<usize> = (0..workers.len())
+        let survivors = (0..workers.len())
             .filter(|&index| !self.dropped[index] && ends[index].is_none())
-            .collect();
-        if lost.is_empty() || survivors.is_empty() {
-            return Ok(());
+            .count();
+        if lost.is_empty() || survivors == 0 {
+            return Ok(Vec::new());
         }
-        let why: Vec<String> = lost
-            .iter()
-            .filter_map(|&index| {
-                let end = ends[index].as_ref()?;
-                let worker = &workers[index];
-                Some(format!(
+        let mut why = Vec::new();
+        for &index in &lost {
+            self.dropped[index] = true;
+            self.joining.retain(|&joining| joining != index);
+            let worker = &workers[index];
+            if let Some(end) = &ends[index] {
+                why.push(format!(
                     "rank {} (pid {}) {}",
                     worker.place.rank,
                     worker.pid(),
                     end.describe()
-                ))
-            })
-            .collect();
-        let before = self.dropped.iter().filter(|dropped| !**dropped).count();
-        for &index in &lost {
-            self.dropped[index] = true;
+                ));
+            }
         }
+        let before = self.members.len();
+        let lost_ids: Vec<usize> = lost
+            .iter()
+            .map(|&index| workers[index].place.rank)
+            .collect();
+        self.members.retain(|id| !lost_ids.contains(id));
+        if self.members.len() < before {
+            self.publish(store, why.join("; "), before)?;
+        }
+        Ok(lost)
+    }
+
+    /// Starts a worker in place of each of the `lost` (`--replace-lost`, at most
+    /// `--max-restarts` per round); returns how many it started.
+    fn replace(
+        &mut self,
+        plan: &LaunchPlan,
+        store: &AgentStore,
+        round: &Round,
+        workers: &mut Vec<Worker>,
+        lost: &[usize],
+    ) -> anyhow::Result<usize> {
+        if !plan.replace_lost {
+            return Ok(0);
+        }
+        let job = job_env(plan, store, round, true);
+        let mut started = 0;
+        for &index in lost {
+            if self.replaced >= plan.max_restarts {
+                say(&format!(
+                    "rank {} is not replaced: {} worker(s) were replaced in this round \
+                     (--max-restarts {})",
+                    workers[index].place.rank, self.replaced, plan.max_restarts
+                ));
+                continue;
+            }
+            self.replaced += 1;
+            let worker = start_worker(plan, round, &job, workers[index].place.clone())?;
+            say(&format!(
+                "rank {} (pid {}) started in place of the lost one: it joins at a step boundary",
+                worker.place.rank,
+                worker.pid()
+            ));
+            workers.push(worker);
+            self.dropped.push(false);
+            self.joining.push(workers.len() - 1);
+            started += 1;
+        }
+        Ok(started)
+    }
+
+    /// Lets in the joiners that said they are ready: publishes the members with them.
+    fn admit_joiners(&mut self, store: &AgentStore, workers: &[Worker]) -> anyhow::Result<()> {
+        let mut admitted = Vec::new();
+        for &index in &self.joining {
+            let worker = &workers[index];
+            if store.joiner_ready(self.round, worker.place.rank)? {
+                admitted.push(index);
+            }
+        }
+        if admitted.is_empty() {
+            return Ok(());
+        }
+        let before = self.members.len();
+        let mut why = Vec::new();
+        for &index in &admitted {
+            let worker = &workers[index];
+            self.members.push(worker.place.rank);
+            why.push(format!(
+                "rank {} (pid {}) joins",
+                worker.place.rank,
+                worker.pid()
+            ));
+        }
+        self.members.sort_unstable();
+        self.joining.retain(|index| !admitted.contains(index));
+        self.publish(store, why.join("; "), before)
+    }
+
+    /// Publishes the members as the next membership epoch, saying why.
+    fn publish(&mut self, store: &AgentStore, why: String, before: usize) -> anyhow::Result<()> {
         self.epoch += 1;
         let record = MembershipRecord {
             epoch: self.epoch,
-            members: survivors
-                .iter()
-                .map(|&index| workers[index].place.rank)
-                .collect(),
-            why: why.join("; "),
+            members: self.members.clone(),
+            why,
         };
         store.publish_membership(self.round, &record)?;
         say(&format!(
@@ -928,6 +1028,9 @@ impl Membership {
 struct WorkerBeats {
     round: u32,
     beats: Heartbeats,
+    /// Per worker: its counter when first read, which a worker started in place of a lost
+    /// one (the same counter) must move from before it counts as beating.
+    baselines: Vec<Option<i64>>,
     last_check: Instant,
 }
 
@@ -936,6 +1039,7 @@ impl WorkerBeats {
         WorkerBeats {
             round,
             beats: Heartbeats::new(workers, timeout),
+            baselines: vec![None; workers],
             last_check: Instant::now(),
         }
     }
@@ -952,9 +1056,13 @@ impl WorkerBeats {
                 continue;
             }
             let beat = store.worker_heartbeat(self.round, worker.place.rank)?;
+            if self.baselines.len() <= index {
+                self.baselines.resize(index + 1, None);
+            }
+            let baseline = *self.baselines[index].get_or_insert(beat.max(0));
             // Before its first beat a worker is still starting, and after its last one it is
             // finishing: only its exit counts then.
-            if beat <= 0 || !self.beats.observe(index, beat) {
+            if beat <= baseline || !self.beats.observe(index, beat) {
                 continue;
             }
             let silence = self.beats.silence_of(index);

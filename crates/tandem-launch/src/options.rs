@@ -82,6 +82,11 @@ pub struct LaunchArgs {
     /// node), instead of every worker restarting from the snapshot.
     #[arg(long)]
     pub keep_survivors: bool,
+    /// With --keep-survivors: start a worker in place of each lost one (at most
+    /// --max-restarts per round); it joins the running job at a step boundary with a
+    /// peer's state, reading no snapshot.
+    #[arg(long, requires = "keep_survivors")]
+    pub replace_lost: bool,
     /// The worker command: a `tandem` subcommand (`train ...`) or any program with its arguments.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -261,6 +266,8 @@ pub struct LaunchPlan {
     pub tee: bool,
     /// Whether survivors of a lost worker re-form the job in-process.
     pub keep_survivors: bool,
+    /// Whether a lost worker is replaced by one that joins the running job.
+    pub replace_lost: bool,
 }
 
 impl LaunchPlan {
@@ -297,6 +304,7 @@ impl LaunchPlan {
             last_call: args.last_call,
             tee: args.tee,
             keep_survivors: args.keep_survivors,
+            replace_lost: args.replace_lost,
         })
     }
 }

@@ -143,6 +143,13 @@ impl Heartbeats {
         }
     }
 
+    /// Tracks `count` more, from now.
+    pub fn grow(&mut self, count: usize) {
+        let now = Instant::now();
+        self.last_seen
+            .extend(std::iter::repeat_n((i64::MIN, now), count));
+    }
+
     /// Records `beat` for `node`; returns whether the node is silent.
     pub fn observe(&mut self, node: usize, beat: i64) -> bool {
         let Some(last) = self.last_seen.get_mut(node) else {
@@ -516,6 +523,14 @@ impl AgentStore {
         let key = tandem_dist::cluster::contract::membership_key(&prefix);
         self.client.set(&key, &record.to_json())?;
         Ok(())
+    }
+
+    /// Whether the worker of id `worker_id` started in place of a lost one in round `round`
+    /// said it is ready to join; takes the word back so that it is read once.
+    pub fn joiner_ready(&self, round: u32, worker_id: usize) -> anyhow::Result<bool> {
+        let prefix = tandem_dist::cluster::contract::store_prefix(round);
+        let key = tandem_dist::cluster::contract::joiner_key(&prefix, worker_id);
+        Ok(self.client.delete(&key)?)
     }
 
     /// The heartbeat counter of the worker of global `rank` in round `round` (0 before its

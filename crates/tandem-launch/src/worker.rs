@@ -12,9 +12,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use tandem_dist::cluster::contract::{
-    self, ERROR_FILE_ENV, GROUP_RANK_ENV, JOB_TOKEN_ENV, KEEP_SURVIVORS_ENV, LOCAL_RANK_ENV,
-    LOCAL_WORLD_SIZE_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV, RANK_ENV, RESTART_COUNT_ENV,
-    STORE_HOSTED_ENV, STORE_PREFIX_ENV, WORLD_SIZE_ENV,
+    self, ERROR_FILE_ENV, GROUP_RANK_ENV, JOB_TOKEN_ENV, JOINER_ENV, KEEP_SURVIVORS_ENV,
+    LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV, RANK_ENV,
+    RESTART_COUNT_ENV, STORE_HOSTED_ENV, STORE_PREFIX_ENV, WORLD_SIZE_ENV,
 };
 
 use super::descriptors;
@@ -52,6 +52,8 @@ pub struct JobEnv {
     pub restart_count: u32,
     /// Whether the workers re-form the job in-process when one is lost.
     pub keep_survivors: bool,
+    /// Whether the worker starts in place of a lost one, to join the running job.
+    pub joiner: bool,
 }
 
 /// The environment variables a worker receives, in a fixed order.
@@ -70,13 +72,18 @@ pub fn worker_env(place: &WorkerPlace, job: &JobEnv, error_file: &Path) -> Vec<(
         (STORE_HOSTED_ENV, "1".to_string()),
         (ERROR_FILE_ENV, error_file.display().to_string()),
     ];
-    let keep_survivors = job
-        .keep_survivors
-        .then(|| (KEEP_SURVIVORS_ENV.to_string(), "1".to_string()));
+    let flags = [
+        (job.keep_survivors, KEEP_SURVIVORS_ENV),
+        (job.joiner, JOINER_ENV),
+    ];
+    let flags = flags
+        .into_iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, name)| (name.to_string(), "1".to_string()));
     pairs
         .into_iter()
         .map(|(name, value)| (name.to_string(), value))
-        .chain(keep_survivors)
+        .chain(flags)
         .collect()
 }
 
@@ -576,6 +583,7 @@ mod tests {
             token: "secret".into(),
             restart_count: 3,
             keep_survivors: false,
+            joiner: false,
         };
         let env = worker_env(&place, &job, Path::new("/runs/a/errors/rank_5.json"));
         let expected = [

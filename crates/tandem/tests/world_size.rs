@@ -494,3 +494,79 @@ fn assert_each_step_and_sample_once(trace: &Path, epochs: u64, steps: u64, sampl
         assert!(counts.values().all(|&count| count == 1), "epoch {epoch}");
     }
 }
+
+/// Waits until the launcher's stderr holds `text`.
+fn wait_for_line(launcher: &mut Launcher, text: &str) {
+    let deadline = std::time::Instant::now() + LIMIT;
+    while !launcher.stderr().contains(text) {
+        assert!(
+            !launcher.has_exited(),
+            "no {text:?} in:\n{}",
+            launcher.stderr()
+        );
+        assert!(std::time::Instant::now() < deadline, "no {text:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn lost_workers_replaced_by_joiners_leave_the_bits_of_the_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str| with_flag(run_args(&dir.path().join(name), ADAMW), "--epochs", "6");
+    train(4, &run("uninterrupted"));
+    let trace = dir.path().join("trace");
+    std::fs::create_dir(&trace).unwrap();
+    let joined = dir.path().join("joined");
+    let mut command = tandem();
+    command
+        .args(standalone_launch("4"))
+        .args(["--keep-survivors", "--replace-lost", "--max-restarts", "2"])
+        .arg("--")
+        .args(run("joined"))
+        .env("TANDEM_SAMPLE_TRACE", &trace);
+    let mut launcher = Launcher::spawn(command, dir.path(), "joined");
+    wait_for_step(&mut launcher, &trace, 10);
+    let survivors = [launcher.worker(0), launcher.worker(3)];
+    let first = launcher.worker(2);
+    // SAFETY: kill(2) of a child process id just read.
+    assert_eq!(
+        unsafe { libc::kill(first as libc::pid_t, libc::SIGKILL) },
+        0
+    );
+    wait_for_line(&mut launcher, "membership 2: rank 2 (pid ");
+    let replacement = launcher.worker(2);
+    assert_ne!(replacement, first);
+    let at_join = furthest_step(&trace, 20);
+    wait_for_step(&mut launcher, &trace, at_join + 5);
+    let second = launcher.worker(1);
+    // SAFETY: as above.
+    assert_eq!(
+        unsafe { libc::kill(second as libc::pid_t, libc::SIGSTOP) },
+        0
+    );
+    wait_for_line(&mut launcher, "membership 4: rank 1 (pid ");
+    assert_eq!([launcher.worker(0), launcher.worker(3)], survivors);
+    let status = launcher.wait(LIMIT);
+    let stderr = launcher.stderr();
+    assert!(status.success(), "{stderr}");
+    for line in [
+        format!("membership 1: rank 2 (pid {first}) killed by SIGKILL; ranks [0, 1, 3] go on"),
+        format!("membership 2: rank 2 (pid {replacement}) joins; ranks [0, 1, 2, 3] go on"),
+        format!("membership 3: rank 1 (pid {second}) sent no heartbeat for "),
+        "; ranks [0, 1, 2, 3] go on in-process (world size 3 -> 4)".to_string(),
+    ] {
+        assert_contains(&stderr, &line);
+    }
+    let joiner_log = std::fs::read_to_string(joined.join("logs/rank_2.log")).unwrap();
+    assert_contains(&joiner_log, "rank 2 joins the running job");
+    assert!(
+        !joiner_log.contains("resum"),
+        "a joiner reads no snapshot:\n{joiner_log}"
+    );
+    assert_same_bits(
+        &dir.path().join("uninterrupted"),
+        &joined,
+        "4 workers, two lost and replaced by joiners",
+    );
+    assert_each_step_and_sample_once(&trace, 6, 20, 2560);
+}

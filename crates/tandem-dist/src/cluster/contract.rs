@@ -57,6 +57,16 @@ pub fn store_prefix(restart_round: impl std::fmt::Display) -> String {
 /// up and re-form the job among themselves from the membership the launcher publishes.
 pub const KEEP_SURVIVORS_ENV: &str = "TANDEM_KEEP_SURVIVORS";
 
+/// Set to `1` by `tandem launch --replace-lost` for a worker started in place of a lost one:
+/// it reads no snapshot, and joins the running job at a step boundary with a peer's state.
+pub const JOINER_ENV: &str = "TANDEM_JOINER";
+
+/// The store key by which the joiner of id `worker_id` says it is ready to join the round
+/// whose keys start with `round_prefix`.
+pub fn joiner_key(round_prefix: &str, worker_id: usize) -> String {
+    format!("{round_prefix}/joining/{worker_id}")
+}
+
 /// The store key of the membership record of the round whose keys start with `round_prefix`.
 pub fn membership_key(round_prefix: &str) -> String {
     format!("{round_prefix}/membership")

@@ -304,21 +304,23 @@ impl Trainer {
         let (rank, world_size, local_world_size) = placement.as_ref().map_or((0, 1, 1), |place| {
             (place.rank, place.world_size, place.local_world_size)
         });
+        // A worker started in place of a lost one writes nothing until it is let in.
+        let writer = rank == 0 && !reform::started_as_joiner();
         let localized = localize(&given)?;
         let mut settings = localized.settings;
         let mut given = given;
-        let lock = (rank == 0)
+        let lock = writer
             .then(|| RunLock::acquire(&settings.output_dir))
             .transpose()?;
-        if settings.fresh && rank == 0 {
+        if settings.fresh && writer {
             start_fresh(&settings)?;
         }
         if settings.threads == 0 {
             settings.threads = (available_cores() / local_world_size.max(1)).max(1);
         }
         given.threads = settings.threads;
-        let mirror = match (localized.storage, rank) {
-            (Some(storage), 0) => start_mirror(storage, localized.places, &stop_requested)?,
+        let mirror = match (localized.storage, writer) {
+            (Some(storage), true) => start_mirror(storage, localized.places, &stop_requested)?,
             _ => None,
         };
         tandem_engine::set_threads(settings.threads);
@@ -330,12 +332,22 @@ impl Trainer {
             epoch_sampling(&settings, train_set.len(), world_size, rank)?;
         check_shards_sync_bn(shards.as_ref(), device, &settings)?;
         let on_cpu = matches!(device, Device::Cpu { .. });
-        let membership = reform::membership_of(placement.as_ref(), shards.is_some(), on_cpu)?;
+        let membership = reform::membership_of(
+            placement.as_ref(),
+            shards.is_some(),
+            on_cpu,
+            settings.collective_timeout,
+        )?;
+        let joiner = membership
+            .as_ref()
+            .is_some_and(|membership| membership.joiner);
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
         let optimizer = build_optimizer(&settings, schedule.lr_at(0));
         let normalize = normalization(&settings.data);
+        // A joiner joins the running job's group later, at a step boundary.
         let ddp = placement
             .as_ref()
+            .filter(|_| !joiner)
             .map(|place| join_the_job(place, &settings, model.params().len()))
             .transpose()?;
         let backend = crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
@@ -385,6 +397,10 @@ impl Trainer {
             membership,
             pending_failure: None,
         };
+        if joiner {
+            trainer.join_as_newcomer()?;
+            return Ok(trainer);
+        }
         let resumed = trainer.resume_if_possible()?;
         if trainer.is_leader() {
             trainer.announce_start(resumed);
@@ -752,6 +768,9 @@ impl Trainer {
             lr = self.schedule.lr_at(self.progress.global_step);
             if let Some(error) = self.pending_failure.take() {
                 self.reform(error)?;
+                return Ok(EpochEnd::Reformed);
+            }
+            if self.reform_at_step_boundary()? {
                 return Ok(EpochEnd::Reformed);
             }
             let step_started = Instant::now();

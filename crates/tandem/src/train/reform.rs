@@ -11,10 +11,13 @@
 //! number of workers, so the run goes on with the same bits, without a restart and without
 //! reading anything from disk.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use tandem_dist::cluster::contract::{membership_key, MembershipRecord, KEEP_SURVIVORS_ENV};
+use tandem_dist::cluster::contract::{
+    joiner_key, membership_key, MembershipRecord, JOINER_ENV, KEEP_SURVIVORS_ENV,
+};
 use tandem_dist::{DistError, JobToken, StoreClient};
 use tandem_models::training_device::update_host;
 
@@ -29,12 +32,21 @@ use crate::exit::SettingsError;
 const MEMBERSHIP_POLL: Duration = Duration::from_millis(10);
 
 /// This worker's place in the membership of its round.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Membership {
     /// The membership epoch it trains in.
     pub epoch: u64,
     /// Its place at the round's start, from which each membership's place is derived.
     pub start: WorkerPlacement,
+    /// Whether it was started in place of a lost worker, to join the running job.
+    pub joiner: bool,
+    /// Its connection to the job's store, to read the membership.
+    store: Arc<StoreClient>,
+}
+
+/// Whether `tandem launch --replace-lost` started this worker in place of a lost one.
+pub fn started_as_joiner() -> bool {
+    std::env::var(JOINER_ENV).is_ok_and(|value| value == "1")
 }
 
 /// The membership of a worker that `tandem launch --keep-survivors` started, `None` for any
@@ -43,6 +55,7 @@ pub fn membership_of(
     placement: Option<&WorkerPlacement>,
     global_batch: bool,
     on_cpu: bool,
+    collective_timeout: f64,
 ) -> anyhow::Result<Option<Membership>> {
     let asked = std::env::var(KEEP_SURVIVORS_ENV).is_ok_and(|value| value == "1");
     let Some(placement) = placement.filter(|_| asked) else {
@@ -60,9 +73,12 @@ pub fn membership_of(
              leave it out: a lost worker then restarts every worker from the snapshot"
         )));
     }
+    let timeout = Duration::from_secs_f64(collective_timeout);
     Ok(Some(Membership {
         epoch: 0,
         start: placement.clone(),
+        joiner: started_as_joiner(),
+        store: Arc::new(connect_to_store(placement, timeout)?),
     }))
 }
 
@@ -81,13 +97,52 @@ impl Trainer {
     /// comes within the collective timeout.
     pub(super) fn reform(&mut self, error: anyhow::Error) -> anyhow::Result<()> {
         let started = Instant::now();
+        let (_, rank) = self.rank_in_world();
+        self.sync.abandon_step(&mut *self.compute)?;
+        tell!("rank {rank}: the step failed ({error:#}); waiting for the job's new membership");
+        self.join_next_membership(started)
+    }
+
+    /// At a step boundary: when the launcher published a new membership (a worker joins),
+    /// leaves the group and joins the new one; returns whether it did.
+    pub(super) fn reform_at_step_boundary(&mut self) -> anyhow::Result<bool> {
+        let Some(membership) = &self.membership else {
+            return Ok(false);
+        };
+        let started = Instant::now();
+        match read_membership(&membership.store, &membership.start)? {
+            Some(record) if record.epoch > membership.epoch => {
+                self.join_next_membership(started)?;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// A worker started in place of a lost one: says it is ready, waits to be let in, and
+    /// takes a member's state (no snapshot is read).
+    pub(super) fn join_as_newcomer(&mut self) -> anyhow::Result<()> {
+        let mut membership = self.membership.clone().context("no membership to join")?;
+        // Only a membership published after the word that this worker is ready lets it in.
+        membership.epoch =
+            read_membership(&membership.store, &membership.start)?.map_or(0, |record| record.epoch);
+        let id = membership.start.worker_id;
+        let key = joiner_key(&membership.start.round_prefix, id);
+        membership.store.set(&key, b"ready")?;
+        self.membership = Some(membership);
+        tell!("rank {id} joins the running job: waiting to be let in at a step boundary");
+        self.join_next_membership(Instant::now())
+    }
+
+    /// Leaves the current group, waits for a membership later than this worker's, joins it
+    /// and takes the most advanced member's state.
+    fn join_next_membership(&mut self, started: Instant) -> anyhow::Result<()> {
         let membership = self
             .membership
             .clone()
             .context("no membership to re-form")?;
         let (old_world, old_rank) = self.rank_in_world();
-        self.sync.abandon_step(&mut *self.compute)?;
-        tell!("rank {old_rank}: the step failed ({error:#}); waiting for the job's new membership");
+        let was_leader = self.sync.group().is_some_and(|ddp| ddp.rank() == 0);
         // Leaves the old group: its comm thread and sockets end here.
         self.sync = Box::new(Alone);
         let timeout = Duration::from_secs_f64(self.settings.collective_timeout);
@@ -117,7 +172,9 @@ impl Trainer {
         });
         self.take_the_most_advanced_state()?;
         let change = self.adopt_world_size(None);
-        self.take_up_leadership(old_rank)?;
+        if self.is_leader() && !was_leader {
+            self.take_up_leadership(old_rank)?;
+        }
         if self.is_leader() {
             say!(
                 "membership {}: {}; world size {old_world} -> {} at epoch {}, step {}, re-formed \
@@ -170,16 +227,44 @@ impl Trainer {
         Ok(())
     }
 
-    /// When this worker became rank 0 by the change (the old rank 0 was lost), takes up what
-    /// rank 0 alone does: the output folder's lock and the TensorBoard events.
+    /// When this worker became rank 0 by the change (the old rank 0 was lost, or it joined
+    /// in its place), takes up what rank 0 alone does: the output folder's lock and the
+    /// TensorBoard events.
     fn take_up_leadership(&mut self, old_rank: usize) -> anyhow::Result<()> {
-        if !self.is_leader() || old_rank == 0 {
-            return Ok(());
+        if self._lock.is_none() {
+            self._lock = Some(super::RunLock::acquire(&self.settings.output_dir)?);
         }
-        self._lock = Some(super::RunLock::acquire(&self.settings.output_dir)?);
-        self.open_events()?;
+        if self.events.is_none() && self.progress.epoch < self.settings.epochs {
+            self.open_events()?;
+        }
+        tell!("rank {old_rank} is now rank 0: it writes the run's files");
         Ok(())
     }
+}
+
+/// Connects to the job's store of `placement`, within `timeout`.
+fn connect_to_store(placement: &WorkerPlacement, timeout: Duration) -> anyhow::Result<StoreClient> {
+    let token = JobToken::from_env()?.context(MISSING_TOKEN)?;
+    let addr = format!("{}:{}", placement.master_addr, placement.master_port);
+    let resolved = std::net::ToSocketAddrs::to_socket_addrs(&addr)
+        .with_context(|| format!("the job's store at {addr}"))?
+        .next()
+        .with_context(|| format!("the job's store at {addr} has no address"))?;
+    StoreClient::connect(resolved, &token, timeout)
+        .with_context(|| format!("reach the job's store at {addr} for its membership"))
+}
+
+/// The latest membership of the round of `start`, `None` before the first change.
+fn read_membership(
+    store: &StoreClient,
+    start: &WorkerPlacement,
+) -> anyhow::Result<Option<MembershipRecord>> {
+    let Some(bytes) = store.get(&membership_key(&start.round_prefix))? else {
+        return Ok(None);
+    };
+    let record = MembershipRecord::from_json(&bytes)
+        .map_err(|why| anyhow::anyhow!("the job's membership {why}"))?;
+    Ok(Some(record))
 }
 
 /// Waits, at most `timeout`, for a membership of a later epoch than `membership`'s.
@@ -187,29 +272,16 @@ fn wait_for_membership(
     membership: &Membership,
     timeout: Duration,
 ) -> anyhow::Result<MembershipRecord> {
-    let start = &membership.start;
-    let token = JobToken::from_env()?.context(MISSING_TOKEN)?;
-    let addr = format!("{}:{}", start.master_addr, start.master_port);
-    let addr = std::net::ToSocketAddrs::to_socket_addrs(&addr)
-        .with_context(|| format!("the job's store at {addr}"))?
-        .next()
-        .with_context(|| format!("the job's store at {addr} has no address"))?;
-    let client = StoreClient::connect(addr, &token, timeout)
-        .with_context(|| format!("reach the job's store at {addr} for the new membership"))?;
-    let key = membership_key(&start.round_prefix);
     let deadline = Instant::now() + timeout;
     loop {
-        if let Some(bytes) = client.get(&key)? {
-            let record = MembershipRecord::from_json(&bytes)
-                .map_err(|why| anyhow::anyhow!("the job's membership {why}"))?;
+        if let Some(record) = read_membership(&membership.store, &membership.start)? {
             if record.epoch > membership.epoch {
                 return Ok(record);
             }
         }
         if Instant::now() >= deadline {
             bail!(
-                "no new membership came within {:.0} s (the collective timeout) after the step \
-                 failed",
+                "no new membership came within {:.0} s (the collective timeout)",
                 timeout.as_secs_f64()
             );
         }
