@@ -861,7 +861,8 @@ fn watch_round(
 struct Membership {
     round: u32,
     epoch: u64,
-    /// The members' ids (their ranks at the round's start), in the order of their ranks.
+    /// The members' ids (their ranks at the round's start), in the order of their ranks:
+    /// those of the round's start in order, then joiners as they came.
     members: Vec<usize>,
     /// Per worker: whether it was lost and left out of the job.
     dropped: Vec<bool>,
@@ -989,7 +990,7 @@ impl Membership {
                 worker.pid()
             ));
         }
-        self.members.sort_unstable();
+        // Joiners come last, so that rank 0 stays with the worker that writes the run's files.
         self.joining.retain(|index| !admitted.contains(index));
         self.publish(store, why.join("; "), before)
     }

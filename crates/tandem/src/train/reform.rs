@@ -170,6 +170,11 @@ impl Trainer {
             epoch: record.epoch,
             ..membership
         });
+        if was_leader && !self.is_leader() {
+            // The new rank 0 writes the run's files from here.
+            self._lock = None;
+            self.events = None;
+        }
         self.take_the_most_advanced_state()?;
         let change = self.adopt_world_size(None);
         if self.is_leader() && !was_leader {
