@@ -147,6 +147,25 @@ fn build_model(
     Ok((spec, model, initial_weights))
 }
 
+/// What the process that writes the run's files holds: the output folder's lock (after
+/// `--fresh` cleared it) and the uploads to object storage, when outputs go there.
+fn take_the_output_folder(
+    settings: &TrainSettings,
+    storage: Option<tandem_remote::Storage>,
+    places: Vec<(std::path::PathBuf, tandem_remote::ObjectUrl)>,
+    stop_requested: &Arc<AtomicBool>,
+) -> anyhow::Result<(Option<RunLock>, Option<Mirror>)> {
+    let lock = RunLock::acquire(&settings.output_dir)?;
+    if settings.fresh {
+        start_fresh(settings)?;
+    }
+    let mirror = match storage {
+        Some(storage) => start_mirror(storage, places, stop_requested)?,
+        None => None,
+    };
+    Ok((Some(lock), mirror))
+}
+
 /// Joins the job's other processes as `place` says: the job token from the environment, the
 /// gradient buckets of `param_len` parameters.
 fn join_the_job(
@@ -309,20 +328,19 @@ impl Trainer {
         let localized = localize(&given)?;
         let mut settings = localized.settings;
         let mut given = given;
-        let lock = writer
-            .then(|| RunLock::acquire(&settings.output_dir))
-            .transpose()?;
-        if settings.fresh && writer {
-            start_fresh(&settings)?;
-        }
+        let (lock, mirror) = match writer {
+            true => take_the_output_folder(
+                &settings,
+                localized.storage,
+                localized.places,
+                &stop_requested,
+            )?,
+            false => (None, None),
+        };
         if settings.threads == 0 {
             settings.threads = (available_cores() / local_world_size.max(1)).max(1);
         }
         given.threads = settings.threads;
-        let mirror = match (localized.storage, writer) {
-            (Some(storage), true) => start_mirror(storage, localized.places, &stop_requested)?,
-            _ => None,
-        };
         tandem_engine::set_threads(settings.threads);
         let (spec, model, initial_weights) = build_model(&settings, &given)?;
         let train_set = Arc::new(load_split(&settings.data, settings.seed, Split::Train)?);
@@ -331,16 +349,8 @@ impl Trainer {
         let (sampler, shards, steps_per_epoch) =
             epoch_sampling(&settings, train_set.len(), world_size, rank)?;
         check_shards_sync_bn(shards.as_ref(), device, &settings)?;
-        let on_cpu = matches!(device, Device::Cpu { .. });
-        let membership = reform::membership_of(
-            placement.as_ref(),
-            shards.is_some(),
-            on_cpu,
-            settings.collective_timeout,
-        )?;
-        let joiner = membership
-            .as_ref()
-            .is_some_and(|membership| membership.joiner);
+        let membership = reform::membership_of(placement.as_ref(), shards, device, &settings)?;
+        let joiner = membership.as_ref().is_some_and(|member| member.joiner);
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
         let optimizer = build_optimizer(&settings, schedule.lr_at(0));
         let normalize = normalization(&settings.data);
@@ -367,7 +377,7 @@ impl Trainer {
             normalize,
             rank,
         )?;
-        let mut trainer = Trainer {
+        let trainer = Trainer {
             settings,
             given,
             compute,
@@ -397,16 +407,23 @@ impl Trainer {
             membership,
             pending_failure: None,
         };
+        trainer.begin(joiner)
+    }
+
+    /// The run's start: a `joiner` is let into the running job and takes a member's state;
+    /// any other process resumes from the snapshot, if there is one, and agrees with the
+    /// others on the model.
+    fn begin(mut self, joiner: bool) -> anyhow::Result<Self> {
         if joiner {
-            trainer.join_as_newcomer()?;
-            return Ok(trainer);
+            self.join_as_newcomer()?;
+            return Ok(self);
         }
-        let resumed = trainer.resume_if_possible()?;
-        if trainer.is_leader() {
-            trainer.announce_start(resumed);
+        let resumed = self.resume_if_possible()?;
+        if self.is_leader() {
+            self.announce_start(resumed);
         }
-        trainer.agree_on_the_model()?;
-        Ok(trainer)
+        self.agree_on_the_model()?;
+        Ok(self)
     }
 
     /// Makes every rank start from rank 0's model: its parameters and buffers (on the

@@ -15,6 +15,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use tandem_cuda::Device;
+use tandem_data::ShardPlan;
 use tandem_dist::cluster::contract::{
     joiner_key, membership_key, MembershipRecord, JOINER_ENV, KEEP_SURVIVORS_ENV,
 };
@@ -27,6 +29,7 @@ use super::resume_settings::fingerprint;
 use super::snapshot::Snapshot;
 use super::{gradient_sync_of, join_the_job, Trainer, MISSING_TOKEN};
 use crate::exit::SettingsError;
+use crate::settings::TrainSettings;
 
 /// How often a survivor looks for the new membership.
 const MEMBERSHIP_POLL: Duration = Duration::from_millis(10);
@@ -53,10 +56,11 @@ pub fn started_as_joiner() -> bool {
 /// other; a settings error where the run cannot be re-formed (per-process batches, a GPU).
 pub fn membership_of(
     placement: Option<&WorkerPlacement>,
-    global_batch: bool,
-    on_cpu: bool,
-    collective_timeout: f64,
+    shards: Option<ShardPlan>,
+    device: &Device,
+    settings: &TrainSettings,
 ) -> anyhow::Result<Option<Membership>> {
+    let (global_batch, on_cpu) = (shards.is_some(), matches!(device, Device::Cpu { .. }));
     let asked = std::env::var(KEEP_SURVIVORS_ENV).is_ok_and(|value| value == "1");
     let Some(placement) = placement.filter(|_| asked) else {
         return Ok(None);
@@ -73,7 +77,7 @@ pub fn membership_of(
              leave it out: a lost worker then restarts every worker from the snapshot"
         )));
     }
-    let timeout = Duration::from_secs_f64(collective_timeout);
+    let timeout = Duration::from_secs_f64(settings.collective_timeout);
     Ok(Some(Membership {
         epoch: 0,
         start: placement.clone(),
