@@ -27,6 +27,9 @@ const WATCH_INTERVAL: Duration = Duration::from_millis(10);
 const STORE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// How long the agent waits for a worker to die after SIGKILL before giving up on it.
 const AFTER_KILL_WAIT: Duration = Duration::from_secs(5);
+/// How long the launcher gathers losses before it publishes a membership without the lost
+/// workers.
+const LOSS_SETTLE: Duration = Duration::from_millis(50);
 /// How long the agent waits for a dead worker's output to reach its log.
 const OUTPUT_FLUSH_WAIT: Duration = Duration::from_secs(2);
 /// Extra time, beyond the stop grace, that a decided round waits for the nodes' reports.
@@ -789,7 +792,7 @@ fn watch_round(
 ) -> anyhow::Result<Vec<usize>> {
     let mut duties = StoreDuties::new(plan.topology.node_rank, round);
     let mut beats = WorkerBeats::new(round.number, workers.len(), plan.heartbeat_timeout);
-    let mut membership = Membership::new(round.number, workers);
+    let mut membership = Membership::new(round.number, workers, plan);
     let mut stopping: Option<Stopping> = None;
     loop {
         if stopping.is_none() {
@@ -801,12 +804,13 @@ fn watch_round(
             .iter()
             .map(|worker| worker.end().map(|(end, _)| end))
             .collect();
-        if plan.keep_survivors && stopping.is_none() {
+        if plan.keep_survivors && stopping.is_none() && !membership.pause_over() {
             let changed = membership
-                .drop_the_lost(store, workers, &ends)
+                .drop_the_lost(workers, &ends)
                 .and_then(|lost| membership.replace(plan, store, round, workers, &lost))
                 .and_then(|started| {
                     beats.beats.grow(started);
+                    membership.publish_settled_losses(store)?;
                     membership.admit_joiners(store, workers)
                 });
             if let Err(error) = changed {
@@ -870,10 +874,18 @@ struct Membership {
     joining: Vec<usize>,
     /// Workers started in place of lost ones in this round.
     replaced: u32,
+    /// The fewest members that train, and how long the job waits below it.
+    minimum: (usize, Duration),
+    /// Since when the members are fewer than the minimum.
+    paused_since: Option<Instant>,
+    /// Whether a pause outlasted the rendezvous timeout: the round then ends.
+    pause_ended: bool,
+    /// Losses not published yet: since when, why, and the members before them.
+    unpublished: Option<(Instant, Vec<String>, usize)>,
 }
 
 impl Membership {
-    fn new(round: u32, workers: &[Worker]) -> Membership {
+    fn new(round: u32, workers: &[Worker], plan: &LaunchPlan) -> Membership {
         Membership {
             round,
             epoch: 0,
@@ -881,14 +893,34 @@ impl Membership {
             dropped: vec![false; workers.len()],
             joining: Vec::new(),
             replaced: 0,
+            minimum: (plan.min_workers, plan.rendezvous_timeout),
+            paused_since: None,
+            pause_ended: false,
+            unpublished: None,
         }
     }
 
-    /// When workers failed while others still run, leaves them out and publishes the
-    /// members left as the job's next membership; returns the indices of the lost.
+    /// Whether the job has been paused below its minimum for longer than it may wait: its
+    /// workers then write a snapshot and stop, and the round ends as a failed one. Says so
+    /// once.
+    fn pause_over(&mut self) -> bool {
+        let (fewest, wait) = self.minimum;
+        if let Some(since) = self.paused_since.filter(|since| since.elapsed() >= wait) {
+            say(&format!(
+                "the job stayed below --min-workers {fewest} for {:.0} s (--rendezvous-timeout): \
+                 its workers write a snapshot and stop",
+                since.elapsed().as_secs_f64()
+            ));
+            self.paused_since = None;
+            self.pause_ended = true;
+        }
+        self.pause_ended
+    }
+
+    /// When workers failed while others still run, leaves them out of the members (published
+    /// by [`Membership::publish_settled_losses`]); returns the indices of the lost.
     fn drop_the_lost(
         &mut self,
-        store: &AgentStore,
         workers: &[Worker],
         ends: &[Option<WorkerEnd>],
     ) -> anyhow::Result<Vec<usize>> {
@@ -923,9 +955,26 @@ impl Membership {
             .collect();
         self.members.retain(|id| !lost_ids.contains(id));
         if self.members.len() < before {
-            self.publish(store, why.join("; "), before)?;
+            let unpublished = self
+                .unpublished
+                .get_or_insert_with(|| (Instant::now(), Vec::new(), before));
+            unpublished.1.extend(why);
         }
         Ok(lost)
+    }
+
+    /// Publishes the losses seen so far once [`LOSS_SETTLE`] passed since the first: workers
+    /// lost together (a node's processes, a kill of several) then make one membership, not
+    /// one that the others would try to form with members already gone.
+    fn publish_settled_losses(&mut self, store: &AgentStore) -> anyhow::Result<()> {
+        let settled = self
+            .unpublished
+            .as_ref()
+            .is_some_and(|(since, _, _)| since.elapsed() >= LOSS_SETTLE);
+        if let (true, Some((_, reasons, before))) = (settled, self.unpublished.take()) {
+            self.publish(store, reasons.join("; "), before)?;
+        }
+        Ok(())
     }
 
     /// Starts a worker in place of each of the `lost` (`--replace-lost`, at most
@@ -995,18 +1044,33 @@ impl Membership {
         self.publish(store, why.join("; "), before)
     }
 
-    /// Publishes the members as the next membership epoch, saying why.
+    /// Publishes the members as the next membership epoch, saying why; below the minimum,
+    /// as paused.
     fn publish(&mut self, store: &AgentStore, why: String, before: usize) -> anyhow::Result<()> {
         self.epoch += 1;
+        let (fewest, wait) = self.minimum;
+        let paused = self.members.len() < fewest;
         let record = MembershipRecord {
             epoch: self.epoch,
             members: self.members.clone(),
             why,
+            paused_for: paused.then(|| wait.as_secs_f64()),
         };
         store.publish_membership(self.round, &record)?;
+        let what = match paused {
+            true => format!(
+                "are fewer than --min-workers {fewest}: the job pauses for up to {:.0} s, \
+                 until enough are back",
+                wait.as_secs_f64()
+            ),
+            false => "go on in-process".to_string(),
+        };
+        self.paused_since = match (paused, self.paused_since) {
+            (true, since) => Some(since.unwrap_or_else(Instant::now)),
+            (false, _) => None,
+        };
         say(&format!(
-            "membership {}: {}; ranks {:?} go on in-process (world size {before} -> {}), \
-             nobody restarts",
+            "membership {}: {}; ranks {:?} {what} (world size {before} -> {}), nobody restarts",
             record.epoch,
             record.why,
             record.members,

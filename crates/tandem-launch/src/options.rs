@@ -87,6 +87,19 @@ pub struct LaunchArgs {
     /// peer's state, reading no snapshot.
     #[arg(long, requires = "keep_survivors")]
     pub replace_lost: bool,
+    /// With --keep-survivors: the fewest workers that train; below it the job pauses until
+    /// enough are back (--replace-lost), for at most --rendezvous-timeout.
+    #[arg(
+        long,
+        default_value = "1",
+        value_name = "N",
+        requires = "keep_survivors"
+    )]
+    pub min_workers: usize,
+    /// How long a job paused below --min-workers waits before its workers write a snapshot
+    /// and the job ends with an error.
+    #[arg(long, default_value = "300", value_name = "SECONDS", value_parser = parse_seconds)]
+    pub rendezvous_timeout: Duration,
     /// The worker command: a `tandem` subcommand (`train ...`) or any program with its arguments.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,
@@ -268,6 +281,10 @@ pub struct LaunchPlan {
     pub keep_survivors: bool,
     /// Whether a lost worker is replaced by one that joins the running job.
     pub replace_lost: bool,
+    /// The fewest workers that train with `--keep-survivors`.
+    pub min_workers: usize,
+    /// How long a job paused below `min_workers` waits.
+    pub rendezvous_timeout: Duration,
 }
 
 impl LaunchPlan {
@@ -305,6 +322,8 @@ impl LaunchPlan {
             tee: args.tee,
             keep_survivors: args.keep_survivors,
             replace_lost: args.replace_lost,
+            min_workers: args.min_workers,
+            rendezvous_timeout: args.rendezvous_timeout,
         })
     }
 }

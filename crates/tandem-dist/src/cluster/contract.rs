@@ -74,7 +74,7 @@ pub fn membership_key(round_prefix: &str) -> String {
 
 /// Who is in the job after a worker was lost, as the launcher publishes it: the workers by
 /// their rank at the round's start (their lasting id), in the order of their new ranks.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MembershipRecord {
     /// The membership epoch: 0 at the round's start, one more at each change.
     pub epoch: u64,
@@ -82,6 +82,10 @@ pub struct MembershipRecord {
     pub members: Vec<usize>,
     /// Why the membership changed, e.g. "rank 2 (pid 1234) killed by SIGKILL".
     pub why: String,
+    /// Seconds the members wait for more before the job ends, when they are fewer than the
+    /// job's minimum; `None` when they go on.
+    #[serde(default)]
+    pub paused_for: Option<f64>,
 }
 
 impl MembershipRecord {

@@ -88,6 +88,20 @@ impl Ddp {
         bucket_bytes: usize,
         first_bucket_bytes: usize,
     ) -> anyhow::Result<Self> {
+        let buckets = (bucket_bytes, first_bucket_bytes);
+        Self::join_within(placement, token, (timeout, timeout), grad_len, buckets)
+    }
+
+    /// [`Ddp::join`], with the group formed within the first of `timeouts` and each later
+    /// collective bounded by the second; `buckets` are the bucket and first-bucket bytes.
+    pub fn join_within(
+        placement: &WorkerPlacement,
+        token: tandem_dist::JobToken,
+        timeouts: (Duration, Duration),
+        grad_len: usize,
+        (bucket_bytes, first_bucket_bytes): (usize, usize),
+    ) -> anyhow::Result<Self> {
+        let (timeout, collective_timeout) = timeouts;
         let mut options = ProcessGroupOptions::new(
             placement.rank,
             placement.world_size,
@@ -114,6 +128,8 @@ impl Ddp {
                 )
             })
             .context("the heartbeat's connection to the job's store")?;
+        let mut group = group;
+        group.set_timeout(collective_timeout);
         let comm = CommThread::spawn(group)?;
         let float_bytes = std::mem::size_of::<f32>();
         let buckets = plan_buckets(

@@ -167,23 +167,25 @@ fn take_the_output_folder(
 }
 
 /// Joins the job's other processes as `place` says: the job token from the environment, the
-/// gradient buckets of `param_len` parameters.
+/// gradient buckets of `param_len` parameters; the group must form within `formation`, else
+/// the collective timeout.
 fn join_the_job(
     place: &ddp::WorkerPlacement,
     settings: &TrainSettings,
     param_len: usize,
+    formation: Option<Duration>,
 ) -> anyhow::Result<Ddp> {
     let token = tandem_dist::JobToken::from_env()?
         .context(MISSING_TOKEN)
         .map_err(SettingsError::from_error)?;
     let bucket_bytes = (settings.bucket_mb * 1e6) as usize;
-    Ddp::join(
+    let collectives = Duration::from_secs_f64(settings.collective_timeout);
+    Ddp::join_within(
         place,
         token,
-        Duration::from_secs_f64(settings.collective_timeout),
+        (formation.unwrap_or(collectives), collectives),
         param_len,
-        bucket_bytes,
-        FIRST_BUCKET_BYTES.min(bucket_bytes),
+        (bucket_bytes, FIRST_BUCKET_BYTES.min(bucket_bytes)),
     )
 }
 
@@ -358,7 +360,7 @@ impl Trainer {
         let ddp = placement
             .as_ref()
             .filter(|_| !joiner)
-            .map(|place| join_the_job(place, &settings, model.params().len()))
+            .map(|place| join_the_job(place, &settings, model.params().len(), None))
             .transpose()?;
         let backend = crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
         // On the ring, GPU ranks exchange gradients and broadcasts through the host; with NCCL

@@ -34,6 +34,10 @@ use crate::settings::TrainSettings;
 /// How often a survivor looks for the new membership.
 const MEMBERSHIP_POLL: Duration = Duration::from_millis(10);
 
+/// How long the members of a new membership wait for each other to form its group: a
+/// member missing after that was lost, and the launcher publishes the membership without it.
+const FORMATION_LIMIT: Duration = Duration::from_secs(10);
+
 /// This worker's place in the membership of its round.
 #[derive(Clone)]
 pub struct Membership {
@@ -149,26 +153,7 @@ impl Trainer {
         let was_leader = self.sync.group().is_some_and(|ddp| ddp.rank() == 0);
         // Leaves the old group: its comm thread and sockets end here.
         self.sync = Box::new(Alone);
-        let timeout = Duration::from_secs_f64(self.settings.collective_timeout);
-        let record = wait_for_membership(&membership, timeout)?;
-        let start = &membership.start;
-        let Some(rank) = record.members.iter().position(|&id| id == start.worker_id) else {
-            bail!(
-                "this worker (rank {} at the round's start) was left out of the job at \
-                 membership {}: {}",
-                start.worker_id,
-                record.epoch,
-                record.why
-            );
-        };
-        let place = WorkerPlacement {
-            rank,
-            world_size: record.members.len(),
-            local_world_size: record.members.len(),
-            key_prefix: record.group_prefix(&start.round_prefix),
-            ..start.clone()
-        };
-        let ddp = join_the_job(&place, &self.settings, self.compute.param_count())?;
+        let (record, ddp) = self.form_the_next_group(&membership)?;
         self.sync = gradient_sync_of(self.shards, Some(ddp), &mut *self.compute, &self.settings)?;
         self.membership = Some(Membership {
             epoch: record.epoch,
@@ -198,6 +183,70 @@ impl Trainer {
             );
         }
         Ok(())
+    }
+
+    /// Waits for the next membership and forms its group. A member lost before the group
+    /// formed (several workers lost a few milliseconds apart) leaves the others unable to
+    /// form it: after [`FORMATION_LIMIT`] they take the membership the launcher publishes
+    /// next.
+    fn form_the_next_group(
+        &mut self,
+        membership: &Membership,
+    ) -> anyhow::Result<(MembershipRecord, super::Ddp)> {
+        let timeout = Duration::from_secs_f64(self.settings.collective_timeout);
+        let mut waiting = membership.clone();
+        loop {
+            let record = match wait_for_membership(&waiting, timeout) {
+                Ok(record) => record,
+                Err(error) => return Err(self.stop_below_minimum(error)),
+            };
+            let start = &waiting.start;
+            let Some(rank) = record.members.iter().position(|&id| id == start.worker_id) else {
+                bail!(
+                    "this worker (rank {} at the round's start) was left out of the job at \
+                     membership {}: {}",
+                    start.worker_id,
+                    record.epoch,
+                    record.why
+                );
+            };
+            let place = WorkerPlacement {
+                rank,
+                world_size: record.members.len(),
+                local_world_size: record.members.len(),
+                key_prefix: record.group_prefix(&start.round_prefix),
+                ..start.clone()
+            };
+            let params = self.compute.param_count();
+            match join_the_job(&place, &self.settings, params, Some(FORMATION_LIMIT)) {
+                Ok(ddp) => return Ok((record, ddp)),
+                Err(error) => {
+                    tell!(
+                        "membership {}: the group did not form ({error:#}); waiting for the \
+                         next membership",
+                        record.epoch
+                    );
+                    waiting.epoch = record.epoch;
+                }
+            }
+        }
+    }
+
+    /// When the job stayed below its minimum (`error` says so), the worker that writes the
+    /// run's files writes the snapshot of its state; returns the error to end with.
+    fn stop_below_minimum(&mut self, error: anyhow::Error) -> anyhow::Error {
+        if error.downcast_ref::<BelowMinimum>().is_none() || self._lock.is_none() {
+            return error;
+        }
+        let (epoch, step) = (self.progress.epoch + 1, self.progress.step_in_epoch);
+        match self.save_snapshot() {
+            Ok(()) => error.context(format!(
+                "the snapshot holds epoch {epoch}, step {step}: start the job again to resume"
+            )),
+            Err(failed) => {
+                error.context(format!("and the snapshot could not be written: {failed:#}"))
+            }
+        }
     }
 
     /// Gives every member the state of the one that finished the most steps (the lowest rank
@@ -276,19 +325,64 @@ fn read_membership(
     Ok(Some(record))
 }
 
-/// Waits, at most `timeout`, for a membership of a later epoch than `membership`'s.
+/// A job that stayed below its minimum of workers for the launcher's rendezvous timeout.
+#[derive(Debug)]
+struct BelowMinimum {
+    members: usize,
+    seconds: f64,
+}
+
+impl std::fmt::Display for BelowMinimum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the job stayed paused below --min-workers with {} member(s) for {:.0} s \
+             (--rendezvous-timeout)",
+            self.members, self.seconds
+        )
+    }
+}
+
+impl std::error::Error for BelowMinimum {}
+
+/// Waits, at most `timeout`, for a membership of a later epoch than `membership`'s in which
+/// the members go on. A paused one that names this worker extends the wait by the pause the
+/// launcher allows; when that runs out too, fails with [`BelowMinimum`].
 fn wait_for_membership(
     membership: &Membership,
     timeout: Duration,
 ) -> anyhow::Result<MembershipRecord> {
-    let deadline = Instant::now() + timeout;
+    let mut deadline = Instant::now() + timeout;
+    let mut seen = membership.epoch;
+    let mut paused: Option<BelowMinimum> = None;
     loop {
         if let Some(record) = read_membership(&membership.store, &membership.start)? {
-            if record.epoch > membership.epoch {
-                return Ok(record);
+            let member = record.members.contains(&membership.start.worker_id);
+            match (record.epoch > seen, record.paused_for) {
+                (true, Some(seconds)) if member => {
+                    tell!(
+                        "membership {}: {}; paused with {} member(s), below --min-workers: \
+                         waiting up to {seconds:.0} s for more",
+                        record.epoch,
+                        record.why,
+                        record.members.len()
+                    );
+                    seen = record.epoch;
+                    // A little beyond the launcher's own wait, so that its word comes first.
+                    deadline = Instant::now() + Duration::from_secs_f64(seconds + 1.0);
+                    paused = Some(BelowMinimum {
+                        members: record.members.len(),
+                        seconds,
+                    });
+                }
+                (true, _) => return Ok(record),
+                (false, _) => {}
             }
         }
         if Instant::now() >= deadline {
+            if let Some(below) = paused {
+                return Err(below.into());
+            }
             bail!(
                 "no new membership came within {:.0} s (the collective timeout)",
                 timeout.as_secs_f64()
