@@ -809,7 +809,7 @@ fn watch_round(
                 .drop_the_lost(workers, &ends)
                 .and_then(|lost| membership.replace(plan, store, round, workers, &lost))
                 .and_then(|started| {
-                    beats.beats.grow(started);
+                    beats.add_workers(store, workers, started)?;
                     membership.publish_settled_losses(store)?;
                     membership.admit_joiners(store, workers)
                 });
@@ -971,10 +971,13 @@ impl Membership {
             .unpublished
             .as_ref()
             .is_some_and(|(since, _, _)| since.elapsed() >= LOSS_SETTLE);
-        if let (true, Some((_, reasons, before))) = (settled, self.unpublished.take()) {
-            self.publish(store, reasons.join("; "), before)?;
+        if !settled {
+            return Ok(());
         }
-        Ok(())
+        match self.unpublished.take() {
+            Some((_, reasons, before)) => self.publish(store, reasons.join("; "), before),
+            None => Ok(()),
+        }
     }
 
     /// Starts a worker in place of each of the `lost` (`--replace-lost`, at most
@@ -1093,9 +1096,9 @@ impl Membership {
 struct WorkerBeats {
     round: u32,
     beats: Heartbeats,
-    /// Per worker: its counter when first read, which a worker started in place of a lost
-    /// one (the same counter) must move from before it counts as beating.
-    baselines: Vec<Option<i64>>,
+    /// Per worker: its counter when it started (0, or the lost worker's last beat for one
+    /// started in its place), which it must move from before it counts as beating.
+    baselines: Vec<i64>,
     last_check: Instant,
 }
 
@@ -1104,9 +1107,25 @@ impl WorkerBeats {
         WorkerBeats {
             round,
             beats: Heartbeats::new(workers, timeout),
-            baselines: vec![None; workers],
+            baselines: vec![0; workers],
             last_check: Instant::now(),
         }
+    }
+
+    /// Tracks the last `count` of `workers`, started in place of lost ones: each must move
+    /// its counter past the lost worker's last beat.
+    fn add_workers(
+        &mut self,
+        store: &AgentStore,
+        workers: &[Worker],
+        count: usize,
+    ) -> anyhow::Result<()> {
+        self.beats.grow(count);
+        for worker in &workers[workers.len() - count..] {
+            let beat = store.worker_heartbeat(self.round, worker.place.rank)?;
+            self.baselines.push(beat.max(0));
+        }
+        Ok(())
     }
 
     /// Reads every running worker's heartbeat (at most once per heartbeat interval) and
@@ -1121,10 +1140,7 @@ impl WorkerBeats {
                 continue;
             }
             let beat = store.worker_heartbeat(self.round, worker.place.rank)?;
-            if self.baselines.len() <= index {
-                self.baselines.resize(index + 1, None);
-            }
-            let baseline = *self.baselines[index].get_or_insert(beat.max(0));
+            let baseline = self.baselines.get(index).copied().unwrap_or(0);
             // Before its first beat a worker is still starting, and after its last one it is
             // finishing: only its exit counts then.
             if beat <= baseline || !self.beats.observe(index, beat) {

@@ -203,8 +203,12 @@ fn a_stopped_worker_is_found_by_its_silent_heartbeat_killed_and_named_as_the_roo
         ),
         "{stderr}"
     );
-    // Its peer did not fail: the launcher stopped it with the round.
-    assert_contains(&stderr, "  rank 0: stopped by the launcher (SIGTERM)");
+    // Its peer either saw the connection close first or was stopped with the round.
+    assert!(
+        stderr.contains("  rank 0: stopped by the launcher (SIGTERM)")
+            || stderr.contains("  rank 0: exited with code 1"),
+        "{stderr}"
+    );
     // Without the heartbeat, the job would wait the 600 s collective timeout.
     assert!(waited < Duration::from_secs(60), "took {waited:?}");
 }
