@@ -1057,7 +1057,7 @@ impl Membership {
             epoch: self.epoch,
             members: self.members.clone(),
             why,
-            paused_for: paused.then(|| wait.as_secs_f64()),
+            paused_for: paused.then_some(wait.as_secs_f64()),
         };
         store.publish_membership(self.round, &record)?;
         let what = match paused {
