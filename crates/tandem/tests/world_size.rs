@@ -510,7 +510,7 @@ fn wait_for_line(launcher: &mut Launcher, text: &str) {
 }
 
 #[test]
-fn lost_workers_replaced_by_joiners_leave_the_bits_of_the_uninterrupted_run() {
+fn lost_workers_replaced_by_joiners_while_the_job_pauses_leave_the_bits_of_the_uninterrupted_run() {
     let dir = tempfile::tempdir().unwrap();
     let run = |name: &str| with_flag(run_args(&dir.path().join(name), ADAMW), "--epochs", "6");
     train(4, &run("uninterrupted"));
@@ -521,6 +521,7 @@ fn lost_workers_replaced_by_joiners_leave_the_bits_of_the_uninterrupted_run() {
     command
         .args(standalone_launch("4"))
         .args(["--keep-survivors", "--replace-lost", "--max-restarts", "2"])
+        .args(["--min-workers", "4"])
         .arg("--")
         .args(run("joined"))
         .env("TANDEM_SAMPLE_TRACE", &trace);
@@ -550,7 +551,10 @@ fn lost_workers_replaced_by_joiners_leave_the_bits_of_the_uninterrupted_run() {
     let stderr = launcher.stderr();
     assert!(status.success(), "{stderr}");
     for line in [
-        format!("membership 1: rank 2 (pid {first}) killed by SIGKILL; ranks [0, 1, 3] go on"),
+        format!(
+            "membership 1: rank 2 (pid {first}) killed by SIGKILL; ranks [0, 1, 3] are fewer \
+             than --min-workers 4: the job pauses for up to 300 s, until enough are back"
+        ),
         // Joiners come last: rank 0 stays with the worker that writes the files.
         format!("membership 2: rank 2 (pid {replacement}) joins; ranks [0, 1, 3, 2] go on"),
         format!("membership 3: rank 1 (pid {second}) sent no heartbeat for "),
@@ -570,4 +574,50 @@ fn lost_workers_replaced_by_joiners_leave_the_bits_of_the_uninterrupted_run() {
         "4 workers, two lost and replaced by joiners",
     );
     assert_each_step_and_sample_once(&trace, 6, 20, 2560);
+}
+
+#[test]
+fn a_job_paused_below_its_minimum_ends_after_the_rendezvous_timeout_with_a_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let output_dir = dir.path().join("paused");
+    let trace = dir.path().join("trace");
+    std::fs::create_dir(&trace).unwrap();
+    let args = with_flag(run_args(&output_dir, SGD_NESTEROV), "--epochs", "50");
+    let mut command = tandem();
+    command
+        .args(standalone_launch("3"))
+        .args([
+            "--keep-survivors",
+            "--min-workers",
+            "3",
+            "--rendezvous-timeout",
+            "2",
+        ])
+        .arg("--")
+        .args(args)
+        .env("TANDEM_SAMPLE_TRACE", &trace);
+    let mut launcher = Launcher::spawn(command, dir.path(), "paused");
+    wait_for_step(&mut launcher, &trace, 5);
+    let lost = launcher.worker(2);
+    // SAFETY: kill(2) of a child process id just read.
+    assert_eq!(unsafe { libc::kill(lost as libc::pid_t, libc::SIGKILL) }, 0);
+    let stderr = launcher.exits_with(1, LIMIT);
+    assert_contains(
+        &stderr,
+        &format!(
+            "membership 1: rank 2 (pid {lost}) killed by SIGKILL; ranks [0, 1] are fewer than \
+             --min-workers 3: the job pauses for up to 2 s, until enough are back"
+        ),
+    );
+    assert_contains(
+        &stderr,
+        "the job stayed below --min-workers 3 for 2 s (--rendezvous-timeout): its workers write \
+         a snapshot and stop",
+    );
+    let rank_0 = std::fs::read_to_string(output_dir.join("logs/rank_0.log")).unwrap();
+    assert_contains(
+        &rank_0,
+        "start the job again to resume: the job stayed paused below",
+    );
+    assert!(output_dir.join("snapshot.safetensors").is_file());
 }
