@@ -79,13 +79,7 @@ pub trait GradientSync: Send {
         request: &StepRequest<'_>,
         loss_scale: f32,
     ) -> anyhow::Result<Vec<f32>> {
-        let batches = request.micro_batches;
-        let mut losses = Vec::with_capacity(batches.len());
-        for (index, &batch) in batches.iter().enumerate() {
-            losses.push(self.forward(device, batch, request)?);
-            self.backward(device, loss_scale, index + 1 == batches.len())?;
-        }
-        Ok(losses)
+        one_after_another(self, device, request, loss_scale)
     }
 
     /// The backward of one micro-batch at `loss_scale`; the step's `last` one hands each
@@ -111,6 +105,24 @@ pub trait GradientSync: Send {
         device: &mut dyn TrainingDevice,
         losses: &[f32],
     ) -> anyhow::Result<Option<f64>>;
+}
+
+/// The forward and backward of each of the step's micro-batches at `loss_scale` through
+/// `sync`'s hooks, one after the other, the last one's backward marked as such; returns
+/// their losses.
+pub fn one_after_another<S: GradientSync + ?Sized>(
+    sync: &mut S,
+    device: &mut dyn TrainingDevice,
+    request: &StepRequest<'_>,
+    loss_scale: f32,
+) -> anyhow::Result<Vec<f32>> {
+    let batches = request.micro_batches;
+    let mut losses = Vec::with_capacity(batches.len());
+    for (index, &batch) in batches.iter().enumerate() {
+        losses.push(sync.forward(device, batch, request)?);
+        sync.backward(device, loss_scale, index + 1 == batches.len())?;
+    }
+    Ok(losses)
 }
 
 /// The strategy of a job: [`Alone`] without a group, else [`Nccl`] when the device joined

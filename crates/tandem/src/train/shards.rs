@@ -35,7 +35,7 @@ use tandem_models::training_device::{
 use tandem_models::{BatchNormReducer, TrainingDevice};
 
 use super::ddp::Ddp;
-use super::gradient_sync::GradientSync;
+use super::gradient_sync::{one_after_another, GradientSync};
 use super::lockstep::{shard_ordered_total, Lockstep, LockstepStep, ShardInput};
 
 /// The strategy of `--global-batch-size`: each micro-batch is a logical shard, and the
@@ -291,16 +291,10 @@ impl GradientSync for ShardSync {
         request: &StepRequest<'_>,
         loss_scale: f32,
     ) -> anyhow::Result<Vec<f32>> {
-        if self.lockstep.is_some() {
-            return self.lockstep_shards(device, request, loss_scale);
+        match self.lockstep.is_some() {
+            true => self.lockstep_shards(device, request, loss_scale),
+            false => one_after_another(self, device, request, loss_scale),
         }
-        let batches = request.micro_batches;
-        let mut losses = Vec::with_capacity(batches.len());
-        for (index, &batch) in batches.iter().enumerate() {
-            losses.push(self.forward(device, batch, request)?);
-            self.backward(device, loss_scale, index + 1 == batches.len())?;
-        }
-        Ok(losses)
     }
 
     fn why_not_whole(&self) -> Option<&'static str> {
