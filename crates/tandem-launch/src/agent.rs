@@ -1198,7 +1198,7 @@ struct StoreDuties {
     stop_published: bool,
     others_stop: bool,
     last_check: Instant,
-    last_heartbeat: Instant,
+    last_silence_check: Instant,
     store_error: Option<anyhow::Error>,
 }
 
@@ -1213,12 +1213,12 @@ impl StoreDuties {
             stop_published: false,
             others_stop: false,
             last_check: Instant::now(),
-            last_heartbeat: Instant::now(),
+            last_silence_check: Instant::now(),
             store_error: None,
         }
     }
 
-    /// Publishes a local failure or stop signal, bumps the heartbeat, and returns whether the
+    /// Publishes a local failure or stop signal, looks for silent nodes, and returns whether the
     /// workers must stop for a reason outside this node (a failure elsewhere, a stop request,
     /// a silent node, a node waiting to join, or the store itself failing).
     fn update(
@@ -1266,9 +1266,8 @@ impl StoreDuties {
                 || store.stop_request()?.is_some()
                 || self.join_under_way(store)?;
         }
-        if self.last_heartbeat.elapsed() >= HEARTBEAT_INTERVAL {
-            self.last_heartbeat = Instant::now();
-            store.heartbeat()?;
+        if self.last_silence_check.elapsed() >= HEARTBEAT_INTERVAL {
+            self.last_silence_check = Instant::now();
             let silent = store.silent_nodes(&self.members, heartbeats)?;
             if !silent.is_empty() && !self.others_stop {
                 self.others_stop = true;

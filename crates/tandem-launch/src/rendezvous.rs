@@ -1,7 +1,7 @@
 //! How the agents of a job meet and agree, through the store that node 0's agent hosts.
 //!
 //! ```text
-//! launch/heartbeat/{node}             counter each agent bumps while it is alive
+//! launch/heartbeat/{node}             counter each agent's heartbeat thread bumps every 100 ms
 //! launch/stop                         set once by the first agent that received SIGTERM/SIGINT
 //! launch/current                      the number of the round node 0 opened last
 //! launch/ended                        Ended JSON: node 0 ended the job (read by nodes waiting to join)
@@ -340,7 +340,6 @@ impl AgentStore {
             if interrupted() {
                 return Ok(Waited::Interrupted);
             }
-            self.heartbeat()?;
             let offers = self.offers(round, &keys)?;
             if offers.len() >= size.min {
                 enough_since.get_or_insert_with(Instant::now);
@@ -400,7 +399,6 @@ impl AgentStore {
             if interrupted() {
                 return Ok(Waited::Interrupted);
             }
-            self.heartbeat()?;
             if let Some(bytes) = self.client.get(&closed)? {
                 let closed: Round = serde_json::from_slice(&bytes)
                     .with_context(|| format!("round {round}'s record in the store is malformed"))?;
@@ -506,12 +504,6 @@ impl AgentStore {
             .map(|reason| String::from_utf8_lossy(&reason).into_owned()))
     }
 
-    /// Bumps this node's heartbeat so the others know its agent is alive.
-    pub fn heartbeat(&self) -> anyhow::Result<()> {
-        self.client.add(&heartbeat_key(self.node_rank), 1)?;
-        Ok(())
-    }
-
     /// Publishes the membership of round `round` after a worker was lost
     /// (`--keep-survivors`): the survivors read it and re-form the job.
     pub fn publish_membership(
@@ -580,7 +572,6 @@ impl AgentStore {
         let keys: Vec<String> = nodes.iter().map(|&node| report_key(round, node)).collect();
         let mut decided_at: Option<Instant> = None;
         loop {
-            self.heartbeat()?;
             let missing = self.missing(&keys)?;
             if missing.is_empty() {
                 break;
