@@ -355,6 +355,11 @@ impl PeerLink {
         self.stream.shutdown();
     }
 
+    /// A second handle to the connection, to shut it down from another thread.
+    pub(crate) fn shutdown_handle(&self) -> std::io::Result<PeerStream> {
+        self.stream.try_clone()
+    }
+
     fn io_error(&self, error: &std::io::Error, late: &str, op: &str) -> DistError {
         use std::io::ErrorKind::{TimedOut, WouldBlock};
         if is_closed(error) {

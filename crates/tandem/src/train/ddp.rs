@@ -11,7 +11,9 @@ use std::ops::Range;
 use std::time::Duration;
 
 use anyhow::Context;
-use tandem_dist::heartbeat::{Heartbeat, WorkerStatus, HEARTBEAT_INTERVAL};
+use tandem_dist::heartbeat::{
+    Heartbeat, Interrupt, MembershipWatch, WorkerStatus, HEARTBEAT_INTERVAL,
+};
 use tandem_dist::{
     CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer, StoreClient,
 };
@@ -128,6 +130,7 @@ impl Ddp {
                 )
             })
             .context("the heartbeat's connection to the job's store")?;
+        let breaker = group.ring_breaker()?;
         let mut group = group;
         group.set_timeout(collective_timeout);
         let comm = CommThread::spawn(group)?;
@@ -141,7 +144,7 @@ impl Ddp {
             .iter()
             .map(|bucket| comm.shared_buffer(bucket.len()).map(Some))
             .collect::<Result<_, _>>()?;
-        Ok(Ddp {
+        let ddp = Ddp {
             comm,
             buckets,
             staging,
@@ -149,7 +152,13 @@ impl Ddp {
             next_bucket: 0,
             exact: None,
             heartbeat,
-        })
+        };
+        let rank = placement.rank;
+        ddp.on_membership_loss(Box::new(move |why| {
+            tell!("rank {rank}: breaking the process group's ring, {why}");
+            breaker.break_ring();
+        }));
+        Ok(ddp)
     }
 
     /// Publishes this rank's progress for `tandem status` (through the heartbeat thread).
@@ -162,6 +171,19 @@ impl Ddp {
             step,
             images_per_second,
         });
+    }
+
+    /// Breaks this group's collectives when the job's membership moves on without one of
+    /// the members of `watch` (`--keep-survivors`): a peer that cannot answer (its link is
+    /// down, it hangs) then costs no collective timeout.
+    pub fn watch_membership(&self, watch: MembershipWatch) {
+        self.heartbeat.watch_membership(watch);
+    }
+
+    /// Adds what else to break (a device's communicator) when the watched membership moves
+    /// on without one of this group's members; the ring breaks by itself.
+    pub fn on_membership_loss(&self, interrupt: Interrupt) {
+        self.heartbeat.add_interrupt(interrupt);
     }
 
     /// This process's rank.
