@@ -63,6 +63,9 @@ pub struct ProcessGroupOptions {
     /// Whether [`ProcessGroup::shared_buffer`] may place buffers in shared memory when every
     /// rank is on one host.
     pub shared_memory: bool,
+    /// The job's membership epoch this group belongs to (`--keep-survivors`); peers of
+    /// another epoch are refused. 0 for a job whose membership never changes.
+    pub membership_epoch: u64,
 }
 
 impl ProcessGroupOptions {
@@ -89,6 +92,7 @@ impl ProcessGroupOptions {
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             unix_sockets: true,
             shared_memory: true,
+            membership_epoch: 0,
         }
     }
 }
@@ -258,13 +262,13 @@ impl ProcessGroup {
                     &listeners,
                     left_rank,
                     &left_addr,
-                    self.world_size,
+                    (self.world_size, opts.membership_epoch),
                     &opts.token,
                     deadline,
                 )
             });
             let right = PeerLink::connect(
-                (self.rank, self.world_size),
+                (self.rank, self.world_size, opts.membership_epoch),
                 right_rank,
                 &right_addr,
                 right_local.as_deref(),

@@ -44,6 +44,8 @@ pub struct WorkerPlacement {
     /// This worker's lasting id: its rank at the round's start, which a membership change
     /// keeps; its heartbeat and status go by it.
     pub worker_id: usize,
+    /// The membership epoch of the group it joins (0 until the first change).
+    pub membership_epoch: u64,
 }
 
 /// Gradient buckets: the first small, so communication starts early, then equal ones.
@@ -114,6 +116,7 @@ impl Ddp {
         options.timeout = timeout;
         options.host_store = !placement.store_hosted;
         options.prefix = placement.key_prefix.clone();
+        options.membership_epoch = placement.membership_epoch;
         let group = ProcessGroup::connect(options).with_context(|| {
             format!(
                 "rank {} cannot join the job at {}:{}",
@@ -560,6 +563,7 @@ pub(crate) mod tests {
                             key_prefix: "ddp-test".into(),
                             round_prefix: "ddp-test".into(),
                             worker_id: rank,
+                            membership_epoch: 0,
                         };
                         let token = tandem_dist::JobToken::new("ddp-test-token").unwrap();
                         let ddp = Ddp::join(

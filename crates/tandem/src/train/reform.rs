@@ -229,6 +229,7 @@ impl Trainer {
                 world_size: record.members.len(),
                 local_world_size: record.members.len(),
                 key_prefix: record.group_prefix(&start.round_prefix),
+                membership_epoch: record.epoch,
                 ..start.clone()
             };
             let params = self.compute.param_count();
