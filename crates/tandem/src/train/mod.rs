@@ -448,6 +448,7 @@ impl Trainer {
     /// it to the other ranks, so only rank 0 needs the file.
     fn resume_if_possible(&mut self) -> anyhow::Result<bool> {
         let local = if self.is_leader() {
+            let _files = tandem_dist::heartbeat::doing_file_work();
             self.newest_snapshot()?
         } else {
             None
@@ -1203,6 +1204,8 @@ impl Trainer {
             record.epoch_seconds,
             record.images_per_second
         );
+        // Its peers wait for rank 0 meanwhile: it is busy, not hung.
+        let _files = tandem_dist::heartbeat::doing_file_work();
         let title = curves_title(&self.shown(&self.settings.output_dir), self.compute.spec());
         write_history(&self.settings.output_dir, &self.history, &title)?;
         for name in ["metrics.jsonl", "curves.png"] {
@@ -1262,6 +1265,7 @@ impl Trainer {
         if !self.is_leader() {
             return Ok(());
         }
+        let _files = tandem_dist::heartbeat::doing_file_work();
         let optimizer = self.compute.optimizer_state()?;
         let metadata = self.checkpoint_metadata(
             self.history
