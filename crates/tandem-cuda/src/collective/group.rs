@@ -12,7 +12,7 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -203,16 +203,25 @@ impl Communicator {
     }
 }
 
-impl Drop for Communicator {
-    fn drop(&mut self) {
-        // Abort rather than destroy: destroy waits for the peers, which may be gone. Nothing
-        // else holds the communicator any more (the watchdog has stopped).
+impl Communicator {
+    /// Aborts the communicator unless it was aborted already, once no other thread uses it
+    /// (the watchdog has stopped).
+    fn abort_unused(&self) {
         let mut state = self.state();
         if !state.aborted {
-            // SAFETY: as in `abort_when_safe`; the last holder is letting it go.
-            let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
             state.aborted = true;
+            // SAFETY: `raw` came from a successful `ncclCommInitRank` and was not aborted
+            // (`aborted`, checked and set under the lock, makes this the only abort); no
+            // other thread calls NCCL on it any more, and none will after `aborted`.
+            let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
         }
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // Abort rather than destroy: destroy waits for the peers, which may be gone.
+        self.abort_unused();
     }
 }
 
@@ -220,6 +229,29 @@ impl Drop for Communicator {
 struct Watch {
     deadlines: Mutex<Deadlines<CudaEvent>>,
     stop: AtomicBool,
+}
+
+/// Aborts the communicator of an [`NcclGroup`] from any thread (the heartbeat's, when the
+/// job lost a member): the group's verdict becomes the failure given, and its watchdog
+/// aborts the communicator at its next look (as after a time-out), so that a collective
+/// blocked on a lost peer returns and every later call of the group fails. It touches no
+/// NCCL handle itself, and does nothing once the group is gone.
+#[derive(Clone)]
+pub struct NcclAbort {
+    watch: Weak<Watch>,
+}
+
+impl NcclAbort {
+    /// Fails the group with `why` (unless it failed already) and has it aborted.
+    pub fn abort(&self, why: &str) {
+        if let Some(watch) = self.watch.upgrade() {
+            watch
+                .deadlines
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .fail(why.to_string());
+        }
+    }
 }
 
 /// One rank's NCCL communicator, the stream its collectives run on, and its watchdog.
@@ -340,6 +372,13 @@ impl NcclGroup {
     /// The stream the collectives run on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// A handle that aborts this group's communicator from another thread.
+    pub fn abort_handle(&self) -> NcclAbort {
+        NcclAbort {
+            watch: Arc::downgrade(&self.watch),
+        }
     }
 
     /// The watchdog's verdict as an error: a collective that timed out or failed (the
@@ -550,7 +589,8 @@ impl Drop for NcclGroup {
         if let Some(watchdog) = self.watchdog.take() {
             let _ = watchdog.join();
         }
-        // The communicator is aborted when its last holder (this group) lets it go.
+        // Before the stream goes: collectives blocked on a lost peer return.
+        self.communicator.abort_unused();
     }
 }
 
