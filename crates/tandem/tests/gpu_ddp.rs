@@ -22,7 +22,8 @@
 //!   launcher;
 //! - `--keep-survivors` through NCCL (three fake GPUs on the fake GPU): `kill -9` of one of
 //!   three workers; the survivors abort their communicator, re-form the job in-process with
-//!   a new one, and end with the bytes of the uninterrupted run.
+//!   a new one, and end with the bytes of the uninterrupted run; on GPUs without `--backend
+//!   nccl`, `--keep-survivors` is refused.
 //!
 //! Skipped with a printed reason without the CUDA libraries, a visible GPU (and, for NCCL,
 //! libnccl), as on CI's machines; run by `scripts/gpu-check`. **It has not yet run on a GPU.**
@@ -426,6 +427,10 @@ fn global_batch_through_nccl(output_dir: &Path) -> Vec<String> {
     with_flag(args, "--global-batch-size", "24")
 }
 
+/// How soon after a kill the survivors of `--keep-survivors` must have re-formed the job:
+/// well within the default collective timeout (300 s), on a loaded machine.
+const REFORM_LIMIT: Duration = Duration::from_secs(60);
+
 /// Waits until the workers of `launcher` recorded `steps` steps in all in the sample trace
 /// `trace` (one line per worker and step).
 fn wait_for_traced_steps(launcher: &mut Launcher, trace: &Path, steps: usize) {
@@ -473,15 +478,15 @@ fn survivors_of_a_kill_9_re_form_through_nccl_in_process_and_end_bit_identical()
     wait_for_traced_steps(&mut launcher, &trace, 3 * 3);
     let (victim, survivors) = (launcher.worker(2), [launcher.worker(0), launcher.worker(1)]);
     send_signal(victim, libc::SIGKILL);
-    let deadline = Instant::now() + LIMIT;
-    while !launcher
-        .stdout()
-        .contains("world size 3 -> 2 at epoch 1, step ")
-    {
+    let killed = Instant::now();
+    let reformed_line = "world size 3 -> 2 at epoch 1, step ";
+    while !launcher.stdout().contains(reformed_line) {
         assert!(!launcher.has_exited(), "{}", launcher.stderr());
+        // Far below the collective timeout that a survivor blocked in NCCL would wait.
+        let waited = killed.elapsed();
         assert!(
-            Instant::now() < deadline,
-            "no re-forming\n{}",
+            waited < REFORM_LIMIT,
+            "no re-forming after {waited:?}\n{}",
             launcher.stdout()
         );
         std::thread::sleep(Duration::from_millis(5));
@@ -512,6 +517,35 @@ fn survivors_of_a_kill_9_re_form_through_nccl_in_process_and_end_bit_identical()
         "the re-formed GPU job's final weights differ from the uninterrupted one's\n{stdout}"
     );
     assert_same_bits(&straight, &reformed, "3 GPU workers, one killed");
+}
+
+#[test]
+fn keep_survivors_on_gpus_without_backend_nccl_is_refused() {
+    if !gpu_available(
+        "keep_survivors_on_gpus_without_backend_nccl_is_refused",
+        false,
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let train = short_run(&dir.path().join("run"), 64, 8, 1, "cuda");
+    let train = with_flag(train, "--global-batch-size", "32");
+    let output = run_bounded(
+        &mut launch_command(2, 0, &["--keep-survivors"], &train),
+        LIMIT,
+    );
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(output.status.code(), Some(2), "{printed}");
+    assert_contains(
+        &printed,
+        "tandem launch --keep-survivors re-forms GPU jobs through NCCL only: add --backend nccl \
+         (each worker on a GPU of its own), or leave --keep-survivors out: a lost worker then \
+         restarts every worker from the snapshot",
+    );
 }
 
 /// A two-worker GPU job on the ring of `epochs` epochs of 8 steps, with `extra` flags.
