@@ -6,8 +6,11 @@
 //! group bounds every wait itself: the join runs on a helper thread and is given up after the
 //! timeout, and a watchdog thread aborts the communicator (`ncclCommAbort`, which NCCL allows
 //! from another thread and which makes its kernels in flight return) when a collective passes
-//! its deadline or `ncclCommGetAsyncError` reports an error. The host never waits for a
-//! collective inside a step: the compute stream waits on an event recorded after them.
+//! its deadline or `ncclCommGetAsyncError` reports an error, or when an [`NcclAbort`]
+//! handle says the job lost a member. `ncclCommAbort` frees the communicator, so every
+//! abort goes through one flag: it is aborted once, never destroyed, and never used after.
+//! The host never waits for a collective inside a step: the compute stream waits on an
+//! event recorded after them.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -182,6 +185,19 @@ impl Communicator {
         true
     }
 
+    /// Aborts the communicator unless it was aborted already, once no other thread uses it
+    /// (the watchdog has stopped).
+    fn abort_unused(&self) {
+        let mut state = self.state();
+        if !state.aborted {
+            state.aborted = true;
+            // SAFETY: `raw` came from a successful `ncclCommInitRank` and was not aborted
+            // (`aborted`, checked and set under the lock, makes this the only abort); no
+            // other thread calls NCCL on it any more, and none will after `aborted`.
+            let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
+        }
+    }
+
     /// The communicator's asynchronous error, if it has one (called by the watchdog only).
     fn async_error(&self) -> Option<String> {
         if self.state().aborted {
@@ -199,21 +215,6 @@ impl Communicator {
                 Some(format!("ncclCommGetAsyncError: {status:?}"))
             }
             (call, _) => Some(format!("ncclCommGetAsyncError itself failed: {call:?}")),
-        }
-    }
-}
-
-impl Communicator {
-    /// Aborts the communicator unless it was aborted already, once no other thread uses it
-    /// (the watchdog has stopped).
-    fn abort_unused(&self) {
-        let mut state = self.state();
-        if !state.aborted {
-            state.aborted = true;
-            // SAFETY: `raw` came from a successful `ncclCommInitRank` and was not aborted
-            // (`aborted`, checked and set under the lock, makes this the only abort); no
-            // other thread calls NCCL on it any more, and none will after `aborted`.
-            let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
         }
     }
 }
