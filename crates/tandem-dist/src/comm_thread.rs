@@ -51,6 +51,7 @@ impl CommThread {
             .spawn(move || {
                 let mut group = group;
                 for job in queue {
+                    let _running = crate::heartbeat::running_collective();
                     job(&mut group);
                 }
                 group

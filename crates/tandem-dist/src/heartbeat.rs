@@ -46,8 +46,8 @@ pub fn activity_key(prefix: &str, rank: usize) -> String {
 /// it neither computes nor waits itself) from one that is only slow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Activity {
-    /// How long its current wait for its peers (a collective) has lasted, in milliseconds; 0
-    /// when it does not wait.
+    /// How long its current wait for its peers (a collective that runs) has lasted, in
+    /// milliseconds; 0 when it does not wait.
     pub waiting_ms: u64,
     /// The CPU time its process used so far, in milliseconds.
     pub cpu_ms: u64,
@@ -60,9 +60,12 @@ impl Activity {
     /// This process's activity now.
     pub fn now() -> Activity {
         let since = WAITING_SINCE.load(Ordering::Relaxed);
+        // A wait with no collective running is no wait for the peers: the waiting thread
+        // would have woken.
+        let running = COLLECTIVES_RUNNING.load(Ordering::Relaxed) > 0;
         let waiting_ms = match since {
-            0 => 0,
-            since => process_millis().saturating_sub(since - 1).max(1),
+            since if since > 0 && running => process_millis().saturating_sub(since - 1).max(1),
+            _ => 0,
         };
         Activity {
             waiting_ms,
@@ -86,6 +89,9 @@ impl Activity {
 /// Since when (milliseconds of [`process_millis`], plus one) the process waits for its
 /// peers; 0 when it does not.
 static WAITING_SINCE: AtomicU64 = AtomicU64::new(0);
+
+/// How many collectives the process runs now (on its comm thread).
+static COLLECTIVES_RUNNING: AtomicUsize = AtomicUsize::new(0);
 
 /// How many file reads or writes the process is in.
 static IN_IO: AtomicUsize = AtomicUsize::new(0);
@@ -129,6 +135,21 @@ impl Drop for PeerWait {
         if self.outermost {
             WAITING_SINCE.store(0, Ordering::Relaxed);
         }
+    }
+}
+
+/// Marks a collective as running until dropped.
+pub struct RunningCollective(());
+
+/// Starts a collective; see [`RunningCollective`].
+pub fn running_collective() -> RunningCollective {
+    COLLECTIVES_RUNNING.fetch_add(1, Ordering::Relaxed);
+    RunningCollective(())
+}
+
+impl Drop for RunningCollective {
+    fn drop(&mut self) {
+        COLLECTIVES_RUNNING.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

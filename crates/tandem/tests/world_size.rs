@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use common::freeze::{freeze_thread, training_thread};
 use common::*;
 
 const LIMIT: Duration = Duration::from_secs(300);
@@ -392,7 +393,8 @@ fn wait_for_step(launcher: &mut Launcher, trace: &Path, step: u64) {
 }
 
 #[test]
-fn survivors_of_a_kill_and_a_stop_re_form_in_process_with_the_bits_of_the_uninterrupted_run() {
+fn survivors_of_a_kill_a_stop_and_a_hang_re_form_in_process_with_the_bits_of_the_uninterrupted_run()
+{
     let dir = tempfile::tempdir().unwrap();
     let run = |name: &str| {
         with_flag(
@@ -416,6 +418,7 @@ fn survivors_of_a_kill_and_a_stop_re_form_in_process_with_the_bits_of_the_uninte
     wait_for_step(&mut launcher, &trace, 10);
     let (first, second) = (launcher.worker(2), launcher.worker(1));
     let survivors = [launcher.worker(0), launcher.worker(3)];
+    let training = training_thread(survivors[1]);
     // SAFETY: kill(2) of child process ids just read.
     assert_eq!(
         unsafe { libc::kill(first as libc::pid_t, libc::SIGKILL) },
@@ -433,7 +436,12 @@ fn survivors_of_a_kill_and_a_stop_re_form_in_process_with_the_bits_of_the_uninte
         survivors,
         "the survivors were not restarted"
     );
+    // The third hangs while its heartbeat thread beats on.
+    let tracer = freeze_thread(training, LIMIT);
+    wait_for_step(&mut launcher, &trace, 100);
+    assert_eq!(launcher.worker(0), survivors[0], "rank 0 was not restarted");
     let status = launcher.wait(LIMIT);
+    assert!(tracer.join().unwrap(), "the hung worker was killed");
     let stderr = launcher.stderr();
     assert!(status.success(), "{stderr}");
     assert_contains(
@@ -445,9 +453,18 @@ fn survivors_of_a_kill_and_a_stop_re_form_in_process_with_the_bits_of_the_uninte
         &format!("membership 2: rank 1 (pid {second}) sent no heartbeat for "),
     );
     assert_contains(&stderr, "ranks [0, 3] go on in-process (world size 3 -> 2)");
+    assert_contains(
+        &stderr,
+        &format!(
+            "membership 3: rank 3 (pid {}) made no progress for ",
+            survivors[1]
+        ),
+    );
+    assert_contains(&stderr, "ranks [0] go on in-process (world size 2 -> 1)");
     let stdout = launcher.stdout();
     assert_contains(&stdout, "world size 4 -> 3 at epoch ");
     assert_contains(&stdout, "world size 3 -> 2 at epoch ");
+    assert_contains(&stdout, "world size 2 -> 1 at epoch ");
     assert!(
         !stdout.contains("resum"),
         "nothing was read from disk:\n{stdout}"
@@ -455,7 +472,7 @@ fn survivors_of_a_kill_and_a_stop_re_form_in_process_with_the_bits_of_the_uninte
     assert_same_bits(
         &dir.path().join("uninterrupted"),
         &reformed,
-        "4 workers, one killed, one stopped",
+        "4 workers, one killed, one stopped, one hung",
     );
     assert_each_step_and_sample_once(&trace, 6, 20, 2560);
 }

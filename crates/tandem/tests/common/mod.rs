@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod freeze;
 pub mod netns;
 pub mod scheduler;
 
