@@ -3,11 +3,13 @@
 # the sample trace (TANDEM_SAMPLE_TRACE: each committed step's `time`, on every worker):
 #   kill   kill -9 of one of 4 workers -> first step committed at world size 3
 #   stop   SIGSTOP of one of 4 workers -> first step committed at world size 3
+#   join   kill -9 of one of 4 workers with --replace-lost -> first step committed at world
+#          size 4 again (the replacement started, let in, given a member's state)
 #   cost   steady-state step time of rank 0, --keep-survivors against without it
 #   scale  W workers (default 32): launcher start -> first step, kill -9 of 8 -> first step at W-8
 set -euo pipefail
 
-usage="usage: $0 [--trials N] [--scale-trials N] [--scale-workers W] [--cost-steps N] [--cost-runs N] [--only kill,stop,cost,scale] [--tandem BINARY]"
+usage="usage: $0 [--trials N] [--scale-trials N] [--scale-workers W] [--cost-steps N] [--cost-runs N] [--only kill,stop,join,cost,scale] [--tandem BINARY]"
 here=$(dirname "$(realpath "$0")")
 tandem=$here/../../target/release/tandem
 [ -n "${CARGO_TARGET_DIR:-}" ] && tandem=$CARGO_TARGET_DIR/release/tandem
@@ -16,7 +18,7 @@ scale_trials=3
 scale_workers=32
 cost_steps=200
 cost_runs=2
-only=kill,stop,cost,scale
+only=kill,stop,join,cost,scale
 while [ $# -gt 0 ]; do
     case $1 in
         --trials) trials=${2:?$usage}; shift 2 ;;
@@ -68,7 +70,8 @@ tiny=(--model resnet-base --n-blocks 1,1,1 --n-channels 4,4,4 --bottlenecks none
     --synthetic-train 4096 --synthetic-test 64 --threads 1 --seed 5 --device cpu --log-every-steps 0
     --optimizer sgd --momentum 0.9 --lr 0.05)
 
-# start_job NAME NPROC KEEP(0|1) TRAIN_ARGS...: starts a launcher; sets job_dir, trace, job_pid.
+# start_job NAME NPROC KEEP(0|1|2) TRAIN_ARGS...: starts a launcher (1: --keep-survivors, 2: and
+# --replace-lost); sets job_dir, trace, job_pid.
 start_job() {
     local name=$1 nproc=$2 keep=$3
     shift 3
@@ -77,7 +80,8 @@ start_job() {
     rm -rf "$job_dir"
     mkdir -p "$trace"
     local flags=(launch --standalone --nproc-per-node "$nproc" --max-restarts 0)
-    [ "$keep" = 1 ] && flags+=(--keep-survivors)
+    [ "$keep" != 0 ] && flags+=(--keep-survivors)
+    [ "$keep" = 2 ] && flags+=(--replace-lost --max-restarts 1)
     TANDEM_SAMPLE_TRACE=$trace setsid "$tandem" "${flags[@]}" -- train "$@" \
         --output-dir "$job_dir/out" </dev/null >"$job_dir/stdout" 2>"$job_dir/stderr" &
     job_pid=$!
@@ -115,7 +119,7 @@ worker_pid() {
     return 1
 }
 
-# trace_query first WS | first_any | step_median WARMUP STEPS
+# trace_query first WS | first_after WS TIME | first_any | step_median WARMUP STEPS
 trace_query() {
     python3 - "$trace" "$@" <<'PY'
 import glob, json, statistics, sys
@@ -129,6 +133,9 @@ for path in glob.glob(folder + "/*.jsonl"):
             pass  # a line cut short by a killed worker
 if what == "first":
     times = [r["time"] for r in records if r["world_size"] == int(args[0])]
+    print(f"{min(times):.6f}" if times else "")
+elif what == "first_after":
+    times = [r["time"] for r in records if r["world_size"] == int(args[0]) and r["time"] > float(args[1])]
     print(f"{min(times):.6f}" if times else "")
 elif what == "first_any":
     print(f"{min(r['time'] for r in records):.6f}" if records else "")
@@ -202,6 +209,54 @@ lose_one() {
     reformed=$(grep -o 're-formed in [0-9.]* s' "$job_dir/stdout" | head -1 || true)
     echo "  trial $trial: rank $rank, $(sub "$t_first" "$t_signal") s (rank 0: ${reformed:-no re-form line})"
     sub "$t_first" "$t_signal" >>"$tmp/latencies"
+}
+
+# back_at_4_after TIME: a step at world size 4 was committed after TIME (seconds since the epoch).
+back_at_4_after() { [ -n "$(trace_query first_after 4 "$1")" ]; }
+
+# join_one TRIAL: one 4-worker trial with --replace-lost; prints the latency or a failure.
+join_one() {
+    local trial=$1 victim rank t_kill t_back
+    start_job "join-$trial" 4 2 "${small[@]}" --epochs 1000
+    wait_for 60 records_at_least 20 || { failure "training never got under way"; stop_job; return 1; }
+    rank=$(( 1 + trial % 3 ))
+    victim=$(worker_pid "$rank") || { failure "no worker of rank $rank"; stop_job; return 1; }
+    t_kill=$(now)
+    kill -KILL "$victim"
+    local t_down
+    if ! wait_for 60 world_size_seen 3; then
+        failure "no step at world size 3 within 60 s of kill -9; $(outside_interference "$rank")"
+        stop_job
+        return 1
+    fi
+    # Steps at 4 after the first at 3: the replacement's (the others may commit one at 4
+    # just after the kill, before they see it).
+    t_down=$(trace_query first 3)
+    if ! wait_for 60 back_at_4_after "$t_down"; then
+        failure "no step at world size 4 within 60 s of kill -9; $(outside_interference "$rank")"
+        stop_job
+        return 1
+    fi
+    t_back=$(trace_query first_after 4 "$t_down")
+    stop_job
+    local outside
+    outside=$(outside_interference "$rank")
+    if [ -n "$outside" ]; then
+        echo "  trial $trial: DISTURBED, not counted: $outside"
+        return 1
+    fi
+    echo "  trial $trial: rank $rank, back at 4 workers after $(sub "$t_back" "$t_kill") s (at 3 after $(sub "$t_down" "$t_kill") s)"
+    sub "$t_back" "$t_kill" >>"$tmp/latencies"
+}
+
+measure_join() {
+    local trial
+    echo "== kill -9 with --replace-lost -> first step at 4 workers again: 4 workers, seed-004 small model, G 128, M 16, $trials trials"
+    : >"$tmp/latencies"
+    for (( trial = 1; trial <= trials; trial++ )); do
+        join_one "$trial" || true
+    done
+    summary <"$tmp/latencies" | sed 's/^/  latency: /'
 }
 
 measure_loss() {
@@ -283,6 +338,7 @@ for part in ${only//,/ }; do
     case $part in
         kill) measure_loss KILL "kill -9 -> first step at the smaller size" ;;
         stop) measure_loss STOP "SIGSTOP -> first step at the smaller size (heartbeat timeout 1 s)" ;;
+        join) measure_join ;;
         cost) measure_cost ;;
         scale) measure_scale ;;
         *) echo "$0: unknown part '$part'" >&2; exit 2 ;;
