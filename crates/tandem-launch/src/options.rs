@@ -78,8 +78,8 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub tee: bool,
     /// When a worker is lost, keep the others running: they re-form the job among
-    /// themselves in-process and redo the step (for `train --global-batch-size` on one
-    /// node), instead of every worker restarting from the snapshot.
+    /// themselves in-process and redo the step (for `train --global-batch-size`), instead of
+    /// every worker restarting from the snapshot; node 0 decides who is in, for every node.
     #[arg(long)]
     pub keep_survivors: bool,
     /// With --keep-survivors: start a worker in place of each lost one (at most
@@ -301,10 +301,11 @@ impl LaunchPlan {
         let current_dir = std::env::current_dir().context("read the current directory")?;
         let log_dir = current_dir.join(default_log_dir(args.log_dir.as_deref(), &args.command));
         let token = resolve_token(env, topology.nnodes)?;
-        if args.keep_survivors && topology.nnodes > 1 {
+        if args.replace_lost && topology.nnodes > 1 {
             bail!(
-                "--keep-survivors re-forms the workers of one node for now; with {} nodes, \
-                 leave it out (a lost worker then restarts every worker from the snapshot)",
+                "--replace-lost starts workers in place of lost ones on one node for now; with \
+                 {} nodes, leave it out (--keep-survivors goes on without the lost workers, and \
+                 a node started again joins at the next round)",
                 topology.nnodes
             );
         }

@@ -75,18 +75,37 @@ impl Hosts {
     /// Starts node `node`'s agent, `name` naming its output files, in a process group of its
     /// own (with its workers).
     fn start(&self, node: usize, name: &str) -> Launcher {
+        let elastic = ["--nnodes", "1:2", "--last-call", "1"];
+        let flags = [&elastic[..], &["--heartbeat-timeout-seconds", "3"]].concat();
+        self.start_with(node, name, &flags, false)
+    }
+
+    /// [`Hosts::start`] with the launcher's `flags` (the number of nodes among them); with
+    /// `own_host`, node 1 runs as a host of its own, which its peers reach only through the
+    /// link (not through Unix sockets or shared memory).
+    fn start_with(&self, node: usize, name: &str, flags: &[&str], own_host: bool) -> Launcher {
+        let tandem = env!("CARGO_BIN_EXE_tandem");
         let mut command = match &self.pair {
-            Some(pair) => pair.exec(node, env!("CARGO_BIN_EXE_tandem")),
-            None => Command::new(env!("CARGO_BIN_EXE_tandem")),
+            Some(pair) if node == 1 && own_host => {
+                let boot_id = self.dir.join("boot_id_of_node_1");
+                std::fs::write(
+                    &boot_id,
+                    format!("tandem-test-node-1-{}\n", std::process::id()),
+                )
+                .unwrap();
+                pair.exec_as_own_host(node, &boot_id, tandem)
+            }
+            Some(pair) => pair.exec(node, tandem),
+            None => Command::new(tandem),
         };
         let node_rank = node.to_string();
         let log_dir = self.dir.join(format!("logs-node{node}"));
         command
-            .args(["launch", "--nnodes", "1:2", "--node-rank", &node_rank])
+            .args(["launch", "--node-rank", &node_rank])
+            .args(flags)
             .args(["--master-addr", &self.master_addr])
             .args(["--master-port", &self.master_port])
-            .args(["--nproc-per-node", "2", "--last-call", "1"])
-            .args(["--heartbeat-timeout-seconds", "3"])
+            .args(["--nproc-per-node", "2"])
             .args(["--stop-grace-seconds", "20", "--join-timeout-seconds", "60"])
             .arg("--log-dir")
             .arg(&log_dir)
@@ -310,4 +329,133 @@ fn fewer_nodes_than_the_minimum_end_the_job_naming_who_is_missing() {
         elapsed < Duration::from_secs(15),
         "node 0 took {elapsed:?} to give up"
     );
+}
+
+/// The launcher flags of the `--keep-survivors` tests: two nodes, no restart to hide behind,
+/// the default heartbeat timeout (1 s).
+const KEEP_SURVIVORS: [&str; 5] = ["--nnodes", "2", "--keep-survivors", "--max-restarts", "0"];
+
+/// Starts both nodes with `--keep-survivors` (node 1 a host of its own), waits for a few
+/// steps of their round, and returns them with the process ids of node 0's workers.
+fn start_keeping_survivors(hosts: &Hosts) -> (Launcher, Launcher, [u32; 2]) {
+    let node_0 = hosts.start_with(0, "node0", &KEEP_SURVIVORS, true);
+    let node_1 = hosts.start_with(1, "node1", &KEEP_SURVIVORS, true);
+    wait_for_step(hosts, 3, &node_0);
+    let survivors = [node_0.worker(0), node_0.worker(1)];
+    (node_0, node_1, survivors)
+}
+
+/// Waits for node 0's membership without node 1, then for the job's end; checks that node 0's
+/// workers went on in-process (the same processes, no restart) and that the run ends with the
+/// uninterrupted run's bits.
+fn node_0_goes_on_without_node_1(
+    hosts: &Hosts,
+    node_0: &mut Launcher,
+    survivors: [u32; 2],
+    expected: &Path,
+) {
+    let membership =
+        "tandem launch: membership 1: node 1 lost (its launcher sent no heartbeat for ";
+    wait_until(
+        "node 0's membership without node 1",
+        || node_0.stderr().contains(membership),
+        || format!("node 0:\n{}", node_0.stderr()),
+    );
+    let stderr = node_0.stderr();
+    let line = stderr
+        .lines()
+        .find(|line| line.starts_with(membership))
+        .unwrap();
+    let (_, rest) = line.split_once(membership).unwrap();
+    let (_, rest) = rest
+        .split_once(" s): ranks 2, 3; ")
+        .unwrap_or_else(|| panic!("the membership does not name node 1's ranks: {line}"));
+    assert_eq!(
+        rest,
+        "ranks [0, 1] go on in-process (world size 4 -> 2), nobody restarts"
+    );
+    let step = snapshot_step(&hosts.output_dir).unwrap_or(0);
+    wait_for_step(hosts, step + 2, node_0);
+    assert_eq!(
+        [node_0.worker(0), node_0.worker(1)],
+        survivors,
+        "node 0's workers were restarted"
+    );
+    let status = node_0.wait(LIMIT);
+    let stderr = node_0.stderr();
+    eprintln!("node 0 said:\n{stderr}");
+    assert!(status.success(), "{status:?}\n{stderr}");
+    assert_contains(&stderr, "every worker finished successfully");
+    assert!(
+        !stderr.contains("round 1"),
+        "node 0 started another round:\n{stderr}"
+    );
+    let stdout = node_0.stdout();
+    assert_contains(&stdout, "; world size 4 -> 2 at epoch 1, step ");
+    assert!(
+        !stdout.contains("resum"),
+        "nothing was read from disk:\n{stdout}"
+    );
+    assert_same_bits(expected, &hosts.output_dir, "node 1 lost, node 0 kept on");
+}
+
+#[test]
+fn keep_survivors_node_0_goes_on_in_process_when_node_1_is_killed_with_the_uninterrupted_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = uninterrupted_run(dir.path());
+    let hosts = Hosts::new(dir.path(), "k");
+    let (mut node_0, mut node_1, survivors) = start_keeping_survivors(&hosts);
+    kill_for_good(&mut node_1);
+    node_0_goes_on_without_node_1(&hosts, &mut node_0, survivors, &expected);
+}
+
+#[test]
+fn keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_the_same_bits() {
+    if let Some(reason) = network_namespaces_unavailable("tde") {
+        eprintln!(
+            "skipped: keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_\
+             the_same_bits needs root and `ip netns`: {reason}"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let expected = uninterrupted_run(dir.path());
+    let hosts = Hosts::new(dir.path(), "d");
+    let (mut node_0, mut node_1, survivors) = start_keeping_survivors(&hosts);
+    let node_1_workers = [node_1.worker(2), node_1.worker(3)];
+    let pair = hosts.pair.as_ref().expect("network namespaces");
+    pair.link_down(1).expect("take node 1's link down");
+    let down = Instant::now();
+    // Node 1 cannot reach the store: within twice the heartbeat timeout and the kill, it
+    // stops its workers and says why.
+    let status = node_1.wait(Duration::from_secs(20));
+    let stopped_after = down.elapsed();
+    let stderr_1 = node_1.stderr();
+    eprintln!("node 1 stopped {stopped_after:?} after its link went down; it said:\n{stderr_1}");
+    assert_eq!(status.code(), Some(1), "{stderr_1}");
+    let [rank_2, rank_3] = node_1_workers;
+    let error = stderr_1.lines().last().unwrap_or_default();
+    let store = format!("{}:{}", hosts.master_addr, hosts.master_port);
+    assert!(
+        error.starts_with(&format!(
+            "error: node 1 lost the store (store at {store}: no answer within 2s while "
+        )),
+        "node 1 does not say that it lost the store: {error}"
+    );
+    assert!(
+        error.ends_with(&format!(
+            "): node 0 leaves this node's workers out of the job once its heartbeat stops \
+             (--keep-survivors), so they were killed (rank 2 (pid {rank_2}), rank 3 (pid \
+             {rank_3})); the other nodes go on without them"
+        )),
+        "{error}"
+    );
+    assert!(stopped_after < Duration::from_secs(8), "{stopped_after:?}");
+    for pid in node_1_workers {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "node 1's worker {pid} outlived its launcher"
+        );
+    }
+    node_0_goes_on_without_node_1(&hosts, &mut node_0, survivors, &expected);
 }
