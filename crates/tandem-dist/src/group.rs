@@ -19,7 +19,7 @@ use crate::link::{collective, collective_name, kind, resolve, PeerLink};
 use crate::ring::{run_plan, Planner, Ring};
 use crate::shared::{self, MappedParts, OwnFile, SharedBuffer};
 use crate::store::{StoreClient, StoreServer};
-use crate::transport::PeerListeners;
+use crate::transport::{PeerListeners, PeerStream};
 
 /// The default timeout of every operation: 5 minutes.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -63,6 +63,9 @@ pub struct ProcessGroupOptions {
     /// Whether [`ProcessGroup::shared_buffer`] may place buffers in shared memory when every
     /// rank is on one host.
     pub shared_memory: bool,
+    /// The job's membership epoch this group belongs to (`--keep-survivors`); peers of
+    /// another epoch are refused. 0 for a job whose membership never changes.
+    pub membership_epoch: u64,
 }
 
 impl ProcessGroupOptions {
@@ -89,6 +92,7 @@ impl ProcessGroupOptions {
             segment_bytes: DEFAULT_SEGMENT_BYTES,
             unix_sockets: true,
             shared_memory: true,
+            membership_epoch: 0,
         }
     }
 }
@@ -143,6 +147,21 @@ pub struct ProcessGroup {
     enclosing_collective: Option<&'static str>,
     // Declared last: dropped after the client and links, so rank 0 serves until it leaves.
     _server: Option<StoreServer>,
+}
+
+/// Breaks a group's ring from another thread: every collective blocked on it, here or at
+/// the neighbours, fails at once, and so does every later one.
+pub struct RingBreaker {
+    streams: Vec<PeerStream>,
+}
+
+impl RingBreaker {
+    /// Shuts down both ring links.
+    pub fn break_ring(&self) {
+        for stream in &self.streams {
+            stream.shutdown();
+        }
+    }
 }
 
 /// The two ring links; for two ranks both lead to the same peer over separate connections.
@@ -243,13 +262,13 @@ impl ProcessGroup {
                     &listeners,
                     left_rank,
                     &left_addr,
-                    self.world_size,
+                    (self.world_size, opts.membership_epoch),
                     &opts.token,
                     deadline,
                 )
             });
             let right = PeerLink::connect(
-                (self.rank, self.world_size),
+                (self.rank, self.world_size, opts.membership_epoch),
                 right_rank,
                 &right_addr,
                 right_local.as_deref(),
@@ -609,6 +628,24 @@ impl ProcessGroup {
                 count[0], self.world_size
             ))),
         }
+    }
+
+    /// What breaks this group's ring from another thread (nothing to break for one rank).
+    pub fn ring_breaker(&self) -> Result<RingBreaker> {
+        let streams = match &self.links {
+            Some(links) => {
+                let handles = [links.left.shutdown_handle(), links.right.shutdown_handle()];
+                handles
+                    .into_iter()
+                    .collect::<std::io::Result<_>>()
+                    .map_err(|error| DistError::Io {
+                        context: "duplicate a ring link's handle".into(),
+                        message: error.to_string(),
+                    })?
+            }
+            None => Vec::new(),
+        };
+        Ok(RingBreaker { streams })
     }
 
     /// Gives up on the group because of a failure outside it (e.g. a non-finite loss): records

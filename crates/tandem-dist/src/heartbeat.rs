@@ -6,6 +6,11 @@
 //! timeout for dead, whatever the reason (stopped with SIGSTOP, hung, its node cut off), and
 //! `tandem status` reads the statuses of a live job. Observers compare the counter with its
 //! last value on their own clock, so no clocks need to agree.
+//!
+//! With `--keep-survivors` the same thread watches the job's membership: when the launcher
+//! publishes one that leaves out a member of this worker's group, it calls the group's
+//! [`Interrupt`]s, so that a collective blocked on a peer that will never answer (its link
+//! is down, it hangs) fails at once and the worker re-forms.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -14,6 +19,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cluster::contract::{membership_key, MembershipRecord};
 use crate::store::StoreClient;
 
 /// How often a worker's heartbeat moves.
@@ -60,6 +66,33 @@ impl WorkerStatus {
     }
 }
 
+/// Breaks a worker's blocked collectives, called once from the heartbeat thread with why.
+pub type Interrupt = Box<dyn Fn(&str) + Send + Sync>;
+
+/// The membership a worker's group was formed for, which its heartbeat thread watches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MembershipWatch {
+    /// The namespace of the round whose membership key is watched.
+    pub round_prefix: String,
+    /// The membership epoch of the group.
+    pub epoch: u64,
+    /// The ids of the group's members.
+    pub members: Vec<usize>,
+}
+
+impl MembershipWatch {
+    /// Why the group must break when `record` is a later membership without one of its
+    /// members; `None` while the group stands.
+    fn breaks_on(&self, record: &MembershipRecord) -> Option<String> {
+        let lost = self
+            .members
+            .iter()
+            .any(|member| !record.members.contains(member));
+        (record.epoch > self.epoch && lost)
+            .then(|| format!("membership {}: {}", record.epoch, record.why))
+    }
+}
+
 /// The running heartbeat of one worker; dropping it stops the thread.
 pub struct Heartbeat {
     shared: Arc<Shared>,
@@ -71,6 +104,10 @@ struct Shared {
     stop: AtomicBool,
     /// A status not yet written to the store.
     status: Mutex<Option<Vec<u8>>>,
+    /// The membership watched, until its interrupts ran.
+    watch: Mutex<Option<MembershipWatch>>,
+    /// What breaks the group's collectives.
+    interrupts: Mutex<Vec<Interrupt>>,
 }
 
 impl Heartbeat {
@@ -81,6 +118,8 @@ impl Heartbeat {
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             status: Mutex::new(None),
+            watch: Mutex::new(None),
+            interrupts: Mutex::new(Vec::new()),
         });
         let beat_key = heartbeat_key(prefix, rank);
         let status_key = status_key(prefix, rank);
@@ -94,12 +133,46 @@ impl Heartbeat {
 
     /// Hands the heartbeat thread a status to write at its next beat.
     pub fn publish(&self, status: &WorkerStatus) {
-        let mut pending = self
-            .shared
-            .status
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        *pending = Some(status.to_json());
+        *lock(&self.shared.status) = Some(status.to_json());
+    }
+
+    /// Watches the job's membership for one that leaves out a member of `watch`; then runs
+    /// every interrupt once.
+    pub fn watch_membership(&self, watch: MembershipWatch) {
+        *lock(&self.shared.watch) = Some(watch);
+    }
+
+    /// Adds what breaks the group's collectives when its membership moves on without one
+    /// of its members.
+    pub fn add_interrupt(&self, interrupt: Interrupt) {
+        lock(&self.shared.interrupts).push(interrupt);
+    }
+}
+
+/// Locks `mutex`, taking the value of a thread that panicked with it.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Reads the membership that `shared` watches, and when it left out one of the group's
+/// members, runs the interrupts and stops watching. A store that cannot say leaves the
+/// group as it is: the heartbeat itself tells the launcher.
+fn check_membership(client: &StoreClient, shared: &Shared) {
+    let Some(watch) = lock(&shared.watch).clone() else {
+        return;
+    };
+    let Ok(Some(bytes)) = client.get(&membership_key(&watch.round_prefix)) else {
+        return;
+    };
+    let Some(reason) = MembershipRecord::from_json(&bytes)
+        .ok()
+        .and_then(|record| watch.breaks_on(&record))
+    else {
+        return;
+    };
+    *lock(&shared.watch) = None;
+    for interrupt in lock(&shared.interrupts).iter() {
+        interrupt(&reason);
     }
 }
 
@@ -144,16 +217,13 @@ fn beat(
         if client.add(beat_key, 1).is_err() {
             return;
         }
-        let status = shared
-            .status
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let status = lock(&shared.status).take();
         if let Some(status) = status {
             if client.set(status_key, &status).is_err() {
                 return;
             }
         }
+        check_membership(client, shared);
         let mut slept = Duration::ZERO;
         while slept < interval && !shared.stop.load(Ordering::Relaxed) {
             std::thread::sleep(slice);
@@ -161,4 +231,79 @@ fn beat(
         }
     }
     let _ = client.add(beat_key, ENDED);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Instant;
+
+    use super::*;
+    use crate::{JobToken, StoreServer};
+
+    fn record(epoch: u64, members: &[usize], why: &str) -> MembershipRecord {
+        MembershipRecord {
+            epoch,
+            members: members.to_vec(),
+            why: why.into(),
+            paused_for: None,
+        }
+    }
+
+    #[test]
+    fn a_group_breaks_only_on_a_later_membership_without_one_of_its_members() {
+        let watch = MembershipWatch {
+            round_prefix: "r".into(),
+            epoch: 1,
+            members: vec![0, 2, 3],
+        };
+        assert_eq!(watch.breaks_on(&record(1, &[0, 2], "same epoch")), None);
+        assert_eq!(watch.breaks_on(&record(2, &[0, 2, 3, 1], "joined")), None);
+        assert_eq!(
+            watch.breaks_on(&record(2, &[0, 3], "rank 2 lost")),
+            Some("membership 2: rank 2 lost".into())
+        );
+    }
+
+    #[test]
+    fn the_heartbeat_thread_runs_the_interrupts_once_when_a_member_is_left_out() {
+        let token = JobToken::generate().expect("token");
+        let server =
+            StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
+        let connect = || {
+            StoreClient::connect(server.local_addr(), &token, Duration::from_secs(10))
+                .expect("connect")
+        };
+        let (publisher, calls) = (connect(), Arc::new(AtomicUsize::new(0)));
+        let reasons = Arc::new(Mutex::new(Vec::new()));
+        let heartbeat = Heartbeat::start(connect(), "job/r0", 1, Duration::from_millis(10));
+        let (counted, said) = (Arc::clone(&calls), Arc::clone(&reasons));
+        heartbeat.add_interrupt(Box::new(move |why| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            lock(&said).push(why.to_string());
+        }));
+        heartbeat.watch_membership(MembershipWatch {
+            round_prefix: "job/r0".into(),
+            epoch: 0,
+            members: vec![0, 1, 2],
+        });
+        let key = membership_key("job/r0");
+        let publish = |record: MembershipRecord| publisher.set(&key, &record.to_json());
+        publish(record(1, &[0, 1, 2, 3], "rank 3 joined")).expect("set");
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "a joiner breaks nothing");
+        publish(record(2, &[0, 1], "rank 2 (pid 7) sent no heartbeat")).expect("set");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while calls.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        publish(record(3, &[0], "rank 1 lost")).expect("set");
+        std::thread::sleep(Duration::from_millis(200));
+        drop(heartbeat);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            *lock(&reasons),
+            vec!["membership 2: rank 2 (pid 7) sent no heartbeat".to_string()]
+        );
+    }
 }

@@ -42,7 +42,8 @@ pub use exchange::{
     NCCL_UNIQUE_ID_BYTES,
 };
 pub use group::{
-    ProcessGroup, ProcessGroupOptions, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT, MAX_BROADCAST_BYTES,
+    ProcessGroup, ProcessGroupOptions, RingBreaker, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT,
+    MAX_BROADCAST_BYTES,
 };
 pub use shared::SharedBuffer;
 pub use store::{StoreClient, StoreLimits, StoreServer, MAX_KEY_BYTES, MAX_VALUE_BYTES};

@@ -3,11 +3,17 @@
 //! against what it expects.
 //!
 //! ```text
-//! hello   (connector -> acceptor, once, after the token handshake) = u64 rank, u64 world size
-//! message = u64 collective number, u32 kind, u32 zero, u64 byte length, then the bytes
+//! hello   (connector -> acceptor, once, after the token handshake)
+//!         = u64 rank, u64 world size, u64 membership epoch
+//! message = u64 collective number, u32 kind, u32 membership epoch, u64 byte length, the bytes
 //! ```
 //! The receiver always knows how many bytes to expect, so it never allocates from a length it
 //! reads; a header that disagrees fails the collective with an error naming the sender.
+//!
+//! The membership epoch fences off stale members (`--keep-survivors`): a worker dropped from
+//! the job, for instance stopped and continued later, may still hold a connection or try a
+//! new one. A hello of another epoch is not admitted, and a message of another epoch fails
+//! the collective, so such a worker's data never reaches a step.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -23,7 +29,7 @@ use crate::store::remaining;
 use crate::transport::{connect_local, DeadlineStream, PeerListeners, PeerStream};
 
 const HEADER_BYTES: usize = 24;
-const HELLO_BYTES: usize = 16;
+const HELLO_BYTES: usize = 24;
 /// The longest one incoming handshake may take, however slowly its bytes trickle.
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(5);
 const RETRY_PAUSE: Duration = Duration::from_millis(20);
@@ -81,26 +87,32 @@ pub(crate) struct Header {
 }
 
 impl Header {
-    fn encode(&self) -> [u8; HEADER_BYTES] {
+    /// The header's bytes, sent by a member of membership `epoch`.
+    fn encode(&self, epoch: u32) -> [u8; HEADER_BYTES] {
         let mut out = [0u8; HEADER_BYTES];
         out[..8].copy_from_slice(&self.sequence.to_le_bytes());
         out[8..12].copy_from_slice(&self.kind.to_le_bytes());
+        out[12..16].copy_from_slice(&epoch.to_le_bytes());
         out[16..].copy_from_slice(&self.bytes.to_le_bytes());
         out
     }
 
-    fn decode(bytes: &[u8; HEADER_BYTES]) -> Header {
+    /// The header and the sender's membership epoch.
+    fn decode(bytes: &[u8; HEADER_BYTES]) -> (Header, u32) {
         let mut sequence = [0u8; 8];
         let mut kind = [0u8; 4];
+        let mut epoch = [0u8; 4];
         let mut length = [0u8; 8];
         sequence.copy_from_slice(&bytes[..8]);
         kind.copy_from_slice(&bytes[8..12]);
+        epoch.copy_from_slice(&bytes[12..16]);
         length.copy_from_slice(&bytes[16..]);
-        Header {
+        let header = Header {
             sequence: u64::from_le_bytes(sequence),
             kind: u32::from_le_bytes(kind),
             bytes: u64::from_le_bytes(length),
-        }
+        };
+        (header, u32::from_le_bytes(epoch))
     }
 }
 
@@ -140,14 +152,17 @@ pub(crate) struct PeerLink {
     rank: usize,
     addr: String,
     stream: PeerStream,
+    /// The membership epoch of the group, carried by every message.
+    epoch: u32,
 }
 
 impl PeerLink {
     /// Connects to rank `peer_rank`: over its Unix socket when `local_endpoint` is reachable,
     /// else over TCP at `addr` (`host:port`), retrying until `deadline` while it is not
-    /// listening yet; then proves the token and introduces this rank.
+    /// listening yet; then proves the token and introduces this rank: `me` is its rank, the
+    /// world size and the membership epoch.
     pub(crate) fn connect(
-        me: (usize, usize),
+        me: (usize, usize, u64),
         peer_rank: usize,
         addr: &str,
         local_endpoint: Option<&str>,
@@ -181,10 +196,11 @@ impl PeerLink {
                 return Err(failure(format!("failed the handshake: {error}")))
             }
         }
-        let (my_rank, world_size) = me;
+        let (my_rank, world_size, epoch) = me;
         let mut hello = [0u8; HELLO_BYTES];
         hello[..8].copy_from_slice(&(my_rank as u64).to_le_bytes());
-        hello[8..].copy_from_slice(&(world_size as u64).to_le_bytes());
+        hello[8..16].copy_from_slice(&(world_size as u64).to_le_bytes());
+        hello[16..].copy_from_slice(&epoch.to_le_bytes());
         (&stream)
             .write_all(&hello)
             .map_err(|error| failure(format!("failed the handshake: {error}")))?;
@@ -192,11 +208,13 @@ impl PeerLink {
             rank: peer_rank,
             addr: addr.to_string(),
             stream,
+            epoch: epoch as u32,
         })
     }
 
     /// Accepts connections until one proves the token and introduces itself as rank
-    /// `peer_rank` of a group of `world_size`; strangers are dropped. Each connection's
+    /// `peer_rank` of a group of `world_size` in membership `epoch`; strangers and stale
+    /// members are dropped. Each connection's
     /// handshake runs on a thread of its own with one deadline for the whole handshake, so a
     /// stranger that trickles its bytes delays no peer; at most [`MAX_HANDSHAKES`] run at
     /// once (beyond that the oldest is closed), and once the peer is admitted every other
@@ -205,7 +223,7 @@ impl PeerLink {
         listeners: &PeerListeners,
         peer_rank: usize,
         peer_addr: &str,
-        world_size: usize,
+        (world_size, epoch): (usize, u64),
         token: &JobToken,
         deadline: Instant,
     ) -> Result<PeerLink> {
@@ -243,7 +261,7 @@ impl PeerLink {
                         stream,
                         peer_rank,
                         &peer_addr,
-                        world_size,
+                        (world_size, epoch),
                         &token,
                         handshake_deadline,
                     );
@@ -256,12 +274,12 @@ impl PeerLink {
     }
 
     /// Checks one incoming connection within `deadline`; `None` if it is not the expected
-    /// rank of this job.
+    /// rank of this job's membership `epoch`.
     fn admit(
         stream: PeerStream,
         peer_rank: usize,
         peer_addr: &str,
-        world_size: usize,
+        (world_size, epoch): (usize, u64),
         token: &JobToken,
         deadline: Instant,
     ) -> Option<PeerLink> {
@@ -270,13 +288,13 @@ impl PeerLink {
         accept_handshake(&mut bounded, token, Purpose::Peer).ok()?;
         let mut hello = [0u8; HELLO_BYTES];
         bounded.read_exact(&mut hello).ok()?;
-        let (rank, size) = hello.split_at(8);
-        let claimed_rank = u64::from_le_bytes(rank.try_into().ok()?);
-        let claimed_size = u64::from_le_bytes(size.try_into().ok()?);
-        (claimed_rank == peer_rank as u64 && claimed_size == world_size as u64).then(|| PeerLink {
+        let word = |at: usize| hello[at..at + 8].try_into().map(u64::from_le_bytes);
+        let claimed = (word(0).ok()?, word(8).ok()?, word(16).ok()?);
+        (claimed == (peer_rank as u64, world_size as u64, epoch)).then(|| PeerLink {
             rank: peer_rank,
             addr: peer_addr.to_string(),
             stream,
+            epoch: epoch as u32,
         })
     }
 
@@ -299,7 +317,7 @@ impl PeerLink {
         let result = self
             .stream
             .set_write_timeout(Some(timeout))
-            .and_then(|()| stream.write_all(&header.encode()))
+            .and_then(|()| stream.write_all(&header.encode(self.epoch)))
             .and_then(|()| stream.write_all(payload));
         result.map_err(|error| self.io_error(&error, "did not take data before the deadline", op))
     }
@@ -315,7 +333,17 @@ impl PeerLink {
         const LATE: &str = "sent nothing before the deadline";
         let mut header = [0u8; HEADER_BYTES];
         self.read_exact(&mut header, deadline, op, LATE)?;
-        let header = Header::decode(&header);
+        let (header, epoch) = Header::decode(&header);
+        if epoch != self.epoch {
+            return Err(self.error(
+                &format!(
+                    "sent a message of membership epoch {epoch} to this group of epoch {}: a \
+                     member left out of the job is refused, and must rejoin",
+                    self.epoch
+                ),
+                op,
+            ));
+        }
         if header.sequence != expected.sequence || header.kind != expected.kind {
             return Err(self.error(
                 &format!(
@@ -353,6 +381,11 @@ impl PeerLink {
     /// Closes both directions, so that blocked threads here and the neighbour fail at once.
     pub(crate) fn shut_down(&self) {
         self.stream.shutdown();
+    }
+
+    /// A second handle to the connection, to shut it down from another thread.
+    pub(crate) fn shutdown_handle(&self) -> std::io::Result<PeerStream> {
+        self.stream.try_clone()
     }
 
     fn io_error(&self, error: &std::io::Error, late: &str, op: &str) -> DistError {
@@ -440,7 +473,7 @@ mod tests {
         std::thread::scope(|scope| {
             let accepted = scope.spawn(|| accept_rank_1(&listeners, token, deadline));
             let connected =
-                PeerLink::connect((0, 2), 1, &addr, endpoint.as_deref(), token, deadline)
+                PeerLink::connect((0, 2, 0), 1, &addr, endpoint.as_deref(), token, deadline)
                     .expect("connect");
             assert_eq!(connected.transport(), if unix { "unix" } else { "tcp" });
             (connected, accepted.join().expect("thread").expect("accept"))
@@ -465,7 +498,7 @@ mod tests {
             bytes: 1 << 40,
             ..expected
         };
-        write_raw(&sender, &lying.encode()).expect("write");
+        write_raw(&sender, &lying.encode(0)).expect("write");
         let mut payload = vec![0u8; 4096];
         let error = receiver
             .receive(
@@ -564,7 +597,7 @@ mod tests {
         token: &JobToken,
         deadline: Instant,
     ) -> Result<PeerLink> {
-        PeerLink::accept(listeners, 0, "rank-0-addr", 2, token, deadline)
+        PeerLink::accept(listeners, 0, "rank-0-addr", (2, 0), token, deadline)
     }
 
     #[test]
@@ -575,7 +608,8 @@ mod tests {
             let stranger = scope.spawn(|| trickle(&addr, Duration::from_secs(15)));
             std::thread::sleep(Duration::from_millis(300));
             let started = Instant::now();
-            let _peer = PeerLink::connect((0, 2), 1, &addr, None, &token, deadline).expect("peer");
+            let _peer =
+                PeerLink::connect((0, 2, 0), 1, &addr, None, &token, deadline).expect("peer");
             let link = accepted
                 .join()
                 .expect("thread")
@@ -629,7 +663,7 @@ mod tests {
         std::thread::scope(|scope| {
             let accepted = scope.spawn(|| accept_rank_1(&listeners, &token, deadline));
             let wrong = JobToken::new("wrong").expect("token");
-            let refused = PeerLink::connect((0, 2), 1, &addr, None, &wrong, deadline)
+            let refused = PeerLink::connect((0, 2, 0), 1, &addr, None, &wrong, deadline)
                 .err()
                 .expect("refused");
             assert_eq!(
@@ -638,7 +672,7 @@ mod tests {
             );
             // Right token but claiming to be rank 1 where rank 0 is expected: dropped, so the
             // acceptor times out waiting for the real rank 0.
-            let _impostor = PeerLink::connect((1, 2), 1, &addr, None, &token, deadline)
+            let _impostor = PeerLink::connect((1, 2, 0), 1, &addr, None, &token, deadline)
                 .expect("handshake passes");
             let error = accepted
                 .join()
@@ -647,5 +681,56 @@ mod tests {
                 .expect("no admission");
             assert_eq!(error.to_string(), "rank 0 (rank-0-addr) did not connect before the rendezvous deadline during rendezvous");
         });
+    }
+
+    #[test]
+    fn a_peer_of_another_membership_epoch_is_not_admitted_and_the_right_one_is() {
+        let (token, listeners, addr, deadline) = listening(Duration::from_secs(10));
+        std::thread::scope(|scope| {
+            let accepted = scope
+                .spawn(|| PeerLink::accept(&listeners, 0, "rank-0-addr", (2, 3), &token, deadline));
+            // The rank a dropped member had, with the right token, of membership 2.
+            let stale = PeerLink::connect((0, 2, 2), 1, &addr, None, &token, deadline)
+                .expect("the token handshake passes");
+            let mut byte = [0u8; 1];
+            let mut stream = stale.stream();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .expect("timeout");
+            assert_eq!(
+                stream.read(&mut byte).expect("closed, not timed out"),
+                0,
+                "the stale member's connection is closed"
+            );
+            let _member = PeerLink::connect((0, 2, 3), 1, &addr, None, &token, deadline)
+                .expect("the member of membership 3 connects");
+            let link = accepted.join().expect("thread").expect("admitted");
+            assert_eq!(link.epoch, 3);
+        });
+    }
+
+    #[test]
+    fn a_message_of_another_membership_epoch_is_refused_naming_the_sender() {
+        let (sender, receiver) = linked_pair(false);
+        let header = Header {
+            sequence: 9,
+            kind: kind(collective::ALL_REDUCE, 1),
+            bytes: 8,
+        };
+        write_raw(&sender, &header.encode(4)).expect("write");
+        write_raw(&sender, &[0; 8]).expect("write");
+        let error = receiver
+            .receive(
+                header,
+                &mut [0; 8],
+                Instant::now() + Duration::from_secs(5),
+                "all_reduce #9",
+            )
+            .expect_err("a stale epoch must be refused");
+        assert_eq!(
+            error.to_string(),
+            "rank 0 (rank-0-addr) sent a message of membership epoch 4 to this group of epoch 0: \
+             a member left out of the job is refused, and must rejoin during all_reduce #9"
+        );
     }
 }

@@ -375,3 +375,55 @@ fn abort_fails_the_other_ranks_at_once_with_the_reason() {
         );
     }
 }
+
+#[test]
+fn a_broken_ring_fails_a_collective_blocked_on_a_silent_rank_at_once() {
+    let (server, token) = start_store();
+    let store = server.local_addr();
+    let world_size = 3;
+    let timeout = Duration::from_secs(60);
+    let outcomes = on_rank_threads(world_size, |rank| {
+        let mut options = options(rank, world_size, store, &token, Duration::from_secs(30));
+        options.unix_sockets = false;
+        let mut group = ProcessGroup::connect(options).expect("join");
+        group.set_timeout(timeout);
+        if rank == 2 {
+            // Joins, then never takes part, as a peer whose link went down.
+            std::thread::sleep(Duration::from_secs(3));
+            return None;
+        }
+        let breaker = group.ring_breaker().expect("breaker");
+        let started = Instant::now();
+        let waker = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            breaker.break_ring();
+        });
+        let mut values = vec![1.0f32; 1000];
+        let error = group
+            .all_reduce_f32(&mut values, ReduceOp::Sum)
+            .expect_err("a broken ring must fail the collective");
+        let elapsed = started.elapsed();
+        waker.join().expect("waker");
+        let again = group.all_reduce_f32(&mut values, ReduceOp::Sum);
+        Some((error, elapsed, again.is_err()))
+    });
+    for (rank, outcome) in outcomes.iter().enumerate().take(2) {
+        let Some((error, elapsed, later_failed)) = outcome else {
+            panic!("rank {rank} did not fail")
+        };
+        eprintln!("rank {rank} after {elapsed:?}: {error}");
+        assert!(
+            matches!(error, DistError::Peer { .. } | DistError::Aborted { .. }),
+            "rank {rank}: {error:?}"
+        );
+        // Far below the 60 s collective timeout: the wait ended when the ring broke.
+        assert!(
+            *elapsed < Duration::from_secs(10),
+            "rank {rank} took {elapsed:?}"
+        );
+        assert!(
+            later_failed,
+            "rank {rank}: a later collective must fail too"
+        );
+    }
+}

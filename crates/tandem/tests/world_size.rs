@@ -51,7 +51,11 @@ fn samples_per_epoch(trace: &Path) -> BTreeMap<u64, BTreeMap<u64, usize>> {
     let mut counts: BTreeMap<u64, BTreeMap<u64, usize>> = BTreeMap::new();
     for entry in std::fs::read_dir(trace).unwrap() {
         let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
-        for line in text.lines() {
+        // A worker killed with SIGKILL while writing a record leaves it without its newline.
+        for line in text
+            .split_inclusive('\n')
+            .filter_map(|line| line.strip_suffix('\n'))
+        {
             let record: serde_json::Value = serde_json::from_str(line).unwrap();
             let epoch = counts.entry(record["epoch"].as_u64().unwrap()).or_default();
             for index in record["indices"].as_array().unwrap() {
@@ -463,7 +467,11 @@ fn assert_each_step_and_sample_once(trace: &Path, epochs: u64, steps: u64, sampl
     let mut committed: BTreeMap<(u64, u64), Vec<u64>> = BTreeMap::new();
     for entry in std::fs::read_dir(trace).unwrap() {
         let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
-        for line in text.lines() {
+        // A worker killed with SIGKILL while writing a record leaves it without its newline.
+        for line in text
+            .split_inclusive('\n')
+            .filter_map(|line| line.strip_suffix('\n'))
+        {
             let record: serde_json::Value = serde_json::from_str(line).unwrap();
             let key = (
                 record["epoch"].as_u64().unwrap(),

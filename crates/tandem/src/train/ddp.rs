@@ -11,7 +11,9 @@ use std::ops::Range;
 use std::time::Duration;
 
 use anyhow::Context;
-use tandem_dist::heartbeat::{Heartbeat, WorkerStatus, HEARTBEAT_INTERVAL};
+use tandem_dist::heartbeat::{
+    Heartbeat, Interrupt, MembershipWatch, WorkerStatus, HEARTBEAT_INTERVAL,
+};
 use tandem_dist::{
     CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer, StoreClient,
 };
@@ -42,6 +44,8 @@ pub struct WorkerPlacement {
     /// This worker's lasting id: its rank at the round's start, which a membership change
     /// keeps; its heartbeat and status go by it.
     pub worker_id: usize,
+    /// The membership epoch of the group it joins (0 until the first change).
+    pub membership_epoch: u64,
 }
 
 /// Gradient buckets: the first small, so communication starts early, then equal ones.
@@ -112,6 +116,7 @@ impl Ddp {
         options.timeout = timeout;
         options.host_store = !placement.store_hosted;
         options.prefix = placement.key_prefix.clone();
+        options.membership_epoch = placement.membership_epoch;
         let group = ProcessGroup::connect(options).with_context(|| {
             format!(
                 "rank {} cannot join the job at {}:{}",
@@ -128,6 +133,7 @@ impl Ddp {
                 )
             })
             .context("the heartbeat's connection to the job's store")?;
+        let breaker = group.ring_breaker()?;
         let mut group = group;
         group.set_timeout(collective_timeout);
         let comm = CommThread::spawn(group)?;
@@ -141,7 +147,7 @@ impl Ddp {
             .iter()
             .map(|bucket| comm.shared_buffer(bucket.len()).map(Some))
             .collect::<Result<_, _>>()?;
-        Ok(Ddp {
+        let ddp = Ddp {
             comm,
             buckets,
             staging,
@@ -149,7 +155,13 @@ impl Ddp {
             next_bucket: 0,
             exact: None,
             heartbeat,
-        })
+        };
+        let rank = placement.rank;
+        ddp.on_membership_loss(Box::new(move |why| {
+            tell!("rank {rank}: breaking the process group's ring, {why}");
+            breaker.break_ring();
+        }));
+        Ok(ddp)
     }
 
     /// Publishes this rank's progress for `tandem status` (through the heartbeat thread).
@@ -162,6 +174,19 @@ impl Ddp {
             step,
             images_per_second,
         });
+    }
+
+    /// Breaks this group's collectives when the job's membership moves on without one of
+    /// the members of `watch` (`--keep-survivors`): a peer that cannot answer (its link is
+    /// down, it hangs) then costs no collective timeout.
+    pub fn watch_membership(&self, watch: MembershipWatch) {
+        self.heartbeat.watch_membership(watch);
+    }
+
+    /// Adds what else to break (a device's communicator) when the watched membership moves
+    /// on without one of this group's members; the ring breaks by itself.
+    pub fn on_membership_loss(&self, interrupt: Interrupt) {
+        self.heartbeat.add_interrupt(interrupt);
     }
 
     /// This process's rank.
@@ -538,6 +563,7 @@ pub(crate) mod tests {
                             key_prefix: "ddp-test".into(),
                             round_prefix: "ddp-test".into(),
                             worker_id: rank,
+                            membership_epoch: 0,
                         };
                         let token = tandem_dist::JobToken::new("ddp-test-token").unwrap();
                         let ddp = Ddp::join(

@@ -420,6 +420,7 @@ impl Trainer {
             self.join_as_newcomer()?;
             return Ok(self);
         }
+        self.watch_membership((0..self.world_size()).collect());
         let resumed = self.resume_if_possible()?;
         if self.is_leader() {
             self.announce_start(resumed);

@@ -76,6 +76,7 @@ pub fn find_placement_of(
         round_prefix: key_prefix.clone(),
         key_prefix,
         worker_id: rank,
+        membership_epoch: 0,
     }))
 }
 

@@ -20,6 +20,7 @@ use tandem_data::ShardPlan;
 use tandem_dist::cluster::contract::{
     joiner_key, membership_key, MembershipRecord, JOINER_ENV, KEEP_SURVIVORS_ENV,
 };
+use tandem_dist::heartbeat::MembershipWatch;
 use tandem_dist::{DistError, JobToken, StoreClient};
 use tandem_models::training_device::update_host;
 
@@ -100,6 +101,18 @@ impl Trainer {
                 .any(|cause| cause.downcast_ref::<DistError>().is_some())
     }
 
+    /// Has the group's heartbeat break its collectives when a membership later than this
+    /// worker's leaves out one of `members` (the ids of the group's members).
+    pub(super) fn watch_membership(&self, members: Vec<usize>) {
+        if let (Some(membership), Some(ddp)) = (&self.membership, self.sync.group()) {
+            ddp.watch_membership(MembershipWatch {
+                round_prefix: membership.start.round_prefix.clone(),
+                epoch: membership.epoch,
+                members,
+            });
+        }
+    }
+
     /// After `error` ended a step: abandons it, joins the job's next membership and takes the
     /// most advanced member's state. Fails when this worker was left out, or no membership
     /// comes within the collective timeout.
@@ -164,6 +177,7 @@ impl Trainer {
             self._lock = None;
             self.events = None;
         }
+        self.watch_membership(record.members.clone());
         self.take_the_most_advanced_state()?;
         let change = self.adopt_world_size(None);
         if self.is_leader() && !was_leader {
@@ -215,6 +229,7 @@ impl Trainer {
                 world_size: record.members.len(),
                 local_world_size: record.members.len(),
                 key_prefix: record.group_prefix(&start.round_prefix),
+                membership_epoch: record.epoch,
                 ..start.clone()
             };
             let params = self.compute.param_count();

@@ -77,7 +77,10 @@ impl SampleTrace {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |since| since.as_secs_f64()),
         })?;
-        writeln!(self.file, "{line}")
+        // One write, so that a record ends with its newline unless the process was killed
+        // while writing it.
+        self.file
+            .write_all(format!("{line}\n").as_bytes())
             .with_context(|| format!("cannot write the sample record {}", self.path.display()))
     }
 }
