@@ -263,7 +263,7 @@ impl AgentStore {
         };
         // Beats from a thread of their own, so that the others hear this node while its
         // agent waits on its workers.
-        let beat_client = StoreClient::connect(connect_to, token, REQUEST_TIMEOUT)
+        let beat_client = StoreClient::connect(connect_to, token, request_timeout)
             .with_context(|| format!("connect the heartbeat to the store at {connect_to}"))?;
         let beat = Heartbeat::start(
             beat_client,
