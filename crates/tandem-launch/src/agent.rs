@@ -356,11 +356,19 @@ fn run_round(
         return Ok(Err(left_out_of_the_job(topology.node_rank, &why)));
     }
     let mut members = round.nodes();
+    let mut left_out = None;
     let shared = watched.and_then(|_| {
         if plan.keep_survivors {
             // Nodes that node 0 left out send no report.
             let gone = store.dropped_nodes(number, &members)?;
-            members.retain(|node| !gone.contains(node));
+            members.retain(|node| gone.iter().all(|(gone, _)| gone != node));
+            left_out = gone
+                .into_iter()
+                .find(|(node, _)| *node == topology.node_rank)
+                .map(|(_, why)| why);
+            if left_out.is_some() {
+                return Ok(Vec::new());
+            }
         }
         store.publish_report(number, &report)?;
         store.gather_reports(
@@ -370,6 +378,9 @@ fn run_round(
             plan.stop_grace + REPORT_SLACK,
         )
     });
+    if let Some(why) = left_out {
+        return Ok(Err(left_out_of_the_job(topology.node_rank, &why)));
+    }
     let gathered = match shared {
         Ok(reports) => reports,
         Err(error) if plan.keep_survivors => {
@@ -707,13 +718,13 @@ fn lost_the_store_keeping_survivors(
 }
 
 /// The end of this node's part of a `--keep-survivors` job when node 0 left its workers out
-/// (its heartbeat was silent): `why` names the membership that did.
+/// (its heartbeat was silent): `why` says what node 0 said.
 fn left_out_of_the_job(node_rank: usize, why: &str) -> JobEnd {
     JobEnd::Failed {
         summary: format!(
-            "node {node_rank} was left out of the job at {why}; its workers were killed and the \
-             other nodes go on without them (start this node's launcher again to join at the \
-             next round)"
+            "node {node_rank} was left out of the job by node 0 ({why}); its workers were \
+             stopped, and the other nodes go on without them (start this node's launcher again \
+             to join at the next round)"
         ),
     }
 }
@@ -1137,13 +1148,14 @@ impl Membership {
             return Ok(());
         }
         say(&format!(
-            "membership {}: {}; node 0 left {} of node {} out of the job: killed",
+            "membership {}: {}; node 0 left node {}'s {} out of the job: this launcher killed \
+             them (SIGKILL)",
             record.epoch,
             record.why,
-            killed.join(", "),
-            self.node
+            self.node,
+            killed.join(", ")
         ));
-        self.left_out = Some(format!("membership {} ({})", record.epoch, record.why));
+        self.left_out = Some(record.why);
         Ok(())
     }
 

@@ -572,12 +572,16 @@ impl AgentStore {
         Ok(())
     }
 
-    /// The nodes among `nodes` that node 0 left out of round `round`.
-    pub fn dropped_nodes(&self, round: u32, nodes: &[usize]) -> anyhow::Result<Vec<usize>> {
+    /// The nodes among `nodes` that node 0 left out of round `round`, with why.
+    pub fn dropped_nodes(
+        &self,
+        round: u32,
+        nodes: &[usize],
+    ) -> anyhow::Result<Vec<(usize, String)>> {
         let mut dropped = Vec::new();
         for &node in nodes {
-            if self.client.get(&dropped_key(round, node))?.is_some() {
-                dropped.push(node);
+            if let Some(why) = self.client.get(&dropped_key(round, node))? {
+                dropped.push((node, String::from_utf8_lossy(&why).into_owned()));
             }
         }
         Ok(dropped)

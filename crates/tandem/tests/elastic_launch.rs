@@ -34,6 +34,8 @@ fn train_args(output_dir: &Path) -> Vec<String> {
 
 /// Where the two nodes run: two network namespaces, or this machine's loopback.
 struct Hosts {
+    /// The run's epochs (`train_args` has 1).
+    epochs: String,
     pair: Option<NetworkPair>,
     master_addr: String,
     master_port: String,
@@ -69,6 +71,7 @@ impl Hosts {
             master_port,
             dir: dir.to_path_buf(),
             output_dir: dir.join("run"),
+            epochs: "1".to_string(),
         }
     }
 
@@ -110,7 +113,11 @@ impl Hosts {
             .arg("--log-dir")
             .arg(&log_dir)
             .arg("--")
-            .args(train_args(&self.output_dir))
+            .args(with_flag(
+                train_args(&self.output_dir),
+                "--epochs",
+                &self.epochs,
+            ))
             .current_dir(&self.dir)
             .env("TANDEM_JOB_TOKEN", "elastic-test-secret")
             .process_group(0);
@@ -159,8 +166,14 @@ fn wait_for_step(hosts: &Hosts, step: u64, node_0: &Launcher) {
 
 /// The uninterrupted run, in one process, in `dir/uninterrupted`.
 fn uninterrupted_run(dir: &Path) -> PathBuf {
+    uninterrupted_run_of(dir, "1")
+}
+
+/// [`uninterrupted_run`] of `epochs` epochs.
+fn uninterrupted_run_of(dir: &Path, epochs: &str) -> PathBuf {
     let output_dir = dir.join("uninterrupted");
-    expect_success(&run_bounded(tandem().args(train_args(&output_dir)), LIMIT));
+    let args = with_flag(train_args(&output_dir), "--epochs", epochs);
+    expect_success(&run_bounded(tandem().args(args), LIMIT));
     output_dir
 }
 
@@ -458,4 +471,80 @@ fn keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_th
         );
     }
     node_0_goes_on_without_node_1(&hosts, &mut node_0, survivors, &expected);
+}
+
+#[test]
+fn keep_survivors_node_1_stopped_past_the_heartbeat_timeout_is_left_out_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = uninterrupted_run(dir.path());
+    let hosts = Hosts::new(dir.path(), "s");
+    let (mut node_0, mut node_1, survivors) = start_keeping_survivors(&hosts);
+    // Node 1's launcher alone stops: its heartbeat with it, its workers run on.
+    node_1.signal(libc::SIGSTOP);
+    wait_until(
+        "node 0's membership without node 1",
+        || {
+            node_0
+                .stderr()
+                .contains("tandem launch: membership 1: node 1 lost ")
+        },
+        || format!("node 0:\n{}", node_0.stderr()),
+    );
+    node_1.signal(libc::SIGCONT);
+    let stderr_1 = node_1.exits_with(1, Duration::from_secs(30));
+    eprintln!("node 1 said:\n{stderr_1}");
+    let error = stderr_1.lines().last().unwrap_or_default();
+    let prefix = "error: node 1 was left out of the job by node 0 (node 1 lost (its launcher sent \
+                  no heartbeat for ";
+    assert!(error.starts_with(prefix), "{error}");
+    assert!(
+        error.ends_with(
+            " s): ranks 2, 3); its workers were stopped, and the other nodes go on without them \
+             (start this node's launcher again to join at the next round)"
+        ),
+        "{error}"
+    );
+    node_0_goes_on_without_node_1(&hosts, &mut node_0, survivors, &expected);
+}
+
+#[test]
+fn keep_survivors_node_1_started_again_joins_at_the_next_round_with_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    // Long enough for node 1 to come back before node 0 is done alone.
+    let expected = uninterrupted_run_of(dir.path(), "4");
+    let mut hosts = Hosts::new(dir.path(), "r");
+    hosts.epochs = "4".to_string();
+    let (mut node_0, mut node_1, _) = start_keeping_survivors(&hosts);
+    kill_for_good(&mut node_1);
+    wait_until(
+        "node 0's membership without node 1",
+        || {
+            node_0
+                .stderr()
+                .contains("tandem launch: membership 1: node 1 lost ")
+        },
+        || format!("node 0:\n{}", node_0.stderr()),
+    );
+    let mut node_1 = hosts.start_with(1, "node1-again", &KEEP_SURVIVORS, true);
+    let status_0 = node_0.wait(LIMIT);
+    let status_1 = node_1.wait(LIMIT);
+    let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
+    eprintln!("node 0 said:\n{stderr_0}\nnode 1 said:\n{stderr_1}");
+    assert!(status_0.success(), "{status_0:?}\n{stderr_0}");
+    assert!(status_1.success(), "{status_1:?}\n{stderr_1}");
+    assert_contains(
+        &stderr_0,
+        "tandem launch: round 0 ends for a new member (node 1 is waiting to join): the workers \
+         write a snapshot and stop\n",
+    );
+    assert_contains(
+        &stderr_1,
+        "tandem launch: round 0 started without this node; it joins the next one\n",
+    );
+    let log = std::fs::read_to_string(dir.path().join("logs-node1/logs/rank_2.log")).unwrap();
+    assert_contains(&log, "round 1 (restart 0 of at most 0), rank 2, node 1");
+    let stdout_0 = node_0.stdout();
+    assert_contains(&stdout_0, "; world size 4 -> 2 at epoch 1, step ");
+    assert_contains(&stdout_0, "world size: 2 -> 4 at epoch 1, step ");
+    assert_same_bits(&expected, &hosts.output_dir, "node 1 lost, then back");
 }
