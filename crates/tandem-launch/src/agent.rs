@@ -1086,7 +1086,12 @@ impl Membership {
                 continue;
             }
             if let Some((_, silence)) = silent.iter().find(|(silent, _)| silent == node) {
-                let listed: Vec<String> = ranks.iter().map(usize::to_string).collect();
+                let remaining: Vec<usize> = ranks
+                    .iter()
+                    .copied()
+                    .filter(|rank| self.members.contains(rank))
+                    .collect();
+                let listed: Vec<String> = remaining.iter().map(usize::to_string).collect();
                 let text = format!(
                     "node {node} lost (its launcher sent no heartbeat for {:.1} s): ranks {}",
                     silence.as_secs_f64(),
@@ -1094,8 +1099,10 @@ impl Membership {
                 );
                 store.drop_node(self.round, *node, &text)?;
                 self.dropped_nodes.push(*node);
-                gone.extend(ranks.iter().copied());
-                why.push(text);
+                if !remaining.is_empty() {
+                    gone.extend(remaining);
+                    why.push(text);
+                }
                 continue;
             }
             for lost in store.lost_workers(self.round, *node)? {
@@ -1105,17 +1112,18 @@ impl Membership {
                 }
             }
         }
+        if gone.is_empty() {
+            return Ok(());
+        }
         self.members.retain(|id| !gone.contains(id));
         if self.members.is_empty() {
             self.nobody_left = true;
             return Ok(());
         }
-        if self.members.len() < before {
-            let unpublished = self
-                .unpublished
-                .get_or_insert_with(|| (Instant::now(), Vec::new(), before));
-            unpublished.1.extend(why);
-        }
+        let unpublished = self
+            .unpublished
+            .get_or_insert_with(|| (Instant::now(), Vec::new(), before));
+        unpublished.1.extend(why);
         Ok(())
     }
 
