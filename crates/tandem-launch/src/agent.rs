@@ -1219,14 +1219,16 @@ impl Membership {
             if let Some(end) = &ends[index] {
                 let (rank, pid) = (worker.place.rank, worker.pid());
                 if !self.decides {
-                    self.reported.push(LostWorker {
-                        rank,
-                        why: format!(
-                            "rank {rank} (pid {pid}) on node {} {}",
-                            self.node,
-                            end.describe()
-                        ),
-                    });
+                    let lost = format!(
+                        "rank {rank} (pid {pid}) on node {} {}",
+                        self.node,
+                        end.describe()
+                    );
+                    say(&format!(
+                        "{lost}; node 0 leaves it out of the job, the others go on \
+                         (--keep-survivors)"
+                    ));
+                    self.reported.push(LostWorker { rank, why: lost });
                     self.report_due = true;
                 }
                 why.push(format!("rank {rank} (pid {pid}) {}", end.describe()));

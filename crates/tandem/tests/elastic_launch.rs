@@ -548,3 +548,68 @@ fn keep_survivors_node_1_started_again_joins_at_the_next_round_with_the_same_bit
     assert_contains(&stdout_0, "world size: 2 -> 4 at epoch 1, step ");
     assert_same_bits(&expected, &hosts.output_dir, "node 1 lost, then back");
 }
+
+#[test]
+fn keep_survivors_workers_lost_on_either_node_leave_the_others_running_with_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = uninterrupted_run_of(dir.path(), "3");
+    let mut hosts = Hosts::new(dir.path(), "w");
+    hosts.epochs = "3".to_string();
+    let (mut node_0, mut node_1, [rank_0, rank_1]) = start_keeping_survivors(&hosts);
+    let (rank_2, rank_3) = (node_1.worker(2), node_1.worker(3));
+    send_signal(rank_3, libc::SIGKILL);
+    let first = format!(
+        "tandem launch: membership 1: rank 3 (pid {rank_3}) on node 1 killed by SIGKILL; ranks \
+         [0, 1, 2] go on in-process (world size 4 -> 3), nobody restarts\n"
+    );
+    wait_until(
+        "node 0's membership without rank 3",
+        || node_0.stderr().contains(&first),
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+    let step = snapshot_step(&hosts.output_dir).unwrap_or(0);
+    wait_for_step(&hosts, step + 3, &node_0);
+    send_signal(rank_1, libc::SIGKILL);
+    let second = format!(
+        "tandem launch: membership 2: rank 1 (pid {rank_1}) killed by SIGKILL; ranks [0, 2] go \
+         on in-process (world size 3 -> 2), nobody restarts\n"
+    );
+    wait_until(
+        "node 0's membership without rank 1",
+        || node_0.stderr().contains(&second),
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+    let step = snapshot_step(&hosts.output_dir).unwrap_or(0);
+    wait_for_step(&hosts, step + 2, &node_0);
+    assert_eq!(node_0.worker(0), rank_0, "rank 0 was restarted");
+    assert_eq!(node_1.worker(2), rank_2, "rank 2 was restarted");
+    let status_0 = node_0.wait(LIMIT);
+    let status_1 = node_1.wait(LIMIT);
+    let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
+    eprintln!("node 0 said:\n{stderr_0}\nnode 1 said:\n{stderr_1}");
+    assert!(status_0.success(), "{status_0:?}\n{stderr_0}");
+    assert!(status_1.success(), "{status_1:?}\n{stderr_1}");
+    assert_contains(
+        &stderr_1,
+        &format!(
+            "tandem launch: rank 3 (pid {rank_3}) on node 1 killed by SIGKILL; node 0 leaves it \
+             out of the job, the others go on (--keep-survivors)\n"
+        ),
+    );
+    assert_contains(
+        &stderr_1,
+        "tandem launch: every worker finished successfully\n",
+    );
+    let stdout_0 = node_0.stdout();
+    assert_contains(&stdout_0, "; world size 4 -> 3 at epoch ");
+    assert_contains(&stdout_0, "; world size 3 -> 2 at epoch ");
+    assert!(
+        !stdout_0.contains("resum"),
+        "nothing was read from disk:\n{stdout_0}"
+    );
+    assert_same_bits(
+        &expected,
+        &hosts.output_dir,
+        "ranks 3 and 1 lost, the others kept on",
+    );
+}
