@@ -697,7 +697,7 @@ fn lost_the_store(error: &anyhow::Error, nnodes: usize, report: NodeReport) -> J
 
 /// The end of this node's part of a `--keep-survivors` job when it lost the store: node 0
 /// leaves its workers out once its heartbeat stops, so they were killed (`workers`, as
-/// `(rank, pid)`) and the others go on without them.
+/// `(rank, pid)`); the others go on without them, unless node 0 itself is gone.
 fn lost_the_store_keeping_survivors(
     error: &anyhow::Error,
     node_rank: usize,
@@ -709,9 +709,9 @@ fn lost_the_store_keeping_survivors(
         .collect();
     JobEnd::Failed {
         summary: format!(
-            "node {node_rank} lost the store ({error:#}): node 0 leaves this node's workers out \
-             of the job once its heartbeat stops (--keep-survivors), so they were killed ({}); \
-             the other nodes go on without them",
+            "node {node_rank} lost the store ({error:#}) and killed its workers ({}): with \
+             --keep-survivors, node 0 leaves a node that it cannot hear out of the job, and the \
+             other nodes go on without it",
             listed.join(", ")
         ),
     }

@@ -2,7 +2,10 @@
 //! two hosts when the machine allows it, else both on loopback) train with
 //! `--global-batch-size`, so that the steps do not depend on the number of workers. Node 1 is
 //! killed for good mid-epoch: node 0 goes on alone after the last call and ends with the bits
-//! of an uninterrupted run; started again, node 1 joins the next round. Every wait is bounded
+//! of an uninterrupted run; started again, node 1 joins the next round. With
+//! `--keep-survivors` (node 1 then a host of its own, reached only through the link), node 1
+//! killed, cut off by its link going down, or its launcher stopped, and a worker lost on either
+//! node, leave the other workers running in-process with the same bits. Every wait is bounded
 //! and every launcher is killed if a test fails.
 
 mod common;
@@ -457,9 +460,9 @@ fn keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_th
     );
     assert!(
         error.ends_with(&format!(
-            "): node 0 leaves this node's workers out of the job once its heartbeat stops \
-             (--keep-survivors), so they were killed (rank 2 (pid {rank_2}), rank 3 (pid \
-             {rank_3})); the other nodes go on without them"
+            ") and killed its workers (rank 2 (pid {rank_2}), rank 3 (pid {rank_3})): with \
+             --keep-survivors, node 0 leaves a node that it cannot hear out of the job, and the \
+             other nodes go on without it"
         )),
         "{error}"
     );
