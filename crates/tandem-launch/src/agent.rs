@@ -1155,9 +1155,10 @@ impl Membership {
         if killed.is_empty() {
             return Ok(());
         }
+        let them = if killed.len() == 1 { "it" } else { "them" };
         say(&format!(
             "membership {}: {}; node 0 left node {}'s {} out of the job: this launcher killed \
-             them (SIGKILL)",
+             {them} (SIGKILL)",
             record.epoch,
             record.why,
             self.node,

@@ -900,4 +900,30 @@ mod tests {
         env.insert("TANDEM_JOB_TOKEN".to_string(), "shared".to_string());
         assert_eq!(resolve_token(&env, 2).unwrap().expose_secret(), "shared");
     }
+
+    #[test]
+    fn keep_survivors_spans_nodes_but_replace_lost_stays_on_one() {
+        let env: HashMap<String, String> = [(
+            "TANDEM_JOB_TOKEN".to_string(),
+            "options-test-secret".to_string(),
+        )]
+        .into();
+        let two_nodes = |extra: &[&str]| {
+            let flags = ["--nnodes", "2", "--master-addr", "h", "--keep-survivors"];
+            parse(&[&flags[..], extra, &["--", "true"]].concat()).unwrap()
+        };
+        assert!(
+            LaunchPlan::resolve(&two_nodes(&[]), &env)
+                .unwrap()
+                .keep_survivors
+        );
+        assert_eq!(
+            LaunchPlan::resolve(&two_nodes(&["--replace-lost"]), &env)
+                .unwrap_err()
+                .to_string(),
+            "--replace-lost starts workers in place of lost ones on one node for now; with 2 \
+             nodes, leave it out (--keep-survivors goes on without the lost workers, and a node \
+             started again joins at the next round)"
+        );
+    }
 }

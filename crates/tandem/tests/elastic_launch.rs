@@ -10,6 +10,7 @@
 
 mod common;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -37,6 +38,8 @@ fn train_args(output_dir: &Path) -> Vec<String> {
 
 /// Where the two nodes run: two network namespaces, or this machine's loopback.
 struct Hosts {
+    /// The sample trace of every worker (`TANDEM_SAMPLE_TRACE`).
+    trace: PathBuf,
     /// The run's epochs (`train_args` has 1).
     epochs: String,
     pair: Option<NetworkPair>,
@@ -74,6 +77,7 @@ impl Hosts {
             master_port,
             dir: dir.to_path_buf(),
             output_dir: dir.join("run"),
+            trace: dir.join("trace"),
             epochs: "1".to_string(),
         }
     }
@@ -106,6 +110,7 @@ impl Hosts {
         };
         let node_rank = node.to_string();
         let log_dir = self.dir.join(format!("logs-node{node}"));
+        std::fs::create_dir_all(&self.trace).unwrap();
         command
             .args(["launch", "--node-rank", &node_rank])
             .args(flags)
@@ -122,6 +127,7 @@ impl Hosts {
                 &self.epochs,
             ))
             .current_dir(&self.dir)
+            .env("TANDEM_SAMPLE_TRACE", &self.trace)
             .env("TANDEM_JOB_TOKEN", "elastic-test-secret")
             .process_group(0);
         Launcher::spawn(command, &self.dir, name)
@@ -347,6 +353,53 @@ fn fewer_nodes_than_the_minimum_end_the_job_naming_who_is_missing() {
     );
 }
 
+/// The world sizes at which each worker process (by pid) committed steps, from the sample
+/// trace (`samples-<pid>.jsonl`; a record torn by SIGKILL is skipped).
+fn world_sizes_by_pid(trace: &Path) -> BTreeMap<u32, BTreeSet<u64>> {
+    let mut sizes: BTreeMap<u32, BTreeSet<u64>> = BTreeMap::new();
+    for entry in std::fs::read_dir(trace).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("samples-")
+            .and_then(|rest| rest.strip_suffix(".jsonl"))
+        else {
+            continue;
+        };
+        let pid: u32 = pid.parse().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        for line in text.lines() {
+            if let Ok(record) = serde_json::from_str::<serde_json::Value>(line) {
+                let size = record["world_size"].as_u64().unwrap();
+                sizes.entry(pid).or_default().insert(size);
+            }
+        }
+    }
+    sizes
+}
+
+/// Asserts that each of `expected` (pid, world sizes) committed steps at exactly those world
+/// sizes, and that no other process committed any at the job's last size, `last`: the same
+/// processes went on, none was restarted.
+fn assert_went_on_in_process(trace: &Path, expected: &[(u32, &[u64])], last: u64) {
+    let sizes = world_sizes_by_pid(trace);
+    for (pid, wanted) in expected {
+        let wanted: BTreeSet<u64> = wanted.iter().copied().collect();
+        assert_eq!(sizes.get(pid), Some(&wanted), "process {pid}: {sizes:?}");
+    }
+    let at_last: Vec<u32> = sizes
+        .iter()
+        .filter(|(_, sizes)| sizes.contains(&last))
+        .map(|(pid, _)| *pid)
+        .collect();
+    let survivors: Vec<u32> = expected
+        .iter()
+        .filter(|(_, wanted)| wanted.contains(&last))
+        .map(|(pid, _)| *pid)
+        .collect();
+    assert_eq!(at_last, survivors, "{sizes:?}");
+}
+
 /// The launcher flags of the `--keep-survivors` tests: two nodes, no restart to hide behind,
 /// the default heartbeat timeout (1 s).
 const KEEP_SURVIVORS: [&str; 5] = ["--nnodes", "2", "--keep-survivors", "--max-restarts", "0"];
@@ -390,13 +443,6 @@ fn node_0_goes_on_without_node_1(
         rest,
         "ranks [0, 1] go on in-process (world size 4 -> 2), nobody restarts"
     );
-    let step = snapshot_step(&hosts.output_dir).unwrap_or(0);
-    wait_for_step(hosts, step + 2, node_0);
-    assert_eq!(
-        [node_0.worker(0), node_0.worker(1)],
-        survivors,
-        "node 0's workers were restarted"
-    );
     let status = node_0.wait(LIMIT);
     let stderr = node_0.stderr();
     eprintln!("node 0 said:\n{stderr}");
@@ -412,6 +458,8 @@ fn node_0_goes_on_without_node_1(
         !stdout.contains("resum"),
         "nothing was read from disk:\n{stdout}"
     );
+    let [rank_0, rank_1] = survivors;
+    assert_went_on_in_process(&hosts.trace, &[(rank_0, &[4, 2]), (rank_1, &[4, 2])], 2);
     assert_same_bits(expected, &hosts.output_dir, "node 1 lost, node 0 kept on");
 }
 
@@ -479,8 +527,10 @@ fn keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_th
 #[test]
 fn keep_survivors_node_1_stopped_past_the_heartbeat_timeout_is_left_out_and_says_so() {
     let dir = tempfile::tempdir().unwrap();
-    let expected = uninterrupted_run(dir.path());
-    let hosts = Hosts::new(dir.path(), "s");
+    // Long enough for node 0 to go on after node 1 ended.
+    let expected = uninterrupted_run_of(dir.path(), "3");
+    let mut hosts = Hosts::new(dir.path(), "s");
+    hosts.epochs = "3".to_string();
     let (mut node_0, mut node_1, survivors) = start_keeping_survivors(&hosts);
     // Node 1's launcher alone stops: its heartbeat with it, its workers run on.
     node_1.signal(libc::SIGSTOP);
@@ -582,10 +632,6 @@ fn keep_survivors_workers_lost_on_either_node_leave_the_others_running_with_the_
         || node_0.stderr().contains(&second),
         || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
     );
-    let step = snapshot_step(&hosts.output_dir).unwrap_or(0);
-    wait_for_step(&hosts, step + 2, &node_0);
-    assert_eq!(node_0.worker(0), rank_0, "rank 0 was restarted");
-    assert_eq!(node_1.worker(2), rank_2, "rank 2 was restarted");
     let status_0 = node_0.wait(LIMIT);
     let status_1 = node_1.wait(LIMIT);
     let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
@@ -610,6 +656,13 @@ fn keep_survivors_workers_lost_on_either_node_leave_the_others_running_with_the_
         !stdout_0.contains("resum"),
         "nothing was read from disk:\n{stdout_0}"
     );
+    let kept: [(u32, &[u64]); 4] = [
+        (rank_0, &[4, 3, 2]),
+        (rank_1, &[4, 3]),
+        (rank_2, &[4, 3, 2]),
+        (rank_3, &[4]),
+    ];
+    assert_went_on_in_process(&hosts.trace, &kept, 2);
     assert_same_bits(
         &expected,
         &hosts.output_dir,
