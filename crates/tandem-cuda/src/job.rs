@@ -18,9 +18,9 @@ use std::borrow::Cow;
 
 use tandem_engine::{BatchNormReducer, OptimizerConfig, OptimizerState};
 use tandem_models::training_device::{
-    DatasetUpload, DeviceResult, GradientHook, NcclJoin, StepConditions, StepReport, StepRequest,
-    TrainBatch, TrainImages, TrainingDevice, TrainingDeviceError, UploadPixels, Uploaded,
-    WholeSteps,
+    CommunicatorAbort, DatasetUpload, DeviceResult, GradientHook, NcclJoin, StepConditions,
+    StepReport, StepRequest, TrainBatch, TrainImages, TrainingDevice, TrainingDeviceError,
+    UploadPixels, Uploaded, WholeSteps,
 };
 use tandem_models::workspace::{Mode, Plan};
 use tandem_models::{LossOptions, Model, ModelError, ModelSpec};
@@ -452,6 +452,16 @@ impl TrainingDevice for GpuJob {
                 join.buckets,
             )
             .map_err(|error| during(cannot_join(), error))
+    }
+
+    fn leave_nccl(&mut self) -> DeviceResult<()> {
+        self.exec.leave_nccl();
+        Ok(())
+    }
+
+    fn nccl_abort(&self) -> Option<CommunicatorAbort> {
+        let handle = self.exec.nccl_abort_handle()?;
+        Some(Box::new(move |why: &str| handle.abort(why)))
     }
 
     fn sync_batch_norm_through_nccl(&mut self) -> DeviceResult<()> {

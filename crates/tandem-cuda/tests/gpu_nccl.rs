@@ -9,7 +9,9 @@
 //! of two ranks (the fake NCCL's: the other rank holds the same values, so each sum doubles)
 //! checks that SyncBatchNorm's statistics really are summed over the ranks: two identical
 //! ranks must train as one. The exact sum of `--global-batch-size`'s shard gradients on the
-//! device, through a world of one and the mirrored pair, equals `tandem_dist::exact`'s.
+//! device, through a world of one and the mirrored pair, equals `tandem_dist::exact`'s. A
+//! sum blocked on a lost rank (faked through the fake NCCL's files) returns when another
+//! thread aborts the communicator, and the executor then joins a new one.
 //!
 //! Skipped with a printed reason without a driver, the CUDA libraries, libnccl or a GPU (as
 //! on CI's machines).
@@ -473,4 +475,56 @@ fn a_rank_that_never_joins_ends_the_join_within_the_timeout() {
         exec.finish_all_reduce(),
         Err(GpuError::NoCommunicator)
     ));
+}
+
+/// On the fake GPU only: an exact sum blocked on a rank that joined the communicator and
+/// then was lost (the fake NCCL waits for its values forever, as NCCL does) returns within
+/// a second of an abort through the group's handle, from another thread, with the reason
+/// given; later calls fail with it, and after leaving the group the executor joins a new
+/// communicator and sums again. The lost rank is faked by its file in the fake NCCL's
+/// meeting folder.
+#[test]
+fn an_abort_from_another_thread_breaks_a_sum_blocked_on_a_lost_rank() {
+    let test = "an_abort_from_another_thread_breaks_a_sum_blocked_on_a_lost_rank";
+    let Some(probe) = gpu_probe(test, &[Library::Nccl]) else {
+        return;
+    };
+    if std::env::var_os("TANDEM_FAKE_GPU_KERNELS").is_none() {
+        println!("{test}: skipped: the lost rank is faked through the fake NCCL's files");
+        return;
+    }
+    let model = model();
+    let mut exec = common::executor(probe, Precision::Fp32, &model);
+    let id = create_unique_id(probe).unwrap();
+    let name: Vec<u8> = id.iter().copied().take_while(|&byte| byte != 0).collect();
+    let folder = std::env::temp_dir().join(String::from_utf8(name).unwrap());
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::write(folder.join("joined-1"), b"").unwrap();
+    let len = model.params().len();
+    exec.join_nccl(probe, &id, 0, 2, Duration::from_secs(60), buckets(len))
+        .unwrap();
+    let abort = exec.nccl_abort_handle().unwrap();
+    exec.keep_shard_gradients(0).unwrap();
+    let aborting = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        abort.abort("the job lost a member");
+        Instant::now()
+    });
+    let error = exec.exact_sum_shards(1, 2).unwrap_err();
+    let (returned, aborted) = (Instant::now(), aborting.join().unwrap());
+    std::fs::remove_dir_all(&folder).unwrap();
+    let expected = "NCCL failed: the job lost a member; the communicator was aborted";
+    assert_eq!(error.to_string(), expected);
+    assert!(
+        returned.saturating_duration_since(aborted) < Duration::from_secs(1),
+        "returned {:?} after the abort",
+        returned.saturating_duration_since(aborted)
+    );
+    assert_eq!(exec.nccl_health().unwrap_err().to_string(), expected);
+    exec.leave_nccl();
+    assert!(!exec.has_nccl() && exec.nccl_abort_handle().is_none());
+    join(probe, &mut exec, &model, Group::WorldOfOne, false);
+    exec.keep_shard_gradients(0).unwrap();
+    exec.exact_sum_shards(1, 1).unwrap();
+    exec.nccl_health().unwrap();
 }

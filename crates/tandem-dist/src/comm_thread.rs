@@ -34,6 +34,7 @@ pub struct Pending<T> {
 impl<T> Pending<T> {
     /// Blocks until the operation has run and returns its result.
     pub fn wait(self) -> Result<T> {
+        let _waiting = crate::heartbeat::waiting_for_peers();
         self.result
             .recv()
             .unwrap_or(Err(DistError::CommThreadStopped))

@@ -12,10 +12,10 @@
 //! [`Interrupt`]s, so that a collective blocked on a peer that will never answer (its link
 //! is down, it hangs) fails at once and the worker re-forms.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +34,117 @@ pub fn heartbeat_key(prefix: &str, rank: usize) -> String {
 /// The store key of the [`WorkerStatus`] of `rank` in the round of `prefix`.
 pub fn status_key(prefix: &str, rank: usize) -> String {
     format!("{prefix}/status/{rank}")
+}
+
+/// The store key of the [`Activity`] of `rank` in the round of `prefix`.
+pub fn activity_key(prefix: &str, rank: usize) -> String {
+    format!("{prefix}/activity/{rank}")
+}
+
+/// What a worker is doing, written at every beat: from it the launcher tells a worker that
+/// hangs while its heartbeat thread still beats (its peers wait for it in a collective, and
+/// it neither computes nor waits itself) from one that is only slow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Activity {
+    /// How long its current wait for its peers (a collective) has lasted, in milliseconds; 0
+    /// when it does not wait.
+    pub waiting_ms: u64,
+    /// The CPU time its process used so far, in milliseconds.
+    pub cpu_ms: u64,
+    /// Whether it is reading or writing files (a snapshot, a checkpoint), which may take a
+    /// while without using the CPU.
+    pub in_io: bool,
+}
+
+impl Activity {
+    /// This process's activity now.
+    pub fn now() -> Activity {
+        let since = WAITING_SINCE.load(Ordering::Relaxed);
+        let waiting_ms = match since {
+            0 => 0,
+            since => process_millis().saturating_sub(since - 1).max(1),
+        };
+        Activity {
+            waiting_ms,
+            cpu_ms: cpu_millis(),
+            in_io: IN_IO.load(Ordering::Relaxed) > 0,
+        }
+    }
+
+    /// The activity as the JSON the store holds.
+    pub fn to_json(&self) -> Vec<u8> {
+        // Numbers and a flag always serialize.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// An activity read back from the store.
+    pub fn from_json(bytes: &[u8]) -> Result<Activity, String> {
+        serde_json::from_slice(bytes).map_err(|error| format!("is not a worker activity: {error}"))
+    }
+}
+
+/// Since when (milliseconds of [`process_millis`], plus one) the process waits for its
+/// peers; 0 when it does not.
+static WAITING_SINCE: AtomicU64 = AtomicU64::new(0);
+
+/// How many file reads or writes the process is in.
+static IN_IO: AtomicUsize = AtomicUsize::new(0);
+
+/// Milliseconds since the process first asked.
+fn process_millis() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64
+}
+
+/// The CPU time, user and system, of every thread of this process so far, in milliseconds.
+fn cpu_millis() -> u64 {
+    // SAFETY: getrusage fills the zeroed struct it is given and reads nothing else.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        if libc::getrusage(libc::RUSAGE_SELF, &mut usage) != 0 {
+            return 0;
+        }
+        usage
+    };
+    let millis = |time: libc::timeval| time.tv_sec as u64 * 1000 + time.tv_usec as u64 / 1000;
+    millis(usage.ru_utime) + millis(usage.ru_stime)
+}
+
+/// Marks the process as waiting for its peers until dropped (the outermost wait counts).
+pub struct PeerWait {
+    outermost: bool,
+}
+
+/// Starts a wait for the peers; see [`PeerWait`].
+pub fn waiting_for_peers() -> PeerWait {
+    let since = process_millis() + 1;
+    let outermost = WAITING_SINCE
+        .compare_exchange(0, since, Ordering::Relaxed, Ordering::Relaxed)
+        .is_ok();
+    PeerWait { outermost }
+}
+
+impl Drop for PeerWait {
+    fn drop(&mut self) {
+        if self.outermost {
+            WAITING_SINCE.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Marks the process as reading or writing files until dropped.
+pub struct FileWork(());
+
+/// Starts file work; see [`FileWork`].
+pub fn doing_file_work() -> FileWork {
+    IN_IO.fetch_add(1, Ordering::Relaxed);
+    FileWork(())
+}
+
+impl Drop for FileWork {
+    fn drop(&mut self) {
+        IN_IO.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// What a worker tells `tandem status` about itself.
@@ -121,12 +232,15 @@ impl Heartbeat {
             watch: Mutex::new(None),
             interrupts: Mutex::new(Vec::new()),
         });
-        let beat_key = heartbeat_key(prefix, rank);
-        let status_key = status_key(prefix, rank);
+        let keys = WorkerKeys {
+            beat: heartbeat_key(prefix, rank),
+            status: status_key(prefix, rank),
+            activity: activity_key(prefix, rank),
+        };
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("tandem-heartbeat".into())
-            .spawn(move || beat(&client, &beat_key, &status_key, &thread_shared, interval))
+            .spawn(move || beat(&client, &keys, &thread_shared, interval))
             .ok();
         Heartbeat { shared, thread }
     }
@@ -189,15 +303,17 @@ impl Drop for Heartbeat {
 /// launcher that the worker stopped beating because it is finishing, not because it hangs.
 pub const ENDED: i64 = -(1 << 40);
 
-/// The heartbeat thread: bump, write a new status, sleep, until told to stop (then mark the
-/// counter [`ENDED`]) or the store fails.
-fn beat(
-    client: &StoreClient,
-    beat_key: &str,
-    status_key: &str,
-    shared: &Shared,
-    interval: Duration,
-) {
+/// A worker's keys in the store.
+struct WorkerKeys {
+    beat: String,
+    status: String,
+    activity: String,
+}
+
+/// The heartbeat thread: bump, write a new status and the activity, watch the membership,
+/// sleep, until told to stop (then mark the counter [`ENDED`]) or the store fails.
+fn beat(client: &StoreClient, keys: &WorkerKeys, shared: &Shared, interval: Duration) {
+    let (beat_key, status_key, activity_key) = (&keys.beat, &keys.status, &keys.activity);
     // A heartbeat of the same worker that ended before (a worker that joined a new group)
     // left its counter marked ended: take the mark back.
     match client.add(beat_key, 0) {
@@ -222,6 +338,12 @@ fn beat(
             if client.set(status_key, &status).is_err() {
                 return;
             }
+        }
+        if client
+            .set(activity_key, &Activity::now().to_json())
+            .is_err()
+        {
+            return;
         }
         check_membership(client, shared);
         let mut slept = Duration::ZERO;

@@ -17,6 +17,7 @@ use super::rendezvous::{
 };
 use super::report::{self, NodeReport, RootCause, WorkerReport, LOG_TAIL_LINES};
 use super::signals::{self, signal_name, StopRequest, SIGKILL, SIGTERM};
+use super::stalls::Stalls;
 use super::status;
 use super::worker::{
     error_file_path, now_micros, retry_while_short_of_resources, worker_env, JobEnv, Worker,
@@ -1387,6 +1388,8 @@ struct WorkerBeats {
     /// started in its place), which it must move from before it counts as beating.
     baselines: Vec<i64>,
     last_check: Instant,
+    /// The workers' activities, to find those that hang while they beat.
+    stalls: Stalls,
 }
 
 impl WorkerBeats {
@@ -1396,6 +1399,7 @@ impl WorkerBeats {
             beats: Heartbeats::new(workers, timeout),
             baselines: vec![0; workers],
             last_check: Instant::now(),
+            stalls: Stalls::new(workers, timeout),
         }
     }
 
@@ -1408,6 +1412,7 @@ impl WorkerBeats {
         count: usize,
     ) -> anyhow::Result<()> {
         self.beats.grow(count);
+        self.stalls.grow(count);
         for worker in &workers[workers.len() - count..] {
             let beat = store.worker_heartbeat(self.round, worker.place.rank)?;
             self.baselines.push(beat.max(0));
@@ -1415,30 +1420,39 @@ impl WorkerBeats {
         Ok(())
     }
 
-    /// Reads every running worker's heartbeat (at most once per heartbeat interval) and
-    /// kills the silent ones.
+    /// Reads every running worker's heartbeat and activity (at most once per heartbeat
+    /// interval), and kills the silent ones and the stalled ones.
     fn check(&mut self, store: &AgentStore, workers: &[Worker]) -> anyhow::Result<()> {
         if self.last_check.elapsed() < HEARTBEAT_INTERVAL {
             return Ok(());
         }
         self.last_check = Instant::now();
+        let mut beating = vec![false; workers.len()];
         for (index, worker) in workers.iter().enumerate() {
             if worker.end().is_some() {
+                self.stalls.observe(index, self.last_check, None);
                 continue;
             }
             let beat = store.worker_heartbeat(self.round, worker.place.rank)?;
             let baseline = self.baselines.get(index).copied().unwrap_or(0);
             // Before its first beat a worker is still starting, and after its last one it is
             // finishing: only its exit counts then.
-            if beat <= baseline || !self.beats.observe(index, beat) {
+            if beat <= baseline {
+                self.stalls.observe(index, self.last_check, None);
+                continue;
+            }
+            if !self.beats.observe(index, beat) {
+                let activity = store.worker_activity(self.round, worker.place.rank)?;
+                self.stalls.observe(index, self.last_check, activity);
+                beating[index] = true;
                 continue;
             }
             let silence = self.beats.silence_of(index);
-            if let Some(stopped) = worker.kill_silent(silence) {
-                let end = WorkerEnd::Silent {
-                    millis: silence.as_millis() as u64,
-                    stopped,
-                };
+            let silent = |stopped| WorkerEnd::Silent {
+                millis: silence.as_millis() as u64,
+                stopped,
+            };
+            if let Some(end) = worker.give_up_on(silent) {
                 say(&format!(
                     "rank {} (pid {}) {}",
                     worker.place.rank,
@@ -1447,7 +1461,28 @@ impl WorkerBeats {
                 ));
             }
         }
+        self.kill_the_stalled(workers, &beating);
         Ok(())
+    }
+
+    /// Kills each worker that stalls while its peers wait for it (see [`Stalls`]).
+    fn kill_the_stalled(&mut self, workers: &[Worker], beating: &[bool]) {
+        for stall in self.stalls.stalled(beating) {
+            let worker = &workers[stall.index];
+            let stalled = |_| WorkerEnd::Stalled {
+                idle_ms: stall.idle.as_millis() as u64,
+                waiting_rank: workers[stall.waiting_index].place.rank,
+                waited_ms: stall.waited.as_millis() as u64,
+            };
+            if let Some(end) = worker.give_up_on(stalled) {
+                say(&format!(
+                    "rank {} (pid {}) {}",
+                    worker.place.rank,
+                    worker.pid(),
+                    end.describe()
+                ));
+            }
+        }
     }
 }
 

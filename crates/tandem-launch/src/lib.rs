@@ -22,6 +22,7 @@ mod options;
 mod rendezvous;
 mod report;
 mod signals;
+mod stalls;
 mod status;
 mod worker;
 

@@ -604,6 +604,20 @@ impl AgentStore {
             .add(&tandem_dist::heartbeat::heartbeat_key(&prefix, rank), 0)?)
     }
 
+    /// The activity of worker `rank` of `round`, `None` before it wrote one.
+    pub fn worker_activity(
+        &self,
+        round: u32,
+        rank: usize,
+    ) -> anyhow::Result<Option<tandem_dist::heartbeat::Activity>> {
+        let prefix = tandem_dist::cluster::contract::store_prefix(round);
+        let key = tandem_dist::heartbeat::activity_key(&prefix, rank);
+        let Some(bytes) = self.client.get(&key)? else {
+            return Ok(None);
+        };
+        Ok(tandem_dist::heartbeat::Activity::from_json(&bytes).ok())
+    }
+
     /// The other nodes among `nodes` whose heartbeat has not moved for the tracker's silence.
     pub fn silent_nodes(
         &self,

@@ -117,6 +117,17 @@ pub enum WorkerEnd {
         /// Whether it was found stopped.
         stopped: bool,
     },
+    /// Its heartbeat thread beat, but it used no CPU and waited for nobody for `idle_ms`
+    /// milliseconds while `waiting_rank` waited `waited_ms` for it in a collective; killed
+    /// at once.
+    Stalled {
+        /// How long it made no progress.
+        idle_ms: u64,
+        /// The rank that waited longest for it.
+        waiting_rank: usize,
+        /// How long that rank had waited.
+        waited_ms: u64,
+    },
     /// The program could not be started.
     NotStarted(String),
     /// Still running after SIGKILL and the wait that follows it.
@@ -132,6 +143,7 @@ impl WorkerEnd {
                 | WorkerEnd::Signal(_)
                 | WorkerEnd::Stuck
                 | WorkerEnd::Silent { .. }
+                | WorkerEnd::Stalled { .. }
                 | WorkerEnd::NotStarted(_)
         )
     }
@@ -139,7 +151,10 @@ impl WorkerEnd {
     /// Whether the launcher killed it as the worker its peers were waiting for: found stopped
     /// or silent.
     pub fn gave_up_on(&self) -> bool {
-        matches!(self, WorkerEnd::Stuck | WorkerEnd::Silent { .. })
+        matches!(
+            self,
+            WorkerEnd::Stuck | WorkerEnd::Silent { .. } | WorkerEnd::Stalled { .. }
+        )
     }
 
     /// A short description, e.g. "exited with code 3" or "stopped by the launcher (SIGTERM)".
@@ -164,6 +179,17 @@ impl WorkerEnd {
                     false => "it runs but is hung",
                 }
             ),
+            WorkerEnd::Stalled {
+                idle_ms,
+                waiting_rank,
+                waited_ms,
+            } => format!(
+                "made no progress for {:.1} s (no CPU time, no wait for its peers) while rank \
+                 {waiting_rank} waited {:.1} s for it in a collective: it hangs; the launcher \
+                 killed it (SIGKILL)",
+                *idle_ms as f64 / 1000.0,
+                *waited_ms as f64 / 1000.0
+            ),
             WorkerEnd::NotStarted(reason) => format!("could not start: {reason}"),
             WorkerEnd::Unkillable => "still running after SIGKILL".into(),
         }
@@ -178,9 +204,9 @@ struct ProcessState {
     launcher_signal: Option<i32>,
     /// The launcher killed it because it was found stopped.
     found_stopped: bool,
-    /// The launcher killed it because its heartbeat stopped: for how long, and whether it
-    /// was stopped.
-    silent: Option<(Duration, bool)>,
+    /// The end the launcher gave it when it killed it as a worker that its peers wait for
+    /// in vain (silent, or stalled).
+    given_up: Option<WorkerEnd>,
 }
 
 /// A started (or failed-to-start) worker.
@@ -214,7 +240,7 @@ impl Worker {
                 exit: Some((WorkerEnd::NotStarted(failure.to_string()), now_micros())),
                 launcher_signal: None,
                 found_stopped: false,
-                silent: None,
+                given_up: None,
             }))
         });
         Worker {
@@ -256,19 +282,20 @@ impl Worker {
         true
     }
 
-    /// Kills a running worker whose heartbeat has not moved for `silence`; returns whether it
-    /// was stopped (SIGSTOP or a debugger), or `None` when it had already ended.
-    pub fn kill_silent(&self, silence: Duration) -> Option<bool> {
+    /// Kills a running worker that its peers wait for in vain (its heartbeat is silent, or
+    /// it stalls); `end(stopped)` says why, given whether it was found stopped (SIGSTOP or a
+    /// debugger). Returns that end, or `None` when it had already ended or been given up on.
+    pub fn give_up_on(&self, end: impl FnOnce(bool) -> WorkerEnd) -> Option<WorkerEnd> {
         let mut state = lock(&self.state);
-        if state.exit.is_some() || state.silent.is_some() {
+        if state.exit.is_some() || state.given_up.is_some() {
             return None;
         }
-        let stopped = is_stopped(state.pid);
-        state.silent = Some((silence, stopped));
+        let end = end(is_stopped(state.pid));
+        state.given_up = Some(end.clone());
         state.launcher_signal = Some(signals::SIGKILL);
         // SIGKILL ends a stopped process too; ESRCH is impossible while unreaped.
         let _ = signals::send_signal(state.pid, signals::SIGKILL);
-        Some(stopped)
+        Some(end)
     }
 
     /// The process id of a started worker.
@@ -456,7 +483,7 @@ fn watch(
         exit: None,
         launcher_signal: None,
         found_stopped: false,
-        silent: None,
+        given_up: None,
     }));
     let watcher_state = Arc::clone(&state);
     let watcher = thread::Builder::new()
@@ -479,12 +506,8 @@ fn watch_until_exit(mut child: Child, state: &Mutex<ProcessState>) {
     let ended_at = now_micros();
     let mut state = lock(state);
     let end = match (exited, child.wait()) {
-        (Ok(()), Ok(_)) if state.silent.is_some() => {
-            let (silence, stopped) = state.silent.unwrap_or_default();
-            WorkerEnd::Silent {
-                millis: silence.as_millis() as u64,
-                stopped,
-            }
+        (Ok(()), Ok(_)) if state.given_up.is_some() => {
+            state.given_up.take().unwrap_or(WorkerEnd::Stuck)
         }
         (Ok(()), Ok(_)) if state.found_stopped => WorkerEnd::Stuck,
         (Ok(()), Ok(status)) => classify(status, state.launcher_signal),

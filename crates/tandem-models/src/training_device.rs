@@ -400,6 +400,19 @@ pub trait TrainingDevice: Send {
         ))
     }
 
+    /// Leaves the NCCL communicator joined, if any, aborting it (a collective blocked on a
+    /// lost peer returns): the device computes alone until it joins another.
+    fn leave_nccl(&mut self) -> DeviceResult<()> {
+        Ok(())
+    }
+
+    /// What aborts the joined NCCL communicator from another thread, given why: a
+    /// collective blocked on a lost peer then returns, and the device's later NCCL work
+    /// fails with that reason. `None` without a communicator.
+    fn nccl_abort(&self) -> Option<CommunicatorAbort> {
+        None
+    }
+
     /// SyncBatchNorm through the joined NCCL communicator: pass no host reducer to the
     /// forward and backward then.
     fn sync_batch_norm_through_nccl(&mut self) -> DeviceResult<()> {
@@ -452,6 +465,10 @@ pub trait TrainingDevice: Send {
         Err(no_device_shards())
     }
 }
+
+/// Aborts a device's NCCL communicator from any thread, given why
+/// ([`TrainingDevice::nccl_abort`]).
+pub type CommunicatorAbort = Box<dyn Fn(&str) + Send + Sync>;
 
 /// The error of a shard call on a device that keeps no shard gradients.
 fn no_device_shards() -> TrainingDeviceError {

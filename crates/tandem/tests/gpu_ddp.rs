@@ -19,7 +19,11 @@
 //! - `kill -9` of one of two GPU workers: the launcher restarts the round, the workers resume,
 //!   and the final weights are bit-identical to an uninterrupted run;
 //! - a worker stopped with SIGSTOP is found by its heartbeat, killed, and named by the
-//!   launcher.
+//!   launcher;
+//! - `--keep-survivors` through NCCL (three fake GPUs on the fake GPU): `kill -9` of one of
+//!   three workers; the survivors abort their communicator, re-form the job in-process with
+//!   a new one, and end with the bytes of the uninterrupted run; on GPUs without `--backend
+//!   nccl`, `--keep-survivors` is refused.
 //!
 //! Skipped with a printed reason without the CUDA libraries, a visible GPU (and, for NCCL,
 //! libnccl), as on CI's machines; run by `scripts/gpu-check`. **It has not yet run on a GPU.**
@@ -33,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     assert_contains, assert_same_bits, expect_failure, expect_success, read_tensors, run_bounded,
-    synthetic_run, tandem, with_flag, worst_error_per_family, Launcher,
+    send_signal, synthetic_run, tandem, with_flag, worst_error_per_family, Launcher,
 };
 use tandem_cuda::device::REQUIRED_LIBRARIES;
 use tandem_cuda::Library;
@@ -330,22 +334,26 @@ fn a_global_batch_on_the_gpu_ends_with_the_same_bits_on_one_and_two_processes() 
     assert_same_bits(&path("alone"), &path("two"), "two processes against one");
 }
 
-/// Two GPUs for two processes under NCCL: on the fake GPU, two fake GPUs (the fake NCCL then
-/// meets its ranks through files, put in `scratch`); on a real machine, its own when it has
-/// two. `None` (after printing why) with one real GPU: NCCL refuses two ranks on one GPU.
-fn two_gpus(test: &str, scratch: &Path) -> Option<Vec<(&'static str, String)>> {
+/// `count` GPUs for as many processes under NCCL: on the fake GPU, `count` fake GPUs (the
+/// fake NCCL then meets its ranks through files, put in `scratch`); on a real machine, its
+/// own when it has that many. `None` (after printing why) with fewer real GPUs: NCCL
+/// refuses two ranks on one GPU.
+fn gpus(count: usize, test: &str, scratch: &Path) -> Option<Vec<(&'static str, String)>> {
     if std::env::var_os("TANDEM_FAKE_GPU_KERNELS").is_some() {
         let scratch = scratch.display().to_string();
         return Some(vec![
-            ("TANDEM_FAKE_GPU_COUNT", "2".into()),
+            ("TANDEM_FAKE_GPU_COUNT", count.to_string()),
             ("TMPDIR", scratch),
         ]);
     }
     let facts = tandem_cuda::device::GpuFacts::gather(tandem_cuda::Probe::process());
-    if facts.visible_gpus.is_ok_and(|gpus| gpus >= 2) {
+    if facts.visible_gpus.is_ok_and(|gpus| gpus >= count) {
         return Some(Vec::new());
     }
-    println!("{test}: two processes under NCCL skipped: one GPU, and NCCL refuses two ranks on it");
+    println!(
+        "{test}: {count} processes under NCCL skipped: fewer GPUs, and NCCL refuses two ranks \
+         on one"
+    );
     None
 }
 
@@ -391,7 +399,7 @@ fn a_global_batch_through_nccl_ends_with_the_bits_of_the_host_ring_and_one_proce
         &path("nccl"),
         "NCCL against two processes on the ring",
     );
-    let Some(gpus) = two_gpus(test, dir.path()) else {
+    let Some(gpus) = gpus(2, test, dir.path()) else {
         return;
     };
     let mut command = launch_command(2, 0, &[], &run("nccl-two", "auto"));
@@ -405,6 +413,138 @@ fn a_global_batch_through_nccl_ends_with_the_bits_of_the_host_ring_and_one_proce
         &path("alone"),
         &path("nccl-two"),
         "two processes under NCCL",
+    );
+}
+
+/// A job of `--global-batch-size 24` through NCCL in `output_dir`: 2 epochs of 10 steps of
+/// 3 shards of 8.
+fn global_batch_through_nccl(output_dir: &Path) -> Vec<String> {
+    let args = with_flag(
+        short_run(output_dir, 240, 8, 2, "cuda"),
+        "--backend",
+        "nccl",
+    );
+    with_flag(args, "--global-batch-size", "24")
+}
+
+/// How soon after a kill the survivors of `--keep-survivors` must have re-formed the job:
+/// well within the default collective timeout (300 s), on a loaded machine.
+const REFORM_LIMIT: Duration = Duration::from_secs(60);
+
+/// Waits until the workers of `launcher` recorded `steps` steps in all in the sample trace
+/// `trace` (one line per worker and step).
+fn wait_for_traced_steps(launcher: &mut Launcher, trace: &Path, steps: usize) {
+    let deadline = Instant::now() + LIMIT;
+    let traced = || -> usize {
+        let files = std::fs::read_dir(trace).into_iter().flatten().flatten();
+        files
+            .map(|file| std::fs::read_to_string(file.path()).unwrap_or_default())
+            .map(|text| text.lines().count())
+            .sum()
+    };
+    while traced() < steps {
+        assert!(!launcher.has_exited(), "{}", launcher.stderr());
+        assert!(Instant::now() < deadline, "fewer than {steps} steps traced");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// `tandem launch --keep-survivors` on GPUs: of 3 workers of a global batch through NCCL
+/// (3 fake GPUs on the fake GPU), one is killed with SIGKILL in epoch 1; the heartbeat of
+/// each survivor aborts its NCCL communicator, so the exact sum blocked on the lost rank
+/// returns at once instead of after the collective timeout (300 s); the survivors re-form
+/// the job in-process with a new communicator, are not restarted, and end with the bytes of
+/// the uninterrupted run.
+#[test]
+fn survivors_of_a_kill_9_re_form_through_nccl_in_process_and_end_bit_identical() {
+    let test = "survivors_of_a_kill_9_re_form_through_nccl_in_process_and_end_bit_identical";
+    if !gpu_available(test, true) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let Some(gpus) = gpus(3, test, dir.path()) else {
+        return;
+    };
+    let straight = dir.path().join("straight");
+    let mut command = launch_command(3, 0, &[], &global_batch_through_nccl(&straight));
+    expect_success(&run_bounded(command.envs(gpus.clone()), LIMIT));
+
+    let (reformed, trace) = (dir.path().join("reformed"), dir.path().join("trace"));
+    std::fs::create_dir(&trace).unwrap();
+    let job = global_batch_through_nccl(&reformed);
+    let mut command = launch_command(3, 0, &["--keep-survivors"], &job);
+    command.envs(gpus).env("TANDEM_SAMPLE_TRACE", &trace);
+    let mut launcher = Launcher::spawn(command, dir.path(), "reformed");
+    wait_for_traced_steps(&mut launcher, &trace, 3 * 3);
+    let (victim, survivors) = (launcher.worker(2), [launcher.worker(0), launcher.worker(1)]);
+    send_signal(victim, libc::SIGKILL);
+    let killed = Instant::now();
+    let reformed_line = "world size 3 -> 2 at epoch 1, step ";
+    while !launcher.stdout().contains(reformed_line) {
+        assert!(!launcher.has_exited(), "{}", launcher.stderr());
+        // Far below the collective timeout that a survivor blocked in NCCL would wait.
+        let waited = killed.elapsed();
+        assert!(
+            waited < REFORM_LIMIT,
+            "no re-forming after {waited:?}\n{}",
+            launcher.stdout()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        [launcher.worker(0), launcher.worker(1)],
+        survivors,
+        "the survivors were not restarted"
+    );
+    let status = launcher.wait(LIMIT);
+    let (stdout, stderr) = (launcher.stdout(), launcher.stderr());
+    assert!(status.success(), "{stderr}");
+    assert_contains(
+        &stderr,
+        &format!(
+            "membership 1: rank 2 (pid {victim}) killed by SIGKILL; ranks [0, 1] go on \
+             in-process (world size 3 -> 2), nobody restarts"
+        ),
+    );
+    assert!(
+        !stdout.contains("resum"),
+        "nothing was read from disk:\n{stdout}"
+    );
+    let expected = std::fs::read(straight.join("epoch_2.safetensors")).unwrap();
+    let actual = std::fs::read(reformed.join("epoch_2.safetensors")).unwrap();
+    assert!(
+        expected == actual,
+        "the re-formed GPU job's final weights differ from the uninterrupted one's\n{stdout}"
+    );
+    assert_same_bits(&straight, &reformed, "3 GPU workers, one killed");
+}
+
+#[test]
+fn keep_survivors_on_gpus_without_backend_nccl_is_refused() {
+    if !gpu_available(
+        "keep_survivors_on_gpus_without_backend_nccl_is_refused",
+        false,
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let train = short_run(&dir.path().join("run"), 64, 8, 1, "cuda");
+    let train = with_flag(train, "--global-batch-size", "32");
+    let output = run_bounded(
+        &mut launch_command(2, 0, &["--keep-survivors"], &train),
+        LIMIT,
+    );
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(output.status.code(), Some(2), "{printed}");
+    assert_contains(
+        &printed,
+        "tandem launch --keep-survivors re-forms GPU jobs through NCCL only: add --backend nccl \
+         (each worker on a GPU of its own), or leave --keep-survivors out: a lost worker then \
+         restarts every worker from the snapshot",
     );
 }
 

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -210,6 +211,104 @@ fn a_stopped_worker_is_found_by_its_silent_heartbeat_killed_and_named_as_the_roo
         "{stderr}"
     );
     // Without the heartbeat, the job would wait the 600 s collective timeout.
+    assert!(waited < Duration::from_secs(60), "took {waited:?}");
+}
+
+/// The CPU time of each thread of process `pid` but the heartbeat's and the comm thread's.
+fn cpu_per_thread(pid: u32) -> BTreeMap<libc::pid_t, u64> {
+    let cpu_of = |tid: &str| -> Option<u64> {
+        let name = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm")).ok()?;
+        if name.starts_with("tandem-heartbea") || name.starts_with("comm-rank") {
+            return None;
+        }
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
+        let (_, fields) = stat.rsplit_once(") ")?;
+        let fields: Vec<&str> = fields.split_whitespace().collect();
+        Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+    };
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|task| task.ok()?.file_name().into_string().ok())
+        .filter_map(|tid| Some((tid.parse().ok()?, cpu_of(&tid)?)))
+        .collect()
+}
+
+/// The thread of process `pid` that trains: the one whose CPU time grows the most.
+fn training_thread(pid: u32) -> libc::pid_t {
+    let before = cpu_per_thread(pid);
+    std::thread::sleep(Duration::from_millis(500));
+    cpu_per_thread(pid)
+        .into_iter()
+        .map(|(tid, cpu)| (cpu - before.get(&tid).copied().unwrap_or(0).min(cpu), tid))
+        .max()
+        .map(|(_, tid)| tid)
+        .expect("a training thread")
+}
+
+/// Stops only the training thread of process `pid` with ptrace, as a deadlock would, while
+/// its other threads (the heartbeat's) run on. The thread that returns keeps tracing it
+/// until it dies or `limit` passes, so that its death reaches its parent.
+fn freeze_the_training_thread(pid: u32, limit: Duration) -> std::thread::JoinHandle<bool> {
+    let (frozen, told) = std::sync::mpsc::channel();
+    let tracer = std::thread::spawn(move || {
+        let pid = training_thread(pid);
+        // SAFETY: ptrace on a process of this test's; no memory is passed.
+        let seized = unsafe {
+            libc::ptrace(libc::PTRACE_SEIZE, pid, 0, 0) == 0
+                && libc::ptrace(libc::PTRACE_INTERRUPT, pid, 0, 0) == 0
+        };
+        let _ = frozen.send(seized);
+        let deadline = Instant::now() + limit;
+        while seized && Instant::now() < deadline {
+            let mut status = 0;
+            // SAFETY: waitpid writes only the status it is given.
+            let waited = unsafe { libc::waitpid(pid, &mut status, libc::__WALL | libc::WNOHANG) };
+            if waited == pid && (libc::WIFSIGNALED(status) || libc::WIFEXITED(status)) {
+                return true;
+            }
+            if waited < 0 {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: as above.
+        unsafe { libc::ptrace(libc::PTRACE_DETACH, pid, 0, 0) };
+        false
+    });
+    assert!(
+        told.recv().unwrap(),
+        "ptrace could not stop the worker's thread"
+    );
+    tracer
+}
+
+#[test]
+fn a_worker_whose_training_thread_hangs_while_it_beats_is_found_stalled_and_named() {
+    // The heartbeat thread beats on: only the peer's wait in a collective, while the hung
+    // worker neither computes nor waits, tells.
+    let launch_args = ["--max-restarts", "0", "--stop-grace-seconds", "60"];
+    let timeout = ["--collective-timeout", "600"];
+    let (_dir, _output, mut launcher) = start_training(&launch_args, 1000, &timeout, None);
+    let stuck = launcher.worker(1);
+    let frozen_at = Instant::now();
+    let tracer = freeze_the_training_thread(stuck, LIMIT);
+    let stderr = launcher.exits_with(1, LIMIT);
+    let waited = frozen_at.elapsed();
+    assert!(tracer.join().unwrap(), "the hung worker was killed");
+    assert!(
+        stderr.contains(&format!("rank 1 (pid {stuck}) made no progress for ")),
+        "{stderr}"
+    );
+    let cause = "root cause: rank 1 (node 0, local rank 1) made no progress for ";
+    let (_, after) = stderr.split_once(cause).expect(&stderr);
+    let line = after.lines().next().unwrap_or_default();
+    assert!(
+        line.contains(" s (no CPU time, no wait for its peers) while rank 0 waited ")
+            && line
+                .ends_with(" s for it in a collective: it hangs; the launcher killed it (SIGKILL)"),
+        "{stderr}"
+    );
+    // Without it, the job would wait the 600 s collective timeout.
     assert!(waited < Duration::from_secs(60), "took {waited:?}");
 }
 

@@ -6,13 +6,16 @@
 //! group bounds every wait itself: the join runs on a helper thread and is given up after the
 //! timeout, and a watchdog thread aborts the communicator (`ncclCommAbort`, which NCCL allows
 //! from another thread and which makes its kernels in flight return) when a collective passes
-//! its deadline or `ncclCommGetAsyncError` reports an error. The host never waits for a
-//! collective inside a step: the compute stream waits on an event recorded after them.
+//! its deadline or `ncclCommGetAsyncError` reports an error, or when an [`NcclAbort`]
+//! handle says the job lost a member. `ncclCommAbort` frees the communicator, so every
+//! abort goes through one flag: it is aborted once, never destroyed, and never used after.
+//! The host never waits for a collective inside a step: the compute stream waits on an
+//! event recorded after them.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -182,6 +185,19 @@ impl Communicator {
         true
     }
 
+    /// Aborts the communicator unless it was aborted already, once no other thread uses it
+    /// (the watchdog has stopped).
+    fn abort_unused(&self) {
+        let mut state = self.state();
+        if !state.aborted {
+            state.aborted = true;
+            // SAFETY: `raw` came from a successful `ncclCommInitRank` and was not aborted
+            // (`aborted`, checked and set under the lock, makes this the only abort); no
+            // other thread calls NCCL on it any more, and none will after `aborted`.
+            let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
+        }
+    }
+
     /// The communicator's asynchronous error, if it has one (called by the watchdog only).
     fn async_error(&self) -> Option<String> {
         if self.state().aborted {
@@ -205,14 +221,8 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        // Abort rather than destroy: destroy waits for the peers, which may be gone. Nothing
-        // else holds the communicator any more (the watchdog has stopped).
-        let mut state = self.state();
-        if !state.aborted {
-            // SAFETY: as in `abort_when_safe`; the last holder is letting it go.
-            let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
-            state.aborted = true;
-        }
+        // Abort rather than destroy: destroy waits for the peers, which may be gone.
+        self.abort_unused();
     }
 }
 
@@ -220,6 +230,29 @@ impl Drop for Communicator {
 struct Watch {
     deadlines: Mutex<Deadlines<CudaEvent>>,
     stop: AtomicBool,
+}
+
+/// Aborts the communicator of an [`NcclGroup`] from any thread (the heartbeat's, when the
+/// job lost a member): the group's verdict becomes the failure given, and its watchdog
+/// aborts the communicator at its next look (as after a time-out), so that a collective
+/// blocked on a lost peer returns and every later call of the group fails. It touches no
+/// NCCL handle itself, and does nothing once the group is gone.
+#[derive(Clone)]
+pub struct NcclAbort {
+    watch: Weak<Watch>,
+}
+
+impl NcclAbort {
+    /// Fails the group with `why` (unless it failed already) and has it aborted.
+    pub fn abort(&self, why: &str) {
+        if let Some(watch) = self.watch.upgrade() {
+            watch
+                .deadlines
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .fail(why.to_string());
+        }
+    }
 }
 
 /// One rank's NCCL communicator, the stream its collectives run on, and its watchdog.
@@ -340,6 +373,13 @@ impl NcclGroup {
     /// The stream the collectives run on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// A handle that aborts this group's communicator from another thread.
+    pub fn abort_handle(&self) -> NcclAbort {
+        NcclAbort {
+            watch: Arc::downgrade(&self.watch),
+        }
     }
 
     /// The watchdog's verdict as an error: a collective that timed out or failed (the
@@ -550,7 +590,8 @@ impl Drop for NcclGroup {
         if let Some(watchdog) = self.watchdog.take() {
             let _ = watchdog.join();
         }
-        // The communicator is aborted when its last holder (this group) lets it go.
+        // Before the stream goes: collectives blocked on a lost peer return.
+        self.communicator.abort_unused();
     }
 }
 

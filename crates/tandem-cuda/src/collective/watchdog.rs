@@ -125,6 +125,14 @@ impl<T> Deadlines<T> {
         }
     }
 
+    /// Records a failure found outside the pending list (the job lost a member, so the
+    /// communicator is to be aborted), unless an earlier verdict stands.
+    pub fn fail(&mut self, why: String) {
+        if self.verdict == Verdict::Healthy {
+            self.verdict = Verdict::Failed(why);
+        }
+    }
+
     /// Looks at the pending collectives at `now`: `async_error` is the communicator's own
     /// error, if it reported one; `finished` says whether a marker's work is done (or why it
     /// cannot say). Finished ones are dropped, oldest first; the first failure sticks.
@@ -301,6 +309,30 @@ mod tests {
             &Verdict::TimedOut {
                 what: step.into(),
                 waited: 10 * second,
+            }
+        );
+    }
+
+    #[test]
+    fn a_failure_from_outside_sticks_and_does_not_replace_an_earlier_verdict() {
+        let mut deadlines: Deadlines<()> = Deadlines::new(Duration::from_secs(10));
+        deadlines.fail("a member was lost".into());
+        deadlines.fail("a later reason".into());
+        assert_eq!(
+            deadlines.poll(Instant::now(), None, |_| Ok(true)),
+            &Verdict::Failed("a member was lost".into())
+        );
+        let mut timed_out: Deadlines<()> = Deadlines::new(Duration::from_secs(10));
+        timed_out.time_out(
+            "ncclAllReduce (blocked inside NCCL)".into(),
+            Duration::from_secs(10),
+        );
+        timed_out.fail("a member was lost".into());
+        assert_eq!(
+            timed_out.verdict(),
+            &Verdict::TimedOut {
+                what: "ncclAllReduce (blocked inside NCCL)".into(),
+                waited: Duration::from_secs(10),
             }
         );
     }

@@ -26,7 +26,7 @@ use super::kernels::{Ptr, Queue};
 use super::launch::per_element;
 use super::step::GradientSink;
 use super::{address, at, CudaExecutor, GpuError};
-use crate::collective::{bucket_ops, BucketCursor, BucketOp, NcclGroup};
+use crate::collective::{bucket_ops, BucketCursor, BucketOp, NcclAbort, NcclGroup};
 use crate::nccl::UNIQUE_ID_BYTES;
 use crate::probe::Probe;
 
@@ -64,6 +64,20 @@ impl CudaExecutor {
             sync_batch_norm: false,
         });
         Ok(())
+    }
+
+    /// Leaves the NCCL group, if any: the captured graphs that hold its collectives are
+    /// destroyed and its communicator is aborted (a collective blocked on a lost peer
+    /// returns); the device computes alone until it joins another.
+    pub fn leave_nccl(&mut self) {
+        self.release_graphs();
+        self.data_parallel = None;
+    }
+
+    /// A handle that aborts the NCCL group's communicator from another thread; `None`
+    /// without a group.
+    pub fn nccl_abort_handle(&self) -> Option<NcclAbort> {
+        self.nccl_group().map(NcclGroup::abort_handle)
     }
 
     /// SyncBatchNorm through the NCCL group: from now on every training forward and backward

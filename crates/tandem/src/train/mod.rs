@@ -189,13 +189,14 @@ fn join_the_job(
     )
 }
 
-/// Joins the device to the job's NCCL group (and SyncBatchNorm through it), saying so on
-/// rank 0; with `shards` (`--global-batch-size`) the group carries the shards' exact sum.
+/// Joins the device to the NCCL group of `ddp`'s ranks (a unique id of its own, through
+/// the group's store namespace), and SyncBatchNorm through it. The group's heartbeat
+/// aborts the communicator when the job's membership moves on without one of its members
+/// (`--keep-survivors`), so that a collective blocked on the lost peer returns.
 fn join_nccl(
     compute: &mut dyn TrainingDevice,
     ddp: &Ddp,
     settings: &TrainSettings,
-    shards: bool,
 ) -> anyhow::Result<()> {
     let timeout = Duration::from_secs_f64(settings.collective_timeout);
     let unique_id = ddp.nccl_unique_id(timeout)?;
@@ -209,6 +210,23 @@ fn join_nccl(
     if settings.sync_bn {
         compute.sync_batch_norm_through_nccl()?;
     }
+    if let Some(abort) = compute.nccl_abort() {
+        ddp.on_membership_loss(Box::new(move |why| {
+            abort(&format!("the job lost a member ({why})"));
+        }));
+    }
+    Ok(())
+}
+
+/// [`join_nccl`] at the job's start, saying on rank 0 how the group carries the gradients:
+/// with `shards` (`--global-batch-size`), the shards' exact sum.
+fn start_nccl(
+    compute: &mut dyn TrainingDevice,
+    ddp: &Ddp,
+    settings: &TrainSettings,
+    shards: bool,
+) -> anyhow::Result<()> {
+    join_nccl(compute, ddp, settings)?;
     if ddp.rank() == 0 && shards {
         say!("gradients: the shards' exact sum runs on the GPUs, through NCCL");
     } else if ddp.rank() == 0 {
@@ -351,7 +369,8 @@ impl Trainer {
         let (sampler, shards, steps_per_epoch) =
             epoch_sampling(&settings, train_set.len(), world_size, rank)?;
         check_shards_sync_bn(shards.as_ref(), device, &settings)?;
-        let membership = reform::membership_of(placement.as_ref(), shards, device, &settings)?;
+        let membership =
+            reform::membership_of(placement.as_ref(), shards, device, backend, &settings)?;
         let joiner = membership.as_ref().is_some_and(|member| member.joiner);
         let schedule = build_schedule(&settings, steps_per_epoch, world_size);
         let optimizer = build_optimizer(&settings, schedule.lr_at(0));
@@ -368,7 +387,7 @@ impl Trainer {
         let mut compute = crate::device::open_training_device(model, device, math)?;
         compute.set_optimizer(optimizer);
         if let (Some(Backend::Nccl), Some(ddp)) = (backend, ddp.as_ref()) {
-            join_nccl(&mut *compute, ddp, &settings, shards.is_some())?;
+            start_nccl(&mut *compute, ddp, &settings, shards.is_some())?;
         }
         let sync = gradient_sync_of(shards, ddp, &mut *compute, &settings)?;
         let (batches_on_device, eval_on_device) = upload_data_sets(
@@ -448,6 +467,7 @@ impl Trainer {
     /// it to the other ranks, so only rank 0 needs the file.
     fn resume_if_possible(&mut self) -> anyhow::Result<bool> {
         let local = if self.is_leader() {
+            let _files = tandem_dist::heartbeat::doing_file_work();
             self.newest_snapshot()?
         } else {
             None
@@ -984,15 +1004,19 @@ impl Trainer {
     /// out, the error also names the peer that stopped answering, as the ring finds it.
     fn train_step(&mut self, micro_batches: &[MicroBatch], lr: f64) -> anyhow::Result<StepOutcome> {
         let outcome = self.averaged_step(micro_batches, lr);
-        outcome.map_err(
-            |error| match (self.sync.group(), self.compute.nccl_failure()) {
-                (Some(ddp), Some(_)) => match ddp.name_stalled_peer() {
-                    Some(peer) => error.context(format!("the ring's view of the failure: {peer}")),
-                    None => error,
-                },
-                _ => error,
-            },
-        )
+        outcome.map_err(|error| {
+            if self.compute.nccl_failure().is_none() {
+                return error;
+            }
+            if self.membership.is_some() {
+                // The survivors re-form the job without asking the ring, which lost a member.
+                return reform::nccl_group_failed(error);
+            }
+            match self.sync.group().and_then(Ddp::name_stalled_peer) {
+                Some(peer) => error.context(format!("the ring's view of the failure: {peer}")),
+                None => error,
+            }
+        })
     }
 
     /// [`Trainer::train_step`]'s work: the step through the gradient-sync strategy, then
@@ -1203,6 +1227,8 @@ impl Trainer {
             record.epoch_seconds,
             record.images_per_second
         );
+        // Its peers wait for rank 0 meanwhile: it is busy, not hung.
+        let _files = tandem_dist::heartbeat::doing_file_work();
         let title = curves_title(&self.shown(&self.settings.output_dir), self.compute.spec());
         write_history(&self.settings.output_dir, &self.history, &title)?;
         for name in ["metrics.jsonl", "curves.png"] {
@@ -1262,6 +1288,7 @@ impl Trainer {
         if !self.is_leader() {
             return Ok(());
         }
+        let _files = tandem_dist::heartbeat::doing_file_work();
         let optimizer = self.compute.optimizer_state()?;
         let metadata = self.checkpoint_metadata(
             self.history

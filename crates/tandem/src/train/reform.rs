@@ -10,6 +10,12 @@
 //! broadcast as a snapshot in memory. Steps of `--global-batch-size` do not depend on the
 //! number of workers, so the run goes on with the same bits, without a restart and without
 //! reading anything from disk.
+//!
+//! On GPUs (`--backend nccl`) each membership has an NCCL communicator of its own: leaving
+//! a group aborts the old one (a collective blocked on the lost peer returns), and the new
+//! group makes a new one from a unique id carried through its store namespace. A step's
+//! exact sum cut short by the abort fails the step, which is then abandoned like a failed
+//! step of the ring; the state is taken from the host copies of the device's.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,6 +35,7 @@ use super::gradient_sync::Alone;
 use super::resume_settings::fingerprint;
 use super::snapshot::Snapshot;
 use super::{gradient_sync_of, join_the_job, Trainer, MISSING_TOKEN};
+use crate::backend::BackendRequest;
 use crate::exit::SettingsError;
 use crate::settings::TrainSettings;
 
@@ -48,6 +55,8 @@ pub struct Membership {
     pub start: WorkerPlacement,
     /// Whether it was started in place of a lost worker, to join the running job.
     pub joiner: bool,
+    /// Whether each membership's group carries the gradients through NCCL on the GPUs.
+    pub nccl: bool,
     /// Its connection to the job's store, to read the membership.
     store: Arc<StoreClient>,
 }
@@ -58,11 +67,13 @@ pub fn started_as_joiner() -> bool {
 }
 
 /// The membership of a worker that `tandem launch --keep-survivors` started, `None` for any
-/// other; a settings error where the run cannot be re-formed (per-process batches, a GPU).
+/// other; a settings error where the run cannot be re-formed (per-process batches, GPUs
+/// without `--backend nccl`).
 pub fn membership_of(
     placement: Option<&WorkerPlacement>,
     shards: Option<ShardPlan>,
     device: &Device,
+    backend: BackendRequest,
     settings: &TrainSettings,
 ) -> anyhow::Result<Option<Membership>> {
     let (global_batch, on_cpu) = (shards.is_some(), matches!(device, Device::Cpu { .. }));
@@ -76,10 +87,11 @@ pub fn membership_of(
              redo a step on fewer workers, which only steps of a global batch allow unchanged"
         )));
     }
-    if !on_cpu {
+    if !on_cpu && backend != BackendRequest::Nccl {
         return Err(SettingsError::from_error(anyhow::anyhow!(
-            "tandem launch --keep-survivors re-forms CPU jobs for now (--device cpu); on GPUs, \
-             leave it out: a lost worker then restarts every worker from the snapshot"
+            "tandem launch --keep-survivors re-forms GPU jobs through NCCL only: add --backend \
+             nccl (each worker on a GPU of its own), or leave --keep-survivors out: a lost \
+             worker then restarts every worker from the snapshot"
         )));
     }
     let timeout = Duration::from_secs_f64(settings.collective_timeout);
@@ -87,6 +99,7 @@ pub fn membership_of(
         epoch: 0,
         start: placement.clone(),
         joiner: started_as_joiner(),
+        nccl: !on_cpu,
         store: Arc::new(connect_to_store(placement, timeout)?),
     }))
 }
@@ -96,9 +109,10 @@ impl Trainer {
     /// failure of the process group, in a job started with `--keep-survivors`.
     pub(super) fn can_reform(&self, error: &anyhow::Error) -> bool {
         self.membership.is_some()
-            && error
-                .chain()
-                .any(|cause| cause.downcast_ref::<DistError>().is_some())
+            && error.chain().any(|cause| {
+                cause.downcast_ref::<DistError>().is_some()
+                    || cause.downcast_ref::<NcclGroupFailed>().is_some()
+            })
     }
 
     /// Has the group's heartbeat break its collectives when a membership later than this
@@ -119,6 +133,8 @@ impl Trainer {
     pub(super) fn reform(&mut self, error: anyhow::Error) -> anyhow::Result<()> {
         let started = Instant::now();
         let (_, rank) = self.rank_in_world();
+        // Before the device is touched: its work may wait on a collective of the lost peer.
+        self.compute.leave_nccl()?;
         self.sync.abandon_step(&mut *self.compute)?;
         tell!("rank {rank}: the step failed ({error:#}); waiting for the job's new membership");
         self.join_next_membership(started)
@@ -164,8 +180,9 @@ impl Trainer {
             .context("no membership to re-form")?;
         let (old_world, old_rank) = self.rank_in_world();
         let was_leader = self.sync.group().is_some_and(|ddp| ddp.rank() == 0);
-        // Leaves the old group: its comm thread and sockets end here.
+        // Leaves the old group: its comm thread, sockets and NCCL communicator end here.
         self.sync = Box::new(Alone);
+        self.compute.leave_nccl()?;
         let (record, ddp) = self.form_the_next_group(&membership)?;
         self.sync = gradient_sync_of(self.shards, Some(ddp), &mut *self.compute, &self.settings)?;
         self.membership = Some(Membership {
@@ -233,7 +250,8 @@ impl Trainer {
                 ..start.clone()
             };
             let params = self.compute.param_count();
-            match join_the_job(&place, &self.settings, params, Some(FORMATION_LIMIT)) {
+            let joined = join_the_job(&place, &self.settings, params, Some(FORMATION_LIMIT));
+            match joined.and_then(|ddp| self.join_nccl_of(membership, ddp)) {
                 Ok(ddp) => return Ok((record, ddp)),
                 Err(error) => {
                     tell!(
@@ -245,6 +263,19 @@ impl Trainer {
                 }
             }
         }
+    }
+
+    /// With `membership.nccl`, joins the device to the NCCL group of `ddp`'s ranks (the old
+    /// communicator was aborted when this worker left its group); returns `ddp`.
+    fn join_nccl_of(
+        &mut self,
+        membership: &Membership,
+        ddp: super::Ddp,
+    ) -> anyhow::Result<super::Ddp> {
+        if membership.nccl {
+            super::join_nccl(&mut *self.compute, &ddp, &self.settings)?;
+        }
+        Ok(ddp)
     }
 
     /// When the job stayed below its minimum (`error` says so), the worker that writes the
@@ -338,6 +369,24 @@ fn read_membership(
     let record = MembershipRecord::from_json(&bytes)
         .map_err(|why| anyhow::anyhow!("the job's membership {why}"))?;
     Ok(Some(record))
+}
+
+/// A step's NCCL collectives failed or were aborted (the job lost a member): a failure of
+/// the process group, which the survivors re-form the job after, as after one of the ring.
+#[derive(Debug)]
+pub struct NcclGroupFailed(String);
+
+impl std::fmt::Display for NcclGroupFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the NCCL group failed: {}", self.0)
+    }
+}
+
+impl std::error::Error for NcclGroupFailed {}
+
+/// `error`, a step's that the NCCL group's failure ended, as an [`NcclGroupFailed`].
+pub fn nccl_group_failed(error: anyhow::Error) -> anyhow::Error {
+    NcclGroupFailed(format!("{error:#}")).into()
 }
 
 /// A job that stayed below its minimum of workers for the launcher's rendezvous timeout.

@@ -423,8 +423,22 @@ impl GradientSync for ShardSync {
             }
             Ok(())
         })?;
+        if self.on_device && self.group.is_some() {
+            check_the_nccl_sum(device)?;
+        }
         self.in_step = false;
         Ok(loss)
+    }
+}
+
+/// Waits for the step's exact sum through NCCL and fails when the communicator failed or
+/// was aborted under it (the job lost a member): a sum cut short holds only some ranks'
+/// shards, and the optimizer must not apply it.
+fn check_the_nccl_sum(device: &mut dyn TrainingDevice) -> anyhow::Result<()> {
+    device.synchronize()?;
+    match device.nccl_failure() {
+        Some(failure) => bail!("the exact sum of the shards' gradients through NCCL: {failure}"),
+        None => Ok(()),
     }
 }
 
