@@ -387,12 +387,12 @@ fn assert_went_on_in_process(trace: &Path, expected: &[(u32, &[u64])], last: u64
         let wanted: BTreeSet<u64> = wanted.iter().copied().collect();
         assert_eq!(sizes.get(pid), Some(&wanted), "process {pid}: {sizes:?}");
     }
-    let at_last: Vec<u32> = sizes
+    let at_last: BTreeSet<u32> = sizes
         .iter()
         .filter(|(_, sizes)| sizes.contains(&last))
         .map(|(pid, _)| *pid)
         .collect();
-    let survivors: Vec<u32> = expected
+    let survivors: BTreeSet<u32> = expected
         .iter()
         .filter(|(_, wanted)| wanted.contains(&last))
         .map(|(pid, _)| *pid)
