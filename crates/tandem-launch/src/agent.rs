@@ -11,7 +11,10 @@ use tandem_files::tell;
 use super::descriptors;
 use super::logs::RankLog;
 use super::options::LaunchPlan;
-use super::rendezvous::{AgentStore, Ended, Entry, Heartbeats, Member, Round, RoundSize, Waited};
+use super::rendezvous::{
+    AgentStore, Ended, Entry, Heartbeats, LostWorker, Member, Round, RoundSize, Waited,
+    REQUEST_TIMEOUT,
+};
 use super::report::{self, NodeReport, RootCause, WorkerReport, LOG_TAIL_LINES};
 use super::signals::{self, signal_name, StopRequest, SIGKILL, SIGTERM};
 use super::stalls::Stalls;
@@ -226,7 +229,13 @@ fn open_store(
         tandem_files::create_own_folder(&path)
             .with_context(|| format!("create the log folder {}", path.display()))?;
     }
-    let store = match AgentStore::open(topology, &plan.token, deadline, interrupted)? {
+    let store = match AgentStore::open(
+        topology,
+        &plan.token,
+        deadline,
+        store_request_timeout(plan),
+        interrupted,
+    )? {
         Waited::Done(store) => store,
         Waited::Interrupted => return Ok(Waited::Interrupted),
     };
@@ -245,6 +254,16 @@ fn open_store(
         plan.log_dir.display()
     ));
     Ok(Waited::Done(store))
+}
+
+/// How long another node's agent waits for each answer of the store. With `--keep-survivors`
+/// it is twice the heartbeat timeout: node 0 has left this node out by then, so its workers
+/// must stop rather than wait out the usual bound.
+fn store_request_timeout(plan: &LaunchPlan) -> Duration {
+    match plan.keep_survivors {
+        true => (plan.heartbeat_timeout * 2).max(Duration::from_secs(1)),
+        false => REQUEST_TIMEOUT,
+    }
 }
 
 /// The nodes a round of `plan` may have, and its last call.
@@ -316,7 +335,13 @@ fn run_round(
     let mut heartbeats = Heartbeats::new(topology.nnodes, plan.heartbeat_timeout);
     let watched = watch_round(plan, store, round, &mut workers, &mut heartbeats);
     // Workers left out by a membership change are no part of the round's outcome.
-    let dropped = watched.as_ref().map_or(Vec::new(), Clone::clone);
+    let dropped = watched
+        .as_ref()
+        .map_or(Vec::new(), |watched| watched.dropped_workers.clone());
+    let all_workers: Vec<(usize, u32)> = workers
+        .iter()
+        .map(|worker| (worker.place.rank, worker.pid()))
+        .collect();
     let mut workers: Vec<Worker> = workers
         .into_iter()
         .enumerate()
@@ -324,9 +349,28 @@ fn run_round(
         .map(|(_, worker)| worker)
         .collect();
     let report = node_report(topology.node_rank, &mut workers);
-    let watched = watched.map(drop);
-    let members = round.nodes();
-    let shared = watched.and_then(|()| {
+    if let Some(why) = watched
+        .as_ref()
+        .ok()
+        .and_then(|watched| watched.left_out.clone())
+    {
+        return Ok(Err(left_out_of_the_job(topology.node_rank, &why)));
+    }
+    let mut members = round.nodes();
+    let mut left_out = None;
+    let shared = watched.and_then(|_| {
+        if plan.keep_survivors {
+            // Nodes that node 0 left out send no report.
+            let gone = store.dropped_nodes(number, &members)?;
+            members.retain(|node| gone.iter().all(|(gone, _)| gone != node));
+            left_out = gone
+                .into_iter()
+                .find(|(node, _)| *node == topology.node_rank)
+                .map(|(_, why)| why);
+            if left_out.is_some() {
+                return Ok(Vec::new());
+            }
+        }
         store.publish_report(number, &report)?;
         store.gather_reports(
             number,
@@ -335,8 +379,18 @@ fn run_round(
             plan.stop_grace + REPORT_SLACK,
         )
     });
+    if let Some(why) = left_out {
+        return Ok(Err(left_out_of_the_job(topology.node_rank, &why)));
+    }
     let gathered = match shared {
         Ok(reports) => reports,
+        Err(error) if plan.keep_survivors => {
+            return Ok(Err(lost_the_store_keeping_survivors(
+                &error,
+                topology.node_rank,
+                &all_workers,
+            )))
+        }
         Err(error) => return Ok(Err(lost_the_store(&error, topology.nnodes, report))),
     };
     let (others, lost) = reported_and_lost(
@@ -642,6 +696,40 @@ fn lost_the_store(error: &anyhow::Error, nnodes: usize, report: NodeReport) -> J
     }
 }
 
+/// The end of this node's part of a `--keep-survivors` job when it lost the store: node 0
+/// leaves its workers out once its heartbeat stops, so they were killed (`workers`, as
+/// `(rank, pid)`); the others go on without them, unless node 0 itself is gone.
+fn lost_the_store_keeping_survivors(
+    error: &anyhow::Error,
+    node_rank: usize,
+    workers: &[(usize, u32)],
+) -> JobEnd {
+    let listed: Vec<String> = workers
+        .iter()
+        .map(|(rank, pid)| format!("rank {rank} (pid {pid})"))
+        .collect();
+    JobEnd::Failed {
+        summary: format!(
+            "node {node_rank} lost the store ({error:#}) and killed its workers ({}): with \
+             --keep-survivors, node 0 leaves a node that it cannot hear out of the job, and the \
+             other nodes go on without it",
+            listed.join(", ")
+        ),
+    }
+}
+
+/// The end of this node's part of a `--keep-survivors` job when node 0 left its workers out
+/// (its heartbeat was silent): `why` says what node 0 said.
+fn left_out_of_the_job(node_rank: usize, why: &str) -> JobEnd {
+    JobEnd::Failed {
+        summary: format!(
+            "node {node_rank} was left out of the job by node 0 ({why}); its workers were \
+             stopped, and the other nodes go on without them (start this node's launcher again \
+             to join at the next round)"
+        ),
+    }
+}
+
 /// The end of a job stopped by this launcher's signal before any worker ran in this round.
 fn stopped_here() -> JobEnd {
     let signal = signals::stop_requested().map(|request| request.signal);
@@ -780,6 +868,13 @@ fn kill_and_reap(workers: &[Worker]) {
     }
 }
 
+/// What watching a round left: the local workers left out of the job and, when node 0 left
+/// this node's running workers out, the membership that did.
+struct Watched {
+    dropped_workers: Vec<usize>,
+    left_out: Option<String>,
+}
+
 /// Watches the workers until they have all ended: on their own, or stopped because a worker
 /// failed here or elsewhere, a node went silent, a node waits to join, or a stop signal came.
 /// Never returns while a worker runs, even when the store fails (the workers are stopped
@@ -790,10 +885,10 @@ fn watch_round(
     round: &Round,
     workers: &mut Vec<Worker>,
     heartbeats: &mut Heartbeats,
-) -> anyhow::Result<Vec<usize>> {
-    let mut duties = StoreDuties::new(plan.topology.node_rank, round);
+) -> anyhow::Result<Watched> {
+    let mut duties = StoreDuties::new(plan, round);
     let mut beats = WorkerBeats::new(round.number, workers.len(), plan.heartbeat_timeout);
-    let mut membership = Membership::new(round.number, workers, plan);
+    let mut membership = Membership::new(round, workers, plan);
     let mut stopping: Option<Stopping> = None;
     loop {
         if stopping.is_none() {
@@ -806,16 +901,16 @@ fn watch_round(
             .map(|worker| worker.end().map(|(end, _)| end))
             .collect();
         if plan.keep_survivors && stopping.is_none() && !membership.pause_over() {
-            let changed = membership
-                .drop_the_lost(workers, &ends)
-                .and_then(|lost| membership.replace(plan, store, round, workers, &lost))
-                .and_then(|started| {
-                    beats.add_workers(store, workers, started)?;
-                    membership.publish_settled_losses(store)?;
-                    membership.admit_joiners(store, workers)
-                });
-            if let Err(error) = changed {
-                duties.store_error.get_or_insert(error);
+            let changed = membership.update(plan, store, round, workers, &ends, &duties.silent);
+            match changed {
+                Ok(started) => {
+                    if let Err(error) = beats.add_workers(store, workers, started) {
+                        duties.store_error.get_or_insert(error);
+                    }
+                }
+                Err(error) => {
+                    duties.store_error.get_or_insert(error);
+                }
             }
         }
         let workers: &[Worker] = workers;
@@ -827,7 +922,7 @@ fn watch_round(
             .filter(|end| end.is_failure())
             .collect();
         let local_failure = LocalFailure {
-            any: !failures.is_empty(),
+            any: !failures.is_empty() || membership.nobody_left,
             only_stop_requests: failures.iter().all(|end| **end == STOPPED_ON_REQUEST_EXIT),
         };
         let signal = signals::stop_requested();
@@ -850,14 +945,20 @@ fn watch_round(
             for worker in workers {
                 worker.kill_if_stopped();
             }
-            let insists = signal.is_some_and(|request| request.count >= 2);
+            // Cut off from the store, a node's workers have been left out of the job: they
+            // must not go on, nor write anything.
+            let insists = signal.is_some_and(|request| request.count >= 2)
+                || (plan.keep_survivors && duties.store_error.is_some());
             escalate(phase, workers, plan.stop_grace, insists);
         }
         std::thread::sleep(WATCH_INTERVAL);
     }
     match duties.store_error {
         Some(error) => Err(error),
-        None => Ok(membership.dropped_workers()),
+        None => Ok(Watched {
+            dropped_workers: membership.dropped_workers(),
+            left_out: membership.left_out,
+        }),
     }
 }
 
@@ -883,14 +984,46 @@ struct Membership {
     pause_ended: bool,
     /// Losses not published yet: since when, why, and the members before them.
     unpublished: Option<(Instant, Vec<String>, usize)>,
+    /// Whether this agent decides the membership (node 0, which hosts the store); the others
+    /// report their lost workers to it and follow what it publishes.
+    decides: bool,
+    /// This node's rank.
+    node: usize,
+    /// The other nodes of the round, with their workers' ranks.
+    others: Vec<(usize, Vec<usize>)>,
+    /// The nodes left out as a whole for a silent heartbeat (node 0).
+    dropped_nodes: Vec<usize>,
+    /// This node's lost workers, as reported to node 0 (the other nodes).
+    reported: Vec<LostWorker>,
+    /// Whether `reported` changed since it was last written.
+    report_due: bool,
+    /// The epoch of the last membership read, and when it was read (the other nodes).
+    followed: (u64, Instant),
+    /// The membership that left this node's running workers out, once one did.
+    left_out: Option<String>,
+    /// Whether every worker of the job was lost (node 0): the round then fails.
+    nobody_left: bool,
 }
 
 impl Membership {
-    fn new(round: u32, workers: &[Worker], plan: &LaunchPlan) -> Membership {
+    fn new(round: &Round, workers: &[Worker], plan: &LaunchPlan) -> Membership {
+        let node = plan.topology.node_rank;
+        let others: Vec<(usize, Vec<usize>)> = round
+            .members
+            .iter()
+            .filter(|member| member.node != node)
+            .filter_map(|member| {
+                let (_, first) = round.place_of(member.node)?;
+                Some((member.node, (first..first + member.nproc).collect()))
+            })
+            .collect();
+        let mut members: Vec<usize> = workers.iter().map(|worker| worker.place.rank).collect();
+        members.extend(others.iter().flat_map(|(_, ranks)| ranks.iter().copied()));
+        members.sort_unstable();
         Membership {
-            round,
+            round: round.number,
             epoch: 0,
-            members: workers.iter().map(|worker| worker.place.rank).collect(),
+            members,
             dropped: vec![false; workers.len()],
             joining: Vec::new(),
             replaced: 0,
@@ -898,7 +1031,142 @@ impl Membership {
             paused_since: None,
             pause_ended: false,
             unpublished: None,
+            decides: node == 0,
+            node,
+            others,
+            dropped_nodes: Vec::new(),
+            reported: Vec::new(),
+            report_due: false,
+            followed: (0, Instant::now()),
+            left_out: None,
+            nobody_left: false,
         }
+    }
+
+    /// One look at the job's members: leaves the lost workers out (`silent` are the other
+    /// nodes whose heartbeat stopped, with for how long), starts their replacements, and on
+    /// node 0 publishes the next membership, on the others reports the losses and kills the
+    /// workers that node 0 left out. Returns how many workers it started.
+    fn update(
+        &mut self,
+        plan: &LaunchPlan,
+        store: &AgentStore,
+        round: &Round,
+        workers: &mut Vec<Worker>,
+        ends: &[Option<WorkerEnd>],
+        silent: &[(usize, Duration)],
+    ) -> anyhow::Result<usize> {
+        let lost = self.drop_the_lost(workers, ends)?;
+        let started = self.replace(plan, store, round, workers, &lost)?;
+        if self.decides {
+            self.take_remote_losses(store, silent)?;
+            self.publish_settled_losses(store)?;
+            self.admit_joiners(store, workers)?;
+        } else {
+            if self.report_due {
+                store.report_lost(self.round, &self.reported)?;
+                self.report_due = false;
+            }
+            self.follow(store, workers)?;
+        }
+        Ok(started)
+    }
+
+    /// Node 0: leaves out the workers that the other nodes reported lost, and every worker of
+    /// a node whose heartbeat stopped; when nobody would be left, the round fails instead.
+    fn take_remote_losses(
+        &mut self,
+        store: &AgentStore,
+        silent: &[(usize, Duration)],
+    ) -> anyhow::Result<()> {
+        let before = self.members.len();
+        let mut why = Vec::new();
+        let mut gone = Vec::new();
+        for (node, ranks) in &self.others {
+            if self.dropped_nodes.contains(node) {
+                continue;
+            }
+            if let Some((_, silence)) = silent.iter().find(|(silent, _)| silent == node) {
+                let remaining: Vec<usize> = ranks
+                    .iter()
+                    .copied()
+                    .filter(|rank| self.members.contains(rank))
+                    .collect();
+                let listed: Vec<String> = remaining.iter().map(usize::to_string).collect();
+                let text = format!(
+                    "node {node} lost (its launcher sent no heartbeat for {:.1} s): ranks {}",
+                    silence.as_secs_f64(),
+                    listed.join(", ")
+                );
+                store.drop_node(self.round, *node, &text)?;
+                self.dropped_nodes.push(*node);
+                if !remaining.is_empty() {
+                    gone.extend(remaining);
+                    why.push(text);
+                }
+                continue;
+            }
+            for lost in store.lost_workers(self.round, *node)? {
+                if ranks.contains(&lost.rank) && self.members.contains(&lost.rank) {
+                    gone.push(lost.rank);
+                    why.push(lost.why);
+                }
+            }
+        }
+        if gone.is_empty() {
+            return Ok(());
+        }
+        self.members.retain(|id| !gone.contains(id));
+        if self.members.is_empty() {
+            self.nobody_left = true;
+            return Ok(());
+        }
+        let unpublished = self
+            .unpublished
+            .get_or_insert_with(|| (Instant::now(), Vec::new(), before));
+        unpublished.1.extend(why);
+        Ok(())
+    }
+
+    /// The other nodes: kills the running workers of this node that node 0's latest
+    /// membership leaves out (it took this node for lost), so that they never reach the
+    /// members' new group.
+    fn follow(&mut self, store: &AgentStore, workers: &[Worker]) -> anyhow::Result<()> {
+        if self.followed.1.elapsed() < STORE_CHECK_INTERVAL {
+            return Ok(());
+        }
+        self.followed.1 = Instant::now();
+        let Some(record) = store.membership(self.round)? else {
+            return Ok(());
+        };
+        if record.epoch <= self.followed.0 {
+            return Ok(());
+        }
+        self.followed.0 = record.epoch;
+        let mut killed = Vec::new();
+        for (index, worker) in workers.iter().enumerate() {
+            let rank = worker.place.rank;
+            if self.dropped[index] || worker.end().is_some() || record.members.contains(&rank) {
+                continue;
+            }
+            self.dropped[index] = true;
+            worker.stop_with(SIGKILL);
+            killed.push(format!("rank {rank} (pid {})", worker.pid()));
+        }
+        if killed.is_empty() {
+            return Ok(());
+        }
+        let them = if killed.len() == 1 { "it" } else { "them" };
+        say(&format!(
+            "membership {}: {}; node 0 left node {}'s {} out of the job: this launcher killed \
+             {them} (SIGKILL)",
+            record.epoch,
+            record.why,
+            self.node,
+            killed.join(", ")
+        ));
+        self.left_out = Some(record.why);
+        Ok(())
     }
 
     /// Whether the job has been paused below its minimum for longer than it may wait: its
@@ -929,9 +1197,19 @@ impl Membership {
             .filter(|&index| !self.dropped[index])
             .filter(|&index| ends[index].as_ref().is_some_and(WorkerEnd::is_failure))
             .collect();
-        let survivors = (0..workers.len())
+        let running = (0..workers.len())
             .filter(|&index| !self.dropped[index] && ends[index].is_none())
             .count();
+        let elsewhere = self
+            .members
+            .iter()
+            .filter(|id| !workers.iter().any(|worker| worker.place.rank == **id))
+            .count();
+        // Node 0 decides for the whole job; the other nodes leave every loss to it.
+        let survivors = match self.decides {
+            true => running + elsewhere,
+            false => usize::MAX,
+        };
         if lost.is_empty() || survivors == 0 {
             return Ok(Vec::new());
         }
@@ -941,12 +1219,21 @@ impl Membership {
             self.joining.retain(|&joining| joining != index);
             let worker = &workers[index];
             if let Some(end) = &ends[index] {
-                why.push(format!(
-                    "rank {} (pid {}) {}",
-                    worker.place.rank,
-                    worker.pid(),
-                    end.describe()
-                ));
+                let (rank, pid) = (worker.place.rank, worker.pid());
+                if !self.decides {
+                    let lost = format!(
+                        "rank {rank} (pid {pid}) on node {} {}",
+                        self.node,
+                        end.describe()
+                    );
+                    say(&format!(
+                        "{lost}; node 0 leaves it out of the job, the others go on \
+                         (--keep-survivors)"
+                    ));
+                    self.reported.push(LostWorker { rank, why: lost });
+                    self.report_due = true;
+                }
+                why.push(format!("rank {rank} (pid {pid}) {}", end.describe()));
             }
         }
         let before = self.members.len();
@@ -1228,6 +1515,10 @@ struct StoreDuties {
     node_rank: usize,
     round: u32,
     members: Vec<usize>,
+    /// `--keep-survivors`: a silent node is left out by node 0, not a reason to stop.
+    keep_survivors: bool,
+    /// The other nodes whose heartbeat stopped, with for how long (`--keep-survivors`).
+    silent: Vec<(usize, Duration)>,
     failure_marked: bool,
     join_seen: bool,
     stop_published: bool,
@@ -1238,11 +1529,13 @@ struct StoreDuties {
 }
 
 impl StoreDuties {
-    fn new(node_rank: usize, round: &Round) -> StoreDuties {
+    fn new(plan: &LaunchPlan, round: &Round) -> StoreDuties {
         StoreDuties {
-            node_rank,
+            node_rank: plan.topology.node_rank,
             round: round.number,
             members: round.nodes(),
+            keep_survivors: plan.keep_survivors,
+            silent: Vec::new(),
             failure_marked: false,
             join_seen: false,
             stop_published: false,
@@ -1304,7 +1597,12 @@ impl StoreDuties {
         if self.last_silence_check.elapsed() >= HEARTBEAT_INTERVAL {
             self.last_silence_check = Instant::now();
             let silent = store.silent_nodes(&self.members, heartbeats)?;
-            if !silent.is_empty() && !self.others_stop {
+            if self.keep_survivors {
+                self.silent = silent
+                    .iter()
+                    .map(|&node| (node, heartbeats.silence_of(node)))
+                    .collect();
+            } else if !silent.is_empty() && !self.others_stop {
                 self.others_stop = true;
                 store.mark_failed(self.round)?;
             }

@@ -78,8 +78,8 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub tee: bool,
     /// When a worker is lost, keep the others running: they re-form the job among
-    /// themselves in-process and redo the step (for `train --global-batch-size` on one
-    /// node), instead of every worker restarting from the snapshot.
+    /// themselves in-process and redo the step (for `train --global-batch-size`), instead of
+    /// every worker restarting from the snapshot; node 0 decides who is in, for every node.
     #[arg(long)]
     pub keep_survivors: bool,
     /// With --keep-survivors: start a worker in place of each lost one (at most
@@ -301,10 +301,11 @@ impl LaunchPlan {
         let current_dir = std::env::current_dir().context("read the current directory")?;
         let log_dir = current_dir.join(default_log_dir(args.log_dir.as_deref(), &args.command));
         let token = resolve_token(env, topology.nnodes)?;
-        if args.keep_survivors && topology.nnodes > 1 {
+        if args.replace_lost && topology.nnodes > 1 {
             bail!(
-                "--keep-survivors re-forms the workers of one node for now; with {} nodes, \
-                 leave it out (a lost worker then restarts every worker from the snapshot)",
+                "--replace-lost starts workers in place of lost ones on one node for now; with \
+                 {} nodes, leave it out (--keep-survivors goes on without the lost workers, and \
+                 a node started again joins at the next round)",
                 topology.nnodes
             );
         }
@@ -898,5 +899,31 @@ mod tests {
         );
         env.insert("TANDEM_JOB_TOKEN".to_string(), "shared".to_string());
         assert_eq!(resolve_token(&env, 2).unwrap().expose_secret(), "shared");
+    }
+
+    #[test]
+    fn keep_survivors_spans_nodes_but_replace_lost_stays_on_one() {
+        let env: HashMap<String, String> = [(
+            "TANDEM_JOB_TOKEN".to_string(),
+            "options-test-secret".to_string(),
+        )]
+        .into();
+        let two_nodes = |extra: &[&str]| {
+            let flags = ["--nnodes", "2", "--master-addr", "h", "--keep-survivors"];
+            parse(&[&flags[..], extra, &["--", "true"]].concat()).unwrap()
+        };
+        assert!(
+            LaunchPlan::resolve(&two_nodes(&[]), &env)
+                .unwrap()
+                .keep_survivors
+        );
+        assert_eq!(
+            LaunchPlan::resolve(&two_nodes(&["--replace-lost"]), &env)
+                .unwrap_err()
+                .to_string(),
+            "--replace-lost starts workers in place of lost ones on one node for now; with 2 \
+             nodes, leave it out (--keep-survivors goes on without the lost workers, and a node \
+             started again joins at the next round)"
+        );
     }
 }

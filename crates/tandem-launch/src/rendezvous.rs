@@ -10,6 +10,10 @@
 //! launch/round{r}/failed              set by the first node whose worker failed: everyone stops
 //! launch/round{r}/resize              set by an agent left out of round r: the members end it to let it in
 //! launch/round{r}/report/{node}       NodeReport JSON: how each worker of the node ended
+//! launch/round{r}/lost/{node}         LostWorker JSON list: the node's workers lost so far
+//!                                     (--keep-survivors: node 0 leaves them out)
+//! launch/round{r}/dropped/{node}      set by node 0 when it left a silent node's workers out
+//!                                     (--keep-survivors): nobody waits for its report
 //! launch/round{r}/left/{node}         the node has read every report; node 0 may drop the store
 //! ```
 //! Node 0 closes a round once all `--nnodes` nodes offered themselves, or, in an elastic job
@@ -23,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
+use tandem_dist::cluster::contract::MembershipRecord;
 use tandem_dist::heartbeat::{Heartbeat, HEARTBEAT_INTERVAL};
 use tandem_dist::{DistError, JobToken, StoreClient, StoreLimits, StoreServer};
 
@@ -30,7 +35,7 @@ use super::options::{StoreLocation, Topology};
 use super::report::NodeReport;
 
 /// Bound on every single store request.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// How long one blocking store wait lasts before the agent looks at its signals again.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
 /// How long a connection attempt lasts before the agent looks at its signals again.
@@ -85,6 +90,15 @@ impl Round {
     pub fn nodes(&self) -> Vec<usize> {
         self.members.iter().map(|member| member.node).collect()
     }
+}
+
+/// A worker that another node's agent lost (`--keep-survivors`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LostWorker {
+    /// Its rank at the round's start.
+    pub rank: usize,
+    /// What happened to it, e.g. "rank 3 (pid 4242) killed by SIGKILL".
+    pub why: String,
 }
 
 /// How node 0 ended the job, for the agents still waiting for a round.
@@ -186,11 +200,13 @@ pub struct AgentStore {
 
 impl AgentStore {
     /// Hosts the store (node 0) or connects to it (the other nodes, retrying until `deadline`;
-    /// `interrupted` is polled between attempts).
+    /// `interrupted` is polled between attempts). `request_timeout` bounds each request of
+    /// another node's agent (node 0 reaches its own store on loopback).
     pub fn open(
         topology: &Topology,
         token: &JobToken,
         deadline: Instant,
+        request_timeout: Duration,
         interrupted: &dyn Fn() -> bool,
     ) -> anyhow::Result<Waited<AgentStore>> {
         let (server, connect_to, master_addr, master_port) = match &topology.store {
@@ -236,12 +252,18 @@ impl AgentStore {
                 (None, store_addr, addr.clone(), *port)
             }
         };
-        let Waited::Done(client) = connect_until(connect_to, token, deadline, interrupted)? else {
+        let request_timeout = match server {
+            Some(_) => REQUEST_TIMEOUT,
+            None => request_timeout,
+        };
+        let Waited::Done(client) =
+            connect_until(connect_to, token, deadline, request_timeout, interrupted)?
+        else {
             return Ok(Waited::Interrupted);
         };
         // Beats from a thread of their own, so that the others hear this node while its
         // agent waits on its workers.
-        let beat_client = StoreClient::connect(connect_to, token, REQUEST_TIMEOUT)
+        let beat_client = StoreClient::connect(connect_to, token, request_timeout)
             .with_context(|| format!("connect the heartbeat to the store at {connect_to}"))?;
         let beat = Heartbeat::start(
             beat_client,
@@ -506,15 +528,63 @@ impl AgentStore {
 
     /// Publishes the membership of round `round` after a worker was lost
     /// (`--keep-survivors`): the survivors read it and re-form the job.
-    pub fn publish_membership(
-        &self,
-        round: u32,
-        record: &tandem_dist::cluster::contract::MembershipRecord,
-    ) -> anyhow::Result<()> {
+    pub fn publish_membership(&self, round: u32, record: &MembershipRecord) -> anyhow::Result<()> {
         let prefix = tandem_dist::cluster::contract::store_prefix(round);
         let key = tandem_dist::cluster::contract::membership_key(&prefix);
         self.client.set(&key, &record.to_json())?;
         Ok(())
+    }
+
+    /// The latest membership of round `round` (`--keep-survivors`), `None` before the first
+    /// change.
+    pub fn membership(&self, round: u32) -> anyhow::Result<Option<MembershipRecord>> {
+        let prefix = tandem_dist::cluster::contract::store_prefix(round);
+        let key = tandem_dist::cluster::contract::membership_key(&prefix);
+        let Some(bytes) = self.client.get(&key)? else {
+            return Ok(None);
+        };
+        let record = MembershipRecord::from_json(&bytes)
+            .map_err(|why| anyhow::anyhow!("round {round}'s membership in the store {why}"))?;
+        Ok(Some(record))
+    }
+
+    /// Tells node 0 which workers of this node were lost so far in round `round`
+    /// (`--keep-survivors`), so that it leaves them out of the job.
+    pub fn report_lost(&self, round: u32, lost: &[LostWorker]) -> anyhow::Result<()> {
+        let value = serde_json::to_vec(lost).context("encode this node's lost workers")?;
+        self.client.set(&lost_key(round, self.node_rank), &value)?;
+        Ok(())
+    }
+
+    /// The workers that node `node` lost so far in round `round`, as it reported them.
+    pub fn lost_workers(&self, round: u32, node: usize) -> anyhow::Result<Vec<LostWorker>> {
+        let Some(bytes) = self.client.get(&lost_key(round, node))? else {
+            return Ok(Vec::new());
+        };
+        serde_json::from_slice(&bytes)
+            .with_context(|| format!("node {node}'s lost workers of round {round} are malformed"))
+    }
+
+    /// Node 0: records that it left node `node` out of round `round` (`why`), so that no
+    /// agent waits for its report.
+    pub fn drop_node(&self, round: u32, node: usize, why: &str) -> anyhow::Result<()> {
+        self.client.set(&dropped_key(round, node), why.as_bytes())?;
+        Ok(())
+    }
+
+    /// The nodes among `nodes` that node 0 left out of round `round`, with why.
+    pub fn dropped_nodes(
+        &self,
+        round: u32,
+        nodes: &[usize],
+    ) -> anyhow::Result<Vec<(usize, String)>> {
+        let mut dropped = Vec::new();
+        for &node in nodes {
+            if let Some(why) = self.client.get(&dropped_key(round, node))? {
+                dropped.push((node, String::from_utf8_lossy(&why).into_owned()));
+            }
+        }
+        Ok(dropped)
     }
 
     /// Whether the worker of id `worker_id` started in place of a lost one in round `round`
@@ -719,6 +789,14 @@ fn report_key(round: u32, node: usize) -> String {
     format!("launch/round{round}/report/{node}")
 }
 
+fn lost_key(round: u32, node: usize) -> String {
+    format!("launch/round{round}/lost/{node}")
+}
+
+fn dropped_key(round: u32, node: usize) -> String {
+    format!("launch/round{round}/dropped/{node}")
+}
+
 fn left_key(round: u32, node: usize) -> String {
     format!("launch/round{round}/left/{node}")
 }
@@ -797,6 +875,7 @@ fn connect_until(
     addr: SocketAddr,
     token: &JobToken,
     deadline: Instant,
+    request_timeout: Duration,
     interrupted: &dyn Fn() -> bool,
 ) -> anyhow::Result<Waited<StoreClient>> {
     retry(interrupted, || {
@@ -809,7 +888,7 @@ fn connect_until(
             // request bound now that the store is known to be up.
             Ok(probe) => {
                 drop(probe);
-                let client = StoreClient::connect(addr, token, REQUEST_TIMEOUT)
+                let client = StoreClient::connect(addr, token, request_timeout)
                     .with_context(|| format!("connect to the store at {addr}"))?;
                 Ok(Some(client))
             }
@@ -841,7 +920,7 @@ mod tests {
         };
         let token = JobToken::new("rendezvous-test-secret").unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
-        match AgentStore::open(&topology, &token, deadline, &|| false).unwrap() {
+        match AgentStore::open(&topology, &token, deadline, REQUEST_TIMEOUT, &|| false).unwrap() {
             Waited::Done(store) => store,
             Waited::Interrupted => unreachable!("nothing interrupts the test"),
         }

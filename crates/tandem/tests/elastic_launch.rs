@@ -2,11 +2,15 @@
 //! two hosts when the machine allows it, else both on loopback) train with
 //! `--global-batch-size`, so that the steps do not depend on the number of workers. Node 1 is
 //! killed for good mid-epoch: node 0 goes on alone after the last call and ends with the bits
-//! of an uninterrupted run; started again, node 1 joins the next round. Every wait is bounded
+//! of an uninterrupted run; started again, node 1 joins the next round. With
+//! `--keep-survivors` (node 1 then a host of its own, reached only through the link), node 1
+//! killed, cut off by its link going down, or its launcher stopped, and a worker lost on either
+//! node, leave the other workers running in-process with the same bits. Every wait is bounded
 //! and every launcher is killed if a test fails.
 
 mod common;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -34,6 +38,10 @@ fn train_args(output_dir: &Path) -> Vec<String> {
 
 /// Where the two nodes run: two network namespaces, or this machine's loopback.
 struct Hosts {
+    /// The sample trace of every worker (`TANDEM_SAMPLE_TRACE`).
+    trace: PathBuf,
+    /// The run's epochs (`train_args` has 1).
+    epochs: String,
     pair: Option<NetworkPair>,
     master_addr: String,
     master_port: String,
@@ -69,30 +77,57 @@ impl Hosts {
             master_port,
             dir: dir.to_path_buf(),
             output_dir: dir.join("run"),
+            trace: dir.join("trace"),
+            epochs: "1".to_string(),
         }
     }
 
     /// Starts node `node`'s agent, `name` naming its output files, in a process group of its
     /// own (with its workers).
     fn start(&self, node: usize, name: &str) -> Launcher {
+        let elastic = ["--nnodes", "1:2", "--last-call", "1"];
+        let flags = [&elastic[..], &["--heartbeat-timeout-seconds", "3"]].concat();
+        self.start_with(node, name, &flags, false)
+    }
+
+    /// [`Hosts::start`] with the launcher's `flags` (the number of nodes among them); with
+    /// `own_host`, node 1 runs as a host of its own, which its peers reach only through the
+    /// link (not through Unix sockets or shared memory).
+    fn start_with(&self, node: usize, name: &str, flags: &[&str], own_host: bool) -> Launcher {
+        let tandem = env!("CARGO_BIN_EXE_tandem");
         let mut command = match &self.pair {
-            Some(pair) => pair.exec(node, env!("CARGO_BIN_EXE_tandem")),
-            None => Command::new(env!("CARGO_BIN_EXE_tandem")),
+            Some(pair) if node == 1 && own_host => {
+                let boot_id = self.dir.join("boot_id_of_node_1");
+                std::fs::write(
+                    &boot_id,
+                    format!("tandem-test-node-1-{}\n", std::process::id()),
+                )
+                .unwrap();
+                pair.exec_as_own_host(node, &boot_id, tandem)
+            }
+            Some(pair) => pair.exec(node, tandem),
+            None => Command::new(tandem),
         };
         let node_rank = node.to_string();
         let log_dir = self.dir.join(format!("logs-node{node}"));
+        std::fs::create_dir_all(&self.trace).unwrap();
         command
-            .args(["launch", "--nnodes", "1:2", "--node-rank", &node_rank])
+            .args(["launch", "--node-rank", &node_rank])
+            .args(flags)
             .args(["--master-addr", &self.master_addr])
             .args(["--master-port", &self.master_port])
-            .args(["--nproc-per-node", "2", "--last-call", "1"])
-            .args(["--heartbeat-timeout-seconds", "3"])
+            .args(["--nproc-per-node", "2"])
             .args(["--stop-grace-seconds", "20", "--join-timeout-seconds", "60"])
             .arg("--log-dir")
             .arg(&log_dir)
             .arg("--")
-            .args(train_args(&self.output_dir))
+            .args(with_flag(
+                train_args(&self.output_dir),
+                "--epochs",
+                &self.epochs,
+            ))
             .current_dir(&self.dir)
+            .env("TANDEM_SAMPLE_TRACE", &self.trace)
             .env("TANDEM_JOB_TOKEN", "elastic-test-secret")
             .process_group(0);
         Launcher::spawn(command, &self.dir, name)
@@ -140,8 +175,14 @@ fn wait_for_step(hosts: &Hosts, step: u64, node_0: &Launcher) {
 
 /// The uninterrupted run, in one process, in `dir/uninterrupted`.
 fn uninterrupted_run(dir: &Path) -> PathBuf {
+    uninterrupted_run_of(dir, "1")
+}
+
+/// [`uninterrupted_run`] of `epochs` epochs.
+fn uninterrupted_run_of(dir: &Path, epochs: &str) -> PathBuf {
     let output_dir = dir.join("uninterrupted");
-    expect_success(&run_bounded(tandem().args(train_args(&output_dir)), LIMIT));
+    let args = with_flag(train_args(&output_dir), "--epochs", epochs);
+    expect_success(&run_bounded(tandem().args(args), LIMIT));
     output_dir
 }
 
@@ -309,5 +350,322 @@ fn fewer_nodes_than_the_minimum_end_the_job_naming_who_is_missing() {
     assert!(
         elapsed < Duration::from_secs(15),
         "node 0 took {elapsed:?} to give up"
+    );
+}
+
+/// The world sizes at which each worker process (by pid) committed steps, from the sample
+/// trace (`samples-<pid>.jsonl`; a record torn by SIGKILL is skipped).
+fn world_sizes_by_pid(trace: &Path) -> BTreeMap<u32, BTreeSet<u64>> {
+    let mut sizes: BTreeMap<u32, BTreeSet<u64>> = BTreeMap::new();
+    for entry in std::fs::read_dir(trace).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("samples-")
+            .and_then(|rest| rest.strip_suffix(".jsonl"))
+        else {
+            continue;
+        };
+        let pid: u32 = pid.parse().unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        for line in text.lines() {
+            if let Ok(record) = serde_json::from_str::<serde_json::Value>(line) {
+                let size = record["world_size"].as_u64().unwrap();
+                sizes.entry(pid).or_default().insert(size);
+            }
+        }
+    }
+    sizes
+}
+
+/// Asserts that each of `expected` (pid, world sizes) committed steps at exactly those world
+/// sizes, and that no other process committed any at the job's last size, `last`: the same
+/// processes went on, none was restarted.
+fn assert_went_on_in_process(trace: &Path, expected: &[(u32, &[u64])], last: u64) {
+    let sizes = world_sizes_by_pid(trace);
+    for (pid, wanted) in expected {
+        let wanted: BTreeSet<u64> = wanted.iter().copied().collect();
+        assert_eq!(sizes.get(pid), Some(&wanted), "process {pid}: {sizes:?}");
+    }
+    let at_last: BTreeSet<u32> = sizes
+        .iter()
+        .filter(|(_, sizes)| sizes.contains(&last))
+        .map(|(pid, _)| *pid)
+        .collect();
+    let survivors: BTreeSet<u32> = expected
+        .iter()
+        .filter(|(_, wanted)| wanted.contains(&last))
+        .map(|(pid, _)| *pid)
+        .collect();
+    assert_eq!(at_last, survivors, "{sizes:?}");
+}
+
+/// The launcher flags of the `--keep-survivors` tests: two nodes, no restart to hide behind,
+/// the default heartbeat timeout (1 s).
+const KEEP_SURVIVORS: [&str; 5] = ["--nnodes", "2", "--keep-survivors", "--max-restarts", "0"];
+
+/// Starts both nodes with `--keep-survivors` (node 1 a host of its own), waits for a few
+/// steps of their round, and returns them with the process ids of node 0's workers.
+fn start_keeping_survivors(hosts: &Hosts) -> (Launcher, Launcher, [u32; 2]) {
+    let node_0 = hosts.start_with(0, "node0", &KEEP_SURVIVORS, true);
+    let node_1 = hosts.start_with(1, "node1", &KEEP_SURVIVORS, true);
+    wait_for_step(hosts, 3, &node_0);
+    let survivors = [node_0.worker(0), node_0.worker(1)];
+    (node_0, node_1, survivors)
+}
+
+/// Waits for node 0's membership without node 1, then for the job's end; checks that node 0's
+/// workers went on in-process (the same processes, no restart) and that the run ends with the
+/// uninterrupted run's bits.
+fn node_0_goes_on_without_node_1(
+    hosts: &Hosts,
+    node_0: &mut Launcher,
+    survivors: [u32; 2],
+    expected: &Path,
+) {
+    let membership =
+        "tandem launch: membership 1: node 1 lost (its launcher sent no heartbeat for ";
+    wait_until(
+        "node 0's membership without node 1",
+        || node_0.stderr().contains(membership),
+        || format!("node 0:\n{}", node_0.stderr()),
+    );
+    let stderr = node_0.stderr();
+    let line = stderr
+        .lines()
+        .find(|line| line.starts_with(membership))
+        .unwrap();
+    let (_, rest) = line.split_once(membership).unwrap();
+    let (_, rest) = rest
+        .split_once(" s): ranks 2, 3; ")
+        .unwrap_or_else(|| panic!("the membership does not name node 1's ranks: {line}"));
+    assert_eq!(
+        rest,
+        "ranks [0, 1] go on in-process (world size 4 -> 2), nobody restarts"
+    );
+    let status = node_0.wait(LIMIT);
+    let stderr = node_0.stderr();
+    eprintln!("node 0 said:\n{stderr}");
+    assert!(status.success(), "{status:?}\n{stderr}");
+    assert_contains(&stderr, "every worker finished successfully");
+    assert!(
+        !stderr.contains("round 1"),
+        "node 0 started another round:\n{stderr}"
+    );
+    let stdout = node_0.stdout();
+    assert_contains(&stdout, "; world size 4 -> 2 at epoch 1, step ");
+    assert!(
+        !stdout.contains("resum"),
+        "nothing was read from disk:\n{stdout}"
+    );
+    let [rank_0, rank_1] = survivors;
+    assert_went_on_in_process(&hosts.trace, &[(rank_0, &[4, 2]), (rank_1, &[4, 2])], 2);
+    assert_same_bits(expected, &hosts.output_dir, "node 1 lost, node 0 kept on");
+}
+
+#[test]
+fn keep_survivors_node_0_goes_on_in_process_when_node_1_is_killed_with_the_uninterrupted_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = uninterrupted_run(dir.path());
+    let hosts = Hosts::new(dir.path(), "k");
+    let (mut node_0, mut node_1, survivors) = start_keeping_survivors(&hosts);
+    kill_for_good(&mut node_1);
+    node_0_goes_on_without_node_1(&hosts, &mut node_0, survivors, &expected);
+}
+
+#[test]
+fn keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_the_same_bits() {
+    if let Some(reason) = network_namespaces_unavailable("tde") {
+        eprintln!(
+            "skipped: keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_\
+             the_same_bits needs root and `ip netns`: {reason}"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let expected = uninterrupted_run(dir.path());
+    let hosts = Hosts::new(dir.path(), "d");
+    let (mut node_0, mut node_1, survivors) = start_keeping_survivors(&hosts);
+    let node_1_workers = [node_1.worker(2), node_1.worker(3)];
+    let pair = hosts.pair.as_ref().expect("network namespaces");
+    pair.link_down(1).expect("take node 1's link down");
+    let down = Instant::now();
+    // Node 1 cannot reach the store: within twice the heartbeat timeout and the kill, it
+    // stops its workers and says why.
+    let status = node_1.wait(Duration::from_secs(20));
+    let stopped_after = down.elapsed();
+    let stderr_1 = node_1.stderr();
+    eprintln!("node 1 stopped {stopped_after:?} after its link went down; it said:\n{stderr_1}");
+    assert_eq!(status.code(), Some(1), "{stderr_1}");
+    let [rank_2, rank_3] = node_1_workers;
+    let error = stderr_1.lines().last().unwrap_or_default();
+    let store = format!("{}:{}", hosts.master_addr, hosts.master_port);
+    assert!(
+        error.starts_with(&format!(
+            "error: node 1 lost the store (store at {store}: no answer within 2s while "
+        )),
+        "node 1 does not say that it lost the store: {error}"
+    );
+    assert!(
+        error.ends_with(&format!(
+            ") and killed its workers (rank 2 (pid {rank_2}), rank 3 (pid {rank_3})): with \
+             --keep-survivors, node 0 leaves a node that it cannot hear out of the job, and the \
+             other nodes go on without it"
+        )),
+        "{error}"
+    );
+    assert!(stopped_after < Duration::from_secs(8), "{stopped_after:?}");
+    for pid in node_1_workers {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "node 1's worker {pid} outlived its launcher"
+        );
+    }
+    node_0_goes_on_without_node_1(&hosts, &mut node_0, survivors, &expected);
+}
+
+#[test]
+fn keep_survivors_node_1_stopped_past_the_heartbeat_timeout_is_left_out_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    // Long enough for node 0 to go on after node 1 ended.
+    let expected = uninterrupted_run_of(dir.path(), "3");
+    let mut hosts = Hosts::new(dir.path(), "s");
+    hosts.epochs = "3".to_string();
+    let (mut node_0, mut node_1, survivors) = start_keeping_survivors(&hosts);
+    // Node 1's launcher alone stops: its heartbeat with it, its workers run on.
+    node_1.signal(libc::SIGSTOP);
+    wait_until(
+        "node 0's membership without node 1",
+        || {
+            node_0
+                .stderr()
+                .contains("tandem launch: membership 1: node 1 lost ")
+        },
+        || format!("node 0:\n{}", node_0.stderr()),
+    );
+    node_1.signal(libc::SIGCONT);
+    let stderr_1 = node_1.exits_with(1, Duration::from_secs(30));
+    eprintln!("node 1 said:\n{stderr_1}");
+    let error = stderr_1.lines().last().unwrap_or_default();
+    let prefix = "error: node 1 was left out of the job by node 0 (node 1 lost (its launcher sent \
+                  no heartbeat for ";
+    assert!(error.starts_with(prefix), "{error}");
+    assert!(
+        error.ends_with(
+            " s): ranks 2, 3); its workers were stopped, and the other nodes go on without them \
+             (start this node's launcher again to join at the next round)"
+        ),
+        "{error}"
+    );
+    node_0_goes_on_without_node_1(&hosts, &mut node_0, survivors, &expected);
+}
+
+#[test]
+fn keep_survivors_node_1_started_again_joins_at_the_next_round_with_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    // Long enough for node 1 to come back before node 0 is done alone.
+    let expected = uninterrupted_run_of(dir.path(), "4");
+    let mut hosts = Hosts::new(dir.path(), "r");
+    hosts.epochs = "4".to_string();
+    let (mut node_0, mut node_1, _) = start_keeping_survivors(&hosts);
+    kill_for_good(&mut node_1);
+    wait_until(
+        "node 0's membership without node 1",
+        || {
+            node_0
+                .stderr()
+                .contains("tandem launch: membership 1: node 1 lost ")
+        },
+        || format!("node 0:\n{}", node_0.stderr()),
+    );
+    let mut node_1 = hosts.start_with(1, "node1-again", &KEEP_SURVIVORS, true);
+    let status_0 = node_0.wait(LIMIT);
+    let status_1 = node_1.wait(LIMIT);
+    let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
+    eprintln!("node 0 said:\n{stderr_0}\nnode 1 said:\n{stderr_1}");
+    assert!(status_0.success(), "{status_0:?}\n{stderr_0}");
+    assert!(status_1.success(), "{status_1:?}\n{stderr_1}");
+    assert_contains(
+        &stderr_0,
+        "tandem launch: round 0 ends for a new member (node 1 is waiting to join): the workers \
+         write a snapshot and stop\n",
+    );
+    assert_contains(
+        &stderr_1,
+        "tandem launch: round 0 started without this node; it joins the next one\n",
+    );
+    let log = std::fs::read_to_string(dir.path().join("logs-node1/logs/rank_2.log")).unwrap();
+    assert_contains(&log, "round 1 (restart 0 of at most 0), rank 2, node 1");
+    let stdout_0 = node_0.stdout();
+    assert_contains(&stdout_0, "; world size 4 -> 2 at epoch 1, step ");
+    assert_contains(&stdout_0, "world size: 2 -> 4 at epoch 1, step ");
+    assert_same_bits(&expected, &hosts.output_dir, "node 1 lost, then back");
+}
+
+#[test]
+fn keep_survivors_workers_lost_on_either_node_leave_the_others_running_with_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = uninterrupted_run_of(dir.path(), "3");
+    let mut hosts = Hosts::new(dir.path(), "w");
+    hosts.epochs = "3".to_string();
+    let (mut node_0, mut node_1, [rank_0, rank_1]) = start_keeping_survivors(&hosts);
+    let (rank_2, rank_3) = (node_1.worker(2), node_1.worker(3));
+    send_signal(rank_3, libc::SIGKILL);
+    let first = format!(
+        "tandem launch: membership 1: rank 3 (pid {rank_3}) on node 1 killed by SIGKILL; ranks \
+         [0, 1, 2] go on in-process (world size 4 -> 3), nobody restarts\n"
+    );
+    wait_until(
+        "node 0's membership without rank 3",
+        || node_0.stderr().contains(&first),
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+    let step = snapshot_step(&hosts.output_dir).unwrap_or(0);
+    wait_for_step(&hosts, step + 3, &node_0);
+    send_signal(rank_1, libc::SIGKILL);
+    let second = format!(
+        "tandem launch: membership 2: rank 1 (pid {rank_1}) killed by SIGKILL; ranks [0, 2] go \
+         on in-process (world size 3 -> 2), nobody restarts\n"
+    );
+    wait_until(
+        "node 0's membership without rank 1",
+        || node_0.stderr().contains(&second),
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+    let status_0 = node_0.wait(LIMIT);
+    let status_1 = node_1.wait(LIMIT);
+    let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
+    eprintln!("node 0 said:\n{stderr_0}\nnode 1 said:\n{stderr_1}");
+    assert!(status_0.success(), "{status_0:?}\n{stderr_0}");
+    assert!(status_1.success(), "{status_1:?}\n{stderr_1}");
+    assert_contains(
+        &stderr_1,
+        &format!(
+            "tandem launch: rank 3 (pid {rank_3}) on node 1 killed by SIGKILL; node 0 leaves it \
+             out of the job, the others go on (--keep-survivors)\n"
+        ),
+    );
+    assert_contains(
+        &stderr_1,
+        "tandem launch: every worker finished successfully\n",
+    );
+    let stdout_0 = node_0.stdout();
+    assert_contains(&stdout_0, "; world size 4 -> 3 at epoch ");
+    assert_contains(&stdout_0, "; world size 3 -> 2 at epoch ");
+    assert!(
+        !stdout_0.contains("resum"),
+        "nothing was read from disk:\n{stdout_0}"
+    );
+    let kept: [(u32, &[u64]); 4] = [
+        (rank_0, &[4, 3, 2]),
+        (rank_1, &[4, 3]),
+        (rank_2, &[4, 3, 2]),
+        (rank_3, &[4]),
+    ];
+    assert_went_on_in_process(&hosts.trace, &kept, 2);
+    assert_same_bits(
+        &expected,
+        &hosts.output_dir,
+        "ranks 3 and 1 lost, the others kept on",
     );
 }

@@ -7,6 +7,8 @@ use std::process::Command;
 pub struct NetworkPair {
     /// The namespaces' names.
     pub names: [String; 2],
+    /// The veth ends, one in each namespace.
+    pub veths: [String; 2],
     /// The first three octets of the pair's /24 (`10.201.0`): the ends are `.1` and `.2`.
     subnet: &'static str,
 }
@@ -21,12 +23,13 @@ impl NetworkPair {
         tag: &str,
     ) -> Result<NetworkPair, String> {
         let names = [format!("{prefix}{tag}a"), format!("{prefix}{tag}b")];
+        let (veth_a, veth_b) = (format!("{veth}{tag}a"), format!("{veth}{tag}b"));
         let pair = NetworkPair {
             names: names.clone(),
+            veths: [veth_a.clone(), veth_b.clone()],
             subnet,
         };
         let [a, b] = &names;
-        let (veth_a, veth_b) = (format!("{veth}{tag}a"), format!("{veth}{tag}b"));
         let (address_a, address_b) = (
             format!("{}/24", pair.address(0)),
             format!("{}/24", pair.address(1)),
@@ -72,6 +75,46 @@ impl NetworkPair {
         let mut command = Command::new("ip");
         command.args(["netns", "exec", &self.names[index], program]);
         command
+    }
+}
+
+impl NetworkPair {
+    /// `ip netns exec NAME program` for namespace `index`, as a host of its own: the
+    /// processes see `boot_id` as the kernel's boot id, so that the other namespace's never
+    /// reach them through Unix sockets or shared memory, only through the link.
+    pub fn exec_as_own_host(
+        &self,
+        index: usize,
+        boot_id: &std::path::Path,
+        program: &str,
+    ) -> Command {
+        let mut command = self.exec(index, "unshare");
+        command
+            .args(["--mount", "sh", "-c"])
+            .arg(r#"mount --bind "$0" /proc/sys/kernel/random/boot_id && exec "$@""#)
+            .arg(boot_id)
+            .arg(program);
+        command
+    }
+
+    /// Takes the link of namespace `index` down (`ip -n NAME link set VETH down`): no packet
+    /// passes any more, and no connection is told.
+    pub fn link_down(&self, index: usize) -> Result<(), String> {
+        let output = Command::new("ip")
+            .args([
+                "-n",
+                &self.names[index],
+                "link",
+                "set",
+                &self.veths[index],
+                "down",
+            ])
+            .output()
+            .map_err(|error| format!("ip: {error}"))?;
+        match output.status.success() {
+            true => Ok(()),
+            false => Err(String::from_utf8_lossy(&output.stderr).into_owned()),
+        }
     }
 }
 

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Issue 35's link-down target of `tandem launch --keep-survivors` across nodes, measured on
+# this machine: two network namespaces joined by a veth pair act as two hosts (node 1 sees a
+# boot id of its own, so the nodes talk only through the link), 2 nodes x 2 workers train the
+# small model of run.sh; `ip -n NS link set VETH down` cuts node 1 off mid-run, and the
+# latency is the first step committed at world size 2 (from the sample trace) minus the
+# moment the link went down. Needs root, `ip netns` and `unshare`.
+set -euo pipefail
+
+usage="usage: $0 [--trials N] [--tandem BINARY]"
+here=$(dirname "$(realpath "$0")")
+tandem=$here/../../target/release/tandem
+[ -n "${CARGO_TARGET_DIR:-}" ] && tandem=$CARGO_TARGET_DIR/release/tandem
+trials=20
+while [ $# -gt 0 ]; do
+    case $1 in
+        --trials) trials=${2:?$usage}; shift 2 ;;
+        --tandem) tandem=${2:?$usage}; shift 2 ;;
+        -h|--help) echo "$usage"; exit 0 ;;
+        *) echo "$0: unknown argument '$1'" >&2; echo "$usage" >&2; exit 2 ;;
+    esac
+done
+tandem=$(realpath "$tandem")
+[ -x "$tandem" ] || { echo "$0: no tandem binary at $tandem (cargo build --release -p tandem, or --tandem)" >&2; exit 2; }
+command -v python3 >/dev/null || { echo "$0: python3 is needed to read the traces" >&2; exit 2; }
+[ "$(id -u)" = 0 ] || { echo "$0: needs root for the network namespaces" >&2; exit 2; }
+
+tag=$$
+ns=(tdl${tag}a tdl${tag}b)
+veth=(tl${tag}a tl${tag}b)
+subnet=10.203.0
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/elastic-linkdown.XXXXXX")
+pids=()
+stop_jobs() {
+    local pid
+    for pid in "${pids[@]}"; do
+        kill -KILL -- "-$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    pids=()
+}
+failed=0
+cleanup() {
+    stop_jobs
+    ip netns delete "${ns[0]}" 2>/dev/null || true
+    ip netns delete "${ns[1]}" 2>/dev/null || true
+    if [ "$failed" = 1 ]; then
+        echo "logs of the failed trials kept in $tmp" >&2
+    else
+        rm -rf "$tmp"
+    fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+ip netns add "${ns[0]}"
+ip netns add "${ns[1]}"
+ip link add "${veth[0]}" type veth peer name "${veth[1]}"
+for i in 0 1; do
+    ip link set "${veth[$i]}" netns "${ns[$i]}"
+    ip -n "${ns[$i]}" addr add "$subnet.$(( i + 1 ))/24" dev "${veth[$i]}"
+    ip -n "${ns[$i]}" link set lo up
+done
+echo "tandem-linkdown-node-1-$tag" >"$tmp/boot_id"
+
+now() { date +%s.%N; }
+
+# The seed-004 small model of crates/tandem/tests/world_size.rs (as run.sh).
+small=(--model resnet-base --n-blocks 1,1,1 --n-channels 8,16,32 --bottlenecks none --data synthetic
+    --synthetic-train 2560 --synthetic-test 64 --global-batch-size 128 --batch-size 16 --threads 1
+    --seed 5 --device cpu --log-every-steps 0 --optimizer sgd --momentum 0.9 --nesterov --lr 0.05
+    --epochs 1000)
+
+# start_node NODE PORT: starts node NODE's launcher in its namespace, in a session of its own.
+start_node() {
+    local node=$1 port=$2 wrap=()
+    # Node 1 sees a boot id of its own: no Unix socket or shared memory reaches across.
+    [ "$node" = 1 ] && wrap=(unshare --mount sh -c 'mount --bind "$0" /proc/sys/kernel/random/boot_id && exec "$@"' "$tmp/boot_id")
+    TANDEM_JOB_TOKEN=linkdown-timing TANDEM_SAMPLE_TRACE=$trace setsid \
+        ip netns exec "${ns[$node]}" "${wrap[@]}" "$tandem" launch --nnodes 2 --node-rank "$node" \
+        --master-addr "$subnet.1" --master-port "$port" --nproc-per-node 2 --keep-survivors \
+        --max-restarts 0 --log-dir "$job_dir/logs-$node" -- train "${small[@]}" \
+        --output-dir "$job_dir/out" </dev/null >"$job_dir/stdout-$node" 2>"$job_dir/stderr-$node" &
+    pids+=($!)
+}
+
+alive() { kill -0 "${pids[0]}" 2>/dev/null; }
+
+# wait_for SECONDS COMMAND...: polls COMMAND every 20 ms; fails when node 0's launcher exits
+# first or the time is up.
+wait_for() {
+    local deadline
+    deadline=$(( $(date +%s) + $1 ))
+    shift
+    until "$@"; do
+        alive || { "$@" && return 0; echo "node 0's launcher exited" >&2; return 1; }
+        (( $(date +%s) < deadline )) || { echo "timed out" >&2; return 1; }
+        sleep 0.02
+    done
+}
+
+records_at_least() { (( $(cat "$trace"/*.jsonl 2>/dev/null | wc -l) >= $1 )); }
+world_size_seen() { grep -qs "\"world_size\":$1," "$trace"/*.jsonl; }
+
+first_at() {
+    python3 - "$trace" "$1" <<'PY'
+import glob, json, sys
+folder, size = sys.argv[1], int(sys.argv[2])
+times = []
+for path in glob.glob(folder + "/*.jsonl"):
+    for line in open(path):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a killed worker
+        if record["world_size"] == size:
+            times.append(record["time"])
+print(f"{min(times):.6f}" if times else "")
+PY
+}
+
+sub() { python3 -c "import sys; print(f'{float(sys.argv[1]) - float(sys.argv[2]):.3f}')" "$1" "$2"; }
+
+failure() {
+    failed=1
+    echo "  FAILED: $1 (logs in $job_dir); node 0's launcher (tail):"
+    tail -n 8 "$job_dir/stderr-0" | sed 's/^/    /'
+    echo "  node 1's launcher (tail):"
+    tail -n 4 "$job_dir/stderr-1" | sed 's/^/    /'
+}
+
+# trial N: one link-down; prints the latency or a failure.
+trial() {
+    local n=$1 port=$(( 29600 + $1 )) t_down t_first t_exit="" line
+    job_dir=$tmp/trial-$n
+    trace=$job_dir/trace
+    mkdir -p "$trace"
+    ip -n "${ns[0]}" link set "${veth[0]}" up
+    ip -n "${ns[1]}" link set "${veth[1]}" up
+    start_node 0 "$port"
+    start_node 1 "$port"
+    if ! wait_for 90 records_at_least 40; then failure "training never got under way"; stop_jobs; return 1; fi
+    t_down=$(now)
+    ip -n "${ns[1]}" link set "${veth[1]}" down
+    if ! wait_for 60 world_size_seen 2; then failure "no step at world size 2 within 60 s"; stop_jobs; return 1; fi
+    t_first=$(first_at 2)
+    # Node 1's launcher, cut off, ends by itself.
+    for _ in $(seq 200); do
+        kill -0 "${pids[1]}" 2>/dev/null || { t_exit=$(now); break; }
+        sleep 0.05
+    done
+    stop_jobs
+    line=$(grep -o 'membership 1: node 1 lost (its launcher sent no heartbeat for [0-9.]* s)' "$job_dir/stderr-0" | head -1 || true)
+    local ended="more than 10 s"
+    [ -n "$t_exit" ] && ended="$(sub "$t_exit" "$t_down") s"
+    echo "  trial $n: $(sub "$t_first" "$t_down") s; node 1's launcher ended after $ended; ${line:-no membership line}"
+    sub "$t_first" "$t_down" >>"$tmp/latencies"
+}
+
+echo "elastic link-down timing: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), $("$tandem" --version 2>/dev/null || echo tandem)"
+echo "== ip link set down of node 1 -> first step at world size 2: 2 nodes x 2 workers, --keep-survivors, heartbeat timeout 1 s, seed-004 small model, G 128, M 16, $trials trials"
+: >"$tmp/latencies"
+for (( n = 1; n <= trials; n++ )); do
+    trial "$n" || true
+done
+python3 -c '
+import math, statistics, sys
+xs = sorted(float(x) for x in open(sys.argv[1]).read().split())
+if not xs:
+    print("  latency: n 0"); sys.exit()
+p95 = xs[math.ceil(0.95 * len(xs)) - 1]
+print(f"  latency: n {len(xs)} median {statistics.median(xs):.3f} s p95 {p95:.3f} s min {xs[0]:.3f} s max {xs[-1]:.3f} s")' "$tmp/latencies"
+echo "  (load average now $(cut -d' ' -f1-3 /proc/loadavg))"
