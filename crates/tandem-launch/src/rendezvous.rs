@@ -1038,6 +1038,18 @@ mod tests {
         )
         .unwrap();
         assert!(opened.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_second_agent_too_few_nodes_and_the_jobs_end_are_told_to_the_agents() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let node_0 = agent(0, port);
+        let node_1 = agent(1, port);
+        let (first, second) = (member(0, "a"), member(1, "b"));
 
         // A second agent for node 1 in a round not closed yet is refused, naming the first.
         node_1.offer(3, &second).unwrap();
