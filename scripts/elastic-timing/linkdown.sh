@@ -63,13 +63,10 @@ for i in 0 1; do
 done
 echo "tandem-linkdown-node-1-$tag" >"$tmp/boot_id"
 
-now() { date +%s.%N; }
 
-# The seed-004 small model of crates/tandem/tests/world_size.rs (as run.sh).
-small=(--model resnet-base --n-blocks 1,1,1 --n-channels 8,16,32 --bottlenecks none --data synthetic
-    --synthetic-train 2560 --synthetic-test 64 --global-batch-size 128 --batch-size 16 --threads 1
-    --seed 5 --device cpu --log-every-steps 0 --optimizer sgd --momentum 0.9 --nesterov --lr 0.05
-    --epochs 1000)
+# shellcheck source=common.sh
+source "$here/common.sh"
+small+=(--epochs 1000)
 
 # start_node NODE PORT: starts node NODE's launcher in its namespace, in a session of its own.
 start_node() {
@@ -84,42 +81,7 @@ start_node() {
     pids+=($!)
 }
 
-alive() { kill -0 "${pids[0]}" 2>/dev/null; }
-
-# wait_for SECONDS COMMAND...: polls COMMAND every 20 ms; fails when node 0's launcher exits
-# first or the time is up.
-wait_for() {
-    local deadline
-    deadline=$(( $(date +%s) + $1 ))
-    shift
-    until "$@"; do
-        alive || { "$@" && return 0; echo "node 0's launcher exited" >&2; return 1; }
-        (( $(date +%s) < deadline )) || { echo "timed out" >&2; return 1; }
-        sleep 0.02
-    done
-}
-
-records_at_least() { (( $(cat "$trace"/*.jsonl 2>/dev/null | wc -l) >= $1 )); }
-world_size_seen() { grep -qs "\"world_size\":$1," "$trace"/*.jsonl; }
-
-first_at() {
-    python3 - "$trace" "$1" <<'PY'
-import glob, json, sys
-folder, size = sys.argv[1], int(sys.argv[2])
-times = []
-for path in glob.glob(folder + "/*.jsonl"):
-    for line in open(path):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a killed worker
-        if record["world_size"] == size:
-            times.append(record["time"])
-print(f"{min(times):.6f}" if times else "")
-PY
-}
-
-sub() { python3 -c "import sys; print(f'{float(sys.argv[1]) - float(sys.argv[2]):.3f}')" "$1" "$2"; }
+job_alive() { kill -0 "${pids[0]}" 2>/dev/null; }
 
 failure() {
     failed=1
@@ -143,7 +105,7 @@ trial() {
     t_down=$(now)
     ip -n "${ns[1]}" link set "${veth[1]}" down
     if ! wait_for 60 world_size_seen 2; then failure "no step at world size 2 within 60 s"; stop_jobs; return 1; fi
-    t_first=$(first_at 2)
+    t_first=$(trace_query first 2)
     # Node 1's launcher, cut off, ends by itself.
     for _ in $(seq 200); do
         kill -0 "${pids[1]}" 2>/dev/null || { t_exit=$(now); break; }
@@ -163,11 +125,5 @@ echo "== ip link set down of node 1 -> first step at world size 2: 2 nodes x 2 w
 for (( n = 1; n <= trials; n++ )); do
     trial "$n" || true
 done
-python3 -c '
-import math, statistics, sys
-xs = sorted(float(x) for x in open(sys.argv[1]).read().split())
-if not xs:
-    print("  latency: n 0"); sys.exit()
-p95 = xs[math.ceil(0.95 * len(xs)) - 1]
-print(f"  latency: n {len(xs)} median {statistics.median(xs):.3f} s p95 {p95:.3f} s min {xs[0]:.3f} s max {xs[-1]:.3f} s")' "$tmp/latencies"
+summary <"$tmp/latencies" | sed 's/^/  latency: /'
 echo "  (load average now $(cut -d' ' -f1-3 /proc/loadavg))"

@@ -968,15 +968,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn rounds_close_after_the_last_call_and_a_node_left_out_asks_to_join_the_next() {
+    /// The agents of nodes 0 and 1 of a job whose store node 0 serves on a free port.
+    fn two_agents() -> (AgentStore, AgentStore) {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
-        let node_0 = agent(0, port);
-        let node_1 = agent(1, port);
+        (agent(0, port), agent(1, port))
+    }
+
+    #[test]
+    fn rounds_close_after_the_last_call_and_a_node_left_out_asks_to_join_the_next() {
+        let (node_0, node_1) = two_agents();
         let (first, second) = (member(0, "a"), member(1, "b"));
 
         // Alone, node 0 has the minimum and closes the round when the last call ends.
@@ -1042,13 +1046,7 @@ mod tests {
 
     #[test]
     fn a_second_agent_too_few_nodes_and_the_jobs_end_are_told_to_the_agents() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let node_0 = agent(0, port);
-        let node_1 = agent(1, port);
+        let (node_0, node_1) = two_agents();
         let (first, second) = (member(0, "a"), member(1, "b"));
 
         // A second agent for node 1 in a round not closed yet is refused, naming the first.

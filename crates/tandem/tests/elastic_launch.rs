@@ -414,6 +414,19 @@ fn start_keeping_survivors(hosts: &Hosts) -> (Launcher, Launcher, [u32; 2]) {
     (node_0, node_1, survivors)
 }
 
+/// Waits until node 0 published a membership that leaves node 1 out as lost.
+fn wait_for_node_1_left_out(node_0: &Launcher) {
+    wait_until(
+        "node 0's membership without node 1",
+        || {
+            node_0
+                .stderr()
+                .contains("tandem launch: membership 1: node 1 lost ")
+        },
+        || format!("node 0:\n{}", node_0.stderr()),
+    );
+}
+
 /// Waits for node 0's membership without node 1, then for the job's end; checks that node 0's
 /// workers went on in-process (the same processes, no restart) and that the run ends with the
 /// uninterrupted run's bits.
@@ -534,15 +547,7 @@ fn keep_survivors_node_1_stopped_past_the_heartbeat_timeout_is_left_out_and_says
     let (mut node_0, mut node_1, survivors) = start_keeping_survivors(&hosts);
     // Node 1's launcher alone stops: its heartbeat with it, its workers run on.
     node_1.signal(libc::SIGSTOP);
-    wait_until(
-        "node 0's membership without node 1",
-        || {
-            node_0
-                .stderr()
-                .contains("tandem launch: membership 1: node 1 lost ")
-        },
-        || format!("node 0:\n{}", node_0.stderr()),
-    );
+    wait_for_node_1_left_out(&node_0);
     node_1.signal(libc::SIGCONT);
     let stderr_1 = node_1.exits_with(1, Duration::from_secs(30));
     eprintln!("node 1 said:\n{stderr_1}");
@@ -569,15 +574,7 @@ fn keep_survivors_node_1_started_again_joins_at_the_next_round_with_the_same_bit
     hosts.epochs = "4".to_string();
     let (mut node_0, mut node_1, _) = start_keeping_survivors(&hosts);
     kill_for_good(&mut node_1);
-    wait_until(
-        "node 0's membership without node 1",
-        || {
-            node_0
-                .stderr()
-                .contains("tandem launch: membership 1: node 1 lost ")
-        },
-        || format!("node 0:\n{}", node_0.stderr()),
-    );
+    wait_for_node_1_left_out(&node_0);
     let mut node_1 = hosts.start_with(1, "node1-again", &KEEP_SURVIVORS, true);
     let status_0 = node_0.wait(LIMIT);
     let status_1 = node_1.wait(LIMIT);
