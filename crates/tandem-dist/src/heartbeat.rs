@@ -5,7 +5,9 @@
 //! it changed. The launcher takes a worker whose counter stops moving for its heartbeat
 //! timeout for dead, whatever the reason (stopped with SIGSTOP, hung, its node cut off), and
 //! `tandem status` reads the statuses of a live job. Observers compare the counter with its
-//! last value on their own clock, so no clocks need to agree.
+//! last value on their own clock, so no clocks need to agree. At every beat it also writes
+//! the worker's [`Activity`] (how long it has waited for its peers, its CPU time, whether it
+//! writes files), from which the launcher finds a worker that hangs while this thread beats.
 //!
 //! With `--keep-survivors` the same thread watches the job's membership: when the launcher
 //! publishes one that leaves out a member of this worker's group, it calls the group's
