@@ -3,7 +3,7 @@
 //! Each agent writes `job.json` (mode 0600: it holds the job token) into its log folder when
 //! it reaches the store; `tandem status` reads it, asks the store for the current round and
 //! each rank's heartbeat and status (see [`tandem_dist::heartbeat`]), and prints one line per
-//! rank.
+//! rank; with `--keep-survivors`, also the job's membership, and which ranks it left out.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
-use tandem_dist::cluster::contract::store_prefix;
+use tandem_dist::cluster::contract::{membership_key, store_prefix, MembershipRecord};
 use tandem_dist::heartbeat::{heartbeat_key, status_key, WorkerStatus, HEARTBEAT_INTERVAL};
 use tandem_dist::{JobToken, StoreClient};
 
@@ -98,8 +98,11 @@ pub fn run(args: &StatusArgs) -> anyhow::Result<String> {
     })?;
     let round = current_round_record(&client)?
         .context("the job's store holds no round yet: the nodes are still joining")?;
+    let membership = client
+        .get(&membership_key(&store_prefix(round.number)))?
+        .and_then(|bytes| MembershipRecord::from_json(&bytes).ok());
     let views = watch_ranks(&client, &round)?;
-    Ok(describe(&job, &round, &views))
+    Ok(describe(&job, &round, membership.as_ref(), &views))
 }
 
 /// Reads every rank's status and heartbeat, then the heartbeats again after [`WATCH`].
@@ -124,19 +127,39 @@ fn watch_ranks(client: &StoreClient, round: &Round) -> anyhow::Result<Vec<RankVi
     Ok(views)
 }
 
-/// The report: the round's line, then one line per rank.
-fn describe(job: &JobFile, round: &Round, views: &[RankView]) -> String {
+/// The report: the round's line, the membership's when it changed, then one line per rank.
+fn describe(
+    job: &JobFile,
+    round: &Round,
+    membership: Option<&MembershipRecord>,
+    views: &[RankView],
+) -> String {
     let mut text = format!(
         "job at {} (launcher pid {}): {}\n",
         job.store, job.launcher_pid, round.line
     );
+    if let Some(record) = membership {
+        let paused = match record.paused_for {
+            Some(seconds) => format!(", paused below --min-workers for up to {seconds:.0} s"),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            text,
+            "membership {}: ranks {:?} in the job{paused} (last change: {})",
+            record.epoch, record.members, record.why
+        );
+    }
     let _ = writeln!(
         text,
         "{:>4}  {:<16} {:>8}  {:>5}  {:>7}  {:>9}  heartbeat",
         "rank", "host", "pid", "epoch", "step", "img/s"
     );
     for view in views {
-        let heartbeat = heartbeat_state(view.beats);
+        let left_out = membership.is_some_and(|record| !record.members.contains(&view.rank));
+        let heartbeat = match left_out {
+            true => "left out of the job".to_string(),
+            false => heartbeat_state(view.beats),
+        };
         let _ = match &view.status {
             Some(status) => writeln!(
                 text,
@@ -182,5 +205,42 @@ mod tests {
             heartbeat_state((12, 12 + tandem_dist::heartbeat::ENDED)),
             "ended (the worker is finishing)"
         );
+    }
+
+    #[test]
+    fn the_membership_and_the_ranks_it_left_out_are_shown() {
+        let job = JobFile {
+            store: "127.0.0.1:29500".into(),
+            token: "t".into(),
+            launcher_pid: 7,
+        };
+        let round = Round {
+            number: 0,
+            restarts: 0,
+            members: Vec::new(),
+            line: "round 0: nodes 0 (3 workers); world size 3".into(),
+        };
+        let membership = MembershipRecord {
+            epoch: 1,
+            members: vec![0, 2],
+            why: "rank 1 (pid 42) killed by SIGKILL".into(),
+            paused_for: None,
+        };
+        let views: Vec<RankView> = (0..3)
+            .map(|rank| RankView {
+                rank,
+                status: None,
+                beats: (5, 8),
+            })
+            .collect();
+        let report = describe(&job, &round, Some(&membership), &views);
+        let lines: Vec<&str> = report.lines().collect();
+        assert_eq!(
+            lines[1],
+            "membership 1: ranks [0, 2] in the job (last change: rank 1 (pid 42) killed by SIGKILL)"
+        );
+        assert!(lines[3].ends_with("beating (3 in 0.3 s)"), "{report}");
+        assert!(lines[4].ends_with("  left out of the job"), "{report}");
+        assert!(lines[5].ends_with("beating (3 in 0.3 s)"), "{report}");
     }
 }

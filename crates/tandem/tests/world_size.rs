@@ -425,6 +425,20 @@ fn survivors_of_a_kill_a_stop_and_a_hang_re_form_in_process_with_the_bits_of_the
         0
     );
     wait_for_step(&mut launcher, &trace, 50);
+    let status = expect_success(&run_bounded(tandem().arg("status").arg(&reformed), LIMIT));
+    assert_contains(
+        &status,
+        &format!(
+            "membership 1: ranks [0, 1, 3] in the job (last change: rank 2 (pid {first}) killed \
+             by SIGKILL)"
+        ),
+    );
+    assert!(
+        status
+            .lines()
+            .any(|line| line.starts_with("   2 ") && line.ends_with("  left out of the job")),
+        "{status}"
+    );
     // SAFETY: as above.
     assert_eq!(
         unsafe { libc::kill(second as libc::pid_t, libc::SIGSTOP) },
