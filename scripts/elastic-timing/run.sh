@@ -123,10 +123,12 @@ failure() {
     tail -n 5 "$job_dir/stdout" | sed 's/^/    /'
 }
 
-# lose_one SIGNAL TRIAL: one 4-worker trial; prints the latency or a failure.
-lose_one() {
-    local signal=$1 trial=$2 victim rank t_signal t_first
-    start_job "$signal-$trial" 4 1 "${small[@]}" --epochs 1000
+# signal_one SIGNAL TRIAL KEEP: starts a 4-worker job (KEEP as for start_job), sends SIGNAL
+# to one worker once training is under way, and waits for the first step at world size 3;
+# sets rank, t_signal and t_first. On a failure it says so and stops the job.
+signal_one() {
+    local signal=$1 trial=$2 keep=$3 victim
+    start_job "$signal-$keep-$trial" 4 "$keep" "${small[@]}" --epochs 1000
     wait_for 60 records_at_least 20 || { failure "training never got under way"; stop_job; return 1; }
     rank=$(( 1 + trial % 3 ))
     victim=$(worker_pid "$rank") || { failure "no worker of rank $rank"; stop_job; return 1; }
@@ -138,14 +140,23 @@ lose_one() {
         return 1
     fi
     t_first=$(trace_query first 3)
+}
+
+# undisturbed TRIAL: stops the job; whether only the script's signal reached it (else says so).
+undisturbed() {
     stop_job
     local outside
     outside=$(outside_interference "$rank")
-    if [ -n "$outside" ]; then
-        echo "  trial $trial: DISTURBED, not counted: $outside"
-        return 1
-    fi
-    local reformed
+    [ -z "$outside" ] && return 0
+    echo "  trial $1: DISTURBED, not counted: $outside"
+    return 1
+}
+
+# lose_one SIGNAL TRIAL: one 4-worker trial; prints the latency or a failure.
+lose_one() {
+    local signal=$1 trial=$2 rank t_signal t_first reformed
+    signal_one "$signal" "$trial" 1 || return 1
+    undisturbed "$trial" || return 1
     reformed=$(grep -o 're-formed in [0-9.]* s' "$job_dir/stdout" | head -1 || true)
     echo "  trial $trial: rank $rank, $(sub "$t_first" "$t_signal") s (rank 0: ${reformed:-no re-form line})"
     sub "$t_first" "$t_signal" >>"$tmp/latencies"
@@ -154,57 +165,31 @@ lose_one() {
 # back_at_4_after TIME: a step at world size 4 was committed after TIME (seconds since the epoch).
 back_at_4_after() { [ -n "$(trace_query first_after 4 "$1")" ]; }
 
-# join_one TRIAL: one 4-worker trial with --replace-lost; prints the latency or a failure.
+# join_one KILL TRIAL: one 4-worker trial with --replace-lost; prints the latency or a failure.
 join_one() {
-    local trial=$1 victim rank t_kill t_back
-    start_job "join-$trial" 4 2 "${small[@]}" --epochs 1000
-    wait_for 60 records_at_least 20 || { failure "training never got under way"; stop_job; return 1; }
-    rank=$(( 1 + trial % 3 ))
-    victim=$(worker_pid "$rank") || { failure "no worker of rank $rank"; stop_job; return 1; }
-    t_kill=$(now)
-    kill -KILL "$victim"
-    local t_down
-    if ! wait_for 60 world_size_seen 3; then
-        failure "no step at world size 3 within 60 s of kill -9; $(outside_interference "$rank")"
-        stop_job
-        return 1
-    fi
+    local trial=$2 rank t_signal t_first t_back
+    signal_one KILL "$trial" 2 || return 1
     # Steps at 4 after the first at 3: the replacement's (the others may commit one at 4
     # just after the kill, before they see it).
-    t_down=$(trace_query first 3)
-    if ! wait_for 60 back_at_4_after "$t_down"; then
+    if ! wait_for 60 back_at_4_after "$t_first"; then
         failure "no step at world size 4 within 60 s of kill -9; $(outside_interference "$rank")"
         stop_job
         return 1
     fi
-    t_back=$(trace_query first_after 4 "$t_down")
-    stop_job
-    local outside
-    outside=$(outside_interference "$rank")
-    if [ -n "$outside" ]; then
-        echo "  trial $trial: DISTURBED, not counted: $outside"
-        return 1
-    fi
-    echo "  trial $trial: rank $rank, back at 4 workers after $(sub "$t_back" "$t_kill") s (at 3 after $(sub "$t_down" "$t_kill") s)"
-    sub "$t_back" "$t_kill" >>"$tmp/latencies"
+    t_back=$(trace_query first_after 4 "$t_first")
+    undisturbed "$trial" || return 1
+    echo "  trial $trial: rank $rank, back at 4 workers after $(sub "$t_back" "$t_signal") s (at 3 after $(sub "$t_first" "$t_signal") s)"
+    sub "$t_back" "$t_signal" >>"$tmp/latencies"
 }
 
-measure_join() {
-    local trial
-    echo "== kill -9 with --replace-lost -> first step at 4 workers again: 4 workers, seed-004 small model, G 128, M 16, $trials trials"
-    : >"$tmp/latencies"
-    for (( trial = 1; trial <= trials; trial++ )); do
-        join_one "$trial" || true
-    done
-    summary <"$tmp/latencies" | sed 's/^/  latency: /'
-}
-
-measure_loss() {
-    local signal=$1 title=$2 trial
+# measure TRIAL_FUNCTION SIGNAL TITLE: TRIAL_FUNCTION SIGNAL N for each trial N, then the
+# latencies' summary.
+measure() {
+    local run_trial=$1 signal=$2 title=$3 trial
     echo "== $title: 4 workers, seed-004 small model, G 128, M 16, $trials trials"
     : >"$tmp/latencies"
     for (( trial = 1; trial <= trials; trial++ )); do
-        lose_one "$signal" "$trial" || true
+        "$run_trial" "$signal" "$trial" || true
     done
     summary <"$tmp/latencies" | sed 's/^/  latency: /'
 }
@@ -276,9 +261,9 @@ measure_scale() {
 echo "elastic timing: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), $("$tandem" --version 2>/dev/null || echo tandem)"
 for part in ${only//,/ }; do
     case $part in
-        kill) measure_loss KILL "kill -9 -> first step at the smaller size" ;;
-        stop) measure_loss STOP "SIGSTOP -> first step at the smaller size (heartbeat timeout 1 s)" ;;
-        join) measure_join ;;
+        kill) measure lose_one KILL "kill -9 -> first step at the smaller size" ;;
+        stop) measure lose_one STOP "SIGSTOP -> first step at the smaller size (heartbeat timeout 1 s)" ;;
+        join) measure join_one KILL "kill -9 with --replace-lost -> first step at 4 workers again" ;;
         cost) measure_cost ;;
         scale) measure_scale ;;
         *) echo "$0: unknown part '$part'" >&2; exit 2 ;;
