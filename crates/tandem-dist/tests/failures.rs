@@ -247,6 +247,21 @@ fn killed_process_is_named(transport: Transport) {
     }
 }
 
+/// Rank `rank` of a group over TCP through the store at `store`, its collectives bounded by
+/// `timeout`. Joining is not what is timed: it gets a bound a loaded machine keeps.
+fn tcp_group(
+    rank: usize,
+    world_size: usize,
+    (store, token): (std::net::SocketAddr, &JobToken),
+    timeout: Duration,
+) -> ProcessGroup {
+    let mut options = options(rank, world_size, store, token, Duration::from_secs(30));
+    options.unix_sockets = false;
+    let mut group = ProcessGroup::connect(options).expect("join");
+    group.set_timeout(timeout);
+    group
+}
+
 #[test]
 fn stalled_rank_is_named_by_every_waiting_rank() {
     let (server, token) = start_store();
@@ -254,11 +269,7 @@ fn stalled_rank_is_named_by_every_waiting_rank() {
     let world_size = 3;
     let timeout = Duration::from_millis(1500);
     let outcomes = on_rank_threads(world_size, |rank| {
-        // Joining is not what is timed: it gets a bound a loaded machine keeps.
-        let mut options = options(rank, world_size, store, &token, Duration::from_secs(30));
-        options.unix_sockets = false;
-        let mut group = ProcessGroup::connect(options).expect("join");
-        group.set_timeout(timeout);
+        let mut group = tcp_group(rank, world_size, (store, &token), timeout);
         if rank == 2 {
             // Joins, then never takes part; leaves after the others gave up.
             std::thread::sleep(timeout * 2);
@@ -383,10 +394,7 @@ fn a_broken_ring_fails_a_collective_blocked_on_a_silent_rank_at_once() {
     let world_size = 3;
     let timeout = Duration::from_secs(60);
     let outcomes = on_rank_threads(world_size, |rank| {
-        let mut options = options(rank, world_size, store, &token, Duration::from_secs(30));
-        options.unix_sockets = false;
-        let mut group = ProcessGroup::connect(options).expect("join");
-        group.set_timeout(timeout);
+        let mut group = tcp_group(rank, world_size, (store, &token), timeout);
         if rank == 2 {
             // Joins, then never takes part, as a peer whose link went down.
             std::thread::sleep(Duration::from_secs(3));

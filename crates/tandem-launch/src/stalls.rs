@@ -102,7 +102,7 @@ impl Stalls {
     fn idle_for(&self, index: usize) -> Option<(usize, Duration)> {
         let seen = &self.seen[index];
         let (first_read, first) = seen.front()?;
-        let (last_read, _) = seen.back()?;
+        let (last_read, last) = seen.back()?;
         let span = last_read.saturating_duration_since(*first_read);
         if span < self.timeout {
             return None;
@@ -113,7 +113,7 @@ impl Stalls {
         {
             return None;
         }
-        let cpu = seen.iter().map(|(_, activity)| activity.cpu_ms).max()? - first.cpu_ms;
+        let cpu = last.cpu_ms.saturating_sub(first.cpu_ms);
         let idle = (cpu as f64) < span.as_millis() as f64 * IDLE_CPU_SHARE;
         idle.then_some((index, span))
     }

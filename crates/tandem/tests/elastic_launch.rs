@@ -186,6 +186,15 @@ fn uninterrupted_run_of(dir: &Path, epochs: &str) -> PathBuf {
     output_dir
 }
 
+/// The uninterrupted run of `epochs` epochs in `dir`, and hosts `tag` whose job trains as
+/// long.
+fn uninterrupted_and_hosts(dir: &Path, tag: &str, epochs: &str) -> (PathBuf, Hosts) {
+    let expected = uninterrupted_run_of(dir, epochs);
+    let mut hosts = Hosts::new(dir, tag);
+    hosts.epochs = epochs.to_string();
+    (expected, hosts)
+}
+
 /// Starts both nodes, waits for their first round of 4 workers and a few steps, then kills
 /// node 1 for good and waits for node 0's next round without it.
 fn lose_node_1(hosts: &Hosts) -> Launcher {
@@ -541,9 +550,7 @@ fn keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_th
 fn keep_survivors_node_1_stopped_past_the_heartbeat_timeout_is_left_out_and_says_so() {
     let dir = tempfile::tempdir().unwrap();
     // Long enough for node 0 to go on after node 1 ended.
-    let expected = uninterrupted_run_of(dir.path(), "3");
-    let mut hosts = Hosts::new(dir.path(), "s");
-    hosts.epochs = "3".to_string();
+    let (expected, hosts) = uninterrupted_and_hosts(dir.path(), "s", "3");
     let (mut node_0, mut node_1, survivors) = start_keeping_survivors(&hosts);
     // Node 1's launcher alone stops: its heartbeat with it, its workers run on.
     node_1.signal(libc::SIGSTOP);
@@ -569,9 +576,7 @@ fn keep_survivors_node_1_stopped_past_the_heartbeat_timeout_is_left_out_and_says
 fn keep_survivors_node_1_started_again_joins_at_the_next_round_with_the_same_bits() {
     let dir = tempfile::tempdir().unwrap();
     // Long enough for node 1 to come back before node 0 is done alone.
-    let expected = uninterrupted_run_of(dir.path(), "4");
-    let mut hosts = Hosts::new(dir.path(), "r");
-    hosts.epochs = "4".to_string();
+    let (expected, hosts) = uninterrupted_and_hosts(dir.path(), "r", "4");
     let (mut node_0, mut node_1, _) = start_keeping_survivors(&hosts);
     kill_for_good(&mut node_1);
     wait_for_node_1_left_out(&node_0);
@@ -602,9 +607,7 @@ fn keep_survivors_node_1_started_again_joins_at_the_next_round_with_the_same_bit
 #[test]
 fn keep_survivors_workers_lost_on_either_node_leave_the_others_running_with_the_same_bits() {
     let dir = tempfile::tempdir().unwrap();
-    let expected = uninterrupted_run_of(dir.path(), "3");
-    let mut hosts = Hosts::new(dir.path(), "w");
-    hosts.epochs = "3".to_string();
+    let (expected, hosts) = uninterrupted_and_hosts(dir.path(), "w", "3");
     let (mut node_0, mut node_1, [rank_0, rank_1]) = start_keeping_survivors(&hosts);
     let (rank_2, rank_3) = (node_1.worker(2), node_1.worker(3));
     send_signal(rank_3, libc::SIGKILL);
