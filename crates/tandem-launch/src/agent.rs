@@ -927,17 +927,21 @@ fn watch_round(
         };
         let signal = signals::stop_requested();
         let others_stop = duties.update(store, heartbeats, local_failure, signal);
-        let local_failure = local_failure.any;
         if ends.iter().all(Option::is_some) {
             break;
         }
-        let must_stop = local_failure || signal.is_some() || others_stop;
+        let must_stop = local_failure.any || signal.is_some() || others_stop;
         if must_stop && stopping.is_none() {
             stopping = Some(Stopping {
                 sigterm_at: Instant::now(),
                 sigkill_at: None,
             });
-            signal_running(workers, SIGTERM);
+            // Ranks that ended on a stop request show that every rank is stopping already:
+            // a SIGTERM now would hide which rank asked, so only the grace's end is enforced.
+            let all_stopping = !failures.is_empty() && local_failure.only_stop_requests;
+            if !all_stopping || signal.is_some() {
+                signal_running(workers, SIGTERM);
+            }
         }
         if let Some(phase) = stopping.as_mut() {
             // A stopped worker can honour no SIGTERM: no grace for it. It is most likely
