@@ -46,4 +46,6 @@ pub use group::{
     MAX_BROADCAST_BYTES,
 };
 pub use shared::SharedBuffer;
-pub use store::{StoreClient, StoreLimits, StoreServer, MAX_KEY_BYTES, MAX_VALUE_BYTES};
+pub use store::{
+    StoreClient, StoreLimits, StoreReplica, StoreServer, MAX_KEY_BYTES, MAX_VALUE_BYTES,
+};

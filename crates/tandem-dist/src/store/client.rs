@@ -1,6 +1,7 @@
 //! The store client: one authenticated connection, one request at a time.
 
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -8,13 +9,18 @@ use std::time::{Duration, Instant};
 use super::protocol::{
     read_frame, write_frame, FrameError, Request, Response, MAX_KEY_BYTES, MAX_VALUE_BYTES,
 };
-use crate::auth::{connect_handshake, ConnectError, JobToken, Purpose};
+use crate::auth::{connect_handshake, fill_random, ConnectError, JobToken, Purpose};
 use crate::error::{DistError, Result};
 
 /// How long to wait between attempts while the store is not up yet.
 const RETRY_PAUSE: Duration = Duration::from_millis(50);
 /// Extra time a client allows a `wait` answer beyond the wait's own timeout.
 const WAIT_SLACK: Duration = Duration::from_secs(5);
+/// How long one replica of a replicated store may take to answer before the client tries
+/// another: a little over the time a replica takes to find that no majority confirms it.
+const REPLICA_ANSWER_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a client of a replicated store tries one replica's address before the next.
+const REPLICA_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// A connection to a [`StoreServer`](crate::StoreServer). Methods take `&self`; requests from
 /// several threads are serialized.
@@ -22,12 +28,25 @@ pub struct StoreClient {
     addr: SocketAddr,
     timeout: Duration,
     stream: Mutex<Connection>,
+    /// With a replicated store: every replica, and what failing over needs.
+    replicas: Option<Replicas>,
 }
 
 /// The stream, and whether an earlier failure left it out of step.
 struct Connection {
     stream: TcpStream,
     broken: Option<String>,
+    /// The replica it is connected to (0 for a single store).
+    replica: usize,
+}
+
+/// What a client of a replicated store needs to move from replica to replica.
+struct Replicas {
+    addrs: Vec<SocketAddr>,
+    token: JobToken,
+    /// This client's session number, and the number of its last request.
+    session: u64,
+    last_request: AtomicU64,
 }
 
 impl StoreClient {
@@ -46,7 +65,9 @@ impl StoreClient {
                         stream: Mutex::new(Connection {
                             stream,
                             broken: None,
+                            replica: 0,
                         }),
+                        replicas: None,
                     })
                 }
                 Err(Attempt::Final(error)) => return Err(error),
@@ -61,6 +82,61 @@ impl StoreClient {
                     thread::sleep(RETRY_PAUSE);
                 }
             }
+        }
+    }
+
+    /// Connects to a store replicated at `addrs` (see
+    /// [`StoreReplica`](crate::StoreReplica)): to the first replica that answers, and later
+    /// to whichever leads. A request whose replica fails, or does not lead, is sent again
+    /// to another until it is answered or its timeout passes; a write is applied once
+    /// however often it is sent.
+    pub fn connect_replicated(
+        addrs: &[SocketAddr],
+        token: &JobToken,
+        timeout: Duration,
+    ) -> Result<StoreClient> {
+        let Some(&first) = addrs.first() else {
+            return Err(DistError::InvalidArgument(
+                "a replicated store needs the address of at least one replica".into(),
+            ));
+        };
+        let mut session = [0u8; 8];
+        fill_random(&mut session)?;
+        let deadline = Instant::now() + timeout;
+        let mut failures = Vec::new();
+        loop {
+            for (index, &addr) in addrs.iter().enumerate() {
+                let attempt_deadline = deadline.min(Instant::now() + REPLICA_CONNECT_TIMEOUT);
+                match Self::connect_once(addr, token, attempt_deadline) {
+                    Ok(stream) => {
+                        return Ok(StoreClient {
+                            addr: first,
+                            timeout,
+                            stream: Mutex::new(Connection {
+                                stream,
+                                broken: None,
+                                replica: index,
+                            }),
+                            replicas: Some(Replicas {
+                                addrs: addrs.to_vec(),
+                                token: token.clone(),
+                                session: u64::from_le_bytes(session),
+                                last_request: AtomicU64::new(0),
+                            }),
+                        });
+                    }
+                    Err(Attempt::Final(error)) => return Err(error),
+                    Err(Attempt::Retry(message)) => failures.push(format!("{addr}: {message}")),
+                }
+            }
+            if Instant::now() + RETRY_PAUSE >= deadline {
+                return Err(DistError::StoreUnreachable {
+                    addr: addrs_text(addrs),
+                    timeout,
+                    message: failures.last().cloned().unwrap_or_default(),
+                });
+            }
+            thread::sleep(RETRY_PAUSE);
         }
     }
 
@@ -237,6 +313,9 @@ impl StoreClient {
     /// Sends one request and reads its response, both within `timeout`. Any I/O failure
     /// breaks the connection for good: a half-read response would put it out of step.
     fn request(&self, key: &str, request: &Request, timeout: Duration) -> Result<Response> {
+        if let Some(replicas) = &self.replicas {
+            return self.request_replicated(replicas, key, request, timeout);
+        }
         let mut connection = self.connection();
         if let Some(reason) = &connection.broken {
             return Err(self.store_error(format!("the connection broke earlier: {reason}")));
@@ -255,6 +334,66 @@ impl StoreClient {
         }
     }
 
+    /// Sends `request` to the leading replica, moving to another on a failure or a
+    /// `NotLeader` answer, until `timeout`.
+    fn request_replicated(
+        &self,
+        replicas: &Replicas,
+        key: &str,
+        request: &Request,
+        timeout: Duration,
+    ) -> Result<Response> {
+        let deadline = Instant::now() + timeout;
+        let seq = replicas.last_request.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut connection = self.connection();
+        let mut last_failure = String::from("no replica answered");
+        loop {
+            let Some(left) = remaining(deadline) else {
+                return Err(DistError::Store {
+                    addr: addrs_text(&replicas.addrs),
+                    message: format!(
+                        "no replica of the store answered as its leader within {timeout:?}; \
+                         the last: {last_failure}"
+                    ),
+                });
+            };
+            if connection.broken.is_some() && !replicas.reconnect(&mut connection, deadline) {
+                thread::sleep(RETRY_PAUSE.min(left));
+                continue;
+            }
+            let attempt = Request::Session {
+                client: replicas.session,
+                seq,
+                request: Box::new(within(request, left)),
+            };
+            let bound = match request {
+                Request::Wait { .. } => left,
+                _ => left.min(REPLICA_ANSWER_TIMEOUT),
+            };
+            let addr = replicas.addrs[connection.replica];
+            match exchange(&mut connection.stream, &attempt, bound) {
+                Ok(Response::NotLeader { leader }) => {
+                    last_failure = format!("{addr} does not lead the store");
+                    replicas.move_on(&mut connection, leader.as_deref());
+                    if leader.is_none() {
+                        thread::sleep(RETRY_PAUSE.min(left));
+                    }
+                }
+                Ok(Response::Error(message)) => {
+                    return Err(DistError::StoreRequest {
+                        key: key.into(),
+                        message,
+                    })
+                }
+                Ok(response) => return Ok(response),
+                Err(message) => {
+                    last_failure = format!("{addr}: {message}");
+                    replicas.move_on(&mut connection, None);
+                }
+            }
+        }
+    }
+
     fn store_error(&self, message: String) -> DistError {
         DistError::Store {
             addr: self.addr.to_string(),
@@ -268,6 +407,57 @@ impl StoreClient {
             message: format!("unexpected answer {response:?}"),
         }
     }
+}
+
+impl Replicas {
+    /// Marks the connection for a move to the replica at `leader` when it is one of the
+    /// store's, else to the next one.
+    fn move_on(&self, connection: &mut Connection, leader: Option<&str>) {
+        let hinted = leader.and_then(|leader| {
+            self.addrs
+                .iter()
+                .position(|addr| addr.to_string() == leader)
+        });
+        connection.replica = hinted.unwrap_or((connection.replica + 1) % self.addrs.len());
+        connection.broken = Some("moving to another replica".into());
+    }
+
+    /// Connects to the replica the connection should move to; false when it cannot now
+    /// (the next replica is then tried on the next call).
+    fn reconnect(&self, connection: &mut Connection, deadline: Instant) -> bool {
+        let addr = self.addrs[connection.replica];
+        let attempt_deadline = deadline.min(Instant::now() + REPLICA_CONNECT_TIMEOUT);
+        match StoreClient::connect_once(addr, &self.token, attempt_deadline) {
+            Ok(stream) => {
+                connection.stream = stream;
+                connection.broken = None;
+                true
+            }
+            Err(_) => {
+                connection.replica = (connection.replica + 1) % self.addrs.len();
+                false
+            }
+        }
+    }
+}
+
+/// `request` with its wait cut to what is left of the client's own timeout.
+fn within(request: &Request, left: Duration) -> Request {
+    match request {
+        Request::Wait { keys, timeout } => Request::Wait {
+            keys: keys.clone(),
+            timeout: (*timeout).min(left.saturating_sub(WAIT_SLACK)),
+        },
+        other => other.clone(),
+    }
+}
+
+fn addrs_text(addrs: &[SocketAddr]) -> String {
+    addrs
+        .iter()
+        .map(SocketAddr::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Why one connection attempt failed.

@@ -3,12 +3,17 @@
 
 mod client;
 mod gate;
+mod keyspace;
 mod limits;
+mod log;
+mod peers;
 pub(crate) mod protocol;
+mod replica;
 mod server;
 
 pub(crate) use client::remaining;
 pub use client::StoreClient;
 pub use limits::StoreLimits;
 pub use protocol::{MAX_KEY_BYTES, MAX_VALUE_BYTES};
+pub use replica::StoreReplica;
 pub use server::StoreServer;

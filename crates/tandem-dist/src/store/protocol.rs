@@ -46,6 +46,17 @@ pub(crate) enum Request {
         key: String,
     },
     NumKeys,
+    /// A request of a client that fails over between replicas: `seq` counts its requests,
+    /// so that a write retried on another replica is applied once.
+    Session {
+        client: u64,
+        seq: u64,
+        request: Box<Request>,
+    },
+    /// A Raft message from another replica of a replicated store; it gets no answer.
+    Raft {
+        message: Vec<u8>,
+    },
 }
 
 /// One response from the server.
@@ -57,8 +68,15 @@ pub(crate) enum Response {
     Integer(i64),
     Deleted(bool),
     Count(u64),
-    TimedOut { missing: Vec<String> },
+    TimedOut {
+        missing: Vec<String>,
+    },
     Error(String),
+    /// This replica does not lead the replicated store; `leader` is the address of the one
+    /// it knows to lead, if any.
+    NotLeader {
+        leader: Option<String>,
+    },
 }
 
 const SET: u8 = 1;
@@ -68,6 +86,8 @@ const ADD: u8 = 4;
 const COMPARE_SET: u8 = 5;
 const DELETE: u8 = 6;
 const NUM_KEYS: u8 = 7;
+const SESSION: u8 = 8;
+const RAFT: u8 = 9;
 
 const DONE: u8 = 0;
 const VALUE: u8 = 1;
@@ -77,6 +97,7 @@ const DELETED: u8 = 4;
 const COUNT: u8 = 5;
 const TIMED_OUT: u8 = 6;
 const ERROR: u8 = 7;
+const NOT_LEADER: u8 = 8;
 
 /// Why a frame could not be read or decoded.
 #[derive(Debug)]
@@ -159,6 +180,20 @@ impl Request {
                 put_bytes(&mut out, key.as_bytes());
             }
             Request::NumKeys => out.push(NUM_KEYS),
+            Request::Session {
+                client,
+                seq,
+                request,
+            } => {
+                out.push(SESSION);
+                out.extend_from_slice(&client.to_le_bytes());
+                out.extend_from_slice(&seq.to_le_bytes());
+                out.extend_from_slice(&request.encode());
+            }
+            Request::Raft { message } => {
+                out.push(RAFT);
+                put_bytes(&mut out, message);
+            }
         }
         out
     }
@@ -201,6 +236,23 @@ impl Request {
             }
             DELETE => Request::Delete { key: reader.key()? },
             NUM_KEYS => Request::NumKeys,
+            SESSION => {
+                let client = reader.u64()?;
+                let seq = reader.u64()?;
+                let request = Request::decode(reader.bytes)?;
+                if matches!(request, Request::Session { .. } | Request::Raft { .. }) {
+                    return Err("a session holds a session or a Raft message".into());
+                }
+                reader.bytes = &[];
+                Request::Session {
+                    client,
+                    seq,
+                    request: Box::new(request),
+                }
+            }
+            RAFT => Request::Raft {
+                message: reader.value()?,
+            },
             other => return Err(format!("unknown opcode {other}")),
         };
         reader.finish()?;
@@ -242,6 +294,16 @@ impl Response {
                 out.push(ERROR);
                 put_bytes(&mut out, message.as_bytes());
             }
+            Response::NotLeader { leader } => {
+                out.push(NOT_LEADER);
+                match leader {
+                    Some(addr) => {
+                        out.push(1);
+                        put_bytes(&mut out, addr.as_bytes());
+                    }
+                    None => out.push(0),
+                }
+            }
         }
         out
     }
@@ -267,6 +329,12 @@ impl Response {
                 Response::TimedOut { missing }
             }
             ERROR => Response::Error(String::from_utf8_lossy(&reader.value()?).into_owned()),
+            NOT_LEADER => Response::NotLeader {
+                leader: match reader.u8()? {
+                    0 => None,
+                    _ => Some(reader.key()?),
+                },
+            },
             other => return Err(format!("unknown status {other}")),
         };
         reader.finish()?;
@@ -274,7 +342,7 @@ impl Response {
     }
 }
 
-fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
+pub(crate) fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
     out.extend_from_slice(bytes);
 }
@@ -284,8 +352,8 @@ fn duration_millis(duration: Duration) -> u64 {
 }
 
 /// Reads fields off the front of a payload; every read is bounds-checked.
-struct Cursor<'a> {
-    bytes: &'a [u8],
+pub(crate) struct Cursor<'a> {
+    pub(crate) bytes: &'a [u8],
 }
 
 impl Cursor<'_> {
@@ -301,7 +369,7 @@ impl Cursor<'_> {
         Ok(head)
     }
 
-    fn u8(&mut self) -> Result<u8, String> {
+    pub(crate) fn u8(&mut self) -> Result<u8, String> {
         Ok(self.take(1)?[0])
     }
 
@@ -311,7 +379,7 @@ impl Cursor<'_> {
         Ok(u32::from_le_bytes(word))
     }
 
-    fn u64(&mut self) -> Result<u64, String> {
+    pub(crate) fn u64(&mut self) -> Result<u64, String> {
         let mut word = [0u8; 8];
         word.copy_from_slice(self.take(8)?);
         Ok(u64::from_le_bytes(word))
@@ -327,16 +395,16 @@ impl Cursor<'_> {
         self.take(length)
     }
 
-    fn key(&mut self) -> Result<String, String> {
+    pub(crate) fn key(&mut self) -> Result<String, String> {
         let bytes = self.sized(MAX_KEY_BYTES, "key")?;
         String::from_utf8(bytes.to_vec()).map_err(|_| "key is not valid UTF-8".to_string())
     }
 
-    fn value(&mut self) -> Result<Vec<u8>, String> {
+    pub(crate) fn value(&mut self) -> Result<Vec<u8>, String> {
         Ok(self.sized(MAX_VALUE_BYTES, "value")?.to_vec())
     }
 
-    fn finish(&self) -> Result<(), String> {
+    pub(crate) fn finish(&self) -> Result<(), String> {
         match self.bytes.len() {
             0 => Ok(()),
             extra => Err(format!("{extra} unexpected bytes after the message")),
@@ -378,6 +446,17 @@ mod tests {
             },
             Request::Delete { key: "d".into() },
             Request::NumKeys,
+            Request::Session {
+                client: u64::MAX,
+                seq: 3,
+                request: Box::new(Request::Add {
+                    key: "n".into(),
+                    delta: 1,
+                }),
+            },
+            Request::Raft {
+                message: vec![8, 1],
+            },
         ];
         for request in requests {
             assert_eq!(Request::decode(&request.encode()), Ok(request));
@@ -397,6 +476,10 @@ mod tests {
                 missing: vec!["k".into()],
             },
             Response::Error("bad".into()),
+            Response::NotLeader { leader: None },
+            Response::NotLeader {
+                leader: Some("10.0.0.2:29400".into()),
+            },
         ];
         for response in responses {
             assert_eq!(Response::decode(&response.encode()), Ok(response));
@@ -426,6 +509,19 @@ mod tests {
             Err("1 unexpected bytes after the message".into())
         );
         assert_eq!(Request::decode(&[200]), Err("unknown opcode 200".into()));
+        let nested = Request::Session {
+            client: 1,
+            seq: 1,
+            request: Box::new(Request::Session {
+                client: 1,
+                seq: 2,
+                request: Box::new(Request::NumKeys),
+            }),
+        };
+        assert_eq!(
+            Request::decode(&nested.encode()),
+            Err("a session holds a session or a Raft message".into())
+        );
         assert_eq!(
             Request::decode(&[]),
             Err("truncated message: needed 1 more bytes, 0 left".into())

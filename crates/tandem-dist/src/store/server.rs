@@ -11,12 +11,13 @@ use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::client::remaining;
 use super::gate::{Gate, Passed};
+use super::keyspace::Keyspace;
 use super::limits::StoreLimits;
 use super::protocol::{read_frame, write_frame, FrameError, Request, Response};
 use crate::auth::JobToken;
@@ -26,8 +27,6 @@ use crate::error::{DistError, Result};
 const GATE_SLICE: Duration = Duration::from_millis(50);
 /// How long the server may take to hand an answer to a client that does not read it.
 const ANSWER_WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-/// The longest `wait` the server honours, whatever the client asks.
-const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
 /// The rendezvous store (the role of c10d's TCPStore). It serves on background threads until
 /// dropped; dropping it closes every client connection.
@@ -36,10 +35,33 @@ pub struct StoreServer {
     shared: Arc<Shared>,
 }
 
+/// What answers the clients' requests: a keyspace of its own, or a replica of a replicated
+/// store.
+pub(crate) trait Answer: Send + Sync + 'static {
+    /// The answer to `request`, or `None` for a message that gets none.
+    fn answer(&self, request: Request) -> Option<Response>;
+    /// Ends every blocked request now.
+    fn stop(&self);
+}
+
+impl Answer for Keyspace {
+    fn answer(&self, request: Request) -> Option<Response> {
+        match request {
+            Request::Raft { .. } => Some(Response::Error(
+                "this store is not replicated: it takes no Raft messages".into(),
+            )),
+            request => Some(Keyspace::answer(self, request)),
+        }
+    }
+
+    fn stop(&self) {
+        Keyspace::stop(self);
+    }
+}
+
 /// State shared by the gate thread and the client threads.
 struct Shared {
-    map: Mutex<HashMap<String, Vec<u8>>>,
-    changed: Condvar,
+    answerer: Arc<dyn Answer>,
     stopping: AtomicBool,
     /// The descriptor of each authenticated client's stream, to shut it down when the server
     /// is dropped. A client thread removes its entry before its stream closes, so every
@@ -62,11 +84,20 @@ impl StoreServer {
         token: JobToken,
         limits: StoreLimits,
     ) -> Result<StoreServer> {
+        StoreServer::serve(addr, token, limits, Arc::new(Keyspace::new()))
+    }
+
+    /// Serves clients that know `token` on `addr`, within `limits`, with `answerer`'s answers.
+    pub(crate) fn serve(
+        addr: SocketAddr,
+        token: JobToken,
+        limits: StoreLimits,
+        answerer: Arc<dyn Answer>,
+    ) -> Result<StoreServer> {
         let gate = Gate::bind(addr, token, limits)?;
         let local_addr = gate.local_addr()?;
         let shared = Arc::new(Shared {
-            map: Mutex::new(HashMap::new()),
-            changed: Condvar::new(),
+            answerer,
             stopping: AtomicBool::new(false),
             clients: Mutex::new(HashMap::new()),
             next_client: AtomicU64::new(0),
@@ -88,7 +119,7 @@ impl StoreServer {
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
-        self.shared.changed.notify_all();
+        self.shared.answerer.stop();
         for &fd in lock(&self.shared.clients).values() {
             // SAFETY: `shutdown` touches no memory; `fd` is an open socket while the lock is
             // held (see `Shared::clients`), so no other file is affected.
@@ -177,96 +208,12 @@ fn serve_requests(stream: &mut TcpStream, shared: &Shared) -> std::io::Result<()
                 return Ok(());
             }
         };
-        let response = shared.answer(request);
-        write_frame(stream, &response.encode())?;
-        stream.flush()?;
+        if let Some(response) = shared.answerer.answer(request) {
+            write_frame(stream, &response.encode())?;
+            stream.flush()?;
+        }
         if shared.stopping.load(Ordering::SeqCst) {
             return Ok(());
-        }
-    }
-}
-
-impl Shared {
-    fn answer(&self, request: Request) -> Response {
-        match request {
-            Request::Set { key, value } => {
-                lock(&self.map).insert(key, value);
-                self.changed.notify_all();
-                Response::Done
-            }
-            Request::Get { key } => match lock(&self.map).get(&key) {
-                Some(value) => Response::Value(value.clone()),
-                None => Response::NotFound,
-            },
-            Request::Wait { keys, timeout } => self.wait(&keys, timeout.min(MAX_WAIT)),
-            Request::Add { key, delta } => self.add(&key, delta),
-            Request::CompareSet {
-                key,
-                expected,
-                desired,
-            } => {
-                let mut map = lock(&self.map);
-                let current = map.get(&key);
-                if current.map(Vec::as_slice) == expected.as_deref() {
-                    map.insert(key, desired.clone());
-                    self.changed.notify_all();
-                    Response::Value(desired)
-                } else {
-                    // c10d semantics: on a mismatch, answer what is stored (empty when missing).
-                    Response::Value(current.cloned().unwrap_or_default())
-                }
-            }
-            Request::Delete { key } => Response::Deleted(lock(&self.map).remove(&key).is_some()),
-            Request::NumKeys => Response::Count(lock(&self.map).len() as u64),
-        }
-    }
-
-    fn add(&self, key: &str, delta: i64) -> Response {
-        let mut map = lock(&self.map);
-        let current = match map.get(key) {
-            None => 0,
-            Some(bytes) => match std::str::from_utf8(bytes)
-                .ok()
-                .and_then(|text| text.parse::<i64>().ok())
-            {
-                Some(number) => number,
-                None => {
-                    return Response::Error(format!(
-                        "value of key {key:?} is not a decimal integer"
-                    ))
-                }
-            },
-        };
-        let Some(sum) = current.checked_add(delta) else {
-            return Response::Error(format!(
-                "adding {delta} to {current} (key {key:?}) overflows i64"
-            ));
-        };
-        map.insert(key.to_string(), sum.to_string().into_bytes());
-        self.changed.notify_all();
-        Response::Integer(sum)
-    }
-
-    fn wait(&self, keys: &[String], timeout: Duration) -> Response {
-        let deadline = Instant::now() + timeout;
-        let mut map = lock(&self.map);
-        loop {
-            let missing: Vec<String> = keys
-                .iter()
-                .filter(|key| !map.contains_key(*key))
-                .cloned()
-                .collect();
-            if missing.is_empty() {
-                return Response::Done;
-            }
-            let now = Instant::now();
-            if now >= deadline || self.stopping.load(Ordering::SeqCst) {
-                return Response::TimedOut { missing };
-            }
-            map = match self.changed.wait_timeout(map, deadline - now) {
-                Ok((guard, _)) => guard,
-                Err(poisoned) => poisoned.into_inner().0,
-            };
         }
     }
 }
@@ -276,6 +223,8 @@ mod tests {
     use std::io::Read;
 
     use super::*;
+    use std::time::Instant;
+
     use crate::auth::{connect_handshake, Purpose};
     use crate::store::StoreClient;
 

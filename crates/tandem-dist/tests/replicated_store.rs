@@ -1,0 +1,159 @@
+//! A store replicated on three replicas: it outlives its leader, a write is applied once
+//! however often a failover makes the client send it, a replica cut off in a minority
+//! answers nothing, and a replica that fell far behind catches up from a keyspace image.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tandem_dist::{DistError, JobToken, StoreClient, StoreLimits, StoreReplica};
+
+/// The bound on every wait of these tests.
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn token() -> JobToken {
+    JobToken::new("replicated").expect("token")
+}
+
+/// `count` started replicas on free loopback ports, and their addresses.
+fn replicas(count: usize) -> (Vec<Option<StoreReplica>>, Vec<SocketAddr>) {
+    let mut replicas: Vec<StoreReplica> = (0..count)
+        .map(|_| {
+            StoreReplica::bind(
+                "127.0.0.1:0".parse().expect("addr"),
+                token(),
+                StoreLimits::default(),
+            )
+            .expect("bind")
+        })
+        .collect();
+    let addrs: Vec<SocketAddr> = replicas.iter().map(StoreReplica::local_addr).collect();
+    for (index, replica) in replicas.iter_mut().enumerate() {
+        replica.start(&addrs, index).expect("start");
+    }
+    (replicas.into_iter().map(Some).collect(), addrs)
+}
+
+fn client(addrs: &[SocketAddr], timeout: Duration) -> StoreClient {
+    StoreClient::connect_replicated(addrs, &token(), timeout).expect("connect")
+}
+
+/// The index of the replica that leads, once one does.
+fn leader(replicas: &[Option<StoreReplica>]) -> usize {
+    let started = Instant::now();
+    loop {
+        let leading: Vec<usize> = (0..replicas.len())
+            .filter(|&index| {
+                replicas[index]
+                    .as_ref()
+                    .is_some_and(StoreReplica::is_leader)
+            })
+            .collect();
+        if let [one] = leading[..] {
+            return one;
+        }
+        assert!(started.elapsed() < LIMIT, "no single leader: {leading:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Cuts the links between replica `alone` and every other one, or heals them all.
+fn partition(replicas: &[Option<StoreReplica>], alone: Option<usize>) {
+    for (index, replica) in replicas.iter().enumerate() {
+        let Some(replica) = replica else { continue };
+        let cut: Vec<usize> = match alone {
+            Some(alone) if alone == index => (0..replicas.len()).filter(|&i| i != alone).collect(),
+            Some(alone) => vec![alone],
+            None => Vec::new(),
+        };
+        replica.cut_links_to(&cut);
+    }
+}
+
+#[test]
+fn the_store_outlives_its_leader_and_applies_each_write_once() {
+    let (mut replicas, addrs) = replicas(3);
+    let store = client(&addrs, LIMIT);
+    store.set("membership", b"epoch 1").expect("set");
+    for _ in 0..10 {
+        store.add("steps", 1).expect("add");
+    }
+    let first = leader(&replicas);
+    replicas[first] = None;
+    let killed = Instant::now();
+    // The client moves to the new leader by itself; nothing written is lost or doubled.
+    assert_eq!(store.add("steps", 1).expect("add after the loss"), 11);
+    let failover = killed.elapsed();
+    assert_eq!(
+        store.get("membership").expect("get"),
+        Some(b"epoch 1".to_vec())
+    );
+    let second = leader(&replicas);
+    assert_ne!(first, second);
+    assert!(failover < Duration::from_secs(5), "{failover:?}");
+    eprintln!("a write waited {failover:?} for a new leader");
+    // A wait started now is answered by the new leader.
+    std::thread::scope(|scope| {
+        let waiting = scope.spawn(|| client(&addrs, LIMIT).wait(&["late"], LIMIT));
+        std::thread::sleep(Duration::from_millis(200));
+        store.set("late", b"1").expect("set");
+        waiting.join().expect("wait thread").expect("wait");
+    });
+}
+
+#[test]
+fn a_replica_cut_off_alone_answers_nothing_and_rejoins_when_the_partition_heals() {
+    let (replicas, addrs) = replicas(3);
+    let store = client(&addrs, LIMIT);
+    store.set("step", b"1").expect("set");
+    let old = leader(&replicas);
+    partition(&replicas, Some(old));
+    // A client that reaches only the cut-off replica gets no answer, whatever it asks.
+    let cut_off = client(&addrs[old..=old], Duration::from_secs(4));
+    let refused = cut_off.set("step", b"minority");
+    assert!(
+        matches!(&refused, Err(DistError::Store { message, .. })
+            if message.contains("no replica of the store answered as its leader")),
+        "{refused:?}"
+    );
+    assert!(cut_off.get("step").is_err());
+    // The majority goes on under a new leader.
+    store.set("step", b"2").expect("set in the majority");
+    let new = leader(&replicas);
+    assert_ne!(old, new);
+    partition(&replicas, None);
+    // Healed, the old leader is a member again: with the new leader's help it forms the
+    // majority that the third replica's loss leaves.
+    store.set("step", b"3").expect("set after healing");
+    let third = (0..3).find(|&index| index != old && index != new);
+    let mut replicas = replicas;
+    if let Some(third) = third {
+        replicas[third] = None;
+    }
+    assert_eq!(store.get("step").expect("get"), Some(b"3".to_vec()));
+    store
+        .set("step", b"4")
+        .expect("set on the two that are left");
+}
+
+#[test]
+fn a_replica_that_fell_far_behind_catches_up_from_the_leaders_image() {
+    let (replicas, addrs) = replicas(3);
+    let store = client(&addrs, LIMIT);
+    store.set("first", b"kept").expect("set");
+    let lead = leader(&replicas);
+    let behind = (lead + 1) % 3;
+    let other = (lead + 2) % 3;
+    partition(&replicas, Some(behind));
+    // Enough writes that the leader compacts its log past what the lagging replica has.
+    for step in 0..5000 {
+        store.set("step", step.to_string().as_bytes()).expect("set");
+    }
+    partition(&replicas, None);
+    std::thread::sleep(Duration::from_secs(2));
+    let mut replicas = replicas;
+    replicas[other] = None;
+    // The leader and the replica that was behind are the majority now.
+    assert_eq!(store.get("step").expect("get"), Some(b"4999".to_vec()));
+    assert_eq!(store.get("first").expect("get"), Some(b"kept".to_vec()));
+    store.set("after", b"1").expect("set");
+}
