@@ -8,7 +8,7 @@
 //! neighbours fail at once and the failure travels around the ring) after publishing its
 //! cause under `{prefix}/abort`, so that every rank reports the rank that actually failed.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use crate::auth::JobToken;
@@ -66,6 +66,10 @@ pub struct ProcessGroupOptions {
     /// The job's membership epoch this group belongs to (`--keep-survivors`); peers of
     /// another epoch are refused. 0 for a job whose membership never changes.
     pub membership_epoch: u64,
+    /// The replicas of a replicated store ([`StoreReplica`](crate::StoreReplica)); when
+    /// set, the group uses them, failing over between them, and neither `master_addr` nor
+    /// `host_store` applies.
+    pub store_replicas: Vec<SocketAddr>,
 }
 
 impl ProcessGroupOptions {
@@ -93,6 +97,7 @@ impl ProcessGroupOptions {
             unix_sockets: true,
             shared_memory: true,
             membership_epoch: 0,
+            store_replicas: Vec::new(),
         }
     }
 }
@@ -181,6 +186,11 @@ impl ProcessGroup {
             )));
         }
         let deadline = Instant::now() + opts.timeout;
+        if !opts.store_replicas.is_empty() {
+            let store =
+                StoreClient::connect_replicated(&opts.store_replicas, &opts.token, opts.timeout)?;
+            return ProcessGroup::form(opts, store, None, deadline);
+        }
         let master = format!("{}:{}", opts.master_addr, opts.master_port);
         let store_addr = resolve(&master).map_err(|message| DistError::StoreUnreachable {
             addr: master.clone(),
@@ -192,6 +202,16 @@ impl ProcessGroup {
             false => None,
         };
         let store = StoreClient::connect(store_addr, &opts.token, opts.timeout)?;
+        ProcessGroup::form(opts, store, server, deadline)
+    }
+
+    /// Finds every rank through `store` and connects the ring, by `deadline`.
+    fn form(
+        opts: ProcessGroupOptions,
+        store: StoreClient,
+        server: Option<StoreServer>,
+        deadline: Instant,
+    ) -> Result<ProcessGroup> {
         let mut group = ProcessGroup {
             rank: opts.rank,
             world_size: opts.world_size,

@@ -5,7 +5,10 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use tandem_dist::{DistError, JobToken, StoreClient, StoreLimits, StoreReplica};
+use tandem_dist::{
+    DistError, JobToken, ProcessGroup, ProcessGroupOptions, ReduceOp, StoreClient, StoreLimits,
+    StoreReplica,
+};
 
 /// The bound on every wait of these tests.
 const LIMIT: Duration = Duration::from_secs(20);
@@ -156,4 +159,43 @@ fn a_replica_that_fell_far_behind_catches_up_from_the_leaders_image() {
     assert_eq!(store.get("step").expect("get"), Some(b"4999".to_vec()));
     assert_eq!(store.get("first").expect("get"), Some(b"kept".to_vec()));
     store.set("after", b"1").expect("set");
+}
+
+#[test]
+fn a_process_group_forms_and_keeps_its_store_through_the_loss_of_the_stores_leader() {
+    let (replicas, addrs) = replicas(3);
+    let replicas = std::sync::Mutex::new(replicas);
+    let lost_leader = std::sync::Barrier::new(3);
+    std::thread::scope(|scope| {
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (addrs, lost_leader) = (&addrs, &lost_leader);
+                scope.spawn(move || {
+                    let mut options = ProcessGroupOptions::new(rank, 2, "unused", 0, token());
+                    options.store_replicas = addrs.clone();
+                    options.timeout = LIMIT;
+                    options.advertise_host = Some("127.0.0.1".into());
+                    let mut group = ProcessGroup::connect(options).expect("connect");
+                    let mut sum = [rank as f32 + 1.0];
+                    group.all_reduce_f32(&mut sum, ReduceOp::Sum).expect("sum");
+                    lost_leader.wait();
+                    // The group's store requests move to the new leader; the ring is untouched.
+                    let key = format!("after/{rank}");
+                    group.store().set(&key, b"1").expect("set after the loss");
+                    group
+                        .store()
+                        .wait(&["after/0", "after/1"], LIMIT)
+                        .expect("wait");
+                    group.all_reduce_f32(&mut sum, ReduceOp::Sum).expect("sum");
+                    sum[0]
+                })
+            })
+            .collect();
+        let first = leader(&replicas.lock().expect("replicas"));
+        replicas.lock().expect("replicas")[first] = None;
+        lost_leader.wait();
+        for rank in ranks {
+            assert_eq!(rank.join().expect("rank"), 6.0);
+        }
+    });
 }

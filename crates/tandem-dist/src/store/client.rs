@@ -167,9 +167,17 @@ impl StoreClient {
         }
     }
 
-    /// The store's address.
+    /// The store's address (a replicated store's first replica).
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Another connection to the same store, replicated or not, for another thread.
+    pub fn connect_again(&self, token: &JobToken, timeout: Duration) -> Result<StoreClient> {
+        match &self.replicas {
+            Some(replicas) => StoreClient::connect_replicated(&replicas.addrs, token, timeout),
+            None => StoreClient::connect(self.addr, token, timeout),
+        }
     }
 
     /// This end's address on the connection: the local interface that reaches the store.

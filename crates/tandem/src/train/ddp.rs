@@ -14,9 +14,7 @@ use anyhow::Context;
 use tandem_dist::heartbeat::{
     Heartbeat, Interrupt, MembershipWatch, WorkerStatus, HEARTBEAT_INTERVAL,
 };
-use tandem_dist::{
-    CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer, StoreClient,
-};
+use tandem_dist::{CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer};
 use tandem_models::{BatchNormReducer, Model};
 
 use super::exact_buckets::ExactBuckets;
@@ -123,7 +121,9 @@ impl Ddp {
                 placement.rank, placement.master_addr, placement.master_port
             )
         })?;
-        let heartbeat = StoreClient::connect(group.store().addr(), &token, timeout)
+        let heartbeat = group
+            .store()
+            .connect_again(&token, timeout)
             .map(|client| {
                 Heartbeat::start(
                     client,
