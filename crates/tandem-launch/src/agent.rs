@@ -17,7 +17,7 @@ use super::rendezvous::{
 };
 use super::report::{self, NodeReport, RootCause, WorkerReport, LOG_TAIL_LINES};
 use super::signals::{self, signal_name, StopRequest, SIGKILL, SIGTERM};
-use super::stalls::Stalls;
+use super::stalls::{Stalls, Waiter};
 use super::status;
 use super::worker::{
     error_file_path, now_micros, retry_while_short_of_resources, worker_env, JobEnv, Worker,
@@ -887,7 +887,8 @@ fn watch_round(
     heartbeats: &mut Heartbeats,
 ) -> anyhow::Result<Watched> {
     let mut duties = StoreDuties::new(plan, round);
-    let mut beats = WorkerBeats::new(round.number, workers.len(), plan.heartbeat_timeout);
+    let timeout = plan.heartbeat_timeout;
+    let mut beats = WorkerBeats::new(round, plan.topology.node_rank, workers.len(), timeout);
     let mut membership = Membership::new(round, workers, plan);
     let mut stopping: Option<Stopping> = None;
     loop {
@@ -1012,15 +1013,7 @@ struct Membership {
 impl Membership {
     fn new(round: &Round, workers: &[Worker], plan: &LaunchPlan) -> Membership {
         let node = plan.topology.node_rank;
-        let others: Vec<(usize, Vec<usize>)> = round
-            .members
-            .iter()
-            .filter(|member| member.node != node)
-            .filter_map(|member| {
-                let (_, first) = round.place_of(member.node)?;
-                Some((member.node, (first..first + member.nproc).collect()))
-            })
-            .collect();
+        let others = other_nodes(round, node);
         let mut members: Vec<usize> = workers.iter().map(|worker| worker.place.rank).collect();
         members.extend(others.iter().flat_map(|(_, ranks)| ranks.iter().copied()));
         members.sort_unstable();
@@ -1382,6 +1375,19 @@ impl Membership {
     }
 }
 
+/// The nodes of `round` other than `node`, each with its workers' ranks.
+fn other_nodes(round: &Round, node: usize) -> Vec<(usize, Vec<usize>)> {
+    round
+        .members
+        .iter()
+        .filter(|member| member.node != node)
+        .filter_map(|member| {
+            let (_, first) = round.place_of(member.node)?;
+            Some((member.node, (first..first + member.nproc).collect()))
+        })
+        .collect()
+}
+
 /// The heartbeats of this node's workers: a worker whose heartbeat stops moving for the
 /// heartbeat timeout, after its first beat, is killed and named, whether it was stopped
 /// (SIGSTOP), hung, or cut off from the store.
@@ -1394,16 +1400,23 @@ struct WorkerBeats {
     last_check: Instant,
     /// The workers' activities, to find those that hang while they beat.
     stalls: Stalls,
+    /// The other nodes' ranks, each with its node, whose waits count as a peer's.
+    remote: Vec<(usize, usize)>,
 }
 
 impl WorkerBeats {
-    fn new(round: u32, workers: usize, timeout: Duration) -> WorkerBeats {
+    fn new(round: &Round, node: usize, workers: usize, timeout: Duration) -> WorkerBeats {
+        let remote = other_nodes(round, node)
+            .into_iter()
+            .flat_map(|(node, ranks)| ranks.into_iter().map(move |rank| (rank, node)))
+            .collect();
         WorkerBeats {
-            round,
+            round: round.number,
             beats: Heartbeats::new(workers, timeout),
             baselines: vec![0; workers],
             last_check: Instant::now(),
             stalls: Stalls::new(workers, timeout),
+            remote,
         }
     }
 
@@ -1425,7 +1438,8 @@ impl WorkerBeats {
     }
 
     /// Reads every running worker's heartbeat and activity (at most once per heartbeat
-    /// interval), and kills the silent ones and the stalled ones.
+    /// interval), and the other nodes' activities while a worker here idles, and kills the
+    /// silent ones and the stalled ones.
     fn check(&mut self, store: &AgentStore, workers: &[Worker]) -> anyhow::Result<()> {
         if self.last_check.elapsed() < HEARTBEAT_INTERVAL {
             return Ok(());
@@ -1465,17 +1479,39 @@ impl WorkerBeats {
                 ));
             }
         }
+        self.read_remote_waits(store, &beating)?;
         self.kill_the_stalled(workers, &beating);
         Ok(())
     }
 
-    /// Kills each worker that stalls while its peers wait for it (see [`Stalls`]).
+    /// Reads the activity of every other node's rank while a worker here has been idle for
+    /// the heartbeat timeout: only then can another node's wait make it stalled.
+    fn read_remote_waits(&mut self, store: &AgentStore, beating: &[bool]) -> anyhow::Result<()> {
+        if !self.stalls.any_idle(beating) {
+            self.stalls.forget_remote();
+            return Ok(());
+        }
+        for &(rank, node) in &self.remote {
+            let activity = store.worker_activity(self.round, rank)?;
+            self.stalls
+                .observe_remote(rank, node, self.last_check, activity);
+        }
+        Ok(())
+    }
+
+    /// Kills each worker that stalls while its peers, here or on another node, wait for it
+    /// (see [`Stalls`]).
     fn kill_the_stalled(&mut self, workers: &[Worker], beating: &[bool]) {
-        for stall in self.stalls.stalled(beating) {
+        for stall in self.stalls.stalled(beating, self.last_check) {
             let worker = &workers[stall.index];
+            let (waiting_rank, waiting_node) = match stall.waiting {
+                Waiter::Local(index) => (workers[index].place.rank, None),
+                Waiter::Remote { rank, node } => (rank, Some(node)),
+            };
             let stalled = |_| WorkerEnd::Stalled {
                 idle_ms: stall.idle.as_millis() as u64,
-                waiting_rank: workers[stall.waiting_index].place.rank,
+                waiting_rank,
+                waiting_node,
                 waited_ms: stall.waited.as_millis() as u64,
             };
             if let Some(end) = worker.give_up_on(stalled) {

@@ -86,7 +86,7 @@ pub struct NodeReport {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RootCause {
     /// A worker failed on its own.
-    Worker(WorkerReport),
+    Worker(Box<WorkerReport>),
     /// A node sent no report in time.
     NodeSilent {
         /// The node.
@@ -115,7 +115,7 @@ pub fn root_cause(reports: &[Option<NodeReport>]) -> Option<RootCause> {
             )
         });
     if let Some(worker) = earliest {
-        return Some(RootCause::Worker(worker.clone()));
+        return Some(RootCause::Worker(Box::new(worker.clone())));
     }
     reports
         .iter()
@@ -160,7 +160,7 @@ pub fn refused_its_settings(worker: &WorkerReport) -> bool {
 /// worker with the same error), it is not said again; otherwise it follows, from the error
 /// file or the log.
 pub fn refusal_summary(worker: &WorkerReport, shown_above: bool) -> String {
-    let cause = RootCause::Worker(worker.clone());
+    let cause = RootCause::Worker(Box::new(worker.clone()));
     let mut text = format!(
         "{}, refusing its command line or settings{}: a restart would fail the same way, so \
          the job ends without one\n",

@@ -4,23 +4,54 @@
 //! hangs (a deadlock, a read that never returns) keeps beating while its peers wait for it
 //! in a collective until the collective timeout. Each worker also writes its
 //! [`Activity`] at every beat: how long it has waited for its peers, and its CPU time. A
-//! worker is stalled when a peer has waited for more than the heartbeat timeout while it, over
-//! that same time, waited for nobody, read or wrote no files, and used almost no CPU: a slow
-//! worker computes, a waiting one waits, and only a hung one does neither.
+//! worker is stalled when a peer, on this node or another, has waited for more than the
+//! heartbeat timeout while it, over that same time, waited for nobody, read or wrote no
+//! files, and used almost no CPU: a slow worker computes, a waiting one waits, and only a
+//! hung one does neither.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use tandem_dist::heartbeat::Activity;
+use tandem_dist::heartbeat::{Activity, HEARTBEAT_INTERVAL};
 
 /// The share of one core below which a worker counts as idle.
 const IDLE_CPU_SHARE: f64 = 0.05;
 
-/// The activity of each worker of a node over the last heartbeat timeout.
+/// How long another node's rank counts as waiting after its activity last changed: a
+/// waiting rank's record changes at every beat, so one that stays the same belongs to a
+/// rank that stopped beating (ended, lost, stopped) and waits for nobody any more.
+const REMOTE_FRESHNESS: Duration = HEARTBEAT_INTERVAL.saturating_mul(5);
+
+/// The activity of each worker of a node over the last heartbeat timeout, and the latest
+/// activity of the other nodes' ranks.
 pub struct Stalls {
     timeout: Duration,
     /// Per worker: its activities, oldest first, with when they were read.
     seen: Vec<VecDeque<(Instant, Activity)>>,
+    /// Per rank of another node: its latest activity.
+    remote: BTreeMap<usize, RemoteActivity>,
+}
+
+/// The latest activity read of another node's rank.
+struct RemoteActivity {
+    node: usize,
+    activity: Activity,
+    /// When a read last found it changed; `None` while no read did.
+    changed_at: Option<Instant>,
+}
+
+/// Who waited for a stalled worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waiter {
+    /// The worker of this index, on this node.
+    Local(usize),
+    /// The rank `rank` of node `node`.
+    Remote {
+        /// Its rank.
+        rank: usize,
+        /// Its node's `--node-rank`.
+        node: usize,
+    },
 }
 
 /// A worker found stalled, and who waited for it.
@@ -30,8 +61,8 @@ pub struct Stall {
     pub index: usize,
     /// How long it was seen idle.
     pub idle: Duration,
-    /// The index of the worker that waited longest.
-    pub waiting_index: usize,
+    /// The worker that waited longest.
+    pub waiting: Waiter,
     /// How long that worker had waited.
     pub waited: Duration,
 }
@@ -42,6 +73,7 @@ impl Stalls {
         Stalls {
             timeout,
             seen: vec![VecDeque::new(); workers],
+            remote: BTreeMap::new(),
         }
     }
 
@@ -71,17 +103,51 @@ impl Stalls {
         }
     }
 
-    /// The stalled workers among those that are `live`, and the peer that waited for each.
-    pub fn stalled(&self, live: &[bool]) -> Vec<Stall> {
-        let latest = |index: usize| self.seen[index].back().map(|(_, activity)| *activity);
-        let waiting = (0..self.seen.len())
+    /// Records the activity of rank `rank` of node `node` (another node) read at `at`;
+    /// `None` forgets it.
+    pub fn observe_remote(
+        &mut self,
+        rank: usize,
+        node: usize,
+        at: Instant,
+        activity: Option<Activity>,
+    ) {
+        let Some(activity) = activity else {
+            self.remote.remove(&rank);
+            return;
+        };
+        let changed_at = match self.remote.get(&rank) {
+            Some(last) if last.node == node && last.activity == activity => last.changed_at,
+            Some(last) if last.node == node => Some(at),
+            _ => None,
+        };
+        let seen = RemoteActivity {
+            node,
+            activity,
+            changed_at,
+        };
+        self.remote.insert(rank, seen);
+    }
+
+    /// Forgets the activities of the other nodes' ranks.
+    pub fn forget_remote(&mut self) {
+        self.remote.clear();
+    }
+
+    /// Whether one of the `live` workers has been idle for the whole timeout, so that only
+    /// a peer's wait is missing to find it stalled.
+    pub fn any_idle(&self, live: &[bool]) -> bool {
+        (0..self.seen.len())
             .filter(|&index| live.get(index).copied().unwrap_or(false))
-            .filter_map(|index| latest(index).map(|activity| (index, activity.waiting_ms)))
-            .max_by_key(|&(_, waited)| waited);
-        let Some((waiting_index, waited_ms)) = waiting else {
+            .any(|index| self.idle_for(index).is_some())
+    }
+
+    /// The stalled workers among those that are `live`, and the peer that waited for each,
+    /// judged at `at`.
+    pub fn stalled(&self, live: &[bool], at: Instant) -> Vec<Stall> {
+        let Some((waiting, waited)) = self.longest_wait(live, at) else {
             return Vec::new();
         };
-        let waited = Duration::from_millis(waited_ms);
         if waited <= self.timeout {
             return Vec::new();
         }
@@ -91,10 +157,40 @@ impl Stalls {
             .map(|(index, idle)| Stall {
                 index,
                 idle,
-                waiting_index,
+                waiting,
                 waited,
             })
             .collect()
+    }
+
+    /// The longest wait for peers among the `live` workers and the other nodes' ranks that
+    /// still beat at `at`.
+    fn longest_wait(&self, live: &[bool], at: Instant) -> Option<(Waiter, Duration)> {
+        let local = (0..self.seen.len())
+            .filter(|&index| live.get(index).copied().unwrap_or(false))
+            .filter_map(|index| {
+                let (_, activity) = self.seen[index].back()?;
+                Some((Waiter::Local(index), activity.waiting_ms))
+            });
+        let remote = self
+            .remote
+            .iter()
+            .filter(|(_, seen)| {
+                seen.changed_at.is_some_and(|changed| {
+                    at.saturating_duration_since(changed) <= REMOTE_FRESHNESS
+                })
+            })
+            .map(|(&rank, seen)| {
+                let waiter = Waiter::Remote {
+                    rank,
+                    node: seen.node,
+                };
+                (waiter, seen.activity.waiting_ms)
+            });
+        local
+            .chain(remote)
+            .max_by_key(|&(_, waited)| waited)
+            .map(|(waiter, waited_ms)| (waiter, Duration::from_millis(waited_ms)))
     }
 
     /// How long worker `index` has been idle, when it was for the whole timeout: no wait, no
@@ -141,7 +237,23 @@ mod tests {
             stalls.observe(0, at, activity(tick * 100 + 50, 1000));
             stalls.observe(1, at, second(tick));
         }
-        stalls.stalled(&[true, true])
+        stalls.stalled(&[true, true], start + Duration::from_millis(1500))
+    }
+
+    /// One local worker doing what `local` says and rank 0 of node 0 doing what `remote`
+    /// says, both read every 100 ms for 1.5 s.
+    fn judge_with_remote(
+        local: impl Fn(u64) -> Option<Activity>,
+        remote: impl Fn(u64) -> Option<Activity>,
+    ) -> Vec<Stall> {
+        let mut stalls = Stalls::new(1, Duration::from_secs(1));
+        let start = Instant::now();
+        for tick in 0..=15u64 {
+            let at = start + Duration::from_millis(tick * 100);
+            stalls.observe(0, at, local(tick));
+            stalls.observe_remote(0, 0, at, remote(tick));
+        }
+        stalls.stalled(&[true], start + Duration::from_millis(1500))
     }
 
     #[test]
@@ -149,7 +261,7 @@ mod tests {
         let stalls = judge(|_| activity(0, 500));
         assert_eq!(stalls.len(), 1);
         let stall = stalls[0];
-        assert_eq!((stall.index, stall.waiting_index), (1, 0));
+        assert_eq!((stall.index, stall.waiting), (1, Waiter::Local(0)));
         assert_eq!(stall.waited, Duration::from_millis(1550));
         assert!(stall.idle >= Duration::from_secs(1), "{stall:?}");
     }
@@ -184,7 +296,63 @@ mod tests {
             stalls.observe(0, at, activity(900, 1000));
             stalls.observe(1, at, activity(0, 500));
         }
-        assert_eq!(stalls.stalled(&[true, true]), Vec::new());
-        assert_eq!(stalls.stalled(&[false, true]), Vec::new());
+        let at = start + Duration::from_millis(1500);
+        assert_eq!(stalls.stalled(&[true, true], at), Vec::new());
+        assert_eq!(stalls.stalled(&[false, true], at), Vec::new());
+    }
+
+    #[test]
+    fn a_worker_idle_while_another_nodes_rank_waits_past_the_timeout_is_stalled() {
+        let stalls =
+            judge_with_remote(|_| activity(0, 500), |tick| activity(tick * 100 + 50, 1000));
+        assert_eq!(stalls.len(), 1);
+        let stall = stalls[0];
+        assert_eq!(stall.index, 0);
+        assert_eq!(stall.waiting, Waiter::Remote { rank: 0, node: 0 });
+        assert_eq!(stall.waited, Duration::from_millis(1550));
+        assert!(stall.idle >= Duration::from_secs(1), "{stall:?}");
+    }
+
+    #[test]
+    fn a_busy_worker_is_not_stalled_while_another_nodes_rank_waits() {
+        let stalls = judge_with_remote(
+            |tick| activity(0, 500 + tick * 90),
+            |tick| activity(tick * 100 + 50, 1000),
+        );
+        assert_eq!(stalls, Vec::new());
+    }
+
+    #[test]
+    fn another_nodes_rank_whose_activity_stopped_changing_waits_for_nobody() {
+        // Its record stays as it was when it stopped beating (ended, lost).
+        let stalled = judge_with_remote(|_| activity(0, 500), |_| activity(5000, 1000));
+        assert_eq!(stalled, Vec::new());
+        let stopped_at_tick_8 = |tick: u64| activity(tick.min(8) * 100 + 1200, 1000);
+        assert_eq!(
+            judge_with_remote(|_| activity(0, 500), stopped_at_tick_8),
+            Vec::new()
+        );
+        let forgotten = |tick: u64| {
+            (tick < 15)
+                .then(|| activity(tick * 100 + 50, 1000))
+                .flatten()
+        };
+        assert_eq!(
+            judge_with_remote(|_| activity(0, 500), forgotten),
+            Vec::new()
+        );
+    }
+
+    #[test]
+    fn only_a_worker_idle_for_the_whole_timeout_is_idle() {
+        let mut stalls = Stalls::new(2, Duration::from_secs(1));
+        let start = Instant::now();
+        for tick in 0..=15u64 {
+            let at = start + Duration::from_millis(tick * 100);
+            stalls.observe(0, at, activity(0, 500 + tick * 90));
+            stalls.observe(1, at, activity(0, 500));
+        }
+        assert!(stalls.any_idle(&[true, true]));
+        assert!(!stalls.any_idle(&[true, false]));
     }
 }

@@ -125,6 +125,9 @@ pub enum WorkerEnd {
         idle_ms: u64,
         /// The rank that waited longest for it.
         waiting_rank: usize,
+        /// That rank's node, when it runs on another node than the stalled worker.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        waiting_node: Option<usize>,
         /// How long that rank had waited.
         waited_ms: u64,
     },
@@ -182,12 +185,14 @@ impl WorkerEnd {
             WorkerEnd::Stalled {
                 idle_ms,
                 waiting_rank,
+                waiting_node,
                 waited_ms,
             } => format!(
                 "made no progress for {:.1} s (no CPU time, no wait for its peers) while rank \
-                 {waiting_rank} waited {:.1} s for it in a collective: it hangs; the launcher \
+                 {waiting_rank}{} waited {:.1} s for it in a collective: it hangs; the launcher \
                  killed it (SIGKILL)",
                 *idle_ms as f64 / 1000.0,
+                waiting_node.map_or(String::new(), |node| format!(" (node {node})")),
                 *waited_ms as f64 / 1000.0
             ),
             WorkerEnd::NotStarted(reason) => format!("could not start: {reason}"),
@@ -674,5 +679,28 @@ mod tests {
             .describe(),
             "stopped by the launcher (SIGKILL)"
         );
+    }
+
+    #[test]
+    fn a_stall_names_the_waiting_ranks_node_when_it_is_another() {
+        let stalled = |waiting_node| WorkerEnd::Stalled {
+            idle_ms: 1100,
+            waiting_rank: 0,
+            waiting_node,
+            waited_ms: 1200,
+        };
+        let tail =
+            "waited 1.2 s for it in a collective: it hangs; the launcher killed it (SIGKILL)";
+        let local = stalled(None).describe();
+        assert!(local.ends_with(&format!("while rank 0 {tail}")), "{local}");
+        let remote = stalled(Some(3)).describe();
+        assert!(
+            remote.ends_with(&format!("while rank 0 (node 3) {tail}")),
+            "{remote}"
+        );
+        let json = r#"{"Stalled":{"idle_ms":1100,"waiting_rank":0,"waited_ms":1200}}"#;
+        let read: WorkerEnd = serde_json::from_str(json).unwrap();
+        assert_eq!(read, stalled(None));
+        assert_eq!(serde_json::to_string(&stalled(None)).unwrap(), json);
     }
 }

@@ -1,6 +1,8 @@
 //! Attacks on a running `tandem launch` job through the real binary: outsiders holding
 //! hundreds of connections to the store port of a launcher with few descriptors, a worker
-//! sent SIGTERM on its own, and a worker stopped with SIGSTOP (found by its heartbeat).
+//! sent SIGTERM on its own, a worker stopped with SIGSTOP (found by its heartbeat), and a
+//! worker whose training thread hangs while it beats (found stalled by its launcher, whether
+//! the peer that waits for it runs on its node or on another).
 
 mod common;
 
@@ -241,6 +243,88 @@ fn a_worker_whose_training_thread_hangs_while_it_beats_is_found_stalled_and_name
                 .ends_with(" s for it in a collective: it hangs; the launcher killed it (SIGKILL)"),
         "{stderr}"
     );
+    // Without it, the job would wait the 600 s collective timeout.
+    assert!(waited < Duration::from_secs(60), "took {waited:?}");
+}
+
+/// Starts node `node` of a two-node job on loopback, one worker per node, its store on
+/// `port`, under `launch_args`, training with `train`; its logs go to `dir/node<node>`.
+fn start_node(
+    dir: &Path,
+    node: usize,
+    port: &str,
+    launch_args: &[&str],
+    train: &[String],
+) -> Launcher {
+    let name = format!("node{node}");
+    let mut command = tandem();
+    command
+        .args(["launch", "--nnodes", "2", "--node-rank", &node.to_string()])
+        .args(["--master-addr", "127.0.0.1", "--master-port", port])
+        .args(["--nproc-per-node", "1", "--log-dir"])
+        .arg(dir.join(&name))
+        .args(launch_args)
+        .arg("--")
+        .args(train)
+        .env("TANDEM_JOB_TOKEN", "hostile-faults-two-nodes");
+    Launcher::spawn(command, dir, &name)
+}
+
+/// Waits until `log` shows step 2 of training, at most [`LIMIT`], while both `nodes` run.
+fn wait_for_step_2(log: &Path, nodes: &mut [&mut Launcher]) {
+    let deadline = Instant::now() + LIMIT;
+    while !std::fs::read_to_string(log).is_ok_and(|text| text.contains("step 2")) {
+        let running = nodes.iter_mut().all(|node| !node.has_exited());
+        if !running || Instant::now() >= deadline {
+            let stderrs: Vec<String> = nodes.iter().map(|node| node.stderr()).collect();
+            panic!("no training:\n{}", stderrs.join("\n---\n"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_worker_that_hangs_while_only_another_nodes_rank_waits_for_it_is_found_stalled_and_named() {
+    // Rank 1, alone on node 1, hangs while it beats; only rank 0 on node 0 waits for it.
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("run");
+    let train = with_flag(synthetic_run(&output, 256), "--epochs", "1000");
+    let mut train = with_flag(train, "--batch-size", "16");
+    train.extend(["--collective-timeout", "600"].map(String::from));
+    let port = free_port().to_string();
+    let launch_args = ["--max-restarts", "0", "--stop-grace-seconds", "20"];
+    let mut node_0 = start_node(dir.path(), 0, &port, &launch_args, &train);
+    let mut node_1 = start_node(dir.path(), 1, &port, &launch_args, &train);
+    let log = dir.path().join("node0/logs/rank_0.log");
+    wait_for_step_2(&log, &mut [&mut node_0, &mut node_1]);
+    let stuck = node_1.worker(1);
+    let training = training_thread(stuck);
+    let frozen_at = Instant::now();
+    let tracer = freeze_thread(training, LIMIT);
+    let stderr_1 = node_1.exits_with(1, LIMIT);
+    let waited = frozen_at.elapsed();
+    let stderr_0 = node_0.exits_with(1, LIMIT);
+    eprintln!(
+        "node 1 killed the hung rank {:.1} s after it hung",
+        waited.as_secs_f64()
+    );
+    assert!(tracer.join().unwrap(), "the hung worker was killed");
+    assert!(
+        stderr_1.contains(&format!("rank 1 (pid {stuck}) made no progress for ")),
+        "{stderr_1}"
+    );
+    for stderr in [&stderr_0, &stderr_1] {
+        let cause = "root cause: rank 1 (node 1, local rank 0) made no progress for ";
+        let (_, after) = stderr.split_once(cause).expect(stderr);
+        let line = after.lines().next().unwrap_or_default();
+        assert!(
+            line.contains(" s (no CPU time, no wait for its peers) while rank 0 (node 0) waited ")
+                && line.ends_with(
+                    " s for it in a collective: it hangs; the launcher killed it (SIGKILL)"
+                ),
+            "{stderr}"
+        );
+    }
     // Without it, the job would wait the 600 s collective timeout.
     assert!(waited < Duration::from_secs(60), "took {waited:?}");
 }
