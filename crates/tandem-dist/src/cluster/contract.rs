@@ -30,6 +30,10 @@ pub const RESTART_COUNT_ENV: &str = "TANDEM_RESTART_COUNT";
 pub const STORE_PREFIX_ENV: &str = "TANDEM_STORE_PREFIX";
 /// Set to `1` by `tandem launch` when its agent hosts the store for the workers.
 pub const STORE_HOSTED_ENV: &str = "TANDEM_STORE_HOSTED";
+/// The replicas of a replicated store (`launch --store-replicas`), as `HOST:PORT` entries
+/// separated by commas; when set, a worker reaches the store through them, following the
+/// leader, and not at `MASTER_ADDR:MASTER_PORT`.
+pub const STORE_REPLICAS_ENV: &str = "TANDEM_STORE_REPLICAS";
 /// Set by `tandem launch`: where the worker records its fatal error (torchrun's error files).
 pub const ERROR_FILE_ENV: &str = "TANDEM_ERROR_FILE";
 
