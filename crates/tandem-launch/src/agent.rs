@@ -10,7 +10,7 @@ use tandem_files::tell;
 
 use super::descriptors;
 use super::logs::RankLog;
-use super::options::LaunchPlan;
+use super::options::{LaunchPlan, StoreLocation};
 use super::rendezvous::{
     AgentStore, Ended, Entry, Heartbeats, LostWorker, Member, Round, RoundSize, Waited,
     REQUEST_TIMEOUT,
@@ -29,6 +29,8 @@ use tandem_dist::cluster::contract::MembershipRecord;
 const WATCH_INTERVAL: Duration = Duration::from_millis(10);
 /// How often the agent asks the store whether another node failed or asked to stop.
 const STORE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+/// The least bound on a store request of an agent when the store is replicated.
+const REPLICATED_REQUEST_TIMEOUT: Duration = Duration::from_secs(4);
 /// How long the agent waits for a worker to die after SIGKILL before giving up on it.
 const AFTER_KILL_WAIT: Duration = Duration::from_secs(5);
 /// How long the launcher gathers losses before it publishes a membership without the lost
@@ -239,7 +241,7 @@ fn open_store(
         Waited::Done(store) => store,
         Waited::Interrupted => return Ok(Waited::Interrupted),
     };
-    status::write_job_file(&plan.log_dir, &store.addr().to_string(), &plan.token)?;
+    status::write_job_file(&plan.log_dir, &store.location(), &plan.token)?;
     let nodes = match topology.is_elastic() {
         true => format!("{}:{}", topology.min_nodes, topology.nnodes),
         false => topology.nnodes.to_string(),
@@ -260,9 +262,12 @@ fn open_store(
 /// it is twice the heartbeat timeout: node 0 has left this node out by then, so its workers
 /// must stop rather than wait out the usual bound.
 fn store_request_timeout(plan: &LaunchPlan) -> Duration {
-    match plan.keep_survivors {
-        true => (plan.heartbeat_timeout * 2).max(Duration::from_secs(1)),
-        false => REQUEST_TIMEOUT,
+    let replicated = matches!(plan.topology.store, StoreLocation::Replicated { .. });
+    match (plan.keep_survivors, replicated) {
+        // Long enough for the replicas to elect a new leader when the last one is lost.
+        (true, true) => (plan.heartbeat_timeout * 2).max(REPLICATED_REQUEST_TIMEOUT),
+        (true, false) => (plan.heartbeat_timeout * 2).max(Duration::from_secs(1)),
+        (false, _) => REQUEST_TIMEOUT,
     }
 }
 
@@ -428,8 +433,10 @@ fn after_round(
     others: &mut Vec<(u32, usize)>,
 ) -> anyhow::Result<Next> {
     let topology = &plan.topology;
+    // Node 0, or with a replicated store the lowest node that reported when node 0 was lost.
+    let coordinates = others.iter().map(|&(_, node)| node).min() == Some(topology.node_rank);
     let end_job = |ended: Ended, others: &mut Vec<(u32, usize)>| -> anyhow::Result<()> {
-        if topology.node_rank == 0 {
+        if coordinates {
             store.end_job(&ended)?;
             // Agents that wait to join the next round learn the end too.
             let next = number + 1;
@@ -808,6 +815,7 @@ fn job_env(plan: &LaunchPlan, store: &AgentStore, round: &Round, joiner: bool) -
         restart_count: round.number,
         keep_survivors: plan.keep_survivors,
         joiner,
+        store_replicas: store.is_replicated().then(|| store.location()),
     }
 }
 
@@ -989,9 +997,15 @@ struct Membership {
     pause_ended: bool,
     /// Losses not published yet: since when, why, and the members before them.
     unpublished: Option<(Instant, Vec<String>, usize)>,
-    /// Whether this agent decides the membership (node 0, which hosts the store); the others
-    /// report their lost workers to it and follow what it publishes.
+    /// Whether this agent decides the membership (node 0, or with a replicated store the
+    /// lowest node whose agent still beats); the others report their lost workers to it and
+    /// follow what it publishes.
     decides: bool,
+    /// The node that decides, as far as this agent knows.
+    decider: usize,
+    /// Whether the store is replicated: the decisions then move on when the deciding node
+    /// is lost.
+    replicated: bool,
     /// This node's rank.
     node: usize,
     /// The other nodes of the round, with their workers' ranks.
@@ -1029,6 +1043,8 @@ impl Membership {
             pause_ended: false,
             unpublished: None,
             decides: node == 0,
+            decider: 0,
+            replicated: matches!(plan.topology.store, StoreLocation::Replicated { .. }),
             node,
             others,
             dropped_nodes: Vec::new(),
@@ -1055,6 +1071,9 @@ impl Membership {
     ) -> anyhow::Result<usize> {
         let lost = self.drop_the_lost(workers, ends)?;
         let started = self.replace(plan, store, round, workers, &lost)?;
+        if self.replicated {
+            self.move_decisions(store, silent)?;
+        }
         if self.decides {
             self.take_remote_losses(store, silent)?;
             self.publish_settled_losses(store)?;
@@ -1067,6 +1086,74 @@ impl Membership {
             self.follow(store, workers)?;
         }
         Ok(started)
+    }
+
+    /// With a replicated store: takes the decisions over when every lower node's agent is
+    /// silent (the deciding node was lost), and gives them up when another node published
+    /// a later membership (this one was taken for lost).
+    fn move_decisions(
+        &mut self,
+        store: &AgentStore,
+        silent: &[(usize, Duration)],
+    ) -> anyhow::Result<()> {
+        let mut lower = self.others.iter().filter(|(node, _)| *node < self.node);
+        let lower_silent = self.node > 0
+            && lower.all(|(node, _)| silent.iter().any(|(silent, _)| silent == node));
+        if !self.decides && lower_silent && self.left_out.is_none() {
+            return self.take_over(store, silent);
+        }
+        if self.decides && self.followed.1.elapsed() >= STORE_CHECK_INTERVAL {
+            self.followed.1 = Instant::now();
+            if let Some(record) = store.membership(self.round)? {
+                if record.epoch > self.epoch {
+                    self.decides = false;
+                    self.followed.0 = self.epoch;
+                    say(&format!(
+                        "membership {} was decided by another node; this node follows it",
+                        record.epoch
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Becomes the deciding node: starts from the latest membership and the nodes already
+    /// left out, with this node's own losses that the membership does not show yet.
+    fn take_over(&mut self, store: &AgentStore, silent: &[(usize, Duration)]) -> anyhow::Result<()> {
+        let own_lost: Vec<usize> = self.reported.iter().map(|lost| lost.rank).collect();
+        if let Some(record) = store.membership(self.round)? {
+            let before = record.members.len();
+            let unshown: Vec<String> = self
+                .reported
+                .iter()
+                .filter(|lost| record.members.contains(&lost.rank))
+                .map(|lost| lost.why.clone())
+                .collect();
+            self.epoch = record.epoch;
+            self.members = record.members;
+            self.members.retain(|rank| !own_lost.contains(rank));
+            self.unpublished = (!unshown.is_empty()).then(|| (Instant::now(), unshown, before));
+        }
+        let nodes: Vec<usize> = self.others.iter().map(|(node, _)| *node).collect();
+        self.dropped_nodes = store
+            .dropped_nodes(self.round, &nodes)?
+            .into_iter()
+            .map(|(node, _)| node)
+            .collect();
+        let lower: Vec<String> = silent
+            .iter()
+            .filter(|(node, _)| *node < self.node)
+            .map(|(node, silence)| format!("node {node} ({:.1} s)", silence.as_secs_f64()))
+            .collect();
+        say(&format!(
+            "node {} decides the membership now: the agents of every lower node are silent ({})",
+            self.node,
+            lower.join(", ")
+        ));
+        self.decides = true;
+        self.decider = self.node;
+        Ok(())
     }
 
     /// Node 0: leaves out the workers that the other nodes reported lost, and every worker of
@@ -1140,6 +1227,11 @@ impl Membership {
             return Ok(());
         }
         self.followed.0 = record.epoch;
+        if self.replicated {
+            if let Some(decider) = store.membership_decider(self.round, record.epoch)? {
+                self.decider = decider;
+            }
+        }
         let mut killed = Vec::new();
         for (index, worker) in workers.iter().enumerate() {
             let rank = worker.place.rank;
@@ -1155,10 +1247,11 @@ impl Membership {
         }
         let them = if killed.len() == 1 { "it" } else { "them" };
         say(&format!(
-            "membership {}: {}; node 0 left node {}'s {} out of the job: this launcher killed \
+            "membership {}: {}; node {} left node {}'s {} out of the job: this launcher killed \
              {them} (SIGKILL)",
             record.epoch,
             record.why,
+            self.decider,
             self.node,
             killed.join(", ")
         ));
@@ -1224,8 +1317,9 @@ impl Membership {
                         end.describe()
                     );
                     say(&format!(
-                        "{lost}; node 0 leaves it out of the job, the others go on \
-                         (--keep-survivors)"
+                        "{lost}; node {} leaves it out of the job, the others go on \
+                         (--keep-survivors)",
+                        self.decider
                     ));
                     self.reported.push(LostWorker { rank, why: lost });
                     self.report_due = true;
@@ -1335,6 +1429,14 @@ impl Membership {
     /// Publishes the members as the next membership epoch, saying why; below the minimum,
     /// as paused.
     fn publish(&mut self, store: &AgentStore, why: String, before: usize) -> anyhow::Result<()> {
+        if !store.claim_membership_epoch(self.round, self.epoch + 1)? {
+            self.decides = false;
+            say(&format!(
+                "membership {} was decided by another node; this node follows it",
+                self.epoch + 1
+            ));
+            return Ok(());
+        }
         self.epoch += 1;
         let (fewest, wait) = self.minimum;
         let paused = self.members.len() < fewest;

@@ -48,6 +48,17 @@ pub struct LaunchArgs {
     /// Port of the store on node 0 (default 29500 for multi-node jobs).
     #[arg(long, value_name = "PORT")]
     pub master_port: Option<u16>,
+    /// With --keep-survivors: keep the store on the agents of the first nodes, replicated
+    /// with Raft, in place of node 0's alone: node i serves the i-th `HOST:PORT` (at least
+    /// 3). The job then outlives any one of them, node 0 included.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "HOST:PORT,...",
+        requires = "keep_survivors",
+        conflicts_with_all = ["master_addr", "master_port", "standalone"]
+    )]
+    pub store_replicas: Vec<String>,
     /// How many times the job is restarted after a worker fails before the launcher gives up.
     #[arg(long, default_value_t = 3, value_name = "N")]
     pub max_restarts: u32,
@@ -226,6 +237,12 @@ pub enum StoreLocation {
         /// The store's port.
         port: u16,
     },
+    /// The agents of the first nodes each host a replica of the store: node i at
+    /// `replicas[i]` (host and port).
+    Replicated {
+        /// Every replica's host and port, in the order of the nodes that host them.
+        replicas: Vec<(String, u16)>,
+    },
 }
 
 /// This node's place in the job.
@@ -374,6 +391,9 @@ pub fn resolve_topology(
         );
     }
     let store = match (master_addr, nnodes) {
+        _ if !args.store_replicas.is_empty() => StoreLocation::Replicated {
+            replicas: parse_store_replicas(&args.store_replicas, nnodes)?,
+        },
         (None, 1) if master_port.is_none() => StoreLocation::Loopback,
         (None, 1) => StoreLocation::Master { addr: "127.0.0.1".into(), port: master_port.unwrap_or(DEFAULT_MASTER_PORT) },
         (None, _) => bail!("a job of {nnodes} nodes needs --master-addr (the host of node 0, where the store listens)"),
@@ -395,6 +415,44 @@ pub fn resolve_topology(
         store,
         source,
     })
+}
+
+/// The fewest replicas of a replicated store: with fewer, losing one leaves no majority.
+const FEWEST_STORE_REPLICAS: usize = 3;
+
+/// `--store-replicas`: each entry's host and port; at least three, and no more than the
+/// job's nodes (node i hosts the i-th).
+fn parse_store_replicas(entries: &[String], nnodes: usize) -> anyhow::Result<Vec<(String, u16)>> {
+    if entries.len() < FEWEST_STORE_REPLICAS {
+        bail!(
+            "--store-replicas needs at least {FEWEST_STORE_REPLICAS} replicas, got {}: a store \
+             goes on while a majority of its replicas does, so with fewer the loss of one \
+             stops it",
+            entries.len()
+        );
+    }
+    if entries.len() > nnodes {
+        bail!(
+            "--store-replicas lists {} replicas, but the job has {nnodes} node(s): node i hosts \
+             the i-th replica",
+            entries.len()
+        );
+    }
+    entries
+        .iter()
+        .map(|entry| {
+            let parsed = entry.rsplit_once(':').and_then(|(host, port)| {
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                Some((host.to_string(), port.parse::<u16>().ok()?)).filter(|_| !host.is_empty())
+            });
+            parsed.ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--store-replicas entry {entry:?} is not HOST:PORT (e.g. node0:29500 or \
+                     [fd00::1]:29500)"
+                )
+            })
+        })
+        .collect()
 }
 
 /// The program and its arguments: a `tandem` subcommand runs with this binary.
@@ -925,5 +983,46 @@ mod tests {
              nodes, leave it out (--keep-survivors goes on without the lost workers, and a node \
              started again joins at the next round)"
         );
+    }
+
+    #[test]
+    fn store_replicas_are_three_or_more_host_and_port_entries_one_per_node() {
+        let replicated = |nodes: &str, replicas: &str| {
+            let flags = ["--nnodes", nodes, "--keep-survivors", "--store-replicas", replicas];
+            topology_of(&[&flags[..], &["--", "true"]].concat())
+        };
+        assert_eq!(
+            replicated("4", "a:1,[fd00::2]:2,10.0.0.3:3").unwrap().store,
+            StoreLocation::Replicated {
+                replicas: vec![
+                    ("a".into(), 1),
+                    ("fd00::2".into(), 2),
+                    ("10.0.0.3".into(), 3)
+                ]
+            }
+        );
+        let refused = |nodes: &str, replicas: &str| {
+            replicated(nodes, replicas).unwrap_err().to_string()
+        };
+        assert_eq!(
+            refused("3", "a:1,b:2"),
+            "--store-replicas needs at least 3 replicas, got 2: a store goes on while a \
+             majority of its replicas does, so with fewer the loss of one stops it"
+        );
+        assert_eq!(
+            refused("2", "a:1,b:2,c:3"),
+            "--store-replicas lists 3 replicas, but the job has 2 node(s): node i hosts the \
+             i-th replica"
+        );
+        assert_eq!(
+            refused("3", "a:1,b,c:3"),
+            "--store-replicas entry \"b\" is not HOST:PORT (e.g. node0:29500 or \
+             [fd00::1]:29500)"
+        );
+        let without_keep_survivors =
+            parse(&["--nnodes", "3", "--store-replicas", "a:1,b:2,c:3", "--", "true"]);
+        assert!(without_keep_survivors
+            .unwrap_err()
+            .contains("--keep-survivors"));
     }
 }

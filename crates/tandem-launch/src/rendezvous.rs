@@ -15,6 +15,7 @@
 //! launch/round{r}/dropped/{node}      set by node 0 when it left a silent node's workers out
 //!                                     (--keep-survivors): nobody waits for its report
 //! launch/round{r}/left/{node}         the node has read every report; node 0 may drop the store
+//! launch/round{r}/epoch/{e}           the node that published membership epoch e (first claim wins)
 //! ```
 //! Node 0 closes a round once all `--nnodes` nodes offered themselves, or, in an elastic job
 //! (`--nnodes MIN:MAX`), once MIN did and the last call passed. An agent left out of a round
@@ -29,7 +30,7 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use tandem_dist::cluster::contract::MembershipRecord;
 use tandem_dist::heartbeat::{Heartbeat, HEARTBEAT_INTERVAL};
-use tandem_dist::{DistError, JobToken, StoreClient, StoreLimits, StoreServer};
+use tandem_dist::{DistError, JobToken, StoreClient, StoreLimits, StoreReplica, StoreServer};
 
 use super::options::{StoreLocation, Topology};
 use super::report::NodeReport;
@@ -183,13 +184,17 @@ impl Heartbeats {
     }
 }
 
-/// This agent's view of the store: the server when this is node 0, and a client.
+/// This agent's view of the store: the server when this is node 0 (or this node's replica
+/// of a replicated store), and a client.
 pub struct AgentStore {
     /// This node's heartbeat.
     _beat: Heartbeat,
     client: StoreClient,
     // Declared after the client so the client closes first; kept alive for the whole job.
     server: Option<StoreServer>,
+    _replica: Option<StoreReplica>,
+    /// Every replica's address, when the store is replicated.
+    replicas: Vec<SocketAddr>,
     node_rank: usize,
     nnodes: usize,
     /// The store's host as the workers receive it in `MASTER_ADDR`.
@@ -209,6 +214,16 @@ impl AgentStore {
         request_timeout: Duration,
         interrupted: &dyn Fn() -> bool,
     ) -> anyhow::Result<Waited<AgentStore>> {
+        if let StoreLocation::Replicated { replicas } = &topology.store {
+            return AgentStore::open_replicated(
+                topology,
+                replicas,
+                token,
+                deadline,
+                request_timeout,
+                interrupted,
+            );
+        }
         let (server, connect_to, master_addr, master_port) = match &topology.store {
             StoreLocation::Loopback => {
                 let server = StoreServer::bind_with(
@@ -251,6 +266,7 @@ impl AgentStore {
                 };
                 (None, store_addr, addr.clone(), *port)
             }
+            StoreLocation::Replicated { .. } => unreachable!("opened above"),
         };
         let request_timeout = match server {
             Some(_) => REQUEST_TIMEOUT,
@@ -275,6 +291,58 @@ impl AgentStore {
             _beat: beat,
             client,
             server,
+            _replica: None,
+            replicas: Vec::new(),
+            node_rank: topology.node_rank,
+            nnodes: topology.nnodes,
+            master_addr,
+            master_port,
+        }))
+    }
+
+    /// Hosts this node's replica of a replicated store when it has one (node i hosts
+    /// `replicas[i]`), and reaches the store through every replica, waiting (until
+    /// `deadline`) for them to elect a leader.
+    fn open_replicated(
+        topology: &Topology,
+        replicas: &[(String, u16)],
+        token: &JobToken,
+        deadline: Instant,
+        request_timeout: Duration,
+        interrupted: &dyn Fn() -> bool,
+    ) -> anyhow::Result<Waited<AgentStore>> {
+        let mut addrs = Vec::new();
+        for (host, port) in replicas {
+            match resolve_until(host, *port, deadline, interrupted)? {
+                Waited::Done(addr) => addrs.push(addr),
+                Waited::Interrupted => return Ok(Waited::Interrupted),
+            }
+        }
+        let replica = match addrs.get(topology.node_rank) {
+            Some(own) => Some(host_replica(topology, token, &addrs, *own)?),
+            None => None,
+        };
+        let Waited::Done(client) =
+            await_leader(&addrs, token, deadline, request_timeout, interrupted)?
+        else {
+            return Ok(Waited::Interrupted);
+        };
+        let beat_client = client
+            .connect_again(token, request_timeout)
+            .context("connect the heartbeat to the replicated store")?;
+        let beat = Heartbeat::start(
+            beat_client,
+            HEARTBEAT_PREFIX,
+            topology.node_rank,
+            HEARTBEAT_INTERVAL,
+        );
+        let (master_addr, master_port) = replicas[0].clone();
+        Ok(Waited::Done(AgentStore {
+            _beat: beat,
+            client,
+            server: None,
+            _replica: replica,
+            replicas: addrs,
             node_rank: topology.node_rank,
             nnodes: topology.nnodes,
             master_addr,
@@ -285,6 +353,25 @@ impl AgentStore {
     /// The store's address as this agent reaches it.
     pub fn addr(&self) -> SocketAddr {
         self.client.addr()
+    }
+
+    /// Where the store is, as `tandem status` and the workers take it: one address, or
+    /// every replica's, separated by commas.
+    pub fn location(&self) -> String {
+        match self.replicas.is_empty() {
+            true => self.addr().to_string(),
+            false => self
+                .replicas
+                .iter()
+                .map(SocketAddr::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        }
+    }
+
+    /// Whether the store is replicated on several nodes' agents.
+    pub fn is_replicated(&self) -> bool {
+        !self.replicas.is_empty()
     }
 
     /// Node 0: makes `round` the round that arriving agents offer themselves for.
@@ -535,6 +622,22 @@ impl AgentStore {
         Ok(())
     }
 
+    /// Claims membership epoch `epoch` of round `round` for this node before it publishes
+    /// it: false when another node claimed it first (it decides now, not this one).
+    pub fn claim_membership_epoch(&self, round: u32, epoch: u64) -> anyhow::Result<bool> {
+        let mine = self.node_rank.to_string();
+        let stored = self
+            .client
+            .compare_set(&epoch_key(round, epoch), None, mine.as_bytes())?;
+        Ok(stored == mine.as_bytes())
+    }
+
+    /// The node that published membership epoch `epoch` of round `round`, once one did.
+    pub fn membership_decider(&self, round: u32, epoch: u64) -> anyhow::Result<Option<usize>> {
+        let claimed = self.client.get(&epoch_key(round, epoch))?;
+        Ok(claimed.and_then(|node| String::from_utf8_lossy(&node).parse().ok()))
+    }
+
     /// The latest membership of round `round` (`--keep-survivors`), `None` before the first
     /// change.
     pub fn membership(&self, round: u32) -> anyhow::Result<Option<MembershipRecord>> {
@@ -697,10 +800,14 @@ impl AgentStore {
         timeout: Duration,
     ) -> anyhow::Result<()> {
         let said = self.client.set(&left_key(round, self.node_rank), b"1");
-        if self.server.is_none() {
+        if self.server.is_none() && self._replica.is_none() {
             // Node 0 may drop the store as soon as this key lands, before its answer reaches
             // us: the outcome is known already, so a lost answer is no failure.
             let _ = said;
+            return Ok(());
+        }
+        // A replica's host keeps it up for the others too; the outcome is known already.
+        if said.is_err() && self._replica.is_some() {
             return Ok(());
         }
         said?;
@@ -715,6 +822,7 @@ impl AgentStore {
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         match self.client.wait(&key_refs, timeout) {
             Ok(()) | Err(DistError::StoreTimeout { .. }) => Ok(()),
+            Err(_) if self._replica.is_some() => Ok(()),
             Err(error) => Err(error.into()),
         }
     }
@@ -797,6 +905,10 @@ fn dropped_key(round: u32, node: usize) -> String {
     format!("launch/round{round}/dropped/{node}")
 }
 
+fn epoch_key(round: u32, epoch: u64) -> String {
+    format!("launch/round{round}/epoch/{epoch}")
+}
+
 fn left_key(round: u32, node: usize) -> String {
     format!("launch/round{round}/left/{node}")
 }
@@ -868,6 +980,70 @@ fn retry<T>(
             return Ok(Waited::Done(value));
         }
     }
+}
+
+/// Binds and starts this node's replica on every interface at `own`'s port.
+fn host_replica(
+    topology: &Topology,
+    token: &JobToken,
+    addrs: &[SocketAddr],
+    own: SocketAddr,
+) -> anyhow::Result<StoreReplica> {
+    let unspecified: IpAddr = match own {
+        SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
+        SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+    };
+    let listen = SocketAddr::new(unspecified, own.port());
+    let mut replica = StoreReplica::bind(listen, token.clone(), store_limits(topology))
+        .with_context(|| {
+            format!(
+                "start node {}'s replica of the store on port {} (--store-replicas)",
+                topology.node_rank,
+                own.port()
+            )
+        })?;
+    replica
+        .start(addrs, topology.node_rank)
+        .context("start the store's replica")?;
+    Ok(replica)
+}
+
+/// Connects to a replicated store and waits, until `deadline`, for it to answer: its
+/// replicas may start at different times, and answer once a majority has elected a leader.
+fn await_leader(
+    addrs: &[SocketAddr],
+    token: &JobToken,
+    deadline: Instant,
+    request_timeout: Duration,
+    interrupted: &dyn Fn() -> bool,
+) -> anyhow::Result<Waited<StoreClient>> {
+    retry(interrupted, || {
+        let slice = deadline
+            .saturating_duration_since(Instant::now())
+            .min(CONNECT_SLICE)
+            .max(Duration::from_millis(100));
+        let answered = StoreClient::connect_replicated(addrs, token, slice)
+            .and_then(|probe| probe.get(CURRENT_KEY).map(|_| probe));
+        match answered {
+            Ok(_) => {
+                let client = StoreClient::connect_replicated(addrs, token, request_timeout)
+                    .context("connect to the replicated store")?;
+                Ok(Some(client))
+            }
+            Err(error) if Instant::now() >= deadline => Err(error).context(format!(
+                "the replicated store ({}) elected no leader before the join timeout",
+                addrs
+                    .iter()
+                    .map(SocketAddr::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+            Err(error @ (DistError::TokenRefused { .. } | DistError::NotTrusted { .. })) => {
+                Err(error).context("connect to the replicated store")
+            }
+            Err(_) => Ok(None),
+        }
+    })
 }
 
 /// Connects to the store, retrying in short slices until `deadline`.

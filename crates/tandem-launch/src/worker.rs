@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use tandem_dist::cluster::contract::{
     self, ERROR_FILE_ENV, GROUP_RANK_ENV, JOB_TOKEN_ENV, JOINER_ENV, KEEP_SURVIVORS_ENV,
     LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV, MASTER_ADDR_ENV, MASTER_PORT_ENV, RANK_ENV,
-    RESTART_COUNT_ENV, STORE_HOSTED_ENV, STORE_PREFIX_ENV, WORLD_SIZE_ENV,
+    RESTART_COUNT_ENV, STORE_HOSTED_ENV, STORE_PREFIX_ENV, STORE_REPLICAS_ENV, WORLD_SIZE_ENV,
 };
 
 use super::descriptors;
@@ -54,6 +54,8 @@ pub struct JobEnv {
     pub keep_survivors: bool,
     /// Whether the worker starts in place of a lost one, to join the running job.
     pub joiner: bool,
+    /// The replicas of a replicated store, as `HOST:PORT` entries separated by commas.
+    pub store_replicas: Option<String>,
 }
 
 /// The environment variables a worker receives, in a fixed order.
@@ -80,10 +82,15 @@ pub fn worker_env(place: &WorkerPlace, job: &JobEnv, error_file: &Path) -> Vec<(
         .into_iter()
         .filter(|(on, _)| *on)
         .map(|(_, name)| (name.to_string(), "1".to_string()));
+    let replicas = job
+        .store_replicas
+        .iter()
+        .map(|replicas| (STORE_REPLICAS_ENV.to_string(), replicas.clone()));
     pairs
         .into_iter()
         .map(|(name, value)| (name.to_string(), value))
         .chain(flags)
+        .chain(replicas)
         .collect()
 }
 
@@ -612,6 +619,7 @@ mod tests {
             restart_count: 3,
             keep_survivors: false,
             joiner: false,
+            store_replicas: None,
         };
         let env = worker_env(&place, &job, Path::new("/runs/a/errors/rank_5.json"));
         let expected = [

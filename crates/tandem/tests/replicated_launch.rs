@@ -1,0 +1,202 @@
+//! `tandem launch --store-replicas`: three agents on loopback keep the job's store replicated
+//! among them. Node 0 (the host of the first replica, the node that decides the membership,
+//! and the home of rank 0) is killed with SIGKILL mid-run: the store goes on under a new
+//! leader, node 1 takes the decisions over, and the workers of nodes 1 and 2 go on
+//! in-process, without a restart, to the uninterrupted run's bits. Every wait is bounded, and
+//! every agent's process group is killed when the test ends.
+
+mod common;
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Bound on each launcher and on each training run.
+const LIMIT: Duration = Duration::from_secs(180);
+/// Bound on each wait for progress or for a line.
+const WAIT: Duration = Duration::from_secs(90);
+
+/// 80 steps of 128 samples in one epoch, in 8 shards of 16, a snapshot after every step.
+fn train_args(output_dir: &Path) -> Vec<String> {
+    let mut args = small_model_train(
+        "--data synthetic --synthetic-train 10240 --synthetic-test 64 --epochs 1 \
+         --global-batch-size 128 --batch-size 16 --threads 1 --seed 5 --device cpu \
+         --log-every-steps 0 --optimizer sgd --momentum 0.9 --nesterov --lr 0.05 \
+         --snapshot-every-steps 1",
+    );
+    args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
+    args
+}
+
+/// Three agents of one job, each in a process group of its own with its workers; dropping
+/// them kills every group.
+struct Nodes {
+    dir: PathBuf,
+    replicas: String,
+    launchers: Vec<Launcher>,
+}
+
+impl Nodes {
+    fn new(dir: &Path) -> Nodes {
+        let replicas: Vec<String> = (0..3)
+            .map(|_| format!("127.0.0.1:{}", free_port()))
+            .collect();
+        Nodes {
+            dir: dir.to_path_buf(),
+            replicas: replicas.join(","),
+            launchers: Vec::new(),
+        }
+    }
+
+    fn output_dir(&self) -> PathBuf {
+        self.dir.join("run")
+    }
+
+    fn trace(&self) -> PathBuf {
+        self.dir.join("trace")
+    }
+
+    /// Starts node `node`'s agent with 2 workers.
+    fn start(&mut self, node: usize) {
+        std::fs::create_dir_all(self.trace()).unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        command
+            .args(["launch", "--nnodes", "3", "--node-rank", &node.to_string()])
+            .args(["--keep-survivors", "--max-restarts", "0"])
+            .args(["--store-replicas", &self.replicas])
+            .args(["--nproc-per-node", "2"])
+            .args(["--stop-grace-seconds", "20", "--join-timeout-seconds", "60"])
+            .arg("--log-dir")
+            .arg(self.dir.join(format!("logs-node{node}")))
+            .arg("--")
+            .args(train_args(&self.output_dir()))
+            .current_dir(&self.dir)
+            .env("TANDEM_SAMPLE_TRACE", self.trace())
+            .env("TANDEM_JOB_TOKEN", "replicated-test-secret")
+            .process_group(0);
+        let name = format!("node{node}");
+        self.launchers
+            .push(Launcher::spawn(command, &self.dir, &name));
+    }
+
+    /// Every agent's output so far.
+    fn said(&self) -> String {
+        self.launchers
+            .iter()
+            .enumerate()
+            .map(|(node, launcher)| format!("node {node}:\n{}\n", launcher.stderr()))
+            .collect()
+    }
+
+    /// Kills node `node`'s agent and workers with SIGKILL.
+    fn kill(&mut self, node: usize) {
+        kill_group(self.launchers[node].pid());
+        let status = self.launchers[node].wait(Duration::from_secs(10));
+        assert_eq!(status.code(), None, "node {node}'s agent was killed");
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for launcher in &self.launchers {
+            kill_group(launcher.pid());
+        }
+    }
+}
+
+fn kill_group(leader: u32) {
+    // SAFETY: `kill` has no memory-safety preconditions; the group is the agent's own.
+    unsafe {
+        libc::kill(-(leader as libc::pid_t), libc::SIGKILL);
+    }
+}
+
+/// Waits until `check` holds, at most [`WAIT`]; `what` says what was awaited.
+fn wait_until(what: &str, mut check: impl FnMut() -> bool, explain: impl Fn() -> String) {
+    let deadline = Instant::now() + WAIT;
+    while !check() {
+        if Instant::now() >= deadline {
+            panic!("{what} did not happen within {WAIT:?}\n{}", explain());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The optimizer steps of the snapshot in `output_dir`, if one is there.
+fn snapshot_step(output_dir: &Path) -> Option<u64> {
+    let bytes = std::fs::read(output_dir.join("snapshot.safetensors")).ok()?;
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).ok()?;
+    let description = metadata.metadata().as_ref()?.get("tandem.snapshot")?;
+    let description: serde_json::Value = serde_json::from_str(description).ok()?;
+    description["progress"]["global_step"].as_u64()
+}
+
+/// The world sizes at which each worker process (by pid) committed steps, from the sample
+/// trace (`samples-<pid>.jsonl`; a record torn by SIGKILL is skipped).
+fn world_sizes_of(trace: &Path, pid: u32) -> Vec<u64> {
+    let text = std::fs::read_to_string(trace.join(format!("samples-{pid}.jsonl")))
+        .unwrap_or_default();
+    let mut sizes: Vec<u64> = text
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|record| record["world_size"].as_u64())
+        .collect();
+    sizes.dedup();
+    sizes
+}
+
+#[test]
+fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = dir.path().join("uninterrupted");
+    expect_success(&run_bounded(tandem().args(train_args(&expected)), LIMIT));
+    let mut nodes = Nodes::new(dir.path());
+    for node in 0..3 {
+        nodes.start(node);
+    }
+    wait_until(
+        "a snapshot past step 3",
+        || snapshot_step(&nodes.output_dir()).is_some_and(|step| step > 3),
+        || nodes.said(),
+    );
+    let survivors: Vec<u32> = [(1, 2), (1, 3), (2, 4), (2, 5)]
+        .iter()
+        .map(|&(node, rank)| nodes.launchers[node].worker(rank))
+        .collect();
+    nodes.kill(0);
+    let killed = Instant::now();
+    let took_over = "tandem launch: node 1 decides the membership now: the agents of every \
+                     lower node are silent (node 0 (";
+    let membership = "tandem launch: membership 1: node 0 lost (its launcher sent no heartbeat";
+    wait_until(
+        "node 1's membership without node 0",
+        || {
+            let said = nodes.launchers[1].stderr();
+            said.contains(took_over) && said.contains(membership)
+        },
+        || nodes.said(),
+    );
+    eprintln!(
+        "node 1 published the membership without node 0 {:.1} s after the kill",
+        killed.elapsed().as_secs_f64()
+    );
+    for node in [1, 2] {
+        let status = nodes.launchers[node].wait(LIMIT);
+        assert!(status.success(), "node {node}: {status:?}\n{}", nodes.said());
+        assert_contains(
+            &nodes.launchers[node].stderr(),
+            "every worker finished successfully",
+        );
+    }
+    assert_contains(
+        &nodes.launchers[1].stderr(),
+        "ranks [2, 3, 4, 5] go on in-process (world size 6 -> 4), nobody restarts",
+    );
+    for pid in survivors {
+        assert_eq!(world_sizes_of(&nodes.trace(), pid), vec![6, 4], "{pid}");
+    }
+    assert_same_bits(&expected, &nodes.output_dir(), "node 0 lost, nodes 1 and 2 went on");
+}
