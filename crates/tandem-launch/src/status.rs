@@ -6,12 +6,15 @@
 //! rank; with `--keep-survivors`, also the job's membership, and which ranks it left out.
 
 use std::fmt::Write as _;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
-use tandem_dist::cluster::contract::{membership_key, store_prefix, MembershipRecord};
+use tandem_dist::cluster::contract::{
+    membership_key, resolve_store_replicas, store_prefix, MembershipRecord,
+};
 use tandem_dist::heartbeat::{heartbeat_key, status_key, WorkerStatus, HEARTBEAT_INTERVAL};
 use tandem_dist::{JobToken, StoreClient};
 
@@ -30,7 +33,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// status`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct JobFile {
-    /// The store's address, as this node's agent reaches it.
+    /// The store's address, as this node's agent reaches it; for a replicated store, its
+    /// replicas' `HOST:PORT` separated by commas.
     pub store: String,
     /// The job token.
     pub token: String,
@@ -38,7 +42,8 @@ pub struct JobFile {
     pub launcher_pid: u32,
 }
 
-/// Writes the job file of the agent that reached the store at `store` into `log_dir`.
+/// Writes the job file of the agent that reached the store at `store` (a replicated store's
+/// replicas separated by commas) into `log_dir`.
 pub fn write_job_file(log_dir: &Path, store: &str, token: &JobToken) -> anyhow::Result<()> {
     let record = JobFile {
         store: store.to_string(),
@@ -82,20 +87,7 @@ pub fn run(args: &StatusArgs) -> anyhow::Result<String> {
         .with_context(|| format!("{} is not a job file", path.display()))?;
     let token = JobToken::new(&job.token)
         .with_context(|| format!("{} holds an unusable job token", path.display()))?;
-    let addr = job.store.parse().with_context(|| {
-        format!(
-            "{}: store {:?} is not an address",
-            path.display(),
-            job.store
-        )
-    })?;
-    let client = StoreClient::connect(addr, &token, CONNECT_TIMEOUT).with_context(|| {
-        format!(
-            "cannot reach the job's store at {} (launcher pid {}): the job has ended or its \
-             launcher is gone",
-            job.store, job.launcher_pid
-        )
-    })?;
+    let client = connect(&job, &path, &token)?;
     let round = current_round_record(&client)?
         .context("the job's store holds no round yet: the nodes are still joining")?;
     let membership = client
@@ -103,6 +95,51 @@ pub fn run(args: &StatusArgs) -> anyhow::Result<String> {
         .and_then(|bytes| MembershipRecord::from_json(&bytes).ok());
     let views = watch_ranks(&client, &round)?;
     Ok(describe(&job, &round, membership.as_ref(), &views))
+}
+
+/// Where a job file's store is.
+#[derive(Debug, PartialEq)]
+enum StoreAt {
+    /// A store of one server.
+    Single(SocketAddr),
+    /// The replicas of a replicated store.
+    Replicated(Vec<SocketAddr>),
+}
+
+/// The store of `job`, the job file at `path`: one address, or the replicas of a replicated
+/// store as `HOST:PORT` entries separated by commas.
+fn store_at(job: &JobFile, path: &Path) -> anyhow::Result<StoreAt> {
+    if !job.store.contains(',') {
+        let addr = job.store.parse().with_context(|| {
+            format!(
+                "{}: store {:?} is not an address",
+                path.display(),
+                job.store
+            )
+        })?;
+        return Ok(StoreAt::Single(addr));
+    }
+    let replicas = resolve_store_replicas(&job.store)
+        .map_err(|why| anyhow::anyhow!("{}: store {:?}: {why}", path.display(), job.store))?;
+    Ok(StoreAt::Replicated(replicas))
+}
+
+/// Connects to the store of `job`, the job file at `path`, following the leader of a
+/// replicated one.
+fn connect(job: &JobFile, path: &Path, token: &JobToken) -> anyhow::Result<StoreClient> {
+    let connected = match store_at(job, path)? {
+        StoreAt::Single(addr) => StoreClient::connect(addr, token, CONNECT_TIMEOUT),
+        StoreAt::Replicated(replicas) => {
+            StoreClient::connect_replicated(&replicas, token, CONNECT_TIMEOUT)
+        }
+    };
+    connected.with_context(|| {
+        format!(
+            "cannot reach the job's store at {} (launcher pid {}): the job has ended or its \
+             launcher is gone",
+            job.store, job.launcher_pid
+        )
+    })
 }
 
 /// Reads every rank's status and heartbeat, then the heartbeats again after [`WATCH`].
@@ -205,6 +242,101 @@ mod tests {
             heartbeat_state((12, 12 + tandem_dist::heartbeat::ENDED)),
             "ended (the worker is finishing)"
         );
+    }
+
+    fn job_at(store: &str) -> JobFile {
+        JobFile {
+            store: store.into(),
+            token: "t".into(),
+            launcher_pid: 7,
+        }
+    }
+
+    #[test]
+    fn a_job_file_names_one_store_or_the_replicas_of_a_replicated_one() {
+        let path = Path::new("runs/latest/job.json");
+        assert_eq!(
+            store_at(&job_at("127.0.0.1:29500"), path).unwrap(),
+            StoreAt::Single("127.0.0.1:29500".parse().unwrap())
+        );
+        let error = store_at(&job_at("node0:29500"), path).unwrap_err();
+        assert_eq!(
+            format!("{error:#}"),
+            "runs/latest/job.json: store \"node0:29500\" is not an address: invalid socket \
+             address syntax"
+        );
+        let StoreAt::Replicated(replicas) =
+            store_at(&job_at("127.0.0.1:7001,[::1]:7002,localhost:7003"), path).unwrap()
+        else {
+            panic!("a list of replicas");
+        };
+        assert_eq!(
+            replicas[..2],
+            [
+                "127.0.0.1:7001".parse().unwrap(),
+                "[::1]:7002".parse().unwrap()
+            ]
+        );
+        assert_eq!(replicas[2].port(), 7003);
+        let error = store_at(&job_at("127.0.0.1:7001,node1"), path).unwrap_err();
+        assert!(
+            error.to_string().starts_with(
+                "runs/latest/job.json: store \"127.0.0.1:7001,node1\": entry \"node1\" is not \
+                 HOST:PORT"
+            ),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn status_reaches_a_replicated_store_through_the_loss_of_its_leader() {
+        use tandem_dist::{StoreLimits, StoreReplica};
+        let token = JobToken::new("status-test-token").unwrap();
+        let mut replicas: Vec<Option<StoreReplica>> = (0..3)
+            .map(|_| {
+                let any_port = "127.0.0.1:0".parse().unwrap();
+                StoreReplica::bind(any_port, token.clone(), StoreLimits::default()).map(Some)
+            })
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let addrs: Vec<SocketAddr> = replicas
+            .iter()
+            .flatten()
+            .map(StoreReplica::local_addr)
+            .collect();
+        for (index, replica) in replicas.iter_mut().flatten().enumerate() {
+            replica.start(&addrs, index).unwrap();
+        }
+        let first = wait_for_leader(&replicas);
+        replicas[first] = None;
+        wait_for_leader(&replicas);
+        let log_dir = tempfile::tempdir().unwrap();
+        let list: Vec<String> = addrs.iter().map(SocketAddr::to_string).collect();
+        write_job_file(log_dir.path(), &list.join(","), &token).unwrap();
+        let args = StatusArgs {
+            log_dir: log_dir.path().to_path_buf(),
+        };
+        // The store answered: it holds no round, as no launcher ever wrote one.
+        let error = run(&args).unwrap_err().to_string();
+        assert!(
+            error.starts_with("the job's store holds no round yet"),
+            "{error}"
+        );
+    }
+
+    /// The index of the replica that leads, once one does.
+    fn wait_for_leader(replicas: &[Option<tandem_dist::StoreReplica>]) -> usize {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let leading = replicas
+                .iter()
+                .position(|replica| replica.as_ref().is_some_and(|r| r.is_leader()));
+            if let Some(index) = leading {
+                return index;
+            }
+            assert!(std::time::Instant::now() < deadline, "no leader");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     #[test]

@@ -532,6 +532,7 @@ mod tests {
                             round_prefix: "round0/pg".into(),
                             worker_id: rank,
                             membership_epoch: 0,
+                            store_replicas: Vec::new(),
                         };
                         let token = tandem_dist::JobToken::new("backend-test-token").unwrap();
                         let ddp = Ddp::join(&placement, token, Duration::from_secs(20), 8, 64, 64)

@@ -2,7 +2,10 @@
 //! it fails, whoever starts it (`tandem launch`, `srun`, `mpirun`, ModelArts, Kubeflow).
 //!
 //! The launcher writes these variables and the worker reads them through the same names; the
-//! store prefix of a restart round and the error file's record are built here only.
+//! store prefix of a restart round, the error file's record and the reading of a replicated
+//! store's replicas are built here only.
+
+use std::net::{SocketAddr, ToSocketAddrs};
 
 use serde::{Deserialize, Serialize};
 
@@ -55,6 +58,43 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// launcher) or as the text of [`RESTART_COUNT_ENV`] (a worker).
 pub fn store_prefix(restart_round: impl std::fmt::Display) -> String {
     format!("round{restart_round}/pg")
+}
+
+/// The replicas that `text`, a value of [`STORE_REPLICAS_ENV`], lists, each `HOST:PORT`
+/// resolved to its first address (a host name, an IPv4 address, or an IPv6 address in
+/// brackets); none for a blank `text`. An error names the entry at fault, to be prefixed with
+/// where `text` came from.
+pub fn resolve_store_replicas(text: &str) -> Result<Vec<SocketAddr>, String> {
+    if text.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    text.split(',').map(resolve_store_replica).collect()
+}
+
+/// One entry of [`resolve_store_replicas`].
+fn resolve_store_replica(entry: &str) -> Result<SocketAddr, String> {
+    let entry = entry.trim();
+    let not_host_port = || {
+        format!(
+            "entry {entry:?} is not HOST:PORT (a host name or IP address, a colon and a port \
+             below 65536, e.g. node0:29500 or [fd00::1]:29500)"
+        )
+    };
+    let (host, port) = entry.rsplit_once(':').ok_or_else(not_host_port)?;
+    let port: u16 = port.parse().map_err(|_| not_host_port())?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|host| host.strip_suffix(']'))
+        .unwrap_or(host);
+    if host.is_empty() {
+        return Err(not_host_port());
+    }
+    let mut addrs = (host, port)
+        .to_socket_addrs()
+        .map_err(|error| format!("entry {entry:?} does not resolve: {error}"))?;
+    addrs
+        .next()
+        .ok_or_else(|| format!("entry {entry:?} resolves to no address"))
 }
 
 /// Set to `1` by `tandem launch --keep-survivors`: when a worker is lost, the others stay
@@ -270,5 +310,34 @@ mod tests {
     fn the_store_prefix_names_the_round() {
         assert_eq!(store_prefix(0), "round0/pg");
         assert_eq!(store_prefix(3), store_prefix("3"));
+    }
+
+    #[test]
+    fn store_replicas_resolve_in_order_and_a_bad_entry_is_named() {
+        let replicas = resolve_store_replicas("127.0.0.1:29500, [::1]:29501,localhost:29502")
+            .expect("three good entries");
+        assert_eq!(replicas.len(), 3);
+        assert_eq!(replicas[0], "127.0.0.1:29500".parse().unwrap());
+        assert_eq!(replicas[1], "[::1]:29501".parse().unwrap());
+        assert!(replicas[2].ip().is_loopback() && replicas[2].port() == 29502);
+        for (text, entry) in [
+            ("127.0.0.1:29500,node1", "\"node1\""),
+            ("127.0.0.1:29500,node1:99999", "\"node1:99999\""),
+            ("127.0.0.1:29500,:29501", "\":29501\""),
+            ("127.0.0.1:29500,,127.0.0.1:29501", "\"\""),
+        ] {
+            let error = resolve_store_replicas(text).unwrap_err();
+            assert!(
+                error.starts_with(&format!("entry {entry} is not HOST:PORT")),
+                "{text}: {error}"
+            );
+        }
+        let error = resolve_store_replicas("no-such-host.invalid:29500").unwrap_err();
+        assert!(
+            error.starts_with("entry \"no-such-host.invalid:29500\" does not resolve"),
+            "{error}"
+        );
+        assert_eq!(resolve_store_replicas(""), Ok(Vec::new()));
+        assert_eq!(resolve_store_replicas("  "), Ok(Vec::new()));
     }
 }

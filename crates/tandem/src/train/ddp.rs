@@ -7,6 +7,7 @@
 //! soon as backward has passed its last layer. All collectives of a rank go through one
 //! FIFO queue, so ranks that issue the same sequence of operations stay in step.
 
+use std::net::SocketAddr;
 use std::ops::Range;
 use std::time::Duration;
 
@@ -14,7 +15,9 @@ use anyhow::Context;
 use tandem_dist::heartbeat::{
     Heartbeat, Interrupt, MembershipWatch, WorkerStatus, HEARTBEAT_INTERVAL,
 };
-use tandem_dist::{CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer};
+use tandem_dist::{
+    CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer, StoreClient,
+};
 use tandem_models::{BatchNormReducer, Model};
 
 use super::exact_buckets::ExactBuckets;
@@ -44,6 +47,42 @@ pub struct WorkerPlacement {
     pub worker_id: usize,
     /// The membership epoch of the group it joins (0 until the first change).
     pub membership_epoch: u64,
+    /// The replicas of a replicated store, through which the worker reaches the store in
+    /// place of `master_addr:master_port`; empty for a store of one server.
+    pub store_replicas: Vec<SocketAddr>,
+}
+
+impl WorkerPlacement {
+    /// Where the store is, in words: its address, or its replicas' addresses.
+    pub fn store_text(&self) -> String {
+        match self.store_replicas.as_slice() {
+            [] => format!("{}:{}", self.master_addr, self.master_port),
+            replicas => {
+                let addrs: Vec<String> = replicas.iter().map(SocketAddr::to_string).collect();
+                format!("the replicas {}", addrs.join(","))
+            }
+        }
+    }
+
+    /// A connection of its own to the job's store, within `timeout`: to whichever replica
+    /// leads, following the leader, for a replicated store.
+    pub fn connect_store(
+        &self,
+        token: &tandem_dist::JobToken,
+        timeout: Duration,
+    ) -> anyhow::Result<StoreClient> {
+        if !self.store_replicas.is_empty() {
+            return StoreClient::connect_replicated(&self.store_replicas, token, timeout)
+                .with_context(|| format!("reach the job's store at {}", self.store_text()));
+        }
+        let addr = format!("{}:{}", self.master_addr, self.master_port);
+        let resolved = std::net::ToSocketAddrs::to_socket_addrs(&addr)
+            .with_context(|| format!("the job's store at {addr}"))?
+            .next()
+            .with_context(|| format!("the job's store at {addr} has no address"))?;
+        StoreClient::connect(resolved, token, timeout)
+            .with_context(|| format!("reach the job's store at {addr}"))
+    }
 }
 
 /// Gradient buckets: the first small, so communication starts early, then equal ones.
@@ -115,10 +154,12 @@ impl Ddp {
         options.host_store = !placement.store_hosted;
         options.prefix = placement.key_prefix.clone();
         options.membership_epoch = placement.membership_epoch;
+        options.store_replicas = placement.store_replicas.clone();
         let group = ProcessGroup::connect(options).with_context(|| {
             format!(
-                "rank {} cannot join the job at {}:{}",
-                placement.rank, placement.master_addr, placement.master_port
+                "rank {} cannot join the job at {}",
+                placement.rank,
+                placement.store_text()
             )
         })?;
         let heartbeat = group
@@ -564,6 +605,7 @@ pub(crate) mod tests {
                             round_prefix: "ddp-test".into(),
                             worker_id: rank,
                             membership_epoch: 0,
+                            store_replicas: Vec::new(),
                         };
                         let token = tandem_dist::JobToken::new("ddp-test-token").unwrap();
                         let ddp = Ddp::join(
@@ -581,6 +623,97 @@ pub(crate) mod tests {
                 .collect();
             ranks.into_iter().map(|rank| rank.join().unwrap()).collect()
         })
+    }
+
+    /// Three started replicas of a store on loopback, and their addresses.
+    fn store_replicas(
+        token: &tandem_dist::JobToken,
+    ) -> (Vec<Option<tandem_dist::StoreReplica>>, Vec<SocketAddr>) {
+        let limits = tandem_dist::StoreLimits::default;
+        let mut replicas: Vec<_> = (0..3)
+            .map(|_| {
+                let any_port = "127.0.0.1:0".parse().unwrap();
+                tandem_dist::StoreReplica::bind(any_port, token.clone(), limits()).unwrap()
+            })
+            .collect();
+        let addrs: Vec<SocketAddr> = replicas
+            .iter()
+            .map(|replica| replica.local_addr())
+            .collect();
+        for (index, replica) in replicas.iter_mut().enumerate() {
+            replica.start(&addrs, index).unwrap();
+        }
+        (replicas.into_iter().map(Some).collect(), addrs)
+    }
+
+    /// Drops the replica that leads, once one does.
+    fn drop_the_leader(replicas: &mut [Option<tandem_dist::StoreReplica>]) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let leading = replicas
+                .iter()
+                .position(|replica| replica.as_ref().is_some_and(|r| r.is_leader()));
+            if let Some(index) = leading {
+                replicas[index] = None;
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "no leader");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Rank `rank` of two, placed on the store replicated at `replicas`. Its `master_addr`
+    /// names the first replica, where a store of its own could not be hosted.
+    fn placed_on(replicas: &[SocketAddr], rank: usize) -> WorkerPlacement {
+        WorkerPlacement {
+            rank,
+            world_size: 2,
+            local_world_size: 2,
+            master_addr: replicas[0].ip().to_string(),
+            master_port: replicas[0].port(),
+            store_hosted: false,
+            key_prefix: "round0/pg".into(),
+            round_prefix: "round0/pg".into(),
+            worker_id: rank,
+            membership_epoch: 0,
+            store_replicas: replicas.to_vec(),
+        }
+    }
+
+    #[test]
+    fn ranks_placed_on_a_replicated_store_keep_it_through_the_loss_of_its_leader() {
+        let token = tandem_dist::JobToken::new("ddp-test-token").unwrap();
+        let (mut replicas, addrs) = store_replicas(&token);
+        let lost_leader = std::sync::Barrier::new(3);
+        let limit = Duration::from_secs(20);
+        std::thread::scope(|scope| {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (addrs, token, lost_leader) = (&addrs, &token, &lost_leader);
+                    scope.spawn(move || {
+                        let placement = placed_on(addrs, rank);
+                        let ddp = Ddp::join(&placement, token.clone(), limit, 8, 64, 64).unwrap();
+                        assert_eq!(ddp.all_gather_f64(vec![rank as f64]).unwrap(), [0.0, 1.0]);
+                        lost_leader.wait();
+                        // A connection of its own, and the group's, reach the new leader.
+                        let store = placement.connect_store(token, limit).unwrap();
+                        store.set(&format!("after/{rank}"), b"1").unwrap();
+                        store.wait(&["after/0", "after/1"], limit).unwrap();
+                        let records = ddp.gather_records("after", vec![rank as u8]).unwrap();
+                        assert_eq!(records, [[0], [1]]);
+                    })
+                })
+                .collect();
+            drop_the_leader(&mut replicas);
+            lost_leader.wait();
+            for rank in ranks {
+                rank.join().unwrap();
+            }
+        });
+        assert_eq!(
+            placed_on(&addrs[..2], 0).store_text(),
+            format!("the replicas {},{}", addrs[0], addrs[1])
+        );
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! Where this worker stands in its job: rank, world size and the rendezvous address, from
 //! the tutorial's flags, torchrun's variables, or a cluster's own.
 
+use std::net::SocketAddr;
+
 use anyhow::{bail, Context};
 use tandem_dist::cluster::contract::{
     self, DEFAULT_MASTER_PORT, MASTER_ADDR_ENV, RESTART_COUNT_ENV, STORE_HOSTED_ENV,
-    STORE_PREFIX_ENV,
+    STORE_PREFIX_ENV, STORE_REPLICAS_ENV,
 };
 use tandem_dist::cluster::{ClusterSource, WorkerEnv};
 
@@ -39,21 +41,18 @@ pub fn find_placement_of(
     if world_size <= 1 && !launched_alone {
         return Ok(None);
     }
-    let rank = match (flags.rank, &cluster) {
-        (Some(rank), _) => rank,
-        (None, Some(worker)) => worker.rank,
-        (None, None) => {
-            bail!("--world-size is {world_size} but no rank is given: pass --rank or set RANK")
-        }
-    };
-    if rank >= world_size {
-        bail!("rank {rank} is not below the world size {world_size}");
-    }
+    let rank = rank_of(flags, cluster.as_ref(), world_size)?;
     let (master_addr, master_port) = match &flags.init_method {
         Some(init_method) => parse_init_method(init_method)?,
         None => store_address(cluster.as_ref(), world_size)?,
     };
+    // `--init-method` names the store itself, as it overrides `MASTER_ADDR`.
+    let store_replicas = match &flags.init_method {
+        Some(_) => Vec::new(),
+        None => store_replicas(env(STORE_REPLICAS_ENV).as_deref())?,
+    };
     let master_from_mpirun = flags.init_method.is_none()
+        && store_replicas.is_empty()
         && env(MASTER_ADDR_ENV).is_none()
         && cluster.as_ref().is_some_and(|worker| {
             worker.source == ClusterSource::OpenMpi && worker.local_world_size < worker.world_size
@@ -77,7 +76,37 @@ pub fn find_placement_of(
         key_prefix,
         worker_id: rank,
         membership_epoch: 0,
+        store_replicas,
     }))
+}
+
+/// This worker's rank: `--rank`, else the cluster's; below `world_size`.
+fn rank_of(
+    flags: &PlacementFlags,
+    cluster: Option<&WorkerEnv>,
+    world_size: usize,
+) -> anyhow::Result<usize> {
+    let rank = match (flags.rank, cluster) {
+        (Some(rank), _) => rank,
+        (None, Some(worker)) => worker.rank,
+        (None, None) => {
+            bail!("--world-size is {world_size} but no rank is given: pass --rank or set RANK")
+        }
+    };
+    if rank >= world_size {
+        bail!("rank {rank} is not below the world size {world_size}");
+    }
+    Ok(rank)
+}
+
+/// The replicas of a replicated store that `value`, the launcher's [`STORE_REPLICAS_ENV`],
+/// lists; none when it is unset or empty.
+fn store_replicas(value: Option<&str>) -> anyhow::Result<Vec<SocketAddr>> {
+    let Some(value) = value else {
+        return Ok(Vec::new());
+    };
+    contract::resolve_store_replicas(value)
+        .map_err(|why| anyhow::anyhow!("{STORE_REPLICAS_ENV}={value:?}: {why}"))
 }
 
 /// The store's host and port from the cluster's environment. torchrun's default port fills
@@ -197,6 +226,31 @@ mod tests {
             ("head".to_string(), DEFAULT_MASTER_PORT),
             "other clusters keep torchrun's default port"
         );
+    }
+
+    #[test]
+    fn store_replicas_from_the_launcher() {
+        let replicas = store_replicas(Some("127.0.0.1:7001,127.0.0.1:7002,localhost:7003"))
+            .expect("three replicas");
+        assert_eq!(
+            replicas[..2],
+            [
+                "127.0.0.1:7001".parse().unwrap(),
+                "127.0.0.1:7002".parse().unwrap()
+            ]
+        );
+        assert_eq!(replicas[2].port(), 7003);
+        let error = store_replicas(Some("127.0.0.1:7001,node1"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            error,
+            "TANDEM_STORE_REPLICAS=\"127.0.0.1:7001,node1\": entry \"node1\" is not HOST:PORT \
+             (a host name or IP address, a colon and a port below 65536, e.g. node0:29500 or \
+             [fd00::1]:29500)"
+        );
+        assert!(store_replicas(None).unwrap().is_empty());
+        assert!(store_replicas(Some("")).unwrap().is_empty());
     }
 
     #[test]

@@ -349,13 +349,9 @@ impl Trainer {
 /// Connects to the job's store of `placement`, within `timeout`.
 fn connect_to_store(placement: &WorkerPlacement, timeout: Duration) -> anyhow::Result<StoreClient> {
     let token = JobToken::from_env()?.context(MISSING_TOKEN)?;
-    let addr = format!("{}:{}", placement.master_addr, placement.master_port);
-    let resolved = std::net::ToSocketAddrs::to_socket_addrs(&addr)
-        .with_context(|| format!("the job's store at {addr}"))?
-        .next()
-        .with_context(|| format!("the job's store at {addr} has no address"))?;
-    StoreClient::connect(resolved, &token, timeout)
-        .with_context(|| format!("reach the job's store at {addr} for its membership"))
+    placement
+        .connect_store(&token, timeout)
+        .context("read the job's membership")
 }
 
 /// The latest membership of the round of `start`, `None` before the first change.
