@@ -23,7 +23,7 @@ use super::worker::{
     error_file_path, now_micros, retry_while_short_of_resources, worker_env, JobEnv, Worker,
     WorkerEnd, WorkerPlace,
 };
-use tandem_dist::cluster::contract::MembershipRecord;
+use tandem_dist::cluster::contract::{MembershipRecord, SETTINGS_ERROR_EXIT_CODE};
 
 /// How often the agent looks at its workers.
 const WATCH_INTERVAL: Duration = Duration::from_millis(10);
@@ -103,11 +103,54 @@ impl WorkersStopped {
     }
 }
 
-/// When this node began stopping its workers, and when it escalated to SIGKILL.
+/// When this node began stopping its workers, when their SIGTERM is due while it waits,
+/// and when it escalated to SIGKILL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Stopping {
     sigterm_at: Instant,
+    sigterm_due: Option<Instant>,
     sigkill_at: Option<Instant>,
+}
+
+/// How long the other workers of a node get to say why they refuse their settings too,
+/// after one did, before they are stopped.
+const REFUSAL_SETTLE: Duration = Duration::from_secs(1);
+
+impl Stopping {
+    /// Begins stopping the running `workers` after `failures` (or a stop `signal`).
+    /// Workers that ended on a stop request show that every rank is stopping already: a
+    /// SIGTERM would hide which rank asked, so only the grace's end is enforced. A worker
+    /// that refused its settings is most often one of several that refuse alike: the
+    /// others get [`REFUSAL_SETTLE`] to say why.
+    fn begin(failures: &[&WorkerEnd], signal: Option<StopRequest>, workers: &[Worker]) -> Self {
+        let now = Instant::now();
+        let only = |wanted: &WorkerEnd| {
+            !failures.is_empty() && failures.iter().all(|failure| *failure == wanted)
+        };
+        let sigterm_due = match signal {
+            Some(_) => Some(now),
+            None if only(&STOPPED_ON_REQUEST_EXIT) => None,
+            None if only(&WorkerEnd::ExitCode(SETTINGS_ERROR_EXIT_CODE)) => {
+                Some(now + REFUSAL_SETTLE)
+            }
+            None => Some(now),
+        };
+        let mut stopping = Stopping {
+            sigterm_at: now,
+            sigterm_due,
+            sigkill_at: None,
+        };
+        stopping.send_due_sigterm(workers);
+        stopping
+    }
+
+    /// Sends the SIGTERM once it is due.
+    fn send_due_sigterm(&mut self, workers: &[Worker]) {
+        if self.sigterm_due.is_some_and(|due| Instant::now() >= due) {
+            self.sigterm_due = None;
+            signal_running(workers, SIGTERM);
+        }
+    }
 }
 
 /// What the agent remembers of the last round it ran, for the next round's line.
@@ -246,13 +289,15 @@ fn open_store(
         true => format!("{}:{}", topology.min_nodes, topology.nnodes),
         false => topology.nnodes.to_string(),
     };
+    let store_at = match store.is_replicated() {
+        true => format!("store replicated at {}", store.location()),
+        false => format!("store at {}:{}", store.master_addr, store.master_port),
+    };
     say(&format!(
-        "node {} of {nodes} ({}), {} worker(s), store at {}:{}, logs in {}",
+        "node {} of {nodes} ({}), {} worker(s), {store_at}, logs in {}",
         topology.node_rank,
         topology.source,
         topology.nproc_per_node,
-        store.master_addr,
-        store.master_port,
         plan.log_dir.display()
     ));
     Ok(Waited::Done(store))
@@ -354,18 +399,19 @@ fn run_round(
         .map(|(_, worker)| worker)
         .collect();
     let report = node_report(topology.node_rank, &mut workers);
+    let decider = watched.as_ref().map_or(0, |watched| watched.decider);
     if let Some(why) = watched
         .as_ref()
         .ok()
         .and_then(|watched| watched.left_out.clone())
     {
-        return Ok(Err(left_out_of_the_job(topology.node_rank, &why)));
+        return Ok(Err(left_out_of_the_job(topology.node_rank, decider, &why)));
     }
     let mut members = round.nodes();
     let mut left_out = None;
     let shared = watched.and_then(|_| {
         if plan.keep_survivors {
-            // Nodes that node 0 left out send no report.
+            // Nodes left out by the deciding node send no report.
             let gone = store.dropped_nodes(number, &members)?;
             members.retain(|node| gone.iter().all(|(gone, _)| gone != node));
             left_out = gone
@@ -385,7 +431,7 @@ fn run_round(
         )
     });
     if let Some(why) = left_out {
-        return Ok(Err(left_out_of_the_job(topology.node_rank, &why)));
+        return Ok(Err(left_out_of_the_job(topology.node_rank, decider, &why)));
     }
     let gathered = match shared {
         Ok(reports) => reports,
@@ -727,10 +773,10 @@ fn lost_the_store_keeping_survivors(
 
 /// The end of this node's part of a `--keep-survivors` job when node 0 left its workers out
 /// (its heartbeat was silent): `why` says what node 0 said.
-fn left_out_of_the_job(node_rank: usize, why: &str) -> JobEnd {
+fn left_out_of_the_job(node_rank: usize, decider: usize, why: &str) -> JobEnd {
     JobEnd::Failed {
         summary: format!(
-            "node {node_rank} was left out of the job by node 0 ({why}); its workers were \
+            "node {node_rank} was left out of the job by node {decider} ({why}); its workers were \
              stopped, and the other nodes go on without them (start this node's launcher again \
              to join at the next round)"
         ),
@@ -881,6 +927,8 @@ fn kill_and_reap(workers: &[Worker]) {
 struct Watched {
     dropped_workers: Vec<usize>,
     left_out: Option<String>,
+    /// The node that decided the membership last, as far as this agent knows.
+    decider: usize,
 }
 
 /// Watches the workers until they have all ended: on their own, or stopped because a worker
@@ -941,16 +989,7 @@ fn watch_round(
         }
         let must_stop = local_failure.any || signal.is_some() || others_stop;
         if must_stop && stopping.is_none() {
-            stopping = Some(Stopping {
-                sigterm_at: Instant::now(),
-                sigkill_at: None,
-            });
-            // Ranks that ended on a stop request show that every rank is stopping already:
-            // a SIGTERM now would hide which rank asked, so only the grace's end is enforced.
-            let all_stopping = !failures.is_empty() && local_failure.only_stop_requests;
-            if !all_stopping || signal.is_some() {
-                signal_running(workers, SIGTERM);
-            }
+            stopping = Some(Stopping::begin(&failures, signal, workers));
         }
         if let Some(phase) = stopping.as_mut() {
             // A stopped worker can honour no SIGTERM: no grace for it. It is most likely
@@ -971,6 +1010,7 @@ fn watch_round(
         None => Ok(Watched {
             dropped_workers: membership.dropped_workers(),
             left_out: membership.left_out,
+            decider: membership.decider,
         }),
     }
 }
@@ -1097,8 +1137,8 @@ impl Membership {
         silent: &[(usize, Duration)],
     ) -> anyhow::Result<()> {
         let mut lower = self.others.iter().filter(|(node, _)| *node < self.node);
-        let lower_silent = self.node > 0
-            && lower.all(|(node, _)| silent.iter().any(|(silent, _)| silent == node));
+        let lower_silent =
+            self.node > 0 && lower.all(|(node, _)| silent.iter().any(|(silent, _)| silent == node));
         if !self.decides && lower_silent && self.left_out.is_none() {
             return self.take_over(store, silent);
         }
@@ -1108,9 +1148,12 @@ impl Membership {
                 if record.epoch > self.epoch {
                     self.decides = false;
                     self.followed.0 = self.epoch;
+                    self.decider = store
+                        .membership_decider(self.round, record.epoch)?
+                        .unwrap_or(self.decider);
                     say(&format!(
-                        "membership {} was decided by another node; this node follows it",
-                        record.epoch
+                        "membership {} was decided by node {}; this node follows it",
+                        record.epoch, self.decider
                     ));
                 }
             }
@@ -1120,7 +1163,11 @@ impl Membership {
 
     /// Becomes the deciding node: starts from the latest membership and the nodes already
     /// left out, with this node's own losses that the membership does not show yet.
-    fn take_over(&mut self, store: &AgentStore, silent: &[(usize, Duration)]) -> anyhow::Result<()> {
+    fn take_over(
+        &mut self,
+        store: &AgentStore,
+        silent: &[(usize, Duration)],
+    ) -> anyhow::Result<()> {
         let own_lost: Vec<usize> = self.reported.iter().map(|lost| lost.rank).collect();
         if let Some(record) = store.membership(self.round)? {
             let before = record.members.len();
@@ -1431,9 +1478,13 @@ impl Membership {
     fn publish(&mut self, store: &AgentStore, why: String, before: usize) -> anyhow::Result<()> {
         if !store.claim_membership_epoch(self.round, self.epoch + 1)? {
             self.decides = false;
+            self.decider = store
+                .membership_decider(self.round, self.epoch + 1)?
+                .unwrap_or(self.decider);
             say(&format!(
-                "membership {} was decided by another node; this node follows it",
-                self.epoch + 1
+                "membership {} was decided by node {}; this node follows it",
+                self.epoch + 1,
+                self.decider
             ));
             return Ok(());
         }
@@ -1631,6 +1682,7 @@ impl WorkerBeats {
 /// SIGKILL once the grace period is over (or at once when the user insists), then give up
 /// on workers that survive even that.
 fn escalate(phase: &mut Stopping, workers: &[Worker], grace: Duration, insists: bool) {
+    phase.send_due_sigterm(workers);
     if phase.sigkill_at.is_none() && (insists || phase.sigterm_at.elapsed() >= grace) {
         phase.sigkill_at = Some(Instant::now());
         signal_running(workers, SIGKILL);

@@ -988,7 +988,13 @@ mod tests {
     #[test]
     fn store_replicas_are_three_or_more_host_and_port_entries_one_per_node() {
         let replicated = |nodes: &str, replicas: &str| {
-            let flags = ["--nnodes", nodes, "--keep-survivors", "--store-replicas", replicas];
+            let flags = [
+                "--nnodes",
+                nodes,
+                "--keep-survivors",
+                "--store-replicas",
+                replicas,
+            ];
             topology_of(&[&flags[..], &["--", "true"]].concat())
         };
         assert_eq!(
@@ -1001,9 +1007,8 @@ mod tests {
                 ]
             }
         );
-        let refused = |nodes: &str, replicas: &str| {
-            replicated(nodes, replicas).unwrap_err().to_string()
-        };
+        let refused =
+            |nodes: &str, replicas: &str| replicated(nodes, replicas).unwrap_err().to_string();
         assert_eq!(
             refused("3", "a:1,b:2"),
             "--store-replicas needs at least 3 replicas, got 2: a store goes on while a \
@@ -1019,8 +1024,14 @@ mod tests {
             "--store-replicas entry \"b\" is not HOST:PORT (e.g. node0:29500 or \
              [fd00::1]:29500)"
         );
-        let without_keep_survivors =
-            parse(&["--nnodes", "3", "--store-replicas", "a:1,b:2,c:3", "--", "true"]);
+        let without_keep_survivors = parse(&[
+            "--nnodes",
+            "3",
+            "--store-replicas",
+            "a:1,b:2,c:3",
+            "--",
+            "true",
+        ]);
         assert!(without_keep_survivors
             .unwrap_err()
             .contains("--keep-survivors"));

@@ -22,6 +22,7 @@ use tandem_cuda::device::VisibleDevices;
 use tandem_cuda::{Device, Library, Probe};
 
 use crate::device::Announce;
+use crate::exit::SettingsError;
 use crate::train::ddp::Ddp;
 
 /// The store name under which each rank publishes its [`RankDevice`].
@@ -292,7 +293,8 @@ pub fn choose(
         None if request == BackendRequest::Nccl => vec![local],
         None => return Ok(None),
     };
-    let choice = decide(request, &ranks)?;
+    // The same ranks ask the same way after a restart: a refusal is final.
+    let choice = decide(request, &ranks).map_err(SettingsError::from_error)?;
     match announce {
         Announce::Stdout => say!("backend: {choice}"),
         Announce::Stderr => tell!("backend: {choice}"),

@@ -137,8 +137,8 @@ fn snapshot_step(output_dir: &Path) -> Option<u64> {
 /// The world sizes at which each worker process (by pid) committed steps, from the sample
 /// trace (`samples-<pid>.jsonl`; a record torn by SIGKILL is skipped).
 fn world_sizes_of(trace: &Path, pid: u32) -> Vec<u64> {
-    let text = std::fs::read_to_string(trace.join(format!("samples-{pid}.jsonl")))
-        .unwrap_or_default();
+    let text =
+        std::fs::read_to_string(trace.join(format!("samples-{pid}.jsonl"))).unwrap_or_default();
     let mut sizes: Vec<u64> = text
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
@@ -185,12 +185,17 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_
     );
     for node in [1, 2] {
         let status = nodes.launchers[node].wait(LIMIT);
-        assert!(status.success(), "node {node}: {status:?}\n{}", nodes.said());
+        assert!(
+            status.success(),
+            "node {node}: {status:?}\n{}",
+            nodes.said()
+        );
         assert_contains(
             &nodes.launchers[node].stderr(),
             "every worker finished successfully",
         );
     }
+    eprintln!("{}", nodes.said());
     assert_contains(
         &nodes.launchers[1].stderr(),
         "ranks [2, 3, 4, 5] go on in-process (world size 6 -> 4), nobody restarts",
@@ -198,5 +203,58 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_
     for pid in survivors {
         assert_eq!(world_sizes_of(&nodes.trace(), pid), vec![6, 4], "{pid}");
     }
-    assert_same_bits(&expected, &nodes.output_dir(), "node 0 lost, nodes 1 and 2 went on");
+    assert_same_bits(
+        &expected,
+        &nodes.output_dir(),
+        "node 0 lost, nodes 1 and 2 went on",
+    );
+}
+
+#[test]
+fn node_0_stopped_past_the_heartbeat_timeout_is_left_out_by_node_1_and_says_so_when_continued() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = dir.path().join("uninterrupted");
+    expect_success(&run_bounded(tandem().args(train_args(&expected)), LIMIT));
+    let mut nodes = Nodes::new(dir.path());
+    for node in 0..3 {
+        nodes.start(node);
+    }
+    wait_until(
+        "a snapshot past step 3",
+        || snapshot_step(&nodes.output_dir()).is_some_and(|step| step > 3),
+        || nodes.said(),
+    );
+    // Only node 0's agent stops (with its replica of the store); its workers run on.
+    nodes.launchers[0].signal(libc::SIGSTOP);
+    wait_until(
+        "node 1's membership without node 0",
+        || {
+            nodes.launchers[1].stderr().contains(
+                "tandem launch: membership 1: node 0 lost (its launcher sent no heartbeat",
+            )
+        },
+        || nodes.said(),
+    );
+    nodes.launchers[0].signal(libc::SIGCONT);
+    let status = nodes.launchers[0].wait(LIMIT);
+    eprintln!("{}", nodes.said());
+    assert_eq!(status.code(), Some(1), "{}", nodes.said());
+    assert_contains(
+        &nodes.launchers[0].stderr(),
+        "error: node 0 was left out of the job by node 1 (node 0 lost (its launcher sent no \
+         heartbeat for ",
+    );
+    for node in [1, 2] {
+        let status = nodes.launchers[node].wait(LIMIT);
+        assert!(
+            status.success(),
+            "node {node}: {status:?}\n{}",
+            nodes.said()
+        );
+    }
+    assert_same_bits(
+        &expected,
+        &nodes.output_dir(),
+        "node 0 stopped, nodes 1 and 2 went on",
+    );
 }
