@@ -18,7 +18,7 @@ use crate::error::{DistError, Result};
 use crate::link::{collective, collective_name, kind, resolve, PeerLink};
 use crate::ring::{run_plan, Planner, Ring};
 use crate::shared::{self, MappedParts, OwnFile, SharedBuffer};
-use crate::store::{StoreClient, StoreServer};
+use crate::store::{StoreClient, StoreServer, WaitBreaker};
 use crate::transport::{PeerListeners, PeerStream};
 
 /// The default timeout of every operation: 5 minutes.
@@ -158,14 +158,17 @@ pub struct ProcessGroup {
 /// the neighbours, fails at once, and so does every later one.
 pub struct RingBreaker {
     streams: Vec<PeerStream>,
+    /// The group's store waits (a formation, a gather of records), which end too.
+    waits: WaitBreaker,
 }
 
 impl RingBreaker {
-    /// Shuts down both ring links.
-    pub fn break_ring(&self) {
+    /// Shuts down both ring links and abandons the group's store waits, saying `why`.
+    pub fn break_ring(&self, why: &str) {
         for stream in &self.streams {
             stream.shutdown();
         }
+        self.waits.abandon(why);
     }
 }
 
@@ -665,7 +668,10 @@ impl ProcessGroup {
             }
             None => Vec::new(),
         };
-        Ok(RingBreaker { streams })
+        Ok(RingBreaker {
+            streams,
+            waits: self.store.wait_breaker(),
+        })
     }
 
     /// Gives up on the group because of a failure outside it (e.g. a non-finite loss): records

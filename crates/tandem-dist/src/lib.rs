@@ -47,5 +47,6 @@ pub use group::{
 };
 pub use shared::SharedBuffer;
 pub use store::{
-    StoreClient, StoreLimits, StoreReplica, StoreServer, MAX_KEY_BYTES, MAX_VALUE_BYTES,
+    StoreClient, StoreLimits, StoreReplica, StoreServer, WaitBreaker, MAX_KEY_BYTES,
+    MAX_VALUE_BYTES,
 };

@@ -404,7 +404,7 @@ fn a_broken_ring_fails_a_collective_blocked_on_a_silent_rank_at_once() {
         let started = Instant::now();
         let waker = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(300));
-            breaker.break_ring();
+            breaker.break_ring("the test broke the ring");
         });
         let mut values = vec![1.0f32; 1000];
         let error = group

@@ -87,6 +87,31 @@ fn wait_blocks_until_another_client_sets_the_keys() {
 }
 
 #[test]
+fn a_wait_abandoned_from_another_thread_fails_at_once_with_the_reason() {
+    let (server, token) = start_store();
+    let client = StoreClient::connect(server.local_addr(), &token, TIMEOUT).expect("connect");
+    let breaker = client.wait_breaker();
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            breaker.abandon("membership 2 left rank 3 out");
+        });
+        let error = client
+            .wait(&["never"], Duration::from_secs(60))
+            .expect_err("abandoned");
+        assert_eq!(
+            error.to_string(),
+            "the wait for \"never\" aborted because membership 2 left rank 3 out"
+        );
+    });
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // Later waits fail at once too; other requests go on.
+    assert!(client.wait(&["never"], Duration::from_secs(60)).is_err());
+    client.set("still", b"1").expect("set");
+}
+
+#[test]
 fn wait_times_out_naming_the_missing_keys() {
     let (server, token) = start_store();
     let client = StoreClient::connect(server.local_addr(), &token, TIMEOUT).expect("connect");

@@ -440,6 +440,7 @@ fn run_round(
                 &error,
                 topology.node_rank,
                 &all_workers,
+                store.is_replicated(),
             )))
         }
         Err(error) => return Ok(Err(lost_the_store(&error, topology.nnodes, report))),
@@ -751,21 +752,32 @@ fn lost_the_store(error: &anyhow::Error, nnodes: usize, report: NodeReport) -> J
 
 /// The end of this node's part of a `--keep-survivors` job when it lost the store: node 0
 /// leaves its workers out once its heartbeat stops, so they were killed (`workers`, as
-/// `(rank, pid)`); the others go on without them, unless node 0 itself is gone.
+/// `(rank, pid)`); the others go on without them, unless node 0 itself is gone. With a
+/// replicated store, the nodes that still reach a majority of its replicas go on.
 fn lost_the_store_keeping_survivors(
     error: &anyhow::Error,
     node_rank: usize,
     workers: &[(usize, u32)],
+    replicated: bool,
 ) -> JobEnd {
     let listed: Vec<String> = workers
         .iter()
         .map(|(rank, pid)| format!("rank {rank} (pid {pid})"))
         .collect();
+    let who_goes_on = match replicated {
+        true => {
+            "the nodes that still reach a majority of the store's replicas leave a node that \
+             they cannot hear out of the job, and go on without it"
+        }
+        false => {
+            "node 0 leaves a node that it cannot hear out of the job, and the other nodes go \
+             on without it"
+        }
+    };
     JobEnd::Failed {
         summary: format!(
             "node {node_rank} lost the store ({error:#}) and killed its workers ({}): with \
-             --keep-survivors, node 0 leaves a node that it cannot hear out of the job, and the \
-             other nodes go on without it",
+             --keep-survivors, {who_goes_on}",
             listed.join(", ")
         ),
     }
@@ -957,6 +969,7 @@ fn watch_round(
             .iter()
             .map(|worker| worker.end().map(|(end, _)| end))
             .collect();
+        membership.formed |= beats.formed;
         if plan.keep_survivors && stopping.is_none() && !membership.pause_over() {
             let changed = membership.update(plan, store, round, workers, &ends, &duties.silent);
             match changed {
@@ -985,7 +998,16 @@ fn watch_round(
         let signal = signals::stop_requested();
         let others_stop = duties.update(store, heartbeats, local_failure, signal);
         if ends.iter().all(Option::is_some) {
-            break;
+            let may_decide = plan.keep_survivors && stopping.is_none() && !others_stop;
+            let still_deciding = may_decide
+                && signal.is_none()
+                && membership.others_run_on(store).unwrap_or_else(|error| {
+                    duties.store_error.get_or_insert(error);
+                    false
+                });
+            if !still_deciding {
+                break;
+            }
         }
         let must_stop = local_failure.any || signal.is_some() || others_stop;
         if must_stop && stopping.is_none() {
@@ -1062,6 +1084,9 @@ struct Membership {
     left_out: Option<String>,
     /// Whether every worker of the job was lost (node 0): the round then fails.
     nobody_left: bool,
+    /// Whether the job's first group has formed. A worker lost before leaves the others
+    /// waiting in a formation that cannot end: the round fails instead.
+    formed: bool,
 }
 
 impl Membership {
@@ -1093,6 +1118,7 @@ impl Membership {
             followed: (0, Instant::now()),
             left_out: None,
             nobody_left: false,
+            formed: false,
         }
     }
 
@@ -1201,6 +1227,24 @@ impl Membership {
         self.decides = true;
         self.decider = self.node;
         Ok(())
+    }
+
+    /// Whether this node decides and members of other nodes still run (they have not
+    /// reported): the decisions must go on for them after this node's workers ended.
+    fn others_run_on(&mut self, store: &AgentStore) -> anyhow::Result<bool> {
+        if !self.decides {
+            return Ok(false);
+        }
+        for (node, ranks) in &self.others {
+            let in_the_job = ranks.iter().any(|rank| self.members.contains(rank));
+            if in_the_job
+                && !self.dropped_nodes.contains(node)
+                && !store.has_reported(self.round, *node)?
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Node 0: leaves out the workers that the other nodes reported lost, and every worker of
@@ -1330,6 +1374,9 @@ impl Membership {
         workers: &[Worker],
         ends: &[Option<WorkerEnd>],
     ) -> anyhow::Result<Vec<usize>> {
+        if !self.formed {
+            return Ok(Vec::new());
+        }
         let lost: Vec<usize> = (0..workers.len())
             .filter(|&index| !self.dropped[index])
             .filter(|&index| ends[index].as_ref().is_some_and(WorkerEnd::is_failure))
@@ -1555,6 +1602,9 @@ struct WorkerBeats {
     stalls: Stalls,
     /// The other nodes' ranks, each with its node, whose waits count as a peer's.
     remote: Vec<(usize, usize)>,
+    /// Whether a worker here has beaten: its heartbeat starts once the job's first group
+    /// has formed, with every worker of the round.
+    formed: bool,
 }
 
 impl WorkerBeats {
@@ -1570,6 +1620,7 @@ impl WorkerBeats {
             last_check: Instant::now(),
             stalls: Stalls::new(workers, timeout),
             remote,
+            formed: false,
         }
     }
 
@@ -1612,7 +1663,8 @@ impl WorkerBeats {
                 self.stalls.observe(index, self.last_check, None);
                 continue;
             }
-            if !self.beats.observe(index, beat) {
+            self.formed = true;
+            if !self.beats.observe(index, beat, store.time_failing_over()) {
                 let activity = store.worker_activity(self.round, worker.place.rank)?;
                 self.stalls.observe(index, self.last_check, activity);
                 beating[index] = true;

@@ -142,10 +142,14 @@ pub enum Waited<T> {
     Interrupted,
 }
 
-/// The last heartbeat seen from each node and when it last moved.
+/// The last heartbeat seen from each node and when it last moved. Time the store spent
+/// without a leader (its clients failing over) is no silence: nobody could beat then.
 pub struct Heartbeats {
-    last_seen: Vec<(i64, Instant)>,
+    /// Per node: its last beat, when it moved, and the store's time failing over then.
+    last_seen: Vec<(i64, Instant, Duration)>,
     silence: Duration,
+    /// The store's time failing over, as last noted.
+    outage: Duration,
 }
 
 impl Heartbeats {
@@ -153,8 +157,9 @@ impl Heartbeats {
     /// for `silence`.
     pub fn new(nnodes: usize, silence: Duration) -> Heartbeats {
         Heartbeats {
-            last_seen: vec![(i64::MIN, Instant::now()); nnodes],
+            last_seen: vec![(i64::MIN, Instant::now(), Duration::ZERO); nnodes],
             silence,
+            outage: Duration::ZERO,
         }
     }
 
@@ -162,25 +167,29 @@ impl Heartbeats {
     pub fn grow(&mut self, count: usize) {
         let now = Instant::now();
         self.last_seen
-            .extend(std::iter::repeat_n((i64::MIN, now), count));
+            .extend(std::iter::repeat_n((i64::MIN, now, self.outage), count));
     }
 
-    /// Records `beat` for `node`; returns whether the node is silent.
-    pub fn observe(&mut self, node: usize, beat: i64) -> bool {
+    /// Records `beat` for `node`, read when the store had spent `outage` in all failing
+    /// over (see [`StoreClient::time_failing_over`]); returns whether the node is silent.
+    pub fn observe(&mut self, node: usize, beat: i64, outage: Duration) -> bool {
+        self.outage = self.outage.max(outage);
         let Some(last) = self.last_seen.get_mut(node) else {
             return false;
         };
         if last.0 != beat {
-            *last = (beat, Instant::now());
+            *last = (beat, Instant::now(), self.outage);
         }
-        last.1.elapsed() >= self.silence
+        self.silence_of(node) >= self.silence
     }
 
-    /// How long `node`'s heartbeat has not moved, as last observed.
+    /// How long `node`'s heartbeat has not moved, as last observed, less the time the store
+    /// spent failing over since.
     pub fn silence_of(&self, node: usize) -> Duration {
-        self.last_seen
-            .get(node)
-            .map_or(Duration::ZERO, |last| last.1.elapsed())
+        self.last_seen.get(node).map_or(Duration::ZERO, |last| {
+            let outage = self.outage.saturating_sub(last.2);
+            last.1.elapsed().saturating_sub(outage)
+        })
     }
 }
 
@@ -367,6 +376,11 @@ impl AgentStore {
                 .collect::<Vec<_>>()
                 .join(","),
         }
+    }
+
+    /// How long this agent's store requests have spent failing over between replicas.
+    pub fn time_failing_over(&self) -> Duration {
+        self.client.time_failing_over()
     }
 
     /// Whether the store is replicated on several nodes' agents.
@@ -730,11 +744,16 @@ impl AgentStore {
         let mut silent = Vec::new();
         for &node in nodes.iter().filter(|&&node| node != self.node_rank) {
             let beat = self.client.add(&heartbeat_key(node), 0)?;
-            if heartbeats.observe(node, beat) {
+            if heartbeats.observe(node, beat, self.client.time_failing_over()) {
                 silent.push(node);
             }
         }
         Ok(silent)
+    }
+
+    /// Whether node `node` published its report of `round` (its workers all ended).
+    pub fn has_reported(&self, round: u32, node: usize) -> anyhow::Result<bool> {
+        Ok(self.client.get(&report_key(round, node))?.is_some())
     }
 
     /// Publishes this node's report of `round`.
@@ -1080,6 +1099,21 @@ fn connect_until(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn time_the_store_spent_failing_over_is_no_silence() {
+        let mut heartbeats = Heartbeats::new(2, Duration::from_millis(300));
+        let outage = Duration::from_millis(400);
+        heartbeats.observe(1, 5, Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(450));
+        // No beat moved for 450 ms, but the store had no leader for 400 of them.
+        assert!(!heartbeats.observe(1, 5, outage));
+        assert!(heartbeats.silence_of(1) < Duration::from_millis(300));
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(heartbeats.observe(1, 5, outage));
+        // A beat that moves starts the count again.
+        assert!(!heartbeats.observe(1, 6, outage));
+    }
 
     /// Node `node_rank`'s agent store in a job of up to 3 nodes whose store is on `port`.
     fn agent(node_rank: usize, port: u16) -> AgentStore {

@@ -2,7 +2,8 @@
 //! hundreds of connections to the store port of a launcher with few descriptors, a worker
 //! sent SIGTERM on its own, a worker stopped with SIGSTOP (found by its heartbeat), and a
 //! worker whose training thread hangs while it beats (found stalled by its launcher, whether
-//! the peer that waits for it runs on its node or on another).
+//! the peer that waits for it runs on its node or on another), and a worker lost before the
+//! job's first group formed.
 
 mod common;
 
@@ -384,4 +385,43 @@ fn tandem_status_shows_the_round_and_each_rank_with_its_pid_step_and_heartbeat()
         stderr.contains("the job has ended or its launcher is gone"),
         "{stderr}"
     );
+}
+
+/// The process id of `launcher`'s worker of `rank`, once it started (bounded).
+fn worker_once_started(launcher: &Launcher, rank: usize) -> u32 {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        if let Some(pid) = launcher.try_worker(rank) {
+            return pid;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no worker of rank {rank} started"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn a_worker_lost_before_the_first_group_formed_fails_the_round_at_once_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("run");
+    let train = with_flag(synthetic_run(&output, 256), "--global-batch-size", "32");
+    let train = with_flag(train, "--batch-size", "16");
+    let launch_args = ["--keep-survivors", "--max-restarts", "0"];
+    let mut launcher = Launcher::start(dir.path(), &launch_args, train, None);
+    // Rank 0 stops before it can join: rank 1 waits in the group's formation.
+    let rank_0 = worker_once_started(&launcher, 0);
+    send_signal(rank_0, libc::SIGSTOP);
+    std::thread::sleep(Duration::from_secs(2));
+    send_signal(rank_0, libc::SIGKILL);
+    let killed = Instant::now();
+    let stderr = launcher.exits_with(1, LIMIT);
+    assert_contains(
+        &stderr,
+        "root cause: rank 0 (node 0, local rank 0) killed by SIGKILL\n",
+    );
+    assert!(!stderr.contains("membership 1"), "{stderr}");
+    // Rank 1 is stopped by the launcher at once, not left to the collective timeout.
+    assert!(killed.elapsed() < Duration::from_secs(60), "{stderr}");
 }

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::netns::{network_namespaces_unavailable, NetworkStar};
 use common::*;
 
 /// Bound on each launcher and on each training run.
@@ -31,13 +32,17 @@ fn train_args(output_dir: &Path) -> Vec<String> {
     args
 }
 
-/// Three agents of one job, each in a process group of its own with its workers; dropping
-/// them kills every group.
+/// Three agents of one job, each in a process group of its own with its workers, on
+/// loopback or as three hosts on one switch; dropping them kills every group.
 struct Nodes {
     dir: PathBuf,
     replicas: String,
     launchers: Vec<Launcher>,
+    star: Option<NetworkStar>,
 }
+
+/// The port of each replica when every node is a host of its own.
+const STAR_PORT: u16 = 29571;
 
 impl Nodes {
     fn new(dir: &Path) -> Nodes {
@@ -48,6 +53,45 @@ impl Nodes {
             dir: dir.to_path_buf(),
             replicas: replicas.join(","),
             launchers: Vec::new(),
+            star: None,
+        }
+    }
+
+    /// Three hosts of their own in network namespaces, tagged `tag`.
+    fn on_a_switch(dir: &Path, tag: &str) -> Nodes {
+        let star = NetworkStar::create(
+            "trs",
+            "tr",
+            "10.203.0",
+            &format!("{}{tag}", std::process::id() % 100_000),
+            3,
+        )
+        .expect("create the network namespaces");
+        let replicas: Vec<String> = (0..3)
+            .map(|node| format!("{}:{STAR_PORT}", star.address(node)))
+            .collect();
+        Nodes {
+            dir: dir.to_path_buf(),
+            replicas: replicas.join(","),
+            launchers: Vec::new(),
+            star: Some(star),
+        }
+    }
+
+    /// The command that runs `tandem` on node `node`'s host.
+    fn tandem_on(&self, node: usize) -> Command {
+        let tandem = env!("CARGO_BIN_EXE_tandem");
+        match &self.star {
+            Some(star) => {
+                let boot_id = self.dir.join(format!("boot_id_of_node_{node}"));
+                std::fs::write(
+                    &boot_id,
+                    format!("tandem-test-node-{node}-{}\n", std::process::id()),
+                )
+                .unwrap();
+                star.exec_as_own_host(node, &boot_id, tandem)
+            }
+            None => Command::new(tandem),
         }
     }
 
@@ -62,7 +106,7 @@ impl Nodes {
     /// Starts node `node`'s agent with 2 workers.
     fn start(&mut self, node: usize) {
         std::fs::create_dir_all(self.trace()).unwrap();
-        let mut command = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        let mut command = self.tandem_on(node);
         command
             .args(["launch", "--nnodes", "3", "--node-rank", &node.to_string()])
             .args(["--keep-survivors", "--max-restarts", "0"])
@@ -256,5 +300,68 @@ fn node_0_stopped_past_the_heartbeat_timeout_is_left_out_by_node_1_and_says_so_w
         &expected,
         &nodes.output_dir(),
         "node 0 stopped, nodes 1 and 2 went on",
+    );
+}
+
+#[test]
+fn node_0_cut_off_by_its_link_ends_and_nodes_1_and_2_go_on_with_the_same_bits() {
+    if let Some(reason) = network_namespaces_unavailable("trs") {
+        eprintln!(
+            "skipped: node_0_cut_off_by_its_link_ends_and_nodes_1_and_2_go_on_with_the_same_bits \
+             needs root and `ip netns`: {reason}"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let expected = dir.path().join("uninterrupted");
+    expect_success(&run_bounded(tandem().args(train_args(&expected)), LIMIT));
+    let mut nodes = Nodes::on_a_switch(dir.path(), "c");
+    for node in 0..3 {
+        nodes.start(node);
+    }
+    wait_until(
+        "a snapshot past step 3",
+        || snapshot_step(&nodes.output_dir()).is_some_and(|step| step > 3),
+        || nodes.said(),
+    );
+    let node_0_workers = [nodes.launchers[0].worker(0), nodes.launchers[0].worker(1)];
+    let star = nodes.star.as_ref().expect("network namespaces");
+    star.link_down(0).expect("take node 0's link down");
+    let down = Instant::now();
+    // The minority: node 0 gets no answer from the store, kills its workers and ends.
+    let status = nodes.launchers[0].wait(Duration::from_secs(30));
+    let stopped_after = down.elapsed();
+    assert_eq!(status.code(), Some(1), "{}", nodes.said());
+    assert_contains(
+        &nodes.launchers[0].stderr(),
+        "error: node 0 lost the store (",
+    );
+    for pid in node_0_workers {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "node 0's worker {pid} outlived its launcher"
+        );
+    }
+    // The majority: node 1 decides, and the others go on to the uninterrupted run's bits.
+    for node in [1, 2] {
+        let status = nodes.launchers[node].wait(LIMIT);
+        assert!(
+            status.success(),
+            "node {node}: {status:?}\n{}",
+            nodes.said()
+        );
+    }
+    eprintln!(
+        "node 0 ended {stopped_after:?} after its link went down\n{}",
+        nodes.said()
+    );
+    assert_contains(
+        &nodes.launchers[1].stderr(),
+        "ranks [2, 3, 4, 5] go on in-process (world size 6 -> 4), nobody restarts",
+    );
+    assert_same_bits(
+        &expected,
+        &nodes.output_dir(),
+        "node 0 cut off, nodes 1 and 2 went on",
     );
 }

@@ -2,7 +2,7 @@
 
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -18,7 +18,12 @@ const RETRY_PAUSE: Duration = Duration::from_millis(50);
 const WAIT_SLACK: Duration = Duration::from_secs(5);
 /// How long one replica of a replicated store may take to answer before the client tries
 /// another: a little over the time a replica takes to find that no majority confirms it.
-const REPLICA_ANSWER_TIMEOUT: Duration = Duration::from_secs(3);
+const REPLICA_ANSWER_TIMEOUT: Duration = Duration::from_millis(1200);
+/// How long a replica that failed a request is not taken for the leader on another
+/// replica's word: that word may predate the failure.
+const FAILED_REPLICA_PAUSE: Duration = Duration::from_secs(2);
+/// The longest single wait request: a longer wait is several, so that it can be abandoned.
+const WAIT_REQUEST_SLICE: Duration = Duration::from_millis(200);
 /// How long a client of a replicated store tries one replica's address before the next.
 const REPLICA_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 
@@ -30,6 +35,26 @@ pub struct StoreClient {
     stream: Mutex<Connection>,
     /// With a replicated store: every replica, and what failing over needs.
     replicas: Option<Replicas>,
+    /// Why this client's waits were abandoned, once they were.
+    abandoned: Arc<Mutex<Option<String>>>,
+}
+
+/// Abandons a client's waits from another thread: the one blocked now and every later one
+/// fail at once, with the reason given.
+#[derive(Clone)]
+pub struct WaitBreaker {
+    abandoned: Arc<Mutex<Option<String>>>,
+}
+
+impl WaitBreaker {
+    /// Abandons the waits, saying `why` (the first reason given stays).
+    pub fn abandon(&self, why: &str) {
+        let mut abandoned = self
+            .abandoned
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        abandoned.get_or_insert_with(|| why.to_string());
+    }
 }
 
 /// The stream, and whether an earlier failure left it out of step.
@@ -38,6 +63,8 @@ struct Connection {
     broken: Option<String>,
     /// The replica it is connected to (0 for a single store).
     replica: usize,
+    /// The replica that last failed a request, and when.
+    failed: Option<(usize, Instant)>,
 }
 
 /// What a client of a replicated store needs to move from replica to replica.
@@ -47,6 +74,8 @@ struct Replicas {
     /// This client's session number, and the number of its last request.
     session: u64,
     last_request: AtomicU64,
+    /// Microseconds its requests spent on replicas that failed or did not lead.
+    failing_over_micros: AtomicU64,
 }
 
 impl StoreClient {
@@ -66,8 +95,10 @@ impl StoreClient {
                             stream,
                             broken: None,
                             replica: 0,
+                            failed: None,
                         }),
                         replicas: None,
+                        abandoned: Arc::default(),
                     })
                 }
                 Err(Attempt::Final(error)) => return Err(error),
@@ -116,13 +147,16 @@ impl StoreClient {
                                 stream,
                                 broken: None,
                                 replica: index,
+                                failed: None,
                             }),
                             replicas: Some(Replicas {
                                 addrs: addrs.to_vec(),
                                 token: token.clone(),
                                 session: u64::from_le_bytes(session),
                                 last_request: AtomicU64::new(0),
+                                failing_over_micros: AtomicU64::new(0),
                             }),
+                            abandoned: Arc::default(),
                         });
                     }
                     Err(Attempt::Final(error)) => return Err(error),
@@ -170,6 +204,15 @@ impl StoreClient {
     /// The store's address (a replicated store's first replica).
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// How long this client's requests have spent, in all, on replicas of a replicated store
+    /// that failed or did not lead: while it grows, nobody could write to the store, so a
+    /// heartbeat that did not move then says nothing of its sender. Zero for a single store.
+    pub fn time_failing_over(&self) -> Duration {
+        self.replicas.as_ref().map_or(Duration::ZERO, |replicas| {
+            Duration::from_micros(replicas.failing_over_micros.load(Ordering::SeqCst))
+        })
     }
 
     /// Another connection to the same store, replicated or not, for another thread.
@@ -226,21 +269,51 @@ impl StoreClient {
         }
     }
 
-    /// Blocks until every key in `keys` is set, or fails with the missing keys after `timeout`.
+    /// Blocks until every key in `keys` is set, or fails with the missing keys after `timeout`,
+    /// or at once when its waits are abandoned (see [`wait_breaker`](Self::wait_breaker)).
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         for key in keys {
             check_key(key)?;
         }
-        let request = Request::Wait {
-            keys: keys.iter().map(|key| key.to_string()).collect(),
-            timeout,
-        };
+        let deadline = Instant::now() + timeout;
         let first_key = keys.first().copied().unwrap_or_default();
-        match self.request(first_key, &request, timeout + WAIT_SLACK)? {
-            Response::Done => Ok(()),
-            Response::TimedOut { missing } => Err(DistError::StoreTimeout { missing, timeout }),
-            other => Err(self.unexpected(first_key, &other)),
+        loop {
+            if let Some(why) = self.abandoned_for() {
+                return Err(DistError::Aborted {
+                    op: format!("the wait for {first_key:?}"),
+                    report: why,
+                });
+            }
+            let slice = remaining(deadline)
+                .unwrap_or_default()
+                .min(WAIT_REQUEST_SLICE);
+            let request = Request::Wait {
+                keys: keys.iter().map(|key| key.to_string()).collect(),
+                timeout: slice,
+            };
+            match self.request(first_key, &request, slice + WAIT_SLACK)? {
+                Response::Done => return Ok(()),
+                Response::TimedOut { missing } if remaining(deadline).is_none() => {
+                    return Err(DistError::StoreTimeout { missing, timeout })
+                }
+                Response::TimedOut { .. } => {}
+                other => return Err(self.unexpected(first_key, &other)),
+            }
         }
+    }
+
+    /// What abandons this client's waits from another thread.
+    pub fn wait_breaker(&self) -> WaitBreaker {
+        WaitBreaker {
+            abandoned: Arc::clone(&self.abandoned),
+        }
+    }
+
+    fn abandoned_for(&self) -> Option<String> {
+        self.abandoned
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 
     /// Adds `delta` to the integer under `key` (missing counts as 0) and returns the new value.
@@ -351,12 +424,23 @@ impl StoreClient {
         request: &Request,
         timeout: Duration,
     ) -> Result<Response> {
-        let deadline = Instant::now() + timeout;
+        let started = Instant::now();
+        let deadline = started + timeout;
         let seq = replicas.last_request.fetch_add(1, Ordering::SeqCst) + 1;
         let mut connection = self.connection();
         let mut last_failure = String::from("no replica answered");
+        let mut moved = false;
+        let count_failover = |moved: bool| {
+            if moved {
+                let micros = started.elapsed().as_micros() as u64;
+                replicas
+                    .failing_over_micros
+                    .fetch_add(micros, Ordering::SeqCst);
+            }
+        };
         loop {
             let Some(left) = remaining(deadline) else {
+                count_failover(moved);
                 return Err(DistError::Store {
                     addr: addrs_text(&replicas.addrs),
                     message: format!(
@@ -365,9 +449,12 @@ impl StoreClient {
                     ),
                 });
             };
-            if connection.broken.is_some() && !replicas.reconnect(&mut connection, deadline) {
-                thread::sleep(RETRY_PAUSE.min(left));
-                continue;
+            if connection.broken.is_some() {
+                moved = true;
+                if !replicas.reconnect(&mut connection, deadline) {
+                    thread::sleep(RETRY_PAUSE.min(left));
+                    continue;
+                }
             }
             let attempt = Request::Session {
                 client: replicas.session,
@@ -388,14 +475,19 @@ impl StoreClient {
                     }
                 }
                 Ok(Response::Error(message)) => {
+                    count_failover(moved);
                     return Err(DistError::StoreRequest {
                         key: key.into(),
                         message,
-                    })
+                    });
                 }
-                Ok(response) => return Ok(response),
+                Ok(response) => {
+                    count_failover(moved);
+                    return Ok(response);
+                }
                 Err(message) => {
                     last_failure = format!("{addr}: {message}");
+                    connection.failed = Some((connection.replica, Instant::now()));
                     replicas.move_on(&mut connection, None);
                 }
             }
@@ -421,11 +513,18 @@ impl Replicas {
     /// Marks the connection for a move to the replica at `leader` when it is one of the
     /// store's, else to the next one.
     fn move_on(&self, connection: &mut Connection, leader: Option<&str>) {
-        let hinted = leader.and_then(|leader| {
-            self.addrs
-                .iter()
-                .position(|addr| addr.to_string() == leader)
-        });
+        let recently_failed = |index: usize| {
+            connection
+                .failed
+                .is_some_and(|(failed, at)| failed == index && at.elapsed() < FAILED_REPLICA_PAUSE)
+        };
+        let hinted = leader
+            .and_then(|leader| {
+                self.addrs
+                    .iter()
+                    .position(|addr| addr.to_string() == leader)
+            })
+            .filter(|&index| !recently_failed(index));
         connection.replica = hinted.unwrap_or((connection.replica + 1) % self.addrs.len());
         connection.broken = Some("moving to another replica".into());
     }
@@ -442,6 +541,7 @@ impl Replicas {
                 true
             }
             Err(_) => {
+                connection.failed = Some((connection.replica, Instant::now()));
                 connection.replica = (connection.replica + 1) % self.addrs.len();
                 false
             }

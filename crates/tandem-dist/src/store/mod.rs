@@ -12,7 +12,7 @@ mod replica;
 mod server;
 
 pub(crate) use client::remaining;
-pub use client::StoreClient;
+pub use client::{StoreClient, WaitBreaker};
 pub use limits::StoreLimits;
 pub use protocol::{MAX_KEY_BYTES, MAX_VALUE_BYTES};
 pub use replica::StoreReplica;

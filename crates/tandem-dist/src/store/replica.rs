@@ -35,7 +35,7 @@ const ELECTION_TICKS: usize = 10;
 /// Ticks between the leader's heartbeats.
 const HEARTBEAT_TICKS: usize = 2;
 /// How long a replica waits for a write or a read to be confirmed by a majority.
-const CONFIRM_TIMEOUT: Duration = Duration::from_secs(2);
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(1);
 /// Entries kept in the log before it is compacted into a keyspace image.
 const COMPACT_AFTER: usize = 4096;
 

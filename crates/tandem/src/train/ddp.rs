@@ -200,7 +200,7 @@ impl Ddp {
         let rank = placement.rank;
         ddp.on_membership_loss(Box::new(move |why| {
             tell!("rank {rank}: breaking the process group's ring, {why}");
-            breaker.break_ring();
+            breaker.break_ring(why);
         }));
         Ok(ddp)
     }

@@ -381,6 +381,7 @@ impl Trainer {
             .filter(|_| !joiner)
             .map(|place| join_the_job(place, &settings, model.params().len(), None))
             .transpose()?;
+        reform::watch_the_first_group(membership.as_ref(), ddp.as_ref(), world_size);
         let backend = crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
         // On the ring, GPU ranks exchange gradients and broadcasts through the host; with NCCL
         // they stay on the device, and the snapshot, batch count and metrics use the ring.
@@ -439,7 +440,6 @@ impl Trainer {
             self.join_as_newcomer()?;
             return Ok(self);
         }
-        self.watch_membership((0..self.world_size()).collect());
         let resumed = self.resume_if_possible()?;
         if self.is_leader() {
             self.announce_start(resumed);

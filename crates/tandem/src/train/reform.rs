@@ -45,6 +45,9 @@ const MEMBERSHIP_POLL: Duration = Duration::from_millis(10);
 /// How long the members of a new membership wait for each other to form its group: a
 /// member missing after that was lost, and the launcher publishes the membership without it.
 const FORMATION_LIMIT: Duration = Duration::from_secs(10);
+/// How long a worker that became rank 0 waits for the old rank 0 to let go of the output
+/// folder's lock: a node cut off from the store stops its workers within seconds.
+const LOCK_PATIENCE: Duration = Duration::from_secs(30);
 
 /// This worker's place in the membership of its round.
 #[derive(Clone)]
@@ -115,18 +118,6 @@ impl Trainer {
             })
     }
 
-    /// Has the group's heartbeat break its collectives when a membership later than this
-    /// worker's leaves out one of `members` (the ids of the group's members).
-    pub(super) fn watch_membership(&self, members: Vec<usize>) {
-        if let (Some(membership), Some(ddp)) = (&self.membership, self.sync.group()) {
-            ddp.watch_membership(MembershipWatch {
-                round_prefix: membership.start.round_prefix.clone(),
-                epoch: membership.epoch,
-                members,
-            });
-        }
-    }
-
     /// After `error` ended a step: abandons it, joins the job's next membership and takes the
     /// most advanced member's state. Fails when this worker was left out, or no membership
     /// comes within the collective timeout.
@@ -172,48 +163,69 @@ impl Trainer {
     }
 
     /// Leaves the current group, waits for a membership later than this worker's, joins it
-    /// and takes the most advanced member's state.
+    /// and takes the most advanced member's state. A member lost meanwhile (the group's
+    /// heartbeat breaks its ring and store waits) sends it on to the membership after.
     fn join_next_membership(&mut self, started: Instant) -> anyhow::Result<()> {
+        let (old_world, old_rank) = self.rank_in_world();
+        loop {
+            match self.join_one_membership() {
+                Ok((record, change)) => {
+                    if self.is_leader() && self._lock.is_none() {
+                        self.take_up_leadership(old_rank)?;
+                    }
+                    if self.is_leader() {
+                        say!(
+                            "membership {}: {}; world size {old_world} -> {} at epoch {}, step \
+                             {}, re-formed in {:.2} s without a restart{}",
+                            record.epoch,
+                            record.why,
+                            record.members.len(),
+                            self.progress.epoch + 1,
+                            self.progress.step_in_epoch,
+                            started.elapsed().as_secs_f64(),
+                            change.map_or(String::new(), |line| format!(" ({line})"))
+                        );
+                    }
+                    return Ok(());
+                }
+                Err(error) if self.can_reform(&error) => {
+                    tell!(
+                        "rank {old_rank}: the job changed again while it re-formed ({error:#}); \
+                         waiting for the next membership"
+                    );
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    /// One attempt of [`join_next_membership`](Self::join_next_membership): returns the
+    /// membership joined, and the line that says how the batch changed with the world size.
+    fn join_one_membership(&mut self) -> anyhow::Result<(MembershipRecord, Option<String>)> {
         let membership = self
             .membership
             .clone()
             .context("no membership to re-form")?;
-        let (old_world, old_rank) = self.rank_in_world();
-        let was_leader = self.sync.group().is_some_and(|ddp| ddp.rank() == 0);
         // Leaves the old group: its comm thread, sockets and NCCL communicator end here.
         self.sync = Box::new(Alone);
         self.compute.leave_nccl()?;
         let (record, ddp) = self.form_the_next_group(&membership)?;
-        self.sync = gradient_sync_of(self.shards, Some(ddp), &mut *self.compute, &self.settings)?;
-        self.membership = Some(Membership {
+        let membership = Membership {
             epoch: record.epoch,
             ..membership
-        });
-        if was_leader && !self.is_leader() {
+        };
+        // From here on, before the group's first store wait: a member may be lost any time.
+        watch_membership(&membership, &ddp, record.members.clone());
+        self.sync = gradient_sync_of(self.shards, Some(ddp), &mut *self.compute, &self.settings)?;
+        self.membership = Some(membership);
+        if !self.is_leader() {
             // The new rank 0 writes the run's files from here.
             self._lock = None;
             self.events = None;
         }
-        self.watch_membership(record.members.clone());
         self.take_the_most_advanced_state()?;
         let change = self.adopt_world_size(None);
-        if self.is_leader() && !was_leader {
-            self.take_up_leadership(old_rank)?;
-        }
-        if self.is_leader() {
-            say!(
-                "membership {}: {}; world size {old_world} -> {} at epoch {}, step {}, re-formed \
-                 in {:.2} s without a restart{}",
-                record.epoch,
-                record.why,
-                record.members.len(),
-                self.progress.epoch + 1,
-                self.progress.step_in_epoch,
-                started.elapsed().as_secs_f64(),
-                change.map_or(String::new(), |line| format!(" ({line})"))
-            );
-        }
-        Ok(())
+        Ok((record, change))
     }
 
     /// Waits for the next membership and forms its group. A member lost before the group
@@ -336,13 +348,39 @@ impl Trainer {
     /// TensorBoard events.
     fn take_up_leadership(&mut self, old_rank: usize) -> anyhow::Result<()> {
         if self._lock.is_none() {
-            self._lock = Some(super::RunLock::acquire(&self.settings.output_dir)?);
+            // The old rank 0 may still hold it: left out of the job, it is being stopped.
+            // The wait is file work, not a hang, for the launcher's stall watch.
+            let _files = tandem_dist::heartbeat::doing_file_work();
+            let lock = super::RunLock::acquire_within(&self.settings.output_dir, LOCK_PATIENCE)?;
+            self._lock = Some(lock);
         }
         if self.events.is_none() && self.progress.epoch < self.settings.epochs {
             self.open_events()?;
         }
         tell!("rank {old_rank} is now rank 0: it writes the run's files");
         Ok(())
+    }
+}
+
+/// Has `ddp`'s heartbeat break the group's collectives and store waits when a membership
+/// later than `membership`'s leaves out one of `members` (the ids of the group's members).
+pub(super) fn watch_membership(membership: &Membership, ddp: &super::Ddp, members: Vec<usize>) {
+    ddp.watch_membership(MembershipWatch {
+        round_prefix: membership.start.round_prefix.clone(),
+        epoch: membership.epoch,
+        members,
+    });
+}
+
+/// In a job of `membership` (`--keep-survivors`), has the first group's heartbeat watch for
+/// a membership that leaves out one of its `world_size` ranks.
+pub(super) fn watch_the_first_group(
+    membership: Option<&Membership>,
+    ddp: Option<&super::Ddp>,
+    world_size: usize,
+) {
+    if let (Some(membership), Some(ddp)) = (membership, ddp) {
+        watch_membership(membership, ddp, (0..world_size).collect());
     }
 }
 

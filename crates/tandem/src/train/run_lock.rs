@@ -7,6 +7,7 @@ use std::fs::File;
 use std::io::{Read, Seek, Write};
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
@@ -17,6 +18,8 @@ use crate::terminal::printable;
 
 /// The lock file's name in the output folder.
 pub const LOCK_FILE_NAME: &str = "tandem.lock";
+/// The pause between two attempts to take a lock that another process holds.
+const LOCK_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
 /// Who holds (or held) the lock.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -94,6 +97,29 @@ impl RunLock {
         let mut lock = RunLock { file, path };
         lock.write_owner(&LockOwner::this_process())?;
         Ok(lock)
+    }
+
+    /// [`acquire`](Self::acquire), waiting up to `patience` for a holder that is going away:
+    /// the rank 0 of an earlier membership, left out of the job, whose launcher stops it.
+    pub fn acquire_within(output_dir: &Path, patience: Duration) -> anyhow::Result<RunLock> {
+        let deadline = Instant::now() + patience;
+        let mut said = false;
+        loop {
+            match RunLock::acquire(output_dir) {
+                Ok(lock) => return Ok(lock),
+                Err(error) if Instant::now() >= deadline => return Err(error),
+                Err(error) => {
+                    if !said {
+                        tell!(
+                            "waiting up to {:.0} s for the output folder's lock: {error:#}",
+                            patience.as_secs_f64()
+                        );
+                        said = true;
+                    }
+                    std::thread::sleep(LOCK_RETRY_PAUSE);
+                }
+            }
+        }
     }
 
     /// Replaces the lock file's description with `owner`.
@@ -178,5 +204,21 @@ mod tests {
         let text = std::fs::read_to_string(dir.path().join(LOCK_FILE_NAME)).unwrap();
         assert_eq!(text, "");
         RunLock::acquire(dir.path()).unwrap();
+    }
+
+    #[test]
+    fn a_lock_let_go_of_while_waiting_is_taken_and_one_held_too_long_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = RunLock::acquire(dir.path()).unwrap();
+        assert!(RunLock::acquire_within(dir.path(), Duration::from_millis(200)).is_err());
+        std::thread::scope(|scope| {
+            scope.spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                drop(held);
+            });
+            let started = Instant::now();
+            RunLock::acquire_within(dir.path(), Duration::from_secs(10)).unwrap();
+            assert!(started.elapsed() >= Duration::from_millis(250));
+        });
     }
 }

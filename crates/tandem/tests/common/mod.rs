@@ -334,17 +334,20 @@ impl Launcher {
 
     /// The process id of its worker of `rank` (from the worker's environment's `RANK`).
     pub fn worker(&self, rank: usize) -> u32 {
-        let wanted = format!("RANK={rank}");
-        children(self.pid())
-            .into_iter()
-            .find(|pid| {
-                std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| {
-                    environ
-                        .split(|&byte| byte == 0)
-                        .any(|entry| entry == wanted.as_bytes())
-                })
-            })
+        self.try_worker(rank)
             .unwrap_or_else(|| panic!("no worker of rank {rank}"))
+    }
+
+    /// The process id of its worker of `rank`, if that worker runs.
+    pub fn try_worker(&self, rank: usize) -> Option<u32> {
+        let wanted = format!("RANK={rank}");
+        children(self.pid()).into_iter().find(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| {
+                environ
+                    .split(|&byte| byte == 0)
+                    .any(|entry| entry == wanted.as_bytes())
+            })
+        })
     }
 
     /// What it has written to standard error so far.

@@ -1,5 +1,5 @@
-//! Two network namespaces joined by a veth pair: two "hosts" on one machine for the
-//! multi-node tests (they need root and `ip`).
+//! Network namespaces as hosts on one machine for the multi-node tests (they need root and
+//! `ip`): two joined by a veth pair, or several on one bridge.
 
 use std::process::Command;
 
@@ -49,19 +49,7 @@ impl NetworkPair {
             vec!["-n", a, "link", "set", "lo", "up"],
             vec!["-n", b, "link", "set", "lo", "up"],
         ];
-        for step in steps {
-            let output = Command::new("ip")
-                .args(&step)
-                .output()
-                .map_err(|error| format!("ip: {error}"))?;
-            if !output.status.success() {
-                return Err(format!(
-                    "ip {}: {}",
-                    step.join(" "),
-                    String::from_utf8_lossy(&output.stderr)
-                ));
-            }
-        }
+        steps.iter().try_for_each(|step| run_ip(step))?;
         Ok(pair)
     }
 
@@ -88,33 +76,20 @@ impl NetworkPair {
         boot_id: &std::path::Path,
         program: &str,
     ) -> Command {
-        let mut command = self.exec(index, "unshare");
-        command
-            .args(["--mount", "sh", "-c"])
-            .arg(r#"mount --bind "$0" /proc/sys/kernel/random/boot_id && exec "$@""#)
-            .arg(boot_id)
-            .arg(program);
-        command
+        own_host_command(&self.names[index], boot_id, program)
     }
 
     /// Takes the link of namespace `index` down (`ip -n NAME link set VETH down`): no packet
     /// passes any more, and no connection is told.
     pub fn link_down(&self, index: usize) -> Result<(), String> {
-        let output = Command::new("ip")
-            .args([
-                "-n",
-                &self.names[index],
-                "link",
-                "set",
-                &self.veths[index],
-                "down",
-            ])
-            .output()
-            .map_err(|error| format!("ip: {error}"))?;
-        match output.status.success() {
-            true => Ok(()),
-            false => Err(String::from_utf8_lossy(&output.stderr).into_owned()),
-        }
+        run_ip(&[
+            "-n",
+            &self.names[index],
+            "link",
+            "set",
+            &self.veths[index],
+            "down",
+        ])
     }
 }
 
@@ -148,5 +123,128 @@ pub fn network_namespaces_unavailable(prefix: &str) -> Option<String> {
             String::from_utf8_lossy(&output.stderr).trim()
         )),
         Err(error) => Some(format!("no `ip` command: {error}")),
+    }
+}
+
+/// Network namespaces as hosts on one switch: a hub namespace holds a bridge, and each host
+/// namespace reaches it through a veth pair. Taking a host's link down cuts it off from
+/// every other host at once. Removed when dropped.
+pub struct NetworkStar {
+    hub: String,
+    hosts: Vec<String>,
+    veths: Vec<String>,
+    /// The first three octets of the hosts' /24: host i is at `.{i + 1}`.
+    subnet: &'static str,
+}
+
+impl NetworkStar {
+    /// `count` host namespaces `{prefix}{tag}{i}` on the bridge of namespace `{prefix}{tag}h`,
+    /// their veth ends named `{veth}{tag}{i}` (host side) and `{veth}{tag}{i}h` (hub side).
+    pub fn create(
+        prefix: &str,
+        veth: &str,
+        subnet: &'static str,
+        tag: &str,
+        count: usize,
+    ) -> Result<NetworkStar, String> {
+        let hub = format!("{prefix}{tag}h");
+        let star = NetworkStar {
+            hub: hub.clone(),
+            hosts: (0..count).map(|i| format!("{prefix}{tag}{i}")).collect(),
+            veths: (0..count).map(|i| format!("{veth}{tag}{i}")).collect(),
+            subnet,
+        };
+        run_ip(&["netns", "add", &hub])?;
+        run_ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
+        run_ip(&["-n", &hub, "link", "set", "br0", "up"])?;
+        for index in 0..count {
+            star.attach(index)?;
+        }
+        Ok(star)
+    }
+
+    /// Makes host `index`'s namespace and links it to the bridge.
+    fn attach(&self, index: usize) -> Result<(), String> {
+        let (host, veth, hub) = (&self.hosts[index], &self.veths[index], &self.hub);
+        let hub_end = format!("{veth}h");
+        let address = format!("{}/24", self.address(index));
+        let steps: [&[&str]; 8] = [
+            &["netns", "add", host],
+            &[
+                "link", "add", veth, "type", "veth", "peer", "name", &hub_end,
+            ],
+            &["link", "set", veth, "netns", host],
+            &["link", "set", &hub_end, "netns", hub],
+            &["-n", hub, "link", "set", &hub_end, "master", "br0", "up"],
+            &["-n", host, "addr", "add", &address, "dev", veth],
+            &["-n", host, "link", "set", veth, "up"],
+            &["-n", host, "link", "set", "lo", "up"],
+        ];
+        steps.iter().try_for_each(|step| run_ip(step))
+    }
+
+    /// The address of host `index`.
+    pub fn address(&self, index: usize) -> String {
+        format!("{}.{}", self.subnet, index + 1)
+    }
+
+    /// `program` run in host `index`'s namespace as a host of its own: it sees `boot_id` as
+    /// the kernel's boot id, so that the other hosts' processes reach it only through the
+    /// link (see [`NetworkPair::exec_as_own_host`]).
+    pub fn exec_as_own_host(
+        &self,
+        index: usize,
+        boot_id: &std::path::Path,
+        program: &str,
+    ) -> Command {
+        own_host_command(&self.hosts[index], boot_id, program)
+    }
+
+    /// Takes host `index`'s link down: no packet passes any more, and no connection is told.
+    pub fn link_down(&self, index: usize) -> Result<(), String> {
+        run_ip(&[
+            "-n",
+            &self.hosts[index],
+            "link",
+            "set",
+            &self.veths[index],
+            "down",
+        ])
+    }
+}
+
+impl Drop for NetworkStar {
+    fn drop(&mut self) {
+        for name in self.hosts.iter().chain(std::iter::once(&self.hub)) {
+            let _ = Command::new("ip").args(["netns", "delete", name]).output();
+        }
+    }
+}
+
+/// `program` run in namespace `namespace`, seeing `boot_id` as the kernel's boot id.
+fn own_host_command(namespace: &str, boot_id: &std::path::Path, program: &str) -> Command {
+    let mut command = Command::new("ip");
+    command
+        .args(["netns", "exec", namespace, "unshare"])
+        .args(["--mount", "sh", "-c"])
+        .arg(r#"mount --bind "$0" /proc/sys/kernel/random/boot_id && exec "$@""#)
+        .arg(boot_id)
+        .arg(program);
+    command
+}
+
+/// Runs `ip` with `args`, failing with its error output.
+fn run_ip(args: &[&str]) -> Result<(), String> {
+    let output = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|error| format!("ip: {error}"))?;
+    match output.status.success() {
+        true => Ok(()),
+        false => Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr)
+        )),
     }
 }
