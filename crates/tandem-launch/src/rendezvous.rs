@@ -1027,6 +1027,15 @@ fn host_replica(
     Ok(replica)
 }
 
+/// One connection attempt's bound: [`CONNECT_SLICE`], or what is left until `deadline`
+/// (at least 100 ms).
+fn connect_slice(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .min(CONNECT_SLICE)
+        .max(Duration::from_millis(100))
+}
+
 /// Connects to a replicated store and waits, until `deadline`, for it to answer: its
 /// replicas may start at different times, and answer once a majority has elected a leader.
 fn await_leader(
@@ -1037,10 +1046,7 @@ fn await_leader(
     interrupted: &dyn Fn() -> bool,
 ) -> anyhow::Result<Waited<StoreClient>> {
     retry(interrupted, || {
-        let slice = deadline
-            .saturating_duration_since(Instant::now())
-            .min(CONNECT_SLICE)
-            .max(Duration::from_millis(100));
+        let slice = connect_slice(deadline);
         let answered = StoreClient::connect_replicated(addrs, token, slice)
             .and_then(|probe| probe.get(CURRENT_KEY).map(|_| probe));
         match answered {
@@ -1074,10 +1080,7 @@ fn connect_until(
     interrupted: &dyn Fn() -> bool,
 ) -> anyhow::Result<Waited<StoreClient>> {
     retry(interrupted, || {
-        let slice = deadline
-            .saturating_duration_since(Instant::now())
-            .min(CONNECT_SLICE)
-            .max(Duration::from_millis(100));
+        let slice = connect_slice(deadline);
         match StoreClient::connect(addr, token, slice) {
             // The probe's short timeout would bound every request too: reconnect with the
             // request bound now that the store is known to be up.

@@ -16,26 +16,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::elastic::{elastic_train_args, snapshot_step, wait_until};
 use common::netns::{network_namespaces_unavailable, NetworkPair};
 use common::*;
 
 /// Bound on each launcher and on each training run.
 const LIMIT: Duration = Duration::from_secs(180);
-/// Bound on each wait for progress or for a line.
-const WAIT: Duration = Duration::from_secs(90);
-
-/// 80 steps of 128 samples in one epoch, in 8 shards of 16, a snapshot after every step.
-fn train_args(output_dir: &Path) -> Vec<String> {
-    let mut args = small_model_train(
-        "--data synthetic --synthetic-train 10240 --synthetic-test 64 --epochs 1 \
-         --global-batch-size 128 --batch-size 16 --threads 1 --seed 5 --device cpu \
-         --log-every-steps 0 --optimizer sgd --momentum 0.9 --nesterov --lr 0.05 \
-         --snapshot-every-steps 1",
-    );
-    args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
-    args
-}
-
 /// Where the two nodes run: two network namespaces, or this machine's loopback.
 struct Hosts {
     /// The sample trace of every worker (`TANDEM_SAMPLE_TRACE`).
@@ -122,7 +108,7 @@ impl Hosts {
             .arg(&log_dir)
             .arg("--")
             .args(with_flag(
-                train_args(&self.output_dir),
+                elastic_train_args(&self.output_dir),
                 "--epochs",
                 &self.epochs,
             ))
@@ -144,26 +130,6 @@ fn kill_for_good(launcher: &mut Launcher) {
     assert_eq!(status.code(), None, "the agent was killed by SIGKILL");
 }
 
-/// Waits until `check` holds, at most [`WAIT`]; `what` says what was awaited.
-fn wait_until(what: &str, mut check: impl FnMut() -> bool, explain: impl Fn() -> String) {
-    let deadline = Instant::now() + WAIT;
-    while !check() {
-        if Instant::now() >= deadline {
-            panic!("{what} did not happen within {WAIT:?}\n{}", explain());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The optimizer steps of the snapshot in `output_dir`, if one is there.
-fn snapshot_step(output_dir: &Path) -> Option<u64> {
-    let bytes = std::fs::read(output_dir.join("snapshot.safetensors")).ok()?;
-    let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).ok()?;
-    let description = metadata.metadata().as_ref()?.get("tandem.snapshot")?;
-    let description: serde_json::Value = serde_json::from_str(description).ok()?;
-    description["progress"]["global_step"].as_u64()
-}
-
 /// Waits until the snapshot in the run's folder is past step `step`.
 fn wait_for_step(hosts: &Hosts, step: u64, node_0: &Launcher) {
     wait_until(
@@ -181,7 +147,7 @@ fn uninterrupted_run(dir: &Path) -> PathBuf {
 /// [`uninterrupted_run`] of `epochs` epochs.
 fn uninterrupted_run_of(dir: &Path, epochs: &str) -> PathBuf {
     let output_dir = dir.join("uninterrupted");
-    let args = with_flag(train_args(&output_dir), "--epochs", epochs);
+    let args = with_flag(elastic_train_args(&output_dir), "--epochs", epochs);
     expect_success(&run_bounded(tandem().args(args), LIMIT));
     output_dir
 }

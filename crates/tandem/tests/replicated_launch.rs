@@ -12,26 +12,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::elastic::{elastic_train_args, snapshot_step, wait_until};
 use common::netns::{network_namespaces_unavailable, NetworkStar};
 use common::*;
 
 /// Bound on each launcher and on each training run.
 const LIMIT: Duration = Duration::from_secs(180);
-/// Bound on each wait for progress or for a line.
-const WAIT: Duration = Duration::from_secs(90);
-
-/// 80 steps of 128 samples in one epoch, in 8 shards of 16, a snapshot after every step.
-fn train_args(output_dir: &Path) -> Vec<String> {
-    let mut args = small_model_train(
-        "--data synthetic --synthetic-train 10240 --synthetic-test 64 --epochs 1 \
-         --global-batch-size 128 --batch-size 16 --threads 1 --seed 5 --device cpu \
-         --log-every-steps 0 --optimizer sgd --momentum 0.9 --nesterov --lr 0.05 \
-         --snapshot-every-steps 1",
-    );
-    args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
-    args
-}
-
 /// Three agents of one job, each in a process group of its own with its workers, on
 /// loopback or as three hosts on one switch; dropping them kills every group.
 struct Nodes {
@@ -116,7 +102,7 @@ impl Nodes {
             .arg("--log-dir")
             .arg(self.dir.join(format!("logs-node{node}")))
             .arg("--")
-            .args(train_args(&self.output_dir()))
+            .args(elastic_train_args(&self.output_dir()))
             .current_dir(&self.dir)
             .env("TANDEM_SAMPLE_TRACE", self.trace())
             .env("TANDEM_JOB_TOKEN", "replicated-test-secret")
@@ -124,6 +110,18 @@ impl Nodes {
         let name = format!("node{node}");
         self.launchers
             .push(Launcher::spawn(command, &self.dir, &name));
+    }
+
+    /// Starts the three nodes and waits until the job is past step 3.
+    fn start_all_and_train(&mut self) {
+        for node in 0..3 {
+            self.start(node);
+        }
+        wait_until(
+            "a snapshot past step 3",
+            || snapshot_step(&self.output_dir()).is_some_and(|step| step > 3),
+            || self.said(),
+        );
     }
 
     /// Every agent's output so far.
@@ -151,31 +149,21 @@ impl Drop for Nodes {
     }
 }
 
+/// The uninterrupted run, in one process, in `dir/uninterrupted`.
+fn uninterrupted_run(dir: &Path) -> PathBuf {
+    let output_dir = dir.join("uninterrupted");
+    expect_success(&run_bounded(
+        tandem().args(elastic_train_args(&output_dir)),
+        LIMIT,
+    ));
+    output_dir
+}
+
 fn kill_group(leader: u32) {
     // SAFETY: `kill` has no memory-safety preconditions; the group is the agent's own.
     unsafe {
         libc::kill(-(leader as libc::pid_t), libc::SIGKILL);
     }
-}
-
-/// Waits until `check` holds, at most [`WAIT`]; `what` says what was awaited.
-fn wait_until(what: &str, mut check: impl FnMut() -> bool, explain: impl Fn() -> String) {
-    let deadline = Instant::now() + WAIT;
-    while !check() {
-        if Instant::now() >= deadline {
-            panic!("{what} did not happen within {WAIT:?}\n{}", explain());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The optimizer steps of the snapshot in `output_dir`, if one is there.
-fn snapshot_step(output_dir: &Path) -> Option<u64> {
-    let bytes = std::fs::read(output_dir.join("snapshot.safetensors")).ok()?;
-    let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).ok()?;
-    let description = metadata.metadata().as_ref()?.get("tandem.snapshot")?;
-    let description: serde_json::Value = serde_json::from_str(description).ok()?;
-    description["progress"]["global_step"].as_u64()
 }
 
 /// The world sizes at which each worker process (by pid) committed steps, from the sample
@@ -195,17 +183,9 @@ fn world_sizes_of(trace: &Path, pid: u32) -> Vec<u64> {
 #[test]
 fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_bits() {
     let dir = tempfile::tempdir().unwrap();
-    let expected = dir.path().join("uninterrupted");
-    expect_success(&run_bounded(tandem().args(train_args(&expected)), LIMIT));
+    let expected = uninterrupted_run(dir.path());
     let mut nodes = Nodes::new(dir.path());
-    for node in 0..3 {
-        nodes.start(node);
-    }
-    wait_until(
-        "a snapshot past step 3",
-        || snapshot_step(&nodes.output_dir()).is_some_and(|step| step > 3),
-        || nodes.said(),
-    );
+    nodes.start_all_and_train();
     let survivors: Vec<u32> = [(1, 2), (1, 3), (2, 4), (2, 5)]
         .iter()
         .map(|&(node, rank)| nodes.launchers[node].worker(rank))
@@ -257,17 +237,9 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_
 #[test]
 fn node_0_stopped_past_the_heartbeat_timeout_is_left_out_by_node_1_and_says_so_when_continued() {
     let dir = tempfile::tempdir().unwrap();
-    let expected = dir.path().join("uninterrupted");
-    expect_success(&run_bounded(tandem().args(train_args(&expected)), LIMIT));
+    let expected = uninterrupted_run(dir.path());
     let mut nodes = Nodes::new(dir.path());
-    for node in 0..3 {
-        nodes.start(node);
-    }
-    wait_until(
-        "a snapshot past step 3",
-        || snapshot_step(&nodes.output_dir()).is_some_and(|step| step > 3),
-        || nodes.said(),
-    );
+    nodes.start_all_and_train();
     // Only node 0's agent stops (with its replica of the store); its workers run on.
     nodes.launchers[0].signal(libc::SIGSTOP);
     wait_until(
@@ -313,17 +285,9 @@ fn node_0_cut_off_by_its_link_ends_and_nodes_1_and_2_go_on_with_the_same_bits() 
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let expected = dir.path().join("uninterrupted");
-    expect_success(&run_bounded(tandem().args(train_args(&expected)), LIMIT));
+    let expected = uninterrupted_run(dir.path());
     let mut nodes = Nodes::on_a_switch(dir.path(), "c");
-    for node in 0..3 {
-        nodes.start(node);
-    }
-    wait_until(
-        "a snapshot past step 3",
-        || snapshot_step(&nodes.output_dir()).is_some_and(|step| step > 3),
-        || nodes.said(),
-    );
+    nodes.start_all_and_train();
     let node_0_workers = [nodes.launchers[0].worker(0), nodes.launchers[0].worker(1)];
     let star = nodes.star.as_ref().expect("network namespaces");
     star.link_down(0).expect("take node 0's link down");

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod elastic;
 pub mod freeze;
 pub mod netns;
 pub mod scheduler;

@@ -82,23 +82,14 @@ impl NetworkPair {
     /// Takes the link of namespace `index` down (`ip -n NAME link set VETH down`): no packet
     /// passes any more, and no connection is told.
     pub fn link_down(&self, index: usize) -> Result<(), String> {
-        run_ip(&[
-            "-n",
-            &self.names[index],
-            "link",
-            "set",
-            &self.veths[index],
-            "down",
-        ])
+        take_link_down(&self.names[index], &self.veths[index])
     }
 }
 
 impl Drop for NetworkPair {
     fn drop(&mut self) {
         // Deleting a namespace also deletes the veth end inside it, and with it the peer.
-        for name in &self.names {
-            let _ = Command::new("ip").args(["netns", "delete", name]).output();
-        }
+        delete_namespaces(&self.names);
     }
 }
 
@@ -202,22 +193,21 @@ impl NetworkStar {
 
     /// Takes host `index`'s link down: no packet passes any more, and no connection is told.
     pub fn link_down(&self, index: usize) -> Result<(), String> {
-        run_ip(&[
-            "-n",
-            &self.hosts[index],
-            "link",
-            "set",
-            &self.veths[index],
-            "down",
-        ])
+        take_link_down(&self.hosts[index], &self.veths[index])
     }
 }
 
 impl Drop for NetworkStar {
     fn drop(&mut self) {
-        for name in self.hosts.iter().chain(std::iter::once(&self.hub)) {
-            let _ = Command::new("ip").args(["netns", "delete", name]).output();
-        }
+        delete_namespaces(&self.hosts);
+        delete_namespaces(std::slice::from_ref(&self.hub));
+    }
+}
+
+/// Deletes the network namespaces `names`, with the links inside them.
+fn delete_namespaces(names: &[String]) {
+    for name in names {
+        let _ = Command::new("ip").args(["netns", "delete", name]).output();
     }
 }
 
@@ -231,6 +221,11 @@ fn own_host_command(namespace: &str, boot_id: &std::path::Path, program: &str) -
         .arg(boot_id)
         .arg(program);
     command
+}
+
+/// Takes the link `veth` of namespace `namespace` down.
+fn take_link_down(namespace: &str, veth: &str) -> Result<(), String> {
+    run_ip(&["-n", namespace, "link", "set", veth, "down"])
 }
 
 /// Runs `ip` with `args`, failing with its error output.
