@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Issue 35's "no single point of failure" target of `tandem launch --store-replicas`, measured on
+# this machine: 3 nodes x 2 workers on loopback keep the store replicated among their agents;
+# node 0 (the host of the first replica, the node that decides the membership, and rank 0's home)
+# is killed with SIGKILL, agent and workers at once, mid-run. The latency is the first step
+# committed at world size 4 (from the sample trace) minus the kill.
+set -euo pipefail
+
+usage="usage: $0 [--trials N] [--tandem BINARY]"
+here=$(dirname "$(realpath "$0")")
+tandem=$here/../../target/release/tandem
+[ -n "${CARGO_TARGET_DIR:-}" ] && tandem=$CARGO_TARGET_DIR/release/tandem
+trials=20
+while [ $# -gt 0 ]; do
+    case $1 in
+        --trials) trials=${2:?$usage}; shift 2 ;;
+        --tandem) tandem=${2:?$usage}; shift 2 ;;
+        -h|--help) echo "$usage"; exit 0 ;;
+        *) echo "$0: unknown argument '$1'" >&2; echo "$usage" >&2; exit 2 ;;
+    esac
+done
+tandem=$(realpath "$tandem")
+[ -x "$tandem" ] || { echo "$0: no tandem binary at $tandem (cargo build --release -p tandem, or --tandem)" >&2; exit 2; }
+command -v python3 >/dev/null || { echo "$0: python3 is needed to read the traces" >&2; exit 2; }
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/elastic-replicated.XXXXXX")
+pids=()
+stop_jobs() {
+    local pid
+    for pid in "${pids[@]}"; do
+        kill -KILL -- "-$pid" 2>/dev/null || true
+        { wait "$pid"; } 2>/dev/null || true
+    done
+    pids=()
+}
+failed=0
+cleanup() {
+    stop_jobs
+    if [ "$failed" = 1 ]; then
+        echo "logs of the failed trials kept in $tmp" >&2
+    else
+        rm -rf "$tmp"
+    fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# shellcheck source=common.sh
+source "$here/common.sh"
+small+=(--epochs 1000)
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# start_node NODE REPLICAS: starts node NODE's launcher in a session of its own.
+start_node() {
+    TANDEM_JOB_TOKEN=replicated-timing TANDEM_SAMPLE_TRACE=$trace setsid \
+        "$tandem" launch --nnodes 3 --node-rank "$1" --store-replicas "$2" --nproc-per-node 2 \
+        --keep-survivors --max-restarts 0 --log-dir "$job_dir/logs-$1" -- train "${small[@]}" \
+        --output-dir "$job_dir/out" </dev/null >"$job_dir/stdout-$1" 2>"$job_dir/stderr-$1" &
+    pids+=($!)
+}
+
+job_alive() { kill -0 "${pids[1]}" 2>/dev/null; }
+
+failure() {
+    failed=1
+    echo "  FAILED: $1 (logs in $job_dir); node 1's launcher (tail):"
+    tail -n 8 "$job_dir/stderr-1" | sed 's/^/    /'
+}
+
+# trial N: one kill of node 0; prints the latency or a failure.
+trial() {
+    local n=$1 replicas t_kill t_first line node
+    job_dir=$tmp/trial-$n
+    trace=$job_dir/trace
+    mkdir -p "$trace"
+    replicas="127.0.0.1:$(free_port),127.0.0.1:$(free_port),127.0.0.1:$(free_port)"
+    for node in 0 1 2; do start_node "$node" "$replicas"; done
+    if ! wait_for 90 records_at_least 60; then failure "training never got under way"; stop_jobs; return 1; fi
+    t_kill=$(now)
+    kill -KILL -- "-${pids[0]}"
+    { wait "${pids[0]}"; } 2>/dev/null || true
+    if ! wait_for 60 world_size_seen 4; then failure "no step at world size 4 within 60 s"; stop_jobs; return 1; fi
+    t_first=$(trace_query first 4)
+    stop_jobs
+    line=$(grep -o 'membership 1: node 0 lost (its launcher sent no heartbeat for [0-9.]* s)' "$job_dir/stderr-1" | head -1 || true)
+    echo "  trial $n: $(sub "$t_first" "$t_kill") s; ${line:-no membership line}"
+    sub "$t_first" "$t_kill" >>"$tmp/latencies"
+}
+
+echo "replicated-store timing: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), $("$tandem" --version 2>/dev/null || echo tandem)"
+echo "== kill -9 of node 0 (store replica, deciding node, rank 0) -> first step at world size 4: 3 nodes x 2 workers on loopback, --store-replicas, --keep-survivors, heartbeat timeout 1 s, seed-004 small model, G 128, M 16, $trials trials"
+: >"$tmp/latencies"
+for (( n = 1; n <= trials; n++ )); do
+    trial "$n" || true
+done
+summary <"$tmp/latencies" | sed 's/^/  latency: /'
+echo "  (load average now $(cut -d' ' -f1-3 /proc/loadavg))"
