@@ -1,8 +1,19 @@
-# Helpers of the elastic timing scripts (run.sh, linkdown.sh): sourced, not run. A script
-# that sources it defines job_alive (whether the job it watches still runs) and sets trace
-# (the folder of the job's sample trace) before it calls them.
+# Helpers of the elastic timing scripts (run.sh, linkdown.sh, replicated.sh): sourced, not run.
+# A script that sources it defines job_alive (whether the job it watches still runs) and sets
+# trace (the folder of the job's sample trace) before it calls them.
 
 now() { date +%s.%N; }
+
+# stop_jobs: kills the process group of every launcher in `pids` (each started in a session of
+# its own), reaps it quietly, and empties `pids`.
+stop_jobs() {
+    local pid
+    for pid in "${pids[@]}"; do
+        kill -KILL -- "-$pid" 2>/dev/null || true
+        { wait "$pid"; } 2>/dev/null || true
+    done
+    pids=()
+}
 
 # The seed-004 small model of crates/tandem/tests/world_size.rs (epochs not set).
 small=(--model resnet-base --n-blocks 1,1,1 --n-channels 8,16,32 --bottlenecks none --data synthetic

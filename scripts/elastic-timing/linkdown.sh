@@ -21,6 +21,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 tandem=$(realpath "$tandem")
+# shellcheck source=common.sh
+source "$here/common.sh"
 [ -x "$tandem" ] || { echo "$0: no tandem binary at $tandem (cargo build --release -p tandem, or --tandem)" >&2; exit 2; }
 command -v python3 >/dev/null || { echo "$0: python3 is needed to read the traces" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "$0: needs root for the network namespaces" >&2; exit 2; }
@@ -31,14 +33,6 @@ veth=(tl${tag}a tl${tag}b)
 subnet=10.203.0
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/elastic-linkdown.XXXXXX")
 pids=()
-stop_jobs() {
-    local pid
-    for pid in "${pids[@]}"; do
-        kill -KILL -- "-$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
-    pids=()
-}
 failed=0
 cleanup() {
     stop_jobs
@@ -64,8 +58,6 @@ done
 echo "tandem-linkdown-node-1-$tag" >"$tmp/boot_id"
 
 
-# shellcheck source=common.sh
-source "$here/common.sh"
 small+=(--epochs 1000)
 
 # start_node NODE PORT: starts node NODE's launcher in its namespace, in a session of its own.

@@ -20,19 +20,13 @@ while [ $# -gt 0 ]; do
     esac
 done
 tandem=$(realpath "$tandem")
+# shellcheck source=common.sh
+source "$here/common.sh"
 [ -x "$tandem" ] || { echo "$0: no tandem binary at $tandem (cargo build --release -p tandem, or --tandem)" >&2; exit 2; }
 command -v python3 >/dev/null || { echo "$0: python3 is needed to read the traces" >&2; exit 2; }
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/elastic-replicated.XXXXXX")
 pids=()
-stop_jobs() {
-    local pid
-    for pid in "${pids[@]}"; do
-        kill -KILL -- "-$pid" 2>/dev/null || true
-        { wait "$pid"; } 2>/dev/null || true
-    done
-    pids=()
-}
 failed=0
 cleanup() {
     stop_jobs
@@ -45,8 +39,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# shellcheck source=common.sh
-source "$here/common.sh"
 small+=(--epochs 1000)
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
