@@ -203,6 +203,10 @@ impl WorkerStatus {
 /// Breaks a worker's blocked collectives, called once from the heartbeat thread with why.
 pub type Interrupt = Box<dyn Fn(&str) + Send + Sync>;
 
+/// Called from the heartbeat thread with `true` when a replicated store has left the
+/// worker's beats unanswered for [`CUT_OFF_AFTER`], and with `false` when it answers again.
+pub type StoreCutHook = Box<dyn Fn(bool) + Send + Sync>;
+
 /// The membership a worker's group was formed for, which its heartbeat thread watches.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MembershipWatch {
@@ -242,18 +246,22 @@ struct Shared {
     watch: Mutex<Option<MembershipWatch>>,
     /// What breaks the group's collectives.
     interrupts: Mutex<Vec<Interrupt>>,
+    /// What to do when the worker is cut off from a replicated store, and when it is back.
+    cut_hooks: Mutex<Vec<StoreCutHook>>,
 }
 
 impl Heartbeat {
     /// Starts beating for `rank` of the round of `prefix` through `client`, every
-    /// `interval`. A store that stops answering ends the beats silently: the job is ending,
-    /// and the launcher sees it.
+    /// `interval`. A single store that stops answering ends the beats silently: the job is
+    /// ending, and the launcher sees it. A replicated one is tried again at every beat (see
+    /// [`Heartbeat::on_store_cut`]).
     pub fn start(client: StoreClient, prefix: &str, rank: usize, interval: Duration) -> Heartbeat {
         let shared = Arc::new(Shared {
             stop: AtomicBool::new(false),
             status: Mutex::new(None),
             watch: Mutex::new(None),
             interrupts: Mutex::new(Vec::new()),
+            cut_hooks: Mutex::new(Vec::new()),
         });
         let keys = WorkerKeys {
             beat: heartbeat_key(prefix, rank),
@@ -279,6 +287,13 @@ impl Heartbeat {
         *lock(&self.shared.watch) = Some(watch);
     }
 
+    /// Adds what to do when a replicated store leaves this worker's beats unanswered for
+    /// [`CUT_OFF_AFTER`] (its node is most likely cut off from the job's majority), and when
+    /// it answers again.
+    pub fn on_store_cut(&self, hook: StoreCutHook) {
+        lock(&self.shared.cut_hooks).push(hook);
+    }
+
     /// Adds what breaks the group's collectives when its membership moves on without one
     /// of its members.
     pub fn add_interrupt(&self, interrupt: Interrupt) {
@@ -294,11 +309,11 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Reads the membership that `shared` watches, and when it left out one of the group's
 /// members, runs the interrupts and stops watching. A store that cannot say leaves the
 /// group as it is: the heartbeat itself tells the launcher.
-fn check_membership(client: &StoreClient, shared: &Shared) {
+fn check_membership(client: &StoreClient, shared: &Shared, bound: Duration) {
     let Some(watch) = lock(&shared.watch).clone() else {
         return;
     };
-    let Ok(Some(bytes)) = client.get(&membership_key(&watch.round_prefix)) else {
+    let Ok(Some(bytes)) = client.get_within(&membership_key(&watch.round_prefix), bound) else {
         return;
     };
     let Some(reason) = MembershipRecord::from_json(&bytes)
@@ -334,48 +349,87 @@ struct WorkerKeys {
 }
 
 /// The heartbeat thread: bump, write a new status and the activity, watch the membership,
-/// sleep, until told to stop (then mark the counter [`ENDED`]) or the store fails.
+/// sleep, until told to stop (then mark the counter [`ENDED`]). A single store that fails
+/// ends the thread; a replicated one is tried again at every beat, and the hooks hear when
+/// it stays silent for [`CUT_OFF_AFTER`] and when it answers again.
 fn beat(client: &StoreClient, keys: &WorkerKeys, shared: &Shared, interval: Duration) {
-    let (beat_key, status_key, activity_key) = (&keys.beat, &keys.status, &keys.activity);
-    // A heartbeat of the same worker that ended before (a worker that joined a new group)
-    // left its counter marked ended: take the mark back.
-    match client.add(beat_key, 0) {
-        Ok(beat) if beat < 0 => {
-            if client.add(beat_key, -ENDED).is_err() {
-                return;
-            }
-        }
-        Ok(_) => {}
-        Err(_) => return,
-    }
+    let bound = match client.is_replicated() {
+        true => REPLICATED_BEAT_BOUND,
+        false => client.timeout(),
+    };
+    let mut unmarked = false;
+    let (mut last_answer, mut cut) = (Instant::now(), false);
     // Short sleeps, so that a drop does not wait a whole interval.
     let slice = interval
         .min(Duration::from_millis(20))
         .max(Duration::from_millis(1));
     while !shared.stop.load(Ordering::Relaxed) {
-        if client.add(beat_key, 1).is_err() {
-            return;
-        }
-        let status = lock(&shared.status).take();
-        if let Some(status) = status {
-            if client.set(status_key, &status).is_err() {
-                return;
+        match beat_once(client, keys, shared, bound, &mut unmarked) {
+            Ok(()) => {
+                last_answer = Instant::now();
+                if std::mem::take(&mut cut) {
+                    tell_the_hooks(shared, false);
+                }
+                check_membership(client, shared, bound);
+            }
+            Err(_) if !client.is_replicated() => return,
+            Err(_) => {
+                if !cut && last_answer.elapsed() >= CUT_OFF_AFTER {
+                    cut = true;
+                    tell_the_hooks(shared, true);
+                }
             }
         }
-        if client
-            .set(activity_key, &Activity::now().to_json())
-            .is_err()
-        {
-            return;
-        }
-        check_membership(client, shared);
         let mut slept = Duration::ZERO;
         while slept < interval && !shared.stop.load(Ordering::Relaxed) {
             std::thread::sleep(slice);
             slept += slice;
         }
     }
-    let _ = client.add(beat_key, ENDED);
+    let _ = client.add_within(&keys.beat, ENDED, bound);
+}
+
+/// How long one beat's requests may take on a replicated store: a beat that fails is tried
+/// again at the next interval rather than ending the thread.
+const REPLICATED_BEAT_BOUND: Duration = Duration::from_secs(1);
+
+/// How long a replicated store may leave a worker's beats unanswered before the worker
+/// counts itself cut off from the job's majority (the launchers' default heartbeat timeout,
+/// after which the majority leaves a silent node out).
+pub const CUT_OFF_AFTER: Duration = Duration::from_secs(1);
+
+/// Calls every hook with whether the worker is `cut` off from the store now.
+fn tell_the_hooks(shared: &Shared, cut: bool) {
+    for hook in lock(&shared.cut_hooks).iter() {
+        hook(cut);
+    }
+}
+
+/// One beat: the counter (first taking back the [`ENDED`] mark of a heartbeat of the same
+/// worker that ended before, once `unmarked` is not yet set), the status if a new one waits,
+/// and the activity; each request bounded by `bound`.
+fn beat_once(
+    client: &StoreClient,
+    keys: &WorkerKeys,
+    shared: &Shared,
+    bound: Duration,
+    unmarked: &mut bool,
+) -> crate::Result<()> {
+    if !*unmarked {
+        if client.add_within(&keys.beat, 0, bound)? < 0 {
+            client.add_within(&keys.beat, -ENDED, bound)?;
+        }
+        *unmarked = true;
+    }
+    client.add_within(&keys.beat, 1, bound)?;
+    let status = lock(&shared.status).take();
+    if let Some(status) = status {
+        if let Err(error) = client.set_within(&keys.status, &status, bound) {
+            lock(&shared.status).get_or_insert(status);
+            return Err(error);
+        }
+    }
+    client.set_within(&keys.activity, &Activity::now().to_json(), bound)
 }
 
 #[cfg(test)]

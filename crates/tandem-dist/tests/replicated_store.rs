@@ -199,3 +199,60 @@ fn a_process_group_forms_and_keeps_its_store_through_the_loss_of_the_stores_lead
         }
     });
 }
+
+#[test]
+fn a_heartbeat_that_reaches_no_majority_says_so_once_after_the_cut_off_bound() {
+    use std::sync::{Arc, Mutex};
+    use tandem_dist::heartbeat::{heartbeat_key, Heartbeat, CUT_OFF_AFTER};
+
+    let (mut replicas, addrs) = replicas(3);
+    let observer = client(&addrs, LIMIT);
+    let heartbeat = Heartbeat::start(
+        client(&addrs, LIMIT),
+        "job/r0",
+        1,
+        Duration::from_millis(10),
+    );
+    let heard = Arc::new(Mutex::new(Vec::<(bool, Instant)>::new()));
+    let (told, interrupted) = (Arc::clone(&heard), Arc::new(Mutex::new(0)));
+    heartbeat.on_store_cut(Box::new(move |cut| {
+        told.lock().expect("heard").push((cut, Instant::now()));
+    }));
+    let counted = Arc::clone(&interrupted);
+    heartbeat.add_interrupt(Box::new(move |_| *counted.lock().expect("count") += 1));
+    let key = heartbeat_key("job/r0", 1);
+    let started = Instant::now();
+    while observer.add(&key, 0).expect("read the beat") < 3 {
+        assert!(started.elapsed() < LIMIT, "the heartbeat never beat");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Two of three replicas gone: the one left leads nothing and answers nothing.
+    let lead = leader(&replicas);
+    replicas[lead] = None;
+    replicas[(lead + 1) % 3] = None;
+    let cut = Instant::now();
+    while heard.lock().expect("heard").is_empty() {
+        assert!(
+            cut.elapsed() < LIMIT,
+            "the heartbeat never said it was cut off"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    drop(heartbeat);
+    let heard = heard.lock().expect("heard").clone();
+    assert_eq!(heard.len(), 1, "{heard:?}");
+    assert!(heard[0].0, "the first word is the cut");
+    let waited = heard[0].1 - cut;
+    // The last answer came at most one beat interval before the replicas went.
+    assert!(
+        waited + Duration::from_millis(50) >= CUT_OFF_AFTER,
+        "{waited:?}"
+    );
+    assert!(waited < CUT_OFF_AFTER * 3, "{waited:?}");
+    assert_eq!(
+        *interrupted.lock().expect("count"),
+        0,
+        "a cut breaks no collective"
+    );
+}

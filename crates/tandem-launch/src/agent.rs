@@ -29,8 +29,10 @@ use tandem_dist::cluster::contract::{MembershipRecord, SETTINGS_ERROR_EXIT_CODE}
 const WATCH_INTERVAL: Duration = Duration::from_millis(10);
 /// How often the agent asks the store whether another node failed or asked to stop.
 const STORE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
-/// The least bound on a store request of an agent when the store is replicated.
-const REPLICATED_REQUEST_TIMEOUT: Duration = Duration::from_secs(4);
+/// The least bound on a store request of an agent when the store is replicated: long
+/// enough for most elections of a new leader. A request that fails pauses the node until
+/// the store answers again (see [`CutOff`]).
+const REPLICATED_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long the agent waits for a worker to die after SIGKILL before giving up on it.
 const AFTER_KILL_WAIT: Duration = Duration::from_secs(5);
 /// How long the launcher gathers losses before it publishes a membership without the lost
@@ -309,7 +311,6 @@ fn open_store(
 fn store_request_timeout(plan: &LaunchPlan) -> Duration {
     let replicated = matches!(plan.topology.store, StoreLocation::Replicated { .. });
     match (plan.keep_survivors, replicated) {
-        // Long enough for the replicas to elect a new leader when the last one is lost.
         (true, true) => (plan.heartbeat_timeout * 2).max(REPLICATED_REQUEST_TIMEOUT),
         (true, false) => (plan.heartbeat_timeout * 2).max(Duration::from_secs(1)),
         (false, _) => REQUEST_TIMEOUT,
@@ -959,8 +960,9 @@ fn watch_round(
     let mut beats = WorkerBeats::new(round, plan.topology.node_rank, workers.len(), timeout);
     let mut membership = Membership::new(round, workers, plan);
     let mut stopping: Option<Stopping> = None;
+    let mut cut_off: Option<CutOff> = None;
     loop {
-        if stopping.is_none() {
+        if stopping.is_none() && cut_off.is_none() {
             if let Err(error) = beats.check(store, workers) {
                 duties.store_error.get_or_insert(error);
             }
@@ -970,17 +972,12 @@ fn watch_round(
             .map(|worker| worker.end().map(|(end, _)| end))
             .collect();
         membership.formed |= beats.formed;
-        if plan.keep_survivors && stopping.is_none() && !membership.pause_over() {
+        let watching = stopping.is_none() && cut_off.is_none();
+        if plan.keep_survivors && watching && !membership.pause_over() {
             let changed = membership.update(plan, store, round, workers, &ends, &duties.silent);
-            match changed {
-                Ok(started) => {
-                    if let Err(error) = beats.add_workers(store, workers, started) {
-                        duties.store_error.get_or_insert(error);
-                    }
-                }
-                Err(error) => {
-                    duties.store_error.get_or_insert(error);
-                }
+            let tracked = changed.and_then(|started| beats.add_workers(store, workers, started));
+            if let Err(error) = tracked {
+                duties.store_error.get_or_insert(error);
             }
         }
         let workers: &[Worker] = workers;
@@ -996,7 +993,21 @@ fn watch_round(
             only_stop_requests: failures.iter().all(|end| **end == STOPPED_ON_REQUEST_EXIT),
         };
         let signal = signals::stop_requested();
-        let others_stop = duties.update(store, heartbeats, local_failure, signal);
+        if cut_off.is_none() {
+            duties.update(store, heartbeats, local_failure, signal);
+        }
+        let must_end = local_failure.any || signal.is_some();
+        let trackers = (&mut *heartbeats, &mut beats.beats);
+        cut_off = weather_the_cut(
+            cut_off,
+            stopping.is_none(),
+            must_end,
+            plan,
+            store,
+            &mut duties,
+            trackers,
+        );
+        let others_stop = duties.others_stop || duties.store_error.is_some();
         if ends.iter().all(Option::is_some) {
             let may_decide = plan.keep_survivors && stopping.is_none() && !others_stop;
             let still_deciding = may_decide
@@ -1034,6 +1045,113 @@ fn watch_round(
             left_out: membership.left_out,
             decider: membership.decider,
         }),
+    }
+}
+
+/// A node cut off from the majority of a replicated store's replicas (`--keep-survivors`):
+/// the other nodes leave it out of the job, and its workers, fenced, wait for the cut to heal
+/// and then rejoin. It ends after the rendezvous timeout.
+struct CutOff {
+    since: Instant,
+    /// The store's error that began the cut.
+    error: anyhow::Error,
+    last_look: Instant,
+}
+
+/// What a look at the store found for a node cut off from it.
+enum Cut {
+    /// The store answers again: the node's workers rejoin.
+    Healed,
+    /// No answer yet.
+    Lasts(CutOff),
+    /// The node stops its workers and ends, with this error.
+    Ends(anyhow::Error),
+}
+
+/// How long a node cut off from the store waits for each look at it.
+const CUT_OFF_LOOK: Duration = Duration::from_millis(300);
+
+impl CutOff {
+    /// Begins a cut after the store failed with `error`; says so.
+    fn begin(error: anyhow::Error, plan: &LaunchPlan) -> CutOff {
+        say(&format!(
+            "node {} is cut off from the job's store ({error:#}): the other nodes go on without \
+             it, and its workers wait for the cut to heal, for at most {:.0} s \
+             (--rendezvous-timeout)",
+            plan.topology.node_rank,
+            plan.rendezvous_timeout.as_secs_f64()
+        ));
+        let now = Instant::now();
+        CutOff {
+            since: now,
+            error,
+            last_look: now,
+        }
+    }
+
+    /// Looks whether the store answers again (at most once per [`STORE_CHECK_INTERVAL`]);
+    /// ends the cut when it `must_end` (a worker failed, or a stop signal came) or has lasted
+    /// the rendezvous timeout.
+    fn look(mut self, store: &AgentStore, plan: &LaunchPlan, must_end: bool) -> Cut {
+        let lasted = self.since.elapsed();
+        if must_end || lasted >= plan.rendezvous_timeout {
+            return Cut::Ends(self.error.context(format!(
+                "cut off from the store for {:.1} s",
+                lasted.as_secs_f64()
+            )));
+        }
+        if self.last_look.elapsed() < STORE_CHECK_INTERVAL {
+            return Cut::Lasts(self);
+        }
+        self.last_look = Instant::now();
+        if !store.answers_within(CUT_OFF_LOOK) {
+            return Cut::Lasts(self);
+        }
+        say(&format!(
+            "node {} reaches the job's store again after {:.1} s: its workers rejoin the job at \
+             a step boundary",
+            plan.topology.node_rank,
+            lasted.as_secs_f64()
+        ));
+        Cut::Healed
+    }
+}
+
+/// With `--keep-survivors` and a replicated store, while the workers run (`running`): turns
+/// the store's error into a cut off the store, and ends a cut that healed (every silence
+/// then starts again, in `trackers`) or that must end (`must_end`, or the rendezvous
+/// timeout: the store's error is back for the workers to be stopped). Returns the cut that
+/// lasts.
+fn weather_the_cut(
+    cut_off: Option<CutOff>,
+    running: bool,
+    must_end: bool,
+    plan: &LaunchPlan,
+    store: &AgentStore,
+    duties: &mut StoreDuties,
+    trackers: (&mut Heartbeats, &mut Heartbeats),
+) -> Option<CutOff> {
+    let may_pause = plan.keep_survivors && store.is_replicated() && running;
+    let begun = match duties
+        .store_error
+        .take_if(|_| may_pause && cut_off.is_none())
+    {
+        Some(error) => Some(CutOff::begin(error, plan)),
+        None => cut_off,
+    };
+    match begun?.look(store, plan, must_end) {
+        Cut::Healed => {
+            let (nodes, workers) = trackers;
+            nodes.restart();
+            workers.restart();
+            duties.silent.clear();
+            None
+        }
+        Cut::Lasts(cut) => Some(cut),
+        Cut::Ends(error) => {
+            duties.store_error = Some(error);
+            None
+        }
     }
 }
 
@@ -1080,8 +1198,14 @@ struct Membership {
     report_due: bool,
     /// The epoch of the last membership read, and when it was read (the other nodes).
     followed: (u64, Instant),
-    /// The membership that left this node's running workers out, once one did.
+    /// The membership that left this node's running workers out, once they could not
+    /// rejoin.
     left_out: Option<String>,
+    /// Since when this node's running workers, left out of the job, ask to rejoin it, and
+    /// why they were left out (the other nodes).
+    rejoining: Option<(Instant, String)>,
+    /// When the deciding node last looked for workers of other nodes that ask to rejoin.
+    joiners_looked: Instant,
     /// Whether every worker of the job was lost (node 0): the round then fails.
     nobody_left: bool,
     /// Whether the job's first group has formed. A worker lost before leaves the others
@@ -1117,6 +1241,8 @@ impl Membership {
             report_due: false,
             followed: (0, Instant::now()),
             left_out: None,
+            rejoining: None,
+            joiners_looked: Instant::now(),
             nobody_left: false,
             formed: false,
         }
@@ -1143,7 +1269,7 @@ impl Membership {
         if self.decides {
             self.take_remote_losses(store, silent)?;
             self.publish_settled_losses(store)?;
-            self.admit_joiners(store, workers)?;
+            self.admit_joiners(store, workers, silent)?;
         } else {
             if self.report_due {
                 store.report_lost(self.round, &self.reported)?;
@@ -1303,9 +1429,10 @@ impl Membership {
         Ok(())
     }
 
-    /// The other nodes: kills the running workers of this node that node 0's latest
-    /// membership leaves out (it took this node for lost), so that they never reach the
-    /// members' new group.
+    /// The other nodes: follows the deciding node's latest membership. When it leaves out
+    /// running workers of this node (it took the node for lost: cut off, or its launcher
+    /// stopped), they are fenced and ask to rejoin; they are killed when they are not let
+    /// back in within the rendezvous timeout, or the round ends without them.
     fn follow(&mut self, store: &AgentStore, workers: &[Worker]) -> anyhow::Result<()> {
         if self.followed.1.elapsed() < STORE_CHECK_INTERVAL {
             return Ok(());
@@ -1314,6 +1441,13 @@ impl Membership {
         let Some(record) = store.membership(self.round)? else {
             return Ok(());
         };
+        if let Some((since, why)) = self.rejoining.clone() {
+            let waited_out = since.elapsed() >= self.minimum.1;
+            if waited_out || store.round_is_over(self.round)? {
+                self.kill_the_fenced(workers, &record, &why, waited_out);
+                return Ok(());
+            }
+        }
         if record.epoch <= self.followed.0 {
             return Ok(());
         }
@@ -1323,31 +1457,83 @@ impl Membership {
                 self.decider = decider;
             }
         }
-        let mut killed = Vec::new();
-        for (index, worker) in workers.iter().enumerate() {
-            let rank = worker.place.rank;
-            if self.dropped[index] || worker.end().is_some() || record.members.contains(&rank) {
-                continue;
+        let fenced = self.fenced(workers, &record);
+        match (fenced.is_empty(), self.rejoining.is_some()) {
+            (true, true) => {
+                self.rejoining = None;
+                say(&format!(
+                    "membership {}: {}; node {}'s workers are members again",
+                    record.epoch, record.why, self.node
+                ));
             }
-            self.dropped[index] = true;
-            worker.stop_with(SIGKILL);
-            killed.push(format!("rank {rank} (pid {})", worker.pid()));
+            (false, false) => {
+                let them = match fenced.len() {
+                    1 => "it takes part in no step of it, and rejoins",
+                    _ => "they take part in no step of it, and rejoin",
+                };
+                say(&format!(
+                    "membership {}: {}; node {} left node {}'s {} out of the job: {them} at a \
+                     step boundary (for at most {:.0} s, --rendezvous-timeout)",
+                    record.epoch,
+                    record.why,
+                    self.decider,
+                    self.node,
+                    fenced.join(", "),
+                    self.minimum.1.as_secs_f64()
+                ));
+                self.rejoining = Some((Instant::now(), record.why));
+            }
+            _ => {}
         }
-        if killed.is_empty() {
-            return Ok(());
-        }
-        let them = if killed.len() == 1 { "it" } else { "them" };
-        say(&format!(
-            "membership {}: {}; node {} left node {}'s {} out of the job: this launcher killed \
-             {them} (SIGKILL)",
-            record.epoch,
-            record.why,
-            self.decider,
-            self.node,
-            killed.join(", ")
-        ));
-        self.left_out = Some(record.why);
         Ok(())
+    }
+
+    /// This node's running workers that `record` leaves out, as "rank R (pid P)".
+    fn fenced(&self, workers: &[Worker], record: &MembershipRecord) -> Vec<String> {
+        workers
+            .iter()
+            .enumerate()
+            .filter(|(index, worker)| {
+                !self.dropped[*index]
+                    && worker.end().is_none()
+                    && !record.members.contains(&worker.place.rank)
+            })
+            .map(|(_, worker)| format!("rank {} (pid {})", worker.place.rank, worker.pid()))
+            .collect()
+    }
+
+    /// Kills the running workers of this node that `record` leaves out, which were not let
+    /// back in (`waited_out`: within the rendezvous timeout; else before the round ended),
+    /// and leaves the node out of the job for `why`.
+    fn kill_the_fenced(
+        &mut self,
+        workers: &[Worker],
+        record: &MembershipRecord,
+        why: &str,
+        waited_out: bool,
+    ) {
+        let fenced = self.fenced(workers, record);
+        for (index, worker) in workers.iter().enumerate() {
+            if !self.dropped[index] && !record.members.contains(&worker.place.rank) {
+                self.dropped[index] = true;
+                worker.stop_with(SIGKILL);
+            }
+        }
+        let when = match waited_out {
+            true => format!(
+                "within {:.0} s (--rendezvous-timeout)",
+                self.minimum.1.as_secs_f64()
+            ),
+            false => "before the round ended".to_string(),
+        };
+        say(&format!(
+            "node {}'s {} asked to rejoin the job but were not let back in {when}: this \
+             launcher killed them (SIGKILL)",
+            self.node,
+            fenced.join(", ")
+        ));
+        self.rejoining = None;
+        self.left_out = Some(why.to_string());
     }
 
     /// Whether the job has been paused below its minimum for longer than it may wait: its
@@ -1492,8 +1678,15 @@ impl Membership {
         Ok(started)
     }
 
-    /// Lets in the joiners that said they are ready: publishes the members with them.
-    fn admit_joiners(&mut self, store: &AgentStore, workers: &[Worker]) -> anyhow::Result<()> {
+    /// Lets in the joiners that said they are ready (this node's replacements, and the
+    /// fenced workers of other nodes whose agents beat, `silent` being those that do not):
+    /// publishes the members with them.
+    fn admit_joiners(
+        &mut self,
+        store: &AgentStore,
+        workers: &[Worker],
+        silent: &[(usize, Duration)],
+    ) -> anyhow::Result<()> {
         let mut admitted = Vec::new();
         for &index in &self.joining {
             let worker = &workers[index];
@@ -1501,7 +1694,8 @@ impl Membership {
                 admitted.push(index);
             }
         }
-        if admitted.is_empty() {
+        let rejoining = self.remote_joiners(store, silent)?;
+        if admitted.is_empty() && rejoining.is_empty() {
             return Ok(());
         }
         let before = self.members.len();
@@ -1515,9 +1709,43 @@ impl Membership {
                 worker.pid()
             ));
         }
+        for &(node, rank) in &rejoining {
+            self.members.push(rank);
+            why.push(format!("rank {rank} of node {node} rejoins"));
+            if self.dropped_nodes.contains(&node) {
+                store.readmit_node(self.round, node)?;
+                self.dropped_nodes.retain(|dropped| *dropped != node);
+            }
+        }
         // Joiners come last, so that rank 0 stays with the worker that writes the run's files.
         self.joining.retain(|index| !admitted.contains(index));
         self.publish(store, why.join("; "), before)
+    }
+
+    /// The workers of other nodes, left out of the job, that ask to rejoin it, as
+    /// `(node, rank)`; looked for at most once per [`STORE_CHECK_INTERVAL`], and only on
+    /// nodes whose agents beat.
+    fn remote_joiners(
+        &mut self,
+        store: &AgentStore,
+        silent: &[(usize, Duration)],
+    ) -> anyhow::Result<Vec<(usize, usize)>> {
+        if self.joiners_looked.elapsed() < STORE_CHECK_INTERVAL {
+            return Ok(Vec::new());
+        }
+        self.joiners_looked = Instant::now();
+        let mut joiners = Vec::new();
+        for (node, ranks) in &self.others {
+            if silent.iter().any(|(silent, _)| silent == node) {
+                continue;
+            }
+            for &rank in ranks {
+                if !self.members.contains(&rank) && store.joiner_ready(self.round, rank)? {
+                    joiners.push((*node, rank));
+                }
+            }
+        }
+        Ok(joiners)
     }
 
     /// Publishes the members as the next membership epoch, saying why; below the minimum,
@@ -1792,20 +2020,20 @@ impl StoreDuties {
         }
     }
 
-    /// Publishes a local failure or stop signal, looks for silent nodes, and returns whether the
-    /// workers must stop for a reason outside this node (a failure elsewhere, a stop request,
-    /// a silent node, a node waiting to join, or the store itself failing).
+    /// Publishes a local failure or stop signal, looks for silent nodes, and learns whether
+    /// the workers must stop for a reason outside this node (`others_stop`: a failure
+    /// elsewhere, a stop request, a silent node, a node waiting to join); keeps the store's
+    /// error if it fails.
     fn update(
         &mut self,
         store: &AgentStore,
         heartbeats: &mut Heartbeats,
         local_failure: LocalFailure,
         signal: Option<StopRequest>,
-    ) -> bool {
+    ) {
         if let Err(error) = self.try_update(store, heartbeats, local_failure, signal) {
             self.store_error.get_or_insert(error);
         }
-        self.others_stop || self.store_error.is_some()
     }
 
     fn try_update(

@@ -170,6 +170,16 @@ impl Heartbeats {
             .extend(std::iter::repeat_n((i64::MIN, now, self.outage), count));
     }
 
+    /// Starts every silence again from now: an agent cut off from the store read no beats,
+    /// which says nothing of the beats' senders.
+    pub fn restart(&mut self) {
+        let now = Instant::now();
+        for last in &mut self.last_seen {
+            last.1 = now;
+            last.2 = self.outage;
+        }
+    }
+
     /// Records `beat` for `node`, read when the store had spent `outage` in all failing
     /// over (see [`StoreClient::time_failing_over`]); returns whether the node is silent.
     pub fn observe(&mut self, node: usize, beat: i64, outage: Duration) -> bool {
@@ -386,6 +396,12 @@ impl AgentStore {
     /// Whether the store is replicated on several nodes' agents.
     pub fn is_replicated(&self) -> bool {
         !self.replicas.is_empty()
+    }
+
+    /// Whether the store answers this agent within `within` (a replicated store: whether a
+    /// majority of its replicas, with their leader, is reachable).
+    pub fn answers_within(&self, within: Duration) -> bool {
+        self.client.get_within(CURRENT_KEY, within).is_ok()
     }
 
     /// Node 0: makes `round` the round that arriving agents offer themselves for.
@@ -689,6 +705,20 @@ impl AgentStore {
         Ok(())
     }
 
+    /// The deciding node: takes node `node`, left out of round `round` before, back in (its
+    /// workers rejoin), so that it reports at the round's end like any member.
+    pub fn readmit_node(&self, round: u32, node: usize) -> anyhow::Result<()> {
+        self.client.delete(&dropped_key(round, node))?;
+        Ok(())
+    }
+
+    /// Whether round `round` is over for every member: the job ended, or a later round
+    /// opened.
+    pub fn round_is_over(&self, round: u32) -> anyhow::Result<bool> {
+        Ok(self.client.get(ENDED_KEY)?.is_some()
+            || self.client.get(&closed_key(round + 1))?.is_some())
+    }
+
     /// The nodes among `nodes` that node 0 left out of round `round`, with why.
     pub fn dropped_nodes(
         &self,
@@ -709,7 +739,9 @@ impl AgentStore {
     pub fn joiner_ready(&self, round: u32, worker_id: usize) -> anyhow::Result<bool> {
         let prefix = tandem_dist::cluster::contract::store_prefix(round);
         let key = tandem_dist::cluster::contract::joiner_key(&prefix, worker_id);
-        Ok(self.client.delete(&key)?)
+        // A read first: most looks find nobody, and a read adds nothing to a replicated
+        // store's log.
+        Ok(self.client.get(&key)?.is_some() && self.client.delete(&key)?)
     }
 
     /// The heartbeat counter of the worker of global `rank` in round `round` (0 before its

@@ -12,19 +12,25 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::elastic::{elastic_train_args, snapshot_step, wait_until};
+use common::elastic::{elastic_train_args_of, snapshot_step, wait_until};
 use common::netns::{network_namespaces_unavailable, NetworkStar};
 use common::*;
 
 /// Bound on each launcher and on each training run.
 const LIMIT: Duration = Duration::from_secs(180);
-/// Three agents of one job, each in a process group of its own with its workers, on
-/// loopback or as three hosts on one switch; dropping them kills every group.
+/// The agents of one job (three of two workers each, unless a test says otherwise), each in
+/// a process group of its own with its workers, on loopback or as hosts on switches;
+/// dropping them kills every group. The first three nodes host the store's replicas.
 struct Nodes {
     dir: PathBuf,
     replicas: String,
     launchers: Vec<Launcher>,
     star: Option<NetworkStar>,
+    /// The steps the job trains.
+    steps: usize,
+    /// The nodes, and the workers of each.
+    count: usize,
+    nproc: usize,
 }
 
 /// The port of each replica when every node is a host of its own.
@@ -40,17 +46,28 @@ impl Nodes {
             replicas: replicas.join(","),
             launchers: Vec::new(),
             star: None,
+            steps: STEPS,
+            count: 3,
+            nproc: 2,
         }
     }
 
     /// Three hosts of their own in network namespaces, tagged `tag`.
     fn on_a_switch(dir: &Path, tag: &str) -> Nodes {
-        let star = NetworkStar::create(
+        Nodes::on_switches(dir, tag, (3, 2), 3)
+    }
+
+    /// `count` hosts of their own with `nproc` workers each, `(count, nproc)`, in network
+    /// namespaces tagged `tag`: hosts `0..first_switch` on one switch, the others on a
+    /// second one joined to it by a trunk.
+    fn on_switches(dir: &Path, tag: &str, (count, nproc): (usize, usize), first: usize) -> Nodes {
+        let star = NetworkStar::create_split(
             "trs",
             "tr",
             "10.203.0",
             &format!("{}{tag}", std::process::id() % 100_000),
-            3,
+            count,
+            first,
         )
         .expect("create the network namespaces");
         let replicas: Vec<String> = (0..3)
@@ -61,6 +78,9 @@ impl Nodes {
             replicas: replicas.join(","),
             launchers: Vec::new(),
             star: Some(star),
+            steps: STEPS,
+            count,
+            nproc,
         }
     }
 
@@ -89,20 +109,22 @@ impl Nodes {
         self.dir.join("trace")
     }
 
-    /// Starts node `node`'s agent with 2 workers.
-    fn start(&mut self, node: usize) {
+    /// Starts node `node`'s agent and its workers, with the launcher's `extra` arguments.
+    fn start_with(&mut self, node: usize, extra: &[&str]) {
         std::fs::create_dir_all(self.trace()).unwrap();
         let mut command = self.tandem_on(node);
         command
-            .args(["launch", "--nnodes", "3", "--node-rank", &node.to_string()])
+            .args(["launch", "--nnodes", &self.count.to_string()])
+            .args(["--node-rank", &node.to_string()])
             .args(["--keep-survivors", "--max-restarts", "0"])
             .args(["--store-replicas", &self.replicas])
-            .args(["--nproc-per-node", "2"])
+            .args(["--nproc-per-node", &self.nproc.to_string()])
             .args(["--stop-grace-seconds", "20", "--join-timeout-seconds", "60"])
+            .args(extra)
             .arg("--log-dir")
             .arg(self.dir.join(format!("logs-node{node}")))
             .arg("--")
-            .args(elastic_train_args(&self.output_dir()))
+            .args(elastic_train_args_of(&self.output_dir(), self.steps))
             .current_dir(&self.dir)
             .env("TANDEM_SAMPLE_TRACE", self.trace())
             .env("TANDEM_JOB_TOKEN", "replicated-test-secret")
@@ -112,10 +134,16 @@ impl Nodes {
             .push(Launcher::spawn(command, &self.dir, &name));
     }
 
-    /// Starts the three nodes and waits until the job is past step 3.
+    /// Starts the nodes and waits until the job is past step 3.
     fn start_all_and_train(&mut self) {
-        for node in 0..3 {
-            self.start(node);
+        self.start_all_with_and_train(&[]);
+    }
+
+    /// [`start_all_and_train`](Self::start_all_and_train) with the launchers' `extra`
+    /// arguments.
+    fn start_all_with_and_train(&mut self, extra: &[&str]) {
+        for node in 0..self.count {
+            self.start_with(node, extra);
         }
         wait_until(
             "a snapshot past step 3",
@@ -149,11 +177,14 @@ impl Drop for Nodes {
     }
 }
 
-/// The uninterrupted run, in one process, in `dir/uninterrupted`.
-fn uninterrupted_run(dir: &Path) -> PathBuf {
+/// The steps of the jobs of these tests, unless a test says otherwise.
+const STEPS: usize = 80;
+
+/// The uninterrupted run of `steps` steps, in one process, in `dir/uninterrupted`.
+fn uninterrupted_run(dir: &Path, steps: usize) -> PathBuf {
     let output_dir = dir.join("uninterrupted");
     expect_success(&run_bounded(
-        tandem().args(elastic_train_args(&output_dir)),
+        tandem().args(elastic_train_args_of(&output_dir, steps)),
         LIMIT,
     ));
     output_dir
@@ -183,7 +214,7 @@ fn world_sizes_of(trace: &Path, pid: u32) -> Vec<u64> {
 #[test]
 fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_bits() {
     let dir = tempfile::tempdir().unwrap();
-    let expected = uninterrupted_run(dir.path());
+    let expected = uninterrupted_run(dir.path(), STEPS);
     let mut nodes = Nodes::new(dir.path());
     nodes.start_all_and_train();
     let survivors: Vec<u32> = [(1, 2), (1, 3), (2, 4), (2, 5)]
@@ -235,11 +266,13 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_
 }
 
 #[test]
-fn node_0_stopped_past_the_heartbeat_timeout_is_left_out_by_node_1_and_says_so_when_continued() {
+fn node_0_stopped_past_the_heartbeat_timeout_is_fenced_by_node_1_and_rejoins_when_continued() {
     let dir = tempfile::tempdir().unwrap();
-    let expected = uninterrupted_run(dir.path());
+    let expected = uninterrupted_run(dir.path(), STEPS * 2);
     let mut nodes = Nodes::new(dir.path());
+    nodes.steps = STEPS * 2;
     nodes.start_all_and_train();
+    let node_0_workers = [nodes.launchers[0].worker(0), nodes.launchers[0].worker(1)];
     // Only node 0's agent stops (with its replica of the store); its workers run on.
     nodes.launchers[0].signal(libc::SIGSTOP);
     wait_until(
@@ -252,14 +285,64 @@ fn node_0_stopped_past_the_heartbeat_timeout_is_left_out_by_node_1_and_says_so_w
         || nodes.said(),
     );
     nodes.launchers[0].signal(libc::SIGCONT);
-    let status = nodes.launchers[0].wait(LIMIT);
+    wait_for_node_0_let_back_in(&nodes);
+    for node in 0..3 {
+        let status = nodes.launchers[node].wait(LIMIT);
+        assert!(
+            status.success(),
+            "node {node}: {status:?}\n{}",
+            nodes.said()
+        );
+    }
     eprintln!("{}", nodes.said());
-    assert_eq!(status.code(), Some(1), "{}", nodes.said());
-    assert_contains(
-        &nodes.launchers[0].stderr(),
-        "error: node 0 was left out of the job by node 1 (node 0 lost (its launcher sent no \
-         heartbeat for ",
+    for pid in node_0_workers {
+        assert_eq!(world_sizes_of(&nodes.trace(), pid), vec![6], "{pid}");
+    }
+    assert_same_bits(&expected, &nodes.output_dir(), "node 0 stopped, then back");
+}
+
+/// Waits for node 1's membership that lets node 0's workers back in.
+fn wait_for_node_0_let_back_in(nodes: &Nodes) {
+    let rejoined = "rank 0 of node 0 rejoins; rank 1 of node 0 rejoins; ranks [2, 3, 4, 5, 0, 1] \
+                    go on in-process (world size 4 -> 6), nobody restarts";
+    wait_until(
+        "node 0's workers let back in",
+        || nodes.launchers[1].stderr().contains(rejoined),
+        || nodes.said(),
     );
+}
+
+/// Whether `test` must be skipped, for want of root and `ip netns`; says so.
+fn namespaces_missing_for(test: &str) -> bool {
+    let missing = network_namespaces_unavailable("trs");
+    if let Some(reason) = &missing {
+        eprintln!("skipped: {test} needs root and `ip netns`: {reason}");
+    }
+    missing.is_some()
+}
+
+/// Node 0's link goes down while a job of `steps` steps trains on three hosts; returns the
+/// nodes, the uninterrupted run's output folder, node 0's workers' process ids and when the
+/// link went down. `extra` are the launchers' extra arguments.
+fn node_0_cut_off(
+    dir: &Path,
+    tag: &str,
+    extra: &[&str],
+    steps: usize,
+) -> (Nodes, PathBuf, [u32; 2], Instant) {
+    let expected = uninterrupted_run(dir, steps);
+    let mut nodes = Nodes::on_a_switch(dir, tag);
+    nodes.steps = steps;
+    nodes.start_all_with_and_train(extra);
+    let node_0_workers = [nodes.launchers[0].worker(0), nodes.launchers[0].worker(1)];
+    let star = nodes.star.as_ref().expect("network namespaces");
+    star.link_down(0).expect("take node 0's link down");
+    (nodes, expected, node_0_workers, Instant::now())
+}
+
+/// Waits for nodes 1 and 2 to end successfully, and checks that they left node 0 out and
+/// that the run has the uninterrupted run's bits.
+fn nodes_1_and_2_go_on(nodes: &mut Nodes, expected: &Path, what: &str) {
     for node in [1, 2] {
         let status = nodes.launchers[node].wait(LIMIT);
         assert!(
@@ -268,37 +351,90 @@ fn node_0_stopped_past_the_heartbeat_timeout_is_left_out_by_node_1_and_says_so_w
             nodes.said()
         );
     }
-    assert_same_bits(
-        &expected,
-        &nodes.output_dir(),
-        "node 0 stopped, nodes 1 and 2 went on",
+    assert_contains(
+        &nodes.launchers[1].stderr(),
+        "ranks [2, 3, 4, 5] go on in-process (world size 6 -> 4), nobody restarts",
     );
+    assert_same_bits(expected, &nodes.output_dir(), what);
 }
 
 #[test]
-fn node_0_cut_off_by_its_link_ends_and_nodes_1_and_2_go_on_with_the_same_bits() {
-    if let Some(reason) = network_namespaces_unavailable("trs") {
-        eprintln!(
-            "skipped: node_0_cut_off_by_its_link_ends_and_nodes_1_and_2_go_on_with_the_same_bits \
-             needs root and `ip netns`: {reason}"
-        );
+fn node_0_cut_off_by_its_link_pauses_and_rejoins_when_the_link_heals_with_the_same_bits() {
+    if namespaces_missing_for(
+        "node_0_cut_off_by_its_link_pauses_and_rejoins_when_the_link_heals_with_the_same_bits",
+    ) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let expected = uninterrupted_run(dir.path());
-    let mut nodes = Nodes::on_a_switch(dir.path(), "c");
-    nodes.start_all_and_train();
-    let node_0_workers = [nodes.launchers[0].worker(0), nodes.launchers[0].worker(1)];
-    let star = nodes.star.as_ref().expect("network namespaces");
-    star.link_down(0).expect("take node 0's link down");
-    let down = Instant::now();
-    // The minority: node 0 gets no answer from the store, kills its workers and ends.
+    let (mut nodes, expected, node_0_workers, down) = node_0_cut_off(dir.path(), "h", &[], 400);
+    let survivors: Vec<u32> = [(1, 2), (1, 3), (2, 4), (2, 5)]
+        .iter()
+        .map(|&(node, rank)| nodes.launchers[node].worker(rank))
+        .collect();
+    // The majority goes on; the minority pauses, its workers alive and fenced.
+    let membership = "tandem launch: membership 1: node 0 lost (its launcher sent no heartbeat";
+    wait_until(
+        "node 1's membership without node 0",
+        || nodes.launchers[1].stderr().contains(membership),
+        || nodes.said(),
+    );
+    let at_the_loss = snapshot_step(&nodes.output_dir()).unwrap_or(0);
+    wait_until(
+        "node 0's pause, and steps of the majority",
+        || {
+            let paused = "tandem launch: node 0 is cut off from the job's store (";
+            nodes.launchers[0].stderr().contains(paused)
+                && snapshot_step(&nodes.output_dir()).is_some_and(|step| step > at_the_loss + 3)
+        },
+        || nodes.said(),
+    );
+    let paused_after = down.elapsed();
+    nodes
+        .star
+        .as_ref()
+        .expect("network namespaces")
+        .link_up(0)
+        .expect("bring node 0's link up");
+    let healed = Instant::now();
+    wait_for_node_0_let_back_in(&nodes);
+    eprintln!(
+        "node 0 paused {paused_after:?} after its link went down; its workers were let back \
+         in {:?} after the link came up",
+        healed.elapsed()
+    );
+    let status = nodes.launchers[0].wait(LIMIT);
+    eprintln!("{}", nodes.said());
+    assert!(status.success(), "node 0: {status:?}\n{}", nodes.said());
+    assert_contains(
+        &nodes.launchers[0].stderr(),
+        "tandem launch: node 0 reaches the job's store again after ",
+    );
+    for pid in node_0_workers {
+        assert_eq!(world_sizes_of(&nodes.trace(), pid), vec![6], "{pid}");
+    }
+    for pid in survivors {
+        assert_eq!(world_sizes_of(&nodes.trace(), pid), vec![6, 4, 6], "{pid}");
+    }
+    nodes_1_and_2_go_on(&mut nodes, &expected, "node 0 cut off, then back");
+}
+
+#[test]
+fn node_0_cut_off_past_the_rendezvous_timeout_ends_and_nodes_1_and_2_go_on_with_the_same_bits() {
+    if namespaces_missing_for("node_0_cut_off_past_the_rendezvous_timeout_ends_and_nodes_1_and_2_go_on_with_the_same_bits") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let extra = ["--rendezvous-timeout", "3"];
+    let (mut nodes, expected, node_0_workers, down) =
+        node_0_cut_off(dir.path(), "c", &extra, STEPS);
+    // The minority: node 0 waits 3 s for the store, then kills its workers and ends.
     let status = nodes.launchers[0].wait(Duration::from_secs(30));
     let stopped_after = down.elapsed();
     assert_eq!(status.code(), Some(1), "{}", nodes.said());
+    let said = nodes.launchers[0].stderr();
     assert_contains(
-        &nodes.launchers[0].stderr(),
-        "error: node 0 lost the store (",
+        &said,
+        "error: node 0 lost the store (cut off from the store for ",
     );
     for pid in node_0_workers {
         assert!(
@@ -306,8 +442,68 @@ fn node_0_cut_off_by_its_link_ends_and_nodes_1_and_2_go_on_with_the_same_bits() 
             "node 0's worker {pid} outlived its launcher"
         );
     }
-    // The majority: node 1 decides, and the others go on to the uninterrupted run's bits.
-    for node in [1, 2] {
+    eprintln!("node 0 ended {stopped_after:?} after its link went down");
+    nodes_1_and_2_go_on(
+        &mut nodes,
+        &expected,
+        "node 0 cut off, nodes 1 and 2 went on",
+    );
+    eprintln!("{}", nodes.said());
+}
+
+#[test]
+fn a_2_2_partition_commits_each_step_once_and_the_side_without_the_store_pauses_then_rejoins() {
+    if namespaces_missing_for(
+        "a_2_2_partition_commits_each_step_once_and_the_side_without_the_store_pauses_then_rejoins",
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let steps = 400;
+    let expected = uninterrupted_run(dir.path(), steps);
+    // Nodes 0 and 1 on one switch, 2 and 3 on the other; 0, 1 and 2 host the replicas.
+    let mut nodes = Nodes::on_switches(dir.path(), "p", (4, 1), 2);
+    nodes.steps = steps;
+    nodes.start_all_and_train();
+    let workers: Vec<u32> = (0..4)
+        .map(|node| nodes.launchers[node].worker(node))
+        .collect();
+    let star = nodes.star.as_ref().expect("network namespaces");
+    star.set_trunk(false).expect("cut the trunk");
+    // Two replicas of three: nodes 0 and 1 go on; nodes 2 and 3 pause, their workers fenced.
+    wait_until(
+        "node 0's membership without nodes 2 and 3",
+        || {
+            let said = nodes.launchers[0].stderr();
+            said.contains("ranks [0, 1] go on in-process (world size ")
+        },
+        || nodes.said(),
+    );
+    let at_the_cut = snapshot_step(&nodes.output_dir()).unwrap_or(0);
+    wait_until(
+        "the pause of nodes 2 and 3, and steps of nodes 0 and 1",
+        || {
+            let paused = |node: usize| {
+                nodes.launchers[node].stderr().contains(&format!(
+                    "tandem launch: node {node} is cut off from the job's store ("
+                ))
+            };
+            paused(2)
+                && paused(3)
+                && snapshot_step(&nodes.output_dir()).is_some_and(|step| step > at_the_cut + 3)
+        },
+        || nodes.said(),
+    );
+    star.set_trunk(true).expect("heal the trunk");
+    wait_until(
+        "the workers of nodes 2 and 3 let back in",
+        || {
+            let said = nodes.launchers[0].stderr();
+            said.contains("rank 2 of node 2 rejoins") && said.contains("rank 3 of node 3 rejoins")
+        },
+        || nodes.said(),
+    );
+    for node in 0..4 {
         let status = nodes.launchers[node].wait(LIMIT);
         assert!(
             status.success(),
@@ -315,17 +511,51 @@ fn node_0_cut_off_by_its_link_ends_and_nodes_1_and_2_go_on_with_the_same_bits() 
             nodes.said()
         );
     }
-    eprintln!(
-        "node 0 ended {stopped_after:?} after its link went down\n{}",
-        nodes.said()
-    );
-    assert_contains(
-        &nodes.launchers[1].stderr(),
-        "ranks [2, 3, 4, 5] go on in-process (world size 6 -> 4), nobody restarts",
-    );
+    eprintln!("{}", nodes.said());
+    for (node, pid) in workers.into_iter().enumerate() {
+        let sizes = world_sizes_of(&nodes.trace(), pid);
+        // Nodes 2 and 3 may be let back in one at a time.
+        let ends = (sizes.first(), sizes.last());
+        assert_eq!(ends, (Some(&4), Some(&4)), "node {node}: {sizes:?}");
+        assert_eq!(sizes.contains(&2), node < 2, "node {node}: {sizes:?}");
+    }
+    assert_one_state_per_step(&nodes.trace(), steps);
     assert_same_bits(
         &expected,
         &nodes.output_dir(),
-        "node 0 cut off, nodes 1 and 2 went on",
+        "a 2|2 partition, then healed",
+    );
+}
+
+/// Every step of the run was committed with one batch, whoever committed it, and every
+/// sample of the epoch was trained once (`steps` steps of one epoch, from the sample traces).
+fn assert_one_state_per_step(trace: &Path, steps: usize) {
+    let mut batches: std::collections::BTreeMap<u64, Vec<u64>> = Default::default();
+    for entry in std::fs::read_dir(trace).unwrap() {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        let records = text
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok());
+        for record in records {
+            let step = record["step"].as_u64().unwrap();
+            let batch: Vec<u64> = record["step_indices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|index| index.as_u64().unwrap())
+                .collect();
+            let first = batches.entry(step).or_insert_with(|| batch.clone());
+            assert_eq!(*first, batch, "step {step} was committed with two batches");
+        }
+    }
+    assert_eq!(batches.len(), steps, "steps committed");
+    let mut samples: Vec<u64> = batches.into_values().flatten().collect();
+    let count = samples.len();
+    samples.sort_unstable();
+    samples.dedup();
+    assert_eq!(
+        samples.len(),
+        count,
+        "a sample was trained twice in the epoch"
     );
 }

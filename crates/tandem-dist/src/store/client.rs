@@ -206,6 +206,17 @@ impl StoreClient {
         self.addr
     }
 
+    /// The bound on each request of this client.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Whether the store is replicated: a failed request then means that no majority of its
+    /// replicas answered, which may heal, rather than that the store is gone.
+    pub fn is_replicated(&self) -> bool {
+        self.replicas.is_some()
+    }
+
     /// How long this client's requests have spent, in all, on replicas of a replicated store
     /// that failed or did not lead: while it grows, nobody could write to the store, so a
     /// heartbeat that did not move then says nothing of its sender. Zero for a single store.
@@ -243,7 +254,7 @@ impl StoreClient {
     }
 
     /// [`get`](Self::get) with its own bound on the round trip.
-    pub(crate) fn get_within(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>> {
+    pub fn get_within(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>> {
         check_key(key)?;
         match self.request(key, &Request::Get { key: key.into() }, timeout)? {
             Response::Value(value) => Ok(Some(value)),
@@ -318,15 +329,17 @@ impl StoreClient {
 
     /// Adds `delta` to the integer under `key` (missing counts as 0) and returns the new value.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.add_within(key, delta, self.timeout)
+    }
+
+    /// [`add`](Self::add) with its own bound on the round trip.
+    pub(crate) fn add_within(&self, key: &str, delta: i64, timeout: Duration) -> Result<i64> {
         check_key(key)?;
-        match self.request(
-            key,
-            &Request::Add {
-                key: key.into(),
-                delta,
-            },
-            self.timeout,
-        )? {
+        let request = Request::Add {
+            key: key.into(),
+            delta,
+        };
+        match self.request(key, &request, timeout)? {
             Response::Integer(value) => Ok(value),
             other => Err(self.unexpected(key, &other)),
         }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tandem_dist::heartbeat::{
-    Heartbeat, Interrupt, MembershipWatch, WorkerStatus, HEARTBEAT_INTERVAL,
+    Heartbeat, Interrupt, MembershipWatch, StoreCutHook, WorkerStatus, HEARTBEAT_INTERVAL,
 };
 use tandem_dist::{
     CommThread, Pending, ProcessGroup, ProcessGroupOptions, ReduceOp, SharedBuffer, StoreClient,
@@ -222,6 +222,12 @@ impl Ddp {
     /// down, it hangs) then costs no collective timeout.
     pub fn watch_membership(&self, watch: MembershipWatch) {
         self.heartbeat.watch_membership(watch);
+    }
+
+    /// Adds what to do when this worker's node is cut off from the job's replicated store,
+    /// and when it is back (see [`Heartbeat::on_store_cut`]).
+    pub fn on_store_cut(&self, hook: StoreCutHook) {
+        self.heartbeat.on_store_cut(hook);
     }
 
     /// Adds what else to break (a device's communicator) when the watched membership moves

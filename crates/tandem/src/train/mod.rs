@@ -57,7 +57,7 @@ use mirror::{localize, Mirror};
 use on_device::{dataset_upload, uploaded_bytes, StepNotes};
 use placement::find_placement_of;
 use resume_settings::fingerprint;
-use run_lock::{host_name, RunLock};
+use run_lock::{host_name, OutputLock, RunLock};
 use sample_trace::SampleTrace;
 use schedule::Schedule;
 use shards::ShardSync;
@@ -154,8 +154,9 @@ fn take_the_output_folder(
     storage: Option<tandem_remote::Storage>,
     places: Vec<(std::path::PathBuf, tandem_remote::ObjectUrl)>,
     stop_requested: &Arc<AtomicBool>,
-) -> anyhow::Result<(Option<RunLock>, Option<Mirror>)> {
+) -> anyhow::Result<(OutputLock, Option<Mirror>)> {
     let lock = RunLock::acquire(&settings.output_dir)?;
+    let lock = OutputLock::holding(lock, &settings.output_dir);
     if settings.fresh {
         start_fresh(settings)?;
     }
@@ -163,7 +164,7 @@ fn take_the_output_folder(
         Some(storage) => start_mirror(storage, places, stop_requested)?,
         None => None,
     };
-    Ok((Some(lock), mirror))
+    Ok((lock, mirror))
 }
 
 /// Joins the job's other processes as `place` says: the job token from the environment, the
@@ -310,7 +311,7 @@ struct Trainer {
     sync: Box<dyn GradientSync>,
     stop_requested: Arc<AtomicBool>,
     /// The output folder's lock, held by rank 0 (the rank that writes) for the whole run.
-    _lock: Option<RunLock>,
+    output_lock: OutputLock,
     /// The TensorBoard event file (rank 0, once training starts).
     events: Option<EventWriter>,
     /// Uploads to object storage (rank 0, when outputs go there).
@@ -355,7 +356,7 @@ impl Trainer {
                 localized.places,
                 &stop_requested,
             )?,
-            false => (None, None),
+            false => (OutputLock::default(), None),
         };
         if settings.threads == 0 {
             settings.threads = (available_cores() / local_world_size.max(1)).max(1);
@@ -381,7 +382,7 @@ impl Trainer {
             .filter(|_| !joiner)
             .map(|place| join_the_job(place, &settings, model.params().len(), None))
             .transpose()?;
-        reform::watch_the_first_group(membership.as_ref(), ddp.as_ref(), world_size);
+        reform::watch_the_first_group(membership.as_ref(), ddp.as_ref(), world_size, &lock);
         let backend = crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
         // On the ring, GPU ranks exchange gradients and broadcasts through the host; with NCCL
         // they stay on the device, and the snapshot, batch count and metrics use the ring.
@@ -420,7 +421,7 @@ impl Trainer {
             history: Vec::new(),
             sync,
             stop_requested,
-            _lock: lock,
+            output_lock: lock,
             events: None,
             mirror,
             initial_weights,

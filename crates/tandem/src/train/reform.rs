@@ -17,6 +17,7 @@
 //! exact sum cut short by the abort fails the step, which is then abandoned like a failed
 //! step of the ring; the state is taken from the host copies of the device's.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,6 +34,7 @@ use tandem_models::training_device::update_host;
 use super::ddp::WorkerPlacement;
 use super::gradient_sync::Alone;
 use super::resume_settings::fingerprint;
+use super::run_lock::OutputLock;
 use super::snapshot::Snapshot;
 use super::{gradient_sync_of, join_the_job, Trainer, MISSING_TOKEN};
 use crate::backend::BackendRequest;
@@ -170,7 +172,7 @@ impl Trainer {
         loop {
             match self.join_one_membership() {
                 Ok((record, change)) => {
-                    if self.is_leader() && self._lock.is_none() {
+                    if self.is_leader() && !self.output_lock.is_held() {
                         self.take_up_leadership(old_rank)?;
                     }
                     if self.is_leader() {
@@ -215,12 +217,12 @@ impl Trainer {
             ..membership
         };
         // From here on, before the group's first store wait: a member may be lost any time.
-        watch_membership(&membership, &ddp, record.members.clone());
+        watch_membership(&membership, &ddp, record.members.clone(), &self.output_lock);
         self.sync = gradient_sync_of(self.shards, Some(ddp), &mut *self.compute, &self.settings)?;
         self.membership = Some(membership);
         if !self.is_leader() {
             // The new rank 0 writes the run's files from here.
-            self._lock = None;
+            self.output_lock.release();
             self.events = None;
         }
         self.take_the_most_advanced_state()?;
@@ -231,13 +233,16 @@ impl Trainer {
     /// Waits for the next membership and forms its group. A member lost before the group
     /// formed (several workers lost a few milliseconds apart) leaves the others unable to
     /// form it: after [`FORMATION_LIMIT`] they take the membership the launcher publishes
-    /// next.
+    /// next. A membership that left this worker out (its node was cut off, or its launcher
+    /// stopped, past the heartbeat timeout) fences it: it asks to rejoin, and waits for one
+    /// that lets it in at a step boundary.
     fn form_the_next_group(
         &mut self,
         membership: &Membership,
     ) -> anyhow::Result<(MembershipRecord, super::Ddp)> {
         let timeout = Duration::from_secs_f64(self.settings.collective_timeout);
         let mut waiting = membership.clone();
+        let mut asked_to_rejoin = false;
         loop {
             let record = match wait_for_membership(&waiting, timeout) {
                 Ok(record) => record,
@@ -245,14 +250,16 @@ impl Trainer {
             };
             let start = &waiting.start;
             let Some(rank) = record.members.iter().position(|&id| id == start.worker_id) else {
-                bail!(
-                    "this worker (rank {} at the round's start) was left out of the job at \
-                     membership {}: {}",
-                    start.worker_id,
-                    record.epoch,
-                    record.why
-                );
+                if !asked_to_rejoin {
+                    // Fenced, it writes nothing: the members' rank 0 needs the folder.
+                    self.output_lock.release();
+                    ask_to_rejoin(&waiting, &record)?;
+                    asked_to_rejoin = true;
+                }
+                waiting.epoch = record.epoch;
+                continue;
             };
+            asked_to_rejoin = false;
             let place = WorkerPlacement {
                 rank,
                 world_size: record.members.len(),
@@ -290,14 +297,17 @@ impl Trainer {
         Ok(ddp)
     }
 
-    /// When the job stayed below its minimum (`error` says so), the worker that writes the
-    /// run's files writes the snapshot of its state; returns the error to end with.
+    /// When the job stayed below its minimum (`error` says so), the first member of the
+    /// paused membership writes the snapshot of its state; returns the error to end with.
     fn stop_below_minimum(&mut self, error: anyhow::Error) -> anyhow::Error {
-        if error.downcast_ref::<BelowMinimum>().is_none() || self._lock.is_none() {
+        let writes = error
+            .downcast_ref::<BelowMinimum>()
+            .is_some_and(|below| Some(below.first) == self.worker_id());
+        if !writes {
             return error;
         }
         let (epoch, step) = (self.progress.epoch + 1, self.progress.step_in_epoch);
-        match self.save_snapshot() {
+        match self.lock_the_output().and_then(|()| self.save_snapshot()) {
             Ok(()) => error.context(format!(
                 "the snapshot holds epoch {epoch}, step {step}: start the job again to resume"
             )),
@@ -343,44 +353,91 @@ impl Trainer {
         Ok(())
     }
 
-    /// When this worker became rank 0 by the change (the old rank 0 was lost, or it joined
-    /// in its place), takes up what rank 0 alone does: the output folder's lock and the
-    /// TensorBoard events.
+    /// When this worker is rank 0 of the new membership (it stayed rank 0, or the old rank 0
+    /// was lost, or it joined in its place), takes up what rank 0 alone does: the output
+    /// folder's lock and the TensorBoard events.
     fn take_up_leadership(&mut self, old_rank: usize) -> anyhow::Result<()> {
-        if self._lock.is_none() {
-            // The old rank 0 may still hold it: left out of the job, it is being stopped.
-            // The wait is file work, not a hang, for the launcher's stall watch.
-            let _files = tandem_dist::heartbeat::doing_file_work();
-            let lock = super::RunLock::acquire_within(&self.settings.output_dir, LOCK_PATIENCE)?;
-            self._lock = Some(lock);
-        }
+        self.lock_the_output()?;
         if self.events.is_none() && self.progress.epoch < self.settings.epochs {
             self.open_events()?;
         }
-        tell!("rank {old_rank} is now rank 0: it writes the run's files");
+        if old_rank != 0 {
+            tell!("rank {old_rank} is now rank 0: it writes the run's files");
+        }
         Ok(())
+    }
+
+    /// Takes the output folder's lock unless this worker holds it. The old rank 0 may still
+    /// hold it: left out of the job, it lets go or is stopped. The wait is file work, not a
+    /// hang, for the launcher's stall watch.
+    fn lock_the_output(&mut self) -> anyhow::Result<()> {
+        let _files = tandem_dist::heartbeat::doing_file_work();
+        self.output_lock
+            .take_within(&self.settings.output_dir, LOCK_PATIENCE)
+    }
+
+    /// This worker's id (its rank at the round's start), with `--keep-survivors`.
+    fn worker_id(&self) -> Option<usize> {
+        self.membership
+            .as_ref()
+            .map(|membership| membership.start.worker_id)
     }
 }
 
+/// Tells the launcher that this worker, which `record` left out of the job, is ready to
+/// rejoin it; says so.
+fn ask_to_rejoin(membership: &Membership, record: &MembershipRecord) -> anyhow::Result<()> {
+    let id = membership.start.worker_id;
+    let key = joiner_key(&membership.start.round_prefix, id);
+    membership.store.set(&key, b"ready")?;
+    tell!(
+        "rank {id} (at the round's start) was left out of the job at membership {} ({}): it \
+         takes no part in any step of it, and asks to rejoin at a step boundary",
+        record.epoch,
+        record.why
+    );
+    Ok(())
+}
+
 /// Has `ddp`'s heartbeat break the group's collectives and store waits when a membership
-/// later than `membership`'s leaves out one of `members` (the ids of the group's members).
-pub(super) fn watch_membership(membership: &Membership, ddp: &super::Ddp, members: Vec<usize>) {
+/// later than `membership`'s leaves out one of `members` (the ids of the group's members),
+/// and let go of the output folder's `lock` while this worker is cut off from the store.
+pub(super) fn watch_membership(
+    membership: &Membership,
+    ddp: &super::Ddp,
+    members: Vec<usize>,
+    lock: &OutputLock,
+) {
     ddp.watch_membership(MembershipWatch {
         round_prefix: membership.start.round_prefix.clone(),
         epoch: membership.epoch,
         members,
     });
+    let (lock, id) = (lock.clone(), membership.start.worker_id);
+    let released = AtomicBool::new(false);
+    ddp.on_store_cut(Box::new(move |cut| {
+        if cut && lock.release() {
+            released.store(true, Ordering::SeqCst);
+            tell!(
+                "rank {id} (at the round's start) reaches no majority of the job's store: it lets \
+                 go of the output folder, for the majority's rank 0"
+            );
+        } else if !cut && released.swap(false, Ordering::SeqCst) && lock.take_again() {
+            tell!("rank {id} (at the round's start) reaches the store again: it holds the output folder again");
+        }
+    }));
 }
 
 /// In a job of `membership` (`--keep-survivors`), has the first group's heartbeat watch for
-/// a membership that leaves out one of its `world_size` ranks.
+/// a membership that leaves out one of its `world_size` ranks (see [`watch_membership`]).
 pub(super) fn watch_the_first_group(
     membership: Option<&Membership>,
     ddp: Option<&super::Ddp>,
     world_size: usize,
+    lock: &OutputLock,
 ) {
     if let (Some(membership), Some(ddp)) = (membership, ddp) {
-        watch_membership(membership, ddp, (0..world_size).collect());
+        watch_membership(membership, ddp, (0..world_size).collect(), lock);
     }
 }
 
@@ -428,6 +485,8 @@ pub fn nccl_group_failed(error: anyhow::Error) -> anyhow::Error {
 struct BelowMinimum {
     members: usize,
     seconds: f64,
+    /// The id of the paused membership's first member, which writes the snapshot.
+    first: usize,
 }
 
 impl std::fmt::Display for BelowMinimum {
@@ -471,6 +530,7 @@ fn wait_for_membership(
                     paused = Some(BelowMinimum {
                         members: record.members.len(),
                         seconds,
+                        first: record.members[0],
                     });
                 }
                 (true, _) => return Ok(record),

@@ -7,6 +7,7 @@ use std::fs::File;
 use std::io::{Read, Seek, Write};
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -140,6 +141,66 @@ impl Drop for RunLock {
     /// releases the lock.
     fn drop(&mut self) {
         let _ = self.file.set_len(0);
+    }
+}
+
+/// The output folder's lock as the worker that writes the run's files holds it, shared with
+/// its heartbeat thread: a worker cut off from the job's store lets go of it, so that the
+/// rank 0 of the majority's next membership can write.
+#[derive(Clone, Default)]
+pub struct OutputLock(Arc<Mutex<HeldLock>>);
+
+/// The lock, when held, and the folder it was last taken for.
+#[derive(Default)]
+struct HeldLock {
+    lock: Option<RunLock>,
+    output_dir: Option<PathBuf>,
+}
+
+impl OutputLock {
+    /// Holds `lock`, taken for `output_dir`.
+    pub fn holding(lock: RunLock, output_dir: &Path) -> OutputLock {
+        OutputLock(Arc::new(Mutex::new(HeldLock {
+            lock: Some(lock),
+            output_dir: Some(output_dir.to_path_buf()),
+        })))
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, HeldLock> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether the lock is held.
+    pub fn is_held(&self) -> bool {
+        self.held().lock.is_some()
+    }
+
+    /// Lets go of the lock; returns whether it was held.
+    pub fn release(&self) -> bool {
+        self.held().lock.take().is_some()
+    }
+
+    /// Takes the lock of `output_dir` unless it is held, waiting up to `patience` for a
+    /// holder that is going away (see [`RunLock::acquire_within`]).
+    pub fn take_within(&self, output_dir: &Path, patience: Duration) -> anyhow::Result<()> {
+        if !self.is_held() {
+            let lock = RunLock::acquire_within(output_dir, patience)?;
+            let mut held = self.held();
+            held.lock = Some(lock);
+            held.output_dir = Some(output_dir.to_path_buf());
+        }
+        Ok(())
+    }
+
+    /// Takes the lock of the folder it was last taken for again, if nobody holds it now;
+    /// returns whether it is held.
+    pub fn take_again(&self) -> bool {
+        let mut held = self.held();
+        if held.lock.is_none() {
+            let again = held.output_dir.as_deref().map(RunLock::acquire);
+            held.lock = again.and_then(Result::ok);
+        }
+        held.lock.is_some()
     }
 }
 

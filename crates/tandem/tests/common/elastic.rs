@@ -11,12 +11,18 @@ pub const WAIT: Duration = Duration::from_secs(90);
 
 /// 80 steps of 128 samples in one epoch, in 8 shards of 16, a snapshot after every step.
 pub fn elastic_train_args(output_dir: &Path) -> Vec<String> {
-    let mut args = small_model_train(
-        "--data synthetic --synthetic-train 10240 --synthetic-test 64 --epochs 1 \
+    elastic_train_args_of(output_dir, 80)
+}
+
+/// [`elastic_train_args`] with `steps` steps.
+pub fn elastic_train_args_of(output_dir: &Path, steps: usize) -> Vec<String> {
+    let mut args = small_model_train(&format!(
+        "--data synthetic --synthetic-train {} --synthetic-test 64 --epochs 1 \
          --global-batch-size 128 --batch-size 16 --threads 1 --seed 5 --device cpu \
          --log-every-steps 0 --optimizer sgd --momentum 0.9 --nesterov --lr 0.05 \
          --snapshot-every-steps 1",
-    );
+        steps * 128
+    ));
     args.extend(["--output-dir".to_string(), output_dir.display().to_string()]);
     args
 }

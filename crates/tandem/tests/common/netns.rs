@@ -126,6 +126,11 @@ pub struct NetworkStar {
     veths: Vec<String>,
     /// The first three octets of the hosts' /24: host i is at `.{i + 1}`.
     subnet: &'static str,
+    /// The hosts on the first switch (`br0`); the others are on `br1`, joined to it by the
+    /// trunk.
+    first_switch: usize,
+    /// The trunk's end on `br0`, when there are two switches.
+    trunk: Option<String>,
 }
 
 impl NetworkStar {
@@ -138,25 +143,65 @@ impl NetworkStar {
         tag: &str,
         count: usize,
     ) -> Result<NetworkStar, String> {
+        NetworkStar::create_split(prefix, veth, subnet, tag, count, count)
+    }
+
+    /// [`NetworkStar::create`] with two switches: hosts `0..first_switch` on one, the others
+    /// on the other, the switches joined by a trunk link (`{veth}{tag}ta`, `{veth}{tag}tb`).
+    /// Cutting the trunk splits the hosts in two parts, each whole.
+    pub fn create_split(
+        prefix: &str,
+        veth: &str,
+        subnet: &'static str,
+        tag: &str,
+        count: usize,
+        first_switch: usize,
+    ) -> Result<NetworkStar, String> {
         let hub = format!("{prefix}{tag}h");
+        let split = first_switch < count;
         let star = NetworkStar {
             hub: hub.clone(),
             hosts: (0..count).map(|i| format!("{prefix}{tag}{i}")).collect(),
             veths: (0..count).map(|i| format!("{veth}{tag}{i}")).collect(),
             subnet,
+            first_switch,
+            trunk: split.then(|| format!("{veth}{tag}ta")),
         };
         run_ip(&["netns", "add", &hub])?;
-        run_ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
-        run_ip(&["-n", &hub, "link", "set", "br0", "up"])?;
+        let switches: &[&str] = if split { &["br0", "br1"] } else { &["br0"] };
+        for bridge in switches {
+            run_ip(&["-n", &hub, "link", "add", bridge, "type", "bridge"])?;
+            run_ip(&["-n", &hub, "link", "set", bridge, "up"])?;
+        }
+        if let Some(trunk) = &star.trunk {
+            let other_end = format!("{veth}{tag}tb");
+            run_ip(&[
+                "-n", &hub, "link", "add", trunk, "type", "veth", "peer", "name", &other_end,
+            ])?;
+            run_ip(&["-n", &hub, "link", "set", trunk, "master", "br0", "up"])?;
+            run_ip(&["-n", &hub, "link", "set", &other_end, "master", "br1", "up"])?;
+        }
         for index in 0..count {
             star.attach(index)?;
         }
         Ok(star)
     }
 
+    /// Takes the trunk between the two switches down (`up` false) or up again.
+    pub fn set_trunk(&self, up: bool) -> Result<(), String> {
+        let trunk = self.trunk.as_deref().ok_or("this star has one switch")?;
+        let state = if up { "up" } else { "down" };
+        run_ip(&["-n", &self.hub, "link", "set", trunk, state])
+    }
+
     /// Makes host `index`'s namespace and links it to the bridge.
     fn attach(&self, index: usize) -> Result<(), String> {
         let (host, veth, hub) = (&self.hosts[index], &self.veths[index], &self.hub);
+        let bridge = if index < self.first_switch {
+            "br0"
+        } else {
+            "br1"
+        };
         let hub_end = format!("{veth}h");
         let address = format!("{}/24", self.address(index));
         let steps: [&[&str]; 8] = [
@@ -166,7 +211,7 @@ impl NetworkStar {
             ],
             &["link", "set", veth, "netns", host],
             &["link", "set", &hub_end, "netns", hub],
-            &["-n", hub, "link", "set", &hub_end, "master", "br0", "up"],
+            &["-n", hub, "link", "set", &hub_end, "master", bridge, "up"],
             &["-n", host, "addr", "add", &address, "dev", veth],
             &["-n", host, "link", "set", veth, "up"],
             &["-n", host, "link", "set", "lo", "up"],
@@ -194,6 +239,18 @@ impl NetworkStar {
     /// Takes host `index`'s link down: no packet passes any more, and no connection is told.
     pub fn link_down(&self, index: usize) -> Result<(), String> {
         take_link_down(&self.hosts[index], &self.veths[index])
+    }
+
+    /// Brings host `index`'s link up again: the cut heals.
+    pub fn link_up(&self, index: usize) -> Result<(), String> {
+        run_ip(&[
+            "-n",
+            &self.hosts[index],
+            "link",
+            "set",
+            &self.veths[index],
+            "up",
+        ])
     }
 }
 
