@@ -135,8 +135,10 @@ impl StoreClient {
         fill_random(&mut session)?;
         let deadline = Instant::now() + timeout;
         let mut failures = Vec::new();
+        let start = first_to_try(addrs, *lock_hint());
         loop {
-            for (index, &addr) in addrs.iter().enumerate() {
+            for index in (0..addrs.len()).map(|offset| (start + offset) % addrs.len()) {
+                let addr = addrs[index];
                 let attempt_deadline = deadline.min(Instant::now() + REPLICA_CONNECT_TIMEOUT);
                 match Self::connect_once(addr, token, attempt_deadline) {
                     Ok(stream) => {
@@ -496,6 +498,7 @@ impl StoreClient {
                 }
                 Ok(response) => {
                     count_failover(moved);
+                    *lock_hint() = Some(addr);
                     return Ok(response);
                 }
                 Err(message) => {
@@ -560,6 +563,23 @@ impl Replicas {
             }
         }
     }
+}
+
+/// The replica that last answered a request of this process as the replicated store's
+/// leader. A new connection starts there: the first replica may be cut off, and a
+/// connection to a host that is cut off only fails at its timeout.
+static LEADER_HINT: Mutex<Option<SocketAddr>> = Mutex::new(None);
+
+fn lock_hint() -> std::sync::MutexGuard<'static, Option<SocketAddr>> {
+    LEADER_HINT
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The index in `addrs` of the replica to try first: the `hint` when it is one of them.
+fn first_to_try(addrs: &[SocketAddr], hint: Option<SocketAddr>) -> usize {
+    hint.and_then(|hint| addrs.iter().position(|&addr| addr == hint))
+        .unwrap_or(0)
 }
 
 /// `request` with its wait cut to what is left of the client's own timeout.
@@ -646,4 +666,21 @@ pub(crate) fn remaining(deadline: Instant) -> Option<Duration> {
     deadline
         .checked_duration_since(Instant::now())
         .filter(|left| !left.is_zero())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_connection_starts_at_the_replica_that_last_led() {
+        let addrs: Vec<SocketAddr> = ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"]
+            .iter()
+            .map(|addr| addr.parse().expect("addr"))
+            .collect();
+        assert_eq!(first_to_try(&addrs, None), 0);
+        assert_eq!(first_to_try(&addrs, Some(addrs[2])), 2);
+        let elsewhere = "10.0.0.9:1".parse().expect("addr");
+        assert_eq!(first_to_try(&addrs, Some(elsewhere)), 0);
+    }
 }
