@@ -89,6 +89,9 @@ start_node() {
 # The job watched is the majority's: a node other than the one cut off.
 job_alive() { kill -0 "${pids[$(( (cut + 1) % 3 ))]}" 2>/dev/null; }
 
+# Whether a node of the majority published the membership without the cut-off node.
+published() { cat "$job_dir"/stderr-* | grep -qs "membership 1: node $cut lost"; }
+
 paused() { grep -qs "node $cut is cut off from the job's store" "$job_dir/stderr-$cut"; }
 
 failure() {
@@ -99,7 +102,7 @@ failure() {
 
 # trial N: one cut and its healing; prints both latencies or a failure.
 trial() {
-    local n=$1 t_down t_first t_up t_back node
+    local n=$1 t_down t_published t_first t_up t_back node
     job_dir=$tmp/trial-$n
     trace=$job_dir/trace
     mkdir -p "$trace"
@@ -107,6 +110,8 @@ trial() {
     if ! wait_for 90 records_at_least 60; then failure "training never got under way"; stop_jobs; return 1; fi
     t_down=$(now)
     ip -n "${ns[$cut]}" link set "${veth[$cut]}" down
+    if ! wait_for 60 published; then failure "no membership without node $cut within 60 s"; stop_jobs; return 1; fi
+    t_published=$(now)
     if ! wait_for 60 world_size_seen 4; then failure "no step at world size 4 within 60 s"; stop_jobs; return 1; fi
     t_first=$(trace_query first 4)
     if ! wait_for 60 paused; then failure "node $cut never paused"; stop_jobs; return 1; fi
@@ -120,7 +125,7 @@ trial() {
     done
     stop_jobs
     [ -n "$back" ] || { failure "node $cut's workers not back within 30 s"; return 1; }
-    echo "  trial $n: cut $(sub "$t_first" "$t_down") s, paused after $(sub "$t_up" "$t_down") s, back $(sub "$back" "$t_up") s after the link came up"
+    echo "  trial $n: cut $(sub "$t_first" "$t_down") s (membership published after about $(sub "$t_published" "$t_down") s), paused after $(sub "$t_up" "$t_down") s, back $(sub "$back" "$t_up") s after the link came up"
     sub "$t_first" "$t_down" >>"$tmp/cuts"
     sub "$back" "$t_up" >>"$tmp/rejoins"
 }

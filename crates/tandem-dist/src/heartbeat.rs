@@ -64,7 +64,8 @@ impl Activity {
         let since = WAITING_SINCE.load(Ordering::Relaxed);
         // A wait with no collective running is no wait for the peers: the waiting thread
         // would have woken.
-        let running = COLLECTIVES_RUNNING.load(Ordering::Relaxed) > 0;
+        let running = COLLECTIVES_RUNNING.load(Ordering::Relaxed) > 0
+            || STORE_REQUESTS.load(Ordering::Relaxed) > 0;
         let waiting_ms = match since {
             since if since > 0 && running => process_millis().saturating_sub(since - 1).max(1),
             _ => 0,
@@ -94,6 +95,10 @@ static WAITING_SINCE: AtomicU64 = AtomicU64::new(0);
 
 /// How many collectives the process runs now (on its comm thread).
 static COLLECTIVES_RUNNING: AtomicUsize = AtomicUsize::new(0);
+
+/// How many store requests the process waits on now: a store whose replica or leader is
+/// cut off makes a request wait for a failover, as a collective waits for its peers.
+static STORE_REQUESTS: AtomicUsize = AtomicUsize::new(0);
 
 /// How many file reads or writes the process is in.
 static IN_IO: AtomicUsize = AtomicUsize::new(0);
@@ -137,6 +142,26 @@ impl Drop for PeerWait {
         if self.outermost {
             WAITING_SINCE.store(0, Ordering::Relaxed);
         }
+    }
+}
+
+/// Marks a store request as waited on until dropped: a wait for the peers that serve the
+/// store.
+pub(crate) struct StoreRequest {
+    _wait: PeerWait,
+}
+
+/// Starts a store request; see [`StoreRequest`].
+pub(crate) fn waiting_on_the_store() -> StoreRequest {
+    STORE_REQUESTS.fetch_add(1, Ordering::Relaxed);
+    StoreRequest {
+        _wait: waiting_for_peers(),
+    }
+}
+
+impl Drop for StoreRequest {
+    fn drop(&mut self) {
+        STORE_REQUESTS.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -462,6 +487,15 @@ mod tests {
             watch.breaks_on(&record(2, &[0, 3], "rank 2 lost")),
             Some("membership 2: rank 2 lost".into())
         );
+    }
+
+    #[test]
+    fn a_store_request_under_way_counts_as_a_wait_for_the_peers() {
+        let request = waiting_on_the_store();
+        std::thread::sleep(Duration::from_millis(5));
+        let activity = Activity::now();
+        drop(request);
+        assert!(activity.waiting_ms >= 1, "{activity:?}");
     }
 
     #[test]

@@ -30,9 +30,10 @@ const WATCH_INTERVAL: Duration = Duration::from_millis(10);
 /// How often the agent asks the store whether another node failed or asked to stop.
 const STORE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// The least bound on a store request of an agent when the store is replicated: long
-/// enough for most elections of a new leader. A request that fails pauses the node until
-/// the store answers again (see [`CutOff`]).
-const REPLICATED_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// enough for the replicas to elect a new leader, so that a node of the majority never
+/// pauses for an election. A request that fails pauses the node until the store answers
+/// again (see [`CutOff`]).
+const REPLICATED_REQUEST_TIMEOUT: Duration = Duration::from_secs(4);
 /// How long the agent waits for a worker to die after SIGKILL before giving up on it.
 const AFTER_KILL_WAIT: Duration = Duration::from_secs(5);
 /// How long the launcher gathers losses before it publishes a membership without the lost

@@ -366,7 +366,7 @@ fn node_0_cut_off_by_its_link_pauses_and_rejoins_when_the_link_heals_with_the_sa
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (mut nodes, expected, node_0_workers, down) = node_0_cut_off(dir.path(), "h", &[], 400);
+    let (mut nodes, expected, node_0_workers, down) = node_0_cut_off(dir.path(), "h", &[], 600);
     let survivors: Vec<u32> = [(1, 2), (1, 3), (2, 4), (2, 5)]
         .iter()
         .map(|&(node, rank)| nodes.launchers[node].worker(rank))
@@ -459,7 +459,7 @@ fn a_2_2_partition_commits_each_step_once_and_the_side_without_the_store_pauses_
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let steps = 400;
+    let steps = 600;
     let expected = uninterrupted_run(dir.path(), steps);
     // Nodes 0 and 1 on one switch, 2 and 3 on the other; 0, 1 and 2 host the replicas.
     let mut nodes = Nodes::on_switches(dir.path(), "p", (4, 1), 2);

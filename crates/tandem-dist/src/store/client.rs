@@ -409,6 +409,7 @@ impl StoreClient {
     /// Sends one request and reads its response, both within `timeout`. Any I/O failure
     /// breaks the connection for good: a half-read response would put it out of step.
     fn request(&self, key: &str, request: &Request, timeout: Duration) -> Result<Response> {
+        let _waiting = crate::heartbeat::waiting_on_the_store();
         if let Some(replicas) = &self.replicas {
             return self.request_replicated(replicas, key, request, timeout);
         }
