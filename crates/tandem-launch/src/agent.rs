@@ -213,15 +213,20 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
             // Node 0 says first why a round could not start.
             false => store.await_round(number, &me, join_deadline + LEAVE_TIMEOUT, &interrupted)?,
         };
-        let round = match entered {
-            Waited::Done(Entry::Member(round)) => round,
-            Waited::Done(Entry::LeftOut) => {
-                say(&format!(
-                    "round {number} started without this node; it joins the next one"
-                ));
-                number += 1;
-                left_out = true;
-                continue;
+        let (round, joining) = match entered {
+            Waited::Done(Entry::Member(round)) => (round, false),
+            Waited::Done(Entry::LeftOut(closed)) => {
+                match rejoins_in_process(plan, &store, &closed)? {
+                    true => (closed, true),
+                    false => {
+                        say(&format!(
+                            "round {number} started without this node; it joins the next one"
+                        ));
+                        number += 1;
+                        left_out = true;
+                        continue;
+                    }
+                }
             }
             Waited::Done(Entry::Ended(ended)) => {
                 return ended_while_waiting(&store, number, ended);
@@ -240,7 +245,7 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
         if topology.is_elastic() {
             say(&round.line);
         }
-        let (reports, mut others, lost) = match run_round(plan, &store, &round)? {
+        let (reports, mut others, lost) = match run_round(plan, &store, &round, joining)? {
             Ok(outcome) => outcome,
             Err(end) => return Ok(end),
         };
@@ -262,6 +267,37 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
             }
         }
     }
+}
+
+/// Whether this node, started again while round `closed` runs without it (it was lost and
+/// left out), rejoins that round in-process (`--keep-survivors`, any node but node 0, which
+/// opens the rounds): its workers start as joiners in their old places, and the deciding
+/// node lets them in at a step boundary; nobody restarts. Says so.
+fn rejoins_in_process(
+    plan: &LaunchPlan,
+    store: &AgentStore,
+    closed: &Round,
+) -> anyhow::Result<bool> {
+    let node = plan.topology.node_rank;
+    let its_place = closed
+        .members
+        .iter()
+        .any(|member| member.node == node && member.nproc == plan.topology.nproc_per_node);
+    if !plan.keep_survivors || node == 0 || !its_place {
+        return Ok(false);
+    }
+    let dropped = !store.dropped_nodes(closed.number, &[node])?.is_empty();
+    if !dropped || store.round_is_over(closed.number)? {
+        return Ok(false);
+    }
+    // Its old agent's reports of lost workers are of processes that are gone.
+    store.report_lost(closed.number, &[])?;
+    say(&format!(
+        "round {} runs without this node, which it lost: this node's workers rejoin it at a \
+         step boundary, and nobody restarts",
+        closed.number
+    ));
+    Ok(true)
 }
 
 /// Makes the log folders, reaches the job's store (hosting it on node 0) by `deadline`, and
@@ -375,17 +411,19 @@ type RoundOutcome = (
     BTreeMap<usize, String>,
 );
 
-/// Runs `round` on this node: starts its workers, watches them, and shares the reports;
-/// or, when the store is lost, says how the job ends.
+/// Runs `round` on this node: starts its workers (`joining` the running round, when this
+/// node rejoins it), watches them, and shares the reports; or, when the store is lost, says
+/// how the job ends.
 fn run_round(
     plan: &LaunchPlan,
     store: &AgentStore,
     round: &Round,
+    joining: bool,
 ) -> anyhow::Result<Result<RoundOutcome, JobEnd>> {
     let (topology, number) = (&plan.topology, round.number);
-    let mut workers = start_workers(plan, store, round)?;
+    let mut workers = start_workers(plan, store, round, joining)?;
     let mut heartbeats = Heartbeats::new(topology.nnodes, plan.heartbeat_timeout);
-    let watched = watch_round(plan, store, round, &mut workers, &mut heartbeats);
+    let watched = watch_round(plan, store, round, &mut workers, &mut heartbeats, joining);
     // Workers left out by a membership change are no part of the round's outcome.
     let dropped = watched
         .as_ref()
@@ -824,12 +862,13 @@ fn start_workers(
     plan: &LaunchPlan,
     store: &AgentStore,
     round: &Round,
+    joining: bool,
 ) -> anyhow::Result<Vec<Worker>> {
     let topology = &plan.topology;
     let (group_rank, first_rank) = round
         .place_of(topology.node_rank)
         .context("this node is not a member of the round it starts")?;
-    let job = job_env(plan, store, round, false);
+    let job = job_env(plan, store, round, joining);
     let mut workers = Vec::with_capacity(topology.nproc_per_node);
     for local_rank in 0..topology.nproc_per_node {
         let place = WorkerPlace {
@@ -955,11 +994,10 @@ fn watch_round(
     round: &Round,
     workers: &mut Vec<Worker>,
     heartbeats: &mut Heartbeats,
+    joining: bool,
 ) -> anyhow::Result<Watched> {
     let mut duties = StoreDuties::new(plan, round);
-    let timeout = plan.heartbeat_timeout;
-    let mut beats = WorkerBeats::new(round, plan.topology.node_rank, workers.len(), timeout);
-    let mut membership = Membership::new(round, workers, plan);
+    let (mut beats, mut membership) = watchers(plan, store, round, workers, joining)?;
     let mut stopping: Option<Stopping> = None;
     let mut cut_off: Option<CutOff> = None;
     loop {
@@ -1047,6 +1085,31 @@ fn watch_round(
             decider: membership.decider,
         }),
     }
+}
+
+/// What watches the round's `workers`: their heartbeats, and the membership. Workers
+/// `joining` a running round start fenced, asking to rejoin, and must move their heartbeat
+/// counters past those of the workers they replace.
+fn watchers(
+    plan: &LaunchPlan,
+    store: &AgentStore,
+    round: &Round,
+    workers: &[Worker],
+    joining: bool,
+) -> anyhow::Result<(WorkerBeats, Membership)> {
+    let (node, timeout) = (plan.topology.node_rank, plan.heartbeat_timeout);
+    let mut beats = WorkerBeats::new(round, node, workers.len(), timeout);
+    let mut membership = Membership::new(round, workers, plan);
+    if joining {
+        for (baseline, worker) in beats.baselines.iter_mut().zip(workers) {
+            *baseline = store
+                .worker_heartbeat(round.number, worker.place.rank)?
+                .max(0);
+        }
+        let why = format!("node {node}'s launcher started again");
+        membership.rejoining = Some((Instant::now(), why));
+    }
+    Ok((beats, membership))
 }
 
 /// A node cut off from the majority of a replicated store's replicas (`--keep-survivors`):

@@ -116,8 +116,8 @@ pub struct Ended {
 pub enum Entry {
     /// The round was closed with this agent in it.
     Member(Round),
-    /// The round was closed without this agent (it came too late).
-    LeftOut,
+    /// The round was closed without this agent (it came too late), as it was closed.
+    LeftOut(Round),
     /// Node 0 ended the job.
     Ended(Ended),
 }
@@ -543,7 +543,7 @@ impl AgentStore {
                     .with_context(|| format!("round {round}'s record in the store is malformed"))?;
                 return Ok(Waited::Done(match closed.includes(member) {
                     true => Entry::Member(closed),
-                    false => Entry::LeftOut,
+                    false => Entry::LeftOut(closed),
                 }));
             }
             if let Some(bytes) = self.client.get(ENDED_KEY)? {
@@ -1251,7 +1251,7 @@ mod tests {
             Waited::Done(0)
         );
         node_1.offer(0, &second).unwrap();
-        assert_eq!(entry(&node_1, 0, &second), Entry::LeftOut);
+        assert!(matches!(entry(&node_1, 0, &second), Entry::LeftOut(_)));
         assert_eq!(node_0.join_request(0).unwrap(), None);
         node_1.offer(1, &second).unwrap();
         node_1.ask_to_join(0).unwrap();

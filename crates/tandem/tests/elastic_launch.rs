@@ -558,14 +558,23 @@ fn keep_survivors_node_1_stopped_past_the_heartbeat_timeout_is_fenced_and_rejoin
 }
 
 #[test]
-fn keep_survivors_node_1_started_again_joins_at_the_next_round_with_the_same_bits() {
+fn keep_survivors_node_1_started_again_rejoins_the_running_round_in_process_with_the_same_bits() {
     let dir = tempfile::tempdir().unwrap();
     // Long enough for node 1 to come back before node 0 is done alone.
     let (expected, hosts) = uninterrupted_and_hosts(dir.path(), "r", "4");
-    let (mut node_0, mut node_1, _) = start_keeping_survivors(&hosts);
+    let (mut node_0, mut node_1, [rank_0, rank_1]) = start_keeping_survivors(&hosts);
     kill_for_good(&mut node_1);
     wait_for_node_1_left_out(&node_0);
     let mut node_1 = hosts.start_with(1, "node1-again", &KEEP_SURVIVORS, true);
+    wait_until(
+        "node 1's new workers let in",
+        || {
+            let said = node_0.stderr();
+            said.contains("rank 2 of node 1 rejoins") && said.contains("rank 3 of node 1 rejoins")
+        },
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+    let joiners = [node_1.worker(2), node_1.worker(3)];
     let status_0 = node_0.wait(LIMIT);
     let status_1 = node_1.wait(LIMIT);
     let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
@@ -573,20 +582,38 @@ fn keep_survivors_node_1_started_again_joins_at_the_next_round_with_the_same_bit
     assert!(status_0.success(), "{status_0:?}\n{stderr_0}");
     assert!(status_1.success(), "{status_1:?}\n{stderr_1}");
     assert_contains(
-        &stderr_0,
-        "tandem launch: round 0 ends for a new member (node 1 is waiting to join): the workers \
-         write a snapshot and stop\n",
-    );
-    assert_contains(
         &stderr_1,
-        "tandem launch: round 0 started without this node; it joins the next one\n",
+        "tandem launch: round 0 runs without this node, which it lost: this node's workers \
+         rejoin it at a step boundary, and nobody restarts\n",
+    );
+    assert!(
+        !stderr_0.contains("round 1"),
+        "a new round began:\n{stderr_0}"
     );
     let log = std::fs::read_to_string(dir.path().join("logs-node1/logs/rank_2.log")).unwrap();
-    assert_contains(&log, "round 1 (restart 0 of at most 0), rank 2, node 1");
-    let stdout_0 = node_0.stdout();
-    assert_contains(&stdout_0, "; world size 4 -> 2 at epoch 1, step ");
-    assert_contains(&stdout_0, "world size: 2 -> 4 at epoch 1, step ");
-    assert_same_bits(&expected, &hosts.output_dir, "node 1 lost, then back");
+    assert_contains(&log, "rank 2 joins the running job: waiting to be let in");
+    assert!(
+        !log.contains("resum"),
+        "node 1's worker read a snapshot:\n{log}"
+    );
+    let sizes = world_sizes_by_pid(&hosts.trace);
+    for pid in [rank_0, rank_1] {
+        let went_on = sizes
+            .get(&pid)
+            .is_some_and(|sizes| sizes.contains(&2) && sizes.contains(&4));
+        assert!(went_on, "survivor {pid}: {sizes:?}");
+    }
+    for pid in joiners {
+        let joined = sizes
+            .get(&pid)
+            .is_some_and(|sizes| sizes.contains(&4) && !sizes.contains(&2));
+        assert!(joined, "joiner {pid}: {sizes:?}");
+    }
+    assert_same_bits(
+        &expected,
+        &hosts.output_dir,
+        "node 1 lost, then back in-process",
+    );
 }
 
 #[test]

@@ -465,6 +465,7 @@ impl StoreClient {
                     ),
                 });
             };
+            replicas.follow_the_hint(&mut connection);
             if connection.broken.is_some() {
                 moved = true;
                 if !replicas.reconnect(&mut connection, deadline) {
@@ -544,6 +545,21 @@ impl Replicas {
             .filter(|&index| !recently_failed(index));
         connection.replica = hinted.unwrap_or((connection.replica + 1) % self.addrs.len());
         connection.broken = Some("moving to another replica".into());
+    }
+
+    /// Marks the connection for a move to the replica that last answered another client
+    /// of this process as the leader, when that is another one: a leader whose host was cut
+    /// off answers nothing, and each client would wait its answer timeout to find out.
+    fn follow_the_hint(&self, connection: &mut Connection) {
+        let hint = *lock_hint();
+        let Some(index) = hint.and_then(|hint| self.addrs.iter().position(|&addr| addr == hint))
+        else {
+            return;
+        };
+        if index != connection.replica && connection.broken.is_none() {
+            connection.replica = index;
+            connection.broken = Some("moving to the replica that leads".into());
+        }
     }
 
     /// Connects to the replica the connection should move to; false when it cannot now
