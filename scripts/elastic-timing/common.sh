@@ -4,6 +4,16 @@
 
 now() { date +%s.%N; }
 
+# require_tools [root]: exits 2 naming what is missing: the tandem binary at $tandem, python3
+# (to read the traces), and with `root` the root user (for the network namespaces).
+require_tools() {
+    [ -x "$tandem" ] || { echo "$0: no tandem binary at $tandem (cargo build --release -p tandem, or --tandem)" >&2; exit 2; }
+    command -v python3 >/dev/null || { echo "$0: python3 is needed to read the traces" >&2; exit 2; }
+    if [ "${1:-}" = root ]; then
+        [ "$(id -u)" = 0 ] || { echo "$0: needs root for the network namespaces" >&2; exit 2; }
+    fi
+}
+
 # stop_jobs: kills the process group of every launcher in `pids` (each started in a session of
 # its own), reaps it quietly, and empties `pids`.
 stop_jobs() {

@@ -23,9 +23,7 @@ done
 tandem=$(realpath "$tandem")
 # shellcheck source=common.sh
 source "$here/common.sh"
-[ -x "$tandem" ] || { echo "$0: no tandem binary at $tandem (cargo build --release -p tandem, or --tandem)" >&2; exit 2; }
-command -v python3 >/dev/null || { echo "$0: python3 is needed to read the traces" >&2; exit 2; }
-[ "$(id -u)" = 0 ] || { echo "$0: needs root for the network namespaces" >&2; exit 2; }
+require_tools root
 
 tag=$$
 ns=(tdl${tag}a tdl${tag}b)

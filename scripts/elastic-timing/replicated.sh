@@ -22,8 +22,7 @@ done
 tandem=$(realpath "$tandem")
 # shellcheck source=common.sh
 source "$here/common.sh"
-[ -x "$tandem" ] || { echo "$0: no tandem binary at $tandem (cargo build --release -p tandem, or --tandem)" >&2; exit 2; }
-command -v python3 >/dev/null || { echo "$0: python3 is needed to read the traces" >&2; exit 2; }
+require_tools
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/elastic-replicated.XXXXXX")
 pids=()

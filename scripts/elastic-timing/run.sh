@@ -32,8 +32,6 @@ while [ $# -gt 0 ]; do
         *) echo "$0: unknown argument '$1'" >&2; echo "$usage" >&2; exit 2 ;;
     esac
 done
-[ -x "$tandem" ] || { echo "$0: no tandem binary at $tandem (cargo build --release -p tandem, or --tandem)" >&2; exit 2; }
-command -v python3 >/dev/null || { echo "$0: python3 is needed to read the traces" >&2; exit 2; }
 (( scale_workers > 8 )) || { echo "$0: --scale-workers must be more than 8" >&2; exit 2; }
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/elastic-timing.XXXXXX")
@@ -61,6 +59,7 @@ trap 'exit 130' INT TERM
 
 # shellcheck source=common.sh
 source "$here/common.sh"
+require_tools
 
 
 # One step of 4 samples per worker at 32 workers, one thread each.

@@ -219,9 +219,6 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
                 match rejoins_in_process(plan, &store, &closed)? {
                     true => (closed, true),
                     false => {
-                        say(&format!(
-                            "round {number} started without this node; it joins the next one"
-                        ));
                         number += 1;
                         left_out = true;
                         continue;
@@ -269,10 +266,10 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
     }
 }
 
-/// Whether this node, started again while round `closed` runs without it (it was lost and
-/// left out), rejoins that round in-process (`--keep-survivors`, any node but node 0, which
-/// opens the rounds): its workers start as joiners in their old places, and the deciding
-/// node lets them in at a step boundary; nobody restarts. Says so.
+/// Whether this node, started while round `closed` runs without it, rejoins that round
+/// in-process: when the round lost it (`--keep-survivors`, any node but node 0, which opens
+/// the rounds), its workers start as joiners in their old places, and the deciding node lets
+/// them in at a step boundary; nobody restarts. Otherwise it joins the next round. Says which.
 fn rejoins_in_process(
     plan: &LaunchPlan,
     store: &AgentStore,
@@ -283,11 +280,15 @@ fn rejoins_in_process(
         .members
         .iter()
         .any(|member| member.node == node && member.nproc == plan.topology.nproc_per_node);
-    if !plan.keep_survivors || node == 0 || !its_place {
-        return Ok(false);
-    }
-    let dropped = !store.dropped_nodes(closed.number, &[node])?.is_empty();
-    if !dropped || store.round_is_over(closed.number)? {
+    let lost_here = plan.keep_survivors && node > 0 && its_place;
+    let rejoins = lost_here
+        && !store.dropped_nodes(closed.number, &[node])?.is_empty()
+        && !store.round_is_over(closed.number)?;
+    if !rejoins {
+        say(&format!(
+            "round {} started without this node; it joins the next one",
+            closed.number
+        ));
         return Ok(false);
     }
     // Its old agent's reports of lost workers are of processes that are gone.
