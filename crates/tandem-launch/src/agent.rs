@@ -1037,7 +1037,7 @@ fn watch_round(
             duties.update(store, heartbeats, local_failure, signal);
         }
         let must_end = local_failure.any || signal.is_some();
-        let trackers = (&mut *heartbeats, &mut beats.beats);
+        let trackers = (&mut *heartbeats, &mut beats);
         cut_off = weather_the_cut(
             cut_off,
             stopping.is_none(),
@@ -1184,7 +1184,7 @@ impl CutOff {
 
 /// With `--keep-survivors` and a replicated store, while the workers run (`running`): turns
 /// the store's error into a cut off the store, and ends a cut that healed (every silence
-/// then starts again, in `trackers`) or that must end (`must_end`, or the rendezvous
+/// and activity seen, in `trackers`, starts again) or that must end (`must_end`, or the rendezvous
 /// timeout: the store's error is back for the workers to be stopped). Returns the cut that
 /// lasts.
 fn weather_the_cut(
@@ -1194,7 +1194,7 @@ fn weather_the_cut(
     plan: &LaunchPlan,
     store: &AgentStore,
     duties: &mut StoreDuties,
-    trackers: (&mut Heartbeats, &mut Heartbeats),
+    trackers: (&mut Heartbeats, &mut WorkerBeats),
 ) -> Option<CutOff> {
     let may_pause = plan.keep_survivors && store.is_replicated() && running;
     let begun = match duties
@@ -1208,7 +1208,8 @@ fn weather_the_cut(
         Cut::Healed => {
             let (nodes, workers) = trackers;
             nodes.restart();
-            workers.restart();
+            workers.beats.restart();
+            workers.stalls.forget_all();
             duties.silent.clear();
             None
         }

@@ -134,6 +134,13 @@ impl Stalls {
         self.remote.clear();
     }
 
+    /// Forgets every activity seen: after a cut off the store, the last ones read are stale,
+    /// and a worker that could write none would look idle.
+    pub fn forget_all(&mut self) {
+        self.seen.iter_mut().for_each(VecDeque::clear);
+        self.remote.clear();
+    }
+
     /// Whether one of the `live` workers has been idle for the whole timeout, so that only
     /// a peer's wait is missing to find it stalled.
     pub fn any_idle(&self, live: &[bool]) -> bool {
