@@ -56,6 +56,10 @@ pub struct Activity {
     /// Whether it is reading or writing files (a snapshot, a checkpoint), which may take a
     /// while without using the CPU.
     pub in_io: bool,
+    /// How many activities the process took before this one: a reader tells a fresh
+    /// activity from one that was not written again (the store did not take it).
+    #[serde(default)]
+    pub written: u64,
 }
 
 impl Activity {
@@ -74,6 +78,7 @@ impl Activity {
             waiting_ms,
             cpu_ms: cpu_millis(),
             in_io: IN_IO.load(Ordering::Relaxed) > 0,
+            written: ACTIVITIES_TAKEN.fetch_add(1, Ordering::Relaxed),
         }
     }
 
@@ -99,6 +104,9 @@ static COLLECTIVES_RUNNING: AtomicUsize = AtomicUsize::new(0);
 /// How many store requests the process waits on now: a store whose replica or leader is
 /// cut off makes a request wait for a failover, as a collective waits for its peers.
 static STORE_REQUESTS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many activities the process took.
+static ACTIVITIES_TAKEN: AtomicU64 = AtomicU64::new(0);
 
 /// How many file reads or writes the process is in.
 static IN_IO: AtomicUsize = AtomicUsize::new(0);

@@ -34,6 +34,8 @@ const STORE_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 /// pauses for an election. A request that fails pauses the node until the store answers
 /// again (see [`CutOff`]).
 const REPLICATED_REQUEST_TIMEOUT: Duration = Duration::from_secs(4);
+/// How long another node's heartbeat may stay still before no worker here is found stalled.
+const QUIET_NODE: Duration = Duration::from_millis(300);
 /// How long the agent waits for a worker to die after SIGKILL before giving up on it.
 const AFTER_KILL_WAIT: Duration = Duration::from_secs(5);
 /// How long the launcher gathers losses before it publishes a membership without the lost
@@ -1003,7 +1005,7 @@ fn watch_round(
     let mut cut_off: Option<CutOff> = None;
     loop {
         if stopping.is_none() && cut_off.is_none() {
-            if let Err(error) = beats.check(store, workers) {
+            if let Err(error) = beats.check(store, workers, heartbeats) {
                 duties.store_error.get_or_insert(error);
             }
         }
@@ -1899,6 +1901,8 @@ struct WorkerBeats {
     /// Whether a worker here has beaten: its heartbeat starts once the job's first group
     /// has formed, with every worker of the round.
     formed: bool,
+    /// The heartbeat timeout.
+    timeout: Duration,
 }
 
 impl WorkerBeats {
@@ -1915,6 +1919,7 @@ impl WorkerBeats {
             stalls: Stalls::new(workers, timeout),
             remote,
             formed: false,
+            timeout,
         }
     }
 
@@ -1937,8 +1942,13 @@ impl WorkerBeats {
 
     /// Reads every running worker's heartbeat and activity (at most once per heartbeat
     /// interval), and the other nodes' activities while a worker here idles, and kills the
-    /// silent ones and the stalled ones.
-    fn check(&mut self, store: &AgentStore, workers: &[Worker]) -> anyhow::Result<()> {
+    /// silent ones and the stalled ones (while no other node's agent is quiet, in `nodes`).
+    fn check(
+        &mut self,
+        store: &AgentStore,
+        workers: &[Worker],
+        nodes: &Heartbeats,
+    ) -> anyhow::Result<()> {
         if self.last_check.elapsed() < HEARTBEAT_INTERVAL {
             return Ok(());
         }
@@ -1979,7 +1989,17 @@ impl WorkerBeats {
             }
         }
         self.read_remote_waits(store, &beating)?;
-        self.kill_the_stalled(workers, &beating);
+        // While another node is quiet, a worker here that waits for nobody may be waiting
+        // for a peer of that node without a collective of its own: the node's heartbeat
+        // decides first.
+        let quiet = self.remote.iter().any(|&(_, node)| {
+            let silence = nodes.silence_of(node);
+            // Longer, the node was left out, and the waits for it were broken.
+            silence >= QUIET_NODE && silence < self.timeout * 2
+        });
+        if !quiet {
+            self.kill_the_stalled(workers, &beating);
+        }
         Ok(())
     }
 

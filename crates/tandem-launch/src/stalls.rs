@@ -201,13 +201,14 @@ impl Stalls {
     }
 
     /// How long worker `index` has been idle, when it was for the whole timeout: no wait, no
-    /// file work, almost no CPU.
+    /// file work, almost no CPU. An activity that was not written again says nothing: the
+    /// worker's heartbeat did not reach the store, and its silence is judged by the beats.
     fn idle_for(&self, index: usize) -> Option<(usize, Duration)> {
         let seen = &self.seen[index];
         let (first_read, first) = seen.front()?;
         let (last_read, last) = seen.back()?;
         let span = last_read.saturating_duration_since(*first_read);
-        if span < self.timeout {
+        if span < self.timeout || last.written <= first.written {
             return None;
         }
         if seen
@@ -231,6 +232,15 @@ mod tests {
             waiting_ms,
             cpu_ms,
             in_io: false,
+            written: 0,
+        })
+    }
+
+    /// `activity` as written at reading `tick`.
+    fn written_at(tick: u64, activity: Option<Activity>) -> Option<Activity> {
+        activity.map(|activity| Activity {
+            written: tick,
+            ..activity
         })
     }
 
@@ -241,8 +251,8 @@ mod tests {
         let start = Instant::now();
         for tick in 0..=15u64 {
             let at = start + Duration::from_millis(tick * 100);
-            stalls.observe(0, at, activity(tick * 100 + 50, 1000));
-            stalls.observe(1, at, second(tick));
+            stalls.observe(0, at, written_at(tick, activity(tick * 100 + 50, 1000)));
+            stalls.observe(1, at, written_at(tick, second(tick)));
         }
         stalls.stalled(&[true, true], start + Duration::from_millis(1500))
     }
@@ -257,7 +267,7 @@ mod tests {
         let start = Instant::now();
         for tick in 0..=15u64 {
             let at = start + Duration::from_millis(tick * 100);
-            stalls.observe(0, at, local(tick));
+            stalls.observe(0, at, written_at(tick, local(tick)));
             stalls.observe_remote(0, 0, at, remote(tick));
         }
         stalls.stalled(&[true], start + Duration::from_millis(1500))
@@ -271,6 +281,20 @@ mod tests {
         assert_eq!((stall.index, stall.waiting), (1, Waiter::Local(0)));
         assert_eq!(stall.waited, Duration::from_millis(1550));
         assert!(stall.idle >= Duration::from_secs(1), "{stall:?}");
+    }
+
+    #[test]
+    fn a_worker_whose_activity_was_not_written_again_is_not_stalled() {
+        let mut stalls = Stalls::new(2, Duration::from_secs(1));
+        let start = Instant::now();
+        for tick in 0..=15u64 {
+            let at = start + Duration::from_millis(tick * 100);
+            stalls.observe(0, at, written_at(tick, activity(tick * 100 + 50, 1000)));
+            // Its heartbeat reaches no store: the same activity is read again and again.
+            stalls.observe(1, at, activity(0, 500));
+        }
+        let stalled = stalls.stalled(&[true, true], start + Duration::from_millis(1500));
+        assert_eq!(stalled, Vec::new());
     }
 
     #[test]
@@ -289,6 +313,7 @@ mod tests {
                 waiting_ms: 0,
                 cpu_ms: 500,
                 in_io: true,
+                written: 0,
             })
         };
         assert_eq!(judge(writing), Vec::new());
@@ -356,8 +381,8 @@ mod tests {
         let start = Instant::now();
         for tick in 0..=15u64 {
             let at = start + Duration::from_millis(tick * 100);
-            stalls.observe(0, at, activity(0, 500 + tick * 90));
-            stalls.observe(1, at, activity(0, 500));
+            stalls.observe(0, at, written_at(tick, activity(0, 500 + tick * 90)));
+            stalls.observe(1, at, written_at(tick, activity(0, 500)));
         }
         assert!(stalls.any_idle(&[true, true]));
         assert!(!stalls.any_idle(&[true, false]));

@@ -512,6 +512,37 @@ fn keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_th
     node_0_goes_on_without_node_1(&hosts, &mut node_0, survivors, &expected);
 }
 
+/// Waits for node 0's memberships that let node 1's workers (ranks 2 and 3) back in, one at
+/// a time or both at once.
+fn wait_for_node_1_let_back_in(node_0: &Launcher, node_1: &Launcher) {
+    wait_until(
+        "node 1's workers let back in",
+        || {
+            let said = node_0.stderr();
+            said.contains("rank 2 of node 1 rejoins") && said.contains("rank 3 of node 1 rejoins")
+        },
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+}
+
+/// Checks that node 0's workers (`stayed`) went on at world size 2 and back at 4, and that
+/// node 1's (`back`) trained at 4 and never at 2.
+fn assert_came_back(trace: &Path, stayed: [u32; 2], back: [u32; 2]) {
+    let sizes = world_sizes_by_pid(trace);
+    for pid in stayed {
+        let went_on = sizes
+            .get(&pid)
+            .is_some_and(|sizes| sizes.contains(&2) && sizes.contains(&4));
+        assert!(went_on, "survivor {pid}: {sizes:?}");
+    }
+    for pid in back {
+        let joined = sizes
+            .get(&pid)
+            .is_some_and(|sizes| sizes.contains(&4) && !sizes.contains(&2));
+        assert!(joined, "node 1's worker {pid}: {sizes:?}");
+    }
+}
+
 #[test]
 fn keep_survivors_node_1_stopped_past_the_heartbeat_timeout_is_fenced_and_rejoins_when_continued() {
     let dir = tempfile::tempdir().unwrap();
@@ -523,13 +554,7 @@ fn keep_survivors_node_1_stopped_past_the_heartbeat_timeout_is_fenced_and_rejoin
     node_1.signal(libc::SIGSTOP);
     wait_for_node_1_left_out(&node_0);
     node_1.signal(libc::SIGCONT);
-    let rejoined = "rank 2 of node 1 rejoins; rank 3 of node 1 rejoins; ranks [0, 1, 2, 3] go on \
-                    in-process (world size 2 -> 4), nobody restarts";
-    wait_until(
-        "node 1's workers let back in",
-        || node_0.stderr().contains(rejoined),
-        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
-    );
+    wait_for_node_1_let_back_in(&node_0, &node_1);
     let (status_0, status_1) = (node_0.wait(LIMIT), node_1.wait(LIMIT));
     let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
     eprintln!("node 0 said:\n{stderr_0}\nnode 1 said:\n{stderr_1}");
@@ -544,16 +569,7 @@ fn keep_survivors_node_1_stopped_past_the_heartbeat_timeout_is_fenced_and_rejoin
         &log,
         "it takes no part in any step of it, and asks to rejoin",
     );
-    assert_went_on_in_process(
-        &hosts.trace,
-        &[
-            (rank_0, &[4, 2]),
-            (rank_1, &[4, 2]),
-            (rank_2, &[4]),
-            (rank_3, &[4]),
-        ],
-        4,
-    );
+    assert_came_back(&hosts.trace, [rank_0, rank_1], [rank_2, rank_3]);
     assert_same_bits(&expected, &hosts.output_dir, "node 1 stopped, then back");
 }
 
@@ -566,14 +582,7 @@ fn keep_survivors_node_1_started_again_rejoins_the_running_round_in_process_with
     kill_for_good(&mut node_1);
     wait_for_node_1_left_out(&node_0);
     let mut node_1 = hosts.start_with(1, "node1-again", &KEEP_SURVIVORS, true);
-    wait_until(
-        "node 1's new workers let in",
-        || {
-            let said = node_0.stderr();
-            said.contains("rank 2 of node 1 rejoins") && said.contains("rank 3 of node 1 rejoins")
-        },
-        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
-    );
+    wait_for_node_1_let_back_in(&node_0, &node_1);
     let joiners = [node_1.worker(2), node_1.worker(3)];
     let status_0 = node_0.wait(LIMIT);
     let status_1 = node_1.wait(LIMIT);
@@ -596,19 +605,7 @@ fn keep_survivors_node_1_started_again_rejoins_the_running_round_in_process_with
         !log.contains("resum"),
         "node 1's worker read a snapshot:\n{log}"
     );
-    let sizes = world_sizes_by_pid(&hosts.trace);
-    for pid in [rank_0, rank_1] {
-        let went_on = sizes
-            .get(&pid)
-            .is_some_and(|sizes| sizes.contains(&2) && sizes.contains(&4));
-        assert!(went_on, "survivor {pid}: {sizes:?}");
-    }
-    for pid in joiners {
-        let joined = sizes
-            .get(&pid)
-            .is_some_and(|sizes| sizes.contains(&4) && !sizes.contains(&2));
-        assert!(joined, "joiner {pid}: {sizes:?}");
-    }
+    assert_came_back(&hosts.trace, [rank_0, rank_1], joiners);
     assert_same_bits(
         &expected,
         &hosts.output_dir,
