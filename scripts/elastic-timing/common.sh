@@ -1,4 +1,4 @@
-# Helpers of the elastic timing scripts (run.sh, linkdown.sh, replicated.sh): sourced, not run.
+# Helpers of the elastic timing scripts (run.sh, linkdown.sh, replicated.sh, partition.sh): sourced, not run.
 # A script that sources it defines job_alive (whether the job it watches still runs) and sets
 # trace (the folder of the job's sample trace) before it calls them.
 
