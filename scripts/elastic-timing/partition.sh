@@ -104,6 +104,8 @@ trial() {
     job_dir=$tmp/trial-$n
     trace=$job_dir/trace
     mkdir -p "$trace"
+    # A trial that failed may have left its cut in place.
+    ip -n "${ns[$cut]}" link set "${veth[$cut]}" up
     for node in 0 1 2; do start_node "$node"; done
     if ! wait_for 90 records_at_least 60; then failure "training never got under way"; stop_jobs; return 1; fi
     t_down=$(now)

@@ -1993,7 +1993,8 @@ impl WorkerBeats {
         // for a peer of that node without a collective of its own: the node's heartbeat
         // decides first.
         let quiet = self.remote.iter().any(|&(_, node)| {
-            let silence = nodes.silence_of(node);
+            // A failover of the store stills every heartbeat: it counts here.
+            let silence = nodes.stillness_of(node);
             // Longer, the node was left out, and the waits for it were broken.
             silence >= QUIET_NODE && silence < self.timeout * 2
         });

@@ -193,6 +193,14 @@ impl Heartbeats {
         self.silence_of(node) >= self.silence
     }
 
+    /// How long `node`'s heartbeat has not moved, as last observed, the store's failovers
+    /// included.
+    pub fn stillness_of(&self, node: usize) -> Duration {
+        self.last_seen
+            .get(node)
+            .map_or(Duration::ZERO, |last| last.1.elapsed())
+    }
+
     /// How long `node`'s heartbeat has not moved, as last observed, less the time the store
     /// spent failing over since.
     pub fn silence_of(&self, node: usize) -> Duration {
