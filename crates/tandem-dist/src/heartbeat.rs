@@ -131,27 +131,34 @@ fn cpu_millis() -> u64 {
     millis(usage.ru_utime) + millis(usage.ru_stime)
 }
 
-/// Marks the process as waiting for its peers until dropped (the outermost wait counts).
-pub struct PeerWait {
-    outermost: bool,
-}
+/// Marks the process as waiting for its peers until dropped. Waits of several threads may
+/// overlap (the training thread's collective, the heartbeat thread's store request): the
+/// process waits from the first one's start until the last one ends.
+pub struct PeerWait(());
 
 /// Starts a wait for the peers; see [`PeerWait`].
 pub fn waiting_for_peers() -> PeerWait {
-    let since = process_millis() + 1;
-    let outermost = WAITING_SINCE
-        .compare_exchange(0, since, Ordering::Relaxed, Ordering::Relaxed)
-        .is_ok();
-    PeerWait { outermost }
+    let mut waits = lock(&WAITS);
+    if *waits == 0 {
+        WAITING_SINCE.store(process_millis() + 1, Ordering::Relaxed);
+    }
+    *waits += 1;
+    PeerWait(())
 }
 
 impl Drop for PeerWait {
     fn drop(&mut self) {
-        if self.outermost {
+        let mut waits = lock(&WAITS);
+        *waits = waits.saturating_sub(1);
+        if *waits == 0 {
             WAITING_SINCE.store(0, Ordering::Relaxed);
         }
     }
 }
+
+/// How many waits for the peers are under way, counted under a lock so that the first to
+/// start and the last to end set [`WAITING_SINCE`] in order.
+static WAITS: Mutex<usize> = Mutex::new(0);
 
 /// Marks a store request as waited on until dropped: a wait for the peers that serve the
 /// store.
@@ -503,6 +510,19 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         let activity = Activity::now();
         drop(request);
+        assert!(activity.waiting_ms >= 1, "{activity:?}");
+    }
+
+    #[test]
+    fn a_wait_that_outlasts_an_earlier_one_of_another_thread_still_counts() {
+        let earlier = waiting_on_the_store();
+        let later = std::thread::spawn(waiting_on_the_store)
+            .join()
+            .expect("thread");
+        drop(earlier);
+        std::thread::sleep(Duration::from_millis(5));
+        let activity = Activity::now();
+        drop(later);
         assert!(activity.waiting_ms >= 1, "{activity:?}");
     }
 
