@@ -162,6 +162,37 @@ fn a_replica_that_fell_far_behind_catches_up_from_the_leaders_image() {
 }
 
 #[test]
+fn a_replica_started_again_empty_catches_up_and_counts_in_the_majority() {
+    let (mut replicas, addrs) = replicas(3);
+    let store = client(&addrs, LIMIT);
+    store.set("first", b"kept").expect("set");
+    // A follower: the leader remembers how far its log reached.
+    let lost = (leader(&replicas) + 1) % 3;
+    replicas[lost] = None;
+    for step in 0..50 {
+        store.set("step", step.to_string().as_bytes()).expect("set");
+    }
+    // Its host started again: a replica at the same address, with nothing of the old one.
+    let mut again = StoreReplica::bind(addrs[lost], token(), StoreLimits::default())
+        .expect("bind the same address again");
+    again.start(&addrs, lost).expect("start");
+    replicas[lost] = Some(again);
+    store.set("after", b"1").expect("set");
+    std::thread::sleep(Duration::from_secs(1));
+    // Each of the two others in turn leaves it in a majority of two.
+    let others: Vec<usize> = (0..3).filter(|&index| index != lost).collect();
+    partition(&replicas, Some(others[0]));
+    assert_eq!(store.get("step").expect("get"), Some(b"49".to_vec()));
+    assert_eq!(store.get("first").expect("get"), Some(b"kept".to_vec()));
+    partition(&replicas, None);
+    partition(&replicas, Some(others[1]));
+    store
+        .set("last", b"2")
+        .expect("set without the second other");
+    assert_eq!(store.get("after").expect("get"), Some(b"1".to_vec()));
+}
+
+#[test]
 fn a_process_group_forms_and_keeps_its_store_through_the_loss_of_the_stores_leader() {
     let (replicas, addrs) = replicas(3);
     let replicas = std::sync::Mutex::new(replicas);

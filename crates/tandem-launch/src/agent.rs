@@ -182,8 +182,10 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
         agent: format!("pid {} started at {}", std::process::id(), now_micros()),
     };
     let size = round_size(plan);
-    let hosts_the_store = topology.node_rank == 0;
-    let mut number = match hosts_the_store {
+    // Node 0 opens the rounds, unless it was lost and started again while the others went
+    // on: it then first enters their round.
+    let mut opens_rounds = topology.node_rank == 0 && !store.job_under_way()?;
+    let mut number = match opens_rounds {
         true => 0,
         false => match store.current_round(join_deadline, &interrupted)? {
             Waited::Done(number) => number,
@@ -195,14 +197,14 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
     let mut left_out = false;
     loop {
         let join_deadline = Instant::now() + plan.join_timeout;
-        if hosts_the_store {
+        if opens_rounds {
             store.open_round(number)?;
         }
         store.offer(number, &me)?;
         if left_out {
             store.ask_to_join(number - 1)?;
         }
-        let entered = match hosts_the_store {
+        let entered = match opens_rounds {
             true => close_round(
                 plan,
                 &store,
@@ -215,6 +217,7 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
             // Node 0 says first why a round could not start.
             false => store.await_round(number, &me, join_deadline + LEAVE_TIMEOUT, &interrupted)?,
         };
+        opens_rounds = topology.node_rank == 0;
         let (round, joining) = match entered {
             Waited::Done(Entry::Member(round)) => (round, false),
             Waited::Done(Entry::LeftOut(closed)) => {
@@ -269,9 +272,9 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
 }
 
 /// Whether this node, started while round `closed` runs without it, rejoins that round
-/// in-process: when the round lost it (`--keep-survivors`, any node but node 0, which opens
-/// the rounds), its workers start as joiners in their old places, and the deciding node lets
-/// them in at a step boundary; nobody restarts. Otherwise it joins the next round. Says which.
+/// in-process: when the round lost it (`--keep-survivors`), its workers start as joiners in
+/// their old places, and the deciding node lets them in at a step boundary; nobody restarts.
+/// Otherwise it joins the next round. Says which.
 fn rejoins_in_process(
     plan: &LaunchPlan,
     store: &AgentStore,
@@ -282,7 +285,7 @@ fn rejoins_in_process(
         .members
         .iter()
         .any(|member| member.node == node && member.nproc == plan.topology.nproc_per_node);
-    let lost_here = plan.keep_survivors && node > 0 && its_place;
+    let lost_here = plan.keep_survivors && its_place;
     let rejoins = lost_here
         && !store.dropped_nodes(closed.number, &[node])?.is_empty()
         && !store.round_is_over(closed.number)?;
@@ -1111,6 +1114,7 @@ fn watchers(
         }
         let why = format!("node {node}'s launcher started again");
         membership.rejoining = Some((Instant::now(), why));
+        membership.follow_the_decider(store)?;
     }
     Ok((beats, membership))
 }
@@ -1348,18 +1352,31 @@ impl Membership {
         Ok(started)
     }
 
-    /// With a replicated store: takes the decisions over when every lower node's agent is
-    /// silent (the deciding node was lost), and gives them up when another node published
-    /// a later membership (this one was taken for lost).
+    /// A node that enters a running round (node 0 started again): the latest membership's
+    /// deciding node decides, not node 0.
+    fn follow_the_decider(&mut self, store: &AgentStore) -> anyhow::Result<()> {
+        self.decides = false;
+        if let Some(record) = store.membership(self.round)? {
+            self.decider = store
+                .membership_decider(self.round, record.epoch)?
+                .unwrap_or(self.decider);
+        }
+        Ok(())
+    }
+
+    /// With a replicated store: takes the decisions over when the deciding node's agent and
+    /// every lower node's are silent (the deciding node was lost), and gives them up when
+    /// another node published a later membership (this one was taken for lost).
     fn move_decisions(
         &mut self,
         store: &AgentStore,
         silent: &[(usize, Duration)],
     ) -> anyhow::Result<()> {
+        let is_silent = |node: usize| silent.iter().any(|&(silent, _)| silent == node);
         let mut lower = self.others.iter().filter(|(node, _)| *node < self.node);
-        let lower_silent =
-            self.node > 0 && lower.all(|(node, _)| silent.iter().any(|(silent, _)| silent == node));
-        if !self.decides && lower_silent && self.left_out.is_none() {
+        let lower_silent = lower.all(|&(node, _)| is_silent(node));
+        let decider_silent = self.decider != self.node && is_silent(self.decider);
+        if !self.decides && lower_silent && decider_silent && self.left_out.is_none() {
             return self.take_over(store, silent);
         }
         if self.decides && self.followed.1.elapsed() >= STORE_CHECK_INTERVAL {
@@ -1408,15 +1425,16 @@ impl Membership {
             .into_iter()
             .map(|(node, _)| node)
             .collect();
-        let lower: Vec<String> = silent
+        let gone: Vec<String> = silent
             .iter()
-            .filter(|(node, _)| *node < self.node)
+            .filter(|(node, _)| *node < self.node || *node == self.decider)
             .map(|(node, silence)| format!("node {node} ({:.1} s)", silence.as_secs_f64()))
             .collect();
         say(&format!(
-            "node {} decides the membership now: the agents of every lower node are silent ({})",
+            "node {} decides the membership now: the agents of the deciding node and of every \
+             lower node are silent ({})",
             self.node,
-            lower.join(", ")
+            gone.join(", ")
         ));
         self.decides = true;
         self.decider = self.node;

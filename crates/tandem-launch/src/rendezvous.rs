@@ -143,53 +143,95 @@ pub enum Waited<T> {
 }
 
 /// The last heartbeat seen from each node and when it last moved. Time the store spent
-/// without a leader (its clients failing over) is no silence: nobody could beat then.
+/// without a leader (its clients failing over) is no silence: nobody could beat then. That
+/// credit lasts until [`RESUME_GRACE`] after the observer's own failover ended: every live
+/// node's beats reach the new leader by then.
 pub struct Heartbeats {
-    /// Per node: its last beat, when it moved, and the store's time failing over then.
-    last_seen: Vec<(i64, Instant, Duration)>,
+    last_seen: Vec<NodeBeat>,
     silence: Duration,
     /// The store's time failing over, as last noted.
     outage: Duration,
+    /// When the store's time failing over last grew: the observer's failover ended then.
+    outage_ended: Option<Instant>,
 }
+
+/// What the observer knows of one node's heartbeat.
+#[derive(Clone, Copy)]
+struct NodeBeat {
+    /// The beat last read.
+    beat: i64,
+    /// When it was last seen to move, and the store's time failing over then.
+    moved: (Instant, Duration),
+    /// When it was last read, and the store's time failing over then.
+    read: (Instant, Duration),
+}
+
+impl NodeBeat {
+    fn unseen(outage: Duration) -> NodeBeat {
+        let now = Instant::now();
+        NodeBeat {
+            beat: i64::MIN,
+            moved: (now, outage),
+            read: (now, outage),
+        }
+    }
+}
+
+/// How long after the observer's failover to a new leader of the store the other nodes have
+/// to beat again before a failover stops excusing their silence. Every client waits the same
+/// answer timeout on a lost leader, so a live node's beats resume within a few heartbeat
+/// intervals of the observer's requests.
+const RESUME_GRACE: Duration = Duration::from_millis(400);
 
 impl Heartbeats {
     /// Starts tracking `nnodes` nodes now; a node is silent once its heartbeat stays still
     /// for `silence`.
     pub fn new(nnodes: usize, silence: Duration) -> Heartbeats {
         Heartbeats {
-            last_seen: vec![(i64::MIN, Instant::now(), Duration::ZERO); nnodes],
+            last_seen: vec![NodeBeat::unseen(Duration::ZERO); nnodes],
             silence,
             outage: Duration::ZERO,
+            outage_ended: None,
         }
     }
 
     /// Tracks `count` more, from now.
     pub fn grow(&mut self, count: usize) {
-        let now = Instant::now();
-        self.last_seen
-            .extend(std::iter::repeat_n((i64::MIN, now, self.outage), count));
+        let unseen = NodeBeat::unseen(self.outage);
+        self.last_seen.extend(std::iter::repeat_n(unseen, count));
     }
 
     /// Starts every silence again from now: an agent cut off from the store read no beats,
     /// which says nothing of the beats' senders.
     pub fn restart(&mut self) {
-        let now = Instant::now();
+        let now = (Instant::now(), self.outage);
         for last in &mut self.last_seen {
-            last.1 = now;
-            last.2 = self.outage;
+            last.moved = now;
+            last.read = now;
         }
     }
 
     /// Records `beat` for `node`, read when the store had spent `outage` in all failing
     /// over (see [`StoreClient::time_failing_over`]); returns whether the node is silent.
+    ///
+    /// A beat that moved across a failover may have been sent before it: a new leader
+    /// commits the beats that its predecessor had replicated but not yet confirmed. Such a
+    /// move counts from the read before the failover; the next one shows a live node.
     pub fn observe(&mut self, node: usize, beat: i64, outage: Duration) -> bool {
-        self.outage = self.outage.max(outage);
+        if outage > self.outage {
+            self.outage = outage;
+            self.outage_ended = Some(Instant::now());
+        }
+        let now = (Instant::now(), self.outage);
         let Some(last) = self.last_seen.get_mut(node) else {
             return false;
         };
-        if last.0 != beat {
-            *last = (beat, Instant::now(), self.outage);
+        if last.beat != beat {
+            let across_a_failover = last.read.1 < self.outage;
+            last.moved = if across_a_failover { last.read } else { now };
+            last.beat = beat;
         }
+        last.read = now;
         self.silence_of(node) >= self.silence
     }
 
@@ -198,15 +240,21 @@ impl Heartbeats {
     pub fn stillness_of(&self, node: usize) -> Duration {
         self.last_seen
             .get(node)
-            .map_or(Duration::ZERO, |last| last.1.elapsed())
+            .map_or(Duration::ZERO, |last| last.moved.0.elapsed())
     }
 
     /// How long `node`'s heartbeat has not moved, as last observed, less the time the store
-    /// spent failing over since.
+    /// spent failing over since, unless that failover ended [`RESUME_GRACE`] ago.
     pub fn silence_of(&self, node: usize) -> Duration {
         self.last_seen.get(node).map_or(Duration::ZERO, |last| {
-            let outage = self.outage.saturating_sub(last.2);
-            last.1.elapsed().saturating_sub(outage)
+            let stillness = last.moved.0.elapsed();
+            let grace_passed = self
+                .outage_ended
+                .is_some_and(|ended| ended.elapsed() >= RESUME_GRACE);
+            if grace_passed {
+                return stillness;
+            }
+            stillness.saturating_sub(self.outage.saturating_sub(last.moved.1))
         })
     }
 }
@@ -418,6 +466,13 @@ impl AgentStore {
             .set(CURRENT_KEY, round.to_string().as_bytes())
             .context("open the round in the store")?;
         Ok(())
+    }
+
+    /// Whether the job is already under way: node 0 opened a round of a replicated store
+    /// before this agent started (it is node 0 started again after its loss). A single store
+    /// is new with its host.
+    pub fn job_under_way(&self) -> anyhow::Result<bool> {
+        Ok(self.is_replicated() && self.client.get(CURRENT_KEY)?.is_some())
     }
 
     /// The round node 0 opened last, waiting (until `deadline`) for it to open the first.
@@ -1156,6 +1211,45 @@ mod tests {
         assert!(heartbeats.observe(1, 5, outage));
         // A beat that moves starts the count again.
         assert!(!heartbeats.observe(1, 6, outage));
+    }
+
+    #[test]
+    fn a_failover_excuses_silence_only_until_the_others_had_time_to_beat_again() {
+        let mut heartbeats = Heartbeats::new(3, Duration::from_millis(1000));
+        heartbeats.observe(1, 5, Duration::ZERO);
+        heartbeats.observe(2, 7, Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(950));
+        // The store had no leader for 900 of those 950 ms: node 1 is excused for now.
+        let outage = Duration::from_millis(900);
+        assert!(!heartbeats.observe(1, 5, outage));
+        assert!(!heartbeats.observe(2, 8, outage));
+        std::thread::sleep(Duration::from_millis(150));
+        assert!(!heartbeats.observe(1, 5, outage));
+        // Node 2 beat again after the failover; node 1 did not within the grace.
+        std::thread::sleep(RESUME_GRACE);
+        assert!(!heartbeats.observe(2, 9, outage));
+        assert!(heartbeats.observe(1, 5, outage));
+        assert!(heartbeats.silence_of(1) >= Duration::from_millis(1400));
+    }
+
+    #[test]
+    fn a_beat_first_seen_moving_after_a_failover_may_be_older_than_it() {
+        let mut heartbeats = Heartbeats::new(3, Duration::from_millis(1000));
+        heartbeats.observe(1, 5, Duration::ZERO);
+        heartbeats.observe(2, 7, Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(950));
+        // The new leader shows each node one beat further, which either may have sent before.
+        let outage = Duration::from_millis(900);
+        assert!(!heartbeats.observe(1, 6, outage));
+        assert!(!heartbeats.observe(2, 8, outage));
+        assert!(heartbeats.stillness_of(1) >= Duration::from_millis(950));
+        std::thread::sleep(Duration::from_millis(100));
+        // Node 2's next beat shows it alive; node 1 has shown nothing since the failover.
+        assert!(!heartbeats.observe(2, 9, outage));
+        assert!(heartbeats.stillness_of(2) < Duration::from_millis(50));
+        std::thread::sleep(RESUME_GRACE);
+        assert!(heartbeats.observe(1, 6, outage));
+        assert!(!heartbeats.observe(2, 10, outage));
     }
 
     /// Node `node_rank`'s agent store in a job of up to 3 nodes whose store is on `port`.

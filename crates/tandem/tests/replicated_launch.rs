@@ -2,8 +2,9 @@
 //! among them. Node 0 (the host of the first replica, the node that decides the membership,
 //! and the home of rank 0) is killed with SIGKILL mid-run: the store goes on under a new
 //! leader, node 1 takes the decisions over, and the workers of nodes 1 and 2 go on
-//! in-process, without a restart, to the uninterrupted run's bits. Every wait is bounded, and
-//! every agent's process group is killed when the test ends.
+//! in-process, without a restart; node 0 started again rejoins in-process, and the run ends
+//! with the uninterrupted run's bits. Partitions and stopped agents are in namespaces. Every
+//! wait is bounded, and every agent's process group is killed when the test ends.
 
 mod common;
 
@@ -111,6 +112,20 @@ impl Nodes {
 
     /// Starts node `node`'s agent and its workers, with the launcher's `extra` arguments.
     fn start_with(&mut self, node: usize, extra: &[&str]) {
+        let launcher = self.launch(node, extra, &format!("node{node}"));
+        self.launchers.push(launcher);
+    }
+
+    /// Starts node `node`'s agent again in place of the one that was killed; the old one's
+    /// logs move to `logs-node<node>-before`.
+    fn start_again(&mut self, node: usize) {
+        let logs = self.dir.join(format!("logs-node{node}"));
+        std::fs::rename(&logs, self.dir.join(format!("logs-node{node}-before"))).unwrap();
+        self.launchers[node] = self.launch(node, &[], &format!("node{node}-again"));
+    }
+
+    /// Spawns node `node`'s agent, its output in `dir/<name>.stderr`.
+    fn launch(&self, node: usize, extra: &[&str], name: &str) -> Launcher {
         std::fs::create_dir_all(self.trace()).unwrap();
         let mut command = self.tandem_on(node);
         command
@@ -129,9 +144,7 @@ impl Nodes {
             .env("TANDEM_SAMPLE_TRACE", self.trace())
             .env("TANDEM_JOB_TOKEN", "replicated-test-secret")
             .process_group(0);
-        let name = format!("node{node}");
-        self.launchers
-            .push(Launcher::spawn(command, &self.dir, &name));
+        Launcher::spawn(command, &self.dir, name)
     }
 
     /// Starts the nodes and waits until the job is past step 3.
@@ -212,10 +225,11 @@ fn world_sizes_of(trace: &Path, pid: u32) -> Vec<u64> {
 }
 
 #[test]
-fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_bits() {
+fn the_job_outlives_node_0_which_hosts_the_store_and_node_0_started_again_rejoins_in_process() {
     let dir = tempfile::tempdir().unwrap();
-    let expected = uninterrupted_run(dir.path(), STEPS);
+    let expected = uninterrupted_run(dir.path(), STEPS * 2);
     let mut nodes = Nodes::new(dir.path());
+    nodes.steps = STEPS * 2;
     nodes.start_all_and_train();
     let survivors: Vec<u32> = [(1, 2), (1, 3), (2, 4), (2, 5)]
         .iter()
@@ -223,8 +237,8 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_
         .collect();
     nodes.kill(0);
     let killed = Instant::now();
-    let took_over = "tandem launch: node 1 decides the membership now: the agents of every \
-                     lower node are silent (node 0 (";
+    let took_over = "tandem launch: node 1 decides the membership now: the agents of the \
+                     deciding node and of every lower node are silent (node 0 (";
     let membership = "tandem launch: membership 1: node 0 lost (its launcher sent no heartbeat";
     wait_until(
         "node 1's membership without node 0",
@@ -238,7 +252,11 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_
         "node 1 published the membership without node 0 {:.1} s after the kill",
         killed.elapsed().as_secs_f64()
     );
-    for node in [1, 2] {
+    // Its host started again: a new replica of the store, a new agent, new workers.
+    nodes.start_again(0);
+    wait_for_node_0_let_back_in(&nodes);
+    let joiners = [nodes.launchers[0].worker(0), nodes.launchers[0].worker(1)];
+    for node in 0..3 {
         let status = nodes.launchers[node].wait(LIMIT);
         assert!(
             status.success(),
@@ -250,18 +268,44 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_decides_and_keeps_the_same_
             "every worker finished successfully",
         );
     }
-    eprintln!("{}", nodes.said());
+    let said = nodes.said();
+    eprintln!("{said}");
     assert_contains(
         &nodes.launchers[1].stderr(),
         "ranks [2, 3, 4, 5] go on in-process (world size 6 -> 4), nobody restarts",
     );
+    let again = nodes.launchers[0].stderr();
+    assert_contains(
+        &again,
+        "tandem launch: round 0 runs without this node, which it lost: this node's workers \
+         rejoin it at a step boundary, and nobody restarts\n",
+    );
+    assert!(!said.contains("round 1"), "a new round began:\n{said}");
+    // Node 1 goes on deciding.
+    assert!(!again.contains("decides the membership"), "{again}");
+    let log = std::fs::read_to_string(dir.path().join("logs-node0/logs/rank_0.log")).unwrap();
+    assert_contains(&log, "rank 0 joins the running job: waiting to be let in");
+    assert!(
+        !log.contains("resum"),
+        "node 0's worker read a snapshot:\n{log}"
+    );
+    // The survivors went on at 4, and the joiners came back (one at a time, or both at once).
     for pid in survivors {
-        assert_eq!(world_sizes_of(&nodes.trace(), pid), vec![6, 4], "{pid}");
+        let sizes = world_sizes_of(&nodes.trace(), pid);
+        let ends = (sizes.first(), sizes.last());
+        assert_eq!(ends, (Some(&6), Some(&6)), "{pid}: {sizes:?}\n{said}");
+        assert!(sizes.contains(&4), "{pid}: {sizes:?}\n{said}");
     }
+    for pid in joiners {
+        let sizes = world_sizes_of(&nodes.trace(), pid);
+        assert_eq!(sizes.last(), Some(&6), "{pid}: {sizes:?}\n{said}");
+        assert!(!sizes.contains(&4), "{pid}: {sizes:?}\n{said}");
+    }
+    assert!(!said.contains("panicked"), "{said}");
     assert_same_bits(
         &expected,
         &nodes.output_dir(),
-        "node 0 lost, nodes 1 and 2 went on",
+        "node 0 lost, nodes 1 and 2 went on, node 0 back in-process",
     );
 }
 

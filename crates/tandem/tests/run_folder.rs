@@ -282,6 +282,40 @@ fn a_stopped_run_exits_130_after_sigint_and_143_after_sigterm() {
 }
 
 #[test]
+fn a_stop_signal_ends_a_rank_still_waiting_for_its_group_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let port = free_port();
+    // Rank 0 of two serves the store, then waits for rank 1, which never comes.
+    let child = tandem()
+        .args(synthetic_run(&out, 256))
+        .env("RANK", "0")
+        .env("LOCAL_RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("TANDEM_JOB_TOKEN", "stop-while-forming-token")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the tandem binary");
+    let deadline = std::time::Instant::now() + LIMIT;
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rank 0 never served the store"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    send_signal(child.id(), libc::SIGTERM);
+    // Well within the group's formation timeout, which is minutes.
+    let output = wait_bounded(child, Duration::from_secs(10));
+    assert_eq!(output.status.code(), Some(143), "{output:?}");
+    assert!(!out.join("snapshot.safetensors").exists());
+}
+
+#[test]
 fn max_steps_and_zero_epochs_say_why_the_run_ended() {
     let (dir, out) = run_folder();
     let args = with_flag(one_epoch_run(&out), "--max-steps", "2");

@@ -15,7 +15,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use protobuf::Message as _;
-use raft::eraftpb::{Entry, EntryType, Message, Snapshot};
+use raft::eraftpb::{Entry, EntryType, Message, MessageType, Snapshot};
 use raft::{Config, RawNode, ReadState, StateRole};
 
 use super::keyspace::Keyspace;
@@ -293,9 +293,21 @@ impl RaftLoop {
         }
     }
 
+    /// Bounds a leader's heartbeat's commit index by this replica's log. A replica started
+    /// again (its host restarted) holds no log, while the leader remembers what it held
+    /// before: the commit would reach past its log, which Raft takes for a broken
+    /// invariant. Bounded, the replica answers, is found behind, and catches up.
+    fn bound_heartbeat_commit(&self, message: &mut Message) {
+        if message.get_msg_type() == MessageType::MsgHeartbeat {
+            let last = self.node.raft.raft_log.last_index();
+            message.commit = message.commit.min(last);
+        }
+    }
+
     fn take(&mut self, event: Event) {
         match event {
-            Event::Message(message) => {
+            Event::Message(mut message) => {
+                self.bound_heartbeat_commit(&mut message);
                 let _ = self.node.step(*message);
             }
             Event::Propose { request, reply } => {

@@ -90,6 +90,7 @@ pub fn run(options: TrainOptions) -> anyhow::Result<()> {
         backend,
         Arc::clone(&stop_signal.requested),
     )?;
+    stop_signal.run_under_way();
     let end = tandem_engine::run_on_kernel_threads(|| trainer.train());
     let end = trainer.finish_uploads(end)?;
     if end != RunEnd::StoppedOnRequest {

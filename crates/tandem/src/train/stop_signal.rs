@@ -19,9 +19,17 @@ pub struct StopSignal {
     pub requested: Arc<AtomicBool>,
     /// The number of the last stop signal received, 0 before any.
     received: Arc<AtomicUsize>,
+    /// Set until the run has something to save: a stop signal ends the process at once then.
+    starting: Arc<AtomicBool>,
 }
 
 impl StopSignal {
+    /// Says that the run is under way: from now on a stop signal is honoured at a step's end
+    /// with a snapshot, rather than by ending the process at once.
+    pub fn run_under_way(&self) {
+        self.starting.store(false, Ordering::SeqCst);
+    }
+
     /// The stop signal this process received, if any.
     pub fn received(&self) -> Option<i32> {
         let signal = self.received.load(Ordering::SeqCst);
@@ -33,8 +41,17 @@ impl StopSignal {
 pub fn install() -> anyhow::Result<StopSignal> {
     let requested = Arc::new(AtomicBool::new(false));
     let received = Arc::new(AtomicUsize::new(0));
+    let starting = Arc::new(AtomicBool::new(true));
     let second_signal_ends = !under_a_launcher();
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        // Before the run is under way (its group forming, its data loading) there is nothing
+        // to save, and a wait for peers may be long.
+        signal_hook::flag::register_conditional_shutdown(
+            signal,
+            128 + signal,
+            Arc::clone(&starting),
+        )
+        .context("cannot install the stop-signal handler")?;
         // A second signal while the first is being honoured ends the process at once.
         if second_signal_ends {
             signal_hook::flag::register_conditional_shutdown(signal, 1, Arc::clone(&requested))
@@ -48,6 +65,7 @@ pub fn install() -> anyhow::Result<StopSignal> {
     Ok(StopSignal {
         requested,
         received,
+        starting,
     })
 }
 
