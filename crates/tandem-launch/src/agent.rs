@@ -182,8 +182,7 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
         agent: format!("pid {} started at {}", std::process::id(), now_micros()),
     };
     let size = round_size(plan);
-    // Node 0 opens the rounds, unless it was lost and started again while the others went
-    // on: it then first enters their round.
+    // Node 0 opens the rounds, unless it was started again while the others went on.
     let mut opens_rounds = topology.node_rank == 0 && !store.job_under_way()?;
     let mut number = match opens_rounds {
         true => 0,
