@@ -409,6 +409,10 @@ impl TrainingDevice for GpuJob {
         }
     }
 
+    fn takes_data_sets(&self) -> bool {
+        true
+    }
+
     fn upload_eval_set(&mut self, upload: DatasetUpload<'_>) -> DeviceResult<Uploaded> {
         let bytes = upload.pixels.bytes();
         match self

@@ -511,6 +511,7 @@ fn host_pixels(dataset: &tandem_data::Dataset) -> HostPixels<'_> {
     match &dataset.images {
         tandem_data::Pixels::U8(bytes) => HostPixels::U8(bytes),
         tandem_data::Pixels::F32(floats) => HostPixels::F32(floats),
+        tandem_data::Pixels::Synthetic(_) => panic!("these tests make no synthetic data"),
     }
 }
 

@@ -1,5 +1,7 @@
 //! A dataset held in memory.
 
+use crate::synthetic::SyntheticPixels;
+
 /// CIFAR-10's class names, in label order.
 pub const CIFAR10_CLASS_NAMES: [&str; 10] = [
     "airplane",
@@ -38,8 +40,10 @@ impl Split {
 pub enum Pixels {
     /// Bytes 0..=255, as stored by image files; the loader divides by 255.
     U8(Vec<u8>),
-    /// Ready floats (synthetic data); the loader uses them as they are.
+    /// Ready floats; the loader uses them as they are.
     F32(Vec<f32>),
+    /// Synthetic noise, each image made when it is read; the loader uses it as it is.
+    Synthetic(SyntheticPixels),
 }
 
 impl Pixels {
@@ -48,6 +52,7 @@ impl Pixels {
         match self {
             Pixels::U8(values) => values.len(),
             Pixels::F32(values) => values.len(),
+            Pixels::Synthetic(synthetic) => synthetic.len(),
         }
     }
 

@@ -38,5 +38,5 @@ pub use rng::SampleRng;
 pub use sampler::{eval_shard, DistributedSampler};
 pub use shards::ShardPlan;
 pub use source::{load_dataset, DataSource};
-pub use synthetic::SyntheticSpec;
+pub use synthetic::{SyntheticPixels, SyntheticSpec};
 pub use transform::{transform_image, Augment, Normalize, IMAGENET_NORMALIZE};

@@ -29,7 +29,8 @@ impl Default for SyntheticSpec {
     }
 }
 
-/// Makes one split. The two splits use different random streams.
+/// Makes one split. The two splits use different random streams. The labels are drawn now;
+/// each image is made when it is read (see [`SyntheticPixels`]).
 pub(crate) fn generate(spec: &SyntheticSpec, split: Split) -> Result<Dataset, DataError> {
     let (samples, split_tag) = match split {
         Split::Train => (spec.train_samples, 0),
@@ -46,7 +47,7 @@ pub(crate) fn generate(spec: &SyntheticSpec, split: Split) -> Result<Dataset, Da
                 spec.image_size
             ),
         })?;
-    let total = samples
+    samples
         .checked_mul(image_len)
         .filter(|&total| total <= (1 << 32))
         .ok_or_else(|| DataError::Invalid {
@@ -58,18 +59,13 @@ pub(crate) fn generate(spec: &SyntheticSpec, split: Split) -> Result<Dataset, Da
         .map(|index| u32::from(index < samples / 2))
         .collect();
     SampleRng::new(spec.seed, stream::SYNTHETIC_LABELS, split_tag, 0).shuffle(&mut labels);
-    let mut pixels = vec![0f32; total];
-    for (index, image) in pixels.chunks_exact_mut(image_len).enumerate() {
-        let mut rng = SampleRng::new(spec.seed, stream::SYNTHETIC_PIXELS, split_tag, index as u64);
-        for pair in image.chunks_mut(2) {
-            let (first, second) = rng.normal_pair();
-            for (value, normal) in pair.iter_mut().zip([first, second]) {
-                *value = normal as f32;
-            }
-        }
-    }
     Ok(Dataset {
-        images: Pixels::F32(pixels),
+        images: Pixels::Synthetic(SyntheticPixels {
+            seed: spec.seed,
+            split_tag,
+            image_len,
+            images: samples,
+        }),
         labels,
         height: spec.image_size,
         width: spec.image_size,
@@ -77,4 +73,52 @@ pub(crate) fn generate(spec: &SyntheticSpec, split: Split) -> Result<Dataset, Da
         num_classes: 2,
         class_names: vec!["0".to_string(), "1".to_string()],
     })
+}
+
+/// Synthetic images of standard-normal noise, each made from its own random stream when it
+/// is read: a worker makes only the images it trains on, which matters when many workers
+/// share a machine's cores.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SyntheticPixels {
+    seed: u64,
+    split_tag: u64,
+    image_len: usize,
+    images: usize,
+}
+
+impl SyntheticPixels {
+    /// Number of values of all images.
+    pub fn len(&self) -> usize {
+        self.images * self.image_len
+    }
+
+    /// Whether there are no images.
+    pub fn is_empty(&self) -> bool {
+        self.images == 0
+    }
+
+    /// Writes image `index` into `image` (its values, HWC).
+    pub fn fill(&self, index: usize, image: &mut [f32]) {
+        let mut rng = SampleRng::new(
+            self.seed,
+            stream::SYNTHETIC_PIXELS,
+            self.split_tag,
+            index as u64,
+        );
+        for pair in image.chunks_mut(2) {
+            let (first, second) = rng.normal_pair();
+            for (value, normal) in pair.iter_mut().zip([first, second]) {
+                *value = normal as f32;
+            }
+        }
+    }
+
+    /// Every image's values, made now (for a copy to a device).
+    pub fn make_all(&self) -> Vec<f32> {
+        let mut pixels = vec![0f32; self.len()];
+        for (index, image) in pixels.chunks_exact_mut(self.image_len).enumerate() {
+            self.fill(index, image);
+        }
+        pixels
+    }
 }

@@ -190,9 +190,10 @@ fn synthetic_data_is_seed_000s_custom_data() {
     assert_eq!(train.class_counts(), vec![2500, 2500]);
     assert_eq!(test.class_counts(), vec![500, 500]);
     assert_ne!(train.labels[..20], [1; 20], "labels are shuffled");
-    let Pixels::F32(values) = &train.images else {
-        panic!("synthetic pixels are floats")
+    let Pixels::Synthetic(pixels) = &train.images else {
+        panic!("synthetic pixels are made when read")
     };
+    let values = &pixels.make_all();
     assert_eq!(values.len(), 5000 * 3072);
     let mean = values.iter().map(|&v| f64::from(v)).sum::<f64>() / values.len() as f64;
     let variance = values
@@ -361,6 +362,40 @@ fn holding_every_batch_does_not_stall_the_workers() {
 }
 
 #[test]
+fn synthetic_images_made_when_read_transform_as_the_same_floats_held_in_memory() {
+    let spec = SyntheticSpec {
+        seed: 3,
+        train_samples: 6,
+        test_samples: 2,
+        image_size: 32,
+    };
+    let made = load_dataset(&DataSource::Synthetic(spec), Split::Train).unwrap();
+    let Pixels::Synthetic(pixels) = &made.images else {
+        panic!("synthetic pixels are made when read")
+    };
+    let held = Dataset {
+        images: Pixels::F32(pixels.make_all()),
+        ..made.clone()
+    };
+    let augment = Augment::crop_and_flip();
+    let normalize = IMAGENET_NORMALIZE;
+    let mut from_made = vec![0f32; made.image_len()];
+    let mut from_held = vec![0f32; made.image_len()];
+    for index in [5, 0, 3, 3] {
+        for epoch in 0..3 {
+            for (dataset, output) in [(&made, &mut from_made), (&held, &mut from_held)] {
+                transform_image(dataset, index, &augment, Some(&normalize), 9, epoch, output);
+            }
+            assert_eq!(
+                from_made.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                from_held.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "image {index}, epoch {epoch}"
+            );
+        }
+    }
+}
+
+#[test]
 fn floats_pass_through_and_bad_settings_are_errors() {
     let spec = SyntheticSpec {
         seed: 1,
@@ -379,10 +414,10 @@ fn floats_pass_through_and_bad_settings_are_errors() {
         .next()
         .unwrap()
         .unwrap();
-    let Pixels::F32(values) = &dataset.images else {
+    let Pixels::Synthetic(pixels) = &dataset.images else {
         unreachable!()
     };
-    assert_eq!(batch.images, values[2 * 3072..3 * 3072]);
+    assert_eq!(batch.images, pixels.make_all()[2 * 3072..3 * 3072]);
 
     let error = Loader::new(dataset.clone(), vec![4], plain.clone())
         .err()

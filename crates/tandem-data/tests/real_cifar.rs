@@ -27,7 +27,7 @@ fn binary(split: Split) -> &'static Dataset {
 fn bytes(dataset: &Dataset) -> &[u8] {
     match &dataset.images {
         Pixels::U8(bytes) => bytes,
-        Pixels::F32(_) => panic!("CIFAR-10 pixels should be bytes"),
+        _ => panic!("CIFAR-10 pixels should be bytes"),
     }
 }
 

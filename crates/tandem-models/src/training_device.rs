@@ -382,6 +382,12 @@ pub trait TrainingDevice: Send {
     /// [`TrainingDevice::forward_eval_on_device`].
     fn upload_eval_set(&mut self, upload: DatasetUpload<'_>) -> DeviceResult<Uploaded>;
 
+    /// Whether the device keeps data sets in its memory (see
+    /// [`TrainingDevice::upload_train_set`]); the host's batches come from the host.
+    fn takes_data_sets(&self) -> bool {
+        false
+    }
+
     /// Waits until the device finished the work it was given.
     fn synchronize(&self) -> DeviceResult<()> {
         Ok(())

@@ -358,6 +358,9 @@ fn augmented_pixels_equal_the_cpu_loaders(
     let (device_images, apply) = match &pixels {
         tandem_data::Pixels::U8(bytes) => (rig.upload(bytes).arg(), "augment_apply"),
         tandem_data::Pixels::F32(floats) => (rig.upload(floats).arg(), "augment_apply_f32"),
+        tandem_data::Pixels::Synthetic(synthetic) => {
+            (rig.upload(&synthetic.make_all()).arg(), "augment_apply_f32")
+        }
     };
     let dataset = tandem_data::Dataset {
         images: pixels,

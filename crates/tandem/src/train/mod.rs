@@ -253,10 +253,11 @@ fn upload_data_sets(
     normalize: Option<Normalize>,
     rank: usize,
 ) -> anyhow::Result<(bool, bool)> {
-    let batches_on_device = match host_batches_requested() {
+    let batches_on_device = match host_batches_requested() || !compute.takes_data_sets() {
         true => None,
         false => uploaded_bytes(compute.upload_train_set(dataset_upload(
             train_set,
+            &mut None,
             train_augment(settings),
             normalize,
             settings.seed,
@@ -270,7 +271,9 @@ fn upload_data_sets(
     }
     let eval_on_device = match batches_on_device {
         Some(_) => {
-            uploaded_bytes(compute.upload_eval_set(dataset_upload(test_set, None, normalize, 0))?)
+            let mut made = None;
+            let upload = dataset_upload(test_set, &mut made, None, normalize, 0);
+            uploaded_bytes(compute.upload_eval_set(upload)?)
         }
         None => None,
     };

@@ -9,16 +9,18 @@ use tandem_models::training_device::{
 use tandem_models::TrainingDevice;
 
 /// `dataset` with `augment`, `normalize` and `seed` for the device's batch assembly, as the
-/// CPU loader would draw and normalize its batches.
-pub fn dataset_upload(
-    dataset: &Dataset,
+/// CPU loader would draw and normalize its batches. Synthetic images are made into `made`.
+pub fn dataset_upload<'a>(
+    dataset: &'a Dataset,
+    made: &'a mut Option<Vec<f32>>,
     augment: Option<Augment>,
     normalize: Option<Normalize>,
     seed: u64,
-) -> DatasetUpload<'_> {
+) -> DatasetUpload<'a> {
     let pixels = match &dataset.images {
         Pixels::U8(bytes) => UploadPixels::U8(bytes),
         Pixels::F32(floats) => UploadPixels::F32(floats),
+        Pixels::Synthetic(synthetic) => UploadPixels::F32(made.insert(synthetic.make_all())),
     };
     let augment = augment.unwrap_or_default();
     let normalize = normalize.unwrap_or(Normalize {
