@@ -1,6 +1,8 @@
 //! Seed 000's "custom data": images of standard-normal noise, half labelled 1 and half 0,
 //! shuffled; deterministic from a seed and needing no files.
 
+use std::sync::OnceLock;
+
 use crate::dataset::{Dataset, Pixels, Split};
 use crate::error::DataError;
 use crate::rng::{stream, SampleRng};
@@ -30,7 +32,7 @@ impl Default for SyntheticSpec {
 }
 
 /// Makes one split. The two splits use different random streams. The labels are drawn now;
-/// each image is made when it is read (see [`SyntheticPixels`]).
+/// each image is made when it is first read (see [`SyntheticPixels`]).
 pub(crate) fn generate(spec: &SyntheticSpec, split: Split) -> Result<Dataset, DataError> {
     let (samples, split_tag) = match split {
         Split::Train => (spec.train_samples, 0),
@@ -60,12 +62,9 @@ pub(crate) fn generate(spec: &SyntheticSpec, split: Split) -> Result<Dataset, Da
         .collect();
     SampleRng::new(spec.seed, stream::SYNTHETIC_LABELS, split_tag, 0).shuffle(&mut labels);
     Ok(Dataset {
-        images: Pixels::Synthetic(SyntheticPixels {
-            seed: spec.seed,
-            split_tag,
-            image_len,
-            images: samples,
-        }),
+        images: Pixels::Synthetic(SyntheticPixels::new(
+            spec.seed, split_tag, image_len, samples,
+        )),
         labels,
         height: spec.image_size,
         width: spec.image_size,
@@ -75,50 +74,90 @@ pub(crate) fn generate(spec: &SyntheticSpec, split: Split) -> Result<Dataset, Da
     })
 }
 
-/// Synthetic images of standard-normal noise, each made from its own random stream when it
-/// is read: a worker makes only the images it trains on, which matters when many workers
-/// share a machine's cores.
-#[derive(Debug, Clone, PartialEq)]
+/// Synthetic images of standard-normal noise, each made from its own random stream the first
+/// time it is read, then kept: a worker makes only the images it trains on, which matters
+/// when many workers share a machine's cores.
+#[derive(Clone)]
 pub struct SyntheticPixels {
     seed: u64,
     split_tag: u64,
     image_len: usize,
-    images: usize,
+    /// Each image, once made.
+    made: Vec<OnceLock<Box<[f32]>>>,
 }
 
 impl SyntheticPixels {
+    fn new(seed: u64, split_tag: u64, image_len: usize, images: usize) -> SyntheticPixels {
+        SyntheticPixels {
+            seed,
+            split_tag,
+            image_len,
+            made: (0..images).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
     /// Number of values of all images.
     pub fn len(&self) -> usize {
-        self.images * self.image_len
+        self.made.len() * self.image_len
     }
 
     /// Whether there are no images.
     pub fn is_empty(&self) -> bool {
-        self.images == 0
+        self.made.is_empty()
     }
 
-    /// Writes image `index` into `image` (its values, HWC).
-    pub fn fill(&self, index: usize, image: &mut [f32]) {
-        let mut rng = SampleRng::new(
-            self.seed,
-            stream::SYNTHETIC_PIXELS,
-            self.split_tag,
-            index as u64,
-        );
-        for pair in image.chunks_mut(2) {
-            let (first, second) = rng.normal_pair();
-            for (value, normal) in pair.iter_mut().zip([first, second]) {
-                *value = normal as f32;
+    /// Image `index`'s values (HWC), made now if no one read it before; empty past the last.
+    pub fn image(&self, index: usize) -> &[f32] {
+        let Some(made) = self.made.get(index) else {
+            return &[];
+        };
+        made.get_or_init(|| {
+            let mut image = vec![0f32; self.image_len];
+            let mut rng = SampleRng::new(
+                self.seed,
+                stream::SYNTHETIC_PIXELS,
+                self.split_tag,
+                index as u64,
+            );
+            for pair in image.chunks_mut(2) {
+                let (first, second) = rng.normal_pair();
+                for (value, normal) in pair.iter_mut().zip([first, second]) {
+                    *value = normal as f32;
+                }
             }
-        }
+            image.into_boxed_slice()
+        })
     }
 
-    /// Every image's values, made now (for a copy to a device).
+    /// Every image's values, one after another (for a copy to a device).
     pub fn make_all(&self) -> Vec<f32> {
-        let mut pixels = vec![0f32; self.len()];
-        for (index, image) in pixels.chunks_exact_mut(self.image_len).enumerate() {
-            self.fill(index, image);
-        }
-        pixels
+        (0..self.made.len())
+            .flat_map(|index| self.image(index).iter().copied())
+            .collect()
+    }
+}
+
+/// Two synthetic sets are equal when they make the same images, made yet or not.
+impl PartialEq for SyntheticPixels {
+    fn eq(&self, other: &SyntheticPixels) -> bool {
+        (self.seed, self.split_tag, self.image_len, self.made.len())
+            == (
+                other.seed,
+                other.split_tag,
+                other.image_len,
+                other.made.len(),
+            )
+    }
+}
+
+impl std::fmt::Debug for SyntheticPixels {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("SyntheticPixels")
+            .field("seed", &self.seed)
+            .field("split_tag", &self.split_tag)
+            .field("image_len", &self.image_len)
+            .field("images", &self.made.len())
+            .finish()
     }
 }

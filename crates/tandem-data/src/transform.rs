@@ -5,7 +5,6 @@
 
 use crate::dataset::{Dataset, Pixels};
 use crate::rng::{stream, SampleRng};
-use crate::synthetic::SyntheticPixels;
 
 /// Random augmentation of training images.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -150,30 +149,19 @@ pub(crate) fn transform_with_map(
     (seed, epoch): (u64, u64),
     output: &mut [f32],
 ) {
-    let draw = Draw::for_sample(augment, seed, epoch, index as u64);
-    match source {
-        Pixels::Synthetic(synthetic) => {
-            transform_made_image(synthetic, geometry, index, (&draw, augment, map), output)
-        }
-        _ => transform_drawn(source, geometry, index, (&draw, augment, map), output),
-    }
-}
-
-/// Crops, flips and maps image `index` of `source` as `draw` says into `output`.
-fn transform_drawn(
-    source: &Pixels,
-    geometry: Geometry,
-    index: usize,
-    (draw, augment, map): (&Draw, &Augment, &ValueMap),
-    output: &mut [f32],
-) {
     let Geometry {
         height,
         width,
         channels,
     } = geometry;
     let image_len = height * width * channels;
-    let start = index * image_len;
+    // The values of image `index` start at `start` in `source`.
+    let (source, start) = match source {
+        Pixels::U8(bytes) => (Values::U8(bytes), index * image_len),
+        Pixels::F32(floats) => (Values::F32(floats), index * image_len),
+        Pixels::Synthetic(synthetic) => (Values::F32(synthetic.image(index)), 0),
+    };
+    let draw = Draw::for_sample(augment, seed, epoch, index as u64);
     let padding = augment.random_crop_padding.unwrap_or(0);
     let row_len = width * channels;
     for (row, output_row) in output.chunks_exact_mut(row_len).enumerate().take(height) {
@@ -213,46 +201,26 @@ fn transform_drawn(
     }
 }
 
-thread_local! {
-    /// One synthetic image, made before it is transformed; kept for the thread's next one.
-    static MADE_IMAGE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+/// The values an image is read from.
+#[derive(Clone, Copy)]
+enum Values<'a> {
+    U8(&'a [u8]),
+    F32(&'a [f32]),
 }
 
-/// [`transform_drawn`] for synthetic image `index`: makes it, then transforms it as ready
-/// floats.
-fn transform_made_image(
-    synthetic: &SyntheticPixels,
-    geometry: Geometry,
-    index: usize,
-    drawn: (&Draw, &Augment, &ValueMap),
-    output: &mut [f32],
-) {
-    let image_len = geometry.height * geometry.width * geometry.channels;
-    let mut image = MADE_IMAGE.with(|made| std::mem::take(&mut *made.borrow_mut()));
-    image.resize(image_len, 0.0);
-    synthetic.fill(index, &mut image);
-    let made = Pixels::F32(image);
-    transform_drawn(&made, geometry, 0, drawn, output);
-    if let Pixels::F32(image) = made {
-        MADE_IMAGE.with(|made| *made.borrow_mut() = image);
-    }
-}
-
-fn copy_pixel(source: &Pixels, offset: usize, map: &ValueMap, pixel: &mut [f32]) {
+fn copy_pixel(source: Values<'_>, offset: usize, map: &ValueMap, pixel: &mut [f32]) {
     match source {
-        Pixels::U8(bytes) => {
+        Values::U8(bytes) => {
             let input = bytes.get(offset..offset + pixel.len()).unwrap_or(&[]);
             for (channel, (value, &byte)) in pixel.iter_mut().zip(input).enumerate() {
                 *value = map.byte_table[channel % 3][usize::from(byte)];
             }
         }
-        Pixels::F32(floats) => {
+        Values::F32(floats) => {
             let input = floats.get(offset..offset + pixel.len()).unwrap_or(&[]);
             for (channel, (value, &float)) in pixel.iter_mut().zip(input).enumerate() {
                 *value = float * map.scale[channel % 3] + map.shift[channel % 3];
             }
         }
-        // Made into ready floats first, by `transform_made_image`.
-        Pixels::Synthetic(_) => {}
     }
 }

@@ -373,6 +373,9 @@ fn synthetic_images_made_when_read_transform_as_the_same_floats_held_in_memory()
     let Pixels::Synthetic(pixels) = &made.images else {
         panic!("synthetic pixels are made when read")
     };
+    // An image is made once, then kept.
+    assert!(std::ptr::eq(pixels.image(2), pixels.image(2)));
+    assert!(pixels.image(6).is_empty());
     let held = Dataset {
         images: Pixels::F32(pixels.make_all()),
         ..made.clone()
