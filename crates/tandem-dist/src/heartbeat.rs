@@ -10,9 +10,9 @@
 //! writes files), from which the launcher finds a worker that hangs while this thread beats.
 //!
 //! With `--keep-survivors` the same thread watches the job's membership: when the launcher
-//! publishes one that leaves out a member of this worker's group, it calls the group's
-//! [`Interrupt`]s, so that a collective blocked on a peer that will never answer (its link
-//! is down, it hangs) fails at once and the worker re-forms.
+//! publishes a later one than this worker's group's, it calls the group's [`Interrupt`]s, so
+//! that a collective blocked on a peer that will never answer (its link is down, it hangs,
+//! or it left for the new group) fails at once and the worker re-forms.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -254,20 +254,14 @@ pub struct MembershipWatch {
     pub round_prefix: String,
     /// The membership epoch of the group.
     pub epoch: u64,
-    /// The ids of the group's members.
-    pub members: Vec<usize>,
 }
 
 impl MembershipWatch {
-    /// Why the group must break when `record` is a later membership without one of its
-    /// members; `None` while the group stands.
+    /// Why the group must break when `record` is a later membership; `None` while the group
+    /// stands. One that lets a worker in breaks it too: members read it at their own step
+    /// boundaries, and one that left for the new group would leave the others waiting.
     fn breaks_on(&self, record: &MembershipRecord) -> Option<String> {
-        let lost = self
-            .members
-            .iter()
-            .any(|member| !record.members.contains(member));
-        (record.epoch > self.epoch && lost)
-            .then(|| format!("membership {}: {}", record.epoch, record.why))
+        (record.epoch > self.epoch).then(|| format!("membership {}: {}", record.epoch, record.why))
     }
 }
 
@@ -321,8 +315,8 @@ impl Heartbeat {
         *lock(&self.shared.status) = Some(status.to_json());
     }
 
-    /// Watches the job's membership for one that leaves out a member of `watch`; then runs
-    /// every interrupt once.
+    /// Watches the job's membership for one later than `watch`'s; then runs every interrupt
+    /// once.
     pub fn watch_membership(&self, watch: MembershipWatch) {
         *lock(&self.shared.watch) = Some(watch);
     }
@@ -334,8 +328,7 @@ impl Heartbeat {
         lock(&self.shared.cut_hooks).push(hook);
     }
 
-    /// Adds what breaks the group's collectives when its membership moves on without one
-    /// of its members.
+    /// Adds what breaks the group's collectives when the job's membership moves on.
     pub fn add_interrupt(&self, interrupt: Interrupt) {
         lock(&self.shared.interrupts).push(interrupt);
     }
@@ -346,8 +339,8 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Reads the membership that `shared` watches, and when it left out one of the group's
-/// members, runs the interrupts and stops watching. A store that cannot say leaves the
+/// Reads the membership that `shared` watches, and when it moved on, runs the interrupts and
+/// stops watching. A store that cannot say leaves the
 /// group as it is: the heartbeat itself tells the launcher.
 fn check_membership(client: &StoreClient, shared: &Shared, bound: Duration) {
     let Some(watch) = lock(&shared.watch).clone() else {
@@ -490,14 +483,17 @@ mod tests {
     }
 
     #[test]
-    fn a_group_breaks_only_on_a_later_membership_without_one_of_its_members() {
+    fn a_group_breaks_on_any_later_membership() {
         let watch = MembershipWatch {
             round_prefix: "r".into(),
             epoch: 1,
-            members: vec![0, 2, 3],
         };
         assert_eq!(watch.breaks_on(&record(1, &[0, 2], "same epoch")), None);
-        assert_eq!(watch.breaks_on(&record(2, &[0, 2, 3, 1], "joined")), None);
+        assert_eq!(watch.breaks_on(&record(0, &[0, 2, 3], "earlier")), None);
+        assert_eq!(
+            watch.breaks_on(&record(2, &[0, 2, 3, 1], "rank 1 joins")),
+            Some("membership 2: rank 1 joins".into())
+        );
         assert_eq!(
             watch.breaks_on(&record(2, &[0, 3], "rank 2 lost")),
             Some("membership 2: rank 2 lost".into())
@@ -527,7 +523,7 @@ mod tests {
     }
 
     #[test]
-    fn the_heartbeat_thread_runs_the_interrupts_once_when_a_member_is_left_out() {
+    fn the_heartbeat_thread_runs_the_interrupts_once_when_the_membership_moves_on() {
         let token = JobToken::generate().expect("token");
         let server =
             StoreServer::bind("127.0.0.1:0".parse().expect("addr"), token.clone()).expect("bind");
@@ -545,15 +541,18 @@ mod tests {
         }));
         heartbeat.watch_membership(MembershipWatch {
             round_prefix: "job/r0".into(),
-            epoch: 0,
-            members: vec![0, 1, 2],
+            epoch: 1,
         });
         let key = membership_key("job/r0");
         let publish = |record: MembershipRecord| publisher.set(&key, &record.to_json());
-        publish(record(1, &[0, 1, 2, 3], "rank 3 joined")).expect("set");
+        publish(record(1, &[0, 1, 2], "the group's own")).expect("set");
         std::thread::sleep(Duration::from_millis(200));
-        assert_eq!(calls.load(Ordering::SeqCst), 0, "a joiner breaks nothing");
-        publish(record(2, &[0, 1], "rank 2 (pid 7) sent no heartbeat")).expect("set");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            0,
+            "its own membership breaks nothing"
+        );
+        publish(record(2, &[0, 1, 2, 3], "rank 3 joins")).expect("set");
         let deadline = Instant::now() + Duration::from_secs(10);
         while calls.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -564,7 +563,7 @@ mod tests {
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         assert_eq!(
             *lock(&reasons),
-            vec!["membership 2: rank 2 (pid 7) sent no heartbeat".to_string()]
+            vec!["membership 2: rank 3 joins".to_string()]
         );
     }
 }

@@ -1267,6 +1267,9 @@ struct Membership {
     reported: Vec<LostWorker>,
     /// Whether `reported` changed since it was last written.
     report_due: bool,
+    /// The other nodes' reported losses that this node, deciding, already left out: a
+    /// worker started in place of a lost one takes its rank, and the loss stays reported.
+    taken: Vec<String>,
     /// The epoch of the last membership read, and when it was read (the other nodes).
     followed: (u64, Instant),
     /// The membership that left this node's running workers out, once they could not
@@ -1310,6 +1313,7 @@ impl Membership {
             dropped_nodes: Vec::new(),
             reported: Vec::new(),
             report_due: false,
+            taken: Vec::new(),
             followed: (0, Instant::now()),
             left_out: None,
             rejoining: None,
@@ -1493,8 +1497,10 @@ impl Membership {
                 continue;
             }
             for lost in store.lost_workers(self.round, *node)? {
-                if ranks.contains(&lost.rank) && self.members.contains(&lost.rank) {
+                let new = !self.taken.contains(&lost.why);
+                if new && ranks.contains(&lost.rank) && self.members.contains(&lost.rank) {
                     gone.push(lost.rank);
+                    self.taken.push(lost.why.clone());
                     why.push(lost.why);
                 }
             }
@@ -1542,6 +1548,7 @@ impl Membership {
                 self.decider = decider;
             }
         }
+        self.forget_what_the_decider_took(workers, &record);
         let fenced = self.fenced(workers, &record);
         match (fenced.is_empty(), self.rejoining.is_some()) {
             (true, true) => {
@@ -1573,6 +1580,17 @@ impl Membership {
         Ok(())
     }
 
+    /// Once `record` left this node's lost workers out, they need no more reporting; once it
+    /// counts a worker started in place of a lost one, that worker joined.
+    fn forget_what_the_decider_took(&mut self, workers: &[Worker], record: &MembershipRecord) {
+        let reported = self.reported.len();
+        self.reported
+            .retain(|lost| record.members.contains(&lost.rank));
+        self.report_due |= self.reported.len() != reported;
+        self.joining
+            .retain(|&index| !record.members.contains(&workers[index].place.rank));
+    }
+
     /// This node's running workers that `record` leaves out, as "rank R (pid P)".
     fn fenced(&self, workers: &[Worker], record: &MembershipRecord) -> Vec<String> {
         workers
@@ -1580,6 +1598,7 @@ impl Membership {
             .enumerate()
             .filter(|(index, worker)| {
                 !self.dropped[*index]
+                    && !self.joining.contains(index)
                     && worker.end().is_none()
                     && !record.members.contains(&worker.place.rank)
             })
@@ -1772,6 +1791,10 @@ impl Membership {
         workers: &[Worker],
         silent: &[(usize, Duration)],
     ) -> anyhow::Result<()> {
+        // Losses not yet published come first: a joiner may take a lost worker's rank.
+        if self.unpublished.is_some() {
+            return Ok(());
+        }
         let mut admitted = Vec::new();
         for &index in &self.joining {
             let worker = &workers[index];

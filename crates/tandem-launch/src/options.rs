@@ -318,14 +318,6 @@ impl LaunchPlan {
         let current_dir = std::env::current_dir().context("read the current directory")?;
         let log_dir = current_dir.join(default_log_dir(args.log_dir.as_deref(), &args.command));
         let token = resolve_token(env, topology.nnodes)?;
-        if args.replace_lost && topology.nnodes > 1 {
-            bail!(
-                "--replace-lost starts workers in place of lost ones on one node for now; with \
-                 {} nodes, leave it out (--keep-survivors goes on without the lost workers, and \
-                 a node started again joins at the next round)",
-                topology.nnodes
-            );
-        }
         Ok(LaunchPlan {
             topology,
             program,
@@ -960,7 +952,7 @@ mod tests {
     }
 
     #[test]
-    fn keep_survivors_spans_nodes_but_replace_lost_stays_on_one() {
+    fn keep_survivors_and_replace_lost_span_nodes() {
         let env: HashMap<String, String> = [(
             "TANDEM_JOB_TOKEN".to_string(),
             "options-test-secret".to_string(),
@@ -970,19 +962,10 @@ mod tests {
             let flags = ["--nnodes", "2", "--master-addr", "h", "--keep-survivors"];
             parse(&[&flags[..], extra, &["--", "true"]].concat()).unwrap()
         };
-        assert!(
-            LaunchPlan::resolve(&two_nodes(&[]), &env)
-                .unwrap()
-                .keep_survivors
-        );
-        assert_eq!(
-            LaunchPlan::resolve(&two_nodes(&["--replace-lost"]), &env)
-                .unwrap_err()
-                .to_string(),
-            "--replace-lost starts workers in place of lost ones on one node for now; with 2 \
-             nodes, leave it out (--keep-survivors goes on without the lost workers, and a node \
-             started again joins at the next round)"
-        );
+        let plan = LaunchPlan::resolve(&two_nodes(&[]), &env).unwrap();
+        assert!(plan.keep_survivors && !plan.replace_lost);
+        let plan = LaunchPlan::resolve(&two_nodes(&["--replace-lost"]), &env).unwrap();
+        assert!(plan.keep_survivors && plan.replace_lost);
     }
 
     #[test]

@@ -216,7 +216,9 @@ impl Heartbeats {
     ///
     /// A beat that moved across a failover may have been sent before it: a new leader
     /// commits the beats that its predecessor had replicated but not yet confirmed. Such a
-    /// move counts from the read before the failover; the next one shows a live node.
+    /// move counts from the read before the failover; the next one shows a live node. After
+    /// a gap of reads longer than half the silence, not spent failing over, the count starts
+    /// again.
     pub fn observe(&mut self, node: usize, beat: i64, outage: Duration) -> bool {
         if outage > self.outage {
             self.outage = outage;
@@ -226,11 +228,17 @@ impl Heartbeats {
         let Some(last) = self.last_seen.get_mut(node) else {
             return false;
         };
-        if last.beat != beat {
+        // Not looking for a while for another reason than a failover (this agent was stopped,
+        // or starved of CPU) says nothing of the node: its count starts again.
+        let unlooked = now.0.duration_since(last.read.0);
+        let looked_away = unlooked.saturating_sub(now.1.saturating_sub(last.read.1));
+        if looked_away > self.silence / 2 {
+            last.moved = now;
+        } else if last.beat != beat {
             let across_a_failover = last.read.1 < self.outage;
             last.moved = if across_a_failover { last.read } else { now };
-            last.beat = beat;
         }
+        last.beat = beat;
         last.read = now;
         self.silence_of(node) >= self.silence
     }
@@ -1198,16 +1206,39 @@ fn connect_until(
 mod tests {
     use super::*;
 
+    /// Reads `beats` (node, beat) every 50 ms for `time`, as an agent does every heartbeat
+    /// interval, the store having spent `outage` failing over.
+    fn read_for(
+        heartbeats: &mut Heartbeats,
+        beats: &[(usize, i64)],
+        outage: Duration,
+        time: Duration,
+    ) {
+        let until = Instant::now() + time;
+        while Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(50));
+            for &(node, beat) in beats {
+                heartbeats.observe(node, beat, outage);
+            }
+        }
+    }
+
     #[test]
     fn time_the_store_spent_failing_over_is_no_silence() {
         let mut heartbeats = Heartbeats::new(2, Duration::from_millis(300));
         let outage = Duration::from_millis(400);
         heartbeats.observe(1, 5, Duration::ZERO);
+        // A read held up by a failover.
         std::thread::sleep(Duration::from_millis(450));
         // No beat moved for 450 ms, but the store had no leader for 400 of them.
         assert!(!heartbeats.observe(1, 5, outage));
         assert!(heartbeats.silence_of(1) < Duration::from_millis(300));
-        std::thread::sleep(Duration::from_millis(300));
+        read_for(
+            &mut heartbeats,
+            &[(1, 5)],
+            outage,
+            Duration::from_millis(300),
+        );
         assert!(heartbeats.observe(1, 5, outage));
         // A beat that moves starts the count again.
         assert!(!heartbeats.observe(1, 6, outage));
@@ -1223,13 +1254,36 @@ mod tests {
         let outage = Duration::from_millis(900);
         assert!(!heartbeats.observe(1, 5, outage));
         assert!(!heartbeats.observe(2, 8, outage));
-        std::thread::sleep(Duration::from_millis(150));
+        read_for(
+            &mut heartbeats,
+            &[(1, 5)],
+            outage,
+            Duration::from_millis(150),
+        );
         assert!(!heartbeats.observe(1, 5, outage));
         // Node 2 beat again after the failover; node 1 did not within the grace.
-        std::thread::sleep(RESUME_GRACE);
+        read_for(&mut heartbeats, &[(1, 5)], outage, RESUME_GRACE);
         assert!(!heartbeats.observe(2, 9, outage));
         assert!(heartbeats.observe(1, 5, outage));
         assert!(heartbeats.silence_of(1) >= Duration::from_millis(1400));
+    }
+
+    #[test]
+    fn an_observer_that_looked_away_counts_no_silence_for_that_time() {
+        let mut heartbeats = Heartbeats::new(2, Duration::from_millis(300));
+        heartbeats.observe(1, 5, Duration::ZERO);
+        // The observer was stopped for 400 ms, longer than the silence.
+        std::thread::sleep(Duration::from_millis(400));
+        assert!(!heartbeats.observe(1, 5, Duration::ZERO));
+        assert!(heartbeats.stillness_of(1) < Duration::from_millis(50));
+        // Read as usual from then on, a still beat is silent after the silence.
+        read_for(
+            &mut heartbeats,
+            &[(1, 5)],
+            Duration::ZERO,
+            Duration::from_millis(350),
+        );
+        assert!(heartbeats.observe(1, 5, Duration::ZERO));
     }
 
     #[test]
@@ -1243,11 +1297,16 @@ mod tests {
         assert!(!heartbeats.observe(1, 6, outage));
         assert!(!heartbeats.observe(2, 8, outage));
         assert!(heartbeats.stillness_of(1) >= Duration::from_millis(950));
-        std::thread::sleep(Duration::from_millis(100));
+        read_for(
+            &mut heartbeats,
+            &[(1, 6)],
+            outage,
+            Duration::from_millis(100),
+        );
         // Node 2's next beat shows it alive; node 1 has shown nothing since the failover.
         assert!(!heartbeats.observe(2, 9, outage));
         assert!(heartbeats.stillness_of(2) < Duration::from_millis(50));
-        std::thread::sleep(RESUME_GRACE);
+        read_for(&mut heartbeats, &[(1, 6), (2, 9)], outage, RESUME_GRACE);
         assert!(heartbeats.observe(1, 6, outage));
         assert!(!heartbeats.observe(2, 10, outage));
     }

@@ -328,6 +328,28 @@ fn fewer_nodes_than_the_minimum_end_the_job_naming_who_is_missing() {
     );
 }
 
+/// Waits for both nodes' launchers, says what each said, checks that both succeeded, and
+/// returns what they said.
+fn both_succeed(node_0: &mut Launcher, node_1: &mut Launcher) -> (String, String) {
+    let status_0 = node_0.wait(LIMIT);
+    let status_1 = node_1.wait(LIMIT);
+    let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
+    eprintln!("node 0 said:\n{stderr_0}\nnode 1 said:\n{stderr_1}");
+    assert!(status_0.success(), "{status_0:?}\n{stderr_0}");
+    assert!(status_1.success(), "{status_1:?}\n{stderr_1}");
+    (stderr_0, stderr_1)
+}
+
+/// The last step worker `pid` committed, from its sample trace.
+fn last_step_of(trace: &Path, pid: u32) -> Option<u64> {
+    let text =
+        std::fs::read_to_string(trace.join(format!("samples-{pid}.jsonl"))).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|record| record["step"].as_u64())
+        .max()
+}
+
 /// The world sizes at which each worker process (by pid) committed steps, from the sample
 /// trace (`samples-<pid>.jsonl`; a record torn by SIGKILL is skipped).
 fn world_sizes_by_pid(trace: &Path) -> BTreeMap<u32, BTreeSet<u64>> {
@@ -584,12 +606,7 @@ fn keep_survivors_node_1_started_again_rejoins_the_running_round_in_process_with
     let mut node_1 = hosts.start_with(1, "node1-again", &KEEP_SURVIVORS, true);
     wait_for_node_1_let_back_in(&node_0, &node_1);
     let joiners = [node_1.worker(2), node_1.worker(3)];
-    let status_0 = node_0.wait(LIMIT);
-    let status_1 = node_1.wait(LIMIT);
-    let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
-    eprintln!("node 0 said:\n{stderr_0}\nnode 1 said:\n{stderr_1}");
-    assert!(status_0.success(), "{status_0:?}\n{stderr_0}");
-    assert!(status_1.success(), "{status_1:?}\n{stderr_1}");
+    let (stderr_0, stderr_1) = both_succeed(&mut node_0, &mut node_1);
     assert_contains(
         &stderr_1,
         "tandem launch: round 0 runs without this node, which it lost: this node's workers \
@@ -610,6 +627,66 @@ fn keep_survivors_node_1_started_again_rejoins_the_running_round_in_process_with
         &expected,
         &hosts.output_dir,
         "node 1 lost, then back in-process",
+    );
+}
+
+#[test]
+fn replace_lost_on_node_1_starts_its_lost_worker_again_and_node_0_lets_it_in_with_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (expected, hosts) = uninterrupted_and_hosts(dir.path(), "x", "3");
+    let flags = [
+        "--nnodes",
+        "2",
+        "--keep-survivors",
+        "--replace-lost",
+        "--max-restarts",
+        "1",
+    ];
+    let mut node_0 = hosts.start_with(0, "node0", &flags, true);
+    let mut node_1 = hosts.start_with(1, "node1", &flags, true);
+    wait_for_step(&hosts, 3, &node_0);
+    let stayed = [node_0.worker(0), node_0.worker(1), node_1.worker(2)];
+    let lost = node_1.worker(3);
+    send_signal(lost, libc::SIGKILL);
+    wait_until(
+        "node 0's membership with rank 3's replacement",
+        || node_0.stderr().contains("rank 3 of node 1 rejoins"),
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+    let (stderr_0, stderr_1) = both_succeed(&mut node_0, &mut node_1);
+    assert_contains(
+        &stderr_0,
+        &format!(
+            "tandem launch: membership 1: rank 3 (pid {lost}) on node 1 killed by SIGKILL; ranks \
+             [0, 1, 2] go on in-process (world size 4 -> 3), nobody restarts\n"
+        ),
+    );
+    assert_contains(
+        &stderr_1,
+        " started in place of the lost one: it joins at a step boundary\n",
+    );
+    assert!(
+        !stderr_0.contains("round 1"),
+        "a new round began:\n{stderr_0}"
+    );
+    // The survivors trained to the end in their first processes, the replacement beside them
+    // (steps at 3 workers are few, or none when it was let in at once).
+    let sizes = world_sizes_by_pid(&hosts.trace);
+    let replacements: Vec<u32> = sizes
+        .keys()
+        .copied()
+        .filter(|pid| !stayed.contains(pid) && *pid != lost)
+        .collect();
+    assert_eq!(replacements.len(), 1, "{sizes:?}");
+    assert!(!sizes[&replacements[0]].contains(&3), "{sizes:?}");
+    let last = last_step_of(&hosts.trace, replacements[0]);
+    for pid in stayed {
+        assert_eq!(last_step_of(&hosts.trace, pid), last, "survivor {pid}");
+    }
+    assert_same_bits(
+        &expected,
+        &hosts.output_dir,
+        "rank 3 lost on node 1, then replaced",
     );
 }
 
@@ -641,12 +718,7 @@ fn keep_survivors_workers_lost_on_either_node_leave_the_others_running_with_the_
         || node_0.stderr().contains(&second),
         || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
     );
-    let status_0 = node_0.wait(LIMIT);
-    let status_1 = node_1.wait(LIMIT);
-    let (stderr_0, stderr_1) = (node_0.stderr(), node_1.stderr());
-    eprintln!("node 0 said:\n{stderr_0}\nnode 1 said:\n{stderr_1}");
-    assert!(status_0.success(), "{status_0:?}\n{stderr_0}");
-    assert!(status_1.success(), "{status_1:?}\n{stderr_1}");
+    let (_, stderr_1) = both_succeed(&mut node_0, &mut node_1);
     assert_contains(
         &stderr_1,
         &format!(

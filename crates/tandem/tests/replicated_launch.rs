@@ -513,48 +513,71 @@ fn a_2_2_partition_commits_each_step_once_and_the_side_without_the_store_pauses_
     ) {
         return;
     }
+    // Nodes 0 and 1 on one switch (two replicas: they go on), 2 and 3 on the other.
+    partition_heals_with_one_state_per_step("p", 2, "a 2|2 partition, then healed");
+}
+
+#[test]
+fn a_1_3_partition_commits_each_step_once_and_the_lone_node_pauses_then_rejoins() {
+    if namespaces_missing_for(
+        "a_1_3_partition_commits_each_step_once_and_the_lone_node_pauses_then_rejoins",
+    ) {
+        return;
+    }
+    // Node 0 alone (the first replica, the deciding node); nodes 1, 2 and 3 go on.
+    partition_heals_with_one_state_per_step("q", 1, "a 1|3 partition, then healed");
+}
+
+/// Four hosts of one worker, hosts `0..first_switch` on one switch and the others on a second,
+/// replicas on hosts 0, 1 and 2. The trunk between the switches goes down: the side with two
+/// replicas goes on, the other pauses; the trunk comes back, and its workers rejoin. Every step
+/// was committed with one batch, and the run has the uninterrupted run's bits.
+fn partition_heals_with_one_state_per_step(tag: &str, first_switch: usize, what: &str) {
     let dir = tempfile::tempdir().unwrap();
     let steps = 600;
     let expected = uninterrupted_run(dir.path(), steps);
-    // Nodes 0 and 1 on one switch, 2 and 3 on the other; 0, 1 and 2 host the replicas.
-    let mut nodes = Nodes::on_switches(dir.path(), "p", (4, 1), 2);
+    let mut nodes = Nodes::on_switches(dir.path(), tag, (4, 1), first_switch);
     nodes.steps = steps;
     nodes.start_all_and_train();
     let workers: Vec<u32> = (0..4)
         .map(|node| nodes.launchers[node].worker(node))
         .collect();
+    let (first, second): (Vec<usize>, Vec<usize>) = (0..4).partition(|&node| node < first_switch);
+    let (majority, minority) = match first.len() >= 2 {
+        true => (first, second),
+        false => (second, first),
+    };
+    let decider = majority[0];
     let star = nodes.star.as_ref().expect("network namespaces");
     star.set_trunk(false).expect("cut the trunk");
-    // Two replicas of three: nodes 0 and 1 go on; nodes 2 and 3 pause, their workers fenced.
+    let go_on = format!("ranks {majority:?} go on in-process (world size ");
     wait_until(
-        "node 0's membership without nodes 2 and 3",
-        || {
-            let said = nodes.launchers[0].stderr();
-            said.contains("ranks [0, 1] go on in-process (world size ")
-        },
+        "the majority's membership without the minority",
+        || nodes.launchers[decider].stderr().contains(&go_on),
         || nodes.said(),
     );
     let at_the_cut = snapshot_step(&nodes.output_dir()).unwrap_or(0);
     wait_until(
-        "the pause of nodes 2 and 3, and steps of nodes 0 and 1",
+        "the minority's pause, and steps of the majority",
         || {
-            let paused = |node: usize| {
-                nodes.launchers[node].stderr().contains(&format!(
+            let paused = |node: &usize| {
+                nodes.launchers[*node].stderr().contains(&format!(
                     "tandem launch: node {node} is cut off from the job's store ("
                 ))
             };
-            paused(2)
-                && paused(3)
+            minority.iter().all(paused)
                 && snapshot_step(&nodes.output_dir()).is_some_and(|step| step > at_the_cut + 3)
         },
         || nodes.said(),
     );
     star.set_trunk(true).expect("heal the trunk");
     wait_until(
-        "the workers of nodes 2 and 3 let back in",
+        "the minority's workers let back in",
         || {
-            let said = nodes.launchers[0].stderr();
-            said.contains("rank 2 of node 2 rejoins") && said.contains("rank 3 of node 3 rejoins")
+            let said = nodes.launchers[decider].stderr();
+            minority
+                .iter()
+                .all(|node| said.contains(&format!("rank {node} of node {node} rejoins")))
         },
         || nodes.said(),
     );
@@ -569,17 +592,18 @@ fn a_2_2_partition_commits_each_step_once_and_the_side_without_the_store_pauses_
     eprintln!("{}", nodes.said());
     for (node, pid) in workers.into_iter().enumerate() {
         let sizes = world_sizes_of(&nodes.trace(), pid);
-        // Nodes 2 and 3 may be let back in one at a time.
+        // The minority's nodes may be let back in one at a time.
         let ends = (sizes.first(), sizes.last());
         assert_eq!(ends, (Some(&4), Some(&4)), "node {node}: {sizes:?}");
-        assert_eq!(sizes.contains(&2), node < 2, "node {node}: {sizes:?}");
+        let went_on = majority.contains(&node);
+        assert_eq!(
+            sizes.contains(&(majority.len() as u64)),
+            went_on,
+            "node {node}: {sizes:?}"
+        );
     }
     assert_one_state_per_step(&nodes.trace(), steps);
-    assert_same_bits(
-        &expected,
-        &nodes.output_dir(),
-        "a 2|2 partition, then healed",
-    );
+    assert_same_bits(&expected, &nodes.output_dir(), what);
 }
 
 /// Every step of the run was committed with one batch, whoever committed it, and every

@@ -386,7 +386,7 @@ impl Trainer {
             .filter(|_| !joiner)
             .map(|place| join_the_job(place, &settings, model.params().len(), None))
             .transpose()?;
-        reform::watch_the_first_group(membership.as_ref(), ddp.as_ref(), world_size, &lock);
+        reform::watch_the_first_group(membership.as_ref(), ddp.as_ref(), &lock);
         let backend = crate::backend::choose(backend, device, ddp.as_ref(), Announce::Stdout)?;
         // On the ring, GPU ranks exchange gradients and broadcasts through the host; with NCCL
         // they stay on the device, and the snapshot, batch count and metrics use the ring.

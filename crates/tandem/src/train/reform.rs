@@ -217,7 +217,7 @@ impl Trainer {
             ..membership
         };
         // From here on, before the group's first store wait: a member may be lost any time.
-        watch_membership(&membership, &ddp, record.members.clone(), &self.output_lock);
+        watch_membership(&membership, &ddp, &self.output_lock);
         self.sync = gradient_sync_of(self.shards, Some(ddp), &mut *self.compute, &self.settings)?;
         self.membership = Some(membership);
         if !self.is_leader() {
@@ -400,18 +400,12 @@ fn ask_to_rejoin(membership: &Membership, record: &MembershipRecord) -> anyhow::
 }
 
 /// Has `ddp`'s heartbeat break the group's collectives and store waits when a membership
-/// later than `membership`'s leaves out one of `members` (the ids of the group's members),
-/// and let go of the output folder's `lock` while this worker is cut off from the store.
-pub(super) fn watch_membership(
-    membership: &Membership,
-    ddp: &super::Ddp,
-    members: Vec<usize>,
-    lock: &OutputLock,
-) {
+/// later than `membership`'s is published, and let go of the output folder's `lock` while
+/// this worker is cut off from the store.
+pub(super) fn watch_membership(membership: &Membership, ddp: &super::Ddp, lock: &OutputLock) {
     ddp.watch_membership(MembershipWatch {
         round_prefix: membership.start.round_prefix.clone(),
         epoch: membership.epoch,
-        members,
     });
     let (lock, id) = (lock.clone(), membership.start.worker_id);
     let released = AtomicBool::new(false);
@@ -429,15 +423,14 @@ pub(super) fn watch_membership(
 }
 
 /// In a job of `membership` (`--keep-survivors`), has the first group's heartbeat watch for
-/// a membership that leaves out one of its `world_size` ranks (see [`watch_membership`]).
+/// a later membership (see [`watch_membership`]).
 pub(super) fn watch_the_first_group(
     membership: Option<&Membership>,
     ddp: Option<&super::Ddp>,
-    world_size: usize,
     lock: &OutputLock,
 ) {
     if let (Some(membership), Some(ddp)) = (membership, ddp) {
-        watch_membership(membership, ddp, (0..world_size).collect(), lock);
+        watch_membership(membership, ddp, lock);
     }
 }
 
