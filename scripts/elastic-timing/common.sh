@@ -46,7 +46,7 @@ wait_for() {
 records_at_least() { (( $(cat "$trace"/*.jsonl 2>/dev/null | wc -l) >= $1 )); }
 world_size_seen() { grep -qs "\"world_size\":$1," "$trace"/*.jsonl; }
 
-# trace_query first WS | first_after WS TIME | first_any | step_median WARMUP STEPS
+# trace_query first WS | first_after WS TIME | first_any | first_of PID | step_median WARMUP STEPS
 trace_query() {
     python3 - "$trace" "$@" <<'PY'
 import glob, json, statistics, sys
@@ -63,6 +63,14 @@ if what == "first":
     print(f"{min(times):.6f}" if times else "")
 elif what == "first_after":
     times = [r["time"] for r in records if r["world_size"] == int(args[0]) and r["time"] > float(args[1])]
+    print(f"{min(times):.6f}" if times else "")
+elif what == "first_of":
+    times = []
+    for line in open(f"{folder}/samples-{args[0]}.jsonl") if glob.glob(f"{folder}/samples-{args[0]}.jsonl") else []:
+        try:
+            times.append(json.loads(line)["time"])
+        except ValueError:
+            pass
     print(f"{min(times):.6f}" if times else "")
 elif what == "first_any":
     print(f"{min(r['time'] for r in records):.6f}" if records else "")

@@ -122,10 +122,10 @@ failure() {
     tail -n 5 "$job_dir/stdout" | sed 's/^/    /'
 }
 
-# signal_one SIGNAL TRIAL KEEP: starts a 4-worker job (KEEP as for start_job), sends SIGNAL
-# to one worker once training is under way, and waits for the first step at world size 3;
-# sets rank, t_signal and t_first. On a failure it says so and stops the job.
-signal_one() {
+# send_to_one SIGNAL TRIAL KEEP: starts a 4-worker job (KEEP as for start_job) and sends
+# SIGNAL to one worker once training is under way; sets rank and t_signal. On a failure it
+# says so and stops the job.
+send_to_one() {
     local signal=$1 trial=$2 keep=$3 victim
     start_job "$signal-$keep-$trial" 4 "$keep" "${small[@]}" --epochs 1000
     wait_for 60 records_at_least 20 || { failure "training never got under way"; stop_job; return 1; }
@@ -133,6 +133,13 @@ signal_one() {
     victim=$(worker_pid "$rank") || { failure "no worker of rank $rank"; stop_job; return 1; }
     t_signal=$(now)
     kill "-$signal" "$victim"
+}
+
+# signal_one SIGNAL TRIAL KEEP: send_to_one, then waits for the first step at world size 3;
+# sets rank, t_signal and t_first.
+signal_one() {
+    local signal=$1
+    send_to_one "$@" || return 1
     if ! wait_for 60 world_size_seen 3; then
         failure "no step at world size 3 within 60 s of $signal; $(outside_interference "$rank")"
         stop_job
@@ -161,23 +168,34 @@ lose_one() {
     sub "$t_first" "$t_signal" >>"$tmp/latencies"
 }
 
-# back_at_4_after TIME: a step at world size 4 was committed after TIME (seconds since the epoch).
-back_at_4_after() { [ -n "$(trace_query first_after 4 "$1")" ]; }
+# The process id of the worker the launcher started in place of the lost one, once it says so.
+replacement_pid() {
+    sed -n 's/.*rank [0-9]* (pid \([0-9]*\)) started in place of the lost one.*/\1/p' "$job_dir/stderr" | head -1
+}
+
+# replacement_trained: the replacement committed a step (it is let in at world size 4).
+replacement_trained() {
+    local pid
+    pid=$(replacement_pid)
+    [ -n "$pid" ] && [ -n "$(trace_query first_of "$pid")" ]
+}
 
 # join_one KILL TRIAL: one 4-worker trial with --replace-lost; prints the latency or a failure.
+# The replacement may be let in before the other three commit a step at world size 3.
 join_one() {
-    local trial=$2 rank t_signal t_first t_back
-    signal_one KILL "$trial" 2 || return 1
-    # Steps at 4 after the first at 3: the replacement's (the others may commit one at 4
-    # just after the kill, before they see it).
-    if ! wait_for 60 back_at_4_after "$t_first"; then
-        failure "no step at world size 4 within 60 s of kill -9; $(outside_interference "$rank")"
+    local trial=$2 rank t_signal t_first t_back at_3
+    send_to_one KILL "$trial" 2 || return 1
+    if ! wait_for 60 replacement_trained; then
+        failure "the replacement committed no step within 60 s of kill -9; $(outside_interference "$rank")"
         stop_job
         return 1
     fi
-    t_back=$(trace_query first_after 4 "$t_first")
+    t_back=$(trace_query first_of "$(replacement_pid)")
+    t_first=$(trace_query first_after 3 "$t_signal")
     undisturbed "$trial" || return 1
-    echo "  trial $trial: rank $rank, back at 4 workers after $(sub "$t_back" "$t_signal") s (at 3 after $(sub "$t_first" "$t_signal") s)"
+    at_3="no step at 3"
+    [ -n "$t_first" ] && at_3="at 3 after $(sub "$t_first" "$t_signal") s"
+    echo "  trial $trial: rank $rank, back at 4 workers after $(sub "$t_back" "$t_signal") s ($at_3)"
     sub "$t_back" "$t_signal" >>"$tmp/latencies"
 }
 
