@@ -113,27 +113,38 @@ impl SyntheticPixels {
         };
         made.get_or_init(|| {
             let mut image = vec![0f32; self.image_len];
-            let mut rng = SampleRng::new(
-                self.seed,
-                stream::SYNTHETIC_PIXELS,
-                self.split_tag,
-                index as u64,
-            );
-            for pair in image.chunks_mut(2) {
-                let (first, second) = rng.normal_pair();
-                for (value, normal) in pair.iter_mut().zip([first, second]) {
-                    *value = normal as f32;
-                }
-            }
+            self.make(index, &mut image);
             image.into_boxed_slice()
         })
     }
 
-    /// Every image's values, one after another (for a copy to a device).
+    /// Every image's values, one after another (for a copy to a device). Images not read
+    /// yet are made into the copy only: the device holds them, and the host need not.
     pub fn make_all(&self) -> Vec<f32> {
-        (0..self.made.len())
-            .flat_map(|index| self.image(index).iter().copied())
-            .collect()
+        let mut pixels = vec![0f32; self.len()];
+        for (index, image) in pixels.chunks_exact_mut(self.image_len).enumerate() {
+            match self.made[index].get() {
+                Some(made) => image.copy_from_slice(made),
+                None => self.make(index, image),
+            }
+        }
+        pixels
+    }
+
+    /// Writes image `index`'s values into `image`, from its own random stream.
+    fn make(&self, index: usize, image: &mut [f32]) {
+        let mut rng = SampleRng::new(
+            self.seed,
+            stream::SYNTHETIC_PIXELS,
+            self.split_tag,
+            index as u64,
+        );
+        for pair in image.chunks_mut(2) {
+            let (first, second) = rng.normal_pair();
+            for (value, normal) in pair.iter_mut().zip([first, second]) {
+                *value = normal as f32;
+            }
+        }
     }
 }
 
