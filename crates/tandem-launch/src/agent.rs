@@ -181,8 +181,7 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
         nproc: topology.nproc_per_node,
         agent: format!("pid {} started at {}", std::process::id(), now_micros()),
     };
-    let size = round_size(plan);
-    // Node 0 opens the rounds, unless it was started again while the others went on.
+    // Node 0 opens the first round, unless it was started again while the others went on.
     let mut opens_rounds = topology.node_rank == 0 && !store.job_under_way()?;
     let mut number = match opens_rounds {
         true => 0,
@@ -207,16 +206,15 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
             true => close_round(
                 plan,
                 &store,
-                number,
-                restarts,
-                size,
+                (number, restarts),
+                &me,
                 &history,
                 join_deadline,
             )?,
-            // Node 0 says first why a round could not start.
+            // The opener says first why a round could not start.
             false => store.await_round(number, &me, join_deadline + LEAVE_TIMEOUT, &interrupted)?,
         };
-        opens_rounds = topology.node_rank == 0;
+        opens_rounds = false;
         let (round, joining) = match entered {
             Waited::Done(Entry::Member(round)) => (round, false),
             Waited::Done(Entry::LeftOut(closed)) => {
@@ -252,19 +250,14 @@ pub fn run_job(plan: &LaunchPlan) -> anyhow::Result<JobEnd> {
         };
         history.lost = lost;
         history.previous = Some(round.clone());
-        match after_round(
-            plan,
-            &store,
-            number,
-            &reports,
-            &history,
-            restarts,
-            &mut others,
-        )? {
+        let coordinates = coordinates(&others, topology.node_rank);
+        let outcome = (number, reports.as_slice(), coordinates);
+        match after_round(plan, &store, outcome, &history, restarts, &mut others)? {
             Next::End(end) => return Ok(end),
             Next::Round { restart } => {
                 restarts += u32::from(restart);
                 number += 1;
+                opens_rounds = coordinates;
             }
         }
     }
@@ -512,21 +505,25 @@ enum Next {
     },
 }
 
+/// Whether this node (`node_rank`) is the lowest of the nodes that reported a round
+/// (`reported`, as `(round, node)`): it then tells the job's end, or opens the next round.
+/// That is node 0 while it lives; with a replicated store, another node once it is lost.
+fn coordinates(reported: &[(u32, usize)], node_rank: usize) -> bool {
+    reported.iter().map(|&(_, node)| node).min() == Some(node_rank)
+}
+
 /// Decides, after round `number` whose nodes reported `reports` (`history.lost` those that
-/// did not), whether the job ends or goes on; an ending is told to the `others` nodes that
-/// still read the store.
+/// did not), whether the job ends or goes on; an ending is told, when this node
+/// `coordinates`, to the `others` nodes that still read the store.
 fn after_round(
     plan: &LaunchPlan,
     store: &AgentStore,
-    number: u32,
-    reports: &[Option<NodeReport>],
+    (number, reports, coordinates): (u32, &[Option<NodeReport>], bool),
     history: &History,
     restarts: u32,
     others: &mut Vec<(u32, usize)>,
 ) -> anyhow::Result<Next> {
     let topology = &plan.topology;
-    // Node 0, or with a replicated store the lowest node that reported when node 0 was lost.
-    let coordinates = others.iter().map(|&(_, node)| node).min() == Some(topology.node_rank);
     let end_job = |ended: Ended, others: &mut Vec<(u32, usize)>| -> anyhow::Result<()> {
         if coordinates {
             store.end_job(&ended)?;
@@ -613,14 +610,15 @@ fn after_round(
     Ok(Next::End(JobEnd::Failed { summary }))
 }
 
-/// Node 0: closes round `number` (see [`AgentStore::close_round`]). When too few nodes come
-/// before `deadline`, tells the agents that wait that the job ended, and fails with why.
+/// The node that opens the rounds: closes round `number` after `restarts` restarts (see
+/// [`AgentStore::close_round`]), and says whether this agent (`me`) is in it. When too few
+/// nodes come before `deadline`, tells the agents that wait that the job ended, and fails
+/// with why.
 fn close_round(
     plan: &LaunchPlan,
     store: &AgentStore,
-    number: u32,
-    restarts: u32,
-    size: RoundSize,
+    (number, restarts): (u32, u32),
+    me: &Member,
     history: &History,
     deadline: Instant,
 ) -> anyhow::Result<Waited<Entry>> {
@@ -635,13 +633,14 @@ fn close_round(
     match store.close_round(
         number,
         restarts,
-        size,
+        round_size(plan),
         deadline,
         &interrupted,
         &describe,
         &missing,
     ) {
-        Ok(Waited::Done(round)) => Ok(Waited::Done(Entry::Member(round))),
+        Ok(Waited::Done(round)) if round.includes(me) => Ok(Waited::Done(Entry::Member(round))),
+        Ok(Waited::Done(round)) => Ok(Waited::Done(Entry::LeftOut(round))),
         Ok(Waited::Interrupted) => Ok(Waited::Interrupted),
         Err(error) => {
             let ended = Ended {

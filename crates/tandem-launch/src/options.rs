@@ -48,14 +48,14 @@ pub struct LaunchArgs {
     /// Port of the store on node 0 (default 29500 for multi-node jobs).
     #[arg(long, value_name = "PORT")]
     pub master_port: Option<u16>,
-    /// With --keep-survivors: keep the store on the agents of the first nodes, replicated
-    /// with Raft, in place of node 0's alone: node i serves the i-th `HOST:PORT` (at least
-    /// 3). The job then outlives any one of them, node 0 included.
+    /// Keep the store on the agents of the first nodes, replicated with Raft, in place of
+    /// node 0's alone: node i serves the i-th `HOST:PORT` (at least 3). The job then outlives
+    /// any one of them, node 0 included (with --keep-survivors, its workers go on in-process;
+    /// else the next round starts without it).
     #[arg(
         long,
         value_delimiter = ',',
         value_name = "HOST:PORT,...",
-        requires = "keep_survivors",
         conflicts_with_all = ["master_addr", "master_port", "standalone"]
     )]
     pub store_replicas: Vec<String>,
@@ -1007,16 +1007,18 @@ mod tests {
             "--store-replicas entry \"b\" is not HOST:PORT (e.g. node0:29500 or \
              [fd00::1]:29500)"
         );
-        let without_keep_survivors = parse(&[
+        // Rounds restarted after a loss keep the store too.
+        let restarting = topology_of(&[
             "--nnodes",
-            "3",
+            "2:3",
             "--store-replicas",
             "a:1,b:2,c:3",
             "--",
             "true",
         ]);
-        assert!(without_keep_survivors
-            .unwrap_err()
-            .contains("--keep-survivors"));
+        assert!(matches!(
+            restarting.unwrap().store,
+            StoreLocation::Replicated { .. }
+        ));
     }
 }

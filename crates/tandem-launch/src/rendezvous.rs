@@ -3,10 +3,10 @@
 //! ```text
 //! launch/heartbeat/{node}             counter each agent's heartbeat thread bumps every 100 ms
 //! launch/stop                         set once by the first agent that received SIGTERM/SIGINT
-//! launch/current                      the number of the round node 0 opened last
-//! launch/ended                        Ended JSON: node 0 ended the job (read by nodes waiting to join)
+//! launch/current                      the number of the round opened last
+//! launch/ended                        Ended JSON: the job ended (read by nodes waiting to join)
 //! launch/round{r}/member/{node}       Member JSON: an agent offers its node for round r (first offer wins)
-//! launch/round{r}/members             Round JSON: node 0 closed round r with these members
+//! launch/round{r}/members             Round JSON: round r closed with these members (first close wins)
 //! launch/round{r}/failed              set by the first node whose worker failed: everyone stops
 //! launch/round{r}/resize              set by an agent left out of round r: the members end it to let it in
 //! launch/round{r}/report/{node}       NodeReport JSON: how each worker of the node ended
@@ -17,8 +17,11 @@
 //! launch/round{r}/left/{node}         the node has read every report; node 0 may drop the store
 //! launch/round{r}/epoch/{e}           the node that published membership epoch e (first claim wins)
 //! ```
-//! Node 0 closes a round once all `--nnodes` nodes offered themselves, or, in an elastic job
-//! (`--nnodes MIN:MAX`), once MIN did and the last call passed. An agent left out of a round
+//! Node 0 opens and closes the first round; each later one is opened and closed by the lowest
+//! node that reported the round before it (node 0 while it lives; with a replicated store,
+//! another node once node 0 is lost). A round closes once all `--nnodes` nodes offered
+//! themselves, or, in an elastic job (`--nnodes MIN:MAX`), once MIN did and the last call
+//! passed. An agent left out of a round
 //! (it came late, or came back after its node was lost) offers itself for the next one and
 //! sets the round's `resize`, which the members watch. Worker process groups use other keys
 //! (`round{r}/pg/...`), so nothing here collides with them.
@@ -468,7 +471,8 @@ impl AgentStore {
         self.client.get_within(CURRENT_KEY, within).is_ok()
     }
 
-    /// Node 0: makes `round` the round that arriving agents offer themselves for.
+    /// The node that opens the rounds (node 0, then the lowest node that reported the last
+    /// round): makes `round` the round that arriving agents offer themselves for.
     pub fn open_round(&self, round: u32) -> anyhow::Result<()> {
         self.client
             .set(CURRENT_KEY, round.to_string().as_bytes())
@@ -476,14 +480,14 @@ impl AgentStore {
         Ok(())
     }
 
-    /// Whether the job is already under way: node 0 opened a round of a replicated store
-    /// before this agent started (it is node 0 started again after its loss). A single store
-    /// is new with its host.
+    /// Whether the job is already under way: a round of a replicated store was opened before
+    /// this agent started (it is node 0 started again after its loss). A single store is new
+    /// with its host.
     pub fn job_under_way(&self) -> anyhow::Result<bool> {
         Ok(self.is_replicated() && self.client.get(CURRENT_KEY)?.is_some())
     }
 
-    /// The round node 0 opened last, waiting (until `deadline`) for it to open the first.
+    /// The round opened last, waiting (until `deadline`) for node 0 to open the first.
     pub fn current_round(
         &self,
         deadline: Instant,
@@ -527,8 +531,9 @@ impl AgentStore {
         Ok(())
     }
 
-    /// Node 0: waits until round `round` can close (every node offered itself, or at least
-    /// `size.min` did and the last call passed), closes it and returns it. `describe` gives
+    /// The node that opens the rounds: waits until round `round` can close (every node offered
+    /// itself, or at least `size.min` did and the last call passed), closes it and returns it
+    /// (the round another node closed first, if one did). `describe` gives
     /// the round's line from its members; `missing` what the error of an elastic round says
     /// of a node that did not come before `deadline`.
     #[allow(clippy::too_many_arguments)]
@@ -563,10 +568,18 @@ impl AgentStore {
                     members: offers,
                 };
                 let value = serde_json::to_vec(&closed).context("encode the round")?;
-                self.client
-                    .set(&closed_key(round), &value)
+                let stored = self
+                    .client
+                    .compare_set(&closed_key(round), None, &value)
                     .context("close the round in the store")?;
-                return Ok(Waited::Done(closed));
+                if stored == value {
+                    return Ok(Waited::Done(closed));
+                }
+                // Two nodes each took themselves for the lowest that reported: the first
+                // close stands.
+                let first = serde_json::from_slice(&stored)
+                    .with_context(|| format!("round {round}'s record in the store is malformed"))?;
+                return Ok(Waited::Done(first));
             }
             if Instant::now() >= deadline {
                 let came: Vec<usize> = offers.iter().map(|member| member.node).collect();
@@ -595,8 +608,8 @@ impl AgentStore {
         }
     }
 
-    /// The other nodes: waits (until `deadline`) for node 0 to close round `round`, or to end
-    /// the job. `member` is this agent's offer.
+    /// The other nodes: waits (until `deadline`) for the node that opens the rounds to close
+    /// round `round`, or to end the job. `member` is this agent's offer.
     pub fn await_round(
         &self,
         round: u32,
@@ -629,8 +642,8 @@ impl AgentStore {
                 let absent: Vec<String> =
                     self.missing(&keys)?.iter().map(usize::to_string).collect();
                 bail!(
-                    "node 0 did not start round {round} before the join timeout (node(s) {} did \
-                     not join it)",
+                    "round {round} did not start before the join timeout (node(s) {} did not \
+                     join it)",
                     absent.join(", ")
                 );
             }
@@ -1382,6 +1395,33 @@ mod tests {
             .unwrap()
             .port();
         (agent(0, port), agent(1, port))
+    }
+
+    #[test]
+    fn when_two_nodes_close_one_round_the_first_close_stands_for_both() {
+        let (node_0, node_1) = two_agents();
+        let (first, second) = (member(0, "a"), member(1, "b"));
+        node_0.open_round(4).unwrap();
+        node_0.offer(4, &first).unwrap();
+        let closed = close(
+            &node_0,
+            4,
+            size(1, 3, Duration::ZERO),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(closed.members, std::slice::from_ref(&first));
+        // Node 1 also took itself for the opener, and offered after node 0 closed.
+        node_1.offer(4, &second).unwrap();
+        let again = close(
+            &node_1,
+            4,
+            size(1, 3, Duration::ZERO),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(again, closed);
+        assert!(matches!(entry(&node_1, 4, &second), Entry::LeftOut(round) if round == closed));
     }
 
     #[test]

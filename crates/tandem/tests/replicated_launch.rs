@@ -3,8 +3,10 @@
 //! and the home of rank 0) is killed with SIGKILL mid-run: the store goes on under a new
 //! leader, node 1 takes the decisions over, and the workers of nodes 1 and 2 go on
 //! in-process, without a restart; node 0 started again rejoins in-process, and the run ends
-//! with the uninterrupted run's bits. Partitions and stopped agents are in namespaces. Every
-//! wait is bounded, and every agent's process group is killed when the test ends.
+//! with the uninterrupted run's bits. Without `--keep-survivors`, node 1 opens the round
+//! after node 0's loss and node 0, started again, joins the next one. Partitions and
+//! stopped agents are in namespaces. Every wait is bounded, and every agent's process group
+//! is killed when the test ends.
 
 mod common;
 
@@ -32,7 +34,17 @@ struct Nodes {
     /// The nodes, and the workers of each.
     count: usize,
     nproc: usize,
+    /// How the job meets a loss: the launchers' arguments for it.
+    on_loss: &'static [&'static str],
+    /// `--nnodes`: the nodes, unless a test says otherwise.
+    nnodes: String,
 }
+
+/// Survivors go on in-process; no round is started again.
+const KEEP_SURVIVORS: &[&str] = &["--keep-survivors", "--max-restarts", "0"];
+/// Every loss ends the round; the next one starts with the nodes that come (with `--nnodes
+/// 2:3`, 2 of 3 at least), every worker resuming from the snapshot.
+const RESTART_ROUNDS: &[&str] = &["--last-call", "0.5", "--max-restarts", "3"];
 
 /// The port of each replica when every node is a host of its own.
 const STAR_PORT: u16 = 29571;
@@ -50,6 +62,8 @@ impl Nodes {
             steps: STEPS,
             count: 3,
             nproc: 2,
+            on_loss: KEEP_SURVIVORS,
+            nnodes: 3.to_string(),
         }
     }
 
@@ -82,6 +96,8 @@ impl Nodes {
             steps: STEPS,
             count,
             nproc,
+            on_loss: KEEP_SURVIVORS,
+            nnodes: count.to_string(),
         }
     }
 
@@ -129,9 +145,9 @@ impl Nodes {
         std::fs::create_dir_all(self.trace()).unwrap();
         let mut command = self.tandem_on(node);
         command
-            .args(["launch", "--nnodes", &self.count.to_string()])
+            .args(["launch", "--nnodes", &self.nnodes])
             .args(["--node-rank", &node.to_string()])
-            .args(["--keep-survivors", "--max-restarts", "0"])
+            .args(self.on_loss)
             .args(["--store-replicas", &self.replicas])
             .args(["--nproc-per-node", &self.nproc.to_string()])
             .args(["--stop-grace-seconds", "20", "--join-timeout-seconds", "60"])
@@ -306,6 +322,57 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_node_0_started_again_rejoin
         &expected,
         &nodes.output_dir(),
         "node 0 lost, nodes 1 and 2 went on, node 0 back in-process",
+    );
+}
+
+#[test]
+fn without_node_0_node_1_opens_the_next_round_and_node_0_started_again_joins_a_later_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let expected = uninterrupted_run(dir.path(), STEPS * 2);
+    let mut nodes = Nodes::new(dir.path());
+    nodes.steps = STEPS * 2;
+    nodes.on_loss = RESTART_ROUNDS;
+    nodes.nnodes = "2:3".into();
+    nodes.start_all_and_train();
+    nodes.kill(0);
+    let without_node_0 = "tandem launch: round 1: nodes 1 (2 workers), 2 (2 workers); node 0 \
+                          lost (no heartbeat for ";
+    wait_until(
+        "round 1 without node 0",
+        || nodes.launchers[1].stderr().contains(without_node_0),
+        || nodes.said(),
+    );
+    // Its host started again: it finds round 1 under way and asks to join the next one.
+    nodes.start_again(0);
+    for node in 0..3 {
+        let status = nodes.launchers[node].wait(LIMIT);
+        assert!(
+            status.success(),
+            "node {node}: {status:?}\n{}",
+            nodes.said()
+        );
+        assert_contains(
+            &nodes.launchers[node].stderr(),
+            "every worker finished successfully",
+        );
+    }
+    let said = nodes.said();
+    eprintln!("{said}");
+    assert_contains(
+        &nodes.launchers[0].stderr(),
+        "tandem launch: round 1 started without this node; it joins the next one\n",
+    );
+    let with_node_0 = "tandem launch: round 2: nodes 0 (2 workers), 1 (2 workers), 2 (2 \
+                       workers); node 0 joined; world size 4 -> 6\n";
+    for node in 0..3 {
+        assert_contains(&nodes.launchers[node].stderr(), with_node_0);
+    }
+    assert!(!said.contains("round 3"), "{said}");
+    assert!(!said.contains("panicked"), "{said}");
+    assert_same_bits(
+        &expected,
+        &nodes.output_dir(),
+        "node 0 lost, round 1 opened by node 1, node 0 back in round 2",
     );
 }
 
