@@ -47,6 +47,6 @@ pub use group::{
 };
 pub use shared::SharedBuffer;
 pub use store::{
-    StoreClient, StoreLimits, StoreReplica, StoreServer, WaitBreaker, MAX_KEY_BYTES,
+    ReplicaStart, StoreClient, StoreLimits, StoreReplica, StoreServer, WaitBreaker, MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
 };

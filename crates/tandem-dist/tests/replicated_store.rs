@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use tandem_dist::{
-    DistError, JobToken, ProcessGroup, ProcessGroupOptions, ReduceOp, StoreClient, StoreLimits,
-    StoreReplica,
+    DistError, JobToken, ProcessGroup, ProcessGroupOptions, ReduceOp, ReplicaStart, StoreClient,
+    StoreLimits, StoreReplica,
 };
 
 /// The bound on every wait of these tests.
@@ -34,6 +34,19 @@ fn replicas(count: usize) -> (Vec<Option<StoreReplica>>, Vec<SocketAddr>) {
         replica.start(&addrs, index).expect("start");
     }
     (replicas.into_iter().map(Some).collect(), addrs)
+}
+
+/// A replica bound to `addr` again once the one dropped there let go of it (within
+/// [`LIMIT`]): its host started again.
+fn bind_again(addr: SocketAddr) -> StoreReplica {
+    let started = Instant::now();
+    loop {
+        match StoreReplica::bind(addr, token(), StoreLimits::default()) {
+            Ok(replica) => return replica,
+            Err(error) => assert!(started.elapsed() < LIMIT, "bind {addr} again: {error}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn client(addrs: &[SocketAddr], timeout: Duration) -> StoreClient {
@@ -173,8 +186,7 @@ fn a_replica_started_again_empty_catches_up_and_counts_in_the_majority() {
         store.set("step", step.to_string().as_bytes()).expect("set");
     }
     // Its host started again: a replica at the same address, with nothing of the old one.
-    let mut again = StoreReplica::bind(addrs[lost], token(), StoreLimits::default())
-        .expect("bind the same address again");
+    let mut again = bind_again(addrs[lost]);
     again.start(&addrs, lost).expect("start");
     replicas[lost] = Some(again);
     store.set("after", b"1").expect("set");
@@ -190,6 +202,105 @@ fn a_replica_started_again_empty_catches_up_and_counts_in_the_majority() {
         .set("last", b"2")
         .expect("set without the second other");
     assert_eq!(store.get("after").expect("get"), Some(b"1".to_vec()));
+}
+
+#[test]
+fn a_replica_started_again_behind_votes_for_nobody_until_it_caught_up_so_no_write_is_lost() {
+    let (mut replicas, addrs) = replicas(3);
+    let store = client(&addrs, LIMIT);
+    store.set("first", b"kept").expect("set");
+    let lead = leader(&replicas);
+    let (helper, lagging) = ((lead + 1) % 3, (lead + 2) % 3);
+    // A write that only the leader and `helper` hold.
+    partition(&replicas, Some(lagging));
+    store
+        .set("only-on-two", b"1")
+        .expect("set without the lagging replica");
+    // `helper`'s host starts again, away from the leader, and then the leader's host dies.
+    replicas[helper] = None;
+    let mut again = bind_again(addrs[helper]);
+    again.cut_links_to(&[lead]);
+    let behind = ReplicaStart {
+        ballot: None,
+        behind: true,
+    };
+    again.start_with(&addrs, helper, &behind).expect("start");
+    replicas[helper] = Some(again);
+    replicas[lead] = None;
+    replicas[lagging]
+        .as_ref()
+        .expect("the lagging replica")
+        .cut_links_to(&[lead]);
+    // The lagging replica would lead without the write, had the other voted for it.
+    let short = client(&addrs, Duration::from_secs(3));
+    match short.get("only-on-two") {
+        Ok(value) => panic!("the store answered {value:?} without the leader"),
+        Err(error) => assert!(error.to_string().contains("no replica"), "{error}"),
+    }
+}
+
+#[test]
+fn a_replica_started_again_behind_catches_up_then_votes_and_keeps_its_ballot() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ballot = |index: usize| dir.path().join(format!("ballot-{index}"));
+    let mut replicas: Vec<Option<StoreReplica>> = Vec::new();
+    let mut addrs = Vec::new();
+    for _ in 0..3 {
+        let replica = StoreReplica::bind(
+            "127.0.0.1:0".parse().expect("addr"),
+            token(),
+            StoreLimits::default(),
+        )
+        .expect("bind");
+        addrs.push(replica.local_addr());
+        replicas.push(Some(replica));
+    }
+    for (index, replica) in replicas.iter_mut().enumerate() {
+        let how = ReplicaStart {
+            ballot: Some(ballot(index)),
+            behind: false,
+        };
+        let replica = replica.as_mut().expect("replica");
+        replica.start_with(&addrs, index, &how).expect("start");
+    }
+    let store = client(&addrs, LIMIT);
+    store.set("first", b"kept").expect("set");
+    let lead = leader(&replicas);
+    let recorded = std::fs::read_to_string(ballot(lead)).expect("the leader's ballot");
+    let id = lead + 1;
+    assert!(
+        recorded.ends_with(&format!("\nvote {id}\n")),
+        "{recorded:?}"
+    );
+    // A follower's host starts again behind; it catches up, and then counts in a majority
+    // without the other follower, for writes and for an election after the leader's loss.
+    let lost = (lead + 1) % 3;
+    replicas[lost] = None;
+    store.set("while-away", b"1").expect("set");
+    let mut again = bind_again(addrs[lost]);
+    let behind = ReplicaStart {
+        ballot: Some(ballot(lost)),
+        behind: true,
+    };
+    again.start_with(&addrs, lost, &behind).expect("start");
+    replicas[lost] = Some(again);
+    store.set("back", b"1").expect("set");
+    std::thread::sleep(Duration::from_millis(500));
+    replicas[lead] = None;
+    // Two replicas are left: neither leads without the other's vote.
+    let winner = leader(&replicas);
+    assert_eq!(store.get("while-away").expect("get"), Some(b"1".to_vec()));
+    assert_eq!(store.get("back").expect("get"), Some(b"1".to_vec()));
+    let voter = [lost, (lead + 2) % 3]
+        .into_iter()
+        .find(|&index| index != winner)
+        .expect("the other replica");
+    let ballots = [ballot(winner), ballot(voter)].map(|path| {
+        let text = std::fs::read_to_string(path).expect("ballot");
+        text.lines().map(str::to_string).collect::<Vec<_>>()
+    });
+    assert_eq!(ballots[0][1], ballots[1][1], "one term: {ballots:?}");
+    assert_eq!(ballots[1][2], format!("vote {}", winner + 1), "{ballots:?}");
 }
 
 #[test]

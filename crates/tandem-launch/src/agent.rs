@@ -314,6 +314,7 @@ fn open_store(
     let store = match AgentStore::open(
         topology,
         &plan.token,
+        &plan.log_dir,
         deadline,
         store_request_timeout(plan),
         interrupted,
@@ -337,6 +338,13 @@ fn open_store(
         topology.nproc_per_node,
         plan.log_dir.display()
     ));
+    if store.replica_started_behind() {
+        say(&format!(
+            "node {}'s replica of the store starts behind a job under way: it votes once it \
+             has caught up with the leader",
+            topology.node_rank
+        ));
+    }
     Ok(Waited::Done(store))
 }
 

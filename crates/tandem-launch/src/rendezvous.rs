@@ -27,13 +27,16 @@
 //! (`round{r}/pg/...`), so nothing here collides with them.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use tandem_dist::cluster::contract::MembershipRecord;
 use tandem_dist::heartbeat::{Heartbeat, HEARTBEAT_INTERVAL};
-use tandem_dist::{DistError, JobToken, StoreClient, StoreLimits, StoreReplica, StoreServer};
+use tandem_dist::{
+    DistError, JobToken, ReplicaStart, StoreClient, StoreLimits, StoreReplica, StoreServer,
+};
 
 use super::options::{StoreLocation, Topology};
 use super::report::NodeReport;
@@ -279,6 +282,8 @@ pub struct AgentStore {
     // Declared after the client so the client closes first; kept alive for the whole job.
     server: Option<StoreServer>,
     _replica: Option<StoreReplica>,
+    /// Whether this node's replica started behind a job under way.
+    replica_behind: bool,
     /// Every replica's address, when the store is replicated.
     replicas: Vec<SocketAddr>,
     node_rank: usize,
@@ -292,10 +297,12 @@ pub struct AgentStore {
 impl AgentStore {
     /// Hosts the store (node 0) or connects to it (the other nodes, retrying until `deadline`;
     /// `interrupted` is polled between attempts). `request_timeout` bounds each request of
-    /// another node's agent (node 0 reaches its own store on loopback).
+    /// another node's agent (node 0 reaches its own store on loopback). A replica of a
+    /// replicated store hosted here keeps its term and vote in `log_dir`.
     pub fn open(
         topology: &Topology,
         token: &JobToken,
+        log_dir: &Path,
         deadline: Instant,
         request_timeout: Duration,
         interrupted: &dyn Fn() -> bool,
@@ -304,7 +311,7 @@ impl AgentStore {
             return AgentStore::open_replicated(
                 topology,
                 replicas,
-                token,
+                (token, log_dir),
                 deadline,
                 request_timeout,
                 interrupted,
@@ -378,6 +385,7 @@ impl AgentStore {
             client,
             server,
             _replica: None,
+            replica_behind: false,
             replicas: Vec::new(),
             node_rank: topology.node_rank,
             nnodes: topology.nnodes,
@@ -392,7 +400,7 @@ impl AgentStore {
     fn open_replicated(
         topology: &Topology,
         replicas: &[(String, u16)],
-        token: &JobToken,
+        (token, log_dir): (&JobToken, &Path),
         deadline: Instant,
         request_timeout: Duration,
         interrupted: &dyn Fn() -> bool,
@@ -405,9 +413,10 @@ impl AgentStore {
             }
         }
         let replica = match addrs.get(topology.node_rank) {
-            Some(own) => Some(host_replica(topology, token, &addrs, *own)?),
+            Some(own) => Some(host_replica(topology, (token, log_dir), &addrs, *own)?),
             None => None,
         };
+        let replica_behind = replica.as_ref().is_some_and(|(_, behind)| *behind);
         let Waited::Done(client) =
             await_leader(&addrs, token, deadline, request_timeout, interrupted)?
         else {
@@ -427,13 +436,20 @@ impl AgentStore {
             _beat: beat,
             client,
             server: None,
-            _replica: replica,
+            _replica: replica.map(|(replica, _)| replica),
+            replica_behind,
             replicas: addrs,
             node_rank: topology.node_rank,
             nnodes: topology.nnodes,
             master_addr,
             master_port,
         }))
+    }
+
+    /// Whether this node's replica of the store started behind a job under way (its host
+    /// was started again), and catches up before it votes.
+    pub fn replica_started_behind(&self) -> bool {
+        self.replica_behind
     }
 
     /// The store's address as this agent reaches it.
@@ -1117,13 +1133,16 @@ fn retry<T>(
     }
 }
 
-/// Binds and starts this node's replica on every interface at `own`'s port.
+/// Binds and starts this node's replica on every interface at `own`'s port, its term and
+/// vote kept in `log_dir`. When the other replicas already hold a job under way, this
+/// node's host was started again: its replica starts behind, and catches up before it
+/// votes. Returns the replica, and whether it started behind.
 fn host_replica(
     topology: &Topology,
-    token: &JobToken,
+    (token, log_dir): (&JobToken, &Path),
     addrs: &[SocketAddr],
     own: SocketAddr,
-) -> anyhow::Result<StoreReplica> {
+) -> anyhow::Result<(StoreReplica, bool)> {
     let unspecified: IpAddr = match own {
         SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
         SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
@@ -1137,10 +1156,33 @@ fn host_replica(
                 own.port()
             )
         })?;
+    let how = ReplicaStart {
+        ballot: Some(log_dir.join(BALLOT_FILE)),
+        behind: job_under_way_without(addrs, topology.node_rank, token),
+    };
     replica
-        .start(addrs, topology.node_rank)
+        .start_with(addrs, topology.node_rank, &how)
         .context("start the store's replica")?;
-    Ok(replica)
+    Ok((replica, how.behind))
+}
+
+/// The file in the log folder where a node's replica keeps its last term and vote.
+const BALLOT_FILE: &str = "store-ballot";
+
+/// How long a replica about to start looks whether the others hold a job under way. At a
+/// job's start they answer nothing yet, and the replica starts as a new one.
+const UNDER_WAY_LOOK: Duration = Duration::from_secs(1);
+
+/// Whether the replicas other than the `own`-th among `addrs` answer with a round opened:
+/// the store was under way before this replica.
+fn job_under_way_without(addrs: &[SocketAddr], own: usize, token: &JobToken) -> bool {
+    let others: Vec<SocketAddr> = (0..addrs.len())
+        .filter(|&index| index != own)
+        .map(|index| addrs[index])
+        .collect();
+    StoreClient::connect_replicated(&others, token, UNDER_WAY_LOOK)
+        .and_then(|client| client.get(CURRENT_KEY))
+        .is_ok_and(|round| round.is_some())
 }
 
 /// One connection attempt's bound: [`CONNECT_SLICE`], or what is left until `deadline`
@@ -1339,7 +1381,17 @@ mod tests {
         };
         let token = JobToken::new("rendezvous-test-secret").unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
-        match AgentStore::open(&topology, &token, deadline, REQUEST_TIMEOUT, &|| false).unwrap() {
+        let unused = Path::new("unused");
+        match AgentStore::open(
+            &topology,
+            &token,
+            unused,
+            deadline,
+            REQUEST_TIMEOUT,
+            &|| false,
+        )
+        .unwrap()
+        {
             Waited::Done(store) => store,
             Waited::Interrupted => unreachable!("nothing interrupts the test"),
         }

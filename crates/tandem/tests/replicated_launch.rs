@@ -296,6 +296,13 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_node_0_started_again_rejoin
         "tandem launch: round 0 runs without this node, which it lost: this node's workers \
          rejoin it at a step boundary, and nobody restarts\n",
     );
+    assert_contains(
+        &again,
+        "tandem launch: node 0's replica of the store starts behind a job under way: it votes \
+         once it has caught up with the leader\n",
+    );
+    let first = nodes.launchers[1].stderr();
+    assert!(!first.contains("starts behind"), "{first}");
     assert!(!said.contains("round 1"), "a new round began:\n{said}");
     // Node 1 goes on deciding.
     assert!(!again.contains("decides the membership"), "{again}");

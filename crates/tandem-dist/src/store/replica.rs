@@ -9,15 +9,17 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use protobuf::Message as _;
-use raft::eraftpb::{Entry, EntryType, Message, MessageType, Snapshot};
+use raft::eraftpb::{Entry, EntryType, HardState, Message, MessageType, Snapshot};
 use raft::{Config, RawNode, ReadState, StateRole};
 
+use super::ballot::Ballot;
 use super::keyspace::Keyspace;
 use super::limits::StoreLimits;
 use super::log::ReplicaLog;
@@ -46,6 +48,19 @@ pub struct StoreReplica {
     core: Arc<Core>,
     token: JobToken,
     raft_thread: Option<JoinHandle<()>>,
+}
+
+/// How a replica starts.
+#[derive(Debug, Clone, Default)]
+pub struct ReplicaStart {
+    /// The file that keeps the replica's last term and vote across a restart of its agent;
+    /// none: they are kept in memory only.
+    pub ballot: Option<PathBuf>,
+    /// Whether the store was under way before this replica started (its host started
+    /// again). It then holds none of the entries it may have acknowledged before, so it
+    /// grants no vote and stands for no election until it has caught up with a leader: a
+    /// write that it helped to commit is never lost for it.
+    pub behind: bool,
 }
 
 /// What the client threads share with the Raft thread.
@@ -103,8 +118,18 @@ impl StoreReplica {
     }
 
     /// Joins the replicas at `replicas` (every replica's address, this one's included, in
-    /// the same order on every host); this one is at `index`.
+    /// the same order on every host) of a new store; this one is at `index`.
     pub fn start(&mut self, replicas: &[SocketAddr], index: usize) -> Result<()> {
+        self.start_with(replicas, index, &ReplicaStart::default())
+    }
+
+    /// [`start`](Self::start), as `how` says.
+    pub fn start_with(
+        &mut self,
+        replicas: &[SocketAddr],
+        index: usize,
+        how: &ReplicaStart,
+    ) -> Result<()> {
         if index >= replicas.len() || self.raft_thread.is_some() {
             return Err(DistError::InvalidArgument(format!(
                 "replica {index} of {} cannot start (already started, or no such replica)",
@@ -113,7 +138,14 @@ impl StoreReplica {
         }
         let voters: Vec<u64> = (1..=replicas.len() as u64).collect();
         let id = index as u64 + 1;
-        let node = new_node(id, ReplicaLog::new(voters))?;
+        let mut log = ReplicaLog::new(voters);
+        let ballot = how.ballot.as_deref().map(Ballot::open).transpose()?;
+        if let Some(ballot) = &ballot {
+            let mut hard_state = HardState::default();
+            (hard_state.term, hard_state.vote) = (ballot.term(), ballot.vote());
+            log.set_hard_state(hard_state);
+        }
+        let node = new_node(id, log)?;
         let peers: Vec<(u64, SocketAddr)> = (1u64..)
             .zip(replicas.iter().copied())
             .filter(|(peer, _)| *peer != id)
@@ -123,9 +155,16 @@ impl StoreReplica {
         *lock(&self.core.inbox) = Some(sender);
         let core = Arc::clone(&self.core);
         let addrs = replicas.to_vec();
+        let catch_up = how.behind.then_some(CatchUp {
+            leader_commit: None,
+        });
         let handle = thread::Builder::new()
             .name(format!("store-raft-{id}"))
-            .spawn(move || RaftLoop::new(node, core, links, addrs).run(&inbox))
+            .spawn(move || {
+                let mut raft = RaftLoop::new(node, core, links, addrs);
+                (raft.ballot, raft.catch_up) = (ballot, catch_up);
+                raft.run(&inbox);
+            })
             .map_err(|error| DistError::io("spawn the store's Raft thread", &error))?;
         self.raft_thread = Some(handle);
         Ok(())
@@ -239,9 +278,19 @@ fn not_leader(view: &View) -> Response {
     Response::NotLeader { leader }
 }
 
+/// A replica started behind a store under way, until it has caught up with a leader.
+struct CatchUp {
+    /// The commit index of the first leader's message it received.
+    leader_commit: Option<u64>,
+}
+
 /// The Raft thread's state: the node, the requests waiting for it, and the links.
 struct RaftLoop {
     node: RawNode<ReplicaLog>,
+    /// Where the term and vote are kept, if anywhere but memory.
+    ballot: Option<Ballot>,
+    /// While it is catching up: it votes for nobody and stands for no election.
+    catch_up: Option<CatchUp>,
     core: Arc<Core>,
     peers: Peers,
     addrs: Vec<SocketAddr>,
@@ -264,6 +313,8 @@ impl RaftLoop {
     ) -> RaftLoop {
         RaftLoop {
             node,
+            ballot: None,
+            catch_up: None,
             core,
             peers,
             addrs,
@@ -285,11 +336,53 @@ impl RaftLoop {
                 Err(RecvTimeoutError::Timeout) => {}
             }
             if last_tick.elapsed() >= TICK {
-                self.node.tick();
+                // Without ticks a follower never stands for election.
+                if self.catch_up.is_none() {
+                    self.node.tick();
+                }
                 last_tick = Instant::now();
             }
-            self.handle_ready();
+            if let Err(error) = self.handle_ready() {
+                // Silent, the replica is as if its host had died: the others go on.
+                eprintln!(
+                    "tandem: the store's replica {} stops: {error}",
+                    self.node.raft.id
+                );
+                return;
+            }
+            self.see_whether_caught_up();
             self.publish_view();
+        }
+    }
+
+    /// While catching up: notes the commit index of the first message from a leader, and
+    /// whether `message` asks for a vote, which is then refused.
+    fn catching_up_refuses(&mut self, message: &Message) -> bool {
+        let Some(catch_up) = &mut self.catch_up else {
+            return false;
+        };
+        let leader_commit = match message.get_msg_type() {
+            MessageType::MsgAppend | MessageType::MsgHeartbeat => message.commit,
+            MessageType::MsgSnapshot => message.get_snapshot().get_metadata().index,
+            MessageType::MsgRequestVote | MessageType::MsgRequestPreVote => return true,
+            _ => return false,
+        };
+        catch_up.leader_commit.get_or_insert(leader_commit);
+        false
+    }
+
+    /// Ends the catching up once this replica's log is committed up to the first leader's
+    /// commit index, and up to an entry of the current term: every write committed before
+    /// this replica started is then in its log, whichever leader committed it.
+    fn see_whether_caught_up(&mut self) {
+        let Some(leader_commit) = self.catch_up.as_ref().and_then(|c| c.leader_commit) else {
+            return;
+        };
+        let raft = &self.node.raft;
+        let committed = raft.raft_log.committed;
+        let of_this_term = raft.raft_log.term(committed).ok() == Some(raft.term);
+        if committed >= leader_commit && of_this_term {
+            self.catch_up = None;
         }
     }
 
@@ -307,6 +400,9 @@ impl RaftLoop {
     fn take(&mut self, event: Event) {
         match event {
             Event::Message(mut message) => {
+                if self.catching_up_refuses(&message) {
+                    return;
+                }
                 self.bound_heartbeat_commit(&mut message);
                 let _ = self.node.step(*message);
             }
@@ -346,9 +442,10 @@ impl RaftLoop {
         (id == self.node.raft.id).then_some(number)
     }
 
-    fn handle_ready(&mut self) {
+    /// Handles what Raft made ready; fails when the term and vote cannot be recorded.
+    fn handle_ready(&mut self) -> Result<()> {
         if !self.node.has_ready() {
-            return;
+            return Ok(());
         }
         let mut ready = self.node.ready();
         self.send(ready.take_messages());
@@ -358,6 +455,9 @@ impl RaftLoop {
         self.apply(ready.take_committed_entries());
         self.node.mut_store().append(ready.entries());
         if let Some(hard_state) = ready.hs() {
+            if let Some(ballot) = &mut self.ballot {
+                ballot.record(hard_state.term, hard_state.vote)?;
+            }
             self.node.mut_store().set_hard_state(hard_state.clone());
         }
         self.confirm_reads(ready.take_read_states());
@@ -371,6 +471,7 @@ impl RaftLoop {
         self.node.advance_apply();
         self.release_reads();
         self.compact();
+        Ok(())
     }
 
     fn send(&self, messages: Vec<Message>) {
