@@ -190,6 +190,20 @@ impl Nodes {
             .collect()
     }
 
+    /// Waits for every node's agent to end, and checks that each says every worker
+    /// succeeded; returns (and prints) what they all said.
+    fn every_node_succeeds(&mut self) -> String {
+        for node in 0..self.launchers.len() {
+            let status = self.launchers[node].wait(LIMIT);
+            assert!(status.success(), "node {node}: {status:?}\n{}", self.said());
+            let said = self.launchers[node].stderr();
+            assert_contains(&said, "every worker finished successfully");
+        }
+        let said = self.said();
+        eprintln!("{said}");
+        said
+    }
+
     /// Kills node `node`'s agent and workers with SIGKILL.
     fn kill(&mut self, node: usize) {
         kill_group(self.launchers[node].pid());
@@ -272,20 +286,7 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_node_0_started_again_rejoin
     nodes.start_again(0);
     wait_for_node_0_let_back_in(&nodes);
     let joiners = [nodes.launchers[0].worker(0), nodes.launchers[0].worker(1)];
-    for node in 0..3 {
-        let status = nodes.launchers[node].wait(LIMIT);
-        assert!(
-            status.success(),
-            "node {node}: {status:?}\n{}",
-            nodes.said()
-        );
-        assert_contains(
-            &nodes.launchers[node].stderr(),
-            "every worker finished successfully",
-        );
-    }
-    let said = nodes.said();
-    eprintln!("{said}");
+    let said = nodes.every_node_succeeds();
     assert_contains(
         &nodes.launchers[1].stderr(),
         "ranks [2, 3, 4, 5] go on in-process (world size 6 -> 4), nobody restarts",
@@ -351,20 +352,7 @@ fn without_node_0_node_1_opens_the_next_round_and_node_0_started_again_joins_a_l
     );
     // Its host started again: it finds round 1 under way and asks to join the next one.
     nodes.start_again(0);
-    for node in 0..3 {
-        let status = nodes.launchers[node].wait(LIMIT);
-        assert!(
-            status.success(),
-            "node {node}: {status:?}\n{}",
-            nodes.said()
-        );
-        assert_contains(
-            &nodes.launchers[node].stderr(),
-            "every worker finished successfully",
-        );
-    }
-    let said = nodes.said();
-    eprintln!("{said}");
+    let said = nodes.every_node_succeeds();
     assert_contains(
         &nodes.launchers[0].stderr(),
         "tandem launch: round 1 started without this node; it joins the next one\n",
