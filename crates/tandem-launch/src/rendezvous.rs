@@ -1016,7 +1016,8 @@ fn store_limits(topology: &Topology) -> StoreLimits {
 }
 
 const STOP_KEY: &str = "launch/stop";
-const CURRENT_KEY: &str = "launch/current";
+/// The number of the round opened last.
+pub(crate) const CURRENT_KEY: &str = "launch/current";
 const ENDED_KEY: &str = "launch/ended";
 
 /// `nodes` in words: "node 0", "nodes 0, 2".
@@ -1028,7 +1029,8 @@ pub fn node_list(nodes: &[usize]) -> String {
     }
 }
 
-fn closed_key(round: u32) -> String {
+/// The record of round `round` once it closed.
+pub(crate) fn closed_key(round: u32) -> String {
     format!("launch/round{round}/members")
 }
 

@@ -94,7 +94,8 @@ pub fn run(args: &StatusArgs) -> anyhow::Result<String> {
         .get(&membership_key(&store_prefix(round.number)))?
         .and_then(|bytes| MembershipRecord::from_json(&bytes).ok());
     let views = watch_ranks(&client, &round)?;
-    Ok(describe(&job, &round, membership.as_ref(), &views))
+    let leader = client.answering_replica();
+    Ok(describe(&job, leader, &round, membership.as_ref(), &views))
 }
 
 /// Where a job file's store is.
@@ -164,15 +165,18 @@ fn watch_ranks(client: &StoreClient, round: &Round) -> anyhow::Result<Vec<RankVi
     Ok(views)
 }
 
-/// The report: the round's line, the membership's when it changed, then one line per rank.
+/// The report: the round's line (with the `leader` of a replicated store), the membership's
+/// when it changed, then one line per rank.
 fn describe(
     job: &JobFile,
+    leader: Option<SocketAddr>,
     round: &Round,
     membership: Option<&MembershipRecord>,
     views: &[RankView],
 ) -> String {
+    let leads = leader.map_or_else(String::new, |leader| format!("store leader {leader}, "));
     let mut text = format!(
-        "job at {} (launcher pid {}): {}\n",
+        "job at {} ({leads}launcher pid {}): {}\n",
         job.store, job.launcher_pid, round.line
     );
     if let Some(record) = membership {
@@ -309,7 +313,7 @@ mod tests {
         }
         let first = wait_for_leader(&replicas);
         replicas[first] = None;
-        wait_for_leader(&replicas);
+        let second = wait_for_leader(&replicas);
         let log_dir = tempfile::tempdir().unwrap();
         let list: Vec<String> = addrs.iter().map(SocketAddr::to_string).collect();
         write_job_file(log_dir.path(), &list.join(","), &token).unwrap();
@@ -321,6 +325,31 @@ mod tests {
         assert!(
             error.starts_with("the job's store holds no round yet"),
             "{error}"
+        );
+        let round = Round {
+            number: 0,
+            restarts: 0,
+            members: Vec::new(),
+            line: "round 0: nodes none".into(),
+        };
+        let store = StoreClient::connect_replicated(&addrs, &token, CONNECT_TIMEOUT).unwrap();
+        let record = serde_json::to_vec(&round).unwrap();
+        store
+            .set(&super::super::rendezvous::closed_key(0), &record)
+            .unwrap();
+        store
+            .set(super::super::rendezvous::CURRENT_KEY, b"0")
+            .unwrap();
+        let report = run(&args).unwrap();
+        let first_line = report.lines().next().unwrap_or_default();
+        assert_eq!(
+            first_line,
+            format!(
+                "job at {} (store leader {}, launcher pid {}): round 0: nodes none",
+                list.join(","),
+                addrs[second],
+                std::process::id()
+            )
         );
     }
 
@@ -365,7 +394,7 @@ mod tests {
                 beats: (5, 8),
             })
             .collect();
-        let report = describe(&job, &round, Some(&membership), &views);
+        let report = describe(&job, None, &round, Some(&membership), &views);
         let lines: Vec<&str> = report.lines().collect();
         assert_eq!(
             lines[1],

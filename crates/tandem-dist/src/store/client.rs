@@ -208,6 +208,13 @@ impl StoreClient {
         self.addr
     }
 
+    /// For a replicated store, the replica that answered this client's last request: the
+    /// leader then. `None` for a single store.
+    pub fn answering_replica(&self) -> Option<SocketAddr> {
+        let replicas = self.replicas.as_ref()?;
+        replicas.addrs.get(self.connection().replica).copied()
+    }
+
     /// The bound on each request of this client.
     pub(crate) fn timeout(&self) -> Duration {
         self.timeout
