@@ -83,7 +83,7 @@ failure() {
 
 # trial N: one link-down; prints the latency or a failure.
 trial() {
-    local n=$1 port=$(( 29600 + $1 )) t_down t_first t_exit="" line
+    local n=$1 port=$(( 29600 + $1 )) t_down t_first t_paused="" line
     job_dir=$tmp/trial-$n
     trace=$job_dir/trace
     mkdir -p "$trace"
@@ -96,16 +96,16 @@ trial() {
     ip -n "${ns[1]}" link set "${veth[1]}" down
     if ! wait_for 60 world_size_seen 2; then failure "no step at world size 2 within 60 s"; stop_jobs; return 1; fi
     t_first=$(trace_query first 2)
-    # Node 1's launcher, cut off, ends by itself.
+    # Node 1's launcher, cut off, pauses (its workers wait for the cut to heal).
     for _ in $(seq 200); do
-        kill -0 "${pids[1]}" 2>/dev/null || { t_exit=$(now); break; }
+        grep -q "node 1 is cut off from the job's store" "$job_dir/stderr-1" 2>/dev/null && { t_paused=$(now); break; }
         sleep 0.05
     done
     stop_jobs
     line=$(grep -o 'membership 1: node 1 lost (its launcher sent no heartbeat for [0-9.]* s)' "$job_dir/stderr-0" | head -1 || true)
-    local ended="more than 10 s"
-    [ -n "$t_exit" ] && ended="$(sub "$t_exit" "$t_down") s"
-    echo "  trial $n: $(sub "$t_first" "$t_down") s; node 1's launcher ended after $ended; ${line:-no membership line}"
+    local paused="more than 10 s"
+    [ -n "$t_paused" ] && paused="$(sub "$t_paused" "$t_down") s"
+    echo "  trial $n: $(sub "$t_first" "$t_down") s; node 1's launcher paused after $paused; ${line:-no membership line}"
     sub "$t_first" "$t_down" >>"$tmp/latencies"
 }
 

@@ -314,7 +314,7 @@ fn open_store(
     let store = match AgentStore::open(
         topology,
         &plan.token,
-        &plan.log_dir,
+        (&plan.log_dir, plan.keep_survivors),
         deadline,
         store_request_timeout(plan),
         interrupted,
@@ -482,12 +482,17 @@ fn run_round(
     let gathered = match shared {
         Ok(reports) => reports,
         Err(error) if plan.keep_survivors => {
+            let store_kind = match (store.is_replicated(), store.single_store_is_gone()) {
+                (true, _) => StoreKind::Replicated,
+                (false, false) => StoreKind::Single,
+                (false, true) => StoreKind::Gone,
+            };
             return Ok(Err(lost_the_store_keeping_survivors(
                 &error,
                 topology.node_rank,
                 &all_workers,
-                store.is_replicated(),
-            )))
+                store_kind,
+            )));
         }
         Err(error) => return Ok(Err(lost_the_store(&error, topology.nnodes, report))),
     };
@@ -802,6 +807,16 @@ fn lost_the_store(error: &anyhow::Error, nnodes: usize, report: NodeReport) -> J
     }
 }
 
+/// What a node that lost the store knows of it.
+enum StoreKind {
+    /// A replicated store: the nodes that reach a majority of its replicas go on.
+    Replicated,
+    /// Node 0's store, which may still run.
+    Single,
+    /// Node 0's store, whose host refuses connections: it is gone, and the job with it.
+    Gone,
+}
+
 /// The end of this node's part of a `--keep-survivors` job when it lost the store: node 0
 /// leaves its workers out once its heartbeat stops, so they were killed (`workers`, as
 /// `(rank, pid)`); the others go on without them, unless node 0 itself is gone. With a
@@ -810,26 +825,30 @@ fn lost_the_store_keeping_survivors(
     error: &anyhow::Error,
     node_rank: usize,
     workers: &[(usize, u32)],
-    replicated: bool,
+    store: StoreKind,
 ) -> JobEnd {
     let listed: Vec<String> = workers
         .iter()
         .map(|(rank, pid)| format!("rank {rank} (pid {pid})"))
         .collect();
-    let who_goes_on = match replicated {
-        true => {
-            "the nodes that still reach a majority of the store's replicas leave a node that \
-             they cannot hear out of the job, and go on without it"
+    let who_goes_on = match store {
+        StoreKind::Replicated => {
+            "with --keep-survivors, the nodes that still reach a majority of the store's \
+             replicas leave a node that they cannot hear out of the job, and go on without it"
         }
-        false => {
-            "node 0 leaves a node that it cannot hear out of the job, and the other nodes go \
-             on without it"
+        StoreKind::Single => {
+            "with --keep-survivors, node 0 leaves a node that it cannot hear out of the job, \
+             and the other nodes go on without it"
+        }
+        StoreKind::Gone => {
+            "node 0's store refuses connections: it is gone, and the job's state with it \
+             (--store-replicas keeps the store on several nodes)"
         }
     };
     JobEnd::Failed {
         summary: format!(
-            "node {node_rank} lost the store ({error:#}) and killed its workers ({}): with \
-             --keep-survivors, {who_goes_on}",
+            "node {node_rank} lost the store ({error:#}) and killed its workers ({}): \
+             {who_goes_on}",
             listed.join(", ")
         ),
     }
@@ -926,7 +945,7 @@ fn job_env(plan: &LaunchPlan, store: &AgentStore, round: &Round, joiner: bool) -
         restart_count: round.number,
         keep_survivors: plan.keep_survivors,
         joiner,
-        store_replicas: store.is_replicated().then(|| store.location()),
+        store_replicas: store.rides_out_cuts().then(|| store.location()),
     }
 }
 
@@ -1125,9 +1144,10 @@ fn watchers(
     Ok((beats, membership))
 }
 
-/// A node cut off from the majority of a replicated store's replicas (`--keep-survivors`):
-/// the other nodes leave it out of the job, and its workers, fenced, wait for the cut to heal
-/// and then rejoin. It ends after the rendezvous timeout.
+/// A node cut off from the store (`--keep-survivors`; from the majority of a replicated
+/// store's replicas): the other nodes leave it out of the job, and its workers, fenced, wait
+/// for the cut to heal and then rejoin. It ends after the rendezvous timeout, or at once when
+/// a single store is gone for good.
 struct CutOff {
     since: Instant,
     /// The store's error that began the cut.
@@ -1182,6 +1202,10 @@ impl CutOff {
         }
         self.last_look = Instant::now();
         if !store.answers_within(CUT_OFF_LOOK) {
+            if store.single_store_is_gone() {
+                let lasted = self.since.elapsed().as_secs_f64();
+                return Cut::Ends(self.error.context(format!("cut off for {lasted:.1} s")));
+            }
             return Cut::Lasts(self);
         }
         say(&format!(
@@ -1194,11 +1218,12 @@ impl CutOff {
     }
 }
 
-/// With `--keep-survivors` and a replicated store, while the workers run (`running`): turns
-/// the store's error into a cut off the store, and ends a cut that healed (every silence
-/// and activity seen, in `trackers`, starts again) or that must end (`must_end`, or the rendezvous
-/// timeout: the store's error is back for the workers to be stopped). Returns the cut that
-/// lasts.
+/// With `--keep-survivors` and a store this node rides out cuts of (see
+/// [`AgentStore::rides_out_cuts`]), while the workers run (`running`): turns the store's
+/// error into a cut off the store (unless a single store is gone for good), and ends a cut
+/// that healed (every silence and activity seen, in `trackers`, starts again) or that must
+/// end (`must_end`, or the rendezvous timeout: the store's error is back for the workers to
+/// be stopped). Returns the cut that lasts.
 fn weather_the_cut(
     cut_off: Option<CutOff>,
     running: bool,
@@ -1208,10 +1233,10 @@ fn weather_the_cut(
     duties: &mut StoreDuties,
     trackers: (&mut Heartbeats, &mut WorkerBeats),
 ) -> Option<CutOff> {
-    let may_pause = plan.keep_survivors && store.is_replicated() && running;
+    let may_pause = plan.keep_survivors && store.rides_out_cuts() && running;
     let begun = match duties
         .store_error
-        .take_if(|_| may_pause && cut_off.is_none())
+        .take_if(|_| may_pause && cut_off.is_none() && !store.single_store_is_gone())
     {
         Some(error) => Some(CutOff::begin(error, plan)),
         None => cut_off,

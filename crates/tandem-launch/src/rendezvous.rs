@@ -284,6 +284,9 @@ pub struct AgentStore {
     _replica: Option<StoreReplica>,
     /// Whether this node's replica started behind a job under way.
     replica_behind: bool,
+    /// Whether this agent's and its workers' clients connect again after a cut off the
+    /// store, so that the node may pause rather than end.
+    rides_out_cuts: bool,
     /// Every replica's address, when the store is replicated.
     replicas: Vec<SocketAddr>,
     node_rank: usize,
@@ -298,11 +301,14 @@ impl AgentStore {
     /// Hosts the store (node 0) or connects to it (the other nodes, retrying until `deadline`;
     /// `interrupted` is polled between attempts). `request_timeout` bounds each request of
     /// another node's agent (node 0 reaches its own store on loopback). A replica of a
-    /// replicated store hosted here keeps its term and vote in `log_dir`.
+    /// replicated store hosted here keeps its term and vote in `log_dir`. With
+    /// `rides_out_cuts` (`--keep-survivors`), another node's agent connects again to a
+    /// single store it was cut off from and sends its request again, as it does to a
+    /// replicated store.
     pub fn open(
         topology: &Topology,
         token: &JobToken,
-        log_dir: &Path,
+        (log_dir, rides_out_cuts): (&Path, bool),
         deadline: Instant,
         request_timeout: Duration,
         interrupted: &dyn Fn() -> bool,
@@ -370,9 +376,18 @@ impl AgentStore {
         else {
             return Ok(Waited::Interrupted);
         };
+        let rides_out_cuts = rides_out_cuts && server.is_none();
+        let client = match rides_out_cuts {
+            // Each write carries a request number, so it is applied once however often it
+            // is sent.
+            true => StoreClient::connect_replicated(&[connect_to], token, request_timeout)
+                .with_context(|| format!("connect to the store at {connect_to}"))?,
+            false => client,
+        };
         // Beats from a thread of their own, so that the others hear this node while its
         // agent waits on its workers.
-        let beat_client = StoreClient::connect(connect_to, token, request_timeout)
+        let beat_client = client
+            .connect_again(token, request_timeout)
             .with_context(|| format!("connect the heartbeat to the store at {connect_to}"))?;
         let beat = Heartbeat::start(
             beat_client,
@@ -386,6 +401,7 @@ impl AgentStore {
             server,
             _replica: None,
             replica_behind: false,
+            rides_out_cuts,
             replicas: Vec::new(),
             node_rank: topology.node_rank,
             nnodes: topology.nnodes,
@@ -438,12 +454,21 @@ impl AgentStore {
             server: None,
             _replica: replica.map(|(replica, _)| replica),
             replica_behind,
+            rides_out_cuts: true,
             replicas: addrs,
             node_rank: topology.node_rank,
             nnodes: topology.nnodes,
             master_addr,
             master_port,
         }))
+    }
+
+    /// Whether this agent and its workers ride out a cut off the store: their clients
+    /// connect again and send a request again (a replicated store, or with
+    /// `--keep-survivors` another node's agent of a single one). The node then pauses when
+    /// cut off, rather than end.
+    pub fn rides_out_cuts(&self) -> bool {
+        self.rides_out_cuts
     }
 
     /// Whether this node's replica of the store started behind a job under way (its host
@@ -485,6 +510,17 @@ impl AgentStore {
     /// majority of its replicas, with their leader, is reachable).
     pub fn answers_within(&self, within: Duration) -> bool {
         self.client.get_within(CURRENT_KEY, within).is_ok()
+    }
+
+    /// Whether a single store is gone for good: its host refuses connections, so nothing
+    /// listens there any more, and the job's state went with the store. A replicated store,
+    /// or a host that does not answer at all (a cut link), may come back.
+    pub fn single_store_is_gone(&self) -> bool {
+        if self.is_replicated() {
+            return false;
+        }
+        let refused = std::net::TcpStream::connect_timeout(&self.addr(), CUT_OFF_PROBE);
+        refused.is_err_and(|error| error.kind() == std::io::ErrorKind::ConnectionRefused)
     }
 
     /// The node that opens the rounds (node 0, then the lowest node that reported the last
@@ -1168,6 +1204,9 @@ fn host_replica(
     Ok((replica, how.behind))
 }
 
+/// How long [`AgentStore::single_store_is_gone`] waits for a connection to be refused.
+const CUT_OFF_PROBE: Duration = Duration::from_millis(200);
+
 /// The file in the log folder where a node's replica keeps its last term and vote.
 const BALLOT_FILE: &str = "store-ballot";
 
@@ -1383,7 +1422,7 @@ mod tests {
         };
         let token = JobToken::new("rendezvous-test-secret").unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
-        let unused = Path::new("unused");
+        let unused = (Path::new("unused"), false);
         match AgentStore::open(
             &topology,
             &token,

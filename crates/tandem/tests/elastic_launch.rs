@@ -5,8 +5,9 @@
 //! of an uninterrupted run; started again, node 1 joins the next round. With
 //! `--keep-survivors` (node 1 then a host of its own, reached only through the link), node 1
 //! killed, cut off by its link going down, or its launcher stopped, and a worker lost on either
-//! node, leave the other workers running in-process with the same bits. Every wait is bounded
-//! and every launcher is killed if a test fails.
+//! node, leave the other workers running in-process with the same bits; node 1 cut off pauses
+//! and rejoins when its link heals, and ends at once when node 0 and its store are killed.
+//! Every wait is bounded and every launcher is killed if a test fails.
 
 mod common;
 
@@ -404,8 +405,14 @@ const KEEP_SURVIVORS: [&str; 5] = ["--nnodes", "2", "--keep-survivors", "--max-r
 /// Starts both nodes with `--keep-survivors` (node 1 a host of its own), waits for a few
 /// steps of their round, and returns them with the process ids of node 0's workers.
 fn start_keeping_survivors(hosts: &Hosts) -> (Launcher, Launcher, [u32; 2]) {
-    let node_0 = hosts.start_with(0, "node0", &KEEP_SURVIVORS, true);
-    let node_1 = hosts.start_with(1, "node1", &KEEP_SURVIVORS, true);
+    start_keeping_survivors_with(hosts, &[])
+}
+
+/// [`start_keeping_survivors`] with the launchers' `extra` flags.
+fn start_keeping_survivors_with(hosts: &Hosts, extra: &[&str]) -> (Launcher, Launcher, [u32; 2]) {
+    let flags = [&KEEP_SURVIVORS[..], extra].concat();
+    let node_0 = hosts.start_with(0, "node0", &flags, true);
+    let node_1 = hosts.start_with(1, "node1", &flags, true);
     wait_for_step(hosts, 3, &node_0);
     let survivors = [node_0.worker(0), node_0.worker(1)];
     (node_0, node_1, survivors)
@@ -495,25 +502,31 @@ fn keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_th
     let dir = tempfile::tempdir().unwrap();
     let expected = uninterrupted_run(dir.path());
     let hosts = Hosts::new(dir.path(), "d");
-    let (mut node_0, mut node_1, survivors) = start_keeping_survivors(&hosts);
+    let (mut node_0, mut node_1, survivors) =
+        start_keeping_survivors_with(&hosts, &["--rendezvous-timeout", "3"]);
     let node_1_workers = [node_1.worker(2), node_1.worker(3)];
     let pair = hosts.pair.as_ref().expect("network namespaces");
     pair.link_down(1).expect("take node 1's link down");
     let down = Instant::now();
-    // Node 1 cannot reach the store: within twice the heartbeat timeout and the kill, it
-    // stops its workers and says why.
-    let status = node_1.wait(Duration::from_secs(20));
+    // Node 1 cannot reach the store: it pauses for the rendezvous timeout, then stops its
+    // workers and says why.
+    let status = node_1.wait(Duration::from_secs(30));
     let stopped_after = down.elapsed();
     let stderr_1 = node_1.stderr();
     eprintln!("node 1 stopped {stopped_after:?} after its link went down; it said:\n{stderr_1}");
     assert_eq!(status.code(), Some(1), "{stderr_1}");
     let [rank_2, rank_3] = node_1_workers;
-    let error = stderr_1.lines().last().unwrap_or_default();
     let store = format!("{}:{}", hosts.master_addr, hosts.master_port);
+    assert_contains(
+        &stderr_1,
+        &format!(
+            "tandem launch: node 1 is cut off from the job's store (store at {store}: no \
+             answer within 2s; the last try: {store}: "
+        ),
+    );
+    let error = stderr_1.lines().last().unwrap_or_default();
     assert!(
-        error.starts_with(&format!(
-            "error: node 1 lost the store (store at {store}: no answer within 2s while "
-        )),
+        error.starts_with("error: node 1 lost the store (cut off from the store for 3."),
         "node 1 does not say that it lost the store: {error}"
     );
     assert!(
@@ -524,7 +537,7 @@ fn keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_th
         )),
         "{error}"
     );
-    assert!(stopped_after < Duration::from_secs(8), "{stopped_after:?}");
+    assert!(stopped_after < Duration::from_secs(12), "{stopped_after:?}");
     for pid in node_1_workers {
         assert!(
             !Path::new(&format!("/proc/{pid}")).exists(),
@@ -532,6 +545,74 @@ fn keep_survivors_node_0_goes_on_in_process_when_node_1_s_link_goes_down_with_th
         );
     }
     node_0_goes_on_without_node_1(&hosts, &mut node_0, survivors, &expected);
+}
+
+#[test]
+fn keep_survivors_node_1_ends_at_once_when_node_0_and_its_single_store_are_killed() {
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = Hosts::new(dir.path(), "g");
+    let (mut node_0, mut node_1, _) = start_keeping_survivors(&hosts);
+    let node_1_workers = [node_1.worker(2), node_1.worker(3)];
+    kill_for_good(&mut node_0);
+    let killed = Instant::now();
+    // Nothing listens at the store's address any more: node 1 does not pause for it.
+    let status = node_1.wait(Duration::from_secs(30));
+    let ended_after = killed.elapsed();
+    let said = node_1.stderr();
+    eprintln!("node 1 ended {ended_after:?} after node 0 was killed; it said:\n{said}");
+    assert_eq!(status.code(), Some(1), "{said}");
+    assert!(!said.contains("is cut off from the job's store"), "{said}");
+    let error = said.lines().last().unwrap_or_default();
+    assert!(
+        error.starts_with("error: node 1 lost the store ("),
+        "{error}"
+    );
+    let [rank_2, rank_3] = node_1_workers;
+    assert!(
+        error.ends_with(&format!(
+            ") and killed its workers (rank 2 (pid {rank_2}), rank 3 (pid {rank_3})): node 0's \
+             store refuses connections: it is gone, and the job's state with it \
+             (--store-replicas keeps the store on several nodes)"
+        )),
+        "{error}"
+    );
+    assert!(ended_after < Duration::from_secs(15), "{ended_after:?}");
+}
+
+#[test]
+fn keep_survivors_node_1_cut_off_from_the_store_pauses_and_rejoins_when_its_link_heals() {
+    if let Some(reason) = network_namespaces_unavailable("tde") {
+        eprintln!(
+            "skipped: keep_survivors_node_1_cut_off_from_the_store_pauses_and_rejoins_when_its_\
+             link_heals needs root and `ip netns`: {reason}"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Long enough for node 1 to come back before node 0 is done alone.
+    let (expected, hosts) = uninterrupted_and_hosts(dir.path(), "p", "3");
+    let (mut node_0, mut node_1, [rank_0, rank_1]) = start_keeping_survivors(&hosts);
+    let (rank_2, rank_3) = (node_1.worker(2), node_1.worker(3));
+    let pair = hosts.pair.as_ref().expect("network namespaces");
+    pair.link_down(1).expect("take node 1's link down");
+    wait_for_node_1_left_out(&node_0);
+    wait_until(
+        "node 1's pause",
+        || {
+            let paused = "tandem launch: node 1 is cut off from the job's store (";
+            node_1.stderr().contains(paused)
+        },
+        || format!("node 0:\n{}\nnode 1:\n{}", node_0.stderr(), node_1.stderr()),
+    );
+    pair.link_up(1).expect("bring node 1's link up");
+    wait_for_node_1_let_back_in(&node_0, &node_1);
+    let (_, stderr_1) = both_succeed(&mut node_0, &mut node_1);
+    assert_contains(
+        &stderr_1,
+        "tandem launch: node 1 reaches the job's store again after ",
+    );
+    assert_came_back(&hosts.trace, [rank_0, rank_1], [rank_2, rank_3]);
+    assert_same_bits(&expected, &hosts.output_dir, "node 1 cut off, then back");
 }
 
 /// Waits for node 0's memberships that let node 1's workers (ranks 2 and 3) back in, one at

@@ -464,12 +464,16 @@ impl StoreClient {
         loop {
             let Some(left) = remaining(deadline) else {
                 count_failover(moved);
-                return Err(DistError::Store {
-                    addr: addrs_text(&replicas.addrs),
-                    message: format!(
+                let message = match replicas.addrs.len() {
+                    1 => format!("no answer within {timeout:?}; the last try: {last_failure}"),
+                    _ => format!(
                         "no replica of the store answered as its leader within {timeout:?}; \
                          the last: {last_failure}"
                     ),
+                };
+                return Err(DistError::Store {
+                    addr: addrs_text(&replicas.addrs),
+                    message,
                 });
             };
             replicas.follow_the_hint(&mut connection);

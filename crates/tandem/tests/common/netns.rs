@@ -84,6 +84,11 @@ impl NetworkPair {
     pub fn link_down(&self, index: usize) -> Result<(), String> {
         take_link_down(&self.names[index], &self.veths[index])
     }
+
+    /// Brings the link of namespace `index` up again: the cut heals.
+    pub fn link_up(&self, index: usize) -> Result<(), String> {
+        bring_link_up(&self.names[index], &self.veths[index])
+    }
 }
 
 impl Drop for NetworkPair {
@@ -243,14 +248,7 @@ impl NetworkStar {
 
     /// Brings host `index`'s link up again: the cut heals.
     pub fn link_up(&self, index: usize) -> Result<(), String> {
-        run_ip(&[
-            "-n",
-            &self.hosts[index],
-            "link",
-            "set",
-            &self.veths[index],
-            "up",
-        ])
+        bring_link_up(&self.hosts[index], &self.veths[index])
     }
 }
 
@@ -283,6 +281,10 @@ fn own_host_command(namespace: &str, boot_id: &std::path::Path, program: &str) -
 /// Takes the link `veth` of namespace `namespace` down.
 fn take_link_down(namespace: &str, veth: &str) -> Result<(), String> {
     run_ip(&["-n", namespace, "link", "set", veth, "down"])
+}
+
+fn bring_link_up(namespace: &str, veth: &str) -> Result<(), String> {
+    run_ip(&["-n", namespace, "link", "set", veth, "up"])
 }
 
 /// Runs `ip` with `args`, failing with its error output.
