@@ -17,8 +17,10 @@ const RETRY_PAUSE: Duration = Duration::from_millis(50);
 /// Extra time a client allows a `wait` answer beyond the wait's own timeout.
 const WAIT_SLACK: Duration = Duration::from_secs(5);
 /// How long one replica of a replicated store may take to answer before the client tries
-/// another: a little over the time a replica takes to find that no majority confirms it.
-const REPLICA_ANSWER_TIMEOUT: Duration = Duration::from_millis(1200);
+/// another: a little over the time a replica takes to find that no majority confirms it. A
+/// leader whose link went down answers nothing, so this is also how long a client takes to
+/// leave it.
+const REPLICA_ANSWER_TIMEOUT: Duration = Duration::from_millis(500);
 /// How long a replica that failed a request is not taken for the leader on another
 /// replica's word: that word may predate the failure.
 const FAILED_REPLICA_PAUSE: Duration = Duration::from_secs(2);

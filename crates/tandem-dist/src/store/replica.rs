@@ -36,8 +36,9 @@ const TICK: Duration = Duration::from_millis(50);
 const ELECTION_TICKS: usize = 8;
 /// Ticks between the leader's heartbeats.
 const HEARTBEAT_TICKS: usize = 2;
-/// How long a replica waits for a write or a read to be confirmed by a majority.
-const CONFIRM_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a replica waits for a write or a read to be confirmed by a majority (one round
+/// trip to the others when it leads).
+const CONFIRM_TIMEOUT: Duration = Duration::from_millis(400);
 /// Entries kept in the log before it is compacted into a keyspace image.
 const COMPACT_AFTER: usize = 4096;
 
