@@ -335,28 +335,8 @@ impl AgentStore {
                 (Some(server), addr, "127.0.0.1".to_string(), addr.port())
             }
             StoreLocation::Master { addr, port } if topology.node_rank == 0 => {
-                let unspecified: IpAddr = match resolve(addr, *port) {
-                    Ok(SocketAddr::V6(_)) => Ipv6Addr::UNSPECIFIED.into(),
-                    _ => Ipv4Addr::UNSPECIFIED.into(),
-                };
-                let limits = store_limits(topology);
-                let server = StoreServer::bind_with(
-                    SocketAddr::new(unspecified, *port),
-                    token.clone(),
-                    limits,
-                )
-                .with_context(|| format!("start the store on port {port} (--master-port)"))?;
-                let loopback: IpAddr = if unspecified.is_ipv6() {
-                    Ipv6Addr::LOCALHOST.into()
-                } else {
-                    Ipv4Addr::LOCALHOST.into()
-                };
-                (
-                    Some(server),
-                    SocketAddr::new(loopback, *port),
-                    addr.clone(),
-                    *port,
-                )
+                let (server, loopback) = host_store(topology, token, addr, *port)?;
+                (Some(server), loopback, addr.clone(), *port)
             }
             StoreLocation::Master { addr, port } => {
                 let Waited::Done(store_addr) = resolve_until(addr, *port, deadline, interrupted)?
@@ -1169,6 +1149,28 @@ fn retry<T>(
             return Ok(Waited::Done(value));
         }
     }
+}
+
+/// Node 0: serves the store on every interface at `port` (of `addr`'s family); returns the
+/// server and the loopback address node 0 reaches it at.
+fn host_store(
+    topology: &Topology,
+    token: &JobToken,
+    addr: &str,
+    port: u16,
+) -> anyhow::Result<(StoreServer, SocketAddr)> {
+    let unspecified: IpAddr = match resolve(addr, port) {
+        Ok(SocketAddr::V6(_)) => Ipv6Addr::UNSPECIFIED.into(),
+        _ => Ipv4Addr::UNSPECIFIED.into(),
+    };
+    let limits = store_limits(topology);
+    let server = StoreServer::bind_with(SocketAddr::new(unspecified, port), token.clone(), limits)
+        .with_context(|| format!("start the store on port {port} (--master-port)"))?;
+    let loopback: IpAddr = match unspecified.is_ipv6() {
+        true => Ipv6Addr::LOCALHOST.into(),
+        false => Ipv4Addr::LOCALHOST.into(),
+    };
+    Ok((server, SocketAddr::new(loopback, port)))
 }
 
 /// Binds and starts this node's replica on every interface at `own`'s port, its term and
