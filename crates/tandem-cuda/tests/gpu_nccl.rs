@@ -10,8 +10,9 @@
 //! checks that SyncBatchNorm's statistics really are summed over the ranks: two identical
 //! ranks must train as one. The exact sum of `--global-batch-size`'s shard gradients on the
 //! device, through a world of one and the mirrored pair, equals `tandem_dist::exact`'s. A
-//! sum blocked on a lost rank (faked through the fake NCCL's files) returns when another
-//! thread aborts the communicator, and the executor then joins a new one.
+//! sum blocked on a lost rank (faked through the fake NCCL's files) counts as a wait for the
+//! peers while it blocks, returns when another thread aborts the communicator, and the
+//! executor then joins a new one.
 //!
 //! Skipped with a printed reason without a driver, the CUDA libraries, libnccl or a GPU (as
 //! on CI's machines).
@@ -25,6 +26,7 @@ use tandem_cuda::executor::graph::StepRun;
 use tandem_cuda::executor::StepOptimizer;
 use tandem_cuda::nccl::{create_unique_id, UNIQUE_ID_BYTES};
 use tandem_cuda::{CollectiveError, CudaExecutor, GpuError, Library, Precision, Probe};
+use tandem_dist::heartbeat::Activity;
 use tandem_models::workspace::Mode;
 use tandem_models::{LossOptions, Model};
 
@@ -507,11 +509,18 @@ fn an_abort_from_another_thread_breaks_a_sum_blocked_on_a_lost_rank() {
     exec.keep_shard_gradients(0).unwrap();
     let aborting = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));
+        // The blocked sum counts as a wait for the peers (the launcher's stall watch).
+        let waited = Activity::now().waiting_ms;
         abort.abort("the job lost a member");
-        Instant::now()
+        (Instant::now(), waited)
     });
     let error = exec.exact_sum_shards(1, 2).unwrap_err();
-    let (returned, aborted) = (Instant::now(), aborting.join().unwrap());
+    let (returned, (aborted, waited)) = (Instant::now(), aborting.join().unwrap());
+    assert!(
+        waited >= 200,
+        "the blocked sum waited {waited} ms for its peers"
+    );
+    assert_eq!(Activity::now().waiting_ms, 0);
     std::fs::remove_dir_all(&folder).unwrap();
     let expected = "NCCL failed: the job lost a member; the communicator was aborted";
     assert_eq!(error.to_string(), expected);

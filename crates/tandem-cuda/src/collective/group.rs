@@ -26,6 +26,7 @@ use cudarc::nccl::sys::{ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t};
 use super::watchdog::{Deadlines, Verdict};
 use crate::nccl::{unique_id_from_bytes, UNIQUE_ID_BYTES};
 use crate::probe::{Library, MissingLibrary, Probe};
+use tandem_dist::heartbeat::{running_collective, waiting_for_peers, PeerWait, RunningCollective};
 
 /// NCCL's sum.
 const SUM: ncclRedOp_t = ncclRedOp_t::ncclSum;
@@ -129,6 +130,12 @@ unsafe impl Send for Communicator {}
 // SAFETY: as above.
 unsafe impl Sync for Communicator {}
 
+/// Marks a collective as running and the process as waiting for its peers (the heartbeat's
+/// activity, which the launcher reads) until dropped.
+pub(crate) fn peer_wait() -> (RunningCollective, PeerWait) {
+    (running_collective(), waiting_for_peers())
+}
+
 impl Communicator {
     fn state(&self) -> std::sync::MutexGuard<'_, CallState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
@@ -149,6 +156,8 @@ impl Communicator {
             }
             state.in_call = Some((name, Instant::now()));
         }
+        // A call may wait inside NCCL for the other ranks (an enqueue is quick on a GPU).
+        let _waiting = peer_wait();
         let result = call(self.raw);
         self.state().in_call = None;
         result

@@ -10,5 +10,6 @@ mod group;
 pub mod watchdog;
 
 pub use buckets::{bucket_ops, BucketCursor, BucketOp};
+pub(crate) use group::peer_wait;
 pub use group::{CollectiveError, NcclAbort, NcclGroup};
 pub use watchdog::{Deadlines, Verdict};

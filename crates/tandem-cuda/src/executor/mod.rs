@@ -803,8 +803,14 @@ impl CudaExecutor {
         cudarc::driver::result::mem_get_info().map_err(driver("cuMemGetInfo_v2"))
     }
 
-    /// Waits until the GPU has run everything queued.
+    /// Waits until the GPU has run everything queued. In a job of several GPU ranks the
+    /// stream may hold NCCL collectives, so the wait counts as a wait for the peers: the
+    /// launcher then tells a rank that waits for a hung peer from the hung rank.
     pub fn synchronize(&self) -> Result<(), GpuError> {
+        let _waiting = self
+            .data_parallel
+            .is_some()
+            .then(crate::collective::peer_wait);
         self.stream
             .synchronize()
             .map_err(driver("cuStreamSynchronize"))

@@ -441,9 +441,7 @@ impl CudaExecutor {
         stream
             .memcpy_dtoh(&storage.loss, &mut value)
             .map_err(driver("cuMemcpyDtoHAsync"))?;
-        stream
-            .synchronize()
-            .map_err(driver("cuStreamSynchronize"))?;
+        self.synchronize()?;
         if let Ok(sample) = usize::try_from(bad[0]) {
             if let Some(&label) = labels.get(sample) {
                 return Err(tandem_engine::EngineError::InvalidLabel {
