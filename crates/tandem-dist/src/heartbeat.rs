@@ -340,8 +340,8 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Reads the membership that `shared` watches, and when it moved on, runs the interrupts and
-/// stops watching. A store that cannot say leaves the
-/// group as it is: the heartbeat itself tells the launcher.
+/// stops watching. A store that cannot say leaves the group as it is: the heartbeat itself
+/// tells the launcher.
 fn check_membership(client: &StoreClient, shared: &Shared, bound: Duration) {
     let Some(watch) = lock(&shared.watch).clone() else {
         return;

@@ -21,10 +21,10 @@
 //! node that reported the round before it (node 0 while it lives; with a replicated store,
 //! another node once node 0 is lost). A round closes once all `--nnodes` nodes offered
 //! themselves, or, in an elastic job (`--nnodes MIN:MAX`), once MIN did and the last call
-//! passed. An agent left out of a round
-//! (it came late, or came back after its node was lost) offers itself for the next one and
-//! sets the round's `resize`, which the members watch. Worker process groups use other keys
-//! (`round{r}/pg/...`), so nothing here collides with them.
+//! passed. An agent left out of a round (it came late, or came back after its node was lost)
+//! offers itself for the next one and sets the round's `resize`, which the members watch.
+//! Worker process groups use other keys (`round{r}/pg/...`), so nothing here collides with
+//! them.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::path::Path;
@@ -351,18 +351,14 @@ impl AgentStore {
             Some(_) => REQUEST_TIMEOUT,
             None => request_timeout,
         };
+        // Each write carries a request number, so it is applied once however often it is
+        // sent; node 0 reaches its own store on loopback.
+        let rides_out_cuts = rides_out_cuts && server.is_none();
+        let bounds = (deadline, request_timeout);
         let Waited::Done(client) =
-            connect_until(connect_to, token, deadline, request_timeout, interrupted)?
+            connect_until(connect_to, token, bounds, rides_out_cuts, interrupted)?
         else {
             return Ok(Waited::Interrupted);
-        };
-        let rides_out_cuts = rides_out_cuts && server.is_none();
-        let client = match rides_out_cuts {
-            // Each write carries a request number, so it is applied once however often it
-            // is sent.
-            true => StoreClient::connect_replicated(&[connect_to], token, request_timeout)
-                .with_context(|| format!("connect to the store at {connect_to}"))?,
-            false => client,
         };
         // Beats from a thread of their own, so that the others hear this node while its
         // agent waits on its workers.
@@ -565,9 +561,9 @@ impl AgentStore {
 
     /// The node that opens the rounds: waits until round `round` can close (every node offered
     /// itself, or at least `size.min` did and the last call passed), closes it and returns it
-    /// (the round another node closed first, if one did). `describe` gives
-    /// the round's line from its members; `missing` what the error of an elastic round says
-    /// of a node that did not come before `deadline`.
+    /// (the round another node closed first, if one did). `describe` gives the round's line
+    /// from its members; `missing` what the error of an elastic round says of a node that did
+    /// not come before `deadline`.
     #[allow(clippy::too_many_arguments)]
     pub fn close_round(
         &self,
@@ -1272,12 +1268,14 @@ fn await_leader(
     })
 }
 
-/// Connects to the store, retrying in short slices until `deadline`.
+/// Connects to the store, retrying in short slices until `deadline`. With `rides_out_cuts`,
+/// the client connects again after a failure and sends the request again (see
+/// [`StoreClient::connect_replicated`], here with one address).
 fn connect_until(
     addr: SocketAddr,
     token: &JobToken,
-    deadline: Instant,
-    request_timeout: Duration,
+    (deadline, request_timeout): (Instant, Duration),
+    rides_out_cuts: bool,
     interrupted: &dyn Fn() -> bool,
 ) -> anyhow::Result<Waited<StoreClient>> {
     retry(interrupted, || {
@@ -1287,8 +1285,11 @@ fn connect_until(
             // request bound now that the store is known to be up.
             Ok(probe) => {
                 drop(probe);
-                let client = StoreClient::connect(addr, token, request_timeout)
-                    .with_context(|| format!("connect to the store at {addr}"))?;
+                let client = match rides_out_cuts {
+                    true => StoreClient::connect_replicated(&[addr], token, request_timeout),
+                    false => StoreClient::connect(addr, token, request_timeout),
+                };
+                let client = client.with_context(|| format!("connect to the store at {addr}"))?;
                 Ok(Some(client))
             }
             Err(DistError::StoreUnreachable { message, .. }) if Instant::now() >= deadline => {
