@@ -282,6 +282,13 @@ fn the_job_outlives_node_0_which_hosts_the_store_and_node_0_started_again_rejoin
         "node 1 published the membership without node 0 {:.1} s after the kill",
         killed.elapsed().as_secs_f64()
     );
+    // Node 0 comes back once the others went on: a join read before their first step at 4
+    // would have them redo that step at 6.
+    wait_until(
+        "a step committed at world size 4",
+        || world_sizes_of(&nodes.trace(), survivors[0]).contains(&4),
+        || nodes.said(),
+    );
     // Its host started again: a new replica of the store, a new agent, new workers.
     nodes.start_again(0);
     wait_for_node_0_let_back_in(&nodes);
